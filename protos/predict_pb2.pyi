@@ -1,0 +1,130 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Value(_message.Message):
+    __slots__ = ("int64_value", "double_value", "string_value")
+    INT64_VALUE_FIELD_NUMBER: _ClassVar[int]
+    DOUBLE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    int64_value: int
+    double_value: float
+    string_value: str
+    def __init__(self, int64_value: _Optional[int] = ..., double_value: _Optional[float] = ..., string_value: _Optional[str] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("values",)
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.MessageMap[str, Value]
+    def __init__(self, values: _Optional[_Mapping[str, Value]] = ...) -> None: ...
+
+class IdSequence(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PredictRequest(_message.Message):
+    __slots__ = ("request_id", "user", "sequences", "context", "candidates")
+    class SequencesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: IdSequence
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[IdSequence, _Mapping]] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    user: Features
+    sequences: _containers.MessageMap[str, IdSequence]
+    context: Features
+    candidates: _containers.RepeatedCompositeFieldContainer[Features]
+    def __init__(self, request_id: _Optional[str] = ..., user: _Optional[_Union[Features, _Mapping]] = ..., sequences: _Optional[_Mapping[str, IdSequence]] = ..., context: _Optional[_Union[Features, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[Features, _Mapping]]] = ...) -> None: ...
+
+class PredictResponse(_message.Message):
+    __slots__ = ("probabilities", "model_version", "request_id")
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    probabilities: _containers.RepeatedScalarFieldContainer[float]
+    model_version: str
+    request_id: str
+    def __init__(self, probabilities: _Optional[_Iterable[float]] = ..., model_version: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ModelMetadataRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FeatureInfo(_message.Message):
+    __slots__ = ("name", "side", "kind", "table", "value_type")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    side: str
+    kind: str
+    table: str
+    value_type: str
+    def __init__(self, name: _Optional[str] = ..., side: _Optional[str] = ..., kind: _Optional[str] = ..., table: _Optional[str] = ..., value_type: _Optional[str] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("name", "is_hashmap", "dim", "rows", "capacity", "load_factor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IS_HASHMAP_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    is_hashmap: bool
+    dim: int
+    rows: int
+    capacity: int
+    load_factor: float
+    def __init__(self, name: _Optional[str] = ..., is_hashmap: _Optional[bool] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., load_factor: _Optional[float] = ...) -> None: ...
+
+class ModelMetadata(_message.Message):
+    __slots__ = ("model_version", "config_digest", "features", "tables", "loaded_at_unix", "startup_seconds", "device", "max_candidates", "max_sequence_length")
+    class StartupSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    config_digest: str
+    features: _containers.RepeatedCompositeFieldContainer[FeatureInfo]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    loaded_at_unix: float
+    startup_seconds: _containers.ScalarMap[str, float]
+    device: str
+    max_candidates: int
+    max_sequence_length: int
+    def __init__(self, model_version: _Optional[str] = ..., config_digest: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., loaded_at_unix: _Optional[float] = ..., startup_seconds: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., max_candidates: _Optional[int] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,587 @@
+"""Typed feature definitions derived from a pipeline config: the single source for train/ and serve/.
+
+A :class:`FeatureSet` says, for every feature, which raw column it reads, how raw values become ids
+(``num_buckets`` modulo, ``hash_bucket_size`` hash, dynamic raw id, bucketized float), which
+embedding table it looks up, and which model groups use it and how (pooled in DEEP, query or
+sequence in SEQUENCE). Sequence sub-features (``click_50_seq__adgroup_id``) share the table of the
+top-level feature with the same embedding name. Example::
+
+    fs = build_feature_set(load_config("configs/multi_tower_din_taobao_dynamicemb.config"))
+    fs.tables["adgroup_id_emb"].dynamic.max_capacity   # 250000
+    fs.features["click_50_seq__brand"].table            # "brand_emb"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum, unique
+
+from protos import pipeline_pb2
+from shared.config import ConfigError, ConfigSource, parse_config
+
+
+@unique
+class FeatureKind(Enum):
+    ID = "id"  # one id per row (possibly missing → empty bag)
+    RAW_BUCKETIZED = "raw_bucketized"  # float → bucket index by boundaries
+    SEQUENCE_ID = "sequence_id"  # jagged list of ids per row
+
+
+@unique
+class Side(Enum):
+    USER = "user"
+    ITEM = "item"
+    CONTEXT = "context"
+
+
+@unique
+class IdTransform(Enum):
+    MOD = "num_buckets"  # id mod num_buckets
+    HASH = "hash_bucket_size"  # stable hash of the string mod hash_bucket_size
+    DYNAMIC = "dynamic"  # raw non-negative int64 id (strings: stable hash into [0, 2**63))
+    BUCKETIZE = "boundaries"  # float → index in [0, len(boundaries)]
+
+
+@unique
+class InitMode(Enum):
+    NORMAL = "NORMAL"
+    TRUNCATED_NORMAL = "TRUNCATED_NORMAL"
+    UNIFORM = "UNIFORM"
+    CONSTANT = "CONSTANT"
+
+
+@unique
+class ScoreStrategy(Enum):
+    STEP = "STEP"
+    TIMESTAMP = "TIMESTAMP"
+    LFU = "LFU"
+    NO_EVICTION = "NO_EVICTION"
+
+
+@unique
+class GroupType(Enum):
+    DEEP = "DEEP"
+    SEQUENCE = "SEQUENCE"
+
+
+@dataclass(frozen=True)
+class InitializerSpec:
+    """How new rows are filled. Defaults follow tzrec (see :func:`_initializer`)."""
+
+    mode: InitMode
+    mean: float = 0.0
+    std_dev: float = 0.0
+    lower: float = 0.0
+    upper: float = 0.0
+    value: float = 0.0
+
+
+CONSTANT_ZERO = InitializerSpec(InitMode.CONSTANT, value=0.0)
+
+
+@dataclass(frozen=True)
+class AdmissionSpec:
+    """Frequency admission: a key enters the table once seen ``threshold`` times."""
+
+    threshold: int
+    initializer: InitializerSpec  # embedding of a not-yet-admitted key
+    counter_capacity: int
+    counter_bucket_capacity: int
+
+
+@dataclass(frozen=True)
+class DynamicTableSpec:
+    """Options of a dynamic hash-table embedding (tzrec's ``dynamicemb {}`` block)."""
+
+    max_capacity: int
+    init_capacity: int
+    bucket_capacity: int
+    score_strategy: ScoreStrategy
+    initializer: InitializerSpec
+    eval_initializer: InitializerSpec
+    admission: AdmissionSpec | None
+    init_table: str | None
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table. Dense tables have ``num_rows``; dynamic ones have ``dynamic``."""
+
+    name: str
+    dim: int
+    num_rows: int | None
+    dynamic: DynamicTableSpec | None
+    pooling: str  # sum | mean (for pooled lookups)
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.dynamic is not None
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One model input: the raw column it reads and how it becomes ids of ``table``."""
+
+    name: str  # also the sample column name, e.g. "click_50_seq__brand"
+    kind: FeatureKind
+    side: Side
+    source: str  # input name after "side:" in the expression, e.g. "brand"
+    table: str
+    transform: IdTransform
+    num_buckets: int | None = None
+    hash_bucket_size: int | None = None
+    boundaries: tuple[float, ...] = ()
+    sequence_name: str | None = None
+    sequence_length: int | None = None
+    sequence_delim: str | None = None
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.kind is FeatureKind.SEQUENCE_ID
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A model feature group. DEEP: ``features`` pooled and concatenated. SEQUENCE: ``query``
+    features (one id each) and ``sequence`` features (jagged, one per query feature, aligned)."""
+
+    name: str
+    type: GroupType
+    features: tuple[str, ...]
+    query: tuple[str, ...] = ()
+    sequence: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    features: dict[str, FeatureSpec]
+    tables: dict[str, TableSpec]
+    groups: dict[str, GroupSpec]
+    # dynamic tables of one feature group share one storage (table fusion): group → tables
+    fusion_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    label_fields: tuple[str, ...] = ("clk",)
+
+    @property
+    def dynamic_tables(self) -> list[TableSpec]:
+        return [t for t in self.tables.values() if t.is_dynamic]
+
+    @property
+    def dense_tables(self) -> list[TableSpec]:
+        return [t for t in self.tables.values() if not t.is_dynamic]
+
+    def columns(self) -> list[str]:
+        """Sample columns a batch needs: one per feature (in config order) plus the labels."""
+        return [*self.features, *self.label_fields]
+
+    def group(self, type_: GroupType) -> GroupSpec:
+        found = [g for g in self.groups.values() if g.type is type_]
+        if len(found) != 1:
+            raise ValueError(f"expected one {type_.value} group, found {len(found)}")
+        return found[0]
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_feature_set(
+    config: pipeline_pb2.EasyRecConfig, source: ConfigSource | None = None
+) -> FeatureSet:
+    """Derive and validate the feature definitions of ``config``.
+
+    ``source`` (the config text) lets errors point at a line; without it they name the field only.
+    """
+    src = source or ConfigSource("", "<config>")
+    tables: dict[str, TableSpec] = {}
+    features: dict[str, FeatureSpec] = {}
+    for fc in config.feature_configs:
+        which = fc.WhichOneof("feature")
+        if which == "id_feature":
+            _add_id_feature(fc.id_feature, src, tables, features)
+        elif which == "raw_feature":
+            _add_raw_feature(fc.raw_feature, src, tables, features)
+        elif which == "sequence_feature":
+            _add_sequence_feature(fc.sequence_feature, src, tables, features)
+        else:
+            raise src.error("feature_configs", "empty feature_configs entry")
+    groups = _build_groups(config.model_config, features, src)
+    fusion = _fusion_groups(groups, features, tables)
+    labels = tuple(config.data_config.label_fields) or ("clk",)
+    return FeatureSet(features, tables, groups, fusion, labels)
+
+
+def feature_set_from_text(text: str, name: str = "<config>") -> FeatureSet:
+    """Parse and build in one go, with line numbers in errors."""
+    return build_feature_set(parse_config(text, name), ConfigSource(text, name))
+
+
+def _split_expression(expr: str, field_name: str, src: ConfigSource) -> tuple[Side, str]:
+    side, sep, name = expr.partition(":")
+    if not sep or not name:
+        raise src.error(field_name, f"expression {expr!r} must look like 'user:user_id'", near=expr)
+    try:
+        return Side(side), name
+    except ValueError:
+        sides = ", ".join(s.value for s in Side)
+        raise src.error(field_name, f"side {side!r} is not one of {sides}", near=expr) from None
+
+
+def _initializer(
+    msg: pipeline_pb2.DynamicEmbInitializerArgs | None,
+    *,
+    default_mode: InitMode,
+    dim: int,
+    max_capacity: int,
+    field_name: str,
+    src: ConfigSource,
+    near: str,
+) -> InitializerSpec:
+    """tzrec defaults: mode UNIFORM, std_dev sqrt(1/dim), bounds ±sqrt(1/max_capacity), value 0."""
+    mode = default_mode
+    if msg is not None and msg.HasField("mode"):
+        try:
+            mode = InitMode(msg.mode)
+        except ValueError:
+            modes = ", ".join(m.value for m in InitMode)
+            raise src.error(
+                f"{field_name}.mode", f"{msg.mode!r} is not one of {modes}", near=near
+            ) from None
+    bound = math.sqrt(1.0 / max_capacity)
+
+    def get(name: str, default: float) -> float:
+        return float(getattr(msg, name)) if msg is not None and msg.HasField(name) else default
+
+    spec = InitializerSpec(
+        mode=mode,
+        mean=get("mean", 0.0),
+        std_dev=get("std_dev", math.sqrt(1.0 / dim)),
+        lower=get("lower", -bound),
+        upper=get("upper", bound),
+        value=get("value", 0.0),
+    )
+    if spec.std_dev < 0:
+        raise src.error(f"{field_name}.std_dev", f"must be >= 0, got {spec.std_dev}", near=near)
+    if spec.lower > spec.upper:
+        raise src.error(
+            f"{field_name}.lower", f"lower {spec.lower} > upper {spec.upper}", near=near
+        )
+    return spec
+
+
+def _dynamic_spec(
+    de: pipeline_pb2.DynamicEmbedding, dim: int, fname: str, src: ConfigSource
+) -> DynamicTableSpec:
+    path = f"feature_configs.id_feature({fname}).dynamicemb"
+    near = f'feature_name: "{fname}"'
+    after = src.line_of(near) or 0
+
+    def err(sub: str, message: str) -> ConfigError:
+        return src.error(f"{path}.{sub}", message, near=sub.split(".")[-1], after=after)
+
+    if not de.HasField("max_capacity") or de.max_capacity < 1:
+        raise err("max_capacity", "required and must be >= 1 (rows per rank)")
+    init_cap = de.init_capacity_per_rank if de.HasField("init_capacity_per_rank") else de.max_capacity
+    if init_cap < 1:
+        raise err("init_capacity_per_rank", f"must be >= 1, got {init_cap}")
+    if de.max_capacity < init_cap:
+        raise err(
+            "max_capacity",
+            f"max_capacity {de.max_capacity} < init_capacity_per_rank {init_cap}; raise "
+            "max_capacity or lower init_capacity_per_rank",
+        )
+    if de.bucket_capacity < 1:
+        raise err("bucket_capacity", f"must be >= 1, got {de.bucket_capacity}")
+    try:
+        strategy = ScoreStrategy(de.score_strategy)
+    except ValueError:
+        names = ", ".join(s.value for s in ScoreStrategy)
+        raise err("score_strategy", f"{de.score_strategy!r} is not one of {names}") from None
+
+    def init(msg_field: str, default_mode: InitMode, sub: str) -> InitializerSpec:
+        holder = de if "." not in sub else de.frequency_admission_strategy
+        msg = getattr(holder, msg_field) if holder.HasField(msg_field) else None
+        return _initializer(
+            msg,
+            default_mode=default_mode,
+            dim=dim,
+            max_capacity=de.max_capacity,
+            field_name=f"{path}.{sub}",
+            src=src,
+            near=near,
+        )
+
+    admission = None
+    if de.HasField("frequency_admission_strategy"):
+        fa = de.frequency_admission_strategy
+        if fa.threshold < 1:
+            raise err(
+                "frequency_admission_strategy.threshold",
+                f"must be >= 1 (1 admits every key), got {fa.threshold}",
+            )
+        counter_cap = fa.counter_capacity if fa.HasField("counter_capacity") else de.max_capacity
+        if counter_cap < 1 or fa.counter_bucket_capacity < 1:
+            raise err(
+                "frequency_admission_strategy.counter_capacity",
+                "counter_capacity and counter_bucket_capacity must be >= 1",
+            )
+        admission = AdmissionSpec(
+            threshold=int(fa.threshold),
+            initializer=init(
+                "initializer_args", InitMode.CONSTANT, "frequency_admission_strategy.initializer_args"
+            ),
+            counter_capacity=int(counter_cap),
+            counter_bucket_capacity=int(fa.counter_bucket_capacity),
+        )
+    return DynamicTableSpec(
+        max_capacity=int(de.max_capacity),
+        init_capacity=int(init_cap),
+        bucket_capacity=int(de.bucket_capacity),
+        score_strategy=strategy,
+        initializer=init("initializer_args", InitMode.UNIFORM, "initializer_args"),
+        eval_initializer=init("eval_initializer_args", InitMode.CONSTANT, "eval_initializer_args"),
+        admission=admission,
+        init_table=de.init_table if de.HasField("init_table") else None,
+    )
+
+
+def _register_table(
+    tables: dict[str, TableSpec], table: TableSpec, fname: str, src: ConfigSource
+) -> None:
+    """Add ``table`` or check it agrees with the table of the same name already registered."""
+    old = tables.get(table.name)
+    if old is None:
+        tables[table.name] = table
+        return
+    near = f'feature_name: "{fname}"'
+    if old.dim != table.dim:
+        raise src.error(
+            f"feature({fname}).embedding_dim",
+            f"table {table.name!r} is shared and already has embedding_dim {old.dim}, "
+            f"got {table.dim}; use the same dim or another embedding_name",
+            near=near,
+        )
+    if (old.num_rows, old.dynamic) != (table.num_rows, table.dynamic) and table.num_rows is not None:
+        raise src.error(
+            f"feature({fname})",
+            f"table {table.name!r} is shared but declared with different rows/dynamicemb options",
+            near=near,
+        )
+
+
+def _id_table_and_transform(
+    f: pipeline_pb2.IdFeature, src: ConfigSource, tables: dict[str, TableSpec], path: str
+) -> tuple[TableSpec | None, IdTransform, int | None, int | None]:
+    """Table declared by an id_feature (None when it only refers to a shared table)."""
+    near = f'feature_name: "{f.feature_name}"'
+    after = src.line_of(near) or 0
+    name = f.embedding_name or f"{f.feature_name}_emb"
+    has_nb, has_hb, has_de = f.HasField("num_buckets"), f.HasField("hash_bucket_size"), f.HasField("dynamicemb")
+    if has_de and (has_nb or has_hb):
+        other = "num_buckets" if has_nb else "hash_bucket_size"
+        raise src.error(
+            f"{path}.dynamicemb",
+            f"dynamicemb and {other} are exclusive on one feature: a dynamic table has no fixed "
+            f"row count; remove {other}",
+            near="dynamicemb",
+            after=after,
+        )
+    if has_nb and has_hb:
+        raise src.error(
+            f"{path}.num_buckets", "num_buckets and hash_bucket_size are exclusive", near=near
+        )
+    if f.embedding_dim < 1:
+        raise src.error(f"{path}.embedding_dim", "must be >= 1", near=near)
+    if f.pooling not in ("sum", "mean"):
+        raise src.error(f"{path}.pooling", f"{f.pooling!r} is not sum or mean", near=near)
+    if has_de:
+        dyn = _dynamic_spec(f.dynamicemb, f.embedding_dim, f.feature_name, src)
+        return TableSpec(name, f.embedding_dim, None, dyn, f.pooling), IdTransform.DYNAMIC, None, None
+    if has_nb:
+        if f.num_buckets < 1:
+            raise src.error(f"{path}.num_buckets", "must be >= 1", near=near)
+        table = TableSpec(name, f.embedding_dim, int(f.num_buckets), None, f.pooling)
+        return table, IdTransform.MOD, int(f.num_buckets), None
+    if has_hb:
+        if f.hash_bucket_size < 1:
+            raise src.error(f"{path}.hash_bucket_size", "must be >= 1", near=near)
+        table = TableSpec(name, f.embedding_dim, int(f.hash_bucket_size), None, f.pooling)
+        return table, IdTransform.HASH, None, int(f.hash_bucket_size)
+    return None, IdTransform.DYNAMIC, None, None  # resolved against a shared table later
+
+
+def _add_id_feature(
+    f: pipeline_pb2.IdFeature,
+    src: ConfigSource,
+    tables: dict[str, TableSpec],
+    features: dict[str, FeatureSpec],
+) -> None:
+    path = f"feature_configs.id_feature({f.feature_name})"
+    if f.feature_name in features:
+        raise src.error(path, "duplicate feature_name", near=f'feature_name: "{f.feature_name}"')
+    side, source = _split_expression(f.expression, f"{path}.expression", src)
+    table, transform, nb, hb = _id_table_and_transform(f, src, tables, path)
+    if table is None:
+        raise src.error(
+            path,
+            "needs one of num_buckets, hash_bucket_size or dynamicemb {}",
+            near=f'feature_name: "{f.feature_name}"',
+        )
+    _register_table(tables, table, f.feature_name, src)
+    features[f.feature_name] = FeatureSpec(
+        f.feature_name, FeatureKind.ID, side, source, table.name, transform, nb, hb
+    )
+
+
+def _add_raw_feature(
+    f: pipeline_pb2.RawFeature,
+    src: ConfigSource,
+    tables: dict[str, TableSpec],
+    features: dict[str, FeatureSpec],
+) -> None:
+    path = f"feature_configs.raw_feature({f.feature_name})"
+    near = f'feature_name: "{f.feature_name}"'
+    side, source = _split_expression(f.expression, f"{path}.expression", src)
+    bounds = tuple(float(b) for b in f.boundaries)
+    if not bounds:
+        raise src.error(
+            f"{path}.boundaries",
+            "raw features without boundaries (dense values) are not supported; add boundaries",
+            near=near,
+        )
+    for i in range(1, len(bounds)):
+        if not bounds[i] > bounds[i - 1]:
+            raise src.error(
+                f"{path}.boundaries",
+                f"must be strictly increasing: boundaries[{i - 1}]={bounds[i - 1]} >= "
+                f"boundaries[{i}]={bounds[i]}",
+                near="boundaries",
+                after=src.line_of(near) or 0,
+            )
+    if not f.HasField("embedding_dim") or f.embedding_dim < 1:
+        raise src.error(f"{path}.embedding_dim", "required (>= 1) with boundaries", near=near)
+    table = TableSpec(
+        f.embedding_name or f"{f.feature_name}_emb", f.embedding_dim, len(bounds) + 1, None, f.pooling
+    )
+    _register_table(tables, table, f.feature_name, src)
+    features[f.feature_name] = FeatureSpec(
+        f.feature_name,
+        FeatureKind.RAW_BUCKETIZED,
+        side,
+        source,
+        table.name,
+        IdTransform.BUCKETIZE,
+        boundaries=bounds,
+    )
+
+
+def _add_sequence_feature(
+    seq: pipeline_pb2.SequenceFeature,
+    src: ConfigSource,
+    tables: dict[str, TableSpec],
+    features: dict[str, FeatureSpec],
+) -> None:
+    spath = f"feature_configs.sequence_feature({seq.sequence_name})"
+    if seq.sequence_length < 1:
+        raise src.error(f"{spath}.sequence_length", "must be >= 1", near=seq.sequence_name)
+    if not seq.sequence_delim:
+        raise src.error(f"{spath}.sequence_delim", "must not be empty", near=seq.sequence_name)
+    for sub in seq.features:
+        if sub.WhichOneof("feature") != "id_feature":
+            raise src.error(spath, "only id_feature sub-features are supported", near=seq.sequence_name)
+        f = sub.id_feature
+        name = f"{seq.sequence_name}__{f.feature_name}"
+        path = f"{spath}.id_feature({f.feature_name})"
+        side, source = _split_expression(f.expression, f"{path}.expression", src)
+        table, transform, nb, hb = _id_table_and_transform(f, src, tables, path)
+        table_name = f.embedding_name or f"{f.feature_name}_emb"
+        if table is None:
+            shared = tables.get(table_name)
+            if shared is None:
+                raise src.error(
+                    path,
+                    f"declares no table and no earlier feature owns {table_name!r}; put the "
+                    "top-level feature first or give num_buckets/dynamicemb here",
+                    near=seq.sequence_name,
+                )
+            if shared.dim != f.embedding_dim:
+                raise src.error(
+                    f"{path}.embedding_dim",
+                    f"table {table_name!r} is shared and has embedding_dim {shared.dim}, got "
+                    f"{f.embedding_dim}",
+                    near=seq.sequence_name,
+                )
+            owner = next(x for x in features.values() if x.table == table_name)
+            transform, nb, hb = owner.transform, owner.num_buckets, owner.hash_bucket_size
+        else:
+            _register_table(tables, table, f.feature_name, src)
+        features[name] = FeatureSpec(
+            name,
+            FeatureKind.SEQUENCE_ID,
+            side,
+            source,
+            table_name,
+            transform,
+            nb,
+            hb,
+            sequence_name=seq.sequence_name,
+            sequence_length=int(seq.sequence_length),
+            sequence_delim=seq.sequence_delim,
+        )
+
+
+def _build_groups(
+    model: pipeline_pb2.ModelConfig, features: dict[str, FeatureSpec], src: ConfigSource
+) -> dict[str, GroupSpec]:
+    groups: dict[str, GroupSpec] = {}
+    for g in model.feature_groups:
+        path = f"model_config.feature_groups({g.group_name})"
+        near = f'group_name: "{g.group_name}"'
+        for name in g.feature_names:
+            if name not in features:
+                raise src.error(
+                    f"{path}.feature_names",
+                    f"unknown feature {name!r}; known: {', '.join(features)}",
+                    near=f'"{name}"',
+                    after=src.line_of(near) or 0,
+                )
+        gtype = pipeline_pb2.FeatureGroupType.Name(g.group_type)
+        if gtype not in GroupType.__members__:
+            raise src.error(f"{path}.group_type", f"{gtype} groups are not supported", near=near)
+        names = tuple(g.feature_names)
+        if GroupType[gtype] is GroupType.DEEP:
+            bad = [n for n in names if features[n].is_sequence]
+            if bad:
+                raise src.error(
+                    f"{path}.feature_names", f"sequence features {bad} cannot be pooled in DEEP", near=near
+                )
+            groups[g.group_name] = GroupSpec(g.group_name, GroupType.DEEP, names)
+            continue
+        query = tuple(n for n in names if not features[n].is_sequence)
+        sequence = tuple(n for n in names if features[n].is_sequence)
+        if len(query) != len(sequence):
+            raise src.error(
+                f"{path}.feature_names",
+                f"a SEQUENCE group needs one sequence feature per query feature; got query "
+                f"{list(query)} and sequence {list(sequence)}",
+                near=near,
+            )
+        groups[g.group_name] = GroupSpec(g.group_name, GroupType.SEQUENCE, names, query, sequence)
+    return groups
+
+
+def _fusion_groups(
+    groups: dict[str, GroupSpec], features: dict[str, FeatureSpec], tables: dict[str, TableSpec]
+) -> dict[str, tuple[str, ...]]:
+    """Each dynamic table joins the fusion storage of the first group that uses it."""
+    placed: set[str] = set()
+    fusion: dict[str, tuple[str, ...]] = {}
+    for g in groups.values():
+        members: list[str] = []
+        for name in g.features:
+            t = features[name].table
+            if tables[t].is_dynamic and t not in placed:
+                placed.add(t)
+                members.append(t)
+        if members:
+            fusion[g.name] = tuple(members)
+    return fusion
