@@ -17,9 +17,8 @@ PROTO_DIR = Path(__file__).resolve().parent
 
 def generate(out_dir: Path) -> list[Path]:
     """Compile every .proto in ``protos/`` into ``out_dir``; return the written files."""
-    from grpc_tools import protoc  # only needed when regenerating
-
     import grpc_tools
+    from grpc_tools import protoc  # only needed when regenerating
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     sources = sorted(PROTO_DIR.glob("*.proto"))

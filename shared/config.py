@@ -45,7 +45,9 @@ class ConfigSource:
                 return i + 1
         return None
 
-    def error(self, field: str, message: str, *, near: str | None = None, after: int = 0) -> ConfigError:
+    def error(
+        self, field: str, message: str, *, near: str | None = None, after: int = 0
+    ) -> ConfigError:
         line = self.line_of(near, after) if near else None
         return ConfigError(self.name, line, field, message)
 
@@ -74,8 +76,7 @@ def parse_config(text: str, name: str = "<config>") -> pipeline_pb2.EasyRecConfi
     try:
         text_format.Parse(_split_adjacent_feature_names(text), msg)
     except text_format.ParseError as err:
-        line = getattr(err, "_line", None)
-        line = line + 1 if isinstance(line, int) else None
+        line = err.GetLine() if hasattr(err, "GetLine") else None
         raise ConfigError(name, line, "text_format", str(err)) from None
     return msg
 

@@ -280,7 +280,9 @@ def _dynamic_spec(
 
     if not de.HasField("max_capacity") or de.max_capacity < 1:
         raise err("max_capacity", "required and must be >= 1 (rows per rank)")
-    init_cap = de.init_capacity_per_rank if de.HasField("init_capacity_per_rank") else de.max_capacity
+    init_cap = (
+        de.init_capacity_per_rank if de.HasField("init_capacity_per_rank") else de.max_capacity
+    )
     if init_cap < 1:
         raise err("init_capacity_per_rank", f"must be >= 1, got {init_cap}")
     if de.max_capacity < init_cap:
@@ -327,7 +329,9 @@ def _dynamic_spec(
         admission = AdmissionSpec(
             threshold=int(fa.threshold),
             initializer=init(
-                "initializer_args", InitMode.CONSTANT, "frequency_admission_strategy.initializer_args"
+                "initializer_args",
+                InitMode.CONSTANT,
+                "frequency_admission_strategy.initializer_args",
             ),
             counter_capacity=int(counter_cap),
             counter_bucket_capacity=int(fa.counter_bucket_capacity),
@@ -360,7 +364,10 @@ def _register_table(
             f"got {table.dim}; use the same dim or another embedding_name",
             near=near,
         )
-    if (old.num_rows, old.dynamic) != (table.num_rows, table.dynamic) and table.num_rows is not None:
+    if (old.num_rows, old.dynamic) != (
+        table.num_rows,
+        table.dynamic,
+    ) and table.num_rows is not None:
         raise src.error(
             f"feature({fname})",
             f"table {table.name!r} is shared but declared with different rows/dynamicemb options",
@@ -375,7 +382,11 @@ def _id_table_and_transform(
     near = f'feature_name: "{f.feature_name}"'
     after = src.line_of(near) or 0
     name = f.embedding_name or f"{f.feature_name}_emb"
-    has_nb, has_hb, has_de = f.HasField("num_buckets"), f.HasField("hash_bucket_size"), f.HasField("dynamicemb")
+    has_nb, has_hb, has_de = (
+        f.HasField("num_buckets"),
+        f.HasField("hash_bucket_size"),
+        f.HasField("dynamicemb"),
+    )
     if has_de and (has_nb or has_hb):
         other = "num_buckets" if has_nb else "hash_bucket_size"
         raise src.error(
@@ -395,7 +406,12 @@ def _id_table_and_transform(
         raise src.error(f"{path}.pooling", f"{f.pooling!r} is not sum or mean", near=near)
     if has_de:
         dyn = _dynamic_spec(f.dynamicemb, f.embedding_dim, f.feature_name, src)
-        return TableSpec(name, f.embedding_dim, None, dyn, f.pooling), IdTransform.DYNAMIC, None, None
+        return (
+            TableSpec(name, f.embedding_dim, None, dyn, f.pooling),
+            IdTransform.DYNAMIC,
+            None,
+            None,
+        )
     if has_nb:
         if f.num_buckets < 1:
             raise src.error(f"{path}.num_buckets", "must be >= 1", near=near)
@@ -460,7 +476,11 @@ def _add_raw_feature(
     if not f.HasField("embedding_dim") or f.embedding_dim < 1:
         raise src.error(f"{path}.embedding_dim", "required (>= 1) with boundaries", near=near)
     table = TableSpec(
-        f.embedding_name or f"{f.feature_name}_emb", f.embedding_dim, len(bounds) + 1, None, f.pooling
+        f.embedding_name or f"{f.feature_name}_emb",
+        f.embedding_dim,
+        len(bounds) + 1,
+        None,
+        f.pooling,
     )
     _register_table(tables, table, f.feature_name, src)
     features[f.feature_name] = FeatureSpec(
@@ -487,7 +507,9 @@ def _add_sequence_feature(
         raise src.error(f"{spath}.sequence_delim", "must not be empty", near=seq.sequence_name)
     for sub in seq.features:
         if sub.WhichOneof("feature") != "id_feature":
-            raise src.error(spath, "only id_feature sub-features are supported", near=seq.sequence_name)
+            raise src.error(
+                spath, "only id_feature sub-features are supported", near=seq.sequence_name
+            )
         f = sub.id_feature
         name = f"{seq.sequence_name}__{f.feature_name}"
         path = f"{spath}.id_feature({f.feature_name})"
@@ -552,7 +574,9 @@ def _build_groups(
             bad = [n for n in names if features[n].is_sequence]
             if bad:
                 raise src.error(
-                    f"{path}.feature_names", f"sequence features {bad} cannot be pooled in DEEP", near=near
+                    f"{path}.feature_names",
+                    f"sequence features {bad} cannot be pooled in DEEP",
+                    near=near,
                 )
             groups[g.group_name] = GroupSpec(g.group_name, GroupType.DEEP, names)
             continue
