@@ -1,0 +1,191 @@
+"""Locust user that calls ``PredictionService/Predict`` over gRPC with pooled, pre-serialized requests.
+
+Run it through ``python -m loadtest`` (which builds the pool and reads the results), or by hand::
+
+    python -m locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 30s -H 127.0.0.1:50051 \\
+        --request-pool out/requests.pool --raw-latency-dir out/raw --final-csv out/locust
+
+Importing locust gevent-patches the process, so this file only ever runs inside a locust process;
+gRPC is made gevent-cooperative (``init_gevent``) before any channel exists.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import User, events, task
+from locust.env import Environment
+from locust.runners import WorkerRunner
+from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
+
+grpc_gevent.init_gevent()
+
+# locust imports this file by path (as module "locustfile"); make the repository importable.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from loadtest.latency import RawLatencyWriter  # noqa: E402
+from loadtest.pool import RequestPool, read_pool  # noqa: E402
+from protos import predict_pb2  # noqa: E402
+
+_SERVICE = predict_pb2.DESCRIPTOR.services_by_name["PredictionService"].full_name
+PREDICT_METHOD = f"/{_SERVICE}/Predict"
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+class RpcFailure(Exception):
+    """A failed call, named by status code so locust's failure table groups it."""
+
+
+@events.init_command_line_parser.add_listener
+def _add_options(parser) -> None:
+    parser.add_argument(
+        "--request-pool",
+        default="",
+        env_var="DYNREC_REQUEST_POOL",
+        help="request pool file written by loadtest.requests (python -m loadtest builds it)",
+    )
+    parser.add_argument(
+        "--raw-latency-dir",
+        default="",
+        env_var="DYNREC_RAW_LATENCY_DIR",
+        help="directory for exact per-request latencies (latency-<pid>.bin); empty: not recorded",
+    )
+    parser.add_argument(
+        "--final-csv",
+        default="",
+        help="write locust's CSV statistics (<prefix>_stats.csv, _failures.csv, _exceptions.csv) "
+        "once, after the last request; --csv rewrites them every second and can miss the last one",
+    )
+    parser.add_argument(
+        "--wait-ms", type=float, default=0.0, help="pause per user between requests"
+    )
+    parser.add_argument("--rpc-timeout-s", type=float, default=10.0, help="deadline of one Predict")
+
+
+class _State:
+    """What every user of this process shares: the pool and the raw latency file."""
+
+    pool: RequestPool | None = None
+    raw: RawLatencyWriter | None = None
+    environment: Environment | None = None
+
+
+@events.init.add_listener
+def _on_init(environment: Environment, **_kwargs) -> None:
+    opts = environment.parsed_options
+    if opts is None:  # a library user building an Environment by hand sets _State itself
+        return
+    _State.environment = environment
+    if not opts.request_pool:
+        sys.exit("locustfile: --request-pool is required (build one with python -m loadtest)")
+    _State.pool = read_pool(opts.request_pool)
+    if opts.raw_latency_dir:
+        _State.raw = RawLatencyWriter(opts.raw_latency_dir)
+
+
+@events.test_stop.add_listener
+def _flush_raw(**_kwargs) -> None:
+    if _State.raw is not None:
+        _State.raw.flush()
+
+
+@events.quitting.add_listener
+def _flush_raw_on_quit(**_kwargs) -> None:
+    _flush_raw()
+
+
+@events.quit.add_listener
+def _write_final_csv(**_kwargs) -> None:
+    """After ``runner.quit()``: the statistics are final (workers report to their master)."""
+    env = _State.environment
+    opts = env.parsed_options if env is not None else None
+    if env is None or opts is None or not opts.final_csv or isinstance(env.runner, WorkerRunner):
+        return
+    writer = StatsCSV(env, PERCENTILES_TO_REPORT)
+    prefix = opts.final_csv
+    for suffix, write in [
+        ("stats", writer.requests_csv),
+        ("failures", writer.failures_csv),
+        ("exceptions", writer.exceptions_csv),
+    ]:
+        with open(f"{prefix}_{suffix}.csv", "w", newline="") as f:
+            write(csv.writer(f))
+
+
+class PredictUser(User):
+    """One client with its own gRPC channel, sending pooled PredictRequests.
+
+    Attributes:
+        host: ``ip:port`` of the PredictionService (locust's ``--host``).
+        wait_time: ``--wait-ms`` between a response and the next request (default 0: closed loop).
+
+    Each request fires locust's ``request`` event (request_type ``grpc``, name ``Predict``,
+    response time in ms, response size in bytes) and a raw record. A response with the wrong
+    number of probabilities counts as a failure.
+    """
+
+    def wait_time(self) -> float:
+        return self.environment.parsed_options.wait_ms / 1000.0
+
+    def on_start(self) -> None:
+        if _State.pool is None:
+            raise RuntimeError("no request pool loaded; pass --request-pool")
+        self._pool = _State.pool
+        self._timeout = self.environment.parsed_options.rpc_timeout_s
+        self._next = random.randrange(len(self._pool))  # users start at different requests
+        self._channel = grpc.insecure_channel(
+            self.host,
+            options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ],
+        )
+        # no (de)serializers: the pool holds wire bytes and the response size is its byte length
+        self._predict = self._channel.unary_unary(PREDICT_METHOD)
+
+    def on_stop(self) -> None:
+        self._channel.close()
+
+    @task
+    def predict(self) -> None:
+        payload = self._pool.payloads[self._next]
+        self._next = (self._next + 1) % len(self._pool)
+        response = b""
+        exception: Exception | None = None
+        start_unix_ns = time.time_ns()
+        t0 = time.perf_counter_ns()
+        try:
+            response = self._predict(payload, timeout=self._timeout)
+        except grpc.RpcError as e:
+            exception = RpcFailure(f"{e.code().name}: {e.details()}")
+        latency_ns = time.perf_counter_ns() - t0
+        if exception is None:
+            exception = _check(response, self._pool.num_candidates)
+        if _State.raw is not None:
+            _State.raw.record(start_unix_ns, latency_ns, exception is None)
+        self.environment.events.request.fire(
+            request_type="grpc",
+            name="Predict",
+            response_time=latency_ns / 1e6,
+            response_length=len(response),
+            exception=exception,
+            context={},
+        )
+
+
+def _check(response: bytes, num_candidates: int) -> Exception | None:
+    try:
+        n = len(predict_pb2.PredictResponse.FromString(response).probabilities)
+    except Exception as e:  # a garbled response is a failure of the server, not of the user
+        return RpcFailure(f"unparsable PredictResponse: {e}")
+    if n != num_candidates:
+        return RpcFailure(f"{n} probabilities for {num_candidates} candidates")
+    return None

@@ -1,0 +1,273 @@
+"""PredictRequests from real eval rows, laid out the way the served model says.
+
+Which column goes to ``user``, ``context``, ``sequences`` or the ``candidates`` comes from the
+server's ``GetModelMetadata`` (:func:`sides_from_metadata`), never from a list in this file. One
+request = one eval row's user features, click sequences and context, plus ``num_candidates`` ads:
+the row's own ad first (the one impression whose label is known), then ads drawn (seeded) from the
+distinct item-feature tuples of the sample rows.
+
+Requests are serialized once. The work is columnar: every distinct value of a feature becomes its
+serialized map entry once, a row's ``Features`` is the concatenation of its entries, and a request
+is ``head + candidate field bytes`` (protobuf merges concatenated fields, so this parses to the
+same message as building it field by field; the tests check that). Example::
+
+    md = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest())
+    pool = build_request_pool(
+        "data/samples/eval", sides_from_metadata(md), value_types=value_types_from_metadata(md)
+    )
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from loadtest.pool import RequestPool
+from protos import predict_pb2
+
+SIDES = ("user", "item", "context", "sequence")
+VALUE_TYPES = {"int64": pa.int64(), "double": pa.float64(), "string": pa.string()}
+_CANDIDATES_TAG = bytes(
+    [predict_pb2.PredictRequest.DESCRIPTOR.fields_by_name["candidates"].number << 3 | 2]
+)
+
+
+def sides_from_metadata(metadata: predict_pb2.ModelMetadata) -> dict[str, str]:
+    """Feature name → ``user | item | context | sequence`` (``sequence`` for kind sequence_id)."""
+    sides = {}
+    for f in metadata.features:
+        side = "sequence" if f.kind == "sequence_id" else f.side
+        if side not in SIDES:
+            raise ValueError(
+                f"model metadata: feature {f.name!r} has side {f.side!r} kind {f.kind!r}; "
+                f"expected side one of {', '.join(SIDES[:3])} or kind sequence_id"
+            )
+        sides[f.name] = side
+    if not sides:
+        raise ValueError("model metadata lists no features; is the server's model loaded?")
+    return sides
+
+
+def value_types_from_metadata(metadata: predict_pb2.ModelMetadata) -> dict[str, str]:
+    """Feature name → wire type (``int64 | double | string``) for the non-sequence features."""
+    return {
+        f.name: f.value_type for f in metadata.features if f.value_type and f.kind != "sequence_id"
+    }
+
+
+def build_request_pool(
+    samples: str | Path,
+    feature_sides: Mapping[str, str],
+    *,
+    value_types: Mapping[str, str] | None = None,
+    num_requests: int = 2000,
+    num_candidates: int = 100,
+    seed: int = 0,
+    max_rows: int = 100_000,
+    sequence_delim: str = "|",
+    max_sequence_length: int = 0,
+) -> RequestPool:
+    """Serialize ``num_requests`` PredictRequests from the first ``max_rows`` rows of ``samples``.
+
+    ``samples`` is a Parquet file or a directory of ``part-*.parquet`` whose columns carry the
+    feature names (others, like ``clk``, are ignored). ``value_types`` (from the metadata) casts
+    columns to what the server expects; without it the Parquet type decides (int → int64_value,
+    float → double_value, string → string_value). Nulls (and NaN) become an unset ``Value``, an
+    explicit missing value. Sequence columns are ``sequence_delim``-joined ids or list columns; an
+    empty token is a missing id and is sent as 0. ``max_sequence_length`` > 0 keeps the most recent
+    ids only (the server rejects longer sequences).
+    """
+    bad = {n: s for n, s in feature_sides.items() if s not in SIDES}
+    if bad:
+        raise ValueError(f"feature_sides: {bad} not in {SIDES}")
+    if num_candidates < 1 or num_requests < 1:
+        raise ValueError(
+            f"num_candidates ({num_candidates}) and num_requests ({num_requests}) must be >= 1"
+        )
+    table = _read_rows(Path(samples), list(feature_sides), max_rows)
+    by_side = {s: [n for n, side in feature_sides.items() if side == s] for s in SIDES}
+    entries = {
+        n: _entry_codes(n, table.column(n), (value_types or {}).get(n))
+        for s in ("user", "item", "context")
+        for n in by_side[s]
+    }
+    rng = np.random.default_rng(seed)
+    rows = rng.choice(table.num_rows, num_requests, replace=table.num_rows < num_requests)
+    users = _join_rows([entries[n] for n in by_side["user"]], rows)
+    contexts = _join_rows([entries[n] for n in by_side["context"]], rows)
+    sequences = {
+        n: _jagged_ids(n, table.column(n), sequence_delim, max_sequence_length)
+        for n in by_side["sequence"]
+    }
+    item_fields, item_of_row = _candidate_fields([entries[n] for n in by_side["item"]])
+    payloads = []
+    for i, r in enumerate(rows):
+        req = predict_pb2.PredictRequest(request_id=f"loadtest-{i}")
+        req.user.MergeFromString(users[i])
+        req.context.MergeFromString(contexts[i])
+        for name, (values, offsets) in sequences.items():
+            req.sequences[name].ids.extend(values[offsets[r] : offsets[r + 1]].tolist())
+        others = _draw(rng, len(item_fields), num_candidates - 1)
+        cands = item_fields[np.concatenate(([item_of_row[r]], others))]
+        payloads.append(req.SerializeToString() + b"".join(cands))
+    info = {"samples": str(samples), "rows_read": table.num_rows, "seed": seed}
+    return RequestPool(payloads, num_candidates, info)
+
+
+# --------------------------------------------------------------------------- columns
+
+
+def _read_rows(samples: Path, columns: list[str], max_rows: int) -> pa.Table:
+    if samples.is_dir():
+        files = sorted(samples.glob("*.parquet"))
+        if not files:
+            raise FileNotFoundError(
+                f"no *.parquet files in {samples}; pass the eval samples directory"
+            )
+        dataset = ds.dataset([str(f) for f in files], format="parquet")
+    elif samples.is_file():
+        dataset = ds.dataset(str(samples), format="parquet")
+    else:
+        raise FileNotFoundError(f"samples path {samples} does not exist")
+    missing = [c for c in columns if c not in dataset.schema.names]
+    if missing:
+        raise ValueError(
+            f"{samples}: the model needs columns {missing} that the Parquet files lack "
+            f"(they have {dataset.schema.names}); are these the samples of this model?"
+        )
+    table = dataset.head(max_rows, columns=columns)
+    if table.num_rows == 0:
+        raise ValueError(f"{samples}: no rows")
+    return table
+
+
+def _entry_codes(
+    name: str, column: pa.ChunkedArray, value_type: str | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(entries, codes): ``entries[codes[r]]`` is row r's serialized ``Features.values`` entry.
+
+    One protobuf entry per distinct value (plus one for missing), not per row.
+    """
+    arr = _coerce(name, column.combine_chunks(), value_type)
+    enc = pc.dictionary_encode(arr)
+    missing = len(enc.dictionary)
+    codes = enc.indices.fill_null(missing).to_numpy(zero_copy_only=False).astype(np.int64)
+    kind = {pa.int64(): "int64_value", pa.float64(): "double_value", pa.string(): "string_value"}[
+        arr.type
+    ]
+    values = [predict_pb2.Value(**{kind: v}) for v in enc.dictionary.to_pylist()] + [
+        predict_pb2.Value()
+    ]
+    entries = np.empty(len(values), dtype=object)
+    entries[:] = [predict_pb2.Features(values={name: v}).SerializeToString() for v in values]
+    return entries, codes
+
+
+def _coerce(name: str, arr: pa.Array, value_type: str | None) -> pa.Array:
+    """Cast to int64 / float64 / string; NaN → null."""
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    if pa.types.is_floating(arr.type):
+        arr = pc.if_else(pc.is_nan(arr), pa.scalar(None, arr.type), arr)
+    if value_type is None:
+        if pa.types.is_integer(arr.type) or pa.types.is_boolean(arr.type):
+            target = pa.int64()
+        elif pa.types.is_floating(arr.type) or pa.types.is_decimal(arr.type):
+            target = pa.float64()
+        elif pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            target = pa.string()
+        else:
+            raise ValueError(
+                f"column {name!r} has type {arr.type}; expected an integer, float or string"
+            )
+    elif value_type in VALUE_TYPES:
+        target = VALUE_TYPES[value_type]
+    else:
+        raise ValueError(
+            f"feature {name!r}: value_type {value_type!r} is not one of {list(VALUE_TYPES)}"
+        )
+    try:
+        return arr.cast(target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise ValueError(
+            f"column {name!r} ({arr.type}) cannot be sent as {target} the model expects: {e}"
+        ) from e
+
+
+def _join_rows(features: list[tuple[np.ndarray, np.ndarray]], rows: np.ndarray) -> list[bytes]:
+    """Serialized ``Features`` of each row in ``rows``: the concatenation of its entries."""
+    cols = [entries[codes[rows]] for entries, codes in features]
+    return [b"".join(t) for t in zip(*cols, strict=True)] if cols else [b""] * len(rows)
+
+
+def _candidate_fields(
+    features: list[tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """(fields, item_of_row): serialized ``candidates`` fields, one per distinct item-feature tuple,
+    and the index of each row's own item in ``fields``."""
+    if not features:
+        raise ValueError("the model has no item-side features, so there are no candidates to send")
+    codes = np.stack([c for _, c in features], axis=1)  # (rows, item features)
+    uniq, first, item_of_row = np.unique(codes, axis=0, return_index=True, return_inverse=True)
+    bodies = _join_rows(features, first)
+    fields = np.empty(len(uniq), dtype=object)
+    fields[:] = [_CANDIDATES_TAG + _varint(len(b)) + b for b in bodies]
+    return fields, item_of_row.reshape(-1)
+
+
+def _jagged_ids(
+    name: str, column: pa.ChunkedArray, delim: str, keep_last: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(values int64, offsets [rows + 1]) of a sequence column; empty tokens are 0."""
+    arr = column.combine_chunks()
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        arr = pc.if_else(pc.equal(pc.utf8_trim_whitespace(arr), ""), pa.scalar(None, arr.type), arr)
+        lists = pc.split_pattern(arr, delim)
+        tokens = pc.utf8_trim_whitespace(lists.flatten())
+        tokens = pc.if_else(pc.equal(tokens, ""), "0", tokens)
+    elif pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        lists, tokens = arr, arr.flatten()
+    else:
+        raise ValueError(
+            f"sequence column {name!r} has type {arr.type}; expected '{delim}'-joined strings or a list"
+        )
+    try:
+        values = tokens.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"sequence column {name!r} has a non-integer id: {e}") from e
+    lengths = pc.list_value_length(lists).fill_null(0).to_numpy(zero_copy_only=False)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    if keep_last > 0:  # keep the most recent ids: re-slice values to the kept tails
+        starts = np.maximum(offsets[:-1], offsets[1:] - keep_last)
+        kept = offsets[1:] - starts
+        values = values[np.repeat(starts, kept) + _ranges(kept)]
+        offsets = np.concatenate(([0], np.cumsum(kept)))
+    return values.astype(np.int64), offsets
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """concat(arange(n) for n in lengths), vectorized."""
+    total = int(lengths.sum())
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total) - starts
+
+
+def _draw(rng: np.random.Generator, population: int, k: int) -> np.ndarray:
+    """k indices in [0, population): distinct when the population allows it."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    return rng.choice(population, k, replace=population < k)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)

@@ -1,0 +1,188 @@
+"""Headless load test against a running PredictionService: pool → locust subprocess → report.
+
+    python -m loadtest --host 127.0.0.1:50051 --users 8 --spawn-rate 8 --duration 30 \\
+        --candidates 100 --samples data/samples/eval --out out/loadtest
+
+Writes into ``--out``: ``requests.pool`` (the serialized requests), ``raw/latency-<pid>.bin``
+(exact latencies), ``locust_stats.csv`` & co. (locust's CSV, final numbers), ``locust.log``, ``summary.json`` and
+``latency.png``. Locust runs in a subprocess because importing it gevent-patches the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from loadtest import report
+from loadtest.latency import read_raw_latencies
+from loadtest.pool import write_pool
+from loadtest.requests import build_request_pool, sides_from_metadata, value_types_from_metadata
+from protos import predict_pb2, predict_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+
+
+def fetch_metadata(host: str, timeout_s: float = 30.0) -> predict_pb2.ModelMetadata:
+    """The served model's metadata; waits up to ``timeout_s`` for the server to accept calls."""
+    with grpc.insecure_channel(host) as channel:
+        stub = predict_pb2_grpc.PredictionServiceStub(channel)
+        try:
+            return stub.GetModelMetadata(
+                predict_pb2.ModelMetadataRequest(), timeout=timeout_s, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            raise RuntimeError(
+                f"GetModelMetadata on {host} failed ({e.code().name}: {e.details()}); is the "
+                "server running and listening there?"
+            ) from e
+
+
+def run_load_test(
+    host: str,
+    samples: str | Path,
+    out: str | Path,
+    *,
+    users: int = 8,
+    spawn_rate: float = 8.0,
+    duration_s: int = 30,
+    num_candidates: int = 100,
+    num_requests: int = 2000,
+    seed: int = 0,
+    wait_ms: float = 0.0,
+    rpc_timeout_s: float = 10.0,
+    processes: int = 1,
+) -> dict[str, object]:
+    """Run one headless locust test against ``host`` (``ip:port``) and return the summary.
+
+    The summary (also ``<out>/summary.json``) holds exact percentiles from the raw latencies;
+    locust's own numbers (whole ms below 100 ms) are under ``"locust"``.
+    """
+    if int(duration_s) != duration_s or duration_s < 1:
+        raise ValueError(
+            f"duration_s must be a whole number of seconds >= 1 (locust's -t), got {duration_s}"
+        )
+    out = Path(out)
+    raw_dir = out / "raw"
+    shutil.rmtree(raw_dir, ignore_errors=True)  # stale files of an earlier run would be counted
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("locust_*.csv"):
+        stale.unlink()
+    metadata = fetch_metadata(host)
+    if metadata.max_candidates and num_candidates > metadata.max_candidates:
+        raise ValueError(
+            f"num_candidates {num_candidates} exceeds the server's max_candidates "
+            f"{metadata.max_candidates}; lower --candidates"
+        )
+    t0 = time.perf_counter()
+    pool = build_request_pool(
+        samples,
+        sides_from_metadata(metadata),
+        value_types=value_types_from_metadata(metadata),
+        num_requests=num_requests,
+        num_candidates=num_candidates,
+        seed=seed,
+        max_sequence_length=metadata.max_sequence_length,
+    )
+    pool.info["model_version"] = metadata.model_version
+    pool_file = write_pool(out / "requests.pool", pool)
+    build_s = time.perf_counter() - t0
+
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        "-u", str(users), "-r", str(spawn_rate), "-t", f"{int(duration_s)}s", "-H", host,
+        "--final-csv", str(out / "locust"), "--only-summary", "--loglevel", "WARNING",
+        "--request-pool", str(pool_file), "--raw-latency-dir", str(raw_dir),
+        "--wait-ms", str(wait_ms), "--rpc-timeout-s", str(rpc_timeout_s),
+    ]  # fmt: skip
+    if processes > 1:
+        cmd += ["--processes", str(processes)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    log_file = out / "locust.log"
+    with open(log_file, "w") as log:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=duration_s + 120
+        )
+    raw = read_raw_latencies(raw_dir)
+    if proc.returncode not in (0, 1) or len(raw) == 0:  # 1 = the run had failures
+        tail = log_file.read_text()[-3000:]
+        raise RuntimeError(
+            f"locust exited with {proc.returncode} and {len(raw)} requests; {log_file}:\n{tail}"
+        )
+
+    rows = report.timeline(raw, num_candidates)
+    summary: dict[str, object] = {
+        "host": host,
+        "model_version": metadata.model_version,
+        "users": users,
+        "spawn_rate": spawn_rate,
+        "duration_s": duration_s,
+        "processes": processes,
+        "candidates_per_request": num_candidates,
+        "request_pool": {"requests": len(pool), "build_s": build_s, **pool.info},
+        **report.latency_stats(raw, num_candidates),
+        "timeline": rows,
+        "locust": {"exit_code": proc.returncode, **report.read_locust_csv(out / "locust")},
+    }
+    title = f"{host}: {users} users, {num_candidates} candidates/request"
+    summary["files"] = {
+        "summary": str(out / "summary.json"),
+        "plot": str(report.plot(rows, out / "latency.png", title, num_candidates)),
+        "raw_latencies": [str(f) for f in raw.files],
+        "locust_csv": str(out / "locust_stats.csv"),
+        "locust_log": str(log_file),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", required=True, help="PredictionService address, e.g. 127.0.0.1:50051")
+    p.add_argument("--samples", required=True, help="eval samples: Parquet file or directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
+    p.add_argument("--duration", type=int, default=30, help="seconds")
+    p.add_argument("--candidates", type=int, default=100, help="candidates per request")
+    p.add_argument("--requests", type=int, default=2000, help="distinct requests in the pool")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-ms", type=float, default=0.0, help="per-user pause between requests")
+    p.add_argument("--rpc-timeout", type=float, default=10.0, help="deadline of one call, seconds")
+    p.add_argument(
+        "--processes", type=int, default=1, help="locust processes (load generator cores)"
+    )
+    a = p.parse_args(argv)
+    s = run_load_test(
+        a.host,
+        a.samples,
+        a.out,
+        users=a.users,
+        spawn_rate=a.spawn_rate,
+        duration_s=a.duration,
+        num_candidates=a.candidates,
+        num_requests=a.requests,
+        seed=a.seed,
+        wait_ms=a.wait_ms,
+        rpc_timeout_s=a.rpc_timeout,
+        processes=a.processes,
+    )
+    lat = s["latency_ms"]
+    assert isinstance(lat, dict)
+    ms = " ".join(f"{k} {'-' if lat[k] is None else f'{lat[k]:.2f}'}" for k in report.PERCENTILES)
+    print(
+        f"{s['requests']} requests, {s['failures']} failures, {s['qps']:.1f} req/s, "
+        f"{s['candidates_per_s']:.0f} candidates/s; latency ms {ms} -> {a.out}/summary.json"
+    )
+    return 1 if s["failures"] else 0

@@ -1,0 +1,152 @@
+"""Requests built from sample rows: sides from the metadata, explicit missing values, sequences,
+and the byte-concatenation shortcut producing the same message protobuf would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadtest.pool import read_pool, write_pool
+from loadtest.requests import build_request_pool, sides_from_metadata, value_types_from_metadata
+from protos import predict_pb2
+
+from .conftest import CONTEXT, ITEM, ROWS, SEQUENCE, USER, model_metadata
+
+
+def _build(sample_dir: Path, **kw) -> list[predict_pb2.PredictRequest]:
+    md = model_metadata()
+    pool = build_request_pool(
+        sample_dir, sides_from_metadata(md), value_types=value_types_from_metadata(md), **kw
+    )
+    return [predict_pb2.PredictRequest.FromString(p) for p in pool.payloads]
+
+
+def _value(v: predict_pb2.Value) -> object:
+    kind = v.WhichOneof("kind")
+    return None if kind is None else getattr(v, kind)
+
+
+def test_sides_come_from_metadata() -> None:
+    sides = sides_from_metadata(model_metadata())
+    assert {n for n, s in sides.items() if s == "sequence"} == set(SEQUENCE)
+    assert {n for n, s in sides.items() if s == "user"} == set(USER)
+    assert sides["pid"] == "context" and sides["price"] == "item"
+    bad = predict_pb2.ModelMetadata()
+    bad.features.add(name="x", side="shop", kind="id")
+    with pytest.raises(ValueError, match="'x' has side 'shop'"):
+        sides_from_metadata(bad)
+
+
+def test_request_matches_its_row(sample_dir: Path) -> None:
+    reqs = _build(sample_dir, num_requests=50, num_candidates=4, seed=3)
+    user_row = {uid: i for i, uid in enumerate(ROWS["user_id"])}
+    for req in reqs:
+        assert set(req.user.values) == set(USER)
+        assert set(req.context.values) == set(CONTEXT)
+        assert set(req.sequences) == set(SEQUENCE)
+        assert len(req.candidates) == 4
+        assert all(set(c.values) == set(ITEM) for c in req.candidates)
+        r = user_row[req.user.values["user_id"].int64_value]
+        for name in USER + CONTEXT:
+            got = _value((req.user if name in USER else req.context).values[name])
+            assert got == ROWS[name][r], name
+        # the row's own ad comes first
+        assert _value(req.candidates[0].values["adgroup_id"]) == ROWS["adgroup_id"][r]
+    seqs = {
+        _value(q.user.values["user_id"]): [list(q.sequences[n].ids) for n in SEQUENCE] for q in reqs
+    }
+    assert seqs[13] == [[204], [8], [52]]
+    assert seqs[12] == [[], [], []]  # empty string: empty sequence
+    assert seqs[14] == [[206, 207], [8, 8], [0, 54]]  # empty token: missing id 0
+    assert seqs[15] == [[], [], []]
+    assert seqs[16] == [[201, 0, 205], [7, 0, 9], [51, 52, 53]]
+
+
+def test_nulls_are_explicit_missing_values(sample_dir: Path) -> None:
+    reqs = _build(sample_dir, num_requests=40, num_candidates=6)
+    missing_user = [q for q in reqs if q.user.values["user_id"].int64_value == 12]
+    assert missing_user, "row of user 12 not drawn"
+    v = missing_user[0].user.values
+    assert "pvalue_level" in v and v["pvalue_level"].WhichOneof("kind") is None
+    brands = {_value(c.values["brand"]) for q in reqs for c in q.candidates}
+    prices = {_value(c.values["price"]) for q in reqs for c in q.candidates}
+    assert None in brands and 51 in brands
+    assert None in prices and 9.9 in prices
+    assert all(isinstance(_value(q.context.values["pid"]), str) for q in reqs)
+
+
+def test_candidates_are_distinct_items_and_seeded(sample_dir: Path) -> None:
+    a = _build(sample_dir, num_requests=20, num_candidates=5, seed=1)
+    b = _build(sample_dir, num_requests=20, num_candidates=5, seed=1)
+    c = _build(sample_dir, num_requests=20, num_candidates=5, seed=2)
+    assert a == b and a != c
+    # 5 distinct item tuples in the sample (row 5 repeats row 0's ad): 4 draws are distinct
+    for q in a:
+        drawn = [c.SerializeToString(deterministic=True) for c in q.candidates[1:]]
+        assert len(set(drawn)) == 4
+
+
+def test_concatenated_bytes_equal_protobuf_serialization(sample_dir: Path) -> None:
+    md = model_metadata()
+    pool = build_request_pool(sample_dir, sides_from_metadata(md), num_requests=5, num_candidates=3)
+    for payload in pool.payloads:
+        msg = predict_pb2.PredictRequest.FromString(payload)
+        again = predict_pb2.PredictRequest()
+        again.CopyFrom(msg)
+        assert predict_pb2.PredictRequest.FromString(again.SerializeToString()) == msg
+        assert len(msg.candidates) == 3
+
+
+def test_sequence_cap_keeps_most_recent(sample_dir: Path) -> None:
+    reqs = _build(sample_dir, num_requests=40, num_candidates=2, max_sequence_length=2)
+    assert {11, 16} <= {q.user.values["user_id"].int64_value for q in reqs}
+    for q in reqs:
+        user = q.user.values["user_id"].int64_value
+        ids = [list(q.sequences[n].ids) for n in SEQUENCE]
+        if user == 11:
+            assert ids == [[202, 203], [8, 9], [0, 53]]
+        if user == 16:
+            assert ids == [[0, 205], [0, 9], [52, 53]]
+
+
+def test_errors_name_the_problem(sample_dir: Path, tmp_path: Path) -> None:
+    md = model_metadata()
+    md.features.add(name="shop_id", side="item", kind="id", value_type="int64")
+    with pytest.raises(ValueError, match="shop_id"):
+        build_request_pool(sample_dir, sides_from_metadata(md))
+    with pytest.raises(ValueError, match="'pid'"):
+        build_request_pool(
+            sample_dir, {"pid": "context", "adgroup_id": "item"}, value_types={"pid": "int64"}
+        )
+    with pytest.raises(FileNotFoundError):
+        build_request_pool(tmp_path / "nope", {"adgroup_id": "item"})
+
+
+def test_pool_file_roundtrip(sample_dir: Path, tmp_path: Path) -> None:
+    pool = build_request_pool(sample_dir, sides_from_metadata(model_metadata()), num_requests=7)
+    back = read_pool(write_pool(tmp_path / "p.pool", pool))
+    assert back.payloads == pool.payloads and back.num_candidates == 100
+    assert back.info["rows_read"] == len(ROWS["user_id"])
+
+
+def test_builds_thousands_of_requests_quickly(tmp_path: Path) -> None:
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n, rng = 50_000, np.random.default_rng(0)
+    cols = {name: rng.integers(0, 1000, n) for name in USER + ITEM if name != "price"}
+    cols["price"] = rng.random(n) * 100
+    cols["pid"] = np.where(rng.random(n) < 0.5, "430548_1007", "430539_1007")
+    seq = ["|".join(map(str, rng.integers(0, 1000, k))) for k in rng.geometric(0.25, n) - 1]
+    for name in SEQUENCE:
+        cols[name] = seq
+    pq.write_table(pa.table(cols), tmp_path / "part-0.parquet")
+    t0 = time.perf_counter()
+    pool = build_request_pool(tmp_path, sides_from_metadata(model_metadata()), num_requests=2000)
+    took = time.perf_counter() - t0
+    assert len(pool) == 2000
+    assert took < 10, f"building 2000 requests x 100 candidates took {took:.1f} s"

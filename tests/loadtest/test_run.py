@@ -1,0 +1,141 @@
+"""The load test end to end: a gRPC server in this process, locust in a subprocess, the report.
+
+``prediction_server`` is the one place that knows what serves: today a small in-test servicer that
+checks the request layout; swap it for the real serving runtime when that lands.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from loadtest.latency import read_raw_latencies
+from loadtest.run import run_load_test
+from protos import predict_pb2, predict_pb2_grpc
+
+from .conftest import CONTEXT, ITEM, SEQUENCE, USER, model_metadata
+
+
+class _LayoutCheckingServicer(predict_pb2_grpc.PredictionServiceServicer):
+    """Answers like a model server and rejects requests whose layout breaks the metadata."""
+
+    def __init__(self) -> None:
+        self.metadata = model_metadata()
+        self.received = 0
+        self.fail_every = 0  # > 0: every n-th call fails (to test failure reporting)
+        self._lock = threading.Lock()
+
+    def GetModelMetadata(self, request, context):  # noqa: N802 (gRPC method name)
+        return self.metadata
+
+    def Predict(self, request, context):  # noqa: N802
+        with self._lock:
+            self.received += 1
+            n = self.received
+        if self.fail_every and n % self.fail_every == 0:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "planted failure")
+        problem = _layout_problem(request)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        ids = np.array([c.values["adgroup_id"].int64_value for c in request.candidates])
+        probs = 1.0 / (1.0 + np.exp(-((ids % 7) - 3.0)))
+        return predict_pb2.PredictResponse(
+            probabilities=probs.tolist(), model_version="test-1", request_id=request.request_id
+        )
+
+
+def _layout_problem(req: predict_pb2.PredictRequest) -> str | None:
+    if set(req.user.values) != set(USER):
+        return f"user features {sorted(req.user.values)}"
+    if set(req.context.values) != set(CONTEXT):
+        return f"context features {sorted(req.context.values)}"
+    if set(req.sequences) != set(SEQUENCE):
+        return f"sequences {sorted(req.sequences)}"
+    if len({len(s.ids) for s in req.sequences.values()}) != 1:
+        return "sequence lengths differ"
+    if not req.candidates or any(set(c.values) != set(ITEM) for c in req.candidates):
+        return "candidate features"
+    return None
+
+
+@pytest.fixture
+def prediction_server() -> Iterator[tuple[str, _LayoutCheckingServicer]]:
+    """(address, servicer) of a PredictionService on 127.0.0.1, an ephemeral port."""
+    servicer = _LayoutCheckingServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    predict_pb2_grpc.add_PredictionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(grace=None)
+
+
+def test_load_test_reports_exact_percentiles(
+    prediction_server: tuple[str, _LayoutCheckingServicer], sample_dir: Path, tmp_path: Path
+) -> None:
+    address, servicer = prediction_server
+    out = tmp_path / "loadtest"
+    summary = run_load_test(
+        address,
+        sample_dir,
+        out,
+        users=2,
+        spawn_rate=10,
+        duration_s=3,
+        num_candidates=20,
+        num_requests=50,
+    )
+
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["failures"] == 0, summary["locust"]["failures"]
+    lat = summary["latency_ms"]
+    assert all(lat[k] > 0 for k in ("p50", "p95", "p99", "p99.9"))
+    assert lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
+
+    raw = read_raw_latencies(out / "raw")
+    assert summary["requests"] == len(raw) > 20
+    assert raw.ok.all()
+    locust_row = summary["locust"]["stats"]["Predict"]
+    assert locust_row["Request Count"] == len(raw)
+    assert locust_row["Failure Count"] == 0
+    # the server saw every recorded call, plus at most one in flight per user at shutdown
+    assert len(raw) <= servicer.received <= len(raw) + 2
+    assert summary["qps"] > 0
+    assert summary["candidates_per_s"] == pytest.approx(summary["qps"] * 20)
+    assert 1.0 < summary["window_s"] < 6.0  # -t 3s, less locust start-up
+    assert sum(r["requests"] for r in summary["timeline"]) == len(raw)
+    assert (out / "latency.png").stat().st_size > 10_000
+    assert (out / "locust_stats.csv").exists()
+
+
+def test_failures_are_counted_and_named(
+    prediction_server: tuple[str, _LayoutCheckingServicer], sample_dir: Path, tmp_path: Path
+) -> None:
+    address, servicer = prediction_server
+    servicer.fail_every = 4
+    summary = run_load_test(
+        address,
+        sample_dir,
+        tmp_path / "lt",
+        users=1,
+        spawn_rate=10,
+        duration_s=2,
+        num_candidates=5,
+        num_requests=10,
+    )
+    assert summary["locust"]["exit_code"] == 1  # locust's "the run had failures"
+    assert summary["failures"] == pytest.approx(summary["requests"] / 4, abs=1)
+    assert summary["locust"]["stats"]["Predict"]["Failure Count"] == summary["failures"]
+    (failure,) = summary["locust"]["failures"]
+    assert failure["Error"] == "RpcFailure('RESOURCE_EXHAUSTED: planted failure')"
+    assert failure["Occurrences"] == summary["failures"]
+    assert summary["latency_ms"]["p50"] > 0  # percentiles are of the successful calls
