@@ -1,0 +1,104 @@
+"""Names, constants and small helpers of the bundle format, shared by its writer and reader."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.features import FeatureSet
+
+BUNDLE_FORMAT = "dynrec-bundle"
+BUNDLE_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+FG_JSON = "fg.json"
+DENSE_PROGRAM = "dense.pt2"
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
+
+VERSION_RE = re.compile(r"^[A-Za-z0-9._:+-]{1,128}$")
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+VALUES_RE = re.compile(r"^(?P<table>.+)\.values/part_(?P<rank>\d+)_(?P<world>\d+)$")
+WEIGHT_RE = re.compile(r"^(?P<table>.+)\.weight$")
+SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.(safetensors|json)$")
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be written or read; the message names the file/table and the fix."""
+
+
+@dataclass
+class Bundle:
+    """A validated bundle. Dense program loading is left to :func:`load_dense_program`.
+
+    Tensors are backed by a private (copy-on-write) memory map of the safetensors files, so pages
+    are read on first touch; hash tables of several parts are concatenated copies.
+    """
+
+    path: Path
+    dense_tables: dict[str, torch.Tensor]  # table → float32 [rows, dim]
+    hash_tables: dict[str, tuple[torch.Tensor, torch.Tensor]]  # table → (int64 [N], f32 [N, dim])
+    feature_set: FeatureSet
+    manifest: dict[str, Any]
+    metadata: dict[str, dict[str, Any]]  # entries of every model-*.json, by entry name
+    dense_program_path: Path
+    version: str
+    read_seconds: float
+
+    @property
+    def config_digest(self) -> str:
+        return str(self.manifest["config_digest"])
+
+
+def shard_stem(index: int, count: int) -> str:
+    """``model-00000-of-00001``: the file stem of shard ``index`` of ``count``."""
+    return f"model-{index:05d}-of-{count:05d}"
+
+
+def table_of(entry: str) -> str:
+    m = VALUES_RE.match(entry) or WEIGHT_RE.match(entry)
+    assert m is not None, entry
+    return m["table"]
+
+
+def check_unique(table: str, keys: torch.Tensor, where: str) -> None:
+    """Refuse a hashmap table holding a key twice (numpy sort: fast, no torch warm-up)."""
+    if keys.numel() < 2:
+        return
+    s = np.sort(keys.numpy())
+    dup = s[1:] == s[:-1]
+    if dup.any():
+        raise BundleError(
+            f"{where}: table {table!r}: duplicate keys in a hashmap table ({int(dup.sum())} "
+            f"repeats, e.g. {int(s[1:][dup][0])}); each key must appear once across all parts: "
+            "deduplicate before export"
+        )
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BundleError(f"{path}: unreadable JSON ({err}); re-export the bundle") from None
+    if not isinstance(obj, dict):
+        raise BundleError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())

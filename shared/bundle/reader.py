@@ -1,0 +1,309 @@
+"""Read and validate a bundle; every defect is a BundleError naming the file, table and fix."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import torch
+from safetensors.torch import load_file
+
+from shared.bundle.layout import (
+    BUNDLE_FORMAT,
+    BUNDLE_FORMAT_VERSION,
+    DENSE_PROGRAM,
+    FG_JSON,
+    MANIFEST,
+    VALUES_RE,
+    WEIGHT_RE,
+    Bundle,
+    BundleError,
+    check_unique,
+    read_json,
+    sha256,
+)
+from shared.features import FeatureSet
+from shared.fg_spec import FgSpecError, feature_set_from_dict
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checked manifest of the bundle at ``path`` (cheap: no tensors, no checksums)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise BundleError(f"{root}: no such bundle directory")
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise BundleError(
+            f"{root}: incomplete bundle: no {MANIFEST} (it is written last, so the export did "
+            "not finish); re-run the export"
+        )
+    m = read_json(mpath)
+    if m.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{mpath}: format is {m.get('format')!r}, expected {BUNDLE_FORMAT!r}")
+    if m.get("format_version") != BUNDLE_FORMAT_VERSION:
+        raise BundleError(
+            f"{mpath}: format_version {m.get('format_version')!r} is not supported (this "
+            f"reader knows {BUNDLE_FORMAT_VERSION}); re-export with this version of the code"
+        )
+    types_ = {
+        "version": str,
+        "created_at": str,
+        "config_digest": str,
+        "shards": list,
+        "tables": dict,
+        "extra": dict,
+        "files": dict,
+        "producer": dict,
+    }
+    for key, tp in types_.items():
+        if not isinstance(m.get(key), tp):
+            raise BundleError(f"{mpath}: key {key!r} is missing or not a {tp.__name__}")
+    if not m["shards"]:
+        raise BundleError(f"{mpath}: 'shards' is empty")
+    needed = [FG_JSON, DENSE_PROGRAM] + [
+        f"{s}{x}" for s in m["shards"] for x in (".safetensors", ".json")
+    ]
+    for name in needed:
+        if name not in m["files"]:
+            raise BundleError(f"{mpath}: 'files' does not list {name!r}; re-export the bundle")
+    for name, info in m["files"].items():
+        ok = (
+            "/" not in name
+            and name not in ("", ".", "..")
+            and isinstance(info, dict)
+            and isinstance(info.get("size"), int)
+            and isinstance(info.get("sha256"), str)
+        )
+        if not ok:
+            raise BundleError(f"{mpath}: bad 'files' entry {name!r}: {info!r}")
+    return m
+
+
+def read_bundle(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> Bundle:
+    """Read and validate the bundle at ``path``; any defect raises :class:`BundleError`.
+
+    Sizes are always checked against the manifest; ``verify_checksums`` adds sha256 of every file.
+    """
+    t0 = time.perf_counter()
+    root = Path(path)
+    manifest = read_manifest(root)
+    _check_files(root, manifest, verify_checksums)
+    try:
+        fs = feature_set_from_dict(read_json(root / FG_JSON), source=str(root / FG_JSON))
+    except FgSpecError as err:
+        raise BundleError(f"{err}; re-export the bundle") from None
+    metadata: dict[str, dict[str, Any]] = {}
+    dense: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for stem in manifest["shards"]:
+        tensors = _load_safetensors(root / f"{stem}.safetensors")
+        meta = read_json(root / f"{stem}.json")
+        used: set[str] = set()
+        for entry, info in meta.items():
+            if entry in metadata:
+                raise BundleError(f"{root / (stem + '.json')}: entry {entry!r} is in two shards")
+            metadata[entry] = info
+            _read_entry(root, stem, entry, info, tensors, fs, dense, parts, used)
+        orphans = sorted(set(tensors) - used)
+        if orphans:
+            raise BundleError(
+                f"{root / (stem + '.safetensors')}: tensor {orphans[0]!r} has no entry in "
+                f"{stem}.json; re-export the bundle"
+            )
+    hashes = {t: _join_parts(root, t, p) for t, p in parts.items()}
+    for t in fs.tables:
+        if t not in dense and t not in hashes:
+            raise BundleError(
+                f"{root}: missing table {t!r}: fg.json declares it but no model-*.json entry "
+                "holds its tensors; re-export the bundle"
+            )
+    _check_summary(root, manifest, dense, hashes, parts)
+    return Bundle(
+        path=root,
+        dense_tables={t: dense[t] for t in fs.tables if t in dense},
+        hash_tables={t: hashes[t] for t in fs.tables if t in hashes},
+        feature_set=fs,
+        manifest=manifest,
+        metadata=metadata,
+        dense_program_path=root / DENSE_PROGRAM,
+        version=manifest["version"],
+        read_seconds=time.perf_counter() - t0,
+    )
+
+
+def load_dense_program(bundle: Bundle) -> torch.nn.Module:
+    """The dense part as a callable module (``torch.export.load(dense.pt2).module()``)."""
+    try:
+        program = torch.export.load(bundle.dense_program_path)
+    except Exception as err:  # any load failure: name the file
+        raise BundleError(
+            f"{bundle.dense_program_path}: torch.export.load failed ({type(err).__name__}: "
+            f"{err}); a program with fbgemm ops needs `import fbgemm_gpu` first, and torch "
+            f"{bundle.manifest['producer'].get('torch')} wrote it"
+        ) from err
+    return program.module()
+
+
+def _check_files(root: Path, manifest: dict[str, Any], verify: bool) -> None:
+    for name, info in manifest["files"].items():
+        p = root / name
+        if not p.is_file():
+            raise BundleError(f"{p}: listed in {MANIFEST} but missing; copy the bundle again")
+        size = p.stat().st_size
+        if size != info["size"]:
+            raise BundleError(
+                f"{p}: {size} bytes but {MANIFEST} says {info['size']}: the file is truncated "
+                "or modified; copy the bundle again or re-export it"
+            )
+        if verify and sha256(p) != info["sha256"]:
+            raise BundleError(
+                f"{p}: sha256 checksum mismatch against {MANIFEST}: the file is corrupt or "
+                "modified; copy the bundle again or re-export it"
+            )
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (safetensors.SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise BundleError(
+            f"{path}: not a readable safetensors file ({err}); it is truncated or corrupt: "
+            "copy the bundle again or re-export it"
+        ) from None
+
+
+def _read_entry(
+    root: Path,
+    stem: str,
+    entry: str,
+    info: Any,
+    tensors: dict[str, torch.Tensor],
+    fs: FeatureSet,
+    dense: dict[str, torch.Tensor],
+    parts: dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]],
+    used: set[str],
+) -> None:
+    """Check one model-*.json entry against its tensors and fg.json; file it under its table."""
+    where = f"{root / (stem + '.json')}: entry {entry!r}"
+    required = ["name", "dense", "dimension", "dtype", "shape", "is_hashmap"]
+    if not isinstance(info, dict) or any(k not in info for k in required):
+        raise BundleError(f"{where}: needs keys {required}, got {info!r}")
+    if info["is_hashmap"]:
+        for k in ("hashmap_key", "hashmap_value", "hashmap_key_dtype"):
+            if k not in info:
+                raise BundleError(f"{where}: is_hashmap entry lacks {k!r}")
+    name = info["hashmap_value"] if info["is_hashmap"] else info["name"]
+    m = (VALUES_RE if info["is_hashmap"] else WEIGHT_RE).match(name)
+    if m is None:
+        form = "<table>.values/part_R_W" if info["is_hashmap"] else "<table>.weight"
+        raise BundleError(f"{where}: tensor name {name!r} is not of the form {form}")
+    table = m["table"]
+    spec = fs.tables.get(table)
+    if spec is None:
+        raise BundleError(
+            f"{where}: tensors of unknown table {table!r}: fg.json has no such table (the "
+            "bundle mixes two exports); re-export the bundle"
+        )
+    where = f"{root / (stem + '.json')}: table {table!r} entry {entry!r}"
+    if info["is_hashmap"] != spec.is_dynamic:
+        kind = "dynamic" if spec.is_dynamic else "dense"
+        raise BundleError(f"{where}: is_hashmap={info['is_hashmap']} but fg.json says {kind}")
+    values = _tensor(tensors, name, root / f"{stem}.safetensors", where)
+    used.add(name)
+    rows = int(values.shape[0]) if values.dim() == 2 else -1
+    expect = [spec.num_rows if spec.num_rows is not None else rows, spec.dim]
+    problems = []
+    if values.dtype != torch.float32 or info["dtype"] != "float32":
+        problems.append(f"dtype {values.dtype} (metadata {info['dtype']!r}), expected float32")
+    if list(values.shape) != info["shape"] or list(values.shape) != expect:
+        problems.append(f"shape {list(values.shape)} (metadata {info['shape']}), expected {expect}")
+    if info["dimension"] != spec.dim:
+        problems.append(f"dimension {info['dimension']}, fg.json says {spec.dim}")
+    if problems:
+        raise BundleError(f"{where}: metadata/shape mismatch: {'; '.join(problems)}; re-export")
+    if not spec.is_dynamic:
+        if table in dense:
+            raise BundleError(f"{where}: a second weight for dense table {table!r}; re-export")
+        dense[table] = values
+        return
+    keys = _tensor(tensors, info["hashmap_key"], root / f"{stem}.safetensors", where)
+    used.add(info["hashmap_key"])
+    if keys.dtype != torch.int64 or info["hashmap_key_dtype"] != "int64":
+        raise BundleError(
+            f"{where}: key dtype {keys.dtype} (metadata {info['hashmap_key_dtype']!r}), "
+            "expected int64; re-export with int64 keys"
+        )
+    if list(keys.shape) != [rows]:
+        raise BundleError(
+            f"{where}: metadata/shape mismatch: keys {list(keys.shape)} for {rows} value rows"
+        )
+    rank, world = int(m["rank"]), int(m["world"])
+    table_parts = parts.setdefault(table, {})
+    if rank in table_parts or rank >= world:
+        raise BundleError(f"{where}: part {rank} of {world} is repeated or out of range")
+    table_parts[rank] = (world, keys, values)
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, path: Path, where: str) -> torch.Tensor:
+    if name not in tensors:
+        raise BundleError(f"{where}: tensor {name!r} is missing from {path}; re-export the bundle")
+    return tensors[name]
+
+
+def _join_parts(
+    root: Path, table: str, parts: dict[int, tuple[int, torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    worlds = {w for w, _, _ in parts.values()}
+    world = max(worlds)
+    if len(worlds) != 1 or sorted(parts) != list(range(world)):
+        raise BundleError(
+            f"{root}: table {table!r}: parts {sorted(parts)} with world sizes {sorted(worlds)}; "
+            f"expected parts 0..{world - 1} of {world}: a part is missing, re-export the bundle"
+        )
+    ordered = [parts[r] for r in range(world)]
+    if world == 1:
+        keys, values = ordered[0][1], ordered[0][2]
+    else:
+        keys = torch.cat([k for _, k, _ in ordered])
+        values = torch.cat([v for _, _, v in ordered])
+    check_unique(table, keys, str(root))
+    return keys, values
+
+
+def _check_summary(
+    root: Path,
+    manifest: dict[str, Any],
+    dense: dict[str, torch.Tensor],
+    hashes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    parts: dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]],
+) -> None:
+    """manifest["tables"] must describe exactly the tensors read."""
+    found = {
+        **{
+            t: {
+                "is_hashmap": False,
+                "dimension": int(w.shape[1]),
+                "rows": int(w.shape[0]),
+                "parts": 1,
+            }
+            for t, w in dense.items()
+        },
+        **{
+            t: {
+                "is_hashmap": True,
+                "dimension": int(v.shape[1]),
+                "rows": int(v.shape[0]),
+                "parts": len(parts[t]),
+            }
+            for t, (_, v) in hashes.items()
+        },
+    }
+    for t in sorted(set(found) | set(manifest["tables"])):
+        if manifest["tables"].get(t) != found.get(t):
+            raise BundleError(
+                f"{root / MANIFEST}: table {t!r}: manifest says {manifest['tables'].get(t)}, "
+                f"the tensors say {found.get(t)}; re-export the bundle"
+            )
