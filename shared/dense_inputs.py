@@ -1,0 +1,132 @@
+"""Looked-up embeddings → the six inputs of the exported dense program; shared by train/ and serve/.
+
+Training (``train/model``) and serving (``serve/sparse.py``) both look ids up in their own way
+(trainable tables vs. read-only hash tables), then call :func:`assemble_dense_inputs`, so the
+order and pooling of the program's inputs cannot drift between the two sides::
+
+    user_deep   [U, Du]   concat of pooled DEEP-group USER-side embeddings (FeatureSet order)
+    item_deep   [B, Di]   concat of pooled DEEP-group ITEM/CONTEXT-side embeddings (FeatureSet order)
+    query       [B, Dq]   concat of the SEQUENCE group's query embeddings (GroupSpec.query order)
+    seq_values  [T, Dq]   concat of the sequence sub-feature embeddings (GroupSpec.sequence order)
+    seq_lengths [U] int64 elements per user (sum = T)
+    user_index  [B] int64 user row of each candidate row
+
+Pure torch, no torchrec kernels beyond KJT accessors, so it runs on CUDA without fbgemm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shared.batch import Batch
+from shared.features import FeatureSet, GroupType, Side
+
+INPUT_NAMES = ("user_deep", "item_deep", "query", "seq_values", "seq_lengths", "user_index")
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """Which embedding goes into which dense input, in concatenation order, and the widths."""
+
+    user_deep: tuple[str, ...]  # DEEP-group features with side USER
+    item_deep: tuple[str, ...]  # DEEP-group features with side ITEM or CONTEXT
+    query: tuple[str, ...]  # SEQUENCE-group query features (one per candidate row)
+    sequence: tuple[str, ...]  # SEQUENCE-group sequence features (jagged, one per user row)
+    user_deep_dim: int
+    item_deep_dim: int
+    seq_dim: int  # width of query and of sequence
+
+
+def dense_layout(fs: FeatureSet) -> DenseLayout:
+    """Feature order and widths of the dense inputs.
+
+    DEEP features keep the FeatureSet order (config order of ``feature_configs``), USER side into
+    ``user_deep``, ITEM and CONTEXT side into ``item_deep``. Query and sequence features keep the
+    SEQUENCE group's order; query i and sequence i must have equal widths.
+    """
+    deep = fs.group(GroupType.DEEP)
+    seq = fs.group(GroupType.SEQUENCE)
+    in_deep = set(deep.features)
+    ordered = [f for f in fs.features.values() if f.name in in_deep]
+    user = tuple(f.name for f in ordered if f.side is Side.USER)
+    item = tuple(f.name for f in ordered if f.side is not Side.USER)
+
+    def dim(name: str) -> int:
+        return fs.tables[fs.features[name].table].dim
+
+    for q, s in zip(seq.query, seq.sequence, strict=True):
+        if dim(q) != dim(s):
+            raise ValueError(
+                f"group {seq.name!r}: query feature {q!r} has dim {dim(q)} but its sequence "
+                f"feature {s!r} has dim {dim(s)}; DIN needs equal widths (same embedding_dim)"
+            )
+    return DenseLayout(
+        user_deep=user,
+        item_deep=item,
+        query=seq.query,
+        sequence=seq.sequence,
+        user_deep_dim=sum(dim(n) for n in user),
+        item_deep_dim=sum(dim(n) for n in item),
+        seq_dim=sum(dim(n) for n in seq.query),
+    )
+
+
+def pool(emb: torch.Tensor, lengths: torch.Tensor, pooling: str = "sum") -> torch.Tensor:
+    """Pool the rows of each bag: ``emb`` [N, D] with ``lengths`` [R] (sum N) → [R, D].
+
+    ``pooling`` is ``"sum"`` or ``"mean"``; an empty bag (a missing value) gives zeros.
+    """
+    rows = lengths.shape[0]
+    bag = torch.repeat_interleave(
+        torch.arange(rows, device=emb.device), lengths, output_size=emb.shape[0]
+    )  # [N] bag of each row
+    out = emb.new_zeros(rows, emb.shape[1]).index_add(0, bag, emb)  # [R, D]
+    if pooling == "sum":
+        return out
+    if pooling == "mean":
+        return out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype)
+    raise ValueError(f"pooling {pooling!r} is not sum or mean")
+
+
+def _concat(parts: list[torch.Tensor], rows: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts, dim=1) if parts else like.new_zeros(rows, 0)
+
+
+def assemble_dense_inputs(
+    fs: FeatureSet,
+    batch: Batch,
+    pooled: Mapping[str, torch.Tensor],
+    sequences: Mapping[str, torch.Tensor],
+    *,
+    layout: DenseLayout | None = None,
+) -> dict[str, torch.Tensor]:
+    """The dense program's keyword inputs (see the module docstring) from looked-up embeddings.
+
+    ``pooled[name]`` is [rows, dim] for every DEEP and query feature (rows = U for user-side
+    features, B for item/context ones); ``sequences[name]`` is [T, dim] for every sequence
+    feature, jagged with ``batch.sequence``'s lengths (equal across a sequence's sub-features).
+    ``layout`` may be passed to skip recomputing :func:`dense_layout` on a hot path.
+    """
+    lay = layout or dense_layout(fs)
+    u, b = batch.num_users, batch.batch_size
+    like = next(iter(pooled.values())) if pooled else next(iter(sequences.values()))
+    missing = [n for n in (*lay.user_deep, *lay.item_deep, *lay.query) if n not in pooled]
+    missing += [n for n in lay.sequence if n not in sequences]
+    if missing:
+        raise KeyError(f"no embeddings for features {missing}; every feature must be looked up")
+    if lay.sequence:
+        seq_lengths = batch.sequence[lay.sequence[0]].lengths()  # [U]
+    else:
+        seq_lengths = torch.zeros(u, dtype=torch.int64, device=like.device)
+    seq_values = _concat([sequences[n] for n in lay.sequence], int(seq_lengths.sum()), like)
+    return {
+        "user_deep": _concat([pooled[n] for n in lay.user_deep], u, like),  # [U, Du]
+        "item_deep": _concat([pooled[n] for n in lay.item_deep], b, like),  # [B, Di]
+        "query": _concat([pooled[n] for n in lay.query], b, like),  # [B, Dq]
+        "seq_values": seq_values,  # [T, Dq]
+        "seq_lengths": seq_lengths.to(torch.int64),  # [U]
+        "user_index": batch.user_index.to(torch.int64),  # [B]
+    }

@@ -1,0 +1,316 @@
+"""The dense part of MultiTowerDIN: everything after the embedding lookups; exported for serving.
+
+Inputs are the looked-up embeddings, split by whom they belong to so that a user's part is given
+once for all of its candidate rows (user tiling; in training U == B and user_index = arange(B))::
+
+    user_deep   [U, Du]   concat of pooled DEEP-group USER-side embeddings (FeatureSet order)
+    item_deep   [B, Di]   concat of pooled DEEP-group ITEM/CONTEXT-side embeddings (FeatureSet order)
+    query       [B, Dq]   concat of the SEQUENCE group's query embeddings (group order)
+    seq_values  [T, Dq]   concat of the sequence sub-feature embeddings (group order), jagged
+    seq_lengths [U] int64 elements per user (sum = T)
+    user_index  [B] int64 user row of each candidate row
+    -> logits   [B]
+
+:func:`shared.dense_inputs.dense_layout` says which features go where and their widths, and
+:func:`shared.dense_inputs.assemble_dense_inputs` builds these inputs from looked-up embeddings.
+:func:`export_dense_arch` turns the module into a ``torch.export`` program with dynamic U, B and
+T (pure torch ops, so it loads without fbgemm), called with the inputs as keywords::
+
+    program = load_dense_program(bundle_dir, device="cuda").module()
+    logits = program(**inputs)                                   # [B]
+
+:func:`save_dense_program` / :func:`load_dense_program` store it as ``dense.pt2``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim, ExportedProgram
+
+from protos import pipeline_pb2
+from shared.config import ConfigError
+from shared.dense_inputs import INPUT_NAMES, dense_layout
+from shared.features import FeatureSet, GroupType
+from train.model.din import JaggedDIN
+from train.model.mlp import MLP, MLPConfig
+
+DENSE_PROGRAM_FILE = "dense.pt2"
+
+
+# --------------------------------------------------------------------------- module
+
+
+@dataclass(frozen=True)
+class DenseArchConfig:
+    """Everything needed to rebuild a :class:`DenseArch` (stored with checkpoints and bundles)."""
+
+    user_deep_dim: int
+    item_deep_dim: int
+    seq_dim: int
+    tower: MLPConfig
+    attn: MLPConfig
+    final: MLPConfig | None  # None: the output Linear reads concat(tower, din) directly
+
+    def to_dict(self) -> dict[str, object]:
+        def mlp(c: MLPConfig | None) -> dict[str, object] | None:
+            if c is None:
+                return None
+            return {
+                "hidden_units": list(c.hidden_units),
+                "dropout_ratio": list(c.dropout_ratio),
+                "use_bn": c.use_bn,
+            }
+
+        return {
+            "user_deep_dim": self.user_deep_dim,
+            "item_deep_dim": self.item_deep_dim,
+            "seq_dim": self.seq_dim,
+            "tower": mlp(self.tower),
+            "attn": mlp(self.attn),
+            "final": mlp(self.final),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DenseArchConfig:
+        def mlp(v: Mapping[str, Any]) -> MLPConfig:
+            return MLPConfig(
+                tuple(v["hidden_units"]), tuple(v.get("dropout_ratio", ())), bool(v.get("use_bn"))
+            )
+
+        final = d.get("final")
+        return cls(
+            int(d["user_deep_dim"]),
+            int(d["item_deep_dim"]),
+            int(d["seq_dim"]),
+            mlp(d["tower"]),
+            mlp(d["attn"]),
+            None if final is None else mlp(final),
+        )
+
+
+class DenseArch(nn.Module):
+    """Deep tower + jagged DIN tower + final MLP → one logit per candidate row.
+
+    Example::
+
+        arch = DenseArch(144, 112, 48, [512, 256, 128], [256, 64], [64])
+        logits = arch(user_deep, item_deep, query, seq_values, seq_lengths, user_index)  # [B]
+    """
+
+    def __init__(
+        self,
+        user_deep_dim: int,
+        item_deep_dim: int,
+        seq_dim: int,
+        tower_units: MLPConfig | Sequence[int],
+        attn_units: MLPConfig | Sequence[int],
+        final_units: MLPConfig | Sequence[int] | None,
+    ) -> None:
+        super().__init__()
+        final = MLPConfig.of(final_units) if final_units else None
+        self.config = DenseArchConfig(
+            user_deep_dim,
+            item_deep_dim,
+            seq_dim,
+            MLPConfig.of(tower_units),
+            MLPConfig.of(attn_units),
+            final,
+        )
+        self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
+        self.din = JaggedDIN(seq_dim, self.config.attn)
+        width = self.tower.out_features + self.din.out_features
+        self.final = MLP(width, final) if final is not None else nn.Identity()
+        self.output = nn.Linear(final.out_features if final is not None else width, 1)
+
+    @classmethod
+    def from_arch_config(cls, config: DenseArchConfig) -> DenseArch:
+        return cls(
+            config.user_deep_dim,
+            config.item_deep_dim,
+            config.seq_dim,
+            config.tower,
+            config.attn,
+            config.final,
+        )
+
+    @classmethod
+    def from_config(
+        cls, feature_set: FeatureSet, model_config: pipeline_pb2.ModelConfig
+    ) -> DenseArch:
+        """Build from the ``multi_tower_din`` block: one DEEP tower, one DIN tower, optional final."""
+        path = "model_config.multi_tower_din"
+
+        def check(field: str, ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError("<config>", None, field, message)
+
+        check(
+            "model_config",
+            model_config.WhichOneof("model") == "multi_tower_din",
+            "expected a multi_tower_din model",
+        )
+        check(
+            "model_config.num_class",
+            model_config.num_class == 1,
+            f"only binary CTR (num_class 1) is supported, got {model_config.num_class}",
+        )
+        mtd = model_config.multi_tower_din
+        deep = feature_set.group(GroupType.DEEP).name
+        seq = feature_set.group(GroupType.SEQUENCE).name
+        towers = [t.input for t in mtd.towers]
+        din_towers = [t.input for t in mtd.din_towers]
+        check(
+            f"{path}.towers",
+            towers == [deep],
+            f"need exactly one tower with input {deep!r} (the DEEP group), got {towers}",
+        )
+        check(
+            f"{path}.din_towers",
+            din_towers == [seq],
+            f"need exactly one din_tower with input {seq!r} (the SEQUENCE group), got {din_towers}",
+        )
+        layout = dense_layout(feature_set)
+        final = MLPConfig.from_proto(mtd.final, f"{path}.final") if mtd.HasField("final") else None
+        return cls(
+            layout.user_deep_dim,
+            layout.item_deep_dim,
+            layout.seq_dim,
+            MLPConfig.from_proto(mtd.towers[0].mlp, f"{path}.towers[0].mlp"),
+            MLPConfig.from_proto(mtd.din_towers[0].attn_mlp, f"{path}.din_towers[0].attn_mlp"),
+            final,
+        )
+
+    def forward(
+        self,
+        user_deep: torch.Tensor,
+        item_deep: torch.Tensor,
+        query: torch.Tensor,
+        seq_values: torch.Tensor,
+        seq_lengths: torch.Tensor,
+        user_index: torch.Tensor,
+    ) -> torch.Tensor:
+        # user_deep: [U, Du]; item_deep: [B, Di]; query: [B, Dq]; seq_values: [T, Dq]
+        # seq_lengths: [U] int64; user_index: [B] int64
+        deep_in = torch.cat([user_deep[user_index], item_deep], dim=1)  # [B, Du + Di]
+        deep = self.tower(deep_in)  # [B, tower_out]
+        din = self.din(query, seq_values, seq_lengths, user_index)  # [B, Dq]
+        h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]
+        return self.output(h).squeeze(1)  # [B]
+
+
+# --------------------------------------------------------------------------- export
+
+
+def example_inputs(
+    arch: DenseArch, lengths: Sequence[int] = (3, 0, 5), user_index: Sequence[int] = (0, 1, 2, 2)
+) -> dict[str, torch.Tensor]:
+    """Random inputs of the right widths; the defaults suit :func:`export_dense_arch`."""
+    c = arch.config
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    u, b, t = len(lens), len(user_index), int(lens.sum())
+    return {
+        "user_deep": torch.randn(u, c.user_deep_dim),
+        "item_deep": torch.randn(b, c.item_deep_dim),
+        "query": torch.randn(b, c.seq_dim),
+        "seq_values": torch.randn(t, c.seq_dim),
+        "seq_lengths": lens,
+        "user_index": torch.tensor(list(user_index), dtype=torch.int64),
+    }
+
+
+def _check_example(example: dict[str, torch.Tensor]) -> None:
+    if set(example) != set(INPUT_NAMES):
+        raise ValueError(
+            f"example has keys {sorted(example)}, expected exactly {list(INPUT_NAMES)}"
+        )
+    for key in ("seq_lengths", "user_index"):
+        if example[key].dtype != torch.int64:
+            raise ValueError(f"example[{key!r}] must be int64, got {example[key].dtype}")
+    sizes = {
+        "U": example["user_deep"].shape[0],
+        "B": example["item_deep"].shape[0],
+        "T": example["seq_values"].shape[0],
+    }
+    small = {k: v for k, v in sizes.items() if v < 2}
+    if small:
+        raise ValueError(
+            f"example sizes {small} are < 2: torch.export would specialise the program to them; "
+            "use an example with at least 2 users, 2 candidates and 2 sequence elements "
+            "(example_inputs() gives one)"
+        )
+
+
+def export_dense_arch(module: DenseArch, example: dict[str, torch.Tensor]) -> ExportedProgram:
+    """Export in eval mode with dynamic U (users), B (candidates) and T (sequence elements).
+
+    ``example`` maps :data:`INPUT_NAMES` to tensors with U, B, T >= 2. The program takes the
+    inputs as keywords (``program.module()(**inputs)``; positional calls are refused) and
+    accepts any U, B, T >= 0,
+    including one user with many candidates and empty sequences. The number of
+    (candidate, element) pairs inside the DIN is data dependent; it is carried as an unbacked
+    symbol guarded by a runtime assertion (see :class:`~train.model.din.JaggedDIN`).
+    """
+    _check_example(example)
+    users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
+    dynamic_shapes = {
+        "user_deep": {0: users},
+        "item_deep": {0: batch},
+        "query": {0: batch},
+        "seq_values": {0: total},
+        "seq_lengths": {0: users},
+        "user_index": {0: batch},
+    }
+    kwargs = {name: example[name] for name in INPUT_NAMES}
+    was_training = module.training
+    module.eval()
+    try:
+        return torch.export.export(
+            module, (), kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=False
+        )
+    finally:
+        module.train(was_training)
+
+
+def save_dense_program(program: ExportedProgram, directory: str | os.PathLike[str]) -> Path:
+    """Write ``<directory>/dense.pt2`` atomically (temp file + rename); returns its path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / DENSE_PROGRAM_FILE
+    fd, tmp = tempfile.mkstemp(prefix=".dense.", suffix=".partial.pt2", dir=directory)
+    os.close(fd)
+    try:
+        torch.export.save(program, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load_dense_program(
+    path: str | os.PathLike[str], *, device: str | torch.device | None = None
+) -> ExportedProgram:
+    """Load ``dense.pt2`` (or the directory holding it), optionally moved to ``device``.
+
+    The program records the device it was exported on (CPU, in training); ``device="cuda"``
+    rewrites its parameters and the device of the tensors it creates.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / DENSE_PROGRAM_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no dense program at {path}; expected {DENSE_PROGRAM_FILE}")
+    program = torch.export.load(path)
+    if device is not None:
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, torch.device(device))
+    return program
