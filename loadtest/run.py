@@ -31,6 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 
 
+def wait_until_serving(host: str, timeout_s: float = 120.0, service: str = "") -> float:
+    """Poll the standard gRPC health service until ``service`` is SERVING; returns seconds waited."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    start = time.perf_counter()
+    deadline = start + timeout_s
+    with grpc.insecure_channel(host) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return time.perf_counter() - start
+            except grpc.RpcError:
+                pass  # not listening yet
+            if time.perf_counter() > deadline:
+                raise TimeoutError(
+                    f"{host} not SERVING after {timeout_s:.0f} s; see the server log"
+                )
+            time.sleep(0.1)
+
+
 def fetch_metadata(host: str, timeout_s: float = 30.0) -> predict_pb2.ModelMetadata:
     """The served model's metadata; waits up to ``timeout_s`` for the server to accept calls."""
     with grpc.insecure_channel(host) as channel:

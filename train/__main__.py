@@ -1,0 +1,125 @@
+"""``python -m train {train,evaluate,export}``: thin CLI over train.trainer / train.export.
+
+Examples::
+
+    python -m train train --config configs/multi_tower_din_taobao_dynamicemb.config \\
+        --train data/small/samples/train --eval data/small/samples/eval --model-dir runs/dyn
+    python -m train train ... --resume            # continue from the newest checkpoint
+    python -m train evaluate --config ... --model-dir runs/dyn
+    python -m train export --config ... --model-dir runs/dyn --out runs/dyn/bundle
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, required=True, help="pipeline config (text proto)")
+    p.add_argument("--model-dir", type=Path, help="default: the config's model_dir")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-size", type=int, help="default: data_config.batch_size")
+    p.add_argument("--num-workers", type=int, help="default: data_config.num_workers")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="train (and evaluate at the end)")
+    _common(t)
+    t.add_argument("--train", type=Path, help="train samples dir; default: train_input_path")
+    t.add_argument("--eval", type=Path, help="eval samples dir; default: eval_input_path")
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--eval-every", type=int, help="steps between evaluations")
+    t.add_argument("--checkpoint-every", type=int)
+    t.add_argument("--log-every", type=int)
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--no-progress", action="store_true")
+
+    e = sub.add_parser("evaluate", help="evaluate a checkpoint")
+    _common(e)
+    e.add_argument("--train", type=Path, help="train samples (for head/tail user counts)")
+    e.add_argument("--eval", type=Path)
+    e.add_argument("--checkpoint", type=Path, help="default: newest in model-dir")
+
+    x = sub.add_parser("export", help="export a checkpoint as a serving bundle")
+    _common(x)
+    x.add_argument("--checkpoint", type=Path, help="default: newest in model-dir")
+    x.add_argument("--out", type=Path, required=True)
+    x.add_argument("--version", help="model version string; default: step-based")
+    x.add_argument("--overwrite", action="store_true")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    if args.cmd == "train":
+        from train.trainer import Trainer, TrainOptions
+
+        result = Trainer(
+            TrainOptions(
+                config_path=args.config,
+                model_dir=args.model_dir,
+                train_path=args.train,
+                eval_path=args.eval,
+                device=args.device,
+                batch_size=args.batch_size,
+                num_workers=args.num_workers,
+                max_steps=args.max_steps,
+                eval_every=args.eval_every,
+                checkpoint_every=args.checkpoint_every,
+                log_every=args.log_every,
+                resume=args.resume,
+                seed=args.seed,
+                progress_bar=not args.no_progress,
+            )
+        ).fit()
+        print(
+            json.dumps(
+                {
+                    "step": result.progress.step,
+                    "train_seconds": result.train_seconds,
+                    "samples_per_s": result.samples_per_second,
+                    "eval": result.final_eval.to_dict() if result.final_eval else None,
+                }
+            )
+        )
+    elif args.cmd == "evaluate":
+        from train.export import evaluate_checkpoint
+
+        result = evaluate_checkpoint(
+            args.config,
+            model_dir=args.model_dir,
+            checkpoint=args.checkpoint,
+            train_path=args.train,
+            eval_path=args.eval,
+            device=args.device,
+            batch_size=args.batch_size,
+        )
+        print(json.dumps(result.to_dict()))
+    elif args.cmd == "export":
+        from train.export import export_bundle
+
+        out = export_bundle(
+            args.config,
+            out_dir=args.out,
+            model_dir=args.model_dir,
+            checkpoint=args.checkpoint,
+            version=args.version,
+            overwrite=args.overwrite,
+        )
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

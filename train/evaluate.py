@@ -1,0 +1,123 @@
+"""Evaluation: AUC (torchmetrics), log loss, the oracle's AUC on the same rows, head/tail AUC."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+from shared.batch import Batch
+from train.model.multi_tower_din import MultiTowerDIN
+
+TAIL_THRESHOLD = 5  # a user seen fewer times than this in training is a tail user
+
+
+@dataclass
+class EvalResult:
+    rows: int
+    auc: float
+    logloss: float
+    oracle_auc: float | None  # AUC of the true click probability (synthetic data)
+    auc_vs_oracle: float | None  # auc / oracle_auc
+    head_auc: float | None  # users seen >= TAIL_THRESHOLD times in training
+    tail_auc: float | None  # users seen fewer times (including never)
+    tail_rows: int
+    ctr: float
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+
+class UserCounts:
+    """How often each user id occurs in the training samples (vectorized lookups)."""
+
+    def __init__(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        self.keys, self.counts = keys, counts
+
+    @classmethod
+    def from_samples(cls, train_dir: Path | str, column: str = "user_id") -> UserCounts:
+        ids = pads.dataset(str(train_dir), format="parquet").to_table(columns=[column])[column]
+        values = ids.drop_null().to_numpy()
+        keys, counts = np.unique(values, return_counts=True)
+        return cls(keys, counts)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        pos = np.clip(np.searchsorted(self.keys, ids), 0, max(len(self.keys) - 1, 0))
+        hit = (self.keys[pos] == ids) if len(self.keys) else np.zeros(len(ids), bool)
+        return np.where(hit, self.counts[pos] if len(self.keys) else 0, 0)
+
+
+def _auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    if labels.numel() == 0 or labels.min() == labels.max():
+        return None  # undefined with one class
+    return float(binary_auroc(scores, labels.long()))
+
+
+def _user_ids(batch: Batch) -> np.ndarray:
+    """Raw user id of each candidate row (-1 where missing)."""
+    jt = batch.user["user_id"]
+    lengths = jt.lengths().cpu()
+    per_user = torch.full((batch.num_users,), -1, dtype=torch.int64)
+    per_user[lengths > 0] = jt.values().cpu()
+    return per_user[batch.user_index.cpu()].numpy()
+
+
+@torch.no_grad()
+def evaluate(
+    model: MultiTowerDIN,
+    batches: Iterable[Batch],
+    *,
+    device: torch.device | str = "cpu",
+    user_counts: UserCounts | None = None,
+) -> EvalResult:
+    """Score every batch in eval mode (no table inserts, no score changes) and compute metrics."""
+    was_training = model.training
+    model.eval()
+    probs, labels, oracle, users = [], [], [], []
+    try:
+        for batch in batches:
+            if batch.labels is None:
+                raise ValueError("evaluation needs labelled batches (label column missing)")
+            logits = model(batch.to(device))
+            probs.append(torch.sigmoid(logits.float()).cpu())
+            labels.append(batch.labels.cpu())
+            if batch.oracle is not None:
+                oracle.append(batch.oracle.cpu())
+            if user_counts is not None:
+                users.append(_user_ids(batch))
+    finally:
+        model.train(was_training)
+    p = torch.cat(probs) if probs else torch.zeros(0)
+    y = torch.cat(labels) if labels else torch.zeros(0)
+    eps = 1e-7
+    logloss = (
+        float(
+            -(y * torch.log(p.clamp_min(eps)) + (1 - y) * torch.log((1 - p).clamp_min(eps))).mean()
+        )
+        if len(y)
+        else float("nan")
+    )
+    auc = _auc(p, y)
+    oracle_auc = _auc(torch.cat(oracle), y) if oracle and len(oracle) == len(probs) else None
+    head_auc = tail_auc = None
+    tail_rows = 0
+    if user_counts is not None and users:
+        tail = torch.from_numpy(user_counts.lookup(np.concatenate(users)) < TAIL_THRESHOLD)
+        tail_rows = int(tail.sum())
+        head_auc, tail_auc = _auc(p[~tail], y[~tail]), _auc(p[tail], y[tail])
+    return EvalResult(
+        rows=len(y),
+        auc=float("nan") if auc is None else auc,
+        logloss=logloss,
+        oracle_auc=oracle_auc,
+        auc_vs_oracle=(auc / oracle_auc) if auc is not None and oracle_auc else None,
+        head_auc=head_auc,
+        tail_auc=tail_auc,
+        tail_rows=tail_rows,
+        ctr=float(y.mean()) if len(y) else float("nan"),
+    )

@@ -1,0 +1,109 @@
+"""Checkpoint → serving bundle (RTP style), and evaluation of a stored checkpoint.
+
+The bundle holds the num_buckets tables as dense matrices, the dynamic tables as is_hashmap
+key/value tensors (admitted keys only), fg.json, and the dense part as a ``torch.export`` program
+with jagged inputs (see :mod:`shared.bundle` for the layout, :mod:`train.model.dense_arch` for the
+program's signature).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.bundle import write_bundle
+from shared.config import config_digest, load_config
+from shared.features import build_feature_set
+from train.checkpoint import Progress, latest_checkpoint, load_checkpoint
+from train.data.loader import Loader
+from train.evaluate import EvalResult, UserCounts, evaluate
+from train.model.dense_arch import example_inputs, export_dense_arch
+from train.model.multi_tower_din import MultiTowerDIN
+
+
+def restore_model(
+    config_path: Path,
+    *,
+    model_dir: Path | None = None,
+    checkpoint: Path | None = None,
+    device: str = "cpu",
+) -> tuple[MultiTowerDIN, Progress, Path]:
+    """The model of ``config_path`` with the weights of ``checkpoint`` (default: the newest)."""
+    config = load_config(config_path)
+    fs = build_feature_set(config)
+    model_dir = Path(model_dir or config.model_dir)
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(model_dir)
+    if ckpt is None:
+        raise FileNotFoundError(
+            f"no complete checkpoint under {model_dir}/checkpoints; train first or pass --checkpoint"
+        )
+    model = MultiTowerDIN.from_config(config, fs, device=device)
+    progress = load_checkpoint(ckpt, model)
+    model.eval()
+    return model, progress, ckpt
+
+
+def export_bundle(
+    config_path: Path,
+    *,
+    out_dir: Path,
+    model_dir: Path | None = None,
+    checkpoint: Path | None = None,
+    version: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the serving bundle of a checkpoint to ``out_dir`` (atomically)."""
+    config = load_config(config_path)
+    model, progress, _ckpt = restore_model(
+        config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu"
+    )
+    fs = model.fs
+    dense_tables = {
+        name: emb.weight.detach().cpu().contiguous()
+        for name, emb in model.sparse.dense.embeddings.items()
+    }
+    hash_tables = {t.name: [model.sparse.dynamic.export_table(t.name)] for t in fs.dynamic_tables}
+    program = export_dense_arch(model.dense, example_inputs(model.dense))
+    with tempfile.TemporaryDirectory() as tmp:
+        program_path = Path(tmp) / "dense.pt2"
+        torch.export.save(program, program_path)
+        return write_bundle(
+            out_dir,
+            dense_tables=dense_tables,
+            hash_tables=hash_tables,
+            feature_set=fs,
+            dense_program_path=program_path,
+            config_digest=config_digest(config),
+            version=version or f"step-{progress.step}",
+            overwrite=overwrite,
+        )
+
+
+def evaluate_checkpoint(
+    config_path: Path,
+    *,
+    model_dir: Path | None = None,
+    checkpoint: Path | None = None,
+    train_path: Path | None = None,
+    eval_path: Path | None = None,
+    device: str = "cpu",
+    batch_size: int | None = None,
+) -> EvalResult:
+    config = load_config(config_path)
+    model, _progress, _ckpt = restore_model(
+        config_path, model_dir=model_dir, checkpoint=checkpoint, device=device
+    )
+    loader = Loader(
+        Path(eval_path or config.eval_input_path),
+        model.fs,
+        batch_size=batch_size or config.data_config.batch_size,
+        shuffle=False,
+        seed=0,
+        num_workers=0,
+        pin_memory=False,
+    )
+    train_path = Path(train_path or config.train_input_path)
+    counts = UserCounts.from_samples(train_path) if train_path.exists() else None
+    return evaluate(model, loader.epoch(0), device=device, user_counts=counts)

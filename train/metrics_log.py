@@ -1,0 +1,48 @@
+"""Metrics of a run: one JSON object per line in ``metrics.jsonl`` and a PNG of the curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends records to a JSON-lines file (flushed per record, so a crash loses nothing)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+
+    def plot(self, out: Path) -> Path:
+        """Train loss and eval AUC against step."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        train = [r for r in self.records if r.get("kind") == "train"]
+        evals = [r for r in self.records if r.get("kind") == "eval"]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        ax1.plot([r["step"] for r in train], [r["loss"] for r in train], marker=".")
+        ax1.set(xlabel="step", ylabel="train loss (BCE)", title="training loss")
+        ax2.plot([r["step"] for r in evals], [r["auc"] for r in evals], marker="o", label="model")
+        oracle = [r for r in evals if r.get("oracle_auc")]
+        if oracle:
+            ax2.plot(
+                [r["step"] for r in oracle], [r["oracle_auc"] for r in oracle], "--", label="oracle"
+            )
+        ax2.set(xlabel="step", ylabel="eval AUC", title="eval AUC")
+        ax2.legend()
+        fig.tight_layout()
+        tmp = out.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        tmp.replace(out)
+        return out

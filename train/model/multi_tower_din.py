@@ -1,0 +1,77 @@
+"""MultiTowerDIN = embedding lookups (:class:`SparseArch`) + the exportable :class:`DenseArch`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from protos import pipeline_pb2
+from shared.batch import Batch
+from shared.dense_inputs import assemble_dense_inputs
+from shared.features import FeatureSet
+from train.model.dense_arch import DenseArch
+from train.model.sparse_arch import SparseArch
+
+
+class MultiTowerDIN(nn.Module):
+    """``forward(batch) -> logits [B]``. ``dense`` is what gets exported for serving."""
+
+    def __init__(
+        self,
+        fs: FeatureSet,
+        model_config: pipeline_pb2.ModelConfig,
+        *,
+        sparse_lr: float,
+        sparse_eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.fs = fs
+        torch.manual_seed(seed)
+        self.sparse = SparseArch(
+            fs,
+            sparse_lr=sparse_lr,
+            sparse_eps=sparse_eps,
+            initial_accumulator_value=initial_accumulator_value,
+            device=device,
+            seed=seed,
+        )
+        self.dense = DenseArch.from_config(fs, model_config).to(device)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: pipeline_pb2.EasyRecConfig,
+        fs: FeatureSet,
+        *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> MultiTowerDIN:
+        """The model of ``config`` with its sparse optimizer settings."""
+        ada = sparse_adagrad(config.train_config)
+        return cls(
+            fs,
+            config.model_config,
+            sparse_lr=ada.lr,
+            sparse_eps=ada.eps,
+            initial_accumulator_value=ada.initial_accumulator_value,
+            device=device,
+            seed=seed,
+        )
+
+    def dense_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        pooled, sequences = self.sparse(batch)
+        return assemble_dense_inputs(self.fs, batch, pooled, sequences)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.dense(**self.dense_inputs(batch))  # [B]
+
+
+def sparse_adagrad(config: pipeline_pb2.TrainConfig) -> pipeline_pb2.AdagradOptimizer:
+    """The sparse optimizer settings; only Adagrad is implemented (as tzrec's default)."""
+    sparse_cfg = config.sparse_optimizer
+    if sparse_cfg.WhichOneof("optimizer") not in (None, "adagrad_optimizer"):
+        raise ValueError("train_config.sparse_optimizer: only adagrad_optimizer is implemented")
+    return sparse_cfg.adagrad_optimizer

@@ -1,0 +1,131 @@
+"""Embedding lookups of MultiTowerDIN: ids of a :class:`Batch` → pooled and jagged embeddings.
+
+Mixed embeddings, as the config says: tables with ``dynamicemb {}`` live in the shared hash-table
+core (:class:`DynamicEmbeddingCollection`, fused sparse Adagrad in its backward); the others are a
+torchrec :class:`EmbeddingCollection` with sparse gradients (updated by ``torch.optim.Adagrad``).
+Every lookup of a table in one step goes through one call, so a sequence feature and its top-level
+feature (``click_50_seq__adgroup_id`` and ``adgroup_id``) update the same rows, with the gradients
+of duplicate ids summed before the optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from shared.hashtable.embedding import DynamicEmbeddingCollection
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+
+from shared.batch import Batch
+from shared.dense_inputs import pool
+from shared.features import FeatureSet
+
+
+class SparseArch(nn.Module):
+    """Looks up every feature of a batch.
+
+    ``forward`` returns ``(pooled, sequences)``: ``pooled[name]`` is [rows, dim] (sum or mean per
+    bag; an empty bag gives zeros; rows = U for user-side features, B for item/context ones) and
+    ``sequences[name]`` is [T, dim], jagged with the batch's sequence lengths.
+    """
+
+    def __init__(
+        self,
+        fs: FeatureSet,
+        *,
+        sparse_lr: float,
+        sparse_eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.fs = fs
+        dense = fs.dense_tables
+        users: dict[str, list[str]] = {t.name: [] for t in dense}
+        for f in fs.features.values():
+            if f.table in users:
+                users[f.table].append(f.name)
+        generator = torch.Generator().manual_seed(seed)
+        self.dense = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name=t.name,
+                    embedding_dim=t.dim,
+                    num_embeddings=int(t.num_rows or 0),
+                    feature_names=users[t.name],
+                )
+                for t in dense
+                if users[t.name]
+            ],
+            device=torch.device(device),
+        )
+        for emb in self.dense.embeddings.values():
+            emb.sparse = True  # row-sparse gradients: Adagrad touches only the looked-up rows
+            dim = emb.embedding_dim
+            bound = (1.0 / dim) ** 0.5  # tzrec's default init: uniform ±sqrt(1/dim)
+            with torch.no_grad():
+                w = torch.empty(emb.weight.shape).uniform_(-bound, bound, generator=generator)
+                emb.weight.copy_(w.to(emb.weight.device))
+        self.dynamic = DynamicEmbeddingCollection(
+            fs.dynamic_tables,
+            fs.fusion_groups,
+            lr=sparse_lr,
+            eps=sparse_eps,
+            initial_accumulator_value=initial_accumulator_value,
+            device=device,
+            seed=seed,
+        )
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of the dense (num_buckets) tables, for the sparse Adagrad optimizer."""
+        return self.dense.parameters()
+
+    def forward(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        kjts = {"user": batch.user, "item": batch.item, "sequence": batch.sequence}
+        # 1. every (feature, ids) of the batch, grouped by table
+        parts: list[
+            tuple[str, str, torch.Tensor, torch.Tensor]
+        ] = []  # (kjt, feature, ids, lengths)
+        for which, kjt in kjts.items():
+            for name, jt in kjt.to_dict().items():
+                parts.append((which, name, jt.values(), jt.lengths()))
+        rows = self._lookup(parts)
+        # 2. pool scalar features per bag, keep sequences jagged
+        pooled: dict[str, torch.Tensor] = {}
+        sequences: dict[str, torch.Tensor] = {}
+        for (which, name, _ids, lengths), emb in zip(parts, rows, strict=True):
+            if which == "sequence":
+                sequences[name] = emb  # [T, dim]
+            else:
+                table = self.fs.tables[self.fs.features[name].table]
+                pooled[name] = pool(emb, lengths, table.pooling)  # [rows, dim]
+        return pooled, sequences
+
+    def _lookup(
+        self, parts: list[tuple[str, str, torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """One lookup call per table; returns [n_i, dim] rows per part, in order."""
+        by_table: dict[str, list[int]] = {}
+        for i, (_w, name, _ids, _l) in enumerate(parts):
+            by_table.setdefault(self.fs.features[name].table, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(parts)
+        dyn_keys: dict[str, torch.Tensor] = {}
+        for table, idx in by_table.items():
+            if self.fs.tables[table].is_dynamic:
+                dyn_keys[table] = torch.cat([parts[i][2] for i in idx])
+            else:
+                weight = self.dense.embeddings[table]
+                for i in idx:
+                    out[i] = weight(parts[i][2])  # [n_i, dim]
+        if dyn_keys:
+            found = self.dynamic(dyn_keys)
+            for table, rows in found.items():
+                idx = by_table[table]
+                sizes = [int(parts[i][2].numel()) for i in idx]
+                for i, chunk in zip(idx, torch.split(rows, sizes), strict=True):
+                    out[i] = chunk
+        assert all(o is not None for o in out)
+        return out  # type: ignore[return-value]
