@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for name in ("train", "shared"):  # ours at INFO; third-party (fbgemm's loader) stays quiet
+        logging.getLogger(name).setLevel(logging.INFO)
 
     if args.cmd == "train":
         from train.trainer import Trainer, TrainOptions

@@ -7,7 +7,9 @@ from shared.dense_inputs import assemble_dense_inputs, dense_layout, pool
 from shared.features import feature_set_from_text
 
 ROOT = Path(__file__).resolve().parents[2]
-FS = feature_set_from_text((ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text())
+FS = feature_set_from_text(
+    (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
+)
 
 
 def test_pool_sum_mean_and_empty_bags() -> None:
