@@ -1,0 +1,30 @@
+"""Dynamic hash-table embeddings (dynamicemb semantics) in vectorized torch, CPU and CUDA.
+
+- :class:`HashTable` (``table.py``): int64 keys → rows; find / insert_or_assign / erase /
+  export, growth, eviction by score, NO_EVICTION refusals, bulk ``from_keys_values``.
+- :class:`StaticLookupTable` (``lookup.py``): the read-only table serving builds at startup.
+- :class:`KeyedInitializer` (``initializers.py``): new rows as a function of (seed, table, key).
+- :class:`FrequencyCounter` (``admission.py``): bounded counters for frequency admission.
+- :class:`DynamicEmbeddingCollection` (``embedding.py``): the training module (table fusion,
+  admission, scores, sparse Adagrad in backward, stats).
+- ``checkpoint.py``: :func:`save` / :func:`load` in dynamicemb's file layout.
+"""
+
+from shared.hashtable.admission import FrequencyCounter
+from shared.hashtable.checkpoint import load, save
+from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.initializers import KeyedInitializer
+from shared.hashtable.lookup import StaticLookupTable
+from shared.hashtable.table import ExportedRows, HashTable, InsertResult
+
+__all__ = [
+    "DynamicEmbeddingCollection",
+    "ExportedRows",
+    "FrequencyCounter",
+    "HashTable",
+    "InsertResult",
+    "KeyedInitializer",
+    "StaticLookupTable",
+    "load",
+    "save",
+]

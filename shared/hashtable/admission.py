@@ -1,0 +1,89 @@
+"""Frequency admission: a bounded counter table of keys not yet in the embedding table.
+
+A key enters the embedding table once it has been looked up ``threshold`` times in training
+(counting every occurrence, duplicates in a batch included). Until then its counter lives here,
+in a :class:`~shared.hashtable.table.HashTable` without values whose score is the count; the
+table has a fixed capacity (``counter_capacity``, ``counter_bucket_capacity`` slots per bucket)
+and, when a bucket is full, the lowest count is forgotten (LFU). Admitted keys are erased from
+the counter by the caller. Counters of fused tables share one counter table (separate key
+spaces through table ids), as dynamicemb's fused tables share their admission counter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.features import ScoreStrategy
+from shared.hashtable.table import ExportedRows, HashTable
+
+
+class FrequencyCounter:
+    """Bounded (table id, key) → count map. ``add`` returns the counts after adding."""
+
+    def __init__(
+        self, capacity: int, bucket_capacity: int = 1024, *, device: torch.device | str = "cpu"
+    ) -> None:
+        self.table = HashTable(
+            0,
+            init_capacity=capacity,
+            max_capacity=capacity,
+            bucket_capacity=bucket_capacity,
+            score_strategy=ScoreStrategy.LFU,
+            device=device,
+        )
+
+    @property
+    def size(self) -> int:
+        return self.table.size
+
+    @property
+    def capacity(self) -> int:
+        return self.table.capacity
+
+    @property
+    def evictions(self) -> int:
+        """Counters forgotten to make room (their keys start again from zero)."""
+        return self.table.evictions + self.table.refusals
+
+    def add(
+        self, keys: torch.Tensor, counts: torch.Tensor, table_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Add ``counts`` [n] to distinct ``keys`` [n]; returns the totals [n] int64.
+
+        A key that cannot be remembered (its bucket is full of higher counts) still gets its
+        total for this call, so a key seen ``threshold`` times in one batch is admitted.
+        """
+        counts = counts.to(self.table.device, torch.int64)
+        rows, found = self.table.find(keys, table_ids)
+        totals = counts.clone()
+        hit = torch.nonzero(found).squeeze(1)
+        if hit.numel():
+            totals[hit] += self.table.scores_of(rows[hit])
+            self.table.set_scores(rows[hit], totals[hit])
+        new = torch.nonzero(~found).squeeze(1)
+        if new.numel():
+            self.table.insert_or_assign(
+                keys[new],
+                torch.zeros(new.numel(), 0),
+                totals[new],
+                table_ids=None if table_ids is None else table_ids[new],
+                pinned_rows=rows[hit],
+            )
+        return totals
+
+    def erase(self, keys: torch.Tensor, table_ids: torch.Tensor | None = None) -> int:
+        return self.table.erase(keys, table_ids)
+
+    def export(self, table_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [N] int64, counts [N] int64), sorted by key."""
+        rows: ExportedRows = self.table.export(table_id)
+        return rows.keys, rows.scores
+
+    def load(
+        self, keys: torch.Tensor, counts: torch.Tensor, table_ids: torch.Tensor | None = None
+    ) -> None:
+        """Set the counts of ``keys`` (used when restoring a checkpoint)."""
+        self.table.insert_or_assign(keys, torch.zeros(keys.numel(), 0), counts, table_ids=table_ids)
+
+    def clear(self, table_id: int | None = None) -> int:
+        return self.table.clear(table_id)

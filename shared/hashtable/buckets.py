@@ -1,0 +1,139 @@
+"""Bucket-level decisions of :class:`~shared.hashtable.table.HashTable` as pure tensor functions.
+
+Who stays in a bucket that cannot hold everyone: entries are ranked, per bucket, by
+
+1. pinned first (keys the current batch uses; under NO_EVICTION every stored key),
+2. higher score,
+3. newcomer before a stored key with the same score (so a table full of equal scores still
+   takes new keys: recency breaks ties),
+4. lower fingerprint (an arbitrary but device-independent order),
+
+and the first ``bucket_capacity`` stay. Every step is a stable sort, gather or cumsum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_runs(
+    sorted_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For non-decreasing ``sorted_ids`` [n]: (distinct ids [g], run lengths [g], run index of
+    each element [n], rank of each element inside its run [n])."""
+    ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    group = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), counts)
+    rank = (
+        torch.arange(sorted_ids.numel(), device=ids.device)
+        - (torch.cumsum(counts, 0) - counts)[group]
+    )
+    return ids, counts, group, rank
+
+
+def lex_sort_dim1(keys: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
+    """Permutation along dim 1 sorting by several keys, most significant first ((tensor, desc))."""
+    perm: torch.Tensor | None = None
+    for t, desc in reversed(keys):
+        t = t.to(torch.int8) if t.dtype == torch.bool else t
+        cur = t if perm is None else t.gather(1, perm)
+        p = torch.sort(cur, dim=1, descending=desc, stable=True).indices
+        perm = p if perm is None else perm.gather(1, p)
+    assert perm is not None
+    return perm
+
+
+def keep_best(
+    order: torch.Tensor,
+    bucket: torch.Tensor,
+    scores: torch.Tensor,
+    pinned: torch.Tensor | None,
+    capacity: int,
+) -> torch.Tensor:
+    """Entries ``order`` (sorted by fingerprint) → bool mask over all entries of those that stay
+    when each bucket keeps its best ``capacity`` by (pinned, score, fingerprint)."""
+    o = order[torch.sort(scores[order], descending=True, stable=True).indices]
+    if pinned is not None:
+        o = o[torch.sort(pinned[o].to(torch.int8), descending=True, stable=True).indices]
+    o = o[torch.sort(bucket[o], stable=True).indices]
+    _, _, _, rank = group_runs(bucket[o])
+    keep = torch.ones_like(bucket, dtype=torch.bool)
+    keep[o[rank >= capacity]] = False
+    return keep
+
+
+@dataclass
+class Merge:
+    """The new content of full buckets (see :func:`merge_full_buckets`)."""
+
+    slot_fp: torch.Tensor  # [n_o, b] fingerprints, sorted, sentinels last
+    slot_row: torch.Tensor  # [n_o, b] rows in the same order
+    size: torch.Tensor  # [n_o] entries per bucket
+    new_pos: torch.Tensor  # [k] newcomer positions (values of n_ref) that were stored
+    new_rows: torch.Tensor  # [k] their rows
+    evicted_rows: torch.Tensor  # [e] rows of stored entries that leave
+    refused: int  # newcomers that do not fit
+
+
+def merge_full_buckets(
+    e_fp: torch.Tensor,
+    e_row: torch.Tensor,
+    e_valid: torch.Tensor,
+    e_score: torch.Tensor,
+    e_pin: torch.Tensor,
+    n_ref: torch.Tensor,
+    n_fp: torch.Tensor,
+    n_score: torch.Tensor,
+    sentinel: torch.Tensor,
+) -> Merge:
+    """Merge the stored entries of ``n_o`` buckets (``e_*`` [n_o, b]: slot fingerprints, rows,
+    occupied, scores, pinned) with newcomers (``n_ref`` [n_o, m]: a position per newcomer, -1
+    for padding; ``n_fp``/``n_score`` indexed by position) and keep the best ``b`` per bucket.
+
+    Newcomers take the rows of the bucket's empty slots and evicted entries, in slot order.
+    """
+    n_o, b = e_fp.shape
+    m = n_ref.shape[1]
+    dev = e_fp.device
+    n_valid = n_ref >= 0
+    n_safe = n_ref.clamp(min=0)
+    c_fp = torch.cat([e_fp, n_fp[n_safe]], 1)  # [n_o, b + m] candidates
+    c_score = torch.cat([e_score, n_score[n_safe]], 1)
+    c_valid = torch.cat([e_valid, n_valid], 1)
+    c_pin = torch.cat([e_pin & e_valid, torch.zeros_like(n_valid)], 1)
+    c_new = torch.cat([torch.zeros_like(e_valid), n_valid], 1)
+    c_ref = torch.cat([e_row, n_safe], 1)  # stored: row; newcomer: position
+    perm = lex_sort_dim1(
+        [(c_valid, True), (c_pin, True), (c_score, True), (c_new, True), (c_fp, False)]
+    )
+    s_valid, s_new = c_valid.gather(1, perm), c_new.gather(1, perm)
+    s_fp, s_ref = c_fp.gather(1, perm), c_ref.gather(1, perm)
+    col = torch.arange(b + m, device=dev)
+    kept = s_valid & (col < b)  # a prefix of each row
+    lost = s_valid & (col >= b)
+
+    # rows that are free after the merge (empty slots, evicted entries), in slot order
+    kept_orig = torch.zeros_like(kept)
+    kept_orig.scatter_(1, perm, kept)
+    free_first = torch.sort(kept_orig[:, :b].to(torch.int8), dim=1, stable=True).indices
+    free_rows = e_row.gather(1, free_first)  # [n_o, b]
+    kept_new = kept & s_new
+    new_rank = torch.cumsum(kept_new.to(torch.int64), 1) - 1
+    size = kept.sum(1, keepdim=True)
+    n_new = kept_new.sum(1, keepdim=True)
+    assigned = free_rows.gather(1, new_rank.clamp(min=0, max=b - 1))  # [n_o, b + m]
+    filler = free_rows.gather(1, (col[:b] - size + n_new).clamp(min=0, max=b - 1))
+    out_row = torch.where(kept_new, assigned, s_ref)[:, :b]
+    out_row = torch.where(kept[:, :b], out_row, filler)  # empty slots keep the unused rows
+    out_fp = torch.where(kept[:, :b], s_fp[:, :b], sentinel[:, None])
+    fps, order = torch.sort(out_fp, dim=1, stable=True)
+    return Merge(
+        slot_fp=fps,
+        slot_row=out_row.gather(1, order),
+        size=size.squeeze(1),
+        new_pos=s_ref[kept_new],
+        new_rows=assigned[kept_new],
+        evicted_rows=s_ref[lost & ~s_new],
+        refused=int((lost & s_new).sum()),
+    )

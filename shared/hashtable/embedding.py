@@ -1,0 +1,251 @@
+"""DynamicEmbeddingCollection: hash-table embeddings for training, with Adagrad in the backward.
+
+One module holds every dynamic table of a model. ``forward`` takes, per table, the 1-D int64
+keys of all its lookups in the step (the caller concatenates pooled and sequence lookups,
+duplicates included, and pools/splits the returned rows itself) and returns one float32 row per
+key. Example::
+
+    dec = DynamicEmbeddingCollection(fs.dynamic_tables, fs.fusion_groups, lr=0.001)
+    dec.set_step(step)
+    rows = dec({"user_id_emb": user_keys, "adgroup_id_emb": ad_keys})   # name → [N, 16]
+    loss(rows).backward()    # Adagrad updates the looked-up rows in place; no optimizer step
+
+Training mode (``module.train()``): keys not in the table are counted for admission; once
+admitted they are inserted with the table's initializer; scores follow the score strategy
+(STEP: the step from :meth:`set_step`, or the number of training forwards if it is never
+called; TIMESTAMP: the clock in microseconds; LFU: use count). Keys not (yet) stored get the
+admission initializer's value and no update. Eval mode (``module.eval()``): nothing is
+inserted, counted or re-scored; keys not stored get ``eval_initializer`` values.
+
+Backward sums the gradients of duplicate keys (in a fixed order, so the same on CPU and CUDA)
+and applies torch.optim.Adagrad's update to the rows and their accumulators in place. The
+module has no ``nn.Parameter``: the autograd graph hangs on a private zero-size tensor, so a
+dense optimizer built from ``model.parameters()`` never sees these tables. Calling backward
+twice through the same lookup applies the update twice. The tables live on ``device``;
+``module.to()`` does not move them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.features import ScoreStrategy, TableSpec
+from shared.hashtable.adagrad import AdagradConfig
+from shared.hashtable.hashing import check_keys
+from shared.hashtable.storage import FusedStorage, LookupPlan, TableState, compatibility_key
+
+logger = logging.getLogger(__name__)
+
+
+def default_clock() -> int:
+    """Microseconds since the epoch (TIMESTAMP scores)."""
+    return time.time_ns() // 1000
+
+
+class _DynamicLookup(torch.autograd.Function):
+    """Rows of the distinct keys expanded to every occurrence; backward runs sparse Adagrad."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, dummy: torch.Tensor, storage: FusedStorage, plan: LookupPlan
+    ) -> torch.Tensor:
+        ctx.storage = storage
+        ctx.plan = plan
+        return plan.out.index_select(0, plan.inverse)  # [N, dim]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.storage.apply_gradients(ctx.plan, grad)  # grad: [N, dim]
+        return None, None, None
+
+
+def plan_storages(
+    tables: Sequence[TableSpec], fusion_groups: Mapping[str, Sequence[str]]
+) -> list[tuple[str, list[TableSpec]]]:
+    """Storages to build: each fusion group (split where members cannot share a storage:
+    different dim, score strategy or bucket capacity), then each table of no group alone."""
+    by_name = {t.name: t for t in tables}
+    placed: set[str] = set()
+    out: list[tuple[str, list[TableSpec]]] = []
+    for group, names in fusion_groups.items():
+        parts: dict[tuple[int, ScoreStrategy, int], list[TableSpec]] = {}
+        for name in names:
+            if name not in by_name:
+                raise ValueError(
+                    f"fusion group {group!r} names table {name!r}, which is not among the "
+                    f"dynamic tables given ({', '.join(by_name) or 'none'}); pass its TableSpec "
+                    "or drop it from the group"
+                )
+            if name in placed:
+                raise ValueError(f"table {name!r} is in two fusion groups; keep it in one")
+            placed.add(name)
+            parts.setdefault(compatibility_key(by_name[name]), []).append(by_name[name])
+        if len(parts) > 1:
+            logger.info(
+                "fusion group %r split into %d storages (dim/strategy/bucket differ)",
+                group,
+                len(parts),
+            )
+        for i, members in enumerate(parts.values()):
+            out.append((group if len(parts) == 1 else f"{group}/{i}", members))
+    out.extend((t.name, [t]) for t in tables if t.name not in placed)
+    return out
+
+
+class DynamicEmbeddingCollection(torch.nn.Module):
+    """Dynamic hash-table embeddings of several tables (see the module docstring)."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        fusion_groups: Mapping[str, Sequence[str]],
+        *,
+        lr: float,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        clock: Callable[[], int] | None = None,
+        max_load_factor: float = 0.5,
+    ) -> None:
+        super().__init__()
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"DynamicEmbeddingCollection: duplicate table names in {names}")
+        for t in tables:
+            if t.dynamic is None:
+                raise ValueError(
+                    f"table {t.name!r} is not dynamic (num_rows={t.num_rows}); pass only "
+                    "FeatureSet.dynamic_tables"
+                )
+            if t.dynamic.init_table is not None:
+                raise ValueError(
+                    f"table {t.name!r}: init_table is not read at training time; build an "
+                    "initial checkpoint from it and load that instead"
+                )
+        self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
+        self.adagrad = AdagradConfig(lr, eps, initial_accumulator_value)
+        self.device = torch.device(device)
+        self.seed = seed
+        self._clock = clock or default_clock
+        self._step = 0
+        self._auto_step = True
+        self._storages = [
+            FusedStorage(
+                name,
+                members,
+                adagrad=self.adagrad,
+                seed=seed,
+                device=self.device,
+                max_load_factor=max_load_factor,
+            )
+            for name, members in plan_storages(tables, fusion_groups)
+        ]
+        self._where: dict[str, tuple[FusedStorage, int]] = {
+            n: (s, i) for s in self._storages for i, n in enumerate(s.names)
+        }
+        # autograd anchor: not a Parameter/buffer, so no optimizer or state_dict sees it
+        self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
+
+    # ------------------------------------------------------------------ configuration
+
+    @property
+    def storages(self) -> dict[str, list[str]]:
+        """Storage name → its tables (table fusion as built)."""
+        return {s.name: list(s.names) for s in self._storages}
+
+    def set_step(self, step: int) -> None:
+        """The training step used as STEP score (call once per step before forward)."""
+        self._step = int(step)
+        self._auto_step = False
+
+    def set_clock(self, clock: Callable[[], int]) -> None:
+        """The integer clock used as TIMESTAMP score (tests inject a fake one)."""
+        self._clock = clock
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, keys: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Table name → int64 keys [N] ⇒ table name → float32 rows [N, dim] (see module doc)."""
+        unknown = [n for n in keys if n not in self._where]
+        if unknown:
+            raise KeyError(f"unknown dynamic tables {unknown}; known: {', '.join(self._where)}")
+        train = self.training
+        if train and self._auto_step:
+            self._step += 1
+        now = self._clock() if train else 0
+        out: dict[str, torch.Tensor] = {}
+        for storage in self._storages:
+            names = [n for n in keys if self._where[n][0] is storage]
+            if not names:
+                continue
+            parts = [
+                (self._where[n][1], check_keys(keys[n].to(self.device), f"lookup of {n!r}"))
+                for n in names
+            ]
+            score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
+            plan = storage.lookup(parts, train=train, score_now=score)
+            if train and torch.is_grad_enabled():
+                rows = _DynamicLookup.apply(self._anchor, storage, plan)
+            else:
+                rows = plan.out.index_select(0, plan.inverse)
+            sizes = [k.numel() for _, k in parts]
+            out.update(zip(names, torch.split(rows, sizes), strict=True))
+        return {n: out[n] for n in keys}
+
+    # ------------------------------------------------------------------ inspection
+
+    def export_table(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [N] int64, values [N, dim] float32) of the admitted keys, sorted by key."""
+        storage, tid = self._lookup_table(name)
+        state = storage.state(tid)
+        return state.keys, state.values
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per table: size, capacity and load_factor (of its shared storage), evictions,
+        admission_rejections (lookups of keys not yet admitted), refusals (admitted keys that
+        found no room, e.g. under NO_EVICTION), admitted, and counter_size with admission."""
+        return {n: s.stats(t) for n, (s, t) in self._where.items()}
+
+    def table_state(self, name: str) -> TableState:
+        storage, tid = self._lookup_table(name)
+        return storage.state(tid)
+
+    def load_table_state(self, name: str, state: TableState) -> None:
+        storage, tid = self._lookup_table(name)
+        storage.load_state(tid, state)
+
+    def _lookup_table(self, name: str) -> tuple[FusedStorage, int]:
+        if name not in self._where:
+            raise KeyError(f"unknown dynamic table {name!r}; known: {', '.join(self._where)}")
+        return self._where[name]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(
+        self, ckpt_dir: str | Path, module_name: str, rank: int = 0, world_size: int = 1
+    ) -> Path:
+        """See :func:`shared.hashtable.checkpoint.save`."""
+        from shared.hashtable.checkpoint import save
+
+        return save(self, ckpt_dir, module_name, rank=rank, world_size=world_size)
+
+    def load(
+        self,
+        ckpt_dir: str | Path,
+        module_name: str,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        strict: bool = True,
+    ) -> None:
+        """See :func:`shared.hashtable.checkpoint.load`."""
+        from shared.hashtable.checkpoint import load
+
+        load(self, ckpt_dir, module_name, rank=rank, world_size=world_size, strict=strict)

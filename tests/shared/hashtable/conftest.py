@@ -1,0 +1,47 @@
+"""Small TableSpec builders shared by the hash-table tests."""
+
+from __future__ import annotations
+
+from shared.features import (
+    CONSTANT_ZERO,
+    AdmissionSpec,
+    DynamicTableSpec,
+    InitializerSpec,
+    InitMode,
+    ScoreStrategy,
+    TableSpec,
+)
+
+NORMAL = InitializerSpec(InitMode.NORMAL, std_dev=0.05)
+
+
+def dyn_table(
+    name: str,
+    *,
+    dim: int = 4,
+    max_capacity: int = 1024,
+    init_capacity: int = 64,
+    bucket_capacity: int = 16,
+    strategy: ScoreStrategy = ScoreStrategy.STEP,
+    initializer: InitializerSpec = NORMAL,
+    eval_initializer: InitializerSpec = CONSTANT_ZERO,
+    threshold: int | None = None,
+    admission_initializer: InitializerSpec = CONSTANT_ZERO,
+    counter_capacity: int = 256,
+) -> TableSpec:
+    admission = (
+        None
+        if threshold is None
+        else AdmissionSpec(threshold, admission_initializer, counter_capacity, 16)
+    )
+    dyn = DynamicTableSpec(
+        max_capacity,
+        init_capacity,
+        bucket_capacity,
+        strategy,
+        initializer,
+        eval_initializer,
+        admission,
+        None,
+    )
+    return TableSpec(name, dim, None, dyn, "sum")

@@ -1,0 +1,270 @@
+"""DynamicEmbeddingCollection: lookups, sparse Adagrad, eval mode, fusion, eviction, stats."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from shared.features import InitializerSpec, InitMode, ScoreStrategy
+from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.initializers import KeyedInitializer
+
+from .conftest import NORMAL, dyn_table
+
+
+def _dec(tables, groups=None, **kw) -> DynamicEmbeddingCollection:
+    kw.setdefault("lr", 0.1)
+    return DynamicEmbeddingCollection(tables, groups or {}, **kw)
+
+
+def test_new_keys_get_initializer_values_and_module_has_no_parameters():
+    dec = _dec([dyn_table("a_emb")], seed=7)
+    assert list(dec.parameters()) == [] and dec.state_dict() == {}
+    keys = torch.tensor([3, 1 << 50, 3])
+    out = dec({"a_emb": keys})["a_emb"]
+    expected = KeyedInitializer(NORMAL, seed=7, table="a_emb")(keys, 4)
+    assert torch.equal(out.detach(), expected) and out.requires_grad
+    exported_keys, exported_values = dec.export_table("a_emb")
+    assert exported_keys.tolist() == [3, 1 << 50]
+    assert torch.equal(exported_values, expected[:2])
+
+
+def _dyadic(n: int, dim: int, seed: int) -> torch.Tensor:
+    """Gradients whose sums are exact in any order (small multiples of 1/8)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (n, dim), generator=g).float() / 8
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_adagrad_equals_torch_adagrad_on_dense_copy(exact: bool):
+    tables = [dyn_table("a_emb", dim=16), dyn_table("b_emb", dim=16)]
+    dec = _dec(tables, {"g": ["a_emb", "b_emb"]}, lr=0.05, initial_accumulator_value=0.1)
+    steps = [
+        {"a_emb": torch.tensor([5, 9, 5, 2, 9, 5]), "b_emb": torch.tensor([5, 7])},
+        {"a_emb": torch.tensor([2, 2, 2, 2, 5]), "b_emb": torch.tensor([7, 7, 8])},
+        {"a_emb": torch.tensor([9, 11]), "b_emb": torch.tensor([5, 8, 8])},
+    ]
+    # dense copy: one row per (table, key) seen, initialised with the hash rows' initial values
+    names = sorted({(t, k) for s in steps for t, v in s.items() for k in v.tolist()})
+    index = {p: i for i, p in enumerate(names)}
+    with torch.no_grad():  # inserts (train mode) without an update
+        init = {
+            t: dec({t: torch.tensor([k for tt, k in names if tt == t])})[t]
+            for t in ("a_emb", "b_emb")
+        }
+    param = torch.nn.Parameter(torch.cat([init["a_emb"], init["b_emb"]]))
+    opt = torch.optim.Adagrad(
+        [param], lr=0.05, eps=1e-10, initial_accumulator_value=0.1, foreach=False
+    )
+    for i, batch in enumerate(steps):
+        out = dec(batch)
+        coef = {t: _dyadic(v.numel(), 16, 10 * i + j) if exact else torch.randn(v.numel(), 16) for j, (t, v) in enumerate(batch.items())}  # fmt: skip
+        sum((out[t] * coef[t]).sum() for t in batch).backward()
+        idx = {t: torch.tensor([index[(t, k)] for k in v.tolist()]) for t, v in batch.items()}
+        opt.zero_grad()
+        sum((param[idx[t]] * coef[t]).sum() for t in batch).backward()
+        opt.step()
+    for t in ("a_emb", "b_emb"):
+        state = dec.table_state(t)
+        rows = torch.tensor([index[(t, k)] for k in state.keys.tolist()])
+        if exact:
+            assert torch.equal(state.values, param.detach()[rows])
+            assert torch.equal(state.accumulators, opt.state[param]["sum"][rows])
+        else:  # duplicate sums in another order: last-bit differences only
+            torch.testing.assert_close(state.values, param.detach()[rows], rtol=1e-6, atol=1e-7)
+
+
+def test_eval_mode_changes_nothing():
+    eval_init = InitializerSpec(InitMode.CONSTANT, value=0.5)
+    tables = [dyn_table("a_emb", eval_initializer=eval_init), dyn_table("b_emb", threshold=3)]
+    dec = _dec(tables, {"g": ["a_emb", "b_emb"]})
+    for _ in range(2):
+        out = dec({"a_emb": torch.tensor([1, 2]), "b_emb": torch.tensor([1, 1, 1, 4])})
+        sum(v.sum() for v in out.values()).backward()
+    before = {t: dec.table_state(t) for t in ("a_emb", "b_emb")}
+    stats = dec.stats()
+    assert before["b_emb"].counter_keys.tolist() == [4]
+    dec.eval()
+    out = dec({"a_emb": torch.tensor([2, 99]), "b_emb": torch.tensor([1, 4, 77])})
+    a_rows = before["a_emb"]
+    assert torch.equal(out["a_emb"][0], a_rows.values[a_rows.keys.tolist().index(2)])
+    assert out["a_emb"][1].tolist() == [0.5] * 4  # unseen: eval initializer
+    b_rows = before["b_emb"]
+    assert torch.equal(out["b_emb"][0], b_rows.values[0])  # admitted key 1
+    assert out["b_emb"][1:].tolist() == [[0.0] * 4] * 2  # unadmitted 4, unseen 77
+    assert not out["a_emb"].requires_grad
+    assert dec.stats() == stats
+    for t, b in before.items():
+        after = dec.table_state(t)
+        for f in ("keys", "values", "scores", "accumulators", "counter_keys", "counter_counts"):
+            x, y = getattr(b, f), getattr(after, f)
+            assert (x is None and y is None) or torch.equal(x, y), (t, f)
+
+
+def test_table_fusion_separates_key_spaces():
+    tables = [dyn_table("a_emb"), dyn_table("b_emb"), dyn_table("c_emb", dim=8)]
+    dec = _dec(tables, {"deep": ["a_emb", "b_emb", "c_emb"]})
+    assert dec.storages == {"deep/0": ["a_emb", "b_emb"], "deep/1": ["c_emb"]}
+    out = dec({"a_emb": torch.tensor([7]), "b_emb": torch.tensor([7]), "c_emb": torch.tensor([7])})
+    assert not torch.equal(out["a_emb"], out["b_emb"]) and out["c_emb"].shape == (1, 8)
+    (out["a_emb"].sum() * 0 + out["b_emb"].sum()).backward()  # a's row gets a zero gradient
+    a_keys, a_vals = dec.export_table("a_emb")
+    b_keys, b_vals = dec.export_table("b_emb")
+    assert a_keys.tolist() == b_keys.tolist() == [7]
+    assert torch.equal(a_vals, out["a_emb"].detach())  # unchanged by a zero gradient
+    assert torch.equal(b_vals, out["b_emb"].detach() - 0.1)  # first Adagrad step: -lr * sign
+    stats = dec.stats()
+    assert stats["a_emb"]["size"] == stats["b_emb"]["size"] == 1.0
+    assert stats["a_emb"]["capacity"] == stats["b_emb"]["capacity"]  # one shared storage
+
+
+def test_fusion_group_errors():
+    with pytest.raises(ValueError, match="names table 'x_emb'"):
+        _dec([dyn_table("a_emb")], {"g": ["a_emb", "x_emb"]})
+    with pytest.raises(ValueError, match="two fusion groups"):
+        _dec([dyn_table("a_emb")], {"g": ["a_emb"], "h": ["a_emb"]})
+
+
+def _one_bucket(strategy: ScoreStrategy, **kw) -> DynamicEmbeddingCollection:
+    table = dyn_table(
+        "a_emb", max_capacity=4, init_capacity=4, bucket_capacity=4, strategy=strategy
+    )
+    return _dec([table], **kw)
+
+
+def _train(dec: DynamicEmbeddingCollection, keys: list[int]) -> dict[str, torch.Tensor]:
+    out = dec({"a_emb": torch.tensor(keys)})
+    out["a_emb"].sum().backward()
+    return out
+
+
+def test_step_strategy_evicts_least_recently_used_step():
+    dec = _one_bucket(ScoreStrategy.STEP)
+    for step, keys in enumerate([[1], [2], [3], [4], [1], [5]], start=1):
+        dec.set_step(step)
+        _train(dec, keys)
+    assert dec.export_table("a_emb")[0].tolist() == [1, 3, 4, 5]  # 2 (step 2) left
+    assert dec.stats()["a_emb"]["evictions"] == 1.0
+
+
+def test_timestamp_strategy_evicts_oldest_time():
+    now = [0]
+    dec = _one_bucket(ScoreStrategy.TIMESTAMP, clock=lambda: now[0])
+    for t, keys in [(100, [1, 2]), (200, [3]), (300, [4, 2]), (400, [1]), (500, [5])]:
+        now[0] = t
+        _train(dec, keys)
+    assert dec.export_table("a_emb")[0].tolist() == [1, 2, 4, 5]  # 3 (time 200) left
+    assert dec.table_state("a_emb").scores.tolist() == [400, 300, 300, 500]
+
+
+def test_lfu_strategy_evicts_least_used():
+    dec = _one_bucket(ScoreStrategy.LFU)
+    _train(dec, [1, 1, 1, 2, 3, 3, 4])
+    _train(dec, [4])  # use counts: 1:3, 2:1, 3:2, 4:2
+    _train(dec, [5, 5])  # new key used twice: the least used key (2) leaves
+    assert dec.export_table("a_emb")[0].tolist() == [1, 3, 4, 5]
+    assert dec.table_state("a_emb").scores.tolist() == [3, 2, 2, 2]
+    assert dec.stats()["a_emb"]["evictions"] == 1.0
+
+
+def test_keys_of_the_current_batch_are_not_evicted():
+    dec = _one_bucket(ScoreStrategy.LFU)
+    _train(dec, [1, 2, 3, 4])  # all count 1
+    out = _train(dec, [1, 6, 6])  # 6 (count 2) evicts one of 2, 3, 4 - never 1 (in use)
+    kept = dec.export_table("a_emb")[0].tolist()
+    assert 1 in kept and 6 in kept
+    assert out["a_emb"][1:].requires_grad
+
+
+def test_no_eviction_refuses_counts_and_logs(caplog):
+    dec = _one_bucket(ScoreStrategy.NO_EVICTION, seed=3)
+    _train(dec, [1, 2, 3, 4])
+    before = dec.table_state("a_emb")
+    with caplog.at_level(logging.WARNING, logger="shared.hashtable.storage"):
+        out = _train(dec, [5, 1])
+    assert "refused 1 new keys" in caplog.text and "'a_emb'" in caplog.text
+    assert dec.stats()["a_emb"]["refusals"] == 1.0
+    assert dec.export_table("a_emb")[0].tolist() == [1, 2, 3, 4]
+    # the refused key still gets a (deterministic, unstored) initial row and no update
+    expected = KeyedInitializer(NORMAL, seed=3, table="a_emb")(torch.tensor([5]), 4)
+    assert torch.equal(out["a_emb"][:1].detach(), expected)
+    after = dec.table_state("a_emb")
+    assert torch.equal(after.values[1:], before.values[1:])  # only key 1 was updated
+
+
+def test_growth_inside_the_module_keeps_rows():
+    dec = _dec([dyn_table("a_emb", init_capacity=16, bucket_capacity=8, max_capacity=4096)])
+    seen = {}
+    with torch.no_grad():
+        for step in range(6):
+            keys = torch.arange(step * 150, (step + 1) * 150)
+            out = dec({"a_emb": keys})["a_emb"]
+            seen.update(zip(keys.tolist(), out, strict=True))
+    keys, values = dec.export_table("a_emb")
+    assert keys.tolist() == sorted(seen) and dec.stats()["a_emb"]["capacity"] > 16
+    assert torch.equal(values, torch.stack([seen[k] for k in keys.tolist()]))
+
+
+def test_step_counts_forwards_unless_set():
+    dec = _dec([dyn_table("a_emb")])
+    _train(dec, [1])
+    _train(dec, [2])
+    assert dec.table_state("a_emb").scores.tolist() == [1, 2]
+    dec.set_step(10)
+    _train(dec, [1])
+    assert dec.table_state("a_emb").scores.tolist() == [10, 2]
+
+
+def test_bad_input_errors():
+    dec = _dec([dyn_table("a_emb")])
+    with pytest.raises(KeyError, match="unknown dynamic tables"):
+        dec({"b_emb": torch.tensor([1])})
+    with pytest.raises(ValueError, match="negative"):
+        dec({"a_emb": torch.tensor([1, -3])})
+    dense = dyn_table("d_emb")
+    dense = type(dense)(dense.name, dense.dim, 10, None, "sum")
+    with pytest.raises(ValueError, match="not dynamic"):
+        _dec([dense])
+
+
+def _script(device: str) -> dict:
+    tables = [
+        dyn_table("a_emb", init_capacity=16, bucket_capacity=8, max_capacity=256, strategy=ScoreStrategy.LFU),
+        dyn_table("b_emb", init_capacity=16, bucket_capacity=8, max_capacity=256, strategy=ScoreStrategy.LFU, threshold=2, initializer=InitializerSpec(InitMode.TRUNCATED_NORMAL, std_dev=0.1, lower=-0.1, upper=0.2)),
+    ]  # fmt: skip
+    dec = _dec(tables, {"g": ["a_emb", "b_emb"]}, device=device, lr=0.03)
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for step in range(8):
+        dec.set_step(step)
+        batch = {t: torch.randint(0, 400, (300,), generator=g) for t in ("a_emb", "b_emb")}
+        out = dec(batch)
+        coef = {t: torch.randn(300, 4, generator=g) for t in batch}
+        sum((out[t] * coef[t].to(device)).sum() for t in batch).backward()
+        outs.append({t: v.detach().cpu() for t, v in out.items()})
+    states = {t: dec.table_state(t) for t in ("a_emb", "b_emb")}
+    return {"outs": outs, "states": states, "stats": dec.stats()}
+
+
+def test_script_is_deterministic_on_cpu():
+    a, b = _script("cpu"), _script("cpu")
+    for t in ("a_emb", "b_emb"):
+        assert torch.equal(a["states"][t].values, b["states"][t].values)
+    assert a["stats"]["a_emb"]["evictions"] > 0  # the script exercises eviction
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares CPU and GPU tables")
+def test_cpu_and_cuda_give_identical_tables():
+    cpu, gpu = _script("cpu"), _script("cuda")
+    for o1, o2 in zip(cpu["outs"], gpu["outs"], strict=True):
+        for t in o1:
+            assert torch.equal(o1[t], o2[t]), t
+    for t in ("a_emb", "b_emb"):
+        s1, s2 = cpu["states"][t], gpu["states"][t]
+        for f in ("keys", "values", "scores", "accumulators", "counter_keys", "counter_counts"):
+            x, y = getattr(s1, f), getattr(s2, f)
+            assert (x is None and y is None) or torch.equal(x, y.cpu()), (t, f)
+    assert cpu["stats"] == gpu["stats"]
