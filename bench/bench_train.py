@@ -1,0 +1,163 @@
+"""Training throughput of the seed config: jagged DIN beside the padded reference, same run.
+
+Two measurements, both at ``--batch`` (default 8192, the config's):
+
+- ``step``: the training step alone (lookups + admission + forward + backward + fused Adagrad +
+  Adam) on batches already on the device, median over ``--steps`` steps, for the jagged DIN and
+  for tzrec's padded DIN (pad to sequence_length 100) with the same weights;
+- ``end_to_end``: samples/s of the real loop over the Parquet loader (jagged only).
+
+    python -m bench.bench_train --samples data/small/samples --out out/bench_train.json
+    python -m bench.bench_train --size full --device cuda --out $OUT/bench_train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shared.config import load_config
+from shared.features import build_feature_set
+from train.data.loader import Loader
+from train.model.din import PaddedDIN
+from train.model.multi_tower_din import MultiTowerDIN
+from train.trainer import build_optimizers, train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(model, optimizers, batches, device, amp: str) -> list[float]:
+    times = []
+    for i, batch in enumerate(batches):
+        _sync(device)
+        t0 = time.perf_counter()
+        train_step(model, optimizers, batch, i, amp)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--config", type=Path, default=ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
+    )
+    p.add_argument("--samples", type=Path, help="samples dir with train/; default: generate --size")
+    p.add_argument("--size", default="small", choices=["tiny", "small", "full"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--padded-steps", type=int, default=3, help="the padded reference is slow on CPU"
+    )
+    p.add_argument("--end-to-end-steps", type=int, default=20)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--amp", default="", choices=["", "BF16", "FP16"])
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    config = load_config(args.config)
+    fs = build_feature_set(config)
+    tmp = None
+    samples = args.samples
+    if samples is None:
+        tmp = tempfile.mkdtemp(prefix="bench_train_")
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "train.data", "all", "--size", args.size, "--out", tmp,
+             "--config", str(args.config)], check=True, cwd=ROOT,
+        )  # fmt: skip
+        print(f"generated {args.size} in {time.perf_counter() - t0:.1f}s", flush=True)
+        samples = Path(tmp) / "samples"
+
+    loader = Loader(samples / "train", fs, batch_size=args.batch, num_workers=args.num_workers,
+                    shuffle=True, seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
+    need = args.warmup + max(args.steps, args.padded_steps)
+    batches = []
+    for b in loader.epoch(0):
+        batches.append(b.to(device, non_blocking=True))
+        if len(batches) == need:
+            break
+    seq_len = batches[0].sequence.lengths().float()
+    result: dict[str, object] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "amp": args.amp,
+        "mean_sequence_length": float(seq_len.mean()),
+        "train_rows": loader.rows,
+    }
+
+    def run(padded: bool, steps: int) -> list[float]:
+        model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
+        if padded:
+            ref = PaddedDIN(model.dense.din.dim, model.dense.config.attn, max_length=100).to(device)
+            ref.load_state_dict(model.dense.din.state_dict())
+            model.dense.din = ref
+        optimizers = build_optimizers(model, config.train_config)
+        model.train()
+        time_steps(model, optimizers, batches[: args.warmup], device, args.amp)
+        return time_steps(
+            model, optimizers, batches[args.warmup : args.warmup + steps], device, args.amp
+        )
+
+    jagged = run(False, args.steps)
+    padded = run(True, args.padded_steps)
+    mj, mp = statistics.median(jagged), statistics.median(padded)
+    result["step"] = {
+        "jagged_ms_median": mj * 1e3,
+        "padded_ms_median": mp * 1e3,
+        "jagged_samples_per_s": args.batch / mj,
+        "padded_samples_per_s": args.batch / mp,
+        "padded_over_jagged": mp / mj,
+        "jagged_ms_all": [t * 1e3 for t in jagged],
+        "padded_ms_all": [t * 1e3 for t in padded],
+    }
+    print(json.dumps(result["step"]), flush=True)
+
+    # end to end over the loader (includes feature generation in the workers)
+    model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
+    optimizers = build_optimizers(model, config.train_config)
+    model.train()
+    n = 0
+    t0 = None
+    for i, batch in enumerate(loader.epoch(1)):
+        batch = batch.to(device, non_blocking=True)
+        if i == args.warmup:
+            _sync(device)
+            t0, n = time.perf_counter(), 0
+        loss = train_step(model, optimizers, batch, i, args.amp)
+        n += batch.batch_size
+        if i >= args.warmup + args.end_to_end_steps:
+            break
+    _sync(device)
+    float(loss)
+    if t0 is not None:
+        seconds = time.perf_counter() - t0
+        result["end_to_end"] = {"samples_per_s": n / seconds, "steps": args.end_to_end_steps,
+                                "num_workers": args.num_workers}  # fmt: skip
+    if device.type == "cuda":
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    result["tables"] = model.sparse.dynamic.stats()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "tables"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
