@@ -1,0 +1,520 @@
+"""Feature generation: raw column values → the id tensors of a :class:`~shared.batch.Batch`.
+
+One set of column functions serves training (:func:`table_to_batch`, a Parquet record batch of B
+rows) and serving (:func:`request_to_batch`, one user with N candidates): the request is first
+turned into small Arrow columns and then goes through exactly the same code, so a row gives
+bit-identical ids on both sides. Everything is vectorized over rows (pyarrow / numpy); the only
+Python loops run over features, over the distinct lengths of long tokens, or over the bytes of
+distinct hashed strings.
+
+Transforms (``FeatureSpec.transform``):
+
+- ``MOD``: non-negative integer id → ``id % num_buckets``. Integer strings are parsed.
+- ``HASH``: :func:`~shared.fg_text.hash64` (FNV-1a + SplitMix64) of the value's string form
+  (integers: their decimal digits, so the string ``"7"`` and the integer ``7`` agree) →
+  ``% hash_bucket_size``. Hashing runs on the distinct values only, mapped back by index.
+- ``DYNAMIC``: the raw non-negative int64 id; strings → ``hash64(s) & (2**63 - 1)``.
+- ``BUCKETIZE``: float → number of boundaries ``<= x`` (``searchsorted(..., side="right")``), i.e.
+  bucket ``i`` holds ``[boundaries[i-1], boundaries[i])``; a value equal to a boundary goes to the
+  bucket above it. Boundaries are compared as written in the config (the proto's float32 1.1 is
+  read back as the decimal 1.1). Integer and numeric-string columns are accepted.
+
+Missing values and bad data (every default is counted in :class:`FgStats`):
+
+- A null scalar → an empty bag (length 0: the model sees a zero embedding). Counted per feature.
+- Sequences: a string column holds tokens joined by ``sequence_delim`` (most recent last); list
+  columns (``list<int>``) are taken as they are. A row whose sub-sequence strings are all empty
+  (or null) is an empty sequence. Otherwise an empty token (e.g. ``"12||7"``, or ``""`` beside a
+  one-element sibling: a clicked ad without brand) or a null list element is the *missing* token
+  and gets id 0 whatever the transform; counted per feature. Sub-sequences of one sequence must
+  have equal lengths per row (else :class:`FeatureError`).
+- A sequence longer than ``sequence_length``: training keeps the last ``sequence_length``
+  elements (counted per sequence); serving raises :class:`FeatureError`.
+- :class:`FeatureError` (naming the column) for: a missing column/key, a wrong type (float or bool
+  ids, an unparsable string), a negative MOD/DYNAMIC id, an id outside int64, a malformed
+  sequence token, a NaN/infinite/negative price, a null label.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from shared.batch import Batch
+from shared.features import FeatureKind, FeatureSet, FeatureSpec, IdTransform, Side
+from shared.fg_text import (
+    INT64_MAX,
+    TokenError,
+    Tokens,
+    hash64,
+    hash_strings,
+    split_int_tokens,
+    string_buffers,
+)
+
+ORACLE_COLUMN = "_oracle_p"
+__all__ = [
+    "ORACLE_COLUMN",
+    "FeatureError",
+    "FgStats",
+    "hash64",
+    "request_to_batch",
+    "scalar_ids",
+    "sequence_ids",
+    "table_to_batch",
+]
+
+
+class FeatureError(ValueError):
+    """A raw value that feature generation cannot turn into ids; ``field`` names the column."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass
+class FgStats:
+    """Counts of the documented defaults applied to bad or missing data (see module doc)."""
+
+    rows: int = 0
+    missing: Counter[str] = field(default_factory=Counter)  # null scalar → empty bag
+    missing_tokens: Counter[str] = field(default_factory=Counter)  # empty sequence token → id 0
+    truncated: Counter[str] = field(default_factory=Counter)  # rows whose sequence was cut
+
+    def merge(self, other: FgStats) -> None:
+        self.rows += other.rows
+        self.missing.update(other.missing)
+        self.missing_tokens.update(other.missing_tokens)
+        self.truncated.update(other.truncated)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "rows": self.rows,
+            "missing": dict(self.missing),
+            "missing_tokens": dict(self.missing_tokens),
+            "truncated": dict(self.truncated),
+        }
+
+    def report(self) -> str:
+        lines = [f"feature generation: {self.rows} rows"]
+        for what, counter in (
+            ("null value -> empty bag", self.missing),
+            ("empty sequence token -> id 0", self.missing_tokens),
+            ("sequence longer than sequence_length -> kept the last", self.truncated),
+        ):
+            for name, n in sorted(counter.items()):
+                lines.append(f"  {name}: {n} x {what} ({n / max(self.rows, 1):.2%} of rows)")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- column helpers
+
+
+def _combine(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One contiguous plain array: chunks combined, dictionaries decoded, views made plain."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    if pa.types.is_string_view(col.type):
+        col = col.cast(pa.large_string())
+    if pa.types.is_null(col.type):  # all-missing (e.g. a serving value None)
+        col = pa.nulls(len(col), pa.int64())
+    return col
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _valid_mask(arr: pa.Array) -> np.ndarray | None:
+    """Bool mask of non-null rows (from the validity bitmap), or None when there are no nulls."""
+    if arr.null_count == 0:
+        return None
+    first, n = arr.offset, len(arr)
+    bits = np.frombuffer(arr.buffers()[0], dtype=np.uint8)[first // 8 : (first + n + 7) // 8]
+    return np.unpackbits(bits, bitorder="little")[first % 8 : first % 8 + n].view(bool)
+
+
+def _values_ignoring_nulls(arr: pa.Array) -> np.ndarray:
+    """The value buffer of a fixed-width numeric array, zero-copy (null slots hold garbage)."""
+    dtype = np.dtype(arr.type.to_pandas_dtype())
+    return np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset : arr.offset + len(arr)]
+
+
+def _to_int64(name: str, arr: pa.Array) -> np.ndarray:
+    """Integer (or integer-string) array without nulls → int64 ndarray, range-checked."""
+    t = arr.type
+    if _is_string(t):
+        try:
+            return np.asarray(pc.cast(arr, pa.int64()))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise FeatureError(name, f"not an integer id, or outside int64: {e}") from None
+    top = pc.max(arr).as_py() if pa.types.is_uint64(t) and len(arr) else 0
+    if top > INT64_MAX:
+        raise FeatureError(name, f"id {top} is outside int64")
+    if not pa.types.is_integer(t):
+        raise FeatureError(
+            name, f"has type {t}; ids must be integers or strings (floats and bools are refused)"
+        )
+    return np.asarray(arr).astype(np.int64, copy=False)
+
+
+def _hash_size(spec: FeatureSpec) -> np.ndarray:
+    if not spec.hash_bucket_size:
+        raise FeatureError(spec.name, "HASH transform without hash_bucket_size")
+    return np.asarray(spec.hash_bucket_size, np.uint64)
+
+
+def _ints_to_ids(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
+    """Transform integer ids (int64 ndarray) of ``spec``; raises on negative MOD/DYNAMIC ids."""
+    if spec.transform is IdTransform.HASH:
+        uniq, inv = np.unique(ints, return_inverse=True)
+        h = hash64(pc.cast(pa.array(uniq), pa.string()))
+        return (h % _hash_size(spec)).astype(np.int64)[inv]
+    if len(ints) and int(ints.min()) < 0:
+        raise FeatureError(spec.name, f"negative id {int(ints.min())}; ids must be >= 0")
+    if spec.transform is IdTransform.MOD:
+        return ints % spec.num_buckets
+    if spec.transform is IdTransform.DYNAMIC:
+        return ints
+    raise FeatureError(spec.name, f"transform {spec.transform.value} does not apply to ids")
+
+
+def _strings_to_ids(spec: FeatureSpec, strings: pa.Array) -> np.ndarray:
+    if spec.transform is IdTransform.HASH:
+        return (hash_strings(strings) % _hash_size(spec)).astype(np.int64)
+    if spec.transform is IdTransform.DYNAMIC:
+        return (hash_strings(strings) & np.uint64(INT64_MAX)).astype(np.int64)
+    return _ints_to_ids(spec, _to_int64(spec.name, strings))
+
+
+def _bucketize(spec: FeatureSpec, arr: pa.Array) -> np.ndarray:
+    t = arr.type
+    if _is_string(t):
+        try:
+            arr = pc.cast(arr, pa.float64())
+        except pa.ArrowInvalid as e:
+            raise FeatureError(spec.name, f"not a number: {e}") from None
+    elif not (pa.types.is_floating(t) or pa.types.is_integer(t)):
+        raise FeatureError(spec.name, f"has type {t}; expected a number")
+    x = np.asarray(arr.cast(pa.float64()))
+    bad = ~(np.isfinite(x) & (x >= 0))
+    if bad.any():
+        raise FeatureError(spec.name, f"value {x[bad][0]} is NaN, infinite or negative")
+    return np.searchsorted(_decimal_boundaries(spec.boundaries), x, side="right").astype(np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _decimal_boundaries(boundaries: tuple[float, ...]) -> np.ndarray:
+    """The config's boundaries as written: the proto stores float32 (1.1 → 1.100000023841858);
+    the shortest decimal that round-trips each float32 gives back 1.1, so that a price equal to
+    a written boundary lands in the bucket above it."""
+    return np.array(
+        [float(np.format_float_positional(np.float32(b), unique=True)) for b in boundaries]
+    )
+
+
+def scalar_ids(
+    spec: FeatureSpec, col: pa.Array | pa.ChunkedArray, stats: FgStats | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One scalar column → (ids int64 [present rows], lengths int32 [rows]); null → length 0."""
+    arr = _combine(col)
+    n = len(arr)
+    valid = _valid_mask(arr)
+    if valid is not None and stats is not None:
+        stats.missing[spec.name] += arr.null_count
+    if valid is not None and (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
+        arr = pa.array(_values_ignoring_nulls(arr)[valid])  # cheaper than Array.filter
+    elif valid is not None:
+        arr = arr.filter(pa.array(valid))
+    if spec.transform is IdTransform.BUCKETIZE:
+        ids = _bucketize(spec, arr)
+    elif _is_string(arr.type):
+        ids = _strings_to_ids(spec, arr)
+    else:
+        ids = _ints_to_ids(spec, _to_int64(spec.name, arr))
+    lengths = np.ones(n, np.int32) if valid is None else valid.astype(np.int32)
+    return ids, lengths
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def _split(spec: FeatureSpec, arr: pa.Array, delim: int, one_empty: np.ndarray) -> Tokens:
+    try:
+        return split_int_tokens(arr, delim, one_empty)
+    except TokenError as e:
+        raise FeatureError(spec.name, str(e)) from None
+
+
+def _list_tokens(name: str, arr: pa.Array) -> Tokens:
+    """A list<int> column (serving requests, or list-typed Parquet) → tokens; null → missing."""
+    if arr.null_count:
+        arr = pc.fill_null(arr, pa.scalar([], arr.type))
+    lengths = np.diff(np.asarray(arr.offsets)).astype(np.int64)
+    vals = arr.flatten()
+    if pa.types.is_null(vals.type):
+        vals = pa.nulls(len(vals), pa.int64())
+    valid = _valid_mask(vals)
+    missing = np.zeros(len(vals), bool) if valid is None else ~valid
+    if _is_string(vals.type):
+        missing |= np.asarray(pc.equal(pc.fill_null(vals, ""), ""))
+    ints = np.zeros(len(vals), np.int64)
+    if (~missing).any():
+        ints[~missing] = _to_int64(name, vals.filter(pa.array(~missing)))
+        if int(ints.min()) < 0:
+            raise FeatureError(name, f"negative id {int(ints.min())} in a sequence")
+    return Tokens(lengths, ints, missing)
+
+
+def _tokens_to_ids(spec: FeatureSpec, tok: Tokens) -> np.ndarray:
+    ids = _ints_to_ids(spec, tok.ints)
+    ids[tok.missing] = 0
+    return ids
+
+
+def _sequence_tokens(specs: Sequence[FeatureSpec], arrs: list[pa.Array]) -> list[Tokens]:
+    """Split/parse each sub-feature column; their lengths must agree row by row."""
+    # a row whose sub-sequence strings are all empty is an empty sequence; elsewhere an empty
+    # string is one missing token (a one-element sequence whose e.g. brand is missing)
+    all_empty = np.ones(len(arrs[0]), bool)
+    for a in arrs:
+        all_empty &= np.diff(string_buffers(a)[0]) == 0 if _is_string(a.type) else False
+    tokens: list[Tokens] = []
+    for spec, a in zip(specs, arrs, strict=True):
+        if _is_string(a.type):
+            delim = (spec.sequence_delim or "|").encode()
+            if len(delim) != 1:
+                raise FeatureError(
+                    spec.name, f"sequence_delim {spec.sequence_delim!r} must be one byte"
+                )
+            one_empty = (np.diff(string_buffers(a)[0]) == 0) & ~all_empty
+            tokens.append(_split(spec, a, delim[0], one_empty))
+        elif pa.types.is_list(a.type) or pa.types.is_large_list(a.type):
+            tokens.append(_list_tokens(spec.name, a))
+        else:
+            raise FeatureError(
+                spec.name, f"has type {a.type}; expected a delimited string or a list"
+            )
+    for spec, tok in zip(specs[1:], tokens[1:], strict=True):
+        if not np.array_equal(tok.lengths, tokens[0].lengths):
+            row = int(np.flatnonzero(tok.lengths != tokens[0].lengths)[0])
+            raise FeatureError(
+                spec.name,
+                f"row {row} has {tok.lengths[row]} elements but {specs[0].name} has "
+                f"{tokens[0].lengths[row]}; the sub-sequences of one sequence must be aligned",
+            )
+    return tokens
+
+
+def sequence_ids(
+    specs: Sequence[FeatureSpec],
+    cols: Sequence[pa.Array | pa.ChunkedArray],
+    *,
+    truncate: bool,
+    stats: FgStats | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The aligned sub-features of one sequence → per sub-feature (ids int64, lengths int32).
+
+    ``truncate``: keep the last ``sequence_length`` elements (training) instead of raising.
+    """
+    arrs = [_combine(c) for c in cols]
+    arrs = [pc.fill_null(a, "") if _is_string(a.type) and a.null_count else a for a in arrs]
+    tokens = _sequence_tokens(specs, arrs)
+    lengths = tokens[0].lengths
+    cap = int(specs[0].sequence_length or 0)
+    keep: np.ndarray | None = None
+    if cap and len(lengths) and int(lengths.max()) > cap:
+        long_rows = lengths > cap
+        if not truncate:
+            row = int(np.flatnonzero(long_rows)[0])
+            raise FeatureError(
+                specs[0].name,
+                f"{lengths[row]} elements exceed sequence_length {cap}; send the last {cap}",
+            )
+        ends = np.repeat(np.cumsum(lengths), lengths)
+        keep = (ends - np.arange(len(ends))) <= cap  # position from the end < cap
+        lengths = np.minimum(lengths, cap)
+        if stats is not None:
+            stats.truncated[specs[0].sequence_name or specs[0].name] += int(long_rows.sum())
+    out = []
+    for spec, tok in zip(specs, tokens, strict=True):
+        ids, missing = _tokens_to_ids(spec, tok), tok.missing
+        if keep is not None:
+            ids, missing = ids[keep], missing[keep]
+        if stats is not None and missing.any():
+            stats.missing_tokens[spec.name] += int(missing.sum())
+        out.append((ids, lengths.astype(np.int32)))
+    return out
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _kjt(
+    keys: list[str], parts: list[tuple[np.ndarray, np.ndarray]], stride: int
+) -> KeyedJaggedTensor:
+    """KJT from per-key (values, lengths [stride]); values key-major, as torchrec expects."""
+    values = np.concatenate([v for v, _ in parts]) if parts else np.zeros(0, np.int64)
+    lengths = np.concatenate([ln for _, ln in parts]) if parts else np.zeros(0, np.int32)
+    per_key = [len(v) for v, _ in parts]
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
+        lengths=torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int32)),
+        stride=stride,
+        length_per_key=per_key,
+        offset_per_key=[0, *np.cumsum(per_key).tolist()],
+    )
+
+
+def _sequences(fs: FeatureSet) -> dict[str, list[FeatureSpec]]:
+    groups: dict[str, list[FeatureSpec]] = {}
+    for spec in fs.features.values():
+        if spec.kind is FeatureKind.SEQUENCE_ID:
+            groups.setdefault(spec.sequence_name or spec.name, []).append(spec)
+    return groups
+
+
+def _scalars(fs: FeatureSet, sides: tuple[Side, ...]) -> list[FeatureSpec]:
+    return [s for s in fs.features.values() if not s.is_sequence and s.side in sides]
+
+
+def _sequence_kjt(
+    fs: FeatureSet, get: dict[str, pa.Array], stride: int, *, truncate: bool, stats: FgStats | None
+) -> KeyedJaggedTensor:
+    keys, parts = [], []
+    for specs in _sequences(fs).values():
+        keys += [s.name for s in specs]
+        parts += sequence_ids(specs, [get[s.name] for s in specs], truncate=truncate, stats=stats)
+    order = {name: i for i, name in enumerate(fs.features)}
+    idx = sorted(range(len(keys)), key=lambda i: order[keys[i]])
+    return _kjt([keys[i] for i in idx], [parts[i] for i in idx], stride)
+
+
+def _scalar_kjt(
+    specs: list[FeatureSpec], get: dict[str, pa.Array], stride: int, stats: FgStats | None
+) -> KeyedJaggedTensor:
+    return _kjt([s.name for s in specs], [scalar_ids(s, get[s.name], stats) for s in specs], stride)
+
+
+def _column(table: pa.Table | pa.RecordBatch, name: str) -> pa.Array:
+    if name not in table.schema.names:
+        raise FeatureError(
+            name, f"column missing from the input (it has: {', '.join(table.schema.names)})"
+        )
+    return _combine(table.column(name))
+
+
+def _float_column(table: pa.Table | pa.RecordBatch, name: str) -> torch.Tensor:
+    col = _column(table, name)
+    if col.null_count:
+        raise FeatureError(name, f"{col.null_count} null values; labels must be present")
+    if not (
+        pa.types.is_integer(col.type)
+        or pa.types.is_floating(col.type)
+        or pa.types.is_boolean(col.type)
+    ):
+        raise FeatureError(name, f"has type {col.type}; expected a number")
+    return torch.from_numpy(np.asarray(col.cast(pa.float32())).copy())
+
+
+def table_to_batch(
+    fs: FeatureSet, table: pa.Table | pa.RecordBatch, *, stats: FgStats | None = None
+) -> Batch:
+    """Training rows → Batch (U == B: one user row per sample, ``user_index = arange(B)``).
+
+    Needs one column per feature (named as the feature) and the label fields; ``_oracle_p``
+    becomes ``Batch.oracle`` when present. Example::
+
+        batch = table_to_batch(fs, pq.read_table("samples/train/part-00000.parquet"))
+    """
+    n = table.num_rows
+    cols = {name: _column(table, name) for name in fs.features}
+    if len(fs.label_fields) != 1:
+        raise FeatureError(",".join(fs.label_fields), "exactly one label field is supported")
+    labels = _float_column(table, fs.label_fields[0])
+    oracle = _float_column(table, ORACLE_COLUMN) if ORACLE_COLUMN in table.schema.names else None
+    batch = Batch(
+        user=_scalar_kjt(_scalars(fs, (Side.USER,)), cols, n, stats),
+        item=_scalar_kjt(_scalars(fs, (Side.ITEM, Side.CONTEXT)), cols, n, stats),
+        sequence=_sequence_kjt(fs, cols, n, truncate=True, stats=stats),
+        user_index=torch.arange(n, dtype=torch.int64),
+        labels=labels,
+        oracle=oracle,
+    )
+    if stats is not None:
+        stats.rows += n
+    return batch
+
+
+def _request_array(name: str, values: list[object]) -> pa.Array:
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as e:
+        raise FeatureError(name, f"cannot convert {values[:3]!r}...: {e}") from None
+
+
+def _need(mapping: Mapping[str, object], name: str, where: str) -> object:
+    if name not in mapping:
+        raise FeatureError(
+            name, f"missing from the request's {where} (send None for a missing value)"
+        )
+    return mapping[name]
+
+
+def request_to_batch(
+    fs: FeatureSet,
+    *,
+    user: Mapping[str, object],
+    sequences: Mapping[str, Sequence[int | None]],
+    context: Mapping[str, object],
+    candidates: Sequence[Mapping[str, object]],
+    stats: FgStats | None = None,
+) -> Batch:
+    """One serving request (one user, N candidate ads) → Batch with U = 1, B = N.
+
+    ``user``: the USER-side features; ``sequences``: each sequence sub-feature as a list of ids
+    (most recent last, None = missing element); ``context``: CONTEXT-side features (shared by
+    all candidates); ``candidates``: per ad, the ITEM-side features. Keys are feature names, None
+    is a missing value. Goes through the same column functions as :func:`table_to_batch`.
+    """
+    n = len(candidates)
+    if n == 0:
+        raise FeatureError("candidates", "at least one candidate is needed")
+    cols: dict[str, pa.Array] = {}
+    for spec in _scalars(fs, (Side.USER,)):
+        cols[spec.name] = _request_array(spec.name, [_need(user, spec.name, "user")])
+    for spec in _scalars(fs, (Side.CONTEXT,)):
+        cols[spec.name] = _request_array(spec.name, [_need(context, spec.name, "context")] * n)
+    for spec in _scalars(fs, (Side.ITEM,)):
+        cols[spec.name] = _request_array(
+            spec.name, [_need(c, spec.name, f"candidate {i}") for i, c in enumerate(candidates)]
+        )
+    for specs in _sequences(fs).values():
+        for spec in specs:
+            seq = _need(sequences, spec.name, "sequences")
+            if isinstance(seq, str | bytes) or not isinstance(seq, Sequence | np.ndarray):
+                raise FeatureError(spec.name, f"expected a list of ids, got {type(seq).__name__}")
+            vals = _request_array(spec.name, list(seq))
+            cols[spec.name] = pa.ListArray.from_arrays(pa.array([0, len(vals)], pa.int32()), vals)
+    batch = Batch(
+        user=_scalar_kjt(_scalars(fs, (Side.USER,)), cols, 1, stats),
+        item=_scalar_kjt(_scalars(fs, (Side.ITEM, Side.CONTEXT)), cols, n, stats),
+        sequence=_sequence_kjt(fs, cols, 1, truncate=False, stats=stats),
+        user_index=torch.zeros(n, dtype=torch.int64),
+    )
+    if stats is not None:
+        stats.rows += n
+    return batch

@@ -1,0 +1,185 @@
+"""Byte-level kernels of feature generation: the stable string hash and the decimal token parser.
+
+Both work on the raw buffers of Arrow string arrays with numpy, vectorized over strings/tokens:
+:func:`hash64` loops over byte positions (of distinct values), :func:`split_int_tokens` splits
+delimited id lists and parses every token at once with SWAR arithmetic (eight digits per uint64).
+They raise :class:`TokenError` with a message; :mod:`shared.fg` adds the column name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+class TokenError(ValueError):
+    """A malformed token; the message quotes it and its row."""
+
+
+def string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 offsets relative to the first row, uint8 bytes) of a string/large_string array,
+    zero-copy apart from the offsets. Null slots must have been filled (their bytes count)."""
+    width = np.int64 if pa.types.is_large_string(arr.type) else np.int32
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=width)[arr.offset : arr.offset + len(arr) + 1]
+    if bufs[2] is None or len(arr) == 0:
+        return np.zeros(len(arr) + 1, np.int64), np.zeros(0, np.uint8)
+    data = np.frombuffer(bufs[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+    return (offsets - offsets[0]).astype(np.int64), data
+
+
+# --------------------------------------------------------------------------- hashing
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+
+
+def hash64(strings: pa.Array) -> np.ndarray:
+    """Stable 64-bit hash of each string's UTF-8 bytes: FNV-1a, then the SplitMix64 finalizer.
+
+    The finalizer spreads FNV's weak low bits before ``% size`` (and keeps the dataset's two
+    pids, ``430548_1007`` and ``430539_1007``, in different buckets of the config's 20). Part of
+    the train/serve contract: never change it without a new bundle format. Vectorized over
+    strings; the loop runs over byte positions (strings sorted by length, so position ``j``
+    touches only the strings longer than ``j``). Call it on distinct values. Nulls hash like "".
+    Example: ``hash64(pa.array(["430548_1007"]))``.
+    """
+    strings = pc.fill_null(strings.cast(pa.large_string()), "")
+    offsets, data = string_buffers(strings)
+    lens = np.diff(offsets)
+    order = np.argsort(-lens, kind="stable")
+    starts, lens_sorted = offsets[:-1][order], lens[order]
+    h = np.full(len(strings), _FNV_OFFSET, dtype=np.uint64)
+    for j in range(int(lens_sorted[0]) if len(lens_sorted) else 0):
+        k = int(np.count_nonzero(lens_sorted > j))
+        h[:k] ^= data[starts[:k] + j]
+        h[:k] *= _FNV_PRIME
+    h ^= h >> np.uint64(30)  # SplitMix64 finalizer
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(27)
+    h *= np.uint64(0x94D049BB133111EB)
+    h ^= h >> np.uint64(31)
+    out = np.empty_like(h)
+    out[order] = h
+    return out
+
+
+def hash_strings(strings: pa.Array) -> np.ndarray:
+    """hash64 per row, computed on the distinct values only (dictionary-encoded)."""
+    enc = pc.dictionary_encode(strings)
+    return hash64(enc.dictionary)[np.asarray(enc.indices)]
+
+
+# --------------------------------------------------------------------------- decimal tokens
+
+_ASCII0 = 0x3030303030303030
+
+
+def _parse_upto8(words: np.ndarray, pos: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Decimal value of the ``n[i]`` (1..8) ASCII digits at byte ``pos[i]`` (digits checked before).
+
+    SWAR (Lemire's eight-digit parse): the token's bytes are shifted to the top of a uint64
+    (dropping the bytes after the token), '0' is subtracted, and three multiplications combine
+    the digits.
+    """
+    u = np.uint64
+    sh = ((8 - n) << 3).astype(u)
+    w = (words[pos] << sh) - (u(_ASCII0) << sh)  # top n bytes: digit values; low bytes: 0
+    w = (w * u(2561)) >> u(8)  # adjacent digit pairs
+    mask = u(0x000000FF000000FF)
+    return (
+        (w & mask) * u(100 + (1000000 << 32)) + ((w >> u(16)) & mask) * u(1 + (10000 << 32))
+    ) >> u(32)
+
+
+def _parse_digits(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Parse decimal tokens (1..19 digits, already checked) at ``data[starts : starts + lens]``."""
+    pad = np.zeros((len(data) + 16) // 8 * 8, np.uint8)
+    pad[: len(data)] = data
+    # element i = the 8 (unaligned, little-endian) bytes starting at byte i
+    words = np.lib.stride_tricks.as_strided(
+        pad.view(np.uint64), shape=(len(data) + 1,), strides=(1,)
+    )
+    short = lens <= 8
+    if short.all():
+        return _parse_upto8(words, starts, lens)
+    values = np.zeros(len(starts), np.uint64)
+    values[short] = _parse_upto8(words, starts[short], lens[short])
+    for n in np.unique(lens[~short]):  # ids above 99,999,999: rare, one pass per length
+        sel = np.flatnonzero(lens == n)
+        head = int(n) % 8 or 8
+        v = _parse_upto8(words, starts[sel], np.full(len(sel), head))
+        for off in range(head, int(n), 8):
+            v = v * np.uint64(10**8) + _parse_upto8(words, starts[sel] + off, np.full(len(sel), 8))
+        values[sel] = v
+    return values
+
+
+@dataclass
+class Tokens:
+    """The parsed tokens of one sequence sub-feature column (before truncation)."""
+
+    lengths: np.ndarray  # int64 [rows]
+    ints: np.ndarray  # int64 [tokens], 0 where missing
+    missing: np.ndarray  # bool [tokens]
+
+
+def split_int_tokens(arr: pa.Array, delim: int, one_empty: np.ndarray) -> Tokens:
+    """Split a string column on the single byte ``delim`` and parse integer tokens.
+
+    Rows of length 0 have no token, except where ``one_empty`` says they hold one empty token.
+    """
+    offsets, data = string_buffers(arr)
+    row_len = np.diff(offsets)
+    dpos = np.flatnonzero(data == delim)
+    ntok = np.diff(np.searchsorted(dpos, offsets)) + (row_len > 0)
+    ntok = ntok + one_empty
+    tok_off = np.zeros(len(ntok) + 1, np.int64)
+    np.cumsum(ntok, out=tok_off[1:])
+    total = int(tok_off[-1])
+    has = ntok > 0
+    first, last = tok_off[:-1][has], tok_off[1:][has] - 1
+    starts = np.empty(total, np.int64)
+    ends = np.empty(total, np.int64)
+    inner = np.ones(total, bool)
+    inner[first] = False
+    starts[first], starts[inner] = offsets[:-1][has], dpos + 1
+    inner[:] = True
+    inner[last] = False
+    ends[last], ends[inner] = offsets[1:][has], dpos
+    tlen = ends - starts
+    missing = tlen == 0
+    nondigit = (data - np.uint8(48)) > 9  # uint8 wraps: True for every byte outside '0'..'9'
+    nondigit[dpos] = False
+    if nondigit.any():
+        at = int(np.flatnonzero(nondigit)[0])
+        bad = (starts <= at) & (ends > at)
+        _bad_token(arr, tok_off, data, starts, ends, bad, "not a non-negative integer")
+    if (tlen > 19).any():
+        _bad_token(arr, tok_off, data, starts, ends, tlen > 19, "outside int64")
+    ints = _parse_digits(data, starts, np.maximum(tlen, 1))
+    if (ints > np.uint64(INT64_MAX)).any():
+        _bad_token(arr, tok_off, data, starts, ends, ints > np.uint64(INT64_MAX), "outside int64")
+    ints = ints.astype(np.int64)
+    ints[missing] = 0
+    return Tokens(ntok.astype(np.int64), ints, missing)
+
+
+def _bad_token(
+    arr: pa.Array,
+    tok_off: np.ndarray,
+    data: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    bad: np.ndarray,
+    why: str,
+) -> None:
+    i = int(np.flatnonzero(bad)[0])
+    row = int(np.searchsorted(tok_off, i, side="right") - 1)
+    token = bytes(data[starts[i] : ends[i]]).decode("utf-8", "replace")
+    raise TokenError(f"malformed sequence token {token!r} in row {row} ({why}): {arr[row]}")

@@ -1,0 +1,128 @@
+"""The Parquet loader: batch sizes, coverage, seeded order, cheap resume, worker processes."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from shared.batch import Batch
+from shared.features import FeatureSet, feature_set_from_text
+from train.data import synthetic, taobao
+from train.data.loader import Loader, resume_point
+
+ROOT = Path(__file__).resolve().parents[3]
+SEED_TEXT = (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
+
+
+@pytest.fixture(scope="module")
+def fs() -> FeatureSet:
+    return feature_set_from_text(SEED_TEXT, "seed")
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory: pytest.TempPathFactory, fs: FeatureSet) -> Path:
+    out = tmp_path_factory.mktemp("loader")
+    synthetic.generate("tiny", out, seed=0)
+    # small files and row groups so that shuffling and workers have units to work with
+    taobao.build_samples(out / "raw", out / "samples", fs, rows_per_part=1500, row_group_rows=300)
+    return out / "samples"
+
+
+def fingerprint(batches: list[Batch]) -> list[tuple[int, ...]]:
+    """(user_id, adgroup_id) of every row, in order: identifies rows and their order."""
+    out = []
+    for b in batches:
+        users = b.user["user_id"].values().tolist()
+        ads = b.item["adgroup_id"].values().tolist()
+        out += list(zip(users, ads, strict=True))
+    return out
+
+
+def test_batches_cover_the_split_once_in_a_seeded_order(samples: Path, fs: FeatureSet) -> None:
+    loader = Loader(samples / "train", fs, batch_size=512, seed=7, shuffle_rows=900)
+    batches = list(loader.epoch(0))
+    assert [b.batch_size for b in batches[:-1]] == [512] * (len(batches) - 1)
+    assert 0 < batches[-1].batch_size <= 512 and len(batches) == loader.num_batches(0)
+    rows = fingerprint(batches)
+    assert len(rows) == loader.rows
+    again = fingerprint(
+        list(Loader(samples / "train", fs, batch_size=512, seed=7, shuffle_rows=900).epoch(0))
+    )
+    assert again == rows  # same seed and epoch: same order
+    other_epoch = fingerprint(list(loader.epoch(1)))
+    other_seed = fingerprint(
+        list(Loader(samples / "train", fs, batch_size=512, seed=8, shuffle_rows=900).epoch(0))
+    )
+    assert sorted(other_epoch) == sorted(rows) and other_epoch != rows and other_seed != rows
+    assert batches[0].labels is not None and batches[0].oracle is not None
+    assert loader.stats.rows == 2 * loader.rows and loader.stats.missing["pvalue_level"] > 0
+
+
+def test_eval_order_is_the_file_order(samples: Path, fs: FeatureSet) -> None:
+    import pyarrow.parquet as pq
+
+    loader = Loader(samples / "eval", fs, batch_size=256, shuffle=False)
+    table = pq.read_table(samples / "eval", columns=["user_id", "adgroup_id"])
+    want = list(
+        zip(
+            table.column("user_id").to_pylist(), table.column("adgroup_id").to_pylist(), strict=True
+        )
+    )
+    assert fingerprint(list(loader.epoch(0))) == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_skips_batches_cheaply_and_exactly(
+    samples: Path, fs: FeatureSet, workers: int
+) -> None:
+    loader = Loader(
+        samples / "train", fs, batch_size=256, num_workers=workers, seed=3, shuffle_rows=600
+    )
+    full = list(loader.epoch(2))
+    assert len(full) == loader.num_batches(2)
+    assert sorted(fingerprint(full)) == sorted(
+        fingerprint(list(Loader(samples / "train", fs, batch_size=256).epoch(2)))
+    )
+    for k in (1, 5, len(full) - 1):
+        rest = list(loader.epoch(2, skip_batches=k))
+        assert fingerprint(rest) == fingerprint(full[k:]), k
+
+
+def test_resume_point_continues_any_round_robin() -> None:
+    def round_robin(counts: list[int]) -> list[tuple[int, int]]:
+        return [
+            (s, r) for r in range(max(counts, default=0)) for s, c in enumerate(counts) if c > r
+        ]
+
+    rng = random.Random(0)
+    for _ in range(300):
+        counts = [rng.randint(0, 6) for _ in range(rng.randint(1, 4))]
+        full = round_robin(counts)
+        for k in range(len(full) + 1):
+            taken, order = resume_point(counts, k)
+            left = [counts[s] - taken[s] for s in order]
+            resumed = [
+                (order[i], taken[order[i]] + r)
+                for r in range(max(left, default=0))
+                for i in range(len(order))
+                if left[i] > r
+            ]
+            assert resumed == full[k:]
+
+
+def test_from_config_and_bad_inputs(samples: Path, fs: FeatureSet, tmp_path: Path) -> None:
+    from shared.config import parse_config
+
+    config = parse_config(SEED_TEXT.replace("data/small/samples", str(samples)))
+    loader = Loader.from_config(config, fs, "eval", num_workers=0)
+    assert loader.batch_size == 8192 and not loader.shuffle and not loader.pin_memory
+    assert Loader.from_config(config, fs, "train", batch_size=64).shuffle
+    with pytest.raises(FileNotFoundError):
+        Loader(tmp_path, fs, batch_size=8)
+    other = feature_set_from_text(SEED_TEXT.replace('"occupation"', '"job"'))
+    with pytest.raises(ValueError, match="job"):
+        Loader(samples / "train", other, batch_size=8)
+    with pytest.raises(ValueError, match="batch_size"):
+        Loader(samples / "train", fs, batch_size=0)
