@@ -1,0 +1,99 @@
+"""Checkpoint → bundle → offline scorer: the bundle alone reproduces the trained model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pytest
+import torch
+from safetensors import safe_open
+
+from serve.model import LoadedModel
+from serve.offline import score_table
+from shared.bundle import read_bundle
+from shared.fg import table_to_batch
+from tests.conftest import SEED_CONFIG
+from train.export import export_bundle, restore_model
+from train.trainer import Trainer, TrainOptions
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("export")
+    options = TrainOptions(
+        config_path=SEED_CONFIG,
+        model_dir=root / "model",
+        train_path=tiny_samples / "train",
+        eval_path=tiny_samples / "eval",
+        batch_size=256,
+        num_workers=0,
+        max_steps=12,
+        progress_bar=False,
+    )
+    Trainer(options).fit()
+    bundle = export_bundle(SEED_CONFIG, out_dir=root / "bundle", model_dir=root / "model")
+    return root / "model", bundle
+
+
+def _eval_rows(tiny: Path) -> pa.Table:
+    table = ds.dataset(str(tiny / "eval"), format="parquet").to_table()
+    # add rows with ids never seen in training and with empty click sequences
+    extra = table.slice(0, 8)
+    extra = extra.set_column(
+        extra.schema.get_field_index("user_id"), "user_id", pa.array(np.arange(8) + 10**12)
+    )
+    extra = extra.set_column(
+        extra.schema.get_field_index("adgroup_id"), "adgroup_id", pa.array(np.arange(8) + 10**12)
+    )
+    for name in ("click_50_seq__adgroup_id", "click_50_seq__cate_id", "click_50_seq__brand"):
+        extra = extra.set_column(extra.schema.get_field_index(name), name, pa.array([""] * 8))
+    return pa.concat_tables([table, extra])
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_offline_scorer_reproduces_trained_model(
+    trained: tuple[Path, Path], tiny_samples: Path, tiled: bool
+) -> None:
+    model_dir, bundle = trained
+    rows = _eval_rows(tiny_samples)
+    empty = pc.equal(rows.column("click_50_seq__adgroup_id"), "").to_numpy(zero_copy_only=False)
+    assert empty.sum() >= 8, "the check must include rows with empty sequences"
+    model, _progress, _ckpt = restore_model(SEED_CONFIG, model_dir=model_dir)
+    with torch.no_grad():
+        expected = torch.sigmoid(model(table_to_batch(model.fs, rows))).numpy()
+    served = score_table(LoadedModel.load(bundle, device="cpu", warmup_rounds=0), rows, tiled=tiled)
+    assert served.shape == expected.shape
+    np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+
+
+def test_bundle_tables_through_plain_safetensors(trained: tuple[Path, Path]) -> None:
+    _model_dir, bundle = trained
+    b = read_bundle(bundle)
+    hashmaps = {k: m for k, m in b.metadata.items() if m["is_hashmap"]}
+    assert {m["hashmap_key"].split(".")[0] for m in hashmaps.values()} == {
+        t.name for t in b.feature_set.dynamic_tables
+    }
+    with safe_open(str(bundle / "model-00000-of-00001.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        for meta in hashmaps.values():
+            assert meta["hashmap_key"] in names and meta["hashmap_value"] in names
+            keys, values = f.get_tensor(meta["hashmap_key"]), f.get_tensor(meta["hashmap_value"])
+            assert keys.dtype == torch.int64 and values.dtype == torch.float32
+            assert keys.shape[0] == values.shape[0] == meta["shape"][0]
+            assert values.shape[1] == meta["dimension"] == 16
+            assert len(torch.unique(keys)) == len(keys)
+
+
+def test_export_contains_only_admitted_keys(trained: tuple[Path, Path]) -> None:
+    model_dir, bundle = trained
+    model, _p, _c = restore_model(SEED_CONFIG, model_dir=model_dir)
+    b = read_bundle(bundle)
+    for t in model.fs.dynamic_tables:
+        keys, _ = model.sparse.dynamic.export_table(t.name)
+        assert torch.equal(torch.sort(b.hash_tables[t.name][0]).values, torch.sort(keys).values)
+        stats = model.sparse.dynamic.stats()[t.name]
+        assert len(keys) == stats["size"]
