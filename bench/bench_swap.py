@@ -1,0 +1,149 @@
+"""Latency of Predict before and during a hot swap of the model version, over gRPC on 127.0.0.1.
+
+Starts the server on a watched directory holding version 1 (full-scale tables, the real dense
+part), drives it with ``--clients`` closed-loop clients (one request = one user with
+``--candidates`` ads), then drops version 2 into the directory and keeps going until the swap has
+happened and ``--after-s`` more seconds have passed. Reports p50/p99/max latency of the steady
+state before and of the window from the install to the end, errors (must be 0) and the versions
+seen::
+
+    python -m bench.bench_swap --out results/swap_gpu.json --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from bench.bench_startup import export_program
+from bench.synthetic_bundle import (
+    keys_per_table,
+    seed_feature_set,
+    synthetic_request,
+    write_synthetic_bundle,
+)
+from protos import predict_pb2_grpc
+from serve.batcher import BatcherConfig
+from serve.model import default_device
+from serve.server import PredictionServer, ServerConfig
+
+
+def _stats(lat: list[float]) -> dict[str, float]:
+    a = np.asarray(lat) * 1e3
+    if not len(a):
+        return {"count": 0}
+    return {
+        "count": int(len(a)),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "max_ms": float(a.max()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_swap", description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
+    p.add_argument("--keys", type=int, default=1_500_000)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--candidates", type=int, default=100)
+    p.add_argument("--before-s", type=float, default=3.0)
+    p.add_argument("--after-s", type=float, default=2.0)
+    p.add_argument("--switch-interval-s", type=float, default=None, help="sys.setswitchinterval")
+    a = p.parse_args(argv)
+    if a.switch_interval_s is not None:
+        sys.setswitchinterval(a.switch_interval_s)
+
+    fs = seed_feature_set()
+    keys = keys_per_table(fs, a.keys)
+    rng = np.random.default_rng(0)
+    requests = [synthetic_request(fs, rng, candidates=a.candidates) for _ in range(64)]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        program, _ = export_program(fs, root / "dense.pt2")
+        models = root / "models"
+        models.mkdir()
+        write_synthetic_bundle(models / "1", fs, keys=keys, program_path=program, version="1")
+        write_synthetic_bundle(
+            root / "v2", fs, keys=keys, program_path=program, version="2", seed=1
+        )
+        config = ServerConfig(
+            model_dir=models,
+            device=a.device,
+            poll_interval_s=0.1,
+            batching=BatcherConfig(max_batch_rows=1024, max_wait_us=500),
+        )
+        server = PredictionServer(config).start()
+        if not server.wait_ready(120):
+            raise SystemExit(f"server did not start: {server.load_error}")
+        log: list[tuple[float, float, str]] = []  # (start, latency, version)
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = predict_pb2_grpc.PredictionServiceStub(channel)
+                i = k
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    try:
+                        r = stub.Predict(requests[i % len(requests)], timeout=10)
+                        log.append((t, time.perf_counter() - t, r.model_version))
+                    except grpc.RpcError as e:
+                        errors.append(f"{e.code().name}: {e.details()}")
+                    i += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(a.clients)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # settle
+        t_before = time.perf_counter()
+        time.sleep(a.before_s)
+        t_install = time.perf_counter()
+        shutil.copytree(root / "v2", models / ".2.tmp")
+        (models / ".2.tmp").rename(models / "2")
+        deadline = time.monotonic() + 60
+        while not any(v == "2" for _, _, v in log[-10:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t_swapped = time.perf_counter()
+        time.sleep(a.after_s)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        swap_load = server.manager.current.startup.as_dict() if server.manager.current else {}
+        server.stop(grace=0)
+
+    before = [lat for t, lat, _ in log if t_before <= t < t_install]
+    during = [lat for t, lat, _ in log if t >= t_install]
+    report = {
+        "benchmark": "Predict latency before / during a hot swap (serve.versions)",
+        "device": a.device,
+        "keys_total": sum(keys.values()),
+        "clients": a.clients,
+        "candidates": a.candidates,
+        "switch_interval_s": sys.getswitchinterval(),
+        "before": _stats(before),
+        "during_swap_and_after": _stats(during),
+        "swap_seconds_after_install": t_swapped - t_install,
+        "new_version_startup_seconds": swap_load,
+        "errors": len(errors),
+        "error_examples": errors[:5],
+        "versions_seen": sorted({v for _, _, v in log}),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("before", "during_swap_and_after", "errors")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""``python -m serve --bundle DIR | --model-dir DIR --port P [--metrics-port M] ...``"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from serve.batcher import BatcherConfig
+from serve.server import PredictionServer, ServerConfig
+from serve.validation import Limits
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bundle", type=Path, help="serve this bundle directory")
+    src.add_argument("--model-dir", type=Path, help="watch <dir>/<version>/ bundles, hot-swap")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8500)
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument("--max-batch-rows", type=int, default=1024)
+    p.add_argument("--max-wait-us", type=int, default=500)
+    p.add_argument("--max-queue", type=int, default=256, help="pending requests before overload")
+    p.add_argument("--max-candidates", type=int, default=1000)
+    p.add_argument("--max-sequence-length", type=int, default=100)
+    p.add_argument("--max-message-bytes", type=int, default=4 << 20)
+    p.add_argument("--rpc-threads", type=int, default=64)
+    p.add_argument("--poll-interval-s", type=float, default=2.0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
+    p.add_argument("--no-verify-checksums", action="store_true")
+    return p.parse_args(argv)
+
+
+def config_from_args(a: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        bundle=a.bundle,
+        model_dir=a.model_dir,
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        device=a.device,
+        limits=Limits(a.max_candidates, a.max_sequence_length),
+        batching=BatcherConfig(a.max_batch_rows, a.max_wait_us, a.max_queue),
+        max_message_bytes=a.max_message_bytes,
+        rpc_threads=a.rpc_threads,
+        poll_interval_s=a.poll_interval_s,
+        verify_checksums=not a.no_verify_checksums,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(parse_args(argv))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    server = PredictionServer(config).start()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=5.0))
+    if not server.wait_ready():
+        logging.error("no model could be loaded: %s", server.load_error)
+        server.stop(grace=0)
+        return 1
+    print(f"SERVING on {config.host}:{server.port} (metrics: {server.metrics_port})", flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop(grace=5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

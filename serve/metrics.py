@@ -1,0 +1,136 @@
+"""Prometheus metrics of the server, in a registry of its own (several servers per process in tests).
+
+Names (all prefixed ``dynrec_serving_``): ``requests_total{method}``, ``errors_total{method,code}``,
+``request_latency_seconds{method}`` (histogram), ``batch_rows`` / ``batch_requests`` (histograms),
+``queue_depth``, ``expired_requests_total``, ``table_lookups_total{table,result=hit|miss}``,
+``model_loads_total{result=ok|refused}``, ``model_info{version,device}``,
+``startup_seconds{stage}``. Exposed over HTTP by :meth:`ServingMetrics.serve_http`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from serve.batcher import BatchStats
+from serve.model import LoadedModel
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+_ROW_BUCKETS = (1, 10, 50, 100, 200, 500, 1000, 2000, 4000, 8000)
+_REQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class _TableCollector(Collector):
+    """Reads cumulative hit/miss counts from the current model at scrape time."""
+
+    def __init__(self, current: Callable[[], LoadedModel | None]) -> None:
+        self._current = current
+
+    def collect(self) -> Any:
+        fam = CounterMetricFamily(
+            "dynrec_serving_table_lookups",
+            "Dynamic-table key lookups of the current model version (miss: zeros returned)",
+            labels=["table", "result"],
+        )
+        model = self._current()
+        if model is not None:
+            for s in model.table_stats():
+                if s.is_hashmap:
+                    fam.add_metric([s.name, "hit"], s.hits)
+                    fam.add_metric([s.name, "miss"], s.misses)
+        yield fam
+
+
+class ServingMetrics:
+    def __init__(self, current_model: Callable[[], LoadedModel | None]) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "dynrec_serving_"
+        self.requests = Counter(f"{p}requests", "RPCs received", ["method"], registry=r)
+        self.errors = Counter(
+            f"{p}errors", "RPCs failed, by status code", ["method", "code"], registry=r
+        )
+        self.latency = Histogram(
+            f"{p}request_latency_seconds",
+            "RPC latency in the servicer",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            f"{p}batch_rows", "Candidate rows per executed batch", buckets=_ROW_BUCKETS, registry=r
+        )
+        self.batch_requests = Histogram(
+            f"{p}batch_requests", "Requests per executed batch", buckets=_REQ_BUCKETS, registry=r
+        )
+        self.batch_seconds = Histogram(
+            f"{p}batch_run_seconds", "Model time per batch", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge(f"{p}queue_depth", "Requests waiting to be batched", registry=r)
+        self.expired = Counter(
+            f"{p}expired_requests", "Requests dropped in the queue past their deadline", registry=r
+        )
+        self.model_loads = Counter(
+            f"{p}model_loads", "Model version loads, ok or refused", ["result"], registry=r
+        )
+        self.model_info = Gauge(
+            f"{p}model_info",
+            "1 for the model version being served",
+            ["version", "device"],
+            registry=r,
+        )
+        self.startup = Gauge(
+            f"{p}startup_seconds",
+            "Startup time split of the current version",
+            ["stage"],
+            registry=r,
+        )
+        r.register(_TableCollector(current_model))
+        self._http: Any = None
+
+    def on_batch(self, stats: BatchStats) -> None:
+        if stats.expired:
+            self.expired.inc(stats.expired)
+        if stats.requests:
+            self.batch_rows.observe(stats.rows)
+            self.batch_requests.observe(stats.requests)
+            self.batch_seconds.observe(stats.run_s)
+
+    def on_model(self, model: LoadedModel) -> None:
+        self.model_loads.labels("ok").inc()
+        self.model_info.clear()
+        self.model_info.labels(model.version, str(model.device)).set(1)
+        for stage, seconds in model.startup.as_dict().items():
+            self.startup.labels(stage).set(seconds)
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (``port=0``: ephemeral)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

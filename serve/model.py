@@ -1,0 +1,283 @@
+"""A loaded model version: bundle → device tables + dense program, warmed up, ready to predict.
+
+:meth:`LoadedModel.load` times each startup stage (read, table_build, program_load, warmup,
+total), logs the split and keeps it in :attr:`LoadedModel.startup` (served by GetModelMetadata and
+the metrics). :meth:`LoadedModel.predict` is the whole request path after feature generation::
+
+    model = LoadedModel.load("exports/v3", device="cuda")
+    probs = model.predict(batch)         # Batch from shared.fg → [B] float32 on the CPU
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from serve.fused import FusedTables, NotFusableError
+from serve.program_cache import ProgramCache
+from serve.sparse import SparseTables, TableStats
+from shared.batch import Batch
+from shared.bundle import Bundle, BundleError, read_bundle
+from shared.bundle.layout import DENSE_PROGRAM
+from shared.dense_inputs import INPUT_NAMES
+from shared.features import FeatureSet, Side
+
+log = logging.getLogger(__name__)
+
+STAGES = ("read", "table_build", "program_load", "warmup", "total")
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    """Seconds per startup stage. The program loads while the bundle is read and the tables are
+    built (a thread of its own), so ``total`` (wall time to ready) is less than the sum."""
+
+    read: float
+    table_build: float
+    program_load: float
+    warmup: float
+    total: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {s: float(getattr(self, s)) for s in STAGES}
+
+
+class EmbeddingTables(Protocol):
+    """What a loaded model looks ids up with: :class:`FusedTables` or :class:`SparseTables`."""
+
+    build_seconds: dict[str, float]
+
+    def embed(self, batch: Batch) -> dict[str, torch.Tensor]: ...
+
+    def stats(self) -> list[TableStats]: ...
+
+    def reset_stats(self) -> None: ...
+
+
+def build_tables(bundle: Bundle, device: torch.device) -> EmbeddingTables:
+    """The fused tables when the feature set allows (one dim everywhere), else per table."""
+    try:
+        return FusedTables(bundle.feature_set, bundle, device)
+    except NotFusableError as err:
+        log.info("per-table lookups: %s", err)
+        return SparseTables.from_bundle(bundle, device=device)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _side_stream(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Loading work goes to a CUDA stream of its own, so that a model loading in the
+    background does not queue kernels in front of the requests served on the default stream."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    # one stream per device for every load: the caching allocator keeps freed blocks per
+    # stream, so a new stream per load would strand the memory of each replaced version
+    if str(device) not in _LOAD_STREAMS:
+        _LOAD_STREAMS[str(device)] = torch.cuda.Stream(device)
+    return torch.cuda.stream(_LOAD_STREAMS[str(device)])
+
+
+_LOAD_STREAMS: dict[str, torch.cuda.Stream] = {}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+PROGRAMS = ProgramCache()  # process-wide: the last dense program per device
+
+
+def _full_load(path: Path, device: torch.device) -> tuple[torch.nn.Module, bool]:
+    program = torch.export.load(path)
+    if device.type != "cpu":
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, device)
+    return program.module(), _keyword_inputs(program)
+
+
+def load_program(
+    path: Path, device: torch.device, cache: ProgramCache | None = PROGRAMS
+) -> Callable[..., torch.Tensor]:
+    """``dense.pt2`` on ``device`` (constants and parameters moved there too), as a callable
+    ``f(**inputs) -> logits``, whether it was exported with keyword or positional inputs.
+    With ``cache``, a program whose graph equals the last one loaded only gets new weights."""
+    try:
+        if cache is None:
+            module, keyword = _full_load(path, device)
+        else:
+            module, keyword = cache.load(path, device, _full_load)
+    except Exception as err:
+        raise BundleError(
+            f"{path}: cannot load the dense program on {device} ({type(err).__name__}: {err}); "
+            f"re-export it with torch {torch.__version__.split('+')[0]} or check the bundle"
+        ) from err
+    if keyword:
+        return module
+    return lambda **inputs: module(*(inputs[name] for name in INPUT_NAMES))
+
+
+def _timed_program(
+    path: Path, device: torch.device, cache: ProgramCache | None
+) -> tuple[Callable[..., torch.Tensor], float]:
+    t0 = time.perf_counter()
+    program = load_program(path, device, cache)
+    return program, time.perf_counter() - t0
+
+
+def _keyword_inputs(program: torch.export.ExportedProgram) -> bool:
+    spec = program.call_spec.in_spec
+    assert spec is not None
+    kwargs = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
+    return bool(kwargs.context)
+
+
+class LoadedModel:
+    """One model version on one device. Thread safety: :meth:`predict` is called by one worker."""
+
+    def __init__(
+        self,
+        bundle: Bundle,
+        tables: EmbeddingTables,
+        program: Callable[..., torch.Tensor],
+        device: torch.device,
+        startup: StartupTimes,
+    ) -> None:
+        self.bundle = bundle
+        self.tables = tables
+        self.program = program
+        self.device = device
+        self.startup = startup
+        self.loaded_at = time.time()
+        self._lock = threading.Lock()  # predict may also be called directly (offline, tests)
+
+    @property
+    def version(self) -> str:
+        return self.bundle.version
+
+    @property
+    def fs(self) -> FeatureSet:
+        return self.bundle.feature_set
+
+    @property
+    def path(self) -> Path:
+        return self.bundle.path
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        verify_checksums: bool = True,
+        warmup_rounds: int = 2,
+        warmup_candidates: int = 100,
+        program_cache: ProgramCache | None = PROGRAMS,
+    ) -> LoadedModel:
+        """Read, build, load and warm up the bundle at ``path``; :class:`BundleError` if bad.
+
+        The warm-up runs the full request path on synthetic batches (one user with
+        ``warmup_candidates`` candidates, and a few users) and checks the scores are finite, so
+        a bundle whose program does not fit its tables is refused here, not on live traffic.
+        ``program_cache=None`` always deserializes ``dense.pt2`` (see :mod:`serve.program_cache`).
+        """
+        dev = torch.device(device or default_device())
+        t0 = time.perf_counter()
+        # dense.pt2 deserializes (Python-bound) while the bundle is read and checksummed and the
+        # tables are built (GIL released in hashing, file reads and device kernels); a program
+        # from a bundle that fails verification is dropped with it.
+        with _side_stream(dev), ThreadPoolExecutor(1, thread_name_prefix="program-load") as pool:
+            pending = pool.submit(_timed_program, Path(path) / DENSE_PROGRAM, dev, program_cache)
+            bundle = read_bundle(path, verify_checksums=verify_checksums)
+            t1 = time.perf_counter()
+            tables = build_tables(bundle, dev)
+            _sync(dev)
+            t2 = time.perf_counter()
+            program, program_s = pending.result()
+            t3 = time.perf_counter()
+            model = cls(
+                bundle, tables, program, dev, StartupTimes(t1 - t0, t2 - t1, program_s, 0, 0)
+            )
+            model.warmup(rounds=warmup_rounds, candidates=warmup_candidates)
+            _sync(dev)
+        t4 = time.perf_counter()
+        model.startup = StartupTimes(t1 - t0, t2 - t1, program_s, t4 - t3, t4 - t0)
+        model.loaded_at = time.time()
+        log.info(
+            "model %s loaded from %s on %s in %.3fs (%s)",
+            model.version,
+            bundle.path,
+            dev,
+            model.startup.total,
+            ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in model.startup.as_dict().items()),
+        )
+        return model
+
+    def warmup(self, *, rounds: int = 2, candidates: int = 100) -> None:
+        shapes = [(1, candidates, (8,)), (4, 4 * 16, (0, 3, 17, 1))]
+        for _ in range(max(rounds, 1)):
+            for users, cands, lengths in shapes:
+                probs = self.predict(synthetic_batch(self.fs, users, cands, lengths))
+                if probs.shape != (cands,) or not bool(torch.isfinite(probs).all()):
+                    raise BundleError(
+                        f"{self.path}: warm-up gave {list(probs.shape)} scores "
+                        f"(finite: {bool(torch.isfinite(probs).all())}) for {cands} candidates; "
+                        "the dense program does not match the tables"
+                    )
+        self.tables.reset_stats()
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """[B] logits on the device."""
+        for kjt in (batch.user, batch.item, batch.sequence):
+            kjt.length_per_key()  # computed (and kept) on the host: no device sync later
+        inputs = self.tables.embed(batch.to(self.device, non_blocking=True))
+        return self.program(**inputs)
+
+    def predict(self, batch: Batch) -> torch.Tensor:
+        """[B] click probabilities, float32, on the CPU, in candidate order."""
+        with self._lock:
+            return torch.sigmoid(self.logits(batch).float()).cpu()
+
+    def table_stats(self) -> list[TableStats]:
+        return self.tables.stats()
+
+
+def synthetic_batch(
+    fs: FeatureSet, users: int, candidates: int, seq_lengths: Sequence[int]
+) -> Batch:
+    """A valid batch of id 0 everywhere (row 0 of dense tables, a miss in dynamic ones).
+
+    ``seq_lengths`` gives each user's sequence length (cycled over ``users``); candidates are
+    spread round-robin over the users. Used for warm-up and benchmarks.
+    """
+    lengths_u = torch.tensor([seq_lengths[i % len(seq_lengths)] for i in range(users)])
+    scalar = [f for f in fs.features.values() if not f.is_sequence]
+    user_keys = [f.name for f in scalar if f.side is Side.USER]
+    item_keys = [f.name for f in scalar if f.side is not Side.USER]
+    seq_keys = [f.name for f in fs.features.values() if f.is_sequence]
+
+    def kjt(keys: list[str], lengths: torch.Tensor, stride: int) -> KeyedJaggedTensor:
+        all_lengths = lengths.repeat(len(keys)).to(torch.int64)
+        values = torch.zeros(int(all_lengths.sum()), dtype=torch.int64)
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=all_lengths, stride=stride)
+
+    return Batch(
+        user=kjt(user_keys, torch.ones(users, dtype=torch.int64), users),
+        item=kjt(item_keys, torch.ones(candidates, dtype=torch.int64), candidates),
+        sequence=kjt(seq_keys, lengths_u, users),
+        user_index=torch.arange(candidates, dtype=torch.int64) % max(users, 1),
+    )

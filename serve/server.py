@@ -1,0 +1,171 @@
+"""The gRPC server: PredictionService + standard health checking + reflection + Prometheus.
+
+Startup order: the port opens first with health NOT_SERVING (for ``""`` and the service name),
+the model loads in a background thread (read, table build, program load, warm-up), and only then
+does health turn SERVING. With ``model_dir`` the directory is watched for new versions
+(:mod:`serve.versions`). Example::
+
+    server = PredictionServer(ServerConfig(bundle=Path("exports/v1"))).start()
+    server.wait_ready(60)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    ...
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import predict_pb2_grpc
+from serve.batcher import Batcher, BatcherConfig
+from serve.metrics import ServingMetrics
+from serve.model import LoadedModel, default_device
+from serve.servicer import SERVICE_NAME, PredictionServicer
+from serve.validation import Limits
+from serve.versions import ModelManager
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server needs; one of ``bundle`` and ``model_dir`` is required."""
+
+    bundle: Path | None = None
+    model_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: ephemeral (see PredictionServer.port)
+    metrics_port: int | None = None  # None: no HTTP endpoint; 0: ephemeral
+    device: str | None = None  # None: cuda when available, else cpu
+    limits: Limits = field(default_factory=Limits)
+    batching: BatcherConfig = field(default_factory=BatcherConfig)
+    max_message_bytes: int = 4 << 20
+    rpc_threads: int = 64  # handler threads; each waits for its request's batch
+    poll_interval_s: float = 2.0
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.bundle is None) == (self.model_dir is None):
+            raise ValueError("give exactly one of bundle (one version) or model_dir (watched)")
+
+
+class PredictionServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.device = config.device or default_device()
+        self.metrics = ServingMetrics(lambda: self.manager.current)
+        self.manager = ModelManager(
+            self._load,
+            on_loaded=self._on_loaded,
+            on_refused=lambda _p, _e: self.metrics.model_loads.labels("refused").inc(),
+        )
+        self.batcher = Batcher(config.batching, on_batch=self.metrics.on_batch)
+        self.metrics.queue_depth.set_function(self.batcher.depth)
+        self.health = health.HealthServicer()
+        self.load_error: Exception | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._grpc: grpc.Server | None = None
+        self._loading: threading.Thread | None = None
+        self._load_done = threading.Event()
+
+    def _load(self, path: Path) -> LoadedModel:
+        return LoadedModel.load(
+            path,
+            device=self.device,
+            verify_checksums=self.config.verify_checksums,
+            warmup_candidates=min(self.config.limits.max_candidates, 100),
+        )
+
+    def _on_loaded(self, model: LoadedModel) -> None:
+        self.metrics.on_model(model)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, SERVING)
+
+    def start(self) -> PredictionServer:
+        cfg = self.config
+        opts = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="rpc"),
+            options=opts,
+            # beyond this many RPCs in flight gRPC answers RESOURCE_EXHAUSTED itself
+            maximum_concurrent_rpcs=cfg.rpc_threads + cfg.batching.max_queue,
+        )
+        servicer = PredictionServicer(
+            lambda: self.manager.current, self.batcher, cfg.limits, self.metrics
+        )
+        predict_pb2_grpc.add_PredictionServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+        server.start()
+        self._grpc = server
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.host)
+        log.info(
+            "listening on %s:%d (metrics: %s), device %s",
+            cfg.host,
+            self.port,
+            self.metrics_port,
+            self.device,
+        )
+        self._loading = threading.Thread(target=self._initial_load, name="model-load", daemon=True)
+        self._loading.start()
+        return self
+
+    def _initial_load(self) -> None:
+        cfg = self.config
+        try:
+            if cfg.bundle is not None:
+                ok = self.manager.load(cfg.bundle)
+            else:
+                assert cfg.model_dir is not None
+                ok = self.manager.poll(cfg.model_dir)
+                self.manager.watch(cfg.model_dir, cfg.poll_interval_s)
+            if not ok:
+                where = cfg.bundle or cfg.model_dir
+                self.load_error = RuntimeError(f"no loadable model bundle in {where} (see log)")
+        except Exception as err:  # keep the server up (NOT_SERVING) and say why
+            log.exception("initial model load failed")
+            self.load_error = err
+        finally:
+            self._load_done.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until a model serves (True) or the first load attempt failed / timed out."""
+        self._load_done.wait(timeout)
+        return self.manager.ready.is_set()
+
+    def wait(self) -> None:
+        assert self._grpc is not None
+        self._grpc.wait_for_termination()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, NOT_SERVING)
+        self.manager.stop()
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait()
+        self.batcher.close()
+        self.metrics.close()

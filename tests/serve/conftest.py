@@ -1,0 +1,217 @@
+"""Fixtures for serving tests: small bundles of the seed config and sample rows.
+
+The bundles hold random tables (``bench.synthetic_bundle``) and a tiny exported dense program
+with the real signature (:class:`TinyDense`). To test against a really trained model instead,
+replace :func:`bundle_v1` / :func:`bundle_v2` with exports of ``train/`` (``train.export``);
+everything else only needs a bundle directory and rows whose columns carry the feature names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from bench.synthetic_bundle import seed_feature_set, write_synthetic_bundle
+from protos import predict_pb2
+from shared.dense_inputs import INPUT_NAMES, dense_layout
+from shared.features import FeatureSet, IdTransform, Side
+
+KEYS_PER_TABLE = 64  # ids are drawn below 2x this: about half of the lookups hit
+
+
+class TinyDense(nn.Module):
+    """Pooled sums + linear layers over the six dense inputs; exports with dynamic U, B, T."""
+
+    def __init__(self, du: int, di: int, dq: int, hidden: int = 8) -> None:
+        super().__init__()
+        self.user = nn.Linear(du, hidden)
+        self.item = nn.Linear(di, hidden)
+        self.query = nn.Linear(dq, hidden)
+        self.seq = nn.Linear(dq, hidden)
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(
+        self,
+        user_deep: torch.Tensor,
+        item_deep: torch.Tensor,
+        query: torch.Tensor,
+        seq_values: torch.Tensor,
+        seq_lengths: torch.Tensor,
+        user_index: torch.Tensor,
+    ) -> torch.Tensor:
+        # user_deep [U, Du]; item_deep [B, Di]; query [B, Dq]; seq_values [T, Dq]
+        u = user_deep.shape[0]
+        users = torch.arange(u, device=seq_values.device)
+        seg = torch.repeat_interleave(users, seq_lengths, output_size=seq_values.shape[0])  # [T]
+        seq_sum = seq_values.new_zeros(u, seq_values.shape[1]).index_add(0, seg, seq_values)
+        h = self.user(user_deep)[user_index] + self.item(item_deep)  # [B, H]
+        h = torch.tanh(h + self.query(query) * self.seq(seq_sum)[user_index])
+        return self.out(h).squeeze(1)  # [B]
+
+
+def export_tiny_program(fs: FeatureSet, path: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    lay = dense_layout(fs)
+    module = TinyDense(lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(4.0)  # embeddings are small: spread the logits
+    lengths = torch.tensor([3, 0, 2])
+    example = {
+        "user_deep": torch.randn(3, lay.user_deep_dim),
+        "item_deep": torch.randn(4, lay.item_deep_dim),
+        "query": torch.randn(4, lay.seq_dim),
+        "seq_values": torch.randn(5, lay.seq_dim),
+        "seq_lengths": lengths,
+        "user_index": torch.tensor([0, 1, 2, 2]),
+    }
+    u, b, t = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
+    shapes = {
+        "user_deep": {0: u},
+        "item_deep": {0: b},
+        "query": {0: b},
+        "seq_values": {0: t},
+        "seq_lengths": {0: u},
+        "user_index": {0: b},
+    }
+    kwargs = {n: example[n] for n in INPUT_NAMES}  # keyword inputs, as train/ exports
+    program = torch.export.export(module, (), kwargs=kwargs, dynamic_shapes=shapes, strict=False)
+    torch.export.save(program, path)
+    return path
+
+
+def make_bundle(root: Path, fs: FeatureSet, version: str, seed: int) -> Path:
+    program = export_tiny_program(fs, root / f"dense-{version}.pt2", seed)
+    keys = {t.name: KEYS_PER_TABLE for t in fs.dynamic_tables}
+    return write_synthetic_bundle(
+        root / "bundles" / version, fs, keys=keys, program_path=program, version=version, seed=seed
+    )
+
+
+@pytest.fixture(scope="session")
+def fs() -> FeatureSet:
+    return seed_feature_set()
+
+
+@pytest.fixture(scope="session")
+def bundle_v1(fs: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_bundle(tmp_path_factory.mktemp("v1"), fs, "1", seed=1)
+
+
+@pytest.fixture(scope="session")
+def bundle_v2(fs: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_bundle(tmp_path_factory.mktemp("v2"), fs, "2", seed=2)
+
+
+# --------------------------------------------------------------------------- sample rows
+
+
+def _raw_value(spec_transform: IdTransform, name: str, rng: np.random.Generator) -> object:
+    if spec_transform is IdTransform.BUCKETIZE:
+        return float(np.round(rng.uniform(0, 500), 2))
+    if spec_transform is IdTransform.HASH:
+        return f"430548_{int(rng.integers(1000, 1010))}"
+    if name == "pvalue_level" and rng.random() < 0.3:
+        return None  # missing in the real data for many users
+    return int(rng.integers(0, 2 * KEYS_PER_TABLE))
+
+
+def sample_rows(fs: FeatureSet, users: int, seed: int = 0) -> list[list[dict[str, object]]]:
+    """``users`` groups of rows; the rows of a group share user features, sequences and context."""
+    rng = np.random.default_rng(seed)
+    scalar = [f for f in fs.features.values() if not f.is_sequence]
+    seqs: dict[str, list[str]] = {}
+    for f in fs.features.values():
+        if f.is_sequence:
+            seqs.setdefault(f.sequence_name or f.name, []).append(f.name)
+    groups = []
+    for u in range(users):
+        shared: dict[str, object] = {
+            f.name: _raw_value(f.transform, f.name, rng)
+            for f in scalar
+            if f.side in (Side.USER, Side.CONTEXT)
+        }
+        for names in seqs.values():
+            n = int(rng.integers(0, 12)) if u % 4 else 0  # some users have no clicks
+            for name in names:
+                shared[name] = [int(x) for x in rng.integers(0, 2 * KEYS_PER_TABLE, n)]
+        rows = []
+        for _ in range(int(rng.integers(1, 6))):
+            row = dict(shared)
+            row.update(
+                {
+                    f.name: _raw_value(f.transform, f.name, rng)
+                    for f in scalar
+                    if f.side is Side.ITEM
+                }
+            )
+            row["clk"] = 0
+            rows.append(row)
+        groups.append(rows)
+    return groups
+
+
+def rows_table(fs: FeatureSet, rows: list[dict[str, object]]) -> pa.Table:
+    cols: dict[str, pa.Array] = {}
+    for name in [*fs.features, "clk"]:
+        values = [r[name] for r in rows]
+        spec = fs.features.get(name)
+        if spec is not None and spec.is_sequence:
+            cols[name] = pa.array(values, pa.list_(pa.int64()))
+        else:
+            cols[name] = pa.array(values)
+    return pa.table(cols)
+
+
+def _value(v: object) -> predict_pb2.Value:
+    if v is None:
+        return predict_pb2.Value()
+    if isinstance(v, int):
+        return predict_pb2.Value(int64_value=v)
+    if isinstance(v, float):
+        return predict_pb2.Value(double_value=v)
+    return predict_pb2.Value(string_value=str(v))
+
+
+def make_request(
+    fs: FeatureSet, rows: list[dict[str, object]], request_id: str = ""
+) -> predict_pb2.PredictRequest:
+    """One request of a group of rows: the first row's user side, every row's item side."""
+    req = predict_pb2.PredictRequest(request_id=request_id)
+    first = rows[0]
+    for f in fs.features.values():
+        if f.is_sequence:
+            req.sequences[f.name].ids.extend(first[f.name])  # type: ignore[arg-type]
+        elif f.side is Side.USER:
+            req.user.values[f.name].CopyFrom(_value(first[f.name]))
+        elif f.side is Side.CONTEXT:
+            req.context.values[f.name].CopyFrom(_value(first[f.name]))
+    for r in rows:
+        cand = req.candidates.add()
+        for f in fs.features.values():
+            if f.side is Side.ITEM and not f.is_sequence:
+                cand.values[f.name].CopyFrom(_value(r[f.name]))
+    return req
+
+
+@pytest.fixture(scope="session")
+def groups(fs: FeatureSet) -> list[list[dict[str, object]]]:
+    return sample_rows(fs, users=12, seed=0)
+
+
+@pytest.fixture(scope="session")
+def requests(
+    fs: FeatureSet, groups: list[list[dict[str, object]]]
+) -> list[predict_pb2.PredictRequest]:
+    return [make_request(fs, g, f"r{i}") for i, g in enumerate(groups)]
+
+
+@pytest.fixture(scope="session")
+def table(fs: FeatureSet, groups: list[list[dict[str, object]]]) -> pa.Table:
+    return rows_table(fs, [r for g in groups for r in g])

@@ -1,0 +1,55 @@
+"""``python -m serve`` as a process: flags parse, it serves, SIGTERM stops it cleanly."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serve.__main__ import config_from_args, parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_flags_map_to_config(tmp_path: Path) -> None:
+    cfg = config_from_args(
+        parse_args(
+            ["--model-dir", str(tmp_path), "--max-batch-rows", "64", "--max-wait-us", "250"]
+            + ["--max-candidates", "50", "--max-sequence-length", "30", "--device", "cpu"]
+        )
+    )
+    assert cfg.model_dir == tmp_path and cfg.bundle is None and cfg.device == "cpu"
+    assert (cfg.batching.max_batch_rows, cfg.batching.max_wait_us) == (64, 250)
+    assert (cfg.limits.max_candidates, cfg.limits.max_sequence_length) == (50, 30)
+
+
+def test_cli_serves_then_stops_on_sigterm(bundle_v1: Path) -> None:
+    cmd = [sys.executable, "-m", "serve", "--bundle", str(bundle_v1), "--port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "--metrics-port", "0", "--device", "cpu"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        m = re.match(r"SERVING on 127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        with grpc.insecure_channel(f"127.0.0.1:{m[1]}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

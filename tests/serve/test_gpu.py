@@ -1,0 +1,47 @@
+"""The serving path on CUDA gives the CPU scores (run on the GPU machine: ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from protos import predict_pb2_grpc
+from serve.model import LoadedModel
+from serve.offline import score_rows, score_table
+from serve.server import PredictionServer, ServerConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_cuda_scores_and_lookups_match_cpu(bundle_v1: Path, table: pa.Table) -> None:
+    cpu = LoadedModel.load(bundle_v1, device="cpu")
+    gpu = LoadedModel.load(bundle_v1, device="cuda")
+    assert gpu.device.type == "cuda"
+    want = score_table(cpu, table, tiled=False)
+    np.testing.assert_allclose(score_table(gpu, table, tiled=False), want, rtol=1e-5, atol=1e-6)
+    counts = [(s.name, s.hits, s.misses) for s in gpu.table_stats()]
+    assert counts == [(s.name, s.hits, s.misses) for s in cpu.table_stats()]
+    np.testing.assert_allclose(score_table(gpu, table, tiled=True), want, rtol=1e-5, atol=1e-6)
+
+
+def test_server_on_cuda_answers_like_the_offline_scorer(
+    bundle_v1: Path, table, groups, requests
+) -> None:
+    flat = score_rows(bundle_v1, table, tiled=False)
+    srv = PredictionServer(ServerConfig(bundle=bundle_v1, device="cuda")).start()
+    try:
+        assert srv.wait_ready(120), srv.load_error
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = predict_pb2_grpc.PredictionServiceStub(channel)
+            got = np.concatenate([stub.Predict(r, timeout=30).probabilities for r in requests])
+    finally:
+        srv.stop(grace=0)
+    np.testing.assert_allclose(got, flat, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,339 @@
+"""The server over a real gRPC channel on 127.0.0.1 (started in-process on ephemeral ports)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from protos import predict_pb2, predict_pb2_grpc
+from serve.batcher import BatcherConfig
+from serve.offline import score_rows
+from serve.server import PredictionServer, ServerConfig
+from serve.servicer import SERVICE_NAME
+from serve.validation import Limits
+from shared.features import FeatureSet
+
+LIMITS = Limits(max_candidates=8, max_sequence_length=20)
+BATCHING = BatcherConfig(max_batch_rows=64, max_wait_us=2000, max_queue=64)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _config(**kw: object) -> ServerConfig:
+    base = dict(
+        device="cpu",
+        limits=LIMITS,
+        batching=BATCHING,
+        metrics_port=0,
+        max_message_bytes=64 << 10,
+        rpc_threads=16,
+    )
+    base.update(kw)
+    return ServerConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def server(bundle_v1: Path) -> Iterator[PredictionServer]:
+    srv = PredictionServer(_config(bundle=bundle_v1)).start()
+    assert srv.wait_ready(60), srv.load_error
+    yield srv
+    srv.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def stub(server: PredictionServer) -> Iterator[predict_pb2_grpc.PredictionServiceStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield predict_pb2_grpc.PredictionServiceStub(channel)
+
+
+def _expected(
+    bundle: Path, table: pa.Table, groups: list[list[dict[str, object]]]
+) -> list[np.ndarray]:
+    flat = score_rows(bundle, table, tiled=False)
+    bounds = np.cumsum([0] + [len(g) for g in groups])
+    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@pytest.fixture(scope="module")
+def expected_v1(bundle_v1: Path, table: pa.Table, groups: list) -> list[np.ndarray]:
+    return _expected(bundle_v1, table, groups)
+
+
+@pytest.fixture(scope="module")
+def expected_v2(bundle_v2: Path, table: pa.Table, groups: list) -> list[np.ndarray]:
+    return _expected(bundle_v2, table, groups)
+
+
+def test_predictions_equal_offline_scorer(stub, requests, expected_v1) -> None:
+    for req, want in zip(requests, expected_v1, strict=True):
+        resp = stub.Predict(req, timeout=10)
+        assert resp.model_version == "1"
+        assert resp.request_id == req.request_id
+        np.testing.assert_allclose(resp.probabilities, want, rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_offline_equals_untiled(bundle_v1: Path, table: pa.Table) -> None:
+    np.testing.assert_allclose(
+        score_rows(bundle_v1, table, tiled=True),
+        score_rows(bundle_v1, table, tiled=False),
+        atol=1e-6,
+    )
+
+
+def test_concurrent_clients_get_sequential_answers(stub, requests) -> None:
+    sequential = [np.array(stub.Predict(r, timeout=10).probabilities) for r in requests]
+    work = [i % len(requests) for i in range(8 * len(requests))]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(
+            pool.map(lambda i: np.array(stub.Predict(requests[i], timeout=10).probabilities), work)
+        )
+    for i, probs in zip(work, got, strict=True):
+        np.testing.assert_allclose(probs, sequential[i], rtol=1e-5, atol=1e-6)
+
+
+def test_metadata(stub, fs: FeatureSet) -> None:
+    md = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest(), timeout=10)
+    assert md.model_version == "1"
+    assert [f.name for f in md.features] == list(fs.features)
+    types = {f.name: f.value_type for f in md.features}
+    assert types["price"] == "double" and types["pid"] == "string" and types["user_id"] == "int64"
+    assert {t.name for t in md.tables} == set(fs.tables)
+    assert set(md.startup_seconds) == {"read", "table_build", "program_load", "warmup", "total"}
+    assert md.max_candidates == LIMITS.max_candidates and md.device == "cpu"
+
+
+def test_reflection_lists_the_services(server: PredictionServer) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        (resp,) = list(stub.ServerReflectionInfo(iter([req]), timeout=10))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+
+
+def test_metrics_endpoint(server: PredictionServer, stub, requests) -> None:
+    stub.Predict(requests[0], timeout=10)
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    for name in (
+        'dynrec_serving_requests_total{method="Predict"}',
+        "dynrec_serving_request_latency_seconds_bucket",
+        "dynrec_serving_batch_rows_bucket",
+        "dynrec_serving_queue_depth",
+        'dynrec_serving_table_lookups_total{result="hit",table="user_id_emb"}',
+        'dynrec_serving_startup_seconds{stage="table_build"}',
+        'dynrec_serving_model_loads_total{result="ok"} 1.0',
+    ):
+        assert name in text, name
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _bad_cases() -> dict[str, tuple[object, str]]:
+    """name → (mutation of a good request, field the error must name)."""
+
+    def set_value(features, name, **kw):
+        features.values[name].CopyFrom(predict_pb2.Value(**kw))
+
+    seq = "click_50_seq__"
+    return {
+        "empty candidates": (lambda r: r.ClearField("candidates"), "candidates"),
+        "too many candidates": (
+            lambda r: r.candidates.extend([r.candidates[0]] * (LIMITS.max_candidates + 1)),
+            "candidates",
+        ),
+        "missing user feature": (lambda r: r.user.values.pop("user_id"), "user.user_id"),
+        "missing context feature": (lambda r: r.context.values.pop("pid"), "context.pid"),
+        "missing candidate feature": (
+            lambda r: r.candidates[0].values.pop("adgroup_id"),
+            "candidates[0].adgroup_id",
+        ),
+        "unknown feature": (
+            lambda r: set_value(r.user, "favourite_colour", int64_value=1),
+            "user.favourite_colour",
+        ),
+        "double for an id": (
+            lambda r: set_value(r.user, "user_id", double_value=1.5),
+            "user.user_id",
+        ),
+        "string for a bucket id": (
+            lambda r: set_value(r.user, "cms_segid", string_value="x"),
+            "user.cms_segid",
+        ),
+        "non-numeric price": (
+            lambda r: set_value(r.candidates[0], "price", string_value="cheap"),
+            "candidates[0].price",
+        ),
+        "NaN price": (
+            lambda r: set_value(r.candidates[0], "price", double_value=float("nan")),
+            "candidates[0].price",
+        ),
+        "negative price": (
+            lambda r: set_value(r.candidates[0], "price", double_value=-3.0),
+            "candidates[*].price",
+        ),
+        "negative id": (lambda r: set_value(r.user, "age_level", int64_value=-2), "user.age_level"),
+        "sequence too long": (
+            lambda r: [
+                r.sequences[f"{seq}{n}"].ids.extend([1] * 21)
+                for n in ("adgroup_id", "cate_id", "brand")
+            ],
+            f"sequences.{seq}adgroup_id",
+        ),
+        "unequal sequence lengths": (
+            lambda r: r.sequences[f"{seq}cate_id"].ids.append(5),
+            f"sequences.{seq}cate_id",
+        ),
+        "missing sequence": (lambda r: r.sequences.pop(f"{seq}brand"), f"sequences.{seq}brand"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_input_is_invalid_argument_naming_the_field(stub, requests, case: str) -> None:
+    mutate, field = _bad_cases()[case]
+    req = predict_pb2.PredictRequest()
+    req.CopyFrom(requests[1])
+    mutate(req)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(req, timeout=10)
+    assert info.value.code() == INVALID, info.value.details()
+    assert field in info.value.details()
+    assert stub.Predict(requests[1], timeout=10).probabilities  # still answers
+
+
+def test_oversize_message_is_refused(stub, requests) -> None:
+    req = predict_pb2.PredictRequest()
+    req.CopyFrom(requests[0])
+    req.request_id = "x" * (70 << 10)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(req, timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in info.value.details()
+    assert stub.Predict(requests[0], timeout=10).probabilities
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def _health(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def test_health_not_serving_until_warm(bundle_v1: Path, requests) -> None:
+    srv = PredictionServer(_config(bundle=bundle_v1, metrics_port=None))
+    gate = threading.Event()
+    load = srv.manager._loader
+
+    def gated(path: Path):
+        gate.wait(30)
+        return load(path)
+
+    srv.manager._loader = gated
+    srv.start()
+    try:
+        for service in ("", SERVICE_NAME):
+            assert _health(srv.port, service) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel,
+            pytest.raises(grpc.RpcError) as info,
+        ):
+            predict_pb2_grpc.PredictionServiceStub(channel).Predict(requests[0], timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        gate.set()
+        assert srv.wait_ready(60)
+        for service in ("", SERVICE_NAME):
+            assert _health(srv.port, service) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        srv.stop(grace=0)
+
+
+def _install(src: Path, model_dir: Path, version: str, corrupt: bool = False) -> None:
+    """Copy a bundle in as ``model_dir/version`` atomically (hidden temp dir + rename)."""
+    tmp = model_dir / f".{version}.tmp"
+    shutil.copytree(src, tmp)
+    if corrupt:
+        shard = next(tmp.glob("*.safetensors"))
+        data = bytearray(shard.read_bytes())
+        data[-5] ^= 0xFF  # same size, different sha256
+        shard.write_bytes(bytes(data))
+    tmp.rename(model_dir / version)
+
+
+def test_hot_swap_under_traffic_then_corrupt_bundle_refused(
+    tmp_path: Path, bundle_v1: Path, bundle_v2: Path, requests, expected_v1, expected_v2
+) -> None:
+    model_dir = tmp_path / "models"
+    model_dir.mkdir()
+    _install(bundle_v1, model_dir, "1")
+    srv = PredictionServer(_config(model_dir=model_dir, poll_interval_s=0.05)).start()
+    assert srv.wait_ready(60), srv.load_error
+    expected = {"1": expected_v1, "2": expected_v2}
+    results: list[tuple[int, str, np.ndarray]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = predict_pb2_grpc.PredictionServiceStub(channel)
+            i = k
+            while not stop.is_set():
+                try:
+                    r = stub.Predict(requests[i % len(requests)], timeout=10)
+                    results.append((i % len(requests), r.model_version, np.array(r.probabilities)))
+                except grpc.RpcError as e:
+                    errors.append(e)
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        _install(bundle_v2, model_dir, "2")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(v == "2" for _, v, _ in results[-20:]):
+            time.sleep(0.05)
+        time.sleep(0.3)  # traffic on the new version too
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not errors, errors[:3]
+        versions = [v for _, v, _ in results]
+        assert versions[0] == "1" and versions[-1] == "2"
+        assert versions.index("2") > 0 and "1" not in versions[versions.index("2") + 8 :]
+        for i, v, probs in results:
+            np.testing.assert_allclose(probs, expected[v][i], rtol=1e-5, atol=1e-6)
+
+        # a corrupt version 3: refused, version 2 keeps serving
+        loads = srv.metrics.model_loads.labels("refused")
+        _install(bundle_v2, model_dir, "3", corrupt=True)
+        deadline = time.monotonic() + 30
+        while loads._value.get() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loads._value.get() == 1
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            r = predict_pb2_grpc.PredictionServiceStub(channel).Predict(requests[0], timeout=10)
+        assert r.model_version == "2"
+        np.testing.assert_allclose(r.probabilities, expected_v2[0], rtol=1e-5, atol=1e-6)
+        time.sleep(0.2)  # further polls do not retry the refused bundle
+        assert loads._value.get() == 1
+    finally:
+        stop.set()
+        srv.stop(grace=0)
