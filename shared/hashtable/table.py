@@ -28,6 +28,10 @@ buckets; a growth (rehash into twice the buckets) rebuilds all rows and bumps
 Determinism: every step is a stable sort, a searchsorted, a cumsum or a scatter to distinct
 indices, so the same sequence of calls gives the same table on CPU and CUDA. Keys must be
 non-negative (-1 marks a free row).
+
+On CUDA with CuPy installed, ``find``, ``insert_or_assign`` and ``from_keys_values`` run the
+kernels of :mod:`shared.hashtable.cuda` on these same arrays, with the same results; the code
+here stays the CPU path and the reference (``shared.hashtable.cuda.disabled()`` forces it).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 
 from shared.features import ScoreStrategy, TableSpec
 from shared.hashtable.buckets import group_runs, keep_best, merge_full_buckets
+from shared.hashtable.cuda import runtime as cuda_kernels
 from shared.hashtable.hashing import (
     bucket_of,
     bucket_sentinels,
@@ -291,6 +296,10 @@ class HashTable:
         is the only host synchronisation of a find on a table without fused key spaces.
         """
         keys, table_ids = self._prepare(keys, table_ids, "HashTable.find", validate)
+        if self.device.type == "cuda" and cuda_kernels.available():
+            from shared.hashtable.cuda.find import find
+
+            return find(self, keys, table_ids)
         fp = fingerprint(keys, table_ids)
         pos, found = self._locate(fp, keys, table_ids)
         rows = torch.where(found, self._slot_row[pos], torch.full_like(pos, -1))
@@ -346,6 +355,20 @@ class HashTable:
         last occurrence wins. ``pinned_rows`` (rows from :meth:`find`) are never evicted by this
         call, e.g. the rows of the keys the current batch uses.
         """
+        if self.device.type == "cuda" and cuda_kernels.available():
+            from shared.hashtable.cuda.insert import insert_or_assign
+
+            res = insert_or_assign(
+                self,
+                keys,
+                values,
+                scores,
+                table_ids=table_ids,
+                accumulators=accumulators,
+                pinned_rows=pinned_rows,
+            )
+            if res is not None:
+                return res
         keys, table_ids = self._prepare(keys, table_ids, "HashTable.insert_or_assign")
         n = keys.numel()
         values = values.to(self.device, torch.float32).reshape(n, self.dim)
@@ -738,6 +761,24 @@ class HashTable:
         ``max_capacity`` (default: the built capacity) bounds later growth.
         """
         device = torch.device(device)
+        if device.type == "cuda" and cuda_kernels.available():
+            from shared.hashtable.cuda.build import from_keys_values
+
+            table = from_keys_values(
+                cls,
+                keys,
+                values,
+                bucket_capacity=bucket_capacity,
+                device=device,
+                scores=scores,
+                table_ids=table_ids,
+                accumulators=accumulators,
+                max_load_factor=max_load_factor,
+                max_capacity=max_capacity,
+                score_strategy=score_strategy,
+            )
+            if table is not None:
+                return table
         keys = check_keys(keys.to(device), "HashTable.from_keys_values")
         n = keys.numel()
         if values.dim() != 2 or values.shape[0] != n:

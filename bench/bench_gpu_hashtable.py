@@ -1,0 +1,319 @@
+"""The CuPy hash-table kernels beside the torch core and a dense ``index_select``, on one GPU.
+
+    python -m bench.bench_gpu_hashtable --out bench/results/bench_gpu_hashtable.json
+
+For each load factor (0.5, 0.9): ``--keys`` random keys (dim ``--dim``, 128 slots per bucket,
+capacity ``keys / load_factor``, no growth) and, in the same run:
+
+- ``find``: one call of every key (shuffled), kernels (each probe window; 0 = binary search)
+  and the torch core (``cuda.disabled()``); also a batch of absent keys and a training-size
+  batch; ``dense_index_select``: ``index_select`` of as many random rows of a dense
+  [keys, dim] matrix, the floor a hash lookup is compared with; ``find_gather``: find plus
+  ``index_select`` of the found rows;
+- ``insert``: all keys into an empty table in one call and in ``--batch``-key calls, and an
+  assign of every (stored) key, kernels and torch core, with a check that both give the same
+  table.
+
+Then the bulk build of ``--build-keys`` keys (serving startup): ``HashTable.from_keys_values``
+with kernels and torch core, and ``StaticLookupTable.from_keys_values``.
+
+Times are medians of ``--repeats`` runs between CUDA events (``per_call``: synchronised before
+each call, host work included; ``pipelined``: ``--pipeline`` calls back to back, so host work
+overlaps the GPU's; ``kernel_only``: the find kernel relaunched on converted arguments, without
+the Python work of a call). Builds and inserts synchronise inside, so they are timed per call.
+``--profile`` adds torch.profiler tables of one find, insert and build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.hashtable import cuda
+from shared.hashtable.cuda.find import find as kernel_find
+from shared.hashtable.cuda.find import prepared_find
+from shared.hashtable.cuda.runtime import FIND_WINDOWS
+from shared.hashtable.lookup import StaticLookupTable
+from shared.hashtable.table import HashTable
+
+STATE = ("_slot_fp", "_slot_row", "_row_key", "_row_tid", "_row_score", "_values")
+
+
+def _time(
+    fn: Callable[[], Any], repeats: int, *, calls: int = 1, setup: Callable[[], Any] | None = None
+) -> float:
+    """Median seconds per call of ``fn`` (``calls`` back to back per measurement)."""
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / calls)
+    return statistics.median(times)
+
+
+def _rate(n: int, fn: Callable[[], Any], repeats: int, pipeline: int) -> dict[str, float]:
+    for _ in range(2):  # warm up (compilation, caches)
+        fn()
+    per_call = _time(fn, repeats)
+    piped = _time(fn, repeats, calls=pipeline)
+    return {
+        "per_call_s": per_call,
+        "per_call_keys_per_s": n / per_call,
+        "pipelined_s": piped,
+        "pipelined_keys_per_s": n / piped,
+    }
+
+
+def _random_keys(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.unique(torch.randint(0, 1 << 62, (n + n // 50,), generator=g))
+    return keys[torch.randperm(keys.numel(), generator=g)[:n]].to(device)
+
+
+def _same_table(a: HashTable, b: HashTable) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in STATE) and a.size == b.size
+
+
+def _fresh(n: int, lf: float, dim: int, device: torch.device) -> HashTable:
+    cap = math.ceil(n / lf)
+    return HashTable(dim, init_capacity=cap, max_capacity=cap, bucket_capacity=128, device=device)
+
+
+def bench_insert(
+    keys: torch.Tensor, lf: float, dim: int, batch: int, repeats: int
+) -> dict[str, Any]:
+    dev, n = keys.device, keys.numel()
+    values = torch.randn(n, dim, device=dev)
+    scores = torch.arange(n, device=dev)
+    state: dict[str, HashTable] = {}
+
+    def fresh() -> None:
+        state["t"] = _fresh(n, lf, dim, dev)
+
+    def insert_all() -> None:
+        state["t"].insert_or_assign(keys, values, scores)
+
+    def insert_batches() -> None:
+        for s in range(0, n, batch):
+            sl = slice(s, s + batch)
+            state["t"].insert_or_assign(keys[sl], values[sl], scores[sl])
+
+    out: dict[str, Any] = {"batch": batch}
+    for name, fn in (("one_call", insert_all), ("batched", insert_batches)):
+        fresh()
+        fn()  # warm up
+        k = _time(fn, repeats, setup=fresh)
+        with cuda.disabled():
+            fresh()
+            fn()
+            c = _time(fn, max(1, repeats // 2), setup=fresh)
+        out[name] = {
+            "kernel_s": k,
+            "kernel_keys_per_s": n / k,
+            "core_s": c,
+            "core_keys_per_s": n / c,
+            "speedup": c / k,
+        }
+    fresh()
+    insert_all()
+    table = state["t"]
+    with cuda.disabled():
+        fresh()
+        insert_all()
+    out["kernel_table_equals_core_table"] = _same_table(table, state["t"])
+    out["size"], out["evictions"] = table.size, table.evictions
+    perm = torch.randperm(n, device=dev)
+    q, qv, qs = keys[perm], values[perm], scores[perm]
+    k = _time(lambda: table.insert_or_assign(q, qv, qs), repeats)
+    with cuda.disabled():
+        c = _time(lambda: table.insert_or_assign(q, qv, qs), 3)
+    out["assign_all"] = {"kernel_keys_per_s": n / k, "core_keys_per_s": n / c}
+    return out
+
+
+def bench_find(
+    keys: torch.Tensor, lf: float, dim: int, batch: int, repeats: int, pipeline: int
+) -> dict[str, Any]:
+    dev, n = keys.device, keys.numel()
+    table = _fresh(n, lf, dim, dev)
+    with cuda.disabled():  # filled by the core: the find part does not depend on the insert
+        table.insert_or_assign(keys, torch.randn(n, dim, device=dev), torch.arange(n, device=dev))
+    q = keys[torch.randperm(n, device=dev)]
+    find: dict[str, Any] = {"keys": n, "size": table.size, "load_factor": table.load_factor}
+    for w in FIND_WINDOWS:
+        find[f"kernel_window_{w}"] = _rate(
+            n, lambda w=w: kernel_find(table, q, None, probe_window=w), repeats, pipeline
+        )
+        run, _, _ = prepared_find(table, q, probe_window=w)
+        find[f"kernel_only_window_{w}"] = _rate(n, run, repeats, pipeline)
+    find["kernel_api"] = _rate(n, lambda: table.find(q, validate=False), repeats, pipeline)
+    with cuda.disabled():
+        find["core"] = _rate(n, lambda: table.find(q, validate=False), repeats, pipeline)
+        want = table.find(q, validate=False)
+    got = table.find(q, validate=False)
+    find["kernel_rows_equal_core_rows"] = bool(
+        torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    )
+    find["found_fraction"] = float(got[1].float().mean())
+    absent = _random_keys(n, seed=7, device=dev) | (1 << 62)
+    find["kernel_absent_keys"] = _rate(
+        n, lambda: table.find(absent, validate=False), repeats, pipeline
+    )
+    qb = q[:batch]
+    find["kernel_batch"] = _rate(batch, lambda: table.find(qb, validate=False), repeats, pipeline)
+    with cuda.disabled():
+        find["core_batch"] = _rate(batch, lambda: table.find(qb, validate=False), repeats, pipeline)
+
+    def find_gather() -> torch.Tensor:
+        rows, _ = table.find(q, validate=False)
+        return table.values.index_select(0, rows.clamp(min=0))
+
+    find["kernel_find_gather"] = _rate(n, find_gather, repeats, pipeline)
+    dense = torch.randn(n, dim, device=dev)
+    rows = torch.randint(0, n, (n,), device=dev)
+    find["dense_index_select"] = _rate(n, lambda: dense.index_select(0, rows), repeats, pipeline)
+    rates = {w: find[f"kernel_only_window_{w}"]["pipelined_keys_per_s"] for w in FIND_WINDOWS}
+    find["best_window"] = max(rates, key=rates.__getitem__)
+    piped = {
+        k: find[k]["pipelined_keys_per_s"] for k in ("kernel_api", "core", "dense_index_select")
+    }
+    find["kernel_vs_core"] = piped["kernel_api"] / piped["core"]
+    find["kernel_vs_dense_index_select"] = piped["kernel_api"] / piped["dense_index_select"]
+    return find
+
+
+def bench_build(n: int, dim: int, repeats: int, device: torch.device) -> dict[str, Any]:
+    keys = _random_keys(n, seed=2, device=device)
+    values = torch.randn(n, dim, device=device)
+
+    def kernel() -> HashTable:
+        return HashTable.from_keys_values(keys, values, device=device)
+
+    def core() -> HashTable:
+        with cuda.disabled():
+            return HashTable.from_keys_values(keys, values, device=device)
+
+    for _ in range(2):
+        kernel(), core()
+    k, c = _time(kernel, repeats), _time(core, repeats)
+    s = _time(lambda: StaticLookupTable.from_keys_values(keys, values, device=device), repeats)
+    return {
+        "keys": n,
+        "dim": dim,
+        "kernel_build_s": k,
+        "core_build_s": c,
+        "static_lookup_build_s": s,
+        "speedup": c / k,
+        "kernel_table_equals_core_table": _same_table(kernel(), core()),
+    }
+
+
+def profile(path: Path, keys: torch.Tensor, dim: int, build_keys: int) -> None:
+    """torch.profiler tables (GPU and host time per op and kernel) of a find and an insert of
+    every key at load factor 0.5, and of the bulk build: where the time of each call goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    dev, n = keys.device, keys.numel()
+    values = torch.randn(n, dim, device=dev)
+    scores = torch.arange(n, device=dev)
+    bkeys = _random_keys(build_keys, seed=2, device=dev)
+    bvalues = torch.randn(build_keys, dim, device=dev)
+    full = _fresh(n, 0.5, dim, dev)
+    full.insert_or_assign(keys, values, scores)
+    calls: dict[str, Callable[[], Any]] = {
+        "find (1 call, all keys)": lambda: full.find(keys, validate=False),
+        "insert_or_assign (1 call, all keys, empty table)": lambda: _fresh(
+            n, 0.5, dim, dev
+        ).insert_or_assign(keys, values, scores),
+        "from_keys_values": lambda: HashTable.from_keys_values(bkeys, bvalues, device=dev),
+    }
+    text = []
+    for name, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        try:
+            table = prof.key_averages().table(sort_by="device_time_total", row_limit=20)
+        except Exception:  # older torch names the column cuda_time_total
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+        text.append(f"== {name}\n{table}\n")
+    path.write_text("\n".join(text))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument("--keys", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--batch", type=int, default=65_536, help="keys per call of batched runs")
+    p.add_argument("--build-keys", type=int, default=1_500_000)
+    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--pipeline", type=int, default=20, help="calls back to back per timing")
+    p.add_argument("--profile", type=Path, help="also write torch.profiler tables here")
+    args = p.parse_args(argv)
+    if cuda.unavailable_reason() is not None:
+        raise SystemExit(f"bench_gpu_hashtable: {cuda.unavailable_reason()}")
+    import cupy
+
+    dev = torch.device("cuda")
+    keys = _random_keys(args.keys, seed=1, device=dev)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "cupy": cupy.__version__,
+        "python": platform.python_version(),
+        "keys": args.keys,
+        "dim": args.dim,
+        "repeats": args.repeats,
+        "pipeline": args.pipeline,
+        "load_factors": {},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def section(name: str, fn: Callable[[], dict[str, Any]], into: dict[str, Any]) -> None:
+        """Run one part; a failure is recorded and the others still run. Saves as it goes."""
+        try:
+            into[name] = fn()
+        except Exception as e:  # a bench run on the device is one shot: keep the rest
+            into[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps({name: into[name]}, indent=1), flush=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    for lf in (0.5, 0.9):
+        into = result["load_factors"].setdefault(str(lf), {"load_factor_target": lf})
+        section(
+            "find",
+            lambda lf=lf: bench_find(keys, lf, args.dim, args.batch, args.repeats, args.pipeline),
+            into,
+        )
+        section(
+            "insert",
+            lambda lf=lf: bench_insert(keys, lf, args.dim, args.batch, args.repeats),
+            into,
+        )
+    section("build", lambda: bench_build(args.build_keys, args.dim, args.repeats, dev), result)
+    if args.profile is not None:
+        section("profile", lambda: profile(args.profile, keys, args.dim, args.build_keys) or {}, {})
+    return result
+
+
+if __name__ == "__main__":
+    main()
