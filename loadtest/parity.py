@@ -64,6 +64,10 @@ def request_for_rows(
             req.context.values[name].CopyFrom(_value(rows[0][name], types[name]))
         elif side == "sequence":
             req.sequences[name].ids.extend(_ids(rows[0][name]))
+    longest = max((len(s.ids) for s in req.sequences.values()), default=0)
+    for seq in req.sequences.values():
+        if longest == 1 and len(seq.ids) == 0:  # "" beside one-click rows: one missing id
+            seq.ids.append(0)
     for row in rows:
         cand = req.candidates.add()
         for name, side in sides.items():

@@ -100,10 +100,12 @@ def build_request_pool(
     rows = rng.choice(table.num_rows, num_requests, replace=table.num_rows < num_requests)
     users = _join_rows([entries[n] for n in by_side["user"]], rows)
     contexts = _join_rows([entries[n] for n in by_side["context"]], rows)
-    sequences = {
-        n: _jagged_ids(n, table.column(n), sequence_delim, max_sequence_length)
-        for n in by_side["sequence"]
-    }
+    sequences = _align(
+        {
+            n: _jagged_ids(n, table.column(n), sequence_delim, max_sequence_length)
+            for n in by_side["sequence"]
+        }
+    )
     item_fields, item_of_row = _candidate_fields([entries[n] for n in by_side["item"]])
     payloads = []
     for i, r in enumerate(rows):
@@ -248,6 +250,31 @@ def _jagged_ids(
         values = values[np.repeat(starts, kept) + _ranges(kept)]
         offsets = np.concatenate(([0], np.cumsum(kept)))
     return values.astype(np.int64), offsets
+
+
+def _align(
+    sequences: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Give the sub-sequences of a row equal lengths: an empty string beside one-element
+    sub-sequences is one missing id (the sample writer's encoding of e.g. a NULL brand), sent as 0.
+    """
+    if not sequences:
+        return sequences
+    lengths = {n: np.diff(off) for n, (_v, off) in sequences.items()}
+    row_len = np.max(np.stack(list(lengths.values())), axis=0)
+    out = {}
+    for name, (values, offsets) in sequences.items():
+        old = lengths[name]
+        new = np.where((old == 0) & (row_len == 1), 1, old)
+        if np.array_equal(new, old):
+            out[name] = (values, offsets)
+            continue
+        new_offsets = np.concatenate(([0], np.cumsum(new)))
+        filled = np.zeros(int(new_offsets[-1]), np.int64)
+        rows = np.repeat(np.arange(len(old)), old)
+        filled[new_offsets[:-1][rows] + _ranges(old)] = values
+        out[name] = (filled, new_offsets)
+    return out
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:

@@ -150,3 +150,13 @@ def test_builds_thousands_of_requests_quickly(tmp_path: Path) -> None:
     took = time.perf_counter() - t0
     assert len(pool) == 2000
     assert took < 10, f"building 2000 requests x 100 candidates took {took:.1f} s"
+
+
+def test_one_click_with_missing_brand_keeps_sub_sequences_aligned() -> None:
+    from loadtest.requests import _align
+
+    ads = (np.array([5, 7, 8], np.int64), np.array([0, 1, 3, 3]))  # rows: [5], [7, 8], []
+    brands = (np.array([9, 9], np.int64), np.array([0, 0, 2, 2]))  # rows: "" (NULL), [9, 9], []
+    out = _align({"ad": ads, "brand": brands})
+    assert out["ad"][1].tolist() == [0, 1, 3, 3]
+    assert out["brand"][0].tolist() == [0, 9, 9] and out["brand"][1].tolist() == [0, 1, 3, 3]
