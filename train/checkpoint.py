@@ -7,6 +7,12 @@ half-written checkpoint that looks complete)::
         dense.pt          model dense weights, num_buckets tables, optimizer states, progress
         dynamicemb/<module>/<table>_keys.rank_R.world_size_W ...   (shared.hashtable.checkpoint)
         DONE              written last
+
+Distributed (``world_size > 1``, a process group initialized): rank 0 creates the temp dir and
+tells the others its name; every rank writes the dynamic-table files of the keys it owns; after
+a barrier rank 0 writes ``dense.pt`` (the replicated state is the same on every rank), ``DONE``
+and renames. All ranks must see the same ``model_dir`` (one host, or a shared file system).
+Loading under any world size re-shards the dynamic tables by ``key % world_size``.
 """
 
 from __future__ import annotations
@@ -19,8 +25,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
+from shared.features import FeatureSet
+from shared.hashtable.checkpoint import file_name, module_dir, saved_world_size
 from train.model.multi_tower_din import MultiTowerDIN
 
 DYNAMIC_MODULE = "sparse.dynamic"
@@ -35,6 +45,7 @@ class Progress:
     epoch: int = 0  # current epoch
     batch_in_epoch: int = 0  # batches of `epoch` already consumed
     samples: int = 0
+    global_batch_size: int = 0  # rows per step over all ranks (0: unknown, older checkpoints)
 
 
 def save_checkpoint(
@@ -47,30 +58,47 @@ def save_checkpoint(
     world_size: int = 1,
     keep: int = 3,
 ) -> Path:
-    """Write ``checkpoints/step_<N>`` atomically and prune all but the ``keep`` newest."""
+    """Write ``checkpoints/step_<N>`` atomically and prune all but the ``keep`` newest.
+
+    With ``world_size > 1`` every rank calls this (a collective; see the module docstring).
+    """
     root = Path(model_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{progress.step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{progress.step}.", dir=root))
+    main = rank == 0
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{progress.step}.", dir=root)) if main else None
+    if world_size > 1:
+        box = [str(tmp) if main else None]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(str(box[0]))
+    assert tmp is not None
     try:
-        state: dict[str, Any] = {
-            "dense": model.dense.state_dict(),
-            "dense_tables": model.sparse.dense.state_dict(),
-            "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-            "progress": asdict(progress),
-            "rng": torch.get_rng_state(),
-        }
-        torch.save(state, tmp / "dense.pt")
+        if main:
+            state: dict[str, Any] = {
+                "dense": model.dense.state_dict(),
+                "dense_tables": model.sparse.dense.state_dict(),
+                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+                "progress": asdict(progress),
+                "rng": torch.get_rng_state(),
+            }
+            torch.save(state, tmp / "dense.pt")
         model.sparse.dynamic.save(tmp, module_name=DYNAMIC_MODULE, rank=rank, world_size=world_size)
-        (tmp / "DONE").write_text("ok\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if world_size > 1:
+            dist.barrier()  # every rank's files are in place
+        if main:
+            (tmp / "DONE").write_text("ok\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in list_checkpoints(model_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    if main:
+        for old in list_checkpoints(model_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    if world_size > 1:
+        dist.barrier()  # nobody reads or prunes before the rename
     return final
 
 
@@ -116,3 +144,32 @@ def load_checkpoint(
             opt.load_state_dict(state["optimizers"][name])
     torch.set_rng_state(state["rng"])
     return Progress(**state["progress"])
+
+
+def saved_parts(path: Path, fs: FeatureSet) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per dynamic table, the (keys [N], values [N, dim]) that each saving rank wrote, in rank
+    order: the ``part_R_W`` of a serving bundle, read without building any hash table."""
+    directory = module_dir(path, DYNAMIC_MODULE)
+    out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for t in fs.dynamic_tables:
+        w = saved_world_size(directory, t.name)
+        if w is None:
+            raise FileNotFoundError(f"{directory}: no files for dynamic table {t.name!r}")
+        parts = []
+        for r in range(w):
+            keys = np.fromfile(directory / file_name(t.name, "keys", r, w), dtype="<i8")
+            values = np.fromfile(directory / file_name(t.name, "values", r, w), dtype="<f4")
+            if values.size != keys.size * t.dim:
+                raise ValueError(
+                    f"{directory}: table {t.name!r} rank {r}: {values.size} floats for "
+                    f"{keys.size} keys of dim {t.dim}; the checkpoint is damaged or for another "
+                    "config"
+                )
+            parts.append(
+                (
+                    torch.from_numpy(keys.astype(np.int64)),
+                    torch.from_numpy(values.astype(np.float32)).view(-1, t.dim),
+                )
+            )
+        out[t.name] = parts
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import pyarrow.dataset as pads
@@ -13,6 +14,11 @@ from torchmetrics.functional.classification import binary_auroc
 
 from shared.batch import Batch
 from train.model.multi_tower_din import MultiTowerDIN
+
+if TYPE_CHECKING:
+    from train.distributed.env import DistEnv
+
+T = TypeVar("T")
 
 TAIL_THRESHOLD = 5  # a user seen fewer times than this in training is a tail user
 
@@ -67,6 +73,11 @@ def _user_ids(batch: Batch) -> np.ndarray:
     return per_user[batch.user_index.cpu()].numpy()
 
 
+def _global_order(per_rank: list[list[T]]) -> list[T]:
+    """Batch 0 of every rank in rank order, then batch 1, ...: the order of the global batches."""
+    return [x for batch in zip(*per_rank, strict=True) for x in batch]
+
+
 @torch.no_grad()
 def evaluate(
     model: MultiTowerDIN,
@@ -74,8 +85,14 @@ def evaluate(
     *,
     device: torch.device | str = "cpu",
     user_counts: UserCounts | None = None,
+    dist: DistEnv | None = None,
 ) -> EvalResult:
-    """Score every batch in eval mode (no table inserts, no score changes) and compute metrics."""
+    """Score every batch in eval mode (no table inserts, no score changes) and compute metrics.
+
+    Distributed (``dist``): a collective; each rank scores its part of every global batch, the
+    parts are gathered in (batch, rank) order, i.e. the rows in the order one process with the
+    global batch sees them, and every rank returns the metrics of all rows.
+    """
     was_training = model.training
     model.eval()
     probs, labels, oracle, users = [], [], [], []
@@ -92,6 +109,9 @@ def evaluate(
                 users.append(_user_ids(batch))
     finally:
         model.train(was_training)
+    if dist is not None:
+        ranks = dist.all_gather_object((probs, labels, oracle, users))
+        probs, labels, oracle, users = (_global_order([r[k] for r in ranks]) for k in range(4))
     p = torch.cat(probs) if probs else torch.zeros(0)
     y = torch.cat(labels) if labels else torch.zeros(0)
     eps = 1e-7

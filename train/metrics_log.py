@@ -8,15 +8,21 @@ from typing import Any
 
 
 class MetricsLog:
-    """Appends records to a JSON-lines file (flushed per record, so a crash loses nothing)."""
+    """Appends records to a JSON-lines file (flushed per record, so a crash loses nothing).
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    ``path=None`` keeps the records in memory only (ranks other than 0 of a distributed run).
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = None if path is None else Path(path)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
+        if self.path is None:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record, default=float) + "\n")
 
