@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/predict.proto\x12\x0e\x64ynrec.serving\"V\n\x05Value\x12\x15\n\x0bint64_value\x18\x01 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x02 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"\x86\x01\n\x08\x46\x65\x61tures\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.dynrec.serving.Features.ValuesEntry\x1a\x44\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.dynrec.serving.Value:\x02\x38\x01\"\x19\n\nIdSequence\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb5\x02\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04user\x18\x02 \x01(\x0b\x32\x18.dynrec.serving.Features\x12@\n\tsequences\x18\x03 \x03(\x0b\x32-.dynrec.serving.PredictRequest.SequencesEntry\x12)\n\x07\x63ontext\x18\x04 \x01(\x0b\x32\x18.dynrec.serving.Features\x12,\n\ncandidates\x18\x05 \x03(\x0b\x32\x18.dynrec.serving.Features\x1aL\n\x0eSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.dynrec.serving.IdSequence:\x02\x38\x01\"S\n\x0fPredictResponse\x12\x15\n\rprobabilities\x18\x01 \x03(\x02\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x16\n\x14ModelMetadataRequest\"Z\n\x0b\x46\x65\x61tureInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05table\x18\x04 \x01(\t\x12\x12\n\nvalue_type\x18\x05 \x01(\t\"o\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nis_hashmap\x18\x02 \x01(\x08\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0c\n\x04rows\x18\x04 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\x12\x13\n\x0bload_factor\x18\x06 \x01(\x01\"\xf7\x02\n\rModelMetadata\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rconfig_digest\x18\x02 \x01(\t\x12-\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x1b.dynrec.serving.FeatureInfo\x12)\n\x06tables\x18\x04 \x03(\x0b\x32\x19.dynrec.serving.TableInfo\x12\x16\n\x0eloaded_at_unix\x18\x05 \x01(\x01\x12J\n\x0fstartup_seconds\x18\x06 \x03(\x0b\x32\x31.dynrec.serving.ModelMetadata.StartupSecondsEntry\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0emax_candidates\x18\x08 \x01(\r\x12\x1b\n\x13max_sequence_length\x18\t \x01(\r\x1a\x35\n\x13StartupSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xb8\x01\n\x11PredictionService\x12J\n\x07Predict\x12\x1e.dynrec.serving.PredictRequest\x1a\x1f.dynrec.serving.PredictResponse\x12W\n\x10GetModelMetadata\x12$.dynrec.serving.ModelMetadataRequest\x1a\x1d.dynrec.serving.ModelMetadatab\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/predict.proto\x12\x0e\x64ynrec.serving\"V\n\x05Value\x12\x15\n\x0bint64_value\x18\x01 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x02 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"\x86\x01\n\x08\x46\x65\x61tures\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.dynrec.serving.Features.ValuesEntry\x1a\x44\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.dynrec.serving.Value:\x02\x38\x01\"\x19\n\nIdSequence\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb5\x02\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04user\x18\x02 \x01(\x0b\x32\x18.dynrec.serving.Features\x12@\n\tsequences\x18\x03 \x03(\x0b\x32-.dynrec.serving.PredictRequest.SequencesEntry\x12)\n\x07\x63ontext\x18\x04 \x01(\x0b\x32\x18.dynrec.serving.Features\x12,\n\ncandidates\x18\x05 \x03(\x0b\x32\x18.dynrec.serving.Features\x1aL\n\x0eSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.dynrec.serving.IdSequence:\x02\x38\x01\"S\n\x0fPredictResponse\x12\x15\n\rprobabilities\x18\x01 \x03(\x02\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x16\n\x14ModelMetadataRequest\"Z\n\x0b\x46\x65\x61tureInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05table\x18\x04 \x01(\t\x12\x12\n\nvalue_type\x18\x05 \x01(\t\"o\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nis_hashmap\x18\x02 \x01(\x08\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0c\n\x04rows\x18\x04 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\x12\x13\n\x0bload_factor\x18\x06 \x01(\x01\"\x9d\x03\n\rModelMetadata\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rconfig_digest\x18\x02 \x01(\t\x12-\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x1b.dynrec.serving.FeatureInfo\x12)\n\x06tables\x18\x04 \x03(\x0b\x32\x19.dynrec.serving.TableInfo\x12\x16\n\x0eloaded_at_unix\x18\x05 \x01(\x01\x12J\n\x0fstartup_seconds\x18\x06 \x03(\x0b\x32\x31.dynrec.serving.ModelMetadata.StartupSecondsEntry\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0emax_candidates\x18\x08 \x01(\r\x12\x1b\n\x13max_sequence_length\x18\t \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\n \x01(\t\x12\x0e\n\x06\x64\x65ltas\x18\x0b \x03(\t\x1a\x35\n\x13StartupSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1f\n\x0eInspectRequest\x12\r\n\x05top_k\x18\x01 \x01(\r\"7\n\x08ScoreBin\x12\r\n\x05lower\x18\x01 \x01(\x03\x12\r\n\x05upper\x18\x02 \x01(\x03\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"&\n\x08KeyScore\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x03\"\xe4\x03\n\x0fTableInspection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nis_hashmap\x18\x02 \x01(\x08\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\x12\x13\n\x0bload_factor\x18\x06 \x01(\x01\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x16\n\x0escore_strategy\x18\t \x01(\t\x12\x31\n\x0fscore_histogram\x18\n \x03(\x0b\x32\x18.dynrec.serving.ScoreBin\x12*\n\x08top_keys\x18\x0b \x03(\x0b\x32\x18.dynrec.serving.KeyScore\x12\x1b\n\x13\x61\x64mission_threshold\x18\x0c \x01(\r\x12\x19\n\x11\x61\x64mission_pending\x18\r \x01(\x04\x12`\n\x1a\x61\x64mission_pending_by_count\x18\x0e \x03(\x0b\x32<.dynrec.serving.TableInspection.AdmissionPendingByCountEntry\x1a>\n\x1c\x41\x64missionPendingByCountEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x7f\n\x0fInspectResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65ltas\x18\x03 \x03(\t\x12/\n\x06tables\x18\x04 \x03(\x0b\x32\x1f.dynrec.serving.TableInspection\"c\n\x10\x44\x65ltaTableCounts\x12\x0b\n\x03new\x18\x01 \x01(\x04\x12\x0f\n\x07updated\x18\x02 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\x12\x12\n\nis_hashmap\x18\x05 \x01(\x08\"!\n\x11\x41pplyDeltaRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x90\x02\n\x12\x41pplyDeltaResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65ltas\x18\x03 \x03(\t\x12>\n\x06tables\x18\x04 \x03(\x0b\x32..dynrec.serving.ApplyDeltaResponse.TablesEntry\x12\x15\n\rdense_program\x18\x05 \x01(\x08\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\x1aO\n\x0bTablesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12/\n\x05value\x18\x02 \x01(\x0b\x32 .dynrec.serving.DeltaTableCounts:\x02\x38\x01\x32\xb8\x01\n\x11PredictionService\x12J\n\x07Predict\x12\x1e.dynrec.serving.PredictRequest\x1a\x1f.dynrec.serving.PredictResponse\x12W\n\x10GetModelMetadata\x12$.dynrec.serving.ModelMetadataRequest\x1a\x1d.dynrec.serving.ModelMetadata2\xba\x01\n\x11ModelAdminService\x12P\n\rInspectTables\x12\x1e.dynrec.serving.InspectRequest\x1a\x1f.dynrec.serving.InspectResponse\x12S\n\nApplyDelta\x12!.dynrec.serving.ApplyDeltaRequest\x1a\".dynrec.serving.ApplyDeltaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREDICTREQUEST_SEQUENCESENTRY']._serialized_options = b'8\001'
   _globals['_MODELMETADATA_STARTUPSECONDSENTRY']._loaded_options = None
   _globals['_MODELMETADATA_STARTUPSECONDSENTRY']._serialized_options = b'8\001'
+  _globals['_TABLEINSPECTION_ADMISSIONPENDINGBYCOUNTENTRY']._loaded_options = None
+  _globals['_TABLEINSPECTION_ADMISSIONPENDINGBYCOUNTENTRY']._serialized_options = b'8\001'
+  _globals['_APPLYDELTARESPONSE_TABLESENTRY']._loaded_options = None
+  _globals['_APPLYDELTARESPONSE_TABLESENTRY']._serialized_options = b'8\001'
   _globals['_VALUE']._serialized_start=40
   _globals['_VALUE']._serialized_end=126
   _globals['_FEATURES']._serialized_start=129
@@ -58,9 +62,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TABLEINFO']._serialized_start=805
   _globals['_TABLEINFO']._serialized_end=916
   _globals['_MODELMETADATA']._serialized_start=919
-  _globals['_MODELMETADATA']._serialized_end=1294
-  _globals['_MODELMETADATA_STARTUPSECONDSENTRY']._serialized_start=1241
-  _globals['_MODELMETADATA_STARTUPSECONDSENTRY']._serialized_end=1294
-  _globals['_PREDICTIONSERVICE']._serialized_start=1297
-  _globals['_PREDICTIONSERVICE']._serialized_end=1481
+  _globals['_MODELMETADATA']._serialized_end=1332
+  _globals['_MODELMETADATA_STARTUPSECONDSENTRY']._serialized_start=1279
+  _globals['_MODELMETADATA_STARTUPSECONDSENTRY']._serialized_end=1332
+  _globals['_INSPECTREQUEST']._serialized_start=1334
+  _globals['_INSPECTREQUEST']._serialized_end=1365
+  _globals['_SCOREBIN']._serialized_start=1367
+  _globals['_SCOREBIN']._serialized_end=1422
+  _globals['_KEYSCORE']._serialized_start=1424
+  _globals['_KEYSCORE']._serialized_end=1462
+  _globals['_TABLEINSPECTION']._serialized_start=1465
+  _globals['_TABLEINSPECTION']._serialized_end=1949
+  _globals['_TABLEINSPECTION_ADMISSIONPENDINGBYCOUNTENTRY']._serialized_start=1887
+  _globals['_TABLEINSPECTION_ADMISSIONPENDINGBYCOUNTENTRY']._serialized_end=1949
+  _globals['_INSPECTRESPONSE']._serialized_start=1951
+  _globals['_INSPECTRESPONSE']._serialized_end=2078
+  _globals['_DELTATABLECOUNTS']._serialized_start=2080
+  _globals['_DELTATABLECOUNTS']._serialized_end=2179
+  _globals['_APPLYDELTAREQUEST']._serialized_start=2181
+  _globals['_APPLYDELTAREQUEST']._serialized_end=2214
+  _globals['_APPLYDELTARESPONSE']._serialized_start=2217
+  _globals['_APPLYDELTARESPONSE']._serialized_end=2489
+  _globals['_APPLYDELTARESPONSE_TABLESENTRY']._serialized_start=2410
+  _globals['_APPLYDELTARESPONSE_TABLESENTRY']._serialized_end=2489
+  _globals['_PREDICTIONSERVICE']._serialized_start=2492
+  _globals['_PREDICTIONSERVICE']._serialized_end=2676
+  _globals['_MODELADMINSERVICE']._serialized_start=2679
+  _globals['_MODELADMINSERVICE']._serialized_end=2865
 # @@protoc_insertion_point(module_scope)

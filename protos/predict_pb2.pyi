@@ -101,7 +101,7 @@ class TableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., is_hashmap: _Optional[bool] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., load_factor: _Optional[float] = ...) -> None: ...
 
 class ModelMetadata(_message.Message):
-    __slots__ = ("model_version", "config_digest", "features", "tables", "loaded_at_unix", "startup_seconds", "device", "max_candidates", "max_sequence_length")
+    __slots__ = ("model_version", "config_digest", "features", "tables", "loaded_at_unix", "startup_seconds", "device", "max_candidates", "max_sequence_length", "base_version", "deltas")
     class StartupSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,8 @@ class ModelMetadata(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     model_version: str
     config_digest: str
     features: _containers.RepeatedCompositeFieldContainer[FeatureInfo]
@@ -127,4 +129,124 @@ class ModelMetadata(_message.Message):
     device: str
     max_candidates: int
     max_sequence_length: int
-    def __init__(self, model_version: _Optional[str] = ..., config_digest: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., loaded_at_unix: _Optional[float] = ..., startup_seconds: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., max_candidates: _Optional[int] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
+    base_version: str
+    deltas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_version: _Optional[str] = ..., config_digest: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., loaded_at_unix: _Optional[float] = ..., startup_seconds: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., max_candidates: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., base_version: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InspectRequest(_message.Message):
+    __slots__ = ("top_k",)
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    top_k: int
+    def __init__(self, top_k: _Optional[int] = ...) -> None: ...
+
+class ScoreBin(_message.Message):
+    __slots__ = ("lower", "upper", "count")
+    LOWER_FIELD_NUMBER: _ClassVar[int]
+    UPPER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    lower: int
+    upper: int
+    count: int
+    def __init__(self, lower: _Optional[int] = ..., upper: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class KeyScore(_message.Message):
+    __slots__ = ("key", "score")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    score: int
+    def __init__(self, key: _Optional[int] = ..., score: _Optional[int] = ...) -> None: ...
+
+class TableInspection(_message.Message):
+    __slots__ = ("name", "is_hashmap", "dim", "size", "capacity", "load_factor", "hits", "misses", "score_strategy", "score_histogram", "top_keys", "admission_threshold", "admission_pending", "admission_pending_by_count")
+    class AdmissionPendingByCountEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IS_HASHMAP_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    SCORE_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    SCORE_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    TOP_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_PENDING_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_PENDING_BY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    is_hashmap: bool
+    dim: int
+    size: int
+    capacity: int
+    load_factor: float
+    hits: int
+    misses: int
+    score_strategy: str
+    score_histogram: _containers.RepeatedCompositeFieldContainer[ScoreBin]
+    top_keys: _containers.RepeatedCompositeFieldContainer[KeyScore]
+    admission_threshold: int
+    admission_pending: int
+    admission_pending_by_count: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., is_hashmap: _Optional[bool] = ..., dim: _Optional[int] = ..., size: _Optional[int] = ..., capacity: _Optional[int] = ..., load_factor: _Optional[float] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., score_strategy: _Optional[str] = ..., score_histogram: _Optional[_Iterable[_Union[ScoreBin, _Mapping]]] = ..., top_keys: _Optional[_Iterable[_Union[KeyScore, _Mapping]]] = ..., admission_threshold: _Optional[int] = ..., admission_pending: _Optional[int] = ..., admission_pending_by_count: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class InspectResponse(_message.Message):
+    __slots__ = ("model_version", "base_version", "deltas", "tables")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    base_version: str
+    deltas: _containers.RepeatedScalarFieldContainer[str]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInspection]
+    def __init__(self, model_version: _Optional[str] = ..., base_version: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[_Union[TableInspection, _Mapping]]] = ...) -> None: ...
+
+class DeltaTableCounts(_message.Message):
+    __slots__ = ("new", "updated", "evicted", "rows", "is_hashmap")
+    NEW_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    IS_HASHMAP_FIELD_NUMBER: _ClassVar[int]
+    new: int
+    updated: int
+    evicted: int
+    rows: int
+    is_hashmap: bool
+    def __init__(self, new: _Optional[int] = ..., updated: _Optional[int] = ..., evicted: _Optional[int] = ..., rows: _Optional[int] = ..., is_hashmap: _Optional[bool] = ...) -> None: ...
+
+class ApplyDeltaRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ApplyDeltaResponse(_message.Message):
+    __slots__ = ("model_version", "base_version", "deltas", "tables", "dense_program", "apply_seconds")
+    class TablesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: DeltaTableCounts
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[DeltaTableCounts, _Mapping]] = ...) -> None: ...
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    base_version: str
+    deltas: _containers.RepeatedScalarFieldContainer[str]
+    tables: _containers.MessageMap[str, DeltaTableCounts]
+    dense_program: bool
+    apply_seconds: float
+    def __init__(self, model_version: _Optional[str] = ..., base_version: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., tables: _Optional[_Mapping[str, DeltaTableCounts]] = ..., dense_program: _Optional[bool] = ..., apply_seconds: _Optional[float] = ...) -> None: ...

@@ -138,3 +138,121 @@ class PredictionService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ModelAdminServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.InspectTables = channel.unary_unary(
+                '/dynrec.serving.ModelAdminService/InspectTables',
+                request_serializer=protos_dot_predict__pb2.InspectRequest.SerializeToString,
+                response_deserializer=protos_dot_predict__pb2.InspectResponse.FromString,
+                _registered_method=True)
+        self.ApplyDelta = channel.unary_unary(
+                '/dynrec.serving.ModelAdminService/ApplyDelta',
+                request_serializer=protos_dot_predict__pb2.ApplyDeltaRequest.SerializeToString,
+                response_deserializer=protos_dot_predict__pb2.ApplyDeltaResponse.FromString,
+                _registered_method=True)
+
+
+class ModelAdminServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def InspectTables(self, request, context):
+        """Table statistics of the serving model (size, capacity, hits) and its training summary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ApplyDelta(self, request, context):
+        """Build base + delta off the request path and swap it in atomically; FAILED_PRECONDITION
+        when the delta was made for another base bundle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ModelAdminServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'InspectTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.InspectTables,
+                    request_deserializer=protos_dot_predict__pb2.InspectRequest.FromString,
+                    response_serializer=protos_dot_predict__pb2.InspectResponse.SerializeToString,
+            ),
+            'ApplyDelta': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyDelta,
+                    request_deserializer=protos_dot_predict__pb2.ApplyDeltaRequest.FromString,
+                    response_serializer=protos_dot_predict__pb2.ApplyDeltaResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dynrec.serving.ModelAdminService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dynrec.serving.ModelAdminService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ModelAdminService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def InspectTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynrec.serving.ModelAdminService/InspectTables',
+            protos_dot_predict__pb2.InspectRequest.SerializeToString,
+            protos_dot_predict__pb2.InspectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyDelta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynrec.serving.ModelAdminService/ApplyDelta',
+            protos_dot_predict__pb2.ApplyDeltaRequest.SerializeToString,
+            protos_dot_predict__pb2.ApplyDeltaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

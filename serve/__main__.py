@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-interval-s", type=float, default=2.0)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     p.add_argument("--no-verify-checksums", action="store_true")
+    p.add_argument(
+        "--no-admin-writes", action="store_true", help="refuse ModelAdminService.ApplyDelta"
+    )
     return p.parse_args(argv)
 
 
@@ -48,6 +51,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         rpc_threads=a.rpc_threads,
         poll_interval_s=a.poll_interval_s,
         verify_checksums=not a.no_verify_checksums,
+        admin_writes=not a.no_admin_writes,
     )
 
 

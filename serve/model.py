@@ -163,6 +163,10 @@ class LoadedModel:
         self.startup = startup
         self.loaded_at = time.time()
         self._lock = threading.Lock()  # predict may also be called directly (offline, tests)
+        # delta updates (serve.delta): the bundle as read from disk, its program, deltas applied
+        self.base_bundle: Bundle = bundle
+        self.base_program: Callable[..., torch.Tensor] = program
+        self.deltas: tuple[str, ...] = ()
 
     @property
     def version(self) -> str:

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import predict_pb2_grpc
+from serve.admin import ADMIN_SERVICE_NAME, AdminServicer
 from serve.batcher import Batcher, BatcherConfig
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel, default_device
@@ -54,6 +55,7 @@ class ServerConfig:
     rpc_threads: int = 64  # handler threads; each waits for its request's batch
     poll_interval_s: float = 2.0
     verify_checksums: bool = True
+    admin_writes: bool = True  # ModelAdminService.ApplyDelta (InspectTables always answers)
 
     def __post_init__(self) -> None:
         if (self.bundle is None) == (self.model_dir is None):
@@ -110,11 +112,20 @@ class PredictionServer:
             lambda: self.manager.current, self.batcher, cfg.limits, self.metrics
         )
         predict_pb2_grpc.add_PredictionServiceServicer_to_server(servicer, server)
+        admin = AdminServicer(
+            self.manager,
+            self.metrics,
+            allow_writes=cfg.admin_writes,
+            verify_checksums=cfg.verify_checksums,
+            warmup_candidates=min(cfg.limits.max_candidates, 100),
+        )
+        predict_pb2_grpc.add_ModelAdminServiceServicer_to_server(admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
         )
         self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:

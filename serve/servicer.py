@@ -154,4 +154,6 @@ def model_metadata(model: LoadedModel, limits: Limits) -> predict_pb2.ModelMetad
         device=str(model.device),
         max_candidates=limits.max_candidates,
         max_sequence_length=limits.max_sequence_length,
+        base_version=model.base_bundle.version,
+        deltas=list(model.deltas),
     )

@@ -8,6 +8,8 @@ one reference assignment: requests already accepted keep the model they were val
 (the batcher never mixes versions in one batch), so in-flight requests finish on the old
 version. A bundle that fails to load is refused (logged, ``model_loads_total{result="refused"}``)
 and remembered by its manifest's mtime, so it is retried only when rewritten.
+A serving model can also be replaced by a successor built from it on the same loader priority
+(:meth:`ModelManager.replace`: delta updates, :mod:`serve.delta`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from serve.model import LoadedModel
@@ -78,6 +81,7 @@ class ModelManager:
         self._load_lock = threading.Lock()  # one load at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._builder: ThreadPoolExecutor | None = None  # replace(): one niced thread
         self.ready = threading.Event()  # set once a model is serving
 
     @property
@@ -109,6 +113,29 @@ class ModelManager:
             self._on_loaded(model)
         return True
 
+    def replace(self, build: Callable[[LoadedModel], LoadedModel]) -> LoadedModel:
+        """Build a successor of the serving model and swap it in (e.g. base + a delta,
+        :mod:`serve.delta`); blocking, errors propagate and the old model keeps serving.
+
+        ``build(current)`` runs on a loader thread of lower priority (as the watcher), one load
+        or replace at a time. The watcher keeps the base bundle's stamp, so it does not reload
+        the base over the successor; a newer bundle version still replaces both.
+        """
+        with self._load_lock:
+            current = self._current
+            if current is None:
+                raise RuntimeError("no model is serving yet; retry when SERVING")
+            if self._builder is None:
+                self._builder = ThreadPoolExecutor(
+                    1, thread_name_prefix="model-build", initializer=_lower_priority
+                )
+            model = self._builder.submit(build, current).result()
+            self._current = model  # the atomic swap
+        log.info("serving model %s (replaced %s in place)", model.version, current.version)
+        if self._on_loaded is not None:
+            self._on_loaded(model)
+        return model
+
     def poll(self, model_dir: Path) -> bool:
         """Serve the highest loadable version of ``model_dir``; True if it changed the model."""
         for path in list_versions(model_dir):
@@ -139,6 +166,8 @@ class ModelManager:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=10)
+        if self._builder is not None:
+            self._builder.shutdown(wait=False)
 
 
 def _lower_priority() -> None:

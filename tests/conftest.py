@@ -9,6 +9,9 @@ import pytest
 from shared.config import load_config
 from shared.features import FeatureSet, build_feature_set
 
+# trained runs shared by tests/train/tools and tests/serve (delta updates)
+pytest_plugins = ["tests.train.tools.scenario"]
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 BASELINE_CONFIG = ROOT / "configs" / "multi_tower_din_taobao.config"

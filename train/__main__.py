@@ -5,8 +5,11 @@ Examples::
     python -m train train --config configs/multi_tower_din_taobao_dynamicemb.config \\
         --train data/small/samples/train --eval data/small/samples/eval --model-dir runs/dyn
     python -m train train ... --resume            # continue from the newest checkpoint
+    python -m train train ... --fine_tune_checkpoint runs/init   # start from these weights
     python -m train evaluate --config ... --model-dir runs/dyn
     python -m train export --config ... --model-dir runs/dyn --out runs/dyn/bundle
+    torchrun --nproc_per_node 2 -m train train ...   # distributed: gloo on cpu, NCCL on cuda;
+                                                    # batch_size is per rank
 """
 
 from __future__ import annotations
@@ -38,9 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval", type=Path, help="eval samples dir; default: eval_input_path")
     t.add_argument("--max-steps", type=int)
     t.add_argument("--eval-every", type=int, help="steps between evaluations")
+    t.add_argument("--eval-max-batches", type=int, help="evaluate on the first N batches only")
     t.add_argument("--checkpoint-every", type=int)
     t.add_argument("--log-every", type=int)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    t.add_argument(
+        "--fine-tune-checkpoint",
+        "--fine_tune_checkpoint",
+        dest="fine_tune_checkpoint",
+        type=Path,
+        help="not resuming: start from these weights (checkpoint, model dir or init-ckpt dir)",
+    )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--no-progress", action="store_true")
 
@@ -65,26 +76,39 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.INFO)
 
     if args.cmd == "train":
+        from train.distributed.env import init_from_env, shutdown
         from train.trainer import Trainer, TrainOptions
 
-        result = Trainer(
-            TrainOptions(
-                config_path=args.config,
-                model_dir=args.model_dir,
-                train_path=args.train,
-                eval_path=args.eval,
-                device=args.device,
-                batch_size=args.batch_size,
-                num_workers=args.num_workers,
-                max_steps=args.max_steps,
-                eval_every=args.eval_every,
-                checkpoint_every=args.checkpoint_every,
-                log_every=args.log_every,
-                resume=args.resume,
-                seed=args.seed,
-                progress_bar=not args.no_progress,
-            )
-        ).fit()
+        env = init_from_env(args.device)  # None unless torchrun started > 1 process
+        if env is not None and not env.is_main:
+            for name in ("train", "shared"):
+                logging.getLogger(name).setLevel(logging.WARNING)
+        try:
+            result = Trainer(
+                TrainOptions(
+                    config_path=args.config,
+                    model_dir=args.model_dir,
+                    train_path=args.train,
+                    eval_path=args.eval,
+                    device=args.device,
+                    batch_size=args.batch_size,
+                    num_workers=args.num_workers,
+                    max_steps=args.max_steps,
+                    eval_every=args.eval_every,
+                    eval_max_batches=args.eval_max_batches,
+                    checkpoint_every=args.checkpoint_every,
+                    log_every=args.log_every,
+                    resume=args.resume,
+                    fine_tune_checkpoint=args.fine_tune_checkpoint,
+                    seed=args.seed,
+                    progress_bar=not args.no_progress,
+                    dist=env,
+                )
+            ).fit()
+        finally:
+            shutdown(env)
+        if env is not None and not env.is_main:
+            return 0
         print(
             json.dumps(
                 {

@@ -4,6 +4,10 @@ The bundle holds the num_buckets tables as dense matrices, the dynamic tables as
 key/value tensors (admitted keys only), fg.json, and the dense part as a ``torch.export`` program
 with jagged inputs (see :mod:`shared.bundle` for the layout, :mod:`train.model.dense_arch` for the
 program's signature).
+
+The dynamic tables are read from the checkpoint's per-rank files as they are: a checkpoint saved
+by ``W`` ranks gives ``W`` parts per table (``<table>.keys/part_R_W``, rank ``R``'s keys), one
+saved by a single process gives ``part_0_1``; serving joins the parts either way.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import torch
 from shared.bundle import write_bundle
 from shared.config import config_digest, load_config
 from shared.features import build_feature_set
-from train.checkpoint import Progress, latest_checkpoint, load_checkpoint
+from shared.hashtable.summary import checkpoint_summaries
+from train.checkpoint import (
+    DYNAMIC_MODULE,
+    Progress,
+    latest_checkpoint,
+    load_checkpoint,
+    saved_parts,
+)
 from train.data.loader import Loader
 from train.evaluate import EvalResult, UserCounts, evaluate
 from train.model.dense_arch import example_inputs, export_dense_arch
@@ -56,7 +67,7 @@ def export_bundle(
 ) -> Path:
     """Write the serving bundle of a checkpoint to ``out_dir`` (atomically)."""
     config = load_config(config_path)
-    model, progress, _ckpt = restore_model(
+    model, progress, ckpt = restore_model(
         config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu"
     )
     fs = model.fs
@@ -64,7 +75,7 @@ def export_bundle(
         name: emb.weight.detach().cpu().contiguous()
         for name, emb in model.sparse.dense.embeddings.items()
     }
-    hash_tables = {t.name: [model.sparse.dynamic.export_table(t.name)] for t in fs.dynamic_tables}
+    hash_tables = saved_parts(ckpt, fs)  # one (keys, values) part per saving rank
     program = export_dense_arch(model.dense, example_inputs(model.dense))
     with tempfile.TemporaryDirectory() as tmp:
         program_path = Path(tmp) / "dense.pt2"
@@ -77,6 +88,8 @@ def export_bundle(
             dense_program_path=program_path,
             config_digest=config_digest(config),
             version=version or f"step-{progress.step}",
+            # scores and admission counters stay in training: serving shows this summary
+            extra={"table_summaries": checkpoint_summaries(ckpt, DYNAMIC_MODULE)},
             overwrite=overwrite,
         )
 

@@ -1,11 +1,19 @@
 """The training loop: sparse Adagrad for every embedding, Adam for dense layers, periodic eval,
-atomic checkpoints, resume to the same result, a progress bar, JSON-lines metrics and a plot."""
+atomic checkpoints, resume to the same result, a progress bar, JSON-lines metrics and a plot.
+
+With ``TrainOptions.dist`` (a ``torchrun`` launch, see :mod:`train.distributed`) the same loop runs
+on every rank: each reads its part of every global batch, the dynamic tables are sharded ROW_WISE
+(:class:`~train.distributed.sharded_dynamic.ShardedDynamicEmbedding`), the rest is replicated
+(:class:`~train.distributed.replicated.GradSync`); rank 0 writes metrics, dense checkpoint state
+and the plot, every rank writes its own dynamic-table files.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,7 +29,12 @@ from shared.dense_inputs import assemble_dense_inputs
 from shared.features import build_feature_set
 from train.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data.loader import Loader
+from train.distributed.comm import CommStats
+from train.distributed.env import DistEnv
+from train.distributed.replicated import GradSync
+from train.distributed.sharded_dynamic import ShardedDynamicEmbedding
 from train.evaluate import EvalResult, UserCounts, evaluate
+from train.fine_tune import load_weights
 from train.metrics_log import MetricsLog
 from train.model.multi_tower_din import MultiTowerDIN, sparse_adagrad
 
@@ -45,8 +58,11 @@ class TrainOptions:
     checkpoint_every: int | None = None  # default: train_config.save_checkpoints_steps
     log_every: int | None = None  # default: train_config.log_step_count_steps
     resume: bool = False
+    # not resuming: start from these weights (checkpoint, model dir, init-ckpt; train.fine_tune)
+    fine_tune_checkpoint: Path | None = None
     seed: int = 0
     progress_bar: bool = True
+    dist: DistEnv | None = None  # set under torchrun (train.distributed.env.init_from_env)
 
 
 @dataclass
@@ -102,18 +118,31 @@ def train_step(
     batch: Batch,
     step: int,
     amp: str = "",
+    *,
+    sync: GradSync | None = None,
+    global_rows: int | None = None,
 ) -> torch.Tensor:
-    """One optimizer step; returns the loss as a device tensor (no host sync)."""
+    """One optimizer step; returns the loss as a device tensor (no host sync).
+
+    Distributed (``sync``): the loss is this rank's share of the mean over the ``global_rows``
+    rows of all ranks (the shares sum to the global mean) and gradients are summed over ranks.
+    """
     device = batch.user_index.device
     model.sparse.dynamic.set_step(step)
     for opt in optimizers.values():
         opt.zero_grad(set_to_none=True)
     pooled, sequences = model.sparse(batch)  # fp32 embeddings
     inputs = assemble_dense_inputs(model.fs, batch, pooled, sequences)
+    dense = model.dense if sync is None else sync.dense
     with _amp_context(amp, device):
-        logits = model.dense(**inputs)  # [B]
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        logits = dense(**inputs)  # [B]
+    if sync is None:
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+    else:
+        loss = sync.loss(logits.float(), batch.labels, global_rows or batch.batch_size)
     loss.backward()  # dynamic tables: fused Adagrad happens here
+    if sync is not None:
+        sync.all_reduce_table_grads()
     for opt in optimizers.values():
         opt.step()
     return loss.detach()
@@ -128,7 +157,9 @@ class Trainer:
         self.model_dir = Path(options.model_dir or cfg.model_dir or "experiments/run")
         self.train_path = Path(options.train_path or cfg.train_input_path)
         self.eval_path = Path(options.eval_path or cfg.eval_input_path)
-        self.device = torch.device(options.device)
+        self.dist = options.dist
+        self.rank, self.world_size = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
+        self.device = self.dist.device if self.dist else torch.device(options.device)
         self.batch_size = options.batch_size or cfg.data_config.batch_size
         workers = (
             cfg.data_config.num_workers if options.num_workers is None else options.num_workers
@@ -139,6 +170,15 @@ class Trainer:
         self.log_every = options.log_every or tc.log_step_count_steps
         self.amp = tc.mixed_precision
         self.model = MultiTowerDIN.from_config(cfg, self.fs, device=self.device, seed=options.seed)
+        self.comm: CommStats | None = None
+        self.sync: GradSync | None = None
+        if self.dist is not None:
+            self.comm = CommStats(self.device)
+            local = self.model.sparse.dynamic
+            # same interface as the local collection (forward, set_step, stats, save, load)
+            sharded = ShardedDynamicEmbedding(local, self.dist, self.comm)
+            self.model.sparse.dynamic = sharded  # type: ignore[assignment]
+            self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
         self.loader = Loader(
             self.train_path,
@@ -149,8 +189,11 @@ class Trainer:
             num_workers=workers,
             pin_memory=self.device.type == "cuda",
             drop_last=cfg.data_config.drop_remainder,
+            rank=self.rank,
+            world_size=self.world_size,
         )
-        self.metrics = MetricsLog(self.model_dir / "metrics.jsonl")
+        # rank 0 writes the metrics; the others keep their records in memory only
+        self.metrics = MetricsLog(self.model_dir / "metrics.jsonl" if self.rank == 0 else None)
 
     def _eval_batches(self) -> Iterator[Batch]:
         loader = Loader(
@@ -161,6 +204,8 @@ class Trainer:
             seed=0,
             num_workers=min(self.num_workers, 1),
             pin_memory=False,
+            rank=self.rank,
+            world_size=self.world_size,
         )
         for i, batch in enumerate(loader.epoch(0)):
             if self.options.eval_max_batches is not None and i >= self.options.eval_max_batches:
@@ -169,18 +214,83 @@ class Trainer:
 
     def run_eval(self, user_counts: UserCounts | None, step: int) -> EvalResult:
         result = evaluate(
-            self.model, self._eval_batches(), device=self.device, user_counts=user_counts
+            self.model,
+            self._eval_batches(),
+            device=self.device,
+            user_counts=user_counts,
+            dist=self.dist,
         )
         self.metrics.write({"kind": "eval", "step": step, **result.to_dict()})
         log.info("eval step %d: %s", step, json.dumps(result.to_dict()))
         return result
 
+    def _table_stats(self) -> dict[str, dict[str, float]]:
+        """Dynamic-table statistics of the whole table (a collective when distributed)."""
+        dyn = self.model.sparse.dynamic
+        if isinstance(dyn, ShardedDynamicEmbedding):
+            assert self.dist is not None
+            return dyn.global_stats(self.dist)
+        return dyn.stats()
+
+    def _peak_memory(self) -> float:
+        """Peak bytes of this process (CUDA: allocated tensors; CPU: max RSS), max over ranks."""
+        if self.device.type == "cuda":
+            peak = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return self.dist.all_reduce_max([peak])[0] if self.dist else peak
+
+    def _resume(self, progress: Progress) -> Progress:
+        ckpt = latest_checkpoint(self.model_dir)
+        if ckpt is None:
+            return progress
+        progress = load_checkpoint(
+            ckpt, self.model, self.optimizers, rank=self.rank, world_size=self.world_size
+        )
+        log.info("resumed from %s at step %d", ckpt, progress.step)
+        size = self.loader.global_batch_size
+        if progress.global_batch_size and progress.global_batch_size != size:
+            skip = progress.batch_in_epoch * progress.global_batch_size // size
+            log.warning(
+                "the checkpoint was trained with global batches of %d rows, this run uses %d "
+                "(batch_size x world_size): resuming epoch %d at batch %d of the new size",
+                progress.global_batch_size,
+                size,
+                progress.epoch,
+                skip,
+            )
+            progress.batch_in_epoch = skip
+        return progress
+
+    def _start_weights(self) -> None:
+        """Load ``fine_tune_checkpoint``; without one, refuse a configured ``init_table``
+        (training reads it only through an init checkpoint, never silently)."""
+        if self.options.fine_tune_checkpoint is not None:
+            load_weights(
+                self.options.fine_tune_checkpoint,
+                self.model,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+            return
+        pending = {t.name: t.dynamic.init_table for t in self.fs.dynamic_tables if t.dynamic}
+        pending = {name: path for name, path in pending.items() if path}
+        if pending:
+            raise ValueError(
+                f"dynamicemb.init_table is set for {pending}, but training reads init tables "
+                "only through an initial checkpoint: run `python -m train.tools init-ckpt "
+                f"--config {self.options.config_path} --out DIR` and pass "
+                "--fine_tune_checkpoint DIR"
+            )
+
     def fit(self) -> TrainResult:
         opts = self.options
         progress = Progress()
-        if opts.resume and (ckpt := latest_checkpoint(self.model_dir)) is not None:
-            progress = load_checkpoint(ckpt, self.model, self.optimizers)
-            log.info("resumed from %s at step %d", ckpt, progress.step)
+        if opts.resume:
+            progress = self._resume(progress)
+        if progress.step == 0:  # not resumed
+            self._start_weights()
+        progress.global_batch_size = self.loader.global_batch_size
         num_epochs = self.config.train_config.num_epochs or 1
         max_steps = opts.max_steps or self.config.train_config.num_steps or None
         user_counts = (
@@ -195,41 +305,57 @@ class Trainer:
         bar = tqdm(
             desc="train",
             unit="batch",
-            disable=not opts.progress_bar,
+            disable=not opts.progress_bar or self.rank != 0,
             initial=progress.step,
             total=max_steps,
         )
         done = False
         while progress.epoch < num_epochs and not done:
+            rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
             for batch in self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch):
                 batch = batch.to(self.device, non_blocking=True)
-                running += train_step(self.model, self.optimizers, batch, progress.step, self.amp)
+                global_rows = rows[progress.batch_in_epoch]
+                running += train_step(
+                    self.model,
+                    self.optimizers,
+                    batch,
+                    progress.step,
+                    self.amp,
+                    sync=self.sync,
+                    global_rows=global_rows,
+                )
                 running_n += 1
                 progress.step += 1
                 progress.batch_in_epoch += 1
-                progress.samples += batch.batch_size
+                progress.samples += global_rows
                 bar.update(1)
                 if progress.step % self.log_every == 0:
                     now = time.perf_counter()
                     rate = (progress.samples - tick_samples) / max(now - tick, 1e-9)
-                    loss = float(running) / running_n  # one host sync per log interval
+                    loss_sum = float(running)  # one host sync per log interval
+                    if self.dist is not None:  # the ranks' shares add up to the global mean
+                        loss_sum = self.dist.all_reduce_sum([loss_sum])[0]
+                    loss = loss_sum / running_n
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
-                    self.metrics.write(
-                        {
-                            "kind": "train",
-                            "step": progress.step,
-                            "epoch": progress.epoch,
-                            "loss": loss,
-                            "samples_per_s": rate,
-                            "samples": progress.samples,
-                            "tables": self.model.sparse.dynamic.stats(),
-                        }
-                    )
+                    record = {
+                        "kind": "train",
+                        "step": progress.step,
+                        "epoch": progress.epoch,
+                        "loss": loss,
+                        "samples_per_s": rate,
+                        "samples": progress.samples,
+                        "tables": self._table_stats(),
+                    }
+                    if self.comm is not None:
+                        record["world_size"] = self.world_size
+                        record["samples_per_s_per_rank"] = rate / self.world_size
+                        record["all_to_all"] = self.comm.take(running_n, now - tick)
+                    self.metrics.write(record)
                     running.zero_()
                     running_n = 0
                     tick, tick_samples = now, progress.samples
                 if self.checkpoint_every and progress.step % self.checkpoint_every == 0:
-                    save_checkpoint(self.model_dir, self.model, self.optimizers, progress)
+                    self._save(progress)
                 if opts.eval_every and progress.step % opts.eval_every == 0:
                     self.run_eval(user_counts, progress.step)
                 if max_steps and progress.step >= max_steps:
@@ -240,7 +366,7 @@ class Trainer:
                 progress.batch_in_epoch = 0
         bar.close()
         seconds = time.perf_counter() - start
-        ckpt = save_checkpoint(self.model_dir, self.model, self.optimizers, progress)
+        ckpt = self._save(progress)
         final = self.run_eval(user_counts, progress.step)
         rate = (progress.samples - start_samples) / max(seconds, 1e-9)
         self.metrics.write(
@@ -249,8 +375,22 @@ class Trainer:
                 "step": progress.step,
                 "train_seconds": seconds,
                 "samples_per_s": rate,
-                "tables": self.model.sparse.dynamic.stats(),
+                "world_size": self.world_size,
+                "samples_per_s_per_rank": rate / self.world_size,
+                "peak_memory_bytes": self._peak_memory(),
+                "tables": self._table_stats(),
             }
         )
-        self.metrics.plot(self.model_dir / "curves.png")
+        if self.rank == 0:
+            self.metrics.plot(self.model_dir / "curves.png")
         return TrainResult(progress, final, seconds, rate, ckpt, self.metrics.records)
+
+    def _save(self, progress: Progress) -> Path:
+        return save_checkpoint(
+            self.model_dir,
+            self.model,
+            self.optimizers,
+            progress,
+            rank=self.rank,
+            world_size=self.world_size,
+        )

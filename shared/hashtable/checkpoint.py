@@ -31,11 +31,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from shared.features import TableSpec
+from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.storage import TableState
 
 if TYPE_CHECKING:
@@ -87,17 +89,18 @@ def _read(path: Path, kind: str) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def _opt_args(dec: DynamicEmbeddingCollection, name: str, world_size: int) -> dict[str, object]:
-    spec = dec.tables[name]
+def opt_args(spec: TableSpec, adagrad: AdagradConfig, world_size: int) -> dict[str, object]:
+    """The ``<table>_opt_args.json`` content of one dynamic table."""
     dyn = spec.dynamic
-    assert dyn is not None
+    if dyn is None:
+        raise ValueError(f"table {spec.name!r} is not dynamic; only hash tables have opt_args")
     return {
         "format": FORMAT,
-        "table": name,
+        "table": spec.name,
         "optimizer": "adagrad",
-        "lr": dec.adagrad.lr,
-        "eps": dec.adagrad.eps,
-        "initial_accumulator_value": dec.adagrad.initial_accumulator_value,
+        "lr": adagrad.lr,
+        "eps": adagrad.eps,
+        "initial_accumulator_value": adagrad.initial_accumulator_value,
         "dim": spec.dim,
         "opt_values_per_row": spec.dim,
         "key_dtype": "int64",
@@ -110,6 +113,38 @@ def _opt_args(dec: DynamicEmbeddingCollection, name: str, world_size: int) -> di
         "world_size": world_size,
         "owner": "key % world_size",
     }
+
+
+def write_table_files(
+    directory: Path,
+    state: TableState,
+    args: dict[str, object],
+    rank: int = 0,
+    world_size: int = 1,
+) -> None:
+    """Write the rows of ``state`` that ``rank`` owns (``key % world_size == rank``) as the files
+    of table ``args["table"]`` into ``directory`` (no temp dir: callers publish atomically).
+
+    :func:`save` uses it for a live collection; tools use it to write checkpoints built from
+    other sources (an init table, a converted num_buckets matrix) without a hash table.
+    """
+    _check_rank(rank, world_size)
+    name = str(args["table"])
+    own = (state.keys % world_size) == rank
+    parts = {
+        "keys": state.keys[own],
+        "values": state.values[own],
+        "scores": state.scores[own],
+        "opt_values": state.accumulators[own],
+    }
+    if state.counter_keys is not None and state.counter_counts is not None:
+        mine = (state.counter_keys % world_size) == rank
+        parts["counter_keys"] = state.counter_keys[mine]
+        parts["counter_frequencies"] = state.counter_counts[mine]
+    for kind, tensor in parts.items():
+        _write(directory / file_name(name, kind, rank, world_size), tensor, kind)
+    text = json.dumps({**args, "world_size": world_size}, indent=1, sort_keys=True)
+    (directory / f"{name}_opt_args.json").write_text(text + "\n")
 
 
 def save(
@@ -125,23 +160,9 @@ def save(
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{module_name}.tmp-rank{rank}-", dir=final.parent))
     try:
-        for name in dec.tables:
-            st = dec.table_state(name)
-            own = (st.keys % world_size) == rank
-            parts = {
-                "keys": st.keys[own],
-                "values": st.values[own],
-                "scores": st.scores[own],
-                "opt_values": st.accumulators[own],
-            }
-            if st.counter_keys is not None and st.counter_counts is not None:
-                mine = (st.counter_keys % world_size) == rank
-                parts["counter_keys"] = st.counter_keys[mine]
-                parts["counter_frequencies"] = st.counter_counts[mine]
-            for kind, tensor in parts.items():
-                _write(tmp / file_name(name, kind, rank, world_size), tensor, kind)
-            args = json.dumps(_opt_args(dec, name, world_size), indent=1, sort_keys=True)
-            (tmp / f"{name}_opt_args.json").write_text(args + "\n")
+        for name, spec in dec.tables.items():
+            args = opt_args(spec, dec.adagrad, world_size)
+            write_table_files(tmp, dec.table_state(name), args, rank, world_size)
         _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -226,6 +247,28 @@ def _read_table(directory: Path, table: str, dim: int, w: int) -> TableState:
         state["counter_keys"],
         state["counter_frequencies"],
     )
+
+
+def saved_tables(directory: Path) -> list[str]:
+    """Names of the tables saved in a module directory (those with a ``_opt_args.json``)."""
+    suffix = "_opt_args.json"
+    return sorted(p.name[: -len(suffix)] for p in Path(directory).glob(f"*{suffix}"))
+
+
+def read_table(directory: Path, table: str) -> tuple[TableState, dict[str, Any]]:
+    """Every saved rank of ``table`` in a module directory, joined: (state, opt_args).
+
+    The dim comes from ``<table>_opt_args.json``, so no config is needed (inspection tools).
+    """
+    directory = Path(directory)
+    args_path = directory / f"{table}_opt_args.json"
+    if not args_path.is_file():
+        raise FileNotFoundError(f"{args_path} is missing; is {directory} a dynamicemb module dir?")
+    args = json.loads(args_path.read_text())
+    w = saved_world_size(directory, table)
+    if w is None:
+        raise FileNotFoundError(f"{directory}: no key files for table {table!r}")
+    return _read_table(directory, table, int(args["dim"]), w), args
 
 
 def load(

@@ -23,6 +23,9 @@ module has no ``nn.Parameter``: the autograd graph hangs on a private zero-size 
 dense optimizer built from ``model.parameters()`` never sees these tables. Calling backward
 twice through the same lookup applies the update twice. The tables live on ``device``;
 ``module.to()`` does not move them.
+
+A table's ``init_table`` (config) is not read here: ``python -m train.tools init-ckpt`` turns
+it into a checkpoint, which training loads with ``--fine_tune_checkpoint``.
 """
 
 from __future__ import annotations
@@ -123,11 +126,6 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 raise ValueError(
                     f"table {t.name!r} is not dynamic (num_rows={t.num_rows}); pass only "
                     "FeatureSet.dynamic_tables"
-                )
-            if t.dynamic.init_table is not None:
-                raise ValueError(
-                    f"table {t.name!r}: init_table is not read at training time; build an "
-                    "initial checkpoint from it and load that instead"
                 )
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
         self.adagrad = AdagradConfig(lr, eps, initial_accumulator_value)

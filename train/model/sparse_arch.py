@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from shared.hashtable.embedding import DynamicEmbeddingCollection
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
@@ -21,6 +20,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from shared.batch import Batch
 from shared.dense_inputs import pool
 from shared.features import FeatureSet
+from shared.hashtable.embedding import DynamicEmbeddingCollection
 
 
 class SparseArch(nn.Module):

@@ -1,0 +1,204 @@
+"""Latency of Predict while a delta is applied, beside a full hot swap of the same new tables.
+
+Starts the server on a watched directory holding version 1 (``--keys`` random keys, the real
+dense part), drives it with ``--clients`` closed-loop gRPC clients on 127.0.0.1, then
+
+1. applies a delta (``ModelAdminService.ApplyDelta``) that updates ``--updated`` of the keys,
+   adds ``--new`` and evicts ``--evicted`` (fractions of the keys) and changes dense rows;
+2. installs version 2, a full bundle with exactly the tables of base + delta, and waits for the
+   watcher's hot swap.
+
+Reports p50/p99/max latency of the steady state before, during/after the delta, and during/after
+the full swap, the time each took, the bytes of the delta vs the bundle, and errors (must be 0)::
+
+    python -m bench.bench_delta --out bench/results/delta_cpu.json --device cpu --keys 300000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from bench.bench_startup import export_program
+from bench.bench_swap import _stats
+from bench.synthetic_bundle import (
+    keys_per_table,
+    seed_feature_set,
+    synthetic_request,
+    write_synthetic_bundle,
+)
+from protos import predict_pb2, predict_pb2_grpc
+from serve.batcher import BatcherConfig
+from serve.model import default_device
+from serve.server import PredictionServer, ServerConfig
+from shared.bundle import read_bundle, write_bundle
+from shared.delta import diff_tables, write_delta
+
+
+def _target_tables(
+    bundle_dir: Path, a: argparse.Namespace
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The base tables with a fraction of keys updated, added and evicted, dense rows changed."""
+    base = read_bundle(bundle_dir)
+    g = torch.Generator().manual_seed(7)
+    dense = {}
+    for name, w in base.dense_tables.items():
+        w = w.clone()
+        rows = torch.randperm(w.shape[0], generator=g)[: max(1, w.shape[0] // 10)]
+        w[rows] += 0.01
+        dense[name] = w
+    hashed = {}
+    for name, (keys, values) in base.hash_tables.items():
+        n = keys.numel()
+        perm = torch.randperm(n, generator=g)
+        n_evict, n_upd = int(n * a.evicted), int(n * a.updated)
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[perm[:n_evict]] = False
+        values = values.clone()
+        values[perm[n_evict : n_evict + n_upd]] += 0.01
+        new_keys = torch.arange(int(n * a.new), dtype=torch.int64) + int(keys.max()) + 1
+        new_values = torch.randn(new_keys.numel(), values.shape[1], generator=g) * 0.05
+        hashed[name] = (
+            torch.cat([keys[keep], new_keys]),
+            torch.cat([values[keep], new_values]),
+        )
+    return dense, hashed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_delta", description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
+    p.add_argument("--keys", type=int, default=1_500_000)
+    p.add_argument("--updated", type=float, default=0.02)
+    p.add_argument("--new", type=float, default=0.005)
+    p.add_argument("--evicted", type=float, default=0.005)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--candidates", type=int, default=100)
+    p.add_argument("--phase-s", type=float, default=3.0, help="seconds of each measured phase")
+    a = p.parse_args(argv)
+
+    fs = seed_feature_set()
+    keys = keys_per_table(fs, a.keys)
+    rng = np.random.default_rng(0)
+    requests = [synthetic_request(fs, rng, candidates=a.candidates) for _ in range(64)]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        program, _ = export_program(fs, root / "dense.pt2")
+        models = root / "models"
+        models.mkdir()
+        v1 = write_synthetic_bundle(models / "1", fs, keys=keys, program_path=program, version="1")
+        dense, hashed = _target_tables(v1, a)
+        base = read_bundle(v1)
+        tables = diff_tables(base.dense_tables, base.hash_tables, dense, hashed)
+        delta = write_delta(
+            root / "delta",
+            tables=tables,
+            base_manifest=base.manifest,
+            delta_id="d1",
+            target_version="2",
+            config_digest=base.config_digest,
+        )
+        write_bundle(
+            root / "v2",
+            dense_tables=dense,
+            hash_tables={n: [kv] for n, kv in hashed.items()},
+            feature_set=fs,
+            dense_program_path=program,
+            config_digest=base.config_digest,
+            version="2",
+        )
+        sizes = {
+            "delta_bytes": sum(f.stat().st_size for f in delta.iterdir()),
+            "bundle_bytes": sum(f.stat().st_size for f in (root / "v2").iterdir()),
+        }
+        config = ServerConfig(
+            model_dir=models,
+            device=a.device,
+            poll_interval_s=0.1,
+            batching=BatcherConfig(max_batch_rows=1024, max_wait_us=500),
+        )
+        server = PredictionServer(config).start()
+        if not server.wait_ready(300):
+            raise SystemExit(f"server did not start: {server.load_error}")
+        host = f"127.0.0.1:{server.port}"
+        log: list[tuple[float, float, str]] = []  # (start, latency, version)
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            with grpc.insecure_channel(host) as channel:
+                stub = predict_pb2_grpc.PredictionServiceStub(channel)
+                i = k
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    try:
+                        r = stub.Predict(requests[i % len(requests)], timeout=30)
+                        log.append((t, time.perf_counter() - t, r.model_version))
+                    except grpc.RpcError as e:
+                        errors.append(f"{e.code().name}: {e.details()}")
+                    i += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(a.clients)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # settle
+        t0 = time.perf_counter()
+        time.sleep(a.phase_s)
+        t1 = time.perf_counter()
+        with grpc.insecure_channel(host) as channel:
+            admin = predict_pb2_grpc.ModelAdminServiceStub(channel)
+            applied = admin.ApplyDelta(predict_pb2.ApplyDeltaRequest(path=str(delta)), timeout=300)
+        t_applied = time.perf_counter()
+        time.sleep(a.phase_s)
+        t2 = time.perf_counter()
+        shutil.copytree(root / "v2", models / ".2.tmp")
+        (models / ".2.tmp").rename(models / "2")
+        deadline = time.monotonic() + 300
+        while not any(v == "2" for _, _, v in log[-10:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t_swapped = time.perf_counter()
+        time.sleep(a.phase_s)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        full_load = server.manager.current.startup.as_dict() if server.manager.current else {}
+        server.stop(grace=0)
+
+    report = {
+        "benchmark": "Predict latency while a delta is applied vs a full hot swap (serve.delta)",
+        "device": a.device,
+        "keys_total": sum(keys.values()),
+        "delta": {"updated": a.updated, "new": a.new, "evicted": a.evicted, **sizes},
+        "clients": a.clients,
+        "candidates": a.candidates,
+        "before": _stats([lat for t, lat, _ in log if t0 <= t < t1]),
+        "delta_apply_and_after": _stats([lat for t, lat, _ in log if t1 <= t < t2]),
+        "full_swap_and_after": _stats([lat for t, lat, _ in log if t >= t2]),
+        "delta_apply_seconds": t_applied - t1,
+        "delta_apply_server_seconds": applied.apply_seconds,
+        "full_swap_seconds_after_install": t_swapped - t2,
+        "full_load_startup_seconds": full_load,
+        "errors": len(errors),
+        "error_examples": errors[:5],
+        "versions_seen": sorted({v for _, _, v in log}),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=2) + "\n")
+    keys_shown = ("before", "delta_apply_and_after", "full_swap_and_after", "errors")
+    print(json.dumps({k: report[k] for k in keys_shown}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

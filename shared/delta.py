@@ -1,0 +1,395 @@
+"""Delta updates of a bundle: only the rows that changed since a base bundle, and their merge.
+
+``train/`` writes a delta (:func:`diff_tables` + :func:`write_delta`, ``python -m train.tools
+delta-export``); ``serve/`` reads it (:func:`read_delta`) and rebuilds its tables as base + delta
+(:func:`apply_delta_tables`). Layout of a delta directory::
+
+    delta.safetensors   per dynamic table T: "T.upsert_keys" int64 [n] (new and updated keys),
+                        "T.upsert_values" float32 [n, dim], "T.evict_keys" int64 [e] (keys of the
+                        base no longer in the table); per dense table T: "T.rows" int64 [r]
+                        (changed row indices), "T.row_values" float32 [r, dim]
+    dense.pt2           the dense program, only when its weights changed
+    manifest.json       format, delta id, base (version, manifest digest, config digest), target
+                        version, per-table counts (new, updated, evicted, rows; base and target
+                        row counts), table summaries, size + sha256 of every other file;
+                        written last
+
+A delta is always relative to its **base bundle** (not to an earlier delta): applying delta 3 to a
+server that runs base + delta 2 rebuilds from base + delta 3. So deltas need not be applied in
+order or all of them, a lost delta costs nothing, and a key added by delta 2 and evicted since is
+gone (a chain of incremental deltas would need every link). The price: a delta grows with the
+rows changed since its base; publish a new full bundle when it gets large. Writing is atomic
+(temporary directory beside the destination, manifest last, one rename). Example::
+
+    tables = diff_tables(base.dense_tables, base.hash_tables, new_dense, new_hash)
+    write_delta(out, tables=tables, base_manifest=base.manifest, delta_id="step-2000", ...)
+    delta = read_delta(out)                         # checked; DeltaError names file and fix
+    dense, hashed = apply_delta_tables(base.dense_tables, base.hash_tables, delta)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.bundle.layout import sha256, write_json
+
+DELTA_FORMAT = "dynrec-delta"
+DELTA_FORMAT_VERSION = 1
+DELTA_TENSORS = "delta.safetensors"
+DELTA_PROGRAM = "dense.pt2"
+DELTA_MANIFEST = "manifest.json"
+DELTA_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")  # no "+": it joins base and delta ids
+
+
+class DeltaError(ValueError):
+    """A delta that cannot be written, read or applied; the message names the file and fix."""
+
+
+@dataclass
+class TableDelta:
+    """The change of one table. Dynamic: upserts and evictions; dense: changed rows."""
+
+    name: str
+    is_hashmap: bool
+    dim: int
+    base_rows: int  # rows (dense) or keys (dynamic) of the base
+    target_rows: int  # ... after the delta
+    upsert_keys: torch.Tensor | None = None  # [n] int64
+    upsert_values: torch.Tensor | None = None  # [n, dim] float32
+    evict_keys: torch.Tensor | None = None  # [e] int64
+    new: int = 0  # upserted keys absent from the base
+    rows: torch.Tensor | None = None  # [r] int64 (dense)
+    row_values: torch.Tensor | None = None  # [r, dim] float32 (dense)
+
+    @property
+    def updated(self) -> int:
+        return 0 if self.upsert_keys is None else int(self.upsert_keys.numel()) - self.new
+
+    @property
+    def evicted(self) -> int:
+        return 0 if self.evict_keys is None else int(self.evict_keys.numel())
+
+    @property
+    def changed_rows(self) -> int:
+        return 0 if self.rows is None else int(self.rows.numel())
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "is_hashmap": self.is_hashmap,
+            "dimension": self.dim,
+            "base_rows": self.base_rows,
+            "target_rows": self.target_rows,
+            "new": self.new,
+            "updated": self.updated,
+            "evicted": self.evicted,
+            "rows": self.changed_rows,
+        }
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.is_hashmap:
+            assert self.upsert_keys is not None and self.upsert_values is not None
+            assert self.evict_keys is not None
+            return {
+                f"{self.name}.upsert_keys": self.upsert_keys,
+                f"{self.name}.upsert_values": self.upsert_values,
+                f"{self.name}.evict_keys": self.evict_keys,
+            }
+        assert self.rows is not None and self.row_values is not None
+        return {f"{self.name}.rows": self.rows, f"{self.name}.row_values": self.row_values}
+
+
+@dataclass
+class Delta:
+    """A validated delta directory (tensors loaded, dense program left on disk)."""
+
+    path: Path
+    delta_id: str
+    base_version: str
+    base_digest: str
+    config_digest: str
+    target_version: str
+    tables: dict[str, TableDelta]
+    dense_program_path: Path | None
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def summaries(self) -> dict[str, Any]:
+        return dict(self.manifest.get("table_summaries", {}))
+
+
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """sha256 of a bundle manifest's content (canonical JSON): names one exact bundle (the
+    manifest holds the checksum of every bundle file), whatever its directory."""
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def _bits(x: torch.Tensor) -> np.ndarray:
+    """float32 rows as int32 bit patterns: equality is exact (NaN == NaN, -0 != 0)."""
+    return np.ascontiguousarray(x.detach().cpu().numpy().astype(np.float32)).view(np.int32)
+
+
+def _diff_hash(
+    name: str, base: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor]
+) -> TableDelta:
+    kb, vb = base[0].cpu().numpy(), base[1]
+    kn, vn = new[0].cpu().numpy(), new[1]
+    order = np.argsort(kb, kind="stable")
+    kb_sorted = kb[order]
+    pos = np.searchsorted(kb_sorted, kn).clip(max=max(kb.size - 1, 0))
+    in_base = (kb_sorted[pos] == kn) if kb.size else np.zeros(kn.size, bool)
+    base_row = order[pos]
+    changed = np.ones(kn.size, bool)  # new keys always go in
+    common = np.flatnonzero(in_base)
+    if common.size:
+        a = _bits(vn[torch.from_numpy(common)])
+        b = _bits(vb[torch.from_numpy(base_row[common])])
+        changed[common] = (a != b).any(axis=1)
+    upsert = np.flatnonzero(changed)
+    evict = kb[~np.isin(kb, kn)]
+    new_first = upsert[np.argsort(in_base[upsert], kind="stable")]  # new keys, then updated
+    idx = torch.from_numpy(new_first)
+    return TableDelta(
+        name,
+        True,
+        int(vn.shape[1]),
+        int(kb.size),
+        int(kn.size),
+        upsert_keys=torch.from_numpy(kn[new_first].astype(np.int64)),
+        upsert_values=vn[idx].float().contiguous(),
+        evict_keys=torch.from_numpy(np.sort(evict).astype(np.int64)),
+        new=int((~in_base[upsert]).sum()),
+    )
+
+
+def _diff_dense(name: str, base: torch.Tensor, new: torch.Tensor) -> TableDelta:
+    if base.shape != new.shape:
+        raise DeltaError(
+            f"dense table {name!r}: base {list(base.shape)} vs new {list(new.shape)}; the config "
+            "changed since the base bundle: export a full bundle instead of a delta"
+        )
+    rows = np.flatnonzero((_bits(base) != _bits(new)).any(axis=1))
+    idx = torch.from_numpy(rows.astype(np.int64))
+    return TableDelta(
+        name,
+        False,
+        int(new.shape[1]),
+        int(base.shape[0]),
+        int(new.shape[0]),
+        rows=idx,
+        row_values=new[idx].float().contiguous(),
+    )
+
+
+def diff_tables(
+    base_dense: Mapping[str, torch.Tensor],
+    base_hash: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    new_dense: Mapping[str, torch.Tensor],
+    new_hash: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, TableDelta]:
+    """Per table, what changed from the base tables to the new ones (exact bit comparison)."""
+    if set(base_dense) != set(new_dense) or set(base_hash) != set(new_hash):
+        raise DeltaError(
+            f"the tables differ (base: {sorted([*base_dense, *base_hash])}, new: "
+            f"{sorted([*new_dense, *new_hash])}); export a full bundle instead of a delta"
+        )
+    out = {n: _diff_dense(n, base_dense[n], new_dense[n]) for n in new_dense}
+    out.update({n: _diff_hash(n, base_hash[n], new_hash[n]) for n in new_hash})
+    return out
+
+
+# --------------------------------------------------------------------------- write / read
+
+
+def write_delta(
+    out_dir: str | os.PathLike[str],
+    *,
+    tables: Mapping[str, TableDelta],
+    base_manifest: Mapping[str, Any],
+    delta_id: str,
+    target_version: str,
+    config_digest: str,
+    dense_program_path: str | os.PathLike[str] | None = None,
+    table_summaries: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a delta directory atomically (see the module docstring); returns its path."""
+    out = Path(out_dir)
+    if not DELTA_ID_RE.match(delta_id):
+        raise DeltaError(f"delta id {delta_id!r} must be 1-64 characters of A-Z a-z 0-9 . _ : -")
+    if out.exists() and not overwrite:
+        raise DeltaError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        for t in tables.values():
+            tensors.update({k: v.contiguous() for k, v in t.tensors().items()})
+        save_file(tensors, tmp / DELTA_TENSORS, metadata={"format": DELTA_FORMAT})
+        if dense_program_path is not None:
+            shutil.copyfile(dense_program_path, tmp / DELTA_PROGRAM)
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.iterdir())
+        }
+        manifest = {
+            "format": DELTA_FORMAT,
+            "format_version": DELTA_FORMAT_VERSION,
+            "delta_id": delta_id,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "base": {
+                "version": str(base_manifest["version"]),
+                "manifest_digest": manifest_digest(base_manifest),
+                "config_digest": str(base_manifest["config_digest"]),
+            },
+            "config_digest": config_digest,
+            "target_version": target_version,
+            "dense_program": dense_program_path is not None,
+            "tables": {n: t.counts() for n, t in tables.items()},
+            "table_summaries": dict(table_summaries or {}),
+            "files": files,
+        }
+        write_json(tmp / DELTA_MANIFEST, manifest)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _manifest(root: Path) -> dict[str, Any]:
+    path = root / DELTA_MANIFEST
+    if not path.is_file():
+        raise DeltaError(
+            f"{root}: no {DELTA_MANIFEST}: not a delta directory, or its export did not finish"
+        )
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DeltaError(f"{path}: unreadable JSON ({err}); re-export the delta") from None
+    if m.get("format") != DELTA_FORMAT or m.get("format_version") != DELTA_FORMAT_VERSION:
+        raise DeltaError(
+            f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}; expected "
+            f"{DELTA_FORMAT!r} {DELTA_FORMAT_VERSION}"
+        )
+    for key in ("delta_id", "base", "config_digest", "target_version", "tables", "files"):
+        if key not in m:
+            raise DeltaError(f"{path}: key {key!r} is missing; re-export the delta")
+    return m
+
+
+def read_delta(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> Delta:
+    """Read and check a delta directory; any defect raises :class:`DeltaError`."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DeltaError(f"{root}: no such delta directory (the server reads its own filesystem)")
+    m = _manifest(root)
+    for name, info in m["files"].items():
+        p = root / name
+        if not p.is_file() or p.stat().st_size != info["size"]:
+            raise DeltaError(f"{p}: missing or truncated (manifest: {info['size']} bytes)")
+        if verify_checksums and sha256(p) != info["sha256"]:
+            raise DeltaError(f"{p}: sha256 mismatch against the manifest; copy the delta again")
+    tensors = load_file(root / DELTA_TENSORS)
+    tables: dict[str, TableDelta] = {}
+    for name, c in m["tables"].items():
+
+        def get(suffix: str, name: str = name) -> torch.Tensor:
+            key = f"{name}.{suffix}"
+            if key not in tensors:
+                raise DeltaError(f"{root / DELTA_TENSORS}: tensor {key!r} is missing")
+            return tensors[key]
+
+        t = TableDelta(name, bool(c["is_hashmap"]), int(c["dimension"]), c["base_rows"], 0)
+        t.target_rows = int(c["target_rows"])
+        if t.is_hashmap:
+            t.upsert_keys, t.upsert_values = get("upsert_keys"), get("upsert_values")
+            t.evict_keys, t.new = get("evict_keys"), int(c["new"])
+        else:
+            t.rows, t.row_values = get("rows"), get("row_values")
+        tables[name] = t
+    program = root / DELTA_PROGRAM if m.get("dense_program") else None
+    return Delta(
+        path=root,
+        delta_id=str(m["delta_id"]),
+        base_version=str(m["base"]["version"]),
+        base_digest=str(m["base"]["manifest_digest"]),
+        config_digest=str(m["config_digest"]),
+        target_version=str(m["target_version"]),
+        tables=tables,
+        dense_program_path=program,
+        manifest=m,
+    )
+
+
+# --------------------------------------------------------------------------- apply
+
+
+def apply_delta_tables(
+    base_dense: Mapping[str, torch.Tensor],
+    base_hash: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    delta: Delta,
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Base tables + ``delta`` → new (dense, hash) tables; the base tensors are not modified.
+
+    Tables the delta does not name are shared with the base. Sizes are checked against the
+    delta's ``target_rows`` (a delta of another base fails here even without its digest).
+    """
+    dense = dict(base_dense)
+    hashed = dict(base_hash)
+    for name, t in delta.tables.items():
+        where = f"{delta.path}: table {name!r}"
+        if t.is_hashmap:
+            if name not in base_hash:
+                raise DeltaError(f"{where}: not a hashmap table of the base bundle")
+            assert t.upsert_keys is not None and t.upsert_values is not None
+            assert t.evict_keys is not None
+            keys, values = base_hash[name]
+            drop = torch.cat([t.upsert_keys, t.evict_keys])
+            keep = ~torch.isin(keys, drop)
+            merged = (
+                torch.cat([keys[keep], t.upsert_keys]),
+                torch.cat([values[keep], t.upsert_values]),
+            )
+            rows = int(merged[0].numel())
+            if rows != t.target_rows or values.shape[0] != t.base_rows:
+                raise DeltaError(
+                    f"{where}: base has {values.shape[0]} keys and the merge {rows}, the delta "
+                    f"expects {t.base_rows} → {t.target_rows}: it was made for another base bundle"
+                )
+            hashed[name] = merged
+        else:
+            if name not in base_dense:
+                raise DeltaError(f"{where}: not a dense table of the base bundle")
+            assert t.rows is not None and t.row_values is not None
+            w = base_dense[name]
+            if w.shape[0] != t.target_rows or (t.rows.numel() and int(t.rows.max()) >= w.shape[0]):
+                raise DeltaError(f"{where}: {w.shape[0]} rows, the delta expects {t.target_rows}")
+            if t.rows.numel():
+                w = w.clone()
+                w[t.rows] = t.row_values
+            dense[name] = w
+    return dense, hashed

@@ -1,0 +1,264 @@
+"""``python -m train.tools {init-ckpt,convert,inspect,delta-export,delta-apply}``: thin CLI.
+
+Examples::
+
+    python -m train.tools init-ckpt --config cfg --table user_id=init/user.parquet \\
+        --world_size 2 --out runs/init
+    python -m train train --config cfg ... --fine_tune_checkpoint runs/init
+    python -m train.tools convert --from-config configs/multi_tower_din_taobao.config \\
+        --checkpoint runs/nb/checkpoints/step_500 --to-config cfg --samples data/samples/train \\
+        --eval data/samples/eval --out runs/converted
+    python -m train.tools inspect --checkpoint runs/dyn            # or --server 127.0.0.1:8500
+    python -m train.tools delta-export --config cfg --base exports/v1 --model-dir runs/dyn \\
+        --out exports/deltas/step-2000
+    python -m train.tools delta-apply --server 127.0.0.1:8500 --delta exports/deltas/step-2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.tools", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    i = sub.add_parser("init-ckpt", help="init_table(s) -> initial dynamicemb checkpoint")
+    i.add_argument("--config", "--pipeline_config_path", type=Path, required=True)
+    i.add_argument(
+        "--table",
+        action="append",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="init table of a dynamic table or feature (repeatable); default: the config's "
+        "dynamicemb.init_table of every table",
+    )
+    i.add_argument("--world_size", "--world-size", dest="world_size", type=int, default=1)
+    i.add_argument("--out", "--save_dir", dest="out", type=Path, required=True)
+    i.add_argument("--separator", default=",", help="between the values of a string embedding")
+    i.add_argument("--delimiter", default=",", help="CSV field delimiter")
+    i.add_argument("--max-errors", type=int, default=20, help="bad rows listed before a count")
+    i.add_argument("--overwrite", action="store_true")
+
+    c = sub.add_parser("convert", help="num_buckets checkpoint -> dynamic checkpoint")
+    c.add_argument("--from-config", type=Path, required=True, help="config of the checkpoint")
+    c.add_argument("--checkpoint", type=Path, required=True, help="step dir or model dir")
+    c.add_argument("--to-config", type=Path, required=True, help="config with dynamicemb tables")
+    c.add_argument("--samples", type=Path, required=True, help="Parquet samples: ids to convert")
+    c.add_argument("--eval", type=Path, help="eval samples; default: the configs' eval path")
+    c.add_argument("--out", type=Path, required=True, help="model dir of the converted model")
+    c.add_argument("--no-eval", action="store_true", help="skip the AUC comparison")
+
+    s = sub.add_parser("inspect", help="table statistics of a checkpoint or a running server")
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint", type=Path, help="step dir, model dir or init-ckpt dir")
+    where.add_argument("--server", metavar="HOST:PORT")
+    s.add_argument("--top-k", type=int, default=10)
+    s.add_argument("--json", action="store_true")
+
+    d = sub.add_parser("delta-export", help="rows changed since a bundle -> delta dir")
+    d.add_argument("--config", type=Path, required=True)
+    d.add_argument("--base", type=Path, required=True, help="the bundle the server runs")
+    d.add_argument("--checkpoint", type=Path, help="default: newest in --model-dir")
+    d.add_argument("--model-dir", type=Path)
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--id", help="delta id; default: step-<N> of the checkpoint")
+    d.add_argument("--overwrite", action="store_true")
+
+    a = sub.add_parser("delta-apply", help="apply a delta dir to a running server")
+    a.add_argument("--server", metavar="HOST:PORT", required=True)
+    a.add_argument("--delta", type=Path, required=True, help="a path the server can read")
+    a.add_argument("--timeout", type=float, default=300.0)
+    for command in (i, c, d, a):
+        command.add_argument("--json", action="store_true", help="JSON instead of text")
+    return p
+
+
+def _init_ckpt(args: argparse.Namespace) -> dict[str, Any]:
+    from shared.config import load_config
+    from shared.features import build_feature_set
+    from train.tools.init_table import read_init_table, resolve_tables, write_init_checkpoint
+
+    config = load_config(args.config)
+    fs = build_feature_set(config)
+    paths = resolve_tables(fs, args.table)
+    tables = {
+        name: read_init_table(
+            path,
+            fs.tables[name].dim,
+            separator=args.separator,
+            delimiter=args.delimiter,
+            max_errors=args.max_errors,
+        )
+        for name, path in paths.items()
+    }
+    manifest = write_init_checkpoint(
+        args.out,
+        tables,
+        fs,
+        config.train_config,
+        world_size=args.world_size,
+        overwrite=args.overwrite,
+    )
+    return {"out": str(args.out), **manifest}
+
+
+def _convert(args: argparse.Namespace) -> dict[str, Any]:
+    from train.fine_tune import resolve_checkpoint
+    from train.tools.convert import convert_checkpoint
+
+    result = convert_checkpoint(
+        source_config=args.from_config,
+        source_checkpoint=resolve_checkpoint(args.checkpoint),
+        target_config=args.to_config,
+        samples=args.samples,
+        out_dir=args.out,
+        eval_path=args.eval,
+        evaluate=not args.no_eval,
+    )
+    out: dict[str, Any] = {"checkpoint": str(result.checkpoint), "tables": result.tables}
+    out["copied_num_buckets_tables"] = result.copied
+    if result.eval:
+        keys = ("rows", "auc", "logloss", "oracle_auc", "head_auc", "tail_auc")
+        out["eval"] = {k: {m: v[m] for m in keys} for k, v in result.eval.items()}
+    return out
+
+
+def _delta_apply(args: argparse.Namespace) -> dict[str, Any]:
+    import grpc
+
+    from protos import predict_pb2, predict_pb2_grpc
+
+    with grpc.insecure_channel(args.server) as channel:
+        stub = predict_pb2_grpc.ModelAdminServiceStub(channel)
+        request = predict_pb2.ApplyDeltaRequest(path=str(args.delta.resolve()))
+        resp = stub.ApplyDelta(request, timeout=args.timeout)
+    return {
+        "model_version": resp.model_version,
+        "base_version": resp.base_version,
+        "deltas": list(resp.deltas),
+        "dense_program": resp.dense_program,
+        "apply_seconds": round(resp.apply_seconds, 4),
+        "tables": {
+            n: {
+                "is_hashmap": t.is_hashmap,
+                "new": t.new,
+                "updated": t.updated,
+                "evicted": t.evicted,
+                "rows": t.rows,
+            }
+            for n, t in sorted(resp.tables.items())
+        },
+    }
+
+
+def _text(cmd: str, out: dict[str, Any]) -> str:
+    """The human-readable form of a command's JSON answer."""
+    from train.tools.inspection import grid
+
+    if cmd == "init-ckpt":
+        lines = [f"initial checkpoint {out['out']} (world_size {out['world_size']})"]
+        rows = [
+            [n, t["rows"], " ".join(map(str, t["rows_per_rank"])), t["source"]]
+            for n, t in out["tables"].items()
+        ]
+        return "\n".join(lines + grid(["table", "rows", "per rank", "source"], rows))
+    if cmd == "convert":
+        lines = [f"converted checkpoint {out['checkpoint']}"]
+        rows = [
+            [n, t.get("from", ""), t["keys"], t.get("stored", t["keys"]), t.get("dropped", 0)]
+            for n, t in out["tables"].items()
+        ]
+        lines += grid(["table", "from", "ids seen", "stored", "dropped"], rows)
+        lines.append("copied as they are: " + ", ".join(out["copied_num_buckets_tables"]))
+        for which, m in out.get("eval", {}).items():
+            lines.append(
+                f"eval {which:<9} auc {m['auc']:.4f}  logloss {m['logloss']:.4f}  rows {m['rows']}"
+            )
+        return "\n".join(lines)
+    if cmd in ("delta-export", "delta-apply"):
+        if cmd == "delta-export":
+            prog = "dense program included" if out["dense_program"] else "dense program unchanged"
+            lines = [
+                f"delta {out['path']}: {out['delta_id']} against base "
+                f"{out['base']['version']} ({out['bytes']:,} bytes; {prog})"
+            ]
+        else:
+            prog = "new dense program" if out["dense_program"] else "same dense program"
+            lines = [
+                f"serving {out['model_version']} (base {out['base_version']}; deltas "
+                f"applied: {', '.join(out['deltas'])}; {prog}; "
+                f"{out['apply_seconds']:.3f} s)"
+            ]
+        rows = [
+            [n, t["new"], t["updated"], t["evicted"], t["rows"]]
+            for n, t in out["tables"].items()
+            if t["is_hashmap"]
+        ]
+        rows += [
+            [n, "-", "-", "-", t["rows"]] for n, t in out["tables"].items() if not t["is_hashmap"]
+        ]
+        return "\n".join(lines + grid(["table", "new", "updated", "evicted", "rows"], rows))
+    return json.dumps(out, indent=1)
+
+
+def run(args: argparse.Namespace) -> str:
+    """The command's output: text, or JSON with ``--json``."""
+    if args.cmd == "inspect":
+        from train.tools.inspection import format_report, inspect_checkpoint, inspect_server
+
+        if args.checkpoint is not None:
+            report = inspect_checkpoint(args.checkpoint, top_k=args.top_k)
+        else:
+            report = inspect_server(args.server, top_k=args.top_k)
+        return (
+            json.dumps(report, indent=1) if args.json else format_report(report, top_k=args.top_k)
+        )
+    if args.cmd == "init-ckpt":
+        out = _init_ckpt(args)
+    elif args.cmd == "convert":
+        out = _convert(args)
+    elif args.cmd == "delta-export":
+        from train.tools.delta import export_delta
+
+        report = export_delta(
+            args.config,
+            base=args.base,
+            out=args.out,
+            model_dir=args.model_dir,
+            checkpoint=args.checkpoint,
+            delta_id=args.id,
+            overwrite=args.overwrite,
+        )
+        keep = ("path", "bytes", "delta_id", "base", "target_version", "dense_program", "tables")
+        out = {k: report[k] for k in keep}
+    else:
+        out = _delta_apply(args)
+    return json.dumps(out, indent=1) if args.json else _text(args.cmd, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import grpc
+
+    try:
+        print(run(args))
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
