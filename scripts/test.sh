@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/env.sh)
+# One BLAS/OpenMP thread per process: the suite starts servers, torchrun ranks and locust
+# processes beside pytest, and oversubscribed 2-core machines slow to a crawl.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"
