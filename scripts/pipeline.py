@@ -110,7 +110,7 @@ class Pipeline:
                    "--train", str(self.samples / "train"), "--eval", str(self.samples / "eval"),
                    "--model-dir", str(self.model_dir), "--device", self.args.device,
                    "--batch-size", str(self.args.batch_size), "--num-workers", str(self.args.num_workers),
-                   "--log-every", "20"]  # fmt: skip
+                   "--log-every", "20", "--eval-every", str(self.args.eval_every)]  # fmt: skip
             _run(cmd, self.out / "train.log")
             summary = _last_json((self.out / "train.log").read_text())
             summary_file.write_text(json.dumps(summary, indent=2))
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=64, help="training steps between evaluations")
     p.add_argument("--candidates", type=int, default=100)
     p.add_argument("--load-users", type=int, default=4)
     p.add_argument("--load-seconds", type=int, default=20)
