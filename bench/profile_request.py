@@ -27,7 +27,7 @@ from bench.synthetic_bundle import (
 from serve.batcher import concat_batches
 from serve.model import LoadedModel, default_device
 from serve.validation import Limits, request_inputs
-from shared.fg import request_to_batch
+from shared.fg import request_columns_to_batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         inputs = request_inputs(req, fs, Limits())
         t1 = time.perf_counter()
-        batch = request_to_batch(fs, **vars(inputs))
+        batch = request_columns_to_batch(fs, **vars(inputs))
         t2 = time.perf_counter()
         model.predict(batch)
         t3 = time.perf_counter()

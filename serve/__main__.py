@@ -28,6 +28,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-sequence-length", type=int, default=100)
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
     p.add_argument("--rpc-threads", type=int, default=64)
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (0: torch's default, one per core); 1 suits a small CPU host "
+        "where the RPC threads need the other cores",
+    )
     p.add_argument("--poll-interval-s", type=float, default=2.0)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     p.add_argument("--no-verify-checksums", action="store_true")
@@ -49,6 +56,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         batching=BatcherConfig(a.max_batch_rows, a.max_wait_us, a.max_queue),
         max_message_bytes=a.max_message_bytes,
         rpc_threads=a.rpc_threads,
+        torch_threads=a.torch_threads or None,
         poll_interval_s=a.poll_interval_s,
         verify_checksums=not a.no_verify_checksums,
         admin_writes=not a.no_admin_writes,

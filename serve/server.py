@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -53,6 +54,10 @@ class ServerConfig:
     batching: BatcherConfig = field(default_factory=BatcherConfig)
     max_message_bytes: int = 4 << 20
     rpc_threads: int = 64  # handler threads; each waits for its request's batch
+    # torch intra-op threads of the process (None: torch's default, one per core). The batcher
+    # runs one batch at a time while the RPC threads do feature generation beside it, so on a
+    # small CPU host one thread each keeps them from spinning against each other.
+    torch_threads: int | None = None
     poll_interval_s: float = 2.0
     verify_checksums: bool = True
     admin_writes: bool = True  # ModelAdminService.ApplyDelta (InspectTables always answers)
@@ -60,6 +65,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if (self.bundle is None) == (self.model_dir is None):
             raise ValueError("give exactly one of bundle (one version) or model_dir (watched)")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1 (or None), got {self.torch_threads}")
 
 
 class PredictionServer:
@@ -97,6 +104,8 @@ class PredictionServer:
 
     def start(self) -> PredictionServer:
         cfg = self.config
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
         opts = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),

@@ -1,6 +1,6 @@
 """The PredictionService servicer: protos ↔ the pure functions of serve/, nothing else.
 
-Predict: validate (:mod:`serve.validation`) → feature generation (:func:`shared.fg.request_to_batch`)
+Predict: validate (:mod:`serve.validation`) → feature generation (:func:`shared.fg.request_columns_to_batch`)
 → the batcher (lookups + dense program of the model version current when the request arrived)
 → probabilities. Every failure becomes a status code, never a crash:
 
@@ -26,7 +26,7 @@ from serve.batcher import Batcher, BatcherClosedError, DeadlineExpiredError, Que
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel
 from serve.validation import Limits, RequestError, request_field, request_inputs, value_type
-from shared.fg import FeatureError, request_to_batch
+from shared.fg import FeatureError, request_columns_to_batch
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class PredictionServicer(predict_pb2_grpc.PredictionServiceServicer):
             model = self._model()
             inputs = request_inputs(request, model.fs, self._limits)
             try:
-                batch = request_to_batch(model.fs, **vars(inputs))
+                batch = request_columns_to_batch(model.fs, **vars(inputs))
             except FeatureError as err:
                 raise RequestError(request_field(model.fs, err.field), err.message) from err
             remaining = context.time_remaining()  # None without a client deadline

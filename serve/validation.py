@@ -16,8 +16,10 @@ generation owns (negative price, ids out of range) are reported by :mod:`shared.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from protos import predict_pb2
 from shared.features import FeatureSet, FeatureSpec, IdTransform, Side
@@ -43,12 +45,16 @@ class Limits:
 
 @dataclass(frozen=True)
 class FgInputs:
-    """Keyword arguments of ``shared.fg.request_to_batch`` (None = explicit missing value)."""
+    """Keyword arguments of ``shared.fg.request_columns_to_batch`` (None = explicit missing value).
+
+    ``items`` holds one column per ITEM-side feature (the value of each candidate, in order).
+    """
 
     user: dict[str, object]
     sequences: dict[str, list[int]]
     context: dict[str, object]
-    candidates: list[dict[str, object]]
+    items: dict[str, list[object]]
+    num_candidates: int
 
 
 def value_type(spec: FeatureSpec) -> str:
@@ -68,14 +74,18 @@ _ACCEPTED = {
 }
 
 
+def _accepted(spec: FeatureSpec) -> tuple[str, ...]:
+    if spec.transform is IdTransform.DYNAMIC:
+        return ("int64_value", "string_value")  # string ids are hashed to int64
+    return _ACCEPTED[value_type(spec)]
+
+
 def _value(v: predict_pb2.Value, spec: FeatureSpec, field: str) -> object:
     kind = v.WhichOneof("kind")
     if kind is None:
         return None  # explicit missing value → zero embedding
     expected = value_type(spec)
-    accepted = _ACCEPTED[expected]
-    if spec.transform is IdTransform.DYNAMIC:
-        accepted = ("int64_value", "string_value")  # string ids are hashed to int64
+    accepted = _accepted(spec)
     raw = getattr(v, kind)
     if kind not in accepted:
         if expected == "double":
@@ -108,6 +118,42 @@ def _features(
             )
         out[name] = _value(values[name], spec, f"{prefix}.{name}")
     return out
+
+
+_KIND = operator.methodcaller("WhichOneof", "kind")
+
+
+def _item_columns(
+    candidates: Sequence[predict_pb2.Features], specs: Mapping[str, FeatureSpec]
+) -> dict[str, list[object]] | None:
+    """The candidates' values column by column, when every candidate has exactly the features
+    of ``specs`` with values of accepted kinds (finite, for doubles).
+
+    This is the common case, checked in bulk, a column at a time; None sends the request
+    through the per-candidate checks of :func:`_features`, which name the first bad candidate.
+    Either way the values are the same (an empty Value is None).
+    """
+    maps = [c.values for c in candidates]
+    if any(len(m) != len(specs) for m in maps):
+        return None  # a feature missing or unknown somewhere
+    columns: dict[str, list[object]] = {}
+    for name, spec in specs.items():
+        col = [m.get(name) for m in maps]
+        if None in col:  # ``len`` matched, so some other key is unknown
+            return None
+        kinds = list(map(_KIND, col))
+        present = set(kinds) - {None}
+        if not present <= set(_accepted(spec)):
+            return None
+        raw: list[Any]
+        if len(present) == 1 and None not in kinds:
+            raw = list(map(operator.attrgetter(next(iter(present))), col))
+        else:  # explicit missing values (None) or mixed kinds
+            raw = [None if k is None else getattr(v, k) for v, k in zip(col, kinds, strict=True)]
+        if "double_value" in present and not all(math.isfinite(x) for x in raw if x is not None):
+            return None
+        columns[name] = raw
+    return columns
 
 
 def _sequences(
@@ -156,15 +202,17 @@ def request_inputs(request: predict_pb2.PredictRequest, fs: FeatureSet, limits: 
         side: {f.name: f for f in scalar if f.side is side}
         for side in (Side.USER, Side.ITEM, Side.CONTEXT)
     }
-    return FgInputs(
-        user=_features(request.user, by_side[Side.USER], "user", "the user"),
-        sequences=_sequences(request, fs, limits),
-        context=_features(request.context, by_side[Side.CONTEXT], "context", "the context"),
-        candidates=[
+    user = _features(request.user, by_side[Side.USER], "user", "the user")
+    sequences = _sequences(request, fs, limits)
+    context = _features(request.context, by_side[Side.CONTEXT], "context", "the context")
+    items = _item_columns(request.candidates, by_side[Side.ITEM])
+    if items is None:
+        rows = [
             _features(c, by_side[Side.ITEM], f"candidates[{i}]", "a candidate")
             for i, c in enumerate(request.candidates)
-        ],
-    )
+        ]
+        items = {name: [row[name] for row in rows] for name in by_side[Side.ITEM]}
+    return FgInputs(user, sequences, context, items, n)
 
 
 def request_field(fs: FeatureSet, feature: str) -> str:

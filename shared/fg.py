@@ -66,6 +66,7 @@ __all__ = [
     "FeatureError",
     "FgStats",
     "hash64",
+    "request_columns_to_batch",
     "request_to_batch",
     "scalar_ids",
     "sequence_ids",
@@ -493,15 +494,52 @@ def request_to_batch(
     n = len(candidates)
     if n == 0:
         raise FeatureError("candidates", "at least one candidate is needed")
+    items = {
+        spec.name: [_need(c, spec.name, f"candidate {i}") for i, c in enumerate(candidates)]
+        for spec in _scalars(fs, (Side.ITEM,))
+    }
+    return request_columns_to_batch(
+        fs,
+        user=user,
+        sequences=sequences,
+        context=context,
+        items=items,
+        num_candidates=n,
+        stats=stats,
+    )
+
+
+def request_columns_to_batch(
+    fs: FeatureSet,
+    *,
+    user: Mapping[str, object],
+    sequences: Mapping[str, Sequence[int | None]],
+    context: Mapping[str, object],
+    items: Mapping[str, Sequence[object]],
+    num_candidates: int,
+    stats: FgStats | None = None,
+) -> Batch:
+    """:func:`request_to_batch` with the candidates given column by column (what the server's
+    validation builds): ``items[name]`` holds ITEM-side feature ``name`` of every candidate.
+
+    Example: two candidates ``items={"adgroup_id": [7, 9], "price": [1.5, None], ...}``,
+    ``num_candidates=2``.
+    """
+    n = num_candidates
+    if n == 0:
+        raise FeatureError("candidates", "at least one candidate is needed")
     cols: dict[str, pa.Array] = {}
     for spec in _scalars(fs, (Side.USER,)):
         cols[spec.name] = _request_array(spec.name, [_need(user, spec.name, "user")])
     for spec in _scalars(fs, (Side.CONTEXT,)):
         cols[spec.name] = _request_array(spec.name, [_need(context, spec.name, "context")] * n)
     for spec in _scalars(fs, (Side.ITEM,)):
-        cols[spec.name] = _request_array(
-            spec.name, [_need(c, spec.name, f"candidate {i}") for i, c in enumerate(candidates)]
-        )
+        values = items.get(spec.name)
+        if values is None:
+            raise FeatureError(spec.name, "missing from the request's candidates")
+        if len(values) != n:
+            raise FeatureError(spec.name, f"{len(values)} values for {n} candidates")
+        cols[spec.name] = _request_array(spec.name, list(values))
     for specs in _sequences(fs).values():
         for spec in specs:
             seq = _need(sequences, spec.name, "sequences")

@@ -19,11 +19,11 @@ from serve.model import synthetic_batch
 from serve.offline import select_rows, tile_users
 from serve.validation import Limits, request_inputs
 from shared.batch import Batch
-from shared.fg import request_to_batch
+from shared.fg import request_columns_to_batch
 
 
 def _request_batches(fs, requests) -> list[Batch]:
-    return [request_to_batch(fs, **vars(request_inputs(r, fs, Limits()))) for r in requests]
+    return [request_columns_to_batch(fs, **vars(request_inputs(r, fs, Limits()))) for r in requests]
 
 
 def test_concat_batches_stacks_users_and_offsets_user_index(fs, requests) -> None:

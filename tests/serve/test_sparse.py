@@ -13,7 +13,7 @@ from serve.model import synthetic_batch
 from serve.sparse import SparseTables
 from serve.validation import Limits, request_inputs
 from shared.bundle import read_bundle
-from shared.fg import request_to_batch
+from shared.fg import request_columns_to_batch
 
 
 def test_fused_equals_per_table_path(fs, bundle_v1: Path, requests) -> None:
@@ -21,7 +21,9 @@ def test_fused_equals_per_table_path(fs, bundle_v1: Path, requests) -> None:
     bundle = read_bundle(bundle_v1)
     dev = torch.device("cpu")
     fused, ref = FusedTables(fs, bundle, dev), SparseTables.from_bundle(bundle, device=dev)
-    parts = [request_to_batch(fs, **vars(request_inputs(r, fs, Limits()))) for r in requests]
+    parts = [
+        request_columns_to_batch(fs, **vars(request_inputs(r, fs, Limits()))) for r in requests
+    ]
     batches = [*parts[:3], concat_batches(parts), synthetic_batch(fs, 3, 7, (0, 4, 1))]
     for batch in batches:
         got, want = fused.embed(batch), ref.embed(batch)

@@ -1,0 +1,61 @@
+"""serve.validation: the column-wise candidate check agrees with the per-candidate one."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import predict_pb2
+from serve.validation import Limits, RequestError, _features, request_inputs
+from shared.features import FeatureSet, Side
+
+
+def _per_candidate(req: predict_pb2.PredictRequest, fs: FeatureSet) -> dict[str, list[object]]:
+    specs = {f.name: f for f in fs.features.values() if f.side is Side.ITEM and not f.is_sequence}
+    rows = [_features(c, specs, f"candidates[{i}]", "") for i, c in enumerate(req.candidates)]
+    return {name: [row[name] for row in rows] for name in specs}
+
+
+def _copy(req: predict_pb2.PredictRequest) -> predict_pb2.PredictRequest:
+    out = predict_pb2.PredictRequest()
+    out.CopyFrom(req)
+    return out
+
+
+def test_item_columns_equal_the_per_candidate_values(fs: FeatureSet, requests) -> None:
+    for req in requests:
+        inputs = request_inputs(req, fs, Limits())
+        assert inputs.num_candidates == len(req.candidates)
+        assert inputs.items == _per_candidate(req, fs)
+
+
+def test_missing_and_mixed_kinds_keep_their_values(fs: FeatureSet, requests) -> None:
+    req = _copy(requests[0])
+    req.candidates[0].values["brand"].CopyFrom(predict_pb2.Value())  # explicit missing
+    req.candidates[-1].values["price"].CopyFrom(predict_pb2.Value(int64_value=3))  # an int price
+    items = request_inputs(req, fs, Limits()).items
+    assert items == _per_candidate(req, fs)
+    assert items["brand"][0] is None and items["price"][-1] == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (predict_pb2.Value(double_value=float("inf")), "finite"),
+        (predict_pb2.Value(string_value="cheap"), "expected a number"),
+    ],
+)
+def test_a_bad_value_is_named_by_its_candidate(fs: FeatureSet, requests, value, problem) -> None:
+    req = _copy(requests[0])
+    req.candidates[-1].values["price"].CopyFrom(value)
+    with pytest.raises(RequestError, match=problem) as err:
+        request_inputs(req, fs, Limits())
+    assert err.value.field == f"candidates[{len(req.candidates) - 1}].price"
+
+
+def test_an_unknown_or_missing_feature_is_named(fs: FeatureSet, requests) -> None:
+    req = _copy(requests[0])
+    req.candidates[1].values.pop("brand")
+    req.candidates[1].values["colour"].CopyFrom(predict_pb2.Value(int64_value=1))  # same count
+    with pytest.raises(RequestError) as err:
+        request_inputs(req, fs, Limits())
+    assert err.value.field == "candidates[1].colour"
