@@ -55,6 +55,32 @@ class DINAttention(nn.Module):
         x = torch.cat([q, s, q - s, q * s], dim=-1)  # [..., 4D]
         return self.attn_out(self.attn_mlp(x)).squeeze(-1)  # [...]
 
+    def pair_scores(
+        self,
+        query: torch.Tensor,
+        seq_values: torch.Tensor,
+        seg: torch.Tensor,
+        elem: torch.Tensor,
+        s: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`score` of the pairs (query[seg], seq_values[elem]) without building [N, 4D].
+
+        The first attention layer is linear, so on [q, s, q-s, q*s] it splits into
+        ``(Wq+Wd)·q`` (once per candidate), ``(Ws-Wd)·s`` (once per element) and ``Wp·(q*s)``
+        (per pair): a D→H product per pair instead of 4D→H. Same parameters as :meth:`score`.
+        """
+        first = self.attn_mlp.layers[0]
+        if not isinstance(first, nn.Linear):  # pragma: no cover - MLP always starts linear
+            return self.score(query[seg], s)
+        d = self.dim
+        wq, ws, wd, wp = first.weight.split(d, dim=1)  # 4 x [H, D]
+        per_cand = torch.nn.functional.linear(query, wq + wd, first.bias)  # [B, H]
+        per_elem = torch.nn.functional.linear(seq_values, ws - wd)  # [T, H]
+        h = (
+            per_cand[seg] + per_elem[elem] + torch.nn.functional.linear(query[seg] * s, wp)
+        )  # [N, H]
+        return self.attn_out(self.attn_mlp.layers[1:](h)).squeeze(-1)  # [N]
+
     def _check(self, query: torch.Tensor, seq_values: torch.Tensor) -> None:
         if query.shape[-1] != self.dim or seq_values.shape[-1] != self.dim:
             raise ValueError(
@@ -105,7 +131,14 @@ class JaggedDIN(DINAttention):
         elem = torch.arange(n, device=query.device) + shift[seg]  # [N] row in seq_values
 
         s = seq_values[elem]  # [N, D]
-        scores = self.score(query[seg], s)  # [N]
+        # Split first layer when pairs outnumber candidates + elements (serving: one user's
+        # sequence shared by N candidates); the exported program always takes it. In training
+        # (one candidate per user) N == T and the plain concatenation is as cheap.
+        split = torch.compiler.is_compiling() or n >= 2 * (b + seq_values.shape[0])
+        if split:
+            scores = self.pair_scores(query, seq_values, seg, elem, s)  # [N]
+        else:
+            scores = self.score(query[seg], s)  # [N]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # >= fp32 (autocast)
 
         # segment softmax: subtract each candidate's max (a constant per segment: no gradient)

@@ -174,3 +174,13 @@ def test_export_with_dynamic_users_candidates_and_elements() -> None:
     for lengths, ui in cases:
         inputs = jagged_batch(gen, lengths, ui, dtype=torch.float32)
         torch.testing.assert_close(run(*inputs), jagged(*inputs))
+
+
+def test_split_first_layer_scores_equal_the_concatenated_input() -> None:
+    """pair_scores (serving path: the first layer split per candidate / element / pair)."""
+    torch.manual_seed(3)
+    din = JaggedDIN(8, [16, 4]).double()
+    q, sv = torch.randn(5, 8, dtype=torch.float64), torch.randn(7, 8, dtype=torch.float64)
+    seg, elem = torch.randint(0, 5, (30,)), torch.randint(0, 7, (30,))
+    s = sv[elem]
+    torch.testing.assert_close(din.pair_scores(q, sv, seg, elem, s), din.score(q[seg], s))
