@@ -21,7 +21,6 @@ import json
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,13 +29,13 @@ import numpy as np
 import torch
 
 from bench.bench_startup import export_program
-from bench.bench_swap import _stats
 from bench.synthetic_bundle import (
     keys_per_table,
     seed_feature_set,
     synthetic_request,
     write_synthetic_bundle,
 )
+from bench.traffic import ClosedLoopClients, latency_stats
 from protos import predict_pb2, predict_pb2_grpc
 from serve.batcher import BatcherConfig
 from serve.model import default_device
@@ -132,26 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if not server.wait_ready(300):
             raise SystemExit(f"server did not start: {server.load_error}")
         host = f"127.0.0.1:{server.port}"
-        log: list[tuple[float, float, str]] = []  # (start, latency, version)
-        errors: list[str] = []
-        stop = threading.Event()
-
-        def client(k: int) -> None:
-            with grpc.insecure_channel(host) as channel:
-                stub = predict_pb2_grpc.PredictionServiceStub(channel)
-                i = k
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    try:
-                        r = stub.Predict(requests[i % len(requests)], timeout=30)
-                        log.append((t, time.perf_counter() - t, r.model_version))
-                    except grpc.RpcError as e:
-                        errors.append(f"{e.code().name}: {e.details()}")
-                    i += 1
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(a.clients)]
-        for t in threads:
-            t.start()
+        traffic = ClosedLoopClients(host, requests, a.clients, timeout_s=30).start()
         time.sleep(0.5)  # settle
         t0 = time.perf_counter()
         time.sleep(a.phase_s)
@@ -164,14 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         t2 = time.perf_counter()
         shutil.copytree(root / "v2", models / ".2.tmp")
         (models / ".2.tmp").rename(models / "2")
-        deadline = time.monotonic() + 300
-        while not any(v == "2" for _, _, v in log[-10:]) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        traffic.wait_for_version("2", timeout_s=300)
         t_swapped = time.perf_counter()
         time.sleep(a.phase_s)
-        stop.set()
-        for t in threads:
-            t.join(30)
+        traffic.stop()
         full_load = server.manager.current.startup.as_dict() if server.manager.current else {}
         server.stop(grace=0)
 
@@ -182,16 +158,16 @@ def main(argv: list[str] | None = None) -> int:
         "delta": {"updated": a.updated, "new": a.new, "evicted": a.evicted, **sizes},
         "clients": a.clients,
         "candidates": a.candidates,
-        "before": _stats([lat for t, lat, _ in log if t0 <= t < t1]),
-        "delta_apply_and_after": _stats([lat for t, lat, _ in log if t1 <= t < t2]),
-        "full_swap_and_after": _stats([lat for t, lat, _ in log if t >= t2]),
+        "before": latency_stats(traffic.latencies(t0, t1)),
+        "delta_apply_and_after": latency_stats(traffic.latencies(t1, t2)),
+        "full_swap_and_after": latency_stats(traffic.latencies(t2)),
         "delta_apply_seconds": t_applied - t1,
         "delta_apply_server_seconds": applied.apply_seconds,
         "full_swap_seconds_after_install": t_swapped - t2,
         "full_load_startup_seconds": full_load,
-        "errors": len(errors),
-        "error_examples": errors[:5],
-        "versions_seen": sorted({v for _, _, v in log}),
+        "errors": len(traffic.errors),
+        "error_examples": traffic.errors[:5],
+        "versions_seen": traffic.versions(),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")

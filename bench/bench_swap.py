@@ -17,11 +17,9 @@ import json
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from bench.bench_startup import export_program
@@ -31,22 +29,10 @@ from bench.synthetic_bundle import (
     synthetic_request,
     write_synthetic_bundle,
 )
-from protos import predict_pb2_grpc
+from bench.traffic import ClosedLoopClients, latency_stats
 from serve.batcher import BatcherConfig
 from serve.model import default_device
 from serve.server import PredictionServer, ServerConfig
-
-
-def _stats(lat: list[float]) -> dict[str, float]:
-    a = np.asarray(lat) * 1e3
-    if not len(a):
-        return {"count": 0}
-    return {
-        "count": int(len(a)),
-        "p50_ms": float(np.percentile(a, 50)),
-        "p99_ms": float(np.percentile(a, 99)),
-        "max_ms": float(a.max()),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,45 +71,22 @@ def main(argv: list[str] | None = None) -> int:
         server = PredictionServer(config).start()
         if not server.wait_ready(120):
             raise SystemExit(f"server did not start: {server.load_error}")
-        log: list[tuple[float, float, str]] = []  # (start, latency, version)
-        errors: list[str] = []
-        stop = threading.Event()
-
-        def client(k: int) -> None:
-            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                stub = predict_pb2_grpc.PredictionServiceStub(channel)
-                i = k
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    try:
-                        r = stub.Predict(requests[i % len(requests)], timeout=10)
-                        log.append((t, time.perf_counter() - t, r.model_version))
-                    except grpc.RpcError as e:
-                        errors.append(f"{e.code().name}: {e.details()}")
-                    i += 1
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(a.clients)]
-        for t in threads:
-            t.start()
+        traffic = ClosedLoopClients(
+            f"127.0.0.1:{server.port}", requests, a.clients, timeout_s=10
+        ).start()
         time.sleep(0.5)  # settle
         t_before = time.perf_counter()
         time.sleep(a.before_s)
         t_install = time.perf_counter()
         shutil.copytree(root / "v2", models / ".2.tmp")
         (models / ".2.tmp").rename(models / "2")
-        deadline = time.monotonic() + 60
-        while not any(v == "2" for _, _, v in log[-10:]) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        traffic.wait_for_version("2", timeout_s=60)
         t_swapped = time.perf_counter()
         time.sleep(a.after_s)
-        stop.set()
-        for t in threads:
-            t.join(30)
+        traffic.stop()
         swap_load = server.manager.current.startup.as_dict() if server.manager.current else {}
         server.stop(grace=0)
 
-    before = [lat for t, lat, _ in log if t_before <= t < t_install]
-    during = [lat for t, lat, _ in log if t >= t_install]
     report = {
         "benchmark": "Predict latency before / during a hot swap (serve.versions)",
         "device": a.device,
@@ -131,13 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         "clients": a.clients,
         "candidates": a.candidates,
         "switch_interval_s": sys.getswitchinterval(),
-        "before": _stats(before),
-        "during_swap_and_after": _stats(during),
+        "before": latency_stats(traffic.latencies(t_before, t_install)),
+        "during_swap_and_after": latency_stats(traffic.latencies(t_install)),
         "swap_seconds_after_install": t_swapped - t_install,
         "new_version_startup_seconds": swap_load,
-        "errors": len(errors),
-        "error_examples": errors[:5],
-        "versions_seen": sorted({v for _, _, v in log}),
+        "errors": len(traffic.errors),
+        "error_examples": traffic.errors[:5],
+        "versions_seen": traffic.versions(),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
