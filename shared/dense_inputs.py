@@ -117,11 +117,12 @@ def assemble_dense_inputs(
     missing += [n for n in lay.sequence if n not in sequences]
     if missing:
         raise KeyError(f"no embeddings for features {missing}; every feature must be looked up")
-    if lay.sequence:
+    if lay.sequence:  # no host sync: T comes from the tensors, not from lengths.sum()
         seq_lengths = batch.sequence[lay.sequence[0]].lengths()  # [U]
-    else:
+        seq_values = torch.cat([sequences[n] for n in lay.sequence], dim=1)  # [T, Dq]
+    else:  # no sequence features: T = 0
         seq_lengths = torch.zeros(u, dtype=torch.int64, device=like.device)
-    seq_values = _concat([sequences[n] for n in lay.sequence], int(seq_lengths.sum()), like)
+        seq_values = like.new_zeros(0, 0)
     return {
         "user_deep": _concat([pooled[n] for n in lay.user_deep], u, like),  # [U, Du]
         "item_deep": _concat([pooled[n] for n in lay.item_deep], b, like),  # [B, Di]
