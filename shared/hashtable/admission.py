@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from shared.features import ScoreStrategy
+from shared.hashtable.hashing import split_mask
 from shared.hashtable.table import ExportedRows, HashTable
 
 
@@ -46,21 +47,27 @@ class FrequencyCounter:
         return self.table.evictions + self.table.refusals
 
     def add(
-        self, keys: torch.Tensor, counts: torch.Tensor, table_ids: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+        table_ids: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
     ) -> torch.Tensor:
         """Add ``counts`` [n] to distinct ``keys`` [n]; returns the totals [n] int64.
+
+        ``validate=False`` skips the check of the keys (the caller checked them).
 
         A key that cannot be remembered (its bucket is full of higher counts) still gets its
         total for this call, so a key seen ``threshold`` times in one batch is admitted.
         """
         counts = counts.to(self.table.device, torch.int64)
-        rows, found = self.table.find(keys, table_ids)
+        rows, found = self.table.find(keys, table_ids, validate=validate)
         totals = counts.clone()
-        hit = torch.nonzero(found).squeeze(1)
+        hit, new = split_mask(found)
         if hit.numel():
             totals[hit] += self.table.scores_of(rows[hit])
             self.table.set_scores(rows[hit], totals[hit])
-        new = torch.nonzero(~found).squeeze(1)
         if new.numel():
             self.table.insert_or_assign(
                 keys[new],

@@ -51,6 +51,21 @@ def default_clock() -> int:
     return time.time_ns() // 1000
 
 
+def _checked_keys(
+    keys: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every table's keys on ``device`` as int64, refused if negative, with one host sync for
+    all tables (the lookups below skip their own checks)."""
+    out = {
+        n: check_keys(k.to(device), f"lookup of {n!r}", check_sign=False) for n, k in keys.items()
+    }
+    negative = [(k < 0).any() for k in out.values() if k.numel()]
+    if negative and bool(torch.stack(negative).any()):
+        for n, k in out.items():
+            check_keys(k, f"lookup of {n!r}")  # raises, naming the table, key and position
+    return out
+
+
 class _DynamicLookup(torch.autograd.Function):
     """Rows of the distinct keys expanded to every occurrence; backward runs sparse Adagrad."""
 
@@ -178,15 +193,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         if train and self._auto_step:
             self._step += 1
         now = self._clock() if train else 0
+        checked = _checked_keys(keys, self.device)
         out: dict[str, torch.Tensor] = {}
         for storage in self._storages:
             names = [n for n in keys if self._where[n][0] is storage]
             if not names:
                 continue
-            parts = [
-                (self._where[n][1], check_keys(keys[n].to(self.device), f"lookup of {n!r}"))
-                for n in names
-            ]
+            parts = [(self._where[n][1], checked[n]) for n in names]
             score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
             plan = storage.lookup(parts, train=train, score_now=score)
             if train and torch.is_grad_enabled():

@@ -12,6 +12,8 @@ import hashlib
 
 import torch
 
+from shared.hashtable.cuda import runtime as cuda_kernels
+
 MASK64 = (1 << 64) - 1
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -58,7 +60,17 @@ def fingerprint(keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Ten
     Fingerprints are even so that the odd bucket sentinels (:func:`bucket_sentinels`) never
     equal one. Table id 0 has salt 0; two keys share a fingerprint only if their mixes differ
     in the lowest bit alone (or, for fused tables, by chance): lookups compare the full pair.
+    On CUDA one kernel computes the same bits (``cuda/keyed.cu``).
     """
+    if (
+        keys.is_cuda
+        and keys.dtype == torch.int64
+        and (table_ids is None or table_ids.shape == keys.shape)
+        and cuda_kernels.available()
+    ):
+        from shared.hashtable.cuda import keyed
+
+        return keyed.fingerprint(keys, table_ids)
     x = keys
     if table_ids is not None:
         x = x ^ mix64(table_ids.to(torch.int64) * to_signed(GOLDEN))
@@ -139,8 +151,8 @@ def unique_pairs(
             t = table_ids[order]
             change[1:] |= t[1:] != t[:-1]
     group = torch.cumsum(change, 0) - 1
-    starts = torch.nonzero(change).squeeze(1)
-    ends = torch.cat([starts[1:], torch.tensor([n], device=keys.device)])
+    starts = torch.nonzero(change).squeeze(1)  # the one host sync: the number of unique pairs
+    ends = torch.cat([starts[1:], starts.new_full((1,), n)])
     counts = ends - starts
     inverse = torch.empty_like(order)
     inverse[order] = group
@@ -157,18 +169,27 @@ def segment_sum_sorted(
     """
     if x.shape[0] == 0:
         return x.new_zeros((0, *x.shape[1:]))
-    max_count = int(counts.max())
+    max_count = int(counts.max())  # the one host sync: the number of rounds
     if max_count == 1:
         return x[starts]
-    x = x.clone()
     rank = torch.arange(x.shape[0], device=x.device) - starts[group]
-    cnt = counts[group]
+    left = counts[group] - rank  # elements from this one to the end of its run
     step = 1
     while step < max_count:
-        idx = torch.nonzero(((rank % (2 * step)) == 0) & (rank + step < cnt)).squeeze(1)
-        x[idx] = x[idx] + x[idx + step]
+        # row i (rank a multiple of 2*step) adds row i + step when that is in its run; masked
+        # rounds instead of gathering the rows: no host sync per round
+        add = ((rank % (2 * step)) == 0) & (left > step)
+        x = torch.where(add.unsqueeze(1), x + torch.roll(x, -step, 0), x)
         step *= 2
     return x[starts]
+
+
+def split_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions where ``mask`` is true, positions where it is false), each ascending, with
+    one host synchronisation (the number of true entries) instead of two ``nonzero`` calls."""
+    order = torch.argsort((~mask).to(torch.uint8), stable=True)
+    n_true = int(mask.sum())
+    return order[:n_true], order[n_true:]
 
 
 def count_sorted(sorted_ids: torch.Tensor, n: int) -> torch.Tensor:

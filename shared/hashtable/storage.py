@@ -15,27 +15,33 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.features import InitializerSpec, ScoreStrategy, TableSpec
 from shared.hashtable.adagrad import AdagradConfig, adagrad_update
 from shared.hashtable.admission import FrequencyCounter
-from shared.hashtable.hashing import check_keys, count_ids, segment_sum_sorted, unique_pairs
+from shared.hashtable.cuda import runtime as cuda_kernels
+from shared.hashtable.hashing import check_keys, segment_sum_sorted, split_mask, unique_pairs
 from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.table import HashTable
+
+if TYPE_CHECKING:
+    from shared.hashtable.cuda.keyed import InitParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class TableCounters:
-    """Cumulative per-table counters (training lookups only)."""
-
-    evictions: int = 0  # stored keys removed to make room
-    admission_rejections: int = 0  # lookups of keys not yet admitted
-    refusals: int = 0  # admitted keys that could not be stored
-    admitted: int = 0  # keys inserted into the table
+# Cumulative per-table counters (training lookups only), columns of FusedStorage._counts: kept
+# on the device and read only by stats(), so counting costs no host synchronisation.
+COUNTERS = (
+    "evictions",  # stored keys removed to make room
+    "admission_rejections",  # lookups of keys not yet admitted
+    "refusals",  # admitted keys that could not be stored
+    "admitted",  # keys inserted into the table
+)
+_EVICTIONS, _REJECTIONS, _REFUSALS, _ADMITTED = range(len(COUNTERS))
 
 
 @dataclass
@@ -63,6 +69,7 @@ class LookupPlan:
     group: torch.Tensor  # [N] distinct index of each sorted occurrence
     inverse: torch.Tensor  # [N] distinct index of each occurrence
     generation: int
+    mutations: int  # FusedStorage.mutations when the plan was made
     out: torch.Tensor = field(repr=False)  # [U, dim] forward values of the distinct keys
 
 
@@ -126,7 +133,13 @@ class FusedStorage:
         self.admission_init = [
             keyed(d.admission.initializer, n) if d.admission else None for n, d in pairs
         ]
-        self.counters = [TableCounters() for _ in specs]
+        self._init_params: dict[int, tuple[Sequence[KeyedInitializer | None], InitParams]] = {}
+        # training misses: table id t + n * (not admitted) picks init[t] or admission_init[t]
+        self.train_init = [*self.init, *self.admission_init]
+        self.all_admission = all(a is not None for a in adm)
+        self._counts = torch.zeros(len(specs), len(COUNTERS), dtype=torch.int64, device=device)
+        self._refusals_logged = [0] * len(specs)  # refusal totals already warned about
+        self.mutations = 0  # inserts and loads so far: rows of older plans may have moved
 
     # ------------------------------------------------------------------ forward
 
@@ -137,7 +150,19 @@ class FusedStorage:
     def _fill(
         self, inits: Sequence[KeyedInitializer | None], keys: torch.Tensor, tids: torch.Tensor
     ) -> torch.Tensor:
-        """[n, dim] values from the per-table initializers ``inits`` (one loop per table)."""
+        """[n, dim] values: row i from ``inits[tids[i]]`` (never None for a key's table).
+
+        On CUDA one kernel for all tables (its parameter arrays built once per list ``inits``,
+        which are this storage's long-lived lists); on the CPU a loop over the tables.
+        """
+        if keys.is_cuda and cuda_kernels.available():
+            from shared.hashtable.cuda import keyed
+
+            hit = self._init_params.get(id(inits))
+            if hit is None or hit[0] is not inits:
+                hit = (inits, keyed.init_params(inits, keys.device))
+                self._init_params[id(inits)] = hit
+            return keyed.initial_rows(hit[1], keys, tids, self.dim)
         out = torch.empty(keys.numel(), self.dim, device=self.device)
         for t, init in enumerate(inits):
             sel = torch.nonzero(tids == t).squeeze(1)
@@ -155,25 +180,32 @@ class FusedStorage:
         order, starts, counts, inverse, group = unique_pairs(keys, tids)
         first = order[starts]
         uk, ut = keys[first], tids[first]
-        rows, valid = self.table.find(uk, self._tids(ut))
+        # keys were checked by the caller (DynamicEmbeddingCollection.forward): no host sync here
+        rows, valid = self.table.find(uk, self._tids(ut), validate=False)
         not_admitted = torch.zeros_like(valid)
         if train:
             rows, valid, not_admitted = self._train_step(uk, ut, counts, rows, valid, score_now)
         out = self.table.values[rows.clamp(min=0)]  # [U, dim]
         miss = torch.nonzero(~valid).squeeze(1)
         if miss.numel():  # not stored: admission value (train), fresh init (refused), eval value
-            na = not_admitted[miss]
-            fills: list[tuple[torch.Tensor, Sequence[KeyedInitializer | None]]] = (
-                [(miss[na], self.admission_init), (miss[~na], self.init)]
-                if train
-                else [(miss, self.eval_init)]
-            )
-            for sel, inits in fills:
-                if sel.numel():
-                    out[sel] = self._fill(inits, uk[sel], ut[sel])
+            if train:
+                which = ut[miss] + len(self.specs) * not_admitted[miss].to(torch.int64)
+                out[miss] = self._fill(self.train_init, uk[miss], which)
+            else:
+                out[miss] = self._fill(self.eval_init, uk[miss], ut[miss])
         rows = torch.where(valid, rows, torch.full_like(rows, -1))
         return LookupPlan(
-            uk, ut, rows, order, starts, counts, group, inverse, self.table.generation, out
+            uk,
+            ut,
+            rows,
+            order,
+            starts,
+            counts,
+            group,
+            inverse,
+            self.table.generation,
+            self.mutations,
+            out,
         )
 
     def _train_step(
@@ -190,27 +222,31 @@ class FusedStorage:
         Returns (rows, valid: stored after the step, not_admitted: below the threshold).
         """
         lfu = self.strategy is ScoreStrategy.LFU
-        hit = torch.nonzero(found).squeeze(1)
+        hit, new = split_mask(found)
         if hit.numel():
             old = self.table.scores_of(rows[hit])
             self.table.set_scores(
                 rows[hit], old + counts[hit] if lfu else torch.full_like(old, score_now)
             )
-        new = torch.nonzero(~found).squeeze(1)
         not_admitted = torch.zeros_like(found)
         if new.numel() == 0:
             return rows, found, not_admitted
         nk, nt, totals = uk[new], ut[new], counts[new]
         admitted = torch.ones_like(nk, dtype=torch.bool)
         with_adm = self.has_admission[nt]
-        if self.counter is not None and bool(with_adm.any()):
-            sel = torch.nonzero(with_adm).squeeze(1)
+        if self.counter is not None and (self.all_admission or bool(with_adm.any())):
+            sel = (
+                torch.arange(new.numel(), device=new.device)
+                if self.all_admission
+                else torch.nonzero(with_adm).squeeze(1)
+            )
             totals = totals.clone()
-            totals[sel] = self.counter.add(nk[sel], counts[new][sel], self._tids(nt[sel]))
+            totals[sel] = self.counter.add(
+                nk[sel], counts[new][sel], self._tids(nt[sel]), validate=False
+            )
             admitted = totals >= self.thresholds[nt]
-            waiting = ~admitted
-            for t, counter in enumerate(self.counters):  # lookups of keys still below threshold
-                counter.admission_rejections += int(counts[new][waiting & (nt == t)].sum())
+            waiting = (~admitted).to(torch.int64)  # lookups of keys still below threshold
+            self._counts[:, _REJECTIONS].index_add_(0, nt, counts[new] * waiting)
         not_admitted[new] = ~admitted
         ins = torch.nonzero(admitted).squeeze(1)
         if ins.numel() == 0:
@@ -218,6 +254,7 @@ class FusedStorage:
         ik, it = nk[ins], nt[ins]
         scores = totals[ins] if lfu else torch.full_like(ik, score_now)
         generation = self.table.generation
+        self.mutations += 1
         result = self.table.insert_or_assign(
             ik,
             self._fill(self.init, ik, it),
@@ -231,7 +268,7 @@ class FusedStorage:
             if done.numel():
                 self.counter.erase(ik[done], self._tids(it[done]))
         if self.table.generation != generation:  # the table grew: every row moved
-            rows, found = self.table.find(uk, self._tids(ut))
+            rows, found = self.table.find(uk, self._tids(ut), validate=False)
             return rows, found, not_admitted
         rows = rows.clone()
         rows[new[ins]] = result.rows
@@ -243,31 +280,33 @@ class FusedStorage:
         inserted: torch.Tensor,
         evicted_tids: torch.Tensor,
     ) -> None:
-        n = len(self.specs)
-        ev = count_ids(evicted_tids, n).tolist()
-        ref = count_ids(tids[~inserted], n).tolist()
-        adm = count_ids(tids[inserted], n).tolist()
-        for t in range(n):
-            c = self.counters[t]
-            c.evictions += ev[t]
-            c.admitted += adm[t]
-            if ref[t]:
-                before = c.refusals
-                c.refusals += ref[t]
-                if before == 0 or (c.refusals.bit_length() > before.bit_length()):
-                    logger.warning(
-                        "dynamic table %r refused %d new keys in this step (%d in total): its "
-                        "storage %r (capacity %d, max %d, %s) has full buckets. Raise "
-                        "max_capacity, or use an evicting score_strategy. (Logged when the "
-                        "total reaches a power of two; see stats()['refusals'].)",
-                        self.names[t],
-                        ref[t],
-                        c.refusals,
-                        self.name,
-                        self.table.capacity,
-                        self.table.max_capacity,
-                        self.strategy.value,
-                    )
+        """Add one insert's evictions, admissions and refusals to the device counters."""
+        counts = self._counts
+        counts[:, _EVICTIONS].index_add_(
+            0, evicted_tids.to(torch.int64), torch.ones_like(evicted_tids, dtype=torch.int64)
+        )
+        ins = inserted.to(torch.int64)
+        counts[:, _ADMITTED].index_add_(0, tids, ins)
+        counts[:, _REFUSALS].index_add_(0, tids, 1 - ins)
+
+    def _warn_refusals(self, refusals: list[int]) -> None:
+        """Warn when a table's refusal total first exceeds 0 and then at each power of two."""
+        for t, total in enumerate(refusals):
+            before = self._refusals_logged[t]
+            if total > before and (before == 0 or total.bit_length() > before.bit_length()):
+                self._refusals_logged[t] = total
+                logger.warning(
+                    "dynamic table %r has refused %d new keys so far: its storage %r (capacity "
+                    "%d, max %d, %s) has full buckets. Raise max_capacity, or use an evicting "
+                    "score_strategy. (Checked when stats are read, logged when the total reaches "
+                    "a power of two; see stats()['refusals'].)",
+                    self.names[t],
+                    total,
+                    self.name,
+                    self.table.capacity,
+                    self.table.max_capacity,
+                    self.strategy.value,
+                )
 
     # ------------------------------------------------------------------ backward
 
@@ -282,8 +321,10 @@ class FusedStorage:
         rows, g = plan.rows[upd], g[upd]
         keys, tids = plan.keys[upd], plan.table_ids[upd]
         same = self.table.generation == plan.generation
-        if not same or not bool(self._rows_hold(rows, keys, tids).all()):
-            rows, found = self.table.find(keys, self._tids(tids))  # rows moved since forward
+        # rows can only have moved if the table changed since the forward (checked then)
+        moved = self.mutations != plan.mutations
+        if not same or (moved and not bool(self._rows_hold(rows, keys, tids).all())):
+            rows, found = self.table.find(keys, self._tids(tids), validate=False)  # rows moved
             ok = torch.nonzero(found).squeeze(1)
             rows, g = rows[ok], g[ok]
         accum = self.table.accumulators
@@ -300,15 +341,13 @@ class FusedStorage:
 
     def stats(self, tid: int) -> dict[str, float]:
         sizes = self.table.table_sizes(len(self.specs))
-        c = self.counters[tid]
+        counts = self._counts.tolist()  # the one host sync of the counters
+        self._warn_refusals([row[_REFUSALS] for row in counts])
         out = {
             "size": float(sizes[tid]),
             "capacity": float(self.table.capacity),
             "load_factor": self.table.load_factor,
-            "evictions": float(c.evictions),
-            "admission_rejections": float(c.admission_rejections),
-            "refusals": float(c.refusals),
-            "admitted": float(c.admitted),
+            **{name: float(counts[tid][i]) for i, name in enumerate(COUNTERS)},
         }
         if self.counter is not None and bool(self.has_admission[tid]):
             out["counter_size"] = float(self.counter.table.table_sizes(len(self.specs))[tid])
@@ -324,6 +363,7 @@ class FusedStorage:
 
     def load_state(self, tid: int, state: TableState) -> None:
         """Replace the content of table ``tid`` by ``state``."""
+        self.mutations += 1
         self.table.clear(tid)
         keys = check_keys(state.keys.to(self.device), f"load {self.names[tid]}")
         if keys.numel():

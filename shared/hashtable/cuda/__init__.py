@@ -17,6 +17,9 @@ no second layout.
   and skewed batches go back to the torch core, full buckets through its eviction code.
 - from_keys_values (``build.py``): count + stage per bucket, then a block per bucket ranks its
   keys by (fingerprint, input index): the slots the core's stable sort gives, without a sort.
+- keyed initial rows and fingerprints (``keyed.py``, ``keyed.cu``): ``KeyedInitializer``,
+  ``FusedStorage._fill`` (all member tables in one launch) and ``hashing.fingerprint`` on CUDA,
+  bit for bit the torch code's float64 and splitmix64 arithmetic.
 
 ``runtime.disabled()`` forces the torch core on CUDA (the baseline in tests and benchmarks).
 """

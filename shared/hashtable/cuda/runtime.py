@@ -1,4 +1,4 @@
-"""Loading ``kernels.cu`` with CuPy and launching its kernels on torch tensors.
+"""Loading ``kernels.cu`` (and ``keyed.cu``) with CuPy and launching their kernels on torch tensors.
 
 CuPy is imported lazily: importing this module costs nothing on a machine without it.
 Tensors cross into CuPy through DLPack (``cupy.from_dlpack``, no copy); the views of a table's
@@ -25,6 +25,10 @@ FIND_WINDOWS = (0, 4, 8, 16)  # compiled variants of ht_find / ht_insert_stage (
 DEFAULT_WINDOW = 4  # slots a probe reads (16-byte loads): fastest on the H200 (bench_gpu_hashtable)
 BLOCK = 256  # threads per block of the one-thread-per-key kernels
 MAX_SHARED = 48 * 1024  # dynamic shared memory a block may use without opting in
+
+# Another source file of this folder, compiled as a module of its own (only ``extern "C"``
+# kernels): (file name, NVRTC options added to -std=c++17), e.g. keyed.py's SOURCE.
+Source = tuple[str, tuple[str, ...]]
 
 _enabled = True
 _views: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
@@ -84,7 +88,21 @@ def _module(device_index: int) -> Any:
 
 
 @functools.cache
-def _function(device_index: int, name: str) -> Any:
+def _source_module(device_index: int, source: Source) -> Any:
+    cp = _cupy()
+    file, options = source
+    with cp.cuda.Device(device_index):
+        mod = cp.RawModule(
+            code=SOURCE.with_name(file).read_text(), options=("-std=c++17", *options)
+        )
+        mod.compile()
+    return mod
+
+
+@functools.cache
+def _function(device_index: int, name: str, source: Source | None = None) -> Any:
+    if source is not None:
+        return _source_module(device_index, source).get_function(name)
     return _module(device_index).get_function(name)
 
 
@@ -133,6 +151,7 @@ def _launcher(
     device: torch.device,
     shared_mem: int,
     cached: Sequence[torch.Tensor],
+    source: Source | None = None,
 ) -> Callable[[], None]:
     cp = _cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -141,7 +160,7 @@ def _launcher(
     stream = _streams.get((index, ptr))
     if stream is None:
         stream = _streams[(index, ptr)] = cp.cuda.ExternalStream(ptr, index)
-    fn = _function(index, name)
+    fn = _function(index, name, source)
     with cp.cuda.Device(index), stream:  # DLPack exports then need no cross-stream event
         cargs = tuple(
             as_cupy(a, cache=id(a) in keep) if isinstance(a, torch.Tensor) else a for a in args
@@ -163,13 +182,15 @@ def launch(
     device: torch.device,
     shared_mem: int = 0,
     cached: Sequence[torch.Tensor] = (),
+    source: Source | None = None,
 ) -> None:
     """Launch kernel ``name`` on torch's current stream of ``device``.
 
     ``args``: tensors (contiguous, on ``device``) and NumPy scalars, in the kernel's order;
-    tensors in ``cached`` (by identity) keep their CuPy view between calls.
+    tensors in ``cached`` (by identity) keep their CuPy view between calls. ``source``: the
+    kernel's module when it is not in ``kernels.cu`` (see :data:`Source`).
     """
-    _launcher(name, grid, block, args, device, shared_mem, cached)()
+    _launcher(name, grid, block, args, device, shared_mem, cached, source)()
 
 
 def prepared(
@@ -180,7 +201,8 @@ def prepared(
     *,
     device: torch.device,
     shared_mem: int = 0,
+    source: Source | None = None,
 ) -> Callable[[], None]:
     """A launch with its arguments converted once (for timing the kernel alone, or replaying
     it on the same tensors): the returned function only launches."""
-    return _launcher(name, grid, block, args, device, shared_mem, ())
+    return _launcher(name, grid, block, args, device, shared_mem, (), source)

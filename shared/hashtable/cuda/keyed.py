@@ -1,0 +1,138 @@
+"""Keyed initial rows and fingerprints on CUDA (``keyed.cu``): one launch each.
+
+The torch versions (:class:`~shared.hashtable.initializers.KeyedInitializer`, and
+:func:`~shared.hashtable.hashing.fingerprint`) are hundreds of elementwise ops a call: splitmix64
+in int64 and an inverse normal CDF whose polynomials take one op per Horner step. The kernels
+compute the same bits in one thread per element (the GPU tests compare them with torch on the
+device under ``cuda.disabled()``), and an initializer kernel takes a table id per key, so a fused
+storage fills the new rows of all its member tables in one launch, without selecting each
+table's keys (``FusedStorage._fill``).
+
+The per-table parameters live in two small device arrays (:class:`InitParams`), built once per
+list of initializers by their owner.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.features import InitMode
+from shared.hashtable.cuda import runtime as rt
+from shared.hashtable.hashing import to_signed
+
+if TYPE_CHECKING:
+    from shared.hashtable.initializers import KeyedInitializer
+
+SOURCE: rt.Source = ("keyed.cu", ("--fmad=false",))  # no FMA contraction anywhere
+MAX_GRID = 1 << 16  # blocks of a launch; the kernels loop over the rest
+
+# keyed.cu KD_* modes and parameter layout
+MODE_CONSTANT, MODE_UNIFORM, MODE_NORMAL, MODE_TRUNCATED_NORMAL, MODE_NONE = range(5)
+MODES = {
+    InitMode.CONSTANT: MODE_CONSTANT,
+    InitMode.UNIFORM: MODE_UNIFORM,
+    InitMode.NORMAL: MODE_NORMAL,
+    InitMode.TRUNCATED_NORMAL: MODE_TRUNCATED_NORMAL,
+}
+NPARAMS = 8  # mean, std_dev, lower, upper, value, upper - lower, cdf lo, cdf hi - lo
+
+
+@dataclass(frozen=True)
+class InitParams:
+    """The parameters of a list of initializers (``None``: no initializer) on one device."""
+
+    prm: torch.Tensor  # [T, NPARAMS] float64
+    iprm: torch.Tensor  # [T, 2] int64: salt (the bits of the unsigned salt), mode
+
+    @property
+    def num_tables(self) -> int:
+        return self.prm.shape[0]
+
+
+def _row(init: KeyedInitializer | None) -> tuple[list[float], list[int]]:
+    if init is None:
+        return [0.0] * NPARAMS, [0, MODE_NONE]
+    s = init.spec
+    mode, value = MODES[s.mode], s.value
+    lo = width = 0.0
+    if s.mode is InitMode.TRUNCATED_NORMAL:
+        if s.std_dev == 0.0:  # KeyedInitializer: a constant, the mean clamped (Python min/max)
+            mode, value = MODE_CONSTANT, min(max(s.mean, s.lower), s.upper)
+        else:
+            lo, hi = init.cdf_bounds()
+            width = hi - lo
+    # Python float arithmetic, as the torch code's scalars: (upper - lower), (hi - lo)
+    # the constant travels as its float32 bits (an exact integer in float64): the kernel
+    # reinterprets them, so subnormal constants survive (a double→float conversion on the
+    # device flushed them to zero on the H200)
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    prm = [s.mean, s.std_dev, s.lower, s.upper, bits, s.upper - s.lower, lo, width]
+    return [float(x) for x in prm], [to_signed(init.salt), mode]
+
+
+def init_params(inits: Sequence[KeyedInitializer | None], device: torch.device | str) -> InitParams:
+    """The kernel's parameter arrays for table ids ``0 .. len(inits) - 1`` (one copy to the
+    device: build them once per list)."""
+    rows = [_row(i) for i in inits]
+    return InitParams(
+        torch.tensor([r[0] for r in rows], dtype=torch.float64, device=device).reshape(-1, NPARAMS),
+        torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device).reshape(-1, 2),
+    )
+
+
+def initial_rows(
+    params: InitParams, keys: torch.Tensor, tids: torch.Tensor | None, dim: int
+) -> torch.Tensor:
+    """[N, dim] float32: row i is what initializer ``tids[i]`` (0 without ``tids``) gives key
+    ``keys[i]`` (NaN for a table without one); ``keys``/``tids`` [N] int on ``params``' device."""
+    dev, n = keys.device, keys.numel()
+    out = torch.empty(n, dim, dtype=torch.float32, device=dev)
+    if n == 0 or dim == 0:
+        return out
+    keys = keys.to(torch.int64).contiguous()
+    t = rt.dummy(dev, torch.int64) if tids is None else tids.to(torch.int64).contiguous()
+    rt.launch(
+        "kd_initial_rows",
+        min(rt.blocks(n * dim), MAX_GRID),
+        rt.BLOCK,
+        (
+            keys,
+            t,
+            rt.i32(tids is not None),
+            rt.i64(n),
+            rt.i64(dim),
+            rt.i64(params.num_tables),
+            params.prm,
+            params.iprm,
+            out,
+        ),
+        device=dev,
+        cached=(params.prm, params.iprm),
+        source=SOURCE,
+    )
+    return out
+
+
+def fingerprint(keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Tensor:
+    """:func:`shared.hashtable.hashing.fingerprint` of int64 ``keys`` (any shape; ``table_ids``
+    of the same shape or None) in one launch."""
+    dev, n = keys.device, keys.numel()
+    out = torch.empty(keys.shape, dtype=torch.int64, device=dev)
+    if n == 0:
+        return out
+    k = keys.contiguous()
+    t = rt.dummy(dev, torch.int64) if table_ids is None else table_ids.to(torch.int64).contiguous()
+    rt.launch(
+        "kd_fingerprint",
+        min(rt.blocks(n), MAX_GRID),
+        rt.BLOCK,
+        (k, t, rt.i32(table_ids is not None), rt.i64(n), out),
+        device=dev,
+        source=SOURCE,
+    )
+    return out

@@ -1,0 +1,256 @@
+"""The keyed-initializer and fingerprint kernels (cuda/keyed.cu) against the torch code.
+
+The GPU tests run the kernel and the torch code (``cuda.disabled()``) on the same CUDA tensors
+and ask for bitwise equal results (``torch.equal``). Run on the GPU machine:
+``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_keyed.py``. The CPU tests check
+the kernel source's constants and the parameter arrays.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+import torch
+
+from shared.features import InitializerSpec, InitMode
+from shared.hashtable import cuda, initializers
+from shared.hashtable.adagrad import AdagradConfig
+from shared.hashtable.cuda import keyed
+from shared.hashtable.cuda import runtime as rt
+from shared.hashtable.hashing import fingerprint, to_signed
+from shared.hashtable.initializers import KeyedInitializer
+from shared.hashtable.storage import FusedStorage
+
+from .conftest import dyn_table
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(
+    cuda.unavailable_reason() is not None,
+    reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
+)
+DEVICE = "cuda"
+DIMS = [1, 16, 17, 64]
+
+N, T, U, C = InitMode.NORMAL, InitMode.TRUNCATED_NORMAL, InitMode.UNIFORM, InitMode.CONSTANT
+SPECS = {
+    "normal": InitializerSpec(N, mean=0.1, std_dev=0.05),
+    "normal_wide": InitializerSpec(N, mean=-1.5, std_dev=3.0),
+    "normal_std": InitializerSpec(N, std_dev=1.0),
+    "normal_zero_std": InitializerSpec(N, mean=0.25, std_dev=0.0),
+    "trunc": InitializerSpec(T, mean=0.2, std_dev=0.7, lower=-0.5, upper=1.1),
+    "trunc_std": InitializerSpec(T, std_dev=1.0, lower=-1.0, upper=1.0),
+    "trunc_narrow": InitializerSpec(T, mean=1.0, std_dev=1e-3, lower=0.999, upper=1.0),
+    "trunc_near_tail": InitializerSpec(T, std_dev=1.0, lower=6.5, upper=9.0),  # t near 5
+    "trunc_far_tail": InitializerSpec(T, std_dev=1.0, lower=8.0, upper=40.0),  # 1 - p < 1e-15
+    "trunc_far_low": InitializerSpec(T, std_dev=1.0, lower=-40.0, upper=-8.0),  # p < 1e-15
+    "trunc_clamped_p": InitializerSpec(T, std_dev=1.0, lower=-50.0, upper=-39.0),  # p -> 1e-300
+    "trunc_zero_std_clamped": InitializerSpec(T, mean=0.3, std_dev=0.0, lower=-0.1, upper=0.2),
+    "trunc_zero_std": InitializerSpec(T, mean=0.3, std_dev=0.0, lower=-0.1, upper=0.7),
+    "uniform": InitializerSpec(U, lower=-0.2, upper=0.4),
+    "uniform_wide": InitializerSpec(U, lower=-1e-3, upper=5.0),
+    "uniform_point": InitializerSpec(U, lower=3.0, upper=3.0),
+    "constant": InitializerSpec(C, value=0.1),
+    "constant_subnormal": InitializerSpec(C, value=-3.7e-41),
+}
+
+
+def _keys(n: int, seed: int) -> torch.Tensor:
+    """Random int64 keys over the whole range, small keys (with repeats) and edge cases."""
+    g = torch.Generator().manual_seed(seed)
+    special = [0, 1, 2, 3, 2**32 - 1, 2**32, 2**53, 2**53 + 1, 2**62 - 1, 2**62, 2**62 + 1]
+    special += [2**63 - 1 - i for i in range(8)] + [-(2**63) + i for i in range(4)] + [-1, -2]
+    return torch.cat(
+        [
+            torch.tensor(special, dtype=torch.int64),
+            torch.randint(0, 2**63 - 1, (n,), generator=g),
+            torch.randint(-(2**63), 2**63 - 1, (n // 4,), generator=g),
+            torch.randint(0, 100, (n // 8,), generator=g),
+        ]
+    )
+
+
+# ---------------------------------------------------------------- CPU
+
+
+def test_kernel_constants_are_the_python_floats():
+    src = rt.SOURCE.with_name(keyed.SOURCE[0]).read_text()
+
+    def array(name: str) -> list[float]:
+        m = re.search(rf"__constant__ double {name}\[(\d+)\] = \{{([^}}]*)\}};", src)
+        assert m, name
+        values = [float.fromhex(v) for v in m.group(2).replace("\n", " ").split(",")]
+        assert len(values) == int(m.group(1)), name
+        return values
+
+    def define(name: str) -> float:
+        m = re.search(rf"#define {name} (\S+)", src)
+        assert m, name
+        return float.fromhex(m.group(1))
+
+    mod = initializers
+    for name, py in [("A", mod._A), ("B", mod._B), ("C", mod._C), ("D", mod._D)]:
+        assert array(f"KD_{name}") == py, name
+    for name, py in [("E", mod._E), ("F", mod._F), ("LOG", mod._LOG_SERIES)]:
+        assert array(f"KD_{name}") == py, name
+    assert define("KD_LN2") == mod._LN2
+    assert define("KD_SQRT_HALF") == mod._SQRT_HALF
+    assert define("KD_R0") == 0.180625
+    assert define("KD_SPLIT") == 0.425
+    assert define("KD_NEAR") == 1.6
+    assert define("KD_P_MIN") == 1e-300
+    assert define("KD_P_MAX") == 1.0 - 2.0**-53
+
+
+def test_init_params_layout():
+    inits = [KeyedInitializer(s, seed=1, table=n) for n, s in SPECS.items()] + [None]
+    p = keyed.init_params(inits, "cpu")
+    assert p.prm.shape == (len(inits), keyed.NPARAMS) and p.prm.dtype == torch.float64
+    assert p.iprm.shape == (len(inits), 2) and p.num_tables == len(inits)
+    modes = p.iprm[:, 1].tolist()
+    assert modes[-1] == keyed.MODE_NONE
+    names = list(SPECS)
+    i = names.index("trunc_zero_std_clamped")  # a constant: the mean clamped to [lower, upper]
+    value_bits = struct.unpack("<I", struct.pack("<f", 0.2))[0]  # the constant's float32 bits
+    assert modes[i] == keyed.MODE_CONSTANT and p.prm[i, 4].item() == value_bits
+    i = names.index("trunc")
+    lo, hi = inits[i].cdf_bounds()
+    assert modes[i] == keyed.MODE_TRUNCATED_NORMAL
+    assert p.prm[i, 6:].tolist() == [lo, hi - lo]
+    assert p.iprm[0, 0].item() == to_signed(inits[0].salt)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_initializer_kernel_matches_torch(name: str, dim: int):
+    init = KeyedInitializer(SPECS[name], seed=11, table=f"{name}_emb")
+    keys = _keys(20_000, seed=dim).to(DEVICE)
+    with cuda.disabled():
+        want = init(keys, dim)
+    direct = keyed.initial_rows(keyed.init_params([init], keys.device), keys, None, dim)
+    got = init(keys, dim)  # dispatches to the kernel (CONSTANT: torch.full)
+    assert want.dtype == got.dtype == direct.dtype == torch.float32
+    assert torch.equal(direct, want), name
+    assert torch.equal(got, want), name
+
+
+@gpu
+@needs_cuda
+def test_initializer_kernel_covers_every_branch():
+    """Values of each AS241 branch and of the clamps appear in the compared outputs."""
+    keys = _keys(20_000, seed=3).to(DEVICE)
+    for name, lo, hi in [
+        ("normal_std", -0.5, 0.5),  # central
+        ("normal_std", 1.5, 5.0),  # near tail (|q| > 0.425)
+        ("trunc_far_tail", 8.0, 10.0),  # far tail (t > 5)
+        ("trunc_clamped_p", -39.0, -39.0),  # p clamped to 1e-300, then x to upper
+    ]:
+        init = KeyedInitializer(SPECS[name], seed=11, table=f"{name}_emb")
+        x = init(keys, 16)
+        assert bool(((x >= lo) & (x <= hi)).any()), name
+
+
+@gpu
+@needs_cuda
+def test_initializer_kernel_without_keys_and_without_initializer():
+    init = KeyedInitializer(SPECS["normal"], seed=1, table="a")
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert init(empty, 8).shape == (0, 8)
+    p = keyed.init_params([init, None], empty.device)
+    keys = torch.tensor([5, 6], device=DEVICE)
+    out = keyed.initial_rows(p, keys, torch.tensor([1, 0], device=DEVICE), 4)
+    assert bool(out[0].isnan().all()) and not bool(out[1].isnan().any())
+
+
+def _storage(dim: int) -> FusedStorage:
+    names = list(SPECS)
+    specs = [
+        dyn_table(
+            f"{n}_emb",
+            dim=dim,
+            initializer=SPECS[n],
+            eval_initializer=SPECS[names[(i + 5) % len(names)]],
+            threshold=2 if i % 3 == 0 else None,
+            admission_initializer=SPECS[names[(i + 9) % len(names)]],
+        )
+        for i, n in enumerate(names)
+    ]
+    return FusedStorage(
+        "group", specs, adagrad=AdagradConfig(lr=0.1), seed=5, device=torch.device(DEVICE)
+    )
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dim", DIMS)
+def test_fused_fill_is_one_launch_with_the_torch_rows(dim: int, monkeypatch):
+    s = _storage(dim)
+    nt = len(s.specs)
+    keys = _keys(30_000, seed=dim).to(DEVICE)
+    g = torch.Generator().manual_seed(dim)
+    tids = torch.randint(0, nt, (keys.numel(),), generator=g).to(DEVICE)
+    with_adm = [t for t in range(nt) if s.admission_init[t] is not None]
+    pick = torch.randint(0, len(with_adm), (keys.numel(),), generator=g)
+    adm_tids = torch.tensor(with_adm)[pick].to(DEVICE)
+    both = [*s.init, *s.admission_init]  # table t + nt: admission value of table t
+    both_tids = torch.where(keys % 2 == 0, tids, adm_tids + nt)
+    cases = [
+        (s.init, tids),
+        (s.eval_init, tids),
+        (s.admission_init, adm_tids),
+        (both, both_tids),
+        (s.init, tids[:1]),
+    ]
+    launches = []
+    real_launch = rt.launch
+
+    def launch(name: str, *args, **kwargs) -> None:
+        launches.append(name)
+        real_launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(rt, "launch", launch)
+    for inits, t in cases:
+        k = keys[: t.numel()]
+        with cuda.disabled():
+            want = s._fill(inits, k, t)
+        before = len(launches)
+        got = s._fill(inits, k, t)
+        assert launches[before:] == ["kd_initial_rows"]
+        assert torch.equal(got, want)
+        assert torch.equal(s._fill(inits, k, t), want)  # with the cached parameters
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tids", ["none", "zero", "small", "large", "int32"])
+def test_fingerprint_kernel_matches_torch(tids: str):
+    keys = _keys(50_000, seed=7).to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    n = keys.numel()
+    t = {
+        "none": None,
+        "zero": torch.zeros(n, dtype=torch.int64),
+        "small": torch.randint(0, 12, (n,), generator=g),
+        "large": torch.randint(0, 2**31, (n,), generator=g),
+        "int32": torch.randint(0, 2**31 - 1, (n,), generator=g, dtype=torch.int32),
+    }[tids]
+    t = None if t is None else t.to(DEVICE)
+    with cuda.disabled():
+        want = fingerprint(keys, t)
+    direct = keyed.fingerprint(keys, t)
+    got = fingerprint(keys, t)
+    assert got.dtype == want.dtype == torch.int64
+    assert torch.equal(direct, want) and torch.equal(got, want)
+    # 2-D and non-contiguous inputs, and no keys
+    k2 = keys[: 2 * 1000].view(1000, 2).t()
+    t2 = None if t is None else t[: 2 * 1000].view(1000, 2).t()
+    with cuda.disabled():
+        want2 = fingerprint(k2, t2)
+    assert torch.equal(fingerprint(k2, t2), want2)
+    assert fingerprint(keys[:0], None if t is None else t[:0]).shape == (0,)
