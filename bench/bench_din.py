@@ -4,10 +4,26 @@
 
 Sequence lengths follow the Taobao click-history shape: mean ~3.8, many empty rows, a long tail
 up to 100 (a geometric body mixed with a log-uniform tail, see :func:`sample_lengths`). The padded
-DIN pads to ``--max-len`` (100: tzrec pads to the configured sequence length). Times are the
-median of ``--repeats`` timed runs after ``--warmup`` runs; on CUDA every run is bracketed by
-``torch.cuda.synchronize``. Weights are shared between the two DINs, and the JSON records their
-max output difference as a sanity check.
+DIN pads to ``--max-len`` (100: tzrec pads to the configured sequence length).
+
+DIN variants, all on the training layout (U == B, one user row per sample) with the same weights:
+
+- ``padded``: tzrec's padded DIN (the baseline);
+- ``jagged``: :class:`JaggedDIN`'s general path, given ``user_index = arange(B)`` (what serving
+  exports: pair expansion, one host sync for the pair count);
+- ``jagged_fast``: the training fast path, ``user_index=None`` (no sync, no expansion, custom
+  autograd nodes for the pair features and the segment softmax pooling);
+- ``jagged_compiled``: the fast path under ``torch.compile`` (dynamic shapes, no CUDA graphs);
+  on by default on CUDA only (``--compile``).
+
+Times are the median of ``--repeats`` timed runs after ``--warmup`` runs (the first compiled run
+compiles); on CUDA every run is bracketed by ``torch.cuda.synchronize`` (latency of one step).
+``steady_ms`` is the mean of ``--repeats`` back-to-back steps with one synchronize at the end
+(throughput, host and device overlapping as in training). ``agreement`` holds each jagged
+variant's max abs difference to the general path in output and gradients (query, sequence and
+every parameter), and the padded one's output difference. ``profile`` counts, for one step of
+each variant, the operator calls issued from Python/autograd, the autograd nodes run and (CUDA)
+the device kernels launched.
 """
 
 from __future__ import annotations
@@ -48,23 +64,34 @@ def sample_lengths(n: int, mean: float, max_len: int, gen: torch.Generator) -> t
     return torch.where(pick_tail, tail, body).clamp(0, max_len).to(torch.int64)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_runs(
     step: Callable[[], None], repeats: int, warmup: int, device: torch.device
 ) -> list[float]:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for _ in range(warmup):
         step()
     times = []
     for _ in range(repeats):
-        sync()
+        _sync(device)
         start = time.perf_counter()
         step()
-        sync()
+        _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def steady_ms(step: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """Mean time of ``repeats`` back-to-back steps, one synchronize at the end."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3 / repeats
 
 
 def summary(times: list[float]) -> dict[str, object]:
@@ -75,46 +102,196 @@ def summary(times: list[float]) -> dict[str, object]:
     }
 
 
+VIEW_OPS = {
+    "aten::alias",
+    "aten::as_strided",
+    "aten::detach",
+    "aten::expand",
+    "aten::expand_as",
+    "aten::narrow",
+    "aten::permute",
+    "aten::select",
+    "aten::slice",
+    "aten::split",
+    "aten::squeeze",
+    "aten::t",
+    "aten::transpose",
+    "aten::unsqueeze",
+    "aten::view",
+    "aten::_reshape_alias",
+    "aten::reshape",
+    "aten::promote_types",
+    "aten::result_type",
+    "aten::to",
+}
+
+
+def profile_step(step: Callable[[], None], device: torch.device) -> dict[str, object]:
+    """Operator calls, autograd nodes and device kernels of one step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    try:
+        _sync(device)
+        with profile(activities=activities) as prof:
+            step()
+            _sync(device)
+    except Exception as err:  # noqa: BLE001 - profiling is diagnostics only
+        return {"error": repr(err)}
+
+    def outermost_aten(event: object) -> bool:
+        parent = getattr(event, "cpu_parent", None)
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    events = list(prof.events())
+    calls = [e.name for e in events if e.name.startswith("aten::") and outermost_aten(e)]
+    out: dict[str, object] = {
+        "aten_calls": len(calls),  # outermost aten ops: one dispatch each from Python/autograd
+        "aten_calls_no_views": sum(1 for n in calls if n not in VIEW_OPS),
+        "autograd_nodes": sum(1 for e in events if e.name.startswith("autograd::engine::")),
+        "host_syncs": sum(1 for n in calls if n in ("aten::item", "aten::_local_scalar_dense")),
+    }
+    if device.type == "cuda":  # kernels, memcpys and memsets on the device
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["cuda_kernels"] = len(kernels)
+        out["cuda_kernel_ms"] = sum(getattr(e, "device_time", 0.0) for e in kernels) / 1e3
+    return out
+
+
+def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """max |a - b|; inf when only one is None."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def _max_abs(a: torch.Tensor | None) -> float:
+    return float(a.abs().max()) if a is not None and a.numel() else 0.0
+
+
 def bench_din(
-    lengths: torch.Tensor, device: torch.device, max_len: int, repeats: int, warmup: int
+    lengths: torch.Tensor,
+    device: torch.device,
+    max_len: int,
+    repeats: int,
+    warmup: int,
+    compile_fast_path: bool = False,
 ) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1)
     b, t = lengths.numel(), int(lengths.sum())
     jagged = JaggedDIN(DIM, ATTN_UNITS).to(device)
     padded = PaddedDIN(DIM, ATTN_UNITS, max_length=max_len).to(device)
     padded.load_state_dict(jagged.state_dict())
+    compiled = JaggedDIN(DIM, ATTN_UNITS).to(device)
+    compiled.load_state_dict(jagged.state_dict())
+    compiled.compile_fast_path = True
     q = torch.randn(b, DIM, generator=gen).to(device).requires_grad_()
     s = torch.randn(t, DIM, generator=gen).to(device).requires_grad_()
     lens, ui = lengths.to(device), torch.arange(b, device=device)
-    outputs: dict[str, torch.Tensor] = {}
+    # name -> (module, user_index): None is the training fast path
+    variants: dict[str, tuple[torch.nn.Module, torch.Tensor | None]] = {
+        "jagged": (jagged, ui),
+        "padded": (padded, ui),
+        "jagged_fast": (jagged, None),
+    }
+    if compile_fast_path:
+        variants["jagged_compiled"] = (compiled, None)
+    outputs: dict[str, dict[str, torch.Tensor | None]] = {}
 
-    def step_of(name: str, module: torch.nn.Module) -> Callable[[], None]:
+    def step_of(name: str, keep: bool = False) -> Callable[[], None]:
+        module, user_index = variants[name]
+
         def step() -> None:
             module.zero_grad(set_to_none=True)
             q.grad, s.grad = None, None
-            out = module(q, s, lens, ui)  # [B, D]
+            out = module(q, s, lens, user_index)  # [B, D]
             out.square().sum().backward()
-            outputs[name] = out.detach()
+            if keep:  # outside the timed runs: output and gradients for the agreement check
+                grads: dict[str, torch.Tensor | None] = {"out": out.detach()}
+                grads.update({"query": q.grad, "seq_values": s.grad})
+                grads.update({n: p.grad for n, p in module.named_parameters()})
+                outputs[name] = grads
 
         return step
 
     result: dict[str, object] = {}
-    for name, module in (("jagged", jagged), ("padded", padded)):
-        result[name] = summary(time_runs(step_of(name, module), repeats, warmup, device))
-    jag_ms = result["jagged"]["median_ms"]  # type: ignore[index]
-    pad_ms = result["padded"]["median_ms"]  # type: ignore[index]
-    result["padded_over_jagged"] = pad_ms / jag_ms  # ratio of medians
-    result["padded_over_jagged_min"] = (
-        result["padded"]["min_ms"] / result["jagged"]["min_ms"]  # type: ignore[index]
+    profiles: dict[str, object] = {}
+    for name in variants:
+        step = step_of(name)
+        timed = summary(time_runs(step, repeats, warmup, device))
+        timed["steady_ms"] = steady_ms(step, repeats, device)
+        result[name] = timed
+        profiles[name] = profile_step(step, device)
+        step_of(name, keep=True)()
+
+    def ms(name: str, key: str) -> float:
+        return result[name][key]  # type: ignore[index,no-any-return]
+
+    for name in variants:
+        if name.startswith("jagged"):
+            suffix = name[len("jagged") :]
+            result[f"padded_over_jagged{suffix}"] = ms("padded", "median_ms") / ms(
+                name, "median_ms"
+            )
+            result[f"padded_over_jagged{suffix}_min"] = ms("padded", "min_ms") / ms(name, "min_ms")
+            result[f"padded_over_jagged{suffix}_steady"] = ms("padded", "steady_ms") / ms(
+                name, "steady_ms"
+            )
+    result["max_abs_diff"] = _max_diff(outputs["jagged"]["out"], outputs["padded"]["out"])
+    ref = outputs["jagged"]
+    params = [k for k in ref if k not in ("out", "query", "seq_values")]
+    agreement: dict[str, object] = {"padded_out": result["max_abs_diff"]}
+    for name in variants:
+        if name.startswith("jagged_"):
+            got = outputs[name]
+            agreement[name] = {
+                "out": _max_diff(ref["out"], got["out"]),
+                "grad_query": _max_diff(ref["query"], got["query"]),
+                "grad_seq_values": _max_diff(ref["seq_values"], got["seq_values"]),
+                "grad_params": max(_max_diff(ref[k], got[k]) for k in params),
+                # over the largest parameter gradient entry (per tensor would divide by ~0:
+                # the softmax makes attn_out.bias's true gradient exactly zero)
+                "grad_params_relative": max(_max_diff(ref[k], got[k]) for k in params)
+                / max(max(_max_abs(ref[k]) for k in params), 1e-30),
+            }
+
+    # fp32 with sums in another order: outputs to 1e-4, gradients to 1e-3 of their scale
+    def agrees(a: dict[str, float]) -> bool:
+        return (
+            a["out"] < 1e-4
+            and a["grad_params_relative"] < 1e-3
+            and a["grad_query"] < 1e-3 * max(_max_abs(ref["query"]), 1.0)
+            and a["grad_seq_values"] < 1e-3 * max(_max_abs(ref["seq_values"]), 1.0)
+        )
+
+    result["agree"] = result["max_abs_diff"] < 1e-4 and all(  # type: ignore[operator]
+        agrees(a)  # type: ignore[arg-type]
+        for n, a in agreement.items()
+        if n != "padded_out"
     )
-    result["max_abs_diff"] = float((outputs["jagged"] - outputs["padded"]).abs().max())
+    result["agreement"] = agreement
+    result["profile"] = profiles
     return result
 
 
 def bench_dense_arch(
-    lengths: torch.Tensor, device: torch.device, repeats: int, warmup: int
-) -> dict[str, object]:
-    """The seed config's dense part, training layout (U == B, user_index = arange)."""
+    lengths: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    compile_fast_path: bool = False,
+) -> dict[str, dict[str, object]]:
+    """The seed config's dense part, training layout (U == B, user_index = arange).
+
+    ``general``: user_index given (as exported); ``fast``: ``user_index=None``;
+    ``compiled``: ``fast`` with the DIN's ``compile_fast_path`` (only when asked for).
+    """
     gen = torch.Generator().manual_seed(2)
     b, t = lengths.numel(), int(lengths.sum())
     arch = DenseArch(144, 112, DIM, [512, 256, 128], ATTN_UNITS, [64]).to(device)
@@ -124,16 +301,29 @@ def bench_dense_arch(
         "query": torch.randn(b, DIM, generator=gen),
         "seq_values": torch.randn(t, DIM, generator=gen),
     }
-    x = {k: v.to(device).requires_grad_() for k, v in inputs.items()}
+    x: dict[str, torch.Tensor | None] = {
+        k: v.to(device).requires_grad_() for k, v in inputs.items()
+    }
     x["seq_lengths"], x["user_index"] = lengths.to(device), torch.arange(b, device=device)
     labels = (torch.rand(b, generator=gen) < 0.05).float().to(device)
 
-    def step() -> None:
-        arch.zero_grad(set_to_none=True)
-        logits = arch(**x)  # [B]
-        torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+    def step_of(user_index: torch.Tensor | None) -> Callable[[], None]:
+        def step() -> None:
+            arch.zero_grad(set_to_none=True)
+            logits = arch(**{**x, "user_index": user_index})  # [B]
+            torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
 
-    return summary(time_runs(step, repeats, warmup, device))
+        return step
+
+    out = {
+        "general": summary(time_runs(step_of(x["user_index"]), repeats, warmup, device)),
+        "fast": summary(time_runs(step_of(None), repeats, warmup, device)),
+    }
+    if compile_fast_path:
+        arch.din.compile_fast_path = True
+        out["compiled"] = summary(time_runs(step_of(None), repeats, warmup, device))
+        arch.din.compile_fast_path = False
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -146,9 +336,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--repeats", type=int, default=None, help="default: 20 on cuda, 5 on cpu")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="time the torch.compile'd fast path too (auto: on CUDA only)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    repeats = args.repeats or (20 if device.type == "cuda" else 5)
+    repeats = args.repeats or (30 if device.type == "cuda" else 5)
+    compile_din = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)
 
     lengths = sample_lengths(
@@ -174,9 +371,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "total_elements": int(lengths.sum()),
             "padded_elements": args.batch * args.max_len,
         },
-        "din_forward_backward": bench_din(lengths, device, args.max_len, repeats, args.warmup),
-        "dense_arch_forward_backward": bench_dense_arch(lengths, device, repeats, args.warmup),
+        "din_forward_backward": bench_din(
+            lengths, device, args.max_len, repeats, args.warmup, compile_din
+        ),
     }
+    dense = bench_dense_arch(lengths, device, repeats, args.warmup, compile_din)
+    result["dense_arch_forward_backward"] = dense["general"]  # user_index given, as exported
+    result["dense_arch_forward_backward_fast"] = dense["fast"]  # user_index=None (training)
+    if "compiled" in dense:
+        result["dense_arch_forward_backward_compiled"] = dense["compiled"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

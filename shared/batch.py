@@ -12,6 +12,9 @@ candidate ads (user tiling) and training uses the same structure with one user r
 - ``user_index``: [B] int64, the user row of each candidate row (``arange(B)`` in training).
 - ``labels``: [B] float32 (None when serving); ``oracle``: [B] float32 true click probability
   (synthetic data only, for evaluation).
+- ``rows_are_users``: a host-side promise that ``user_index`` is ``arange(B)`` (U == B), set by
+  training feature generation; the training step then takes the DIN's sync-free path
+  (``JaggedDIN.forward(user_index=None)``) without reading the tensor back.
 Keys follow the FeatureSet's feature order. Ids are already transformed (mod / hash / bucket /
 raw dynamic id), so the model only looks them up.
 """
@@ -32,6 +35,7 @@ class Batch:
     user_index: torch.Tensor  # [B] int64 in [0, U)
     labels: torch.Tensor | None = None  # [B] float32
     oracle: torch.Tensor | None = None  # [B] float32
+    rows_are_users: bool = False  # user_index is arange(B): see the module docstring
 
     @property
     def batch_size(self) -> int:

@@ -454,6 +454,7 @@ def table_to_batch(
         user_index=torch.arange(n, dtype=torch.int64),
         labels=labels,
         oracle=oracle,
+        rows_are_users=True,
     )
     if stats is not None:
         stats.rows += n

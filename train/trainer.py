@@ -95,13 +95,17 @@ def build_optimizers(
         raise ValueError("train_config.dense_optimizer: only adam_optimizer is implemented")
     adam = dense_cfg.adam_optimizer
     ada = sparse_adagrad(config)
+    params = list(model.dense.parameters())
+    # on CUDA one fused kernel updates every dense parameter (foreach: several per tensor list)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return {
         "dense": torch.optim.Adam(
-            model.dense.parameters(),
+            params,
             lr=adam.lr,
             betas=(adam.beta1, adam.beta2),
             eps=adam.eps,
             weight_decay=adam.weight_decay,
+            fused=fused or None,
         ),
         "sparse": torch.optim.Adagrad(
             list(model.sparse.dense_parameters()),
@@ -132,7 +136,11 @@ def train_step(
     for opt in optimizers.values():
         opt.zero_grad(set_to_none=True)
     pooled, sequences = model.sparse(batch)  # fp32 embeddings
-    inputs = assemble_dense_inputs(model.fs, batch, pooled, sequences)
+    inputs: dict[str, torch.Tensor | None] = dict(
+        assemble_dense_inputs(model.fs, batch, pooled, sequences)
+    )
+    if batch.rows_are_users:  # the DIN's path without a host sync (train.model.din)
+        inputs["user_index"] = None
     dense = model.dense if sync is None else sync.dense
     with _amp_context(amp, device):
         logits = dense(**inputs)  # [B]

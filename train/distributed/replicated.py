@@ -18,9 +18,11 @@ gradient is *summed* over ranks (never averaged):
     if densified): each rank's coalesced (row, value) pairs are all-gathered (sizes first, then
     the padded pairs) and summed, so the traffic follows the rows the batch touched.
 
-  Either way each table gets back a row-sparse gradient, so ``torch.optim.Adagrad`` takes the
-  same sparse path as in one process. Rows whose summed gradient is exactly zero may be left
-  out: for Adagrad such a row's update is zero either way.
+  Either way each table gets back a gradient of the kind it had (small tables have dense
+  gradients, see :func:`train.model.sparse_arch.uses_sparse_grad`; large ones row-sparse), so
+  ``torch.optim.Adagrad`` takes the same path as in one process. Rows whose summed gradient is
+  exactly zero may be left out of a row-sparse one: for Adagrad such a row's update is zero
+  either way.
 
 Replicas start equal (the model is built from the same seed on every rank; DDP also broadcasts
 rank 0's dense weights, and :class:`GradSync` broadcasts the tables) and stay equal because
@@ -108,10 +110,15 @@ def _sum_dense(weights: list[torch.Tensor]) -> None:
     dense = [
         (torch.zeros_like(w) if w.grad is None else w.grad.to_dense()).reshape(-1) for w in weights
     ]
+    keep_dense = [w.grad is not None and not w.grad.is_sparse for w in weights]
     flat = torch.cat(dense)  # [Σ rows × dim]
     dist.all_reduce(flat)
-    for w, g in zip(weights, torch.split(flat, [w.numel() for w in weights]), strict=True):
+    sizes = [w.numel() for w in weights]
+    for w, g, as_dense in zip(weights, torch.split(flat, sizes), keep_dense, strict=True):
         g = g.view_as(w)  # [rows, dim]
+        if as_dense:  # a dense-gradient table (train.model.sparse_arch.uses_sparse_grad)
+            w.grad = g
+            continue
         rows = torch.nonzero(g.ne(0).any(1)).squeeze(1)
         _set_grad(w, rows, g.index_select(0, rows))
 

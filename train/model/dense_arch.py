@@ -11,6 +11,10 @@ once for all of its candidate rows (user tiling; in training U == B and user_ind
     user_index  [B] int64 user row of each candidate row
     -> logits   [B]
 
+Training may pass ``user_index=None`` to the module (not to the exported program) to say that
+every candidate row is its own user (U == B, ``user_index = arange(B)``): the same function,
+computed without the DIN's host sync and pair expansion (:meth:`JaggedDIN.forward_own_users`).
+
 :func:`shared.dense_inputs.dense_layout` says which features go where and their widths, and
 :func:`shared.dense_inputs.assemble_dense_inputs` builds these inputs from looked-up embeddings.
 :func:`export_dense_arch` turns the module into a ``torch.export`` program with dynamic U, B and
@@ -195,11 +199,20 @@ class DenseArch(nn.Module):
         query: torch.Tensor,
         seq_values: torch.Tensor,
         seq_lengths: torch.Tensor,
-        user_index: torch.Tensor,
+        user_index: torch.Tensor | None,
     ) -> torch.Tensor:
         # user_deep: [U, Du]; item_deep: [B, Di]; query: [B, Dq]; seq_values: [T, Dq]
-        # seq_lengths: [U] int64; user_index: [B] int64
-        deep_in = torch.cat([user_deep[user_index], item_deep], dim=1)  # [B, Du + Di]
+        # seq_lengths: [U] int64; user_index: [B] int64, or None for arange(B) (training,
+        # U == B: the DIN's fast path, no host sync; see JaggedDIN.forward_own_users)
+        if user_index is None:
+            if user_deep.shape[0] != item_deep.shape[0]:
+                raise ValueError(
+                    f"user_index=None means one user per candidate row, but there are "
+                    f"{user_deep.shape[0]} user rows for {item_deep.shape[0]} candidate rows"
+                )
+            deep_in = torch.cat([user_deep, item_deep], dim=1)  # [B, Du + Di]
+        else:
+            deep_in = torch.cat([user_deep[user_index], item_deep], dim=1)  # [B, Du + Di]
         deep = self.tower(deep_in)  # [B, tower_out]
         din = self.din(query, seq_values, seq_lengths, user_index)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]

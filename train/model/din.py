@@ -14,6 +14,16 @@ exports with :func:`torch.export.export` with dynamic B, U and T: the element co
 candidate/element expansion is data dependent and is carried as an unbacked symbol (see
 :meth:`JaggedDIN.forward`).
 
+Training fast path: in training every candidate row is its own user (``U == B``,
+``user_index = arange(B)``). Passing ``user_index=None`` says so, and the forward then needs no
+candidate expansion and no host sync (the pairs are the T sequence elements, in order, so T,
+a static shape, sizes everything). The attention input and the segment softmax + weighted sum
+each run as one autograd node over contiguous segments, with hand-written backwards
+(:class:`SortedPairFeatures`, :class:`SortedSegmentSoftmaxPool`). It computes the same function
+with the same gradients as the general path given ``torch.arange(B)``. ``JaggedDIN.compile_fast_path = True`` additionally runs the fast path
+through ``torch.compile`` (dynamic shapes, no CUDA graphs; meant for CUDA training, off by
+default and never used by export, which always traces the general path).
+
 :class:`PaddedDIN` is tzrec's ``DINEncoder`` on padded tensors, kept only for tests and
 benchmarks. Both share :class:`DINAttention`'s parameters, so
 ``padded.load_state_dict(jagged.state_dict())`` gives the same function.
@@ -21,7 +31,8 @@ benchmarks. Both share :class:`DINAttention`'s parameters, so
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -53,7 +64,11 @@ class DINAttention(nn.Module):
     def score(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         # q, s: [..., D] (aligned pairs)
         x = torch.cat([q, s, q - s, q * s], dim=-1)  # [..., 4D]
-        return self.attn_out(self.attn_mlp(x)).squeeze(-1)  # [...]
+        return self.score_features(x)  # [...]
+
+    def score_features(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., 4D] attention input [q, s, q-s, q*s] -> [...] one score each
+        return self.attn_out(self.attn_mlp(x)).squeeze(-1)
 
     def pair_scores(
         self,
@@ -94,6 +109,118 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, dim=0) - x
 
 
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    # lengths: [B] -> [B + 1], offsets[i] = sum(lengths[:i]); no host sync
+    return torch.nn.functional.pad(torch.cumsum(lengths, dim=0), (1, 0))
+
+
+class SortedPairFeatures(torch.autograd.Function):
+    """DIN's attention input ``[q[seg], s, q[seg] - s, q[seg] * s]`` [T, 4D] for sorted ``seg``.
+
+    One autograd node instead of four (gather, sub, mul, cat) and their gradient sums; the
+    query gradient is a :func:`torch.segment_reduce` sum over each candidate's contiguous
+    elements (deterministic, no atomics)::
+
+        d s     = g_s - g_d + g_p * q[seg]
+        d q[b]  = sum over b's elements of (g_q + g_d + g_p * s)
+
+    with ``g_q, g_s, g_d, g_p`` the four [T, D] blocks of the output gradient.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        query: torch.Tensor,
+        values: torch.Tensor,
+        seg: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        # query: [B, D]; values: [T, D]; seg: [T] int64 sorted; offsets: [B + 1] int64
+        q = query.index_select(0, seg)  # [T, D]
+        ctx.save_for_backward(q, values, offsets)
+        return torch.cat([q, values, q - values, q * values], dim=1)  # [T, 4D]
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        # grad: [T, 4D]
+        q, values, offsets = ctx.saved_tensors  # type: ignore[attr-defined]
+        need_query, need_values = ctx.needs_input_grad[:2]  # type: ignore[attr-defined]
+        g_q, g_s, g_d, g_p = grad.split(values.shape[1], dim=1)  # 4 x [T, D]
+        g_query = g_values = None
+        if need_query:
+            if values.shape[0] == 0:  # static shape; segment_reduce wants data
+                g_query = q.new_zeros(offsets.shape[0] - 1, q.shape[1])  # [B, D]
+            else:
+                per_pair = torch.addcmul(g_q, g_p, values).add_(g_d)  # [T, D]
+                g_query = torch.segment_reduce(per_pair, "sum", offsets=offsets, unsafe=True)
+        if need_values:
+            g_values = torch.addcmul(g_s, g_p, q).sub_(g_d)  # [T, D]
+        return g_query, g_values, None, None
+
+
+class SortedSegmentSoftmaxPool(torch.autograd.Function):
+    """``out[b] = sum_i softmax(scores[seg == b])_i * values[i]`` for contiguous segments.
+
+    ``seg`` [T] is sorted (segment b holds rows ``offsets[b]:offsets[b+1]``), as in the training
+    fast path. One autograd node instead of the ~12 of the per-op version; the segment max and
+    sums use :func:`torch.segment_reduce` on ``offsets`` (no atomics, deterministic, no host
+    sync). With ``w`` the softmax weights and ``g`` the output gradient the backward is::
+
+        d values[i] = w_i * g[seg_i]
+        gw_i        = <g[seg_i], values[i]>
+        d scores[i] = w_i * gw_i - w_i * sum_{j in seg_i} w_j gw_j
+
+    Empty segments give zero rows and T = 0 gives all zeros. The weights are computed in
+    ``scores``' dtype (>= fp32) and cast to ``values``' dtype for the weighted sum, as in
+    :class:`JaggedDIN`'s general path.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        scores: torch.Tensor,
+        values: torch.Tensor,
+        seg: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        # scores: [T] float; values: [T, D]; seg: [T] int64 sorted; offsets: [B + 1] int64
+        if values.shape[0] == 0:  # static shape: no sync (segment_reduce wants data)
+            ctx.save_for_backward(scores, values, seg, offsets)  # scores: [0], stands in for w
+            return values.new_zeros(offsets.shape[0] - 1, values.shape[1])  # [B, D]
+        seg_max = torch.segment_reduce(scores, "max", offsets=offsets, unsafe=True)  # [B]
+        w = (scores - seg_max.index_select(0, seg)).exp_()  # [T]
+        denom = torch.segment_reduce(w, "sum", offsets=offsets, unsafe=True)  # [B]
+        w = w.div_(denom.index_select(0, seg))  # [T] softmax weights
+        ctx.save_for_backward(w, values, seg, offsets)
+        weighted = w.to(values.dtype).unsqueeze(1) * values  # [T, D]
+        return torch.segment_reduce(weighted, "sum", offsets=offsets, unsafe=True)  # [B, D]
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        # grad: [B, D]
+        w, values, seg, offsets = ctx.saved_tensors  # type: ignore[attr-defined]
+        need_scores, need_values = ctx.needs_input_grad[:2]  # type: ignore[attr-defined]
+        if values.shape[0] == 0:
+            return (
+                torch.zeros_like(w) if need_scores else None,
+                torch.zeros_like(values) if need_values else None,
+                None,
+                None,
+            )
+        g = grad.index_select(0, seg)  # [T, D] output gradient of each element's segment
+        g_values = g * w.to(values.dtype).unsqueeze(1) if need_values else None  # [T, D]
+        g_scores = None
+        if need_scores:
+            wgw = torch.linalg.vecdot(g, values, dim=1).to(w.dtype).mul_(w)  # [T] w_i * gw_i
+            seg_sum = torch.segment_reduce(wgw, "sum", offsets=offsets, unsafe=True)  # [B]
+            g_scores = torch.addcmul(wgw, w, seg_sum.index_select(0, seg), value=-1)  # [T]
+        return g_scores, g_values, None, None
+
+
 class JaggedDIN(DINAttention):
     """DIN over jagged sequences, one sequence per user, shared by that user's candidate rows.
 
@@ -107,14 +234,20 @@ class JaggedDIN(DINAttention):
         out[1]                             # zeros
     """
 
+    # Run the training fast path (user_index=None) through torch.compile; see the module doc.
+    compile_fast_path: bool = False
+
     def forward(
         self,
         query: torch.Tensor,
         seq_values: torch.Tensor,
         seq_lengths: torch.Tensor,
-        user_index: torch.Tensor,
+        user_index: torch.Tensor | None,
     ) -> torch.Tensor:
-        # query: [B, D]; seq_values: [T, D]; seq_lengths: [U] int64, sum = T; user_index: [B] int64
+        # query: [B, D]; seq_values: [T, D]; seq_lengths: [U] int64, sum = T
+        # user_index: [B] int64, or None for arange(B) (training: U == B)
+        if user_index is None:
+            return self.forward_own_users(query, seq_values, seq_lengths)
         self._check(query, seq_values)
         b = query.shape[0]
         user_start = _exclusive_cumsum(seq_lengths)  # [U] first element of each user
@@ -150,6 +283,59 @@ class JaggedDIN(DINAttention):
 
         out = torch.zeros(b, s.shape[1], dtype=s.dtype, device=s.device)  # [B, D]
         return out.index_add(0, seg, w.unsqueeze(1) * s)  # [B, D]; empty rows stay 0
+
+    def forward_own_users(
+        self, query: torch.Tensor, seq_values: torch.Tensor, seq_lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Training fast path: candidate row b's sequence is user b's (``user_index = arange(B)``).
+
+        The (candidate, element) pairs are then the T elements themselves in order, segment b
+        being rows ``offsets[b]:offsets[b+1]`` of ``seq_values``: no pair expansion, no host
+        sync. Same result and gradients as ``forward(..., torch.arange(B))``.
+        """
+        # query: [B, D]; seq_values: [T, D]; seq_lengths: [B] int64, sum = T
+        self._check(query, seq_values)
+        if seq_lengths.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"user_index=None means one user per candidate row, but there are "
+                f"{seq_lengths.shape[0]} sequences for {query.shape[0]} candidate rows"
+            )
+        if self.compile_fast_path and not torch.compiler.is_compiling():
+            return _compiled_own_users()(self, query, seq_values, seq_lengths)
+        seg = torch.repeat_interleave(seq_lengths, output_size=seq_values.shape[0])  # [T]
+        offsets = _offsets(seq_lengths)  # [B + 1]
+        x = SortedPairFeatures.apply(query, seq_values, seg, offsets)  # [T, 4D]
+        scores = self.score_features(x)  # [T]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # >= fp32 (autocast)
+        pooled = SortedSegmentSoftmaxPool.apply(scores, seq_values, seg, offsets)
+        return cast(torch.Tensor, pooled)  # [B, D]
+
+    def _own_users_plain(
+        self, query: torch.Tensor, seq_values: torch.Tensor, seq_lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """The fast path in plain differentiable ops, for torch.compile to fuse (no custom node)."""
+        # query: [B, D]; seq_values: [T, D]; seq_lengths: [B] int64, sum = T
+        b = query.shape[0]
+        seg = torch.repeat_interleave(seq_lengths, output_size=seq_values.shape[0])  # [T]
+        scores = self.score(query[seg], seq_values)  # [T]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        seg_max = torch.full((b,), float("-inf"), dtype=scores.dtype, device=scores.device)
+        seg_max = seg_max.scatter_reduce(0, seg, scores.detach(), reduce="amax")  # [B]
+        e = torch.exp(scores - seg_max[seg])  # [T]
+        denom = torch.zeros(b, dtype=e.dtype, device=e.device).index_add(0, seg, e)  # [B]
+        w = (e / denom[seg]).to(seq_values.dtype)  # [T]
+        out = torch.zeros(b, seq_values.shape[1], dtype=seq_values.dtype, device=query.device)
+        return out.index_add(0, seg, w.unsqueeze(1) * seq_values)  # [B, D]
+
+
+@functools.cache
+def _compiled_own_users() -> Callable[..., torch.Tensor]:
+    """``JaggedDIN._own_users_plain`` under torch.compile (dynamic B and T, default mode: no CUDA
+    graphs), built on first use; the module is an argument, so copies of a module never call
+    into another one's parameters."""
+    return cast(
+        Callable[..., torch.Tensor], torch.compile(JaggedDIN._own_users_plain, dynamic=True)
+    )
 
 
 class PaddedDIN(DINAttention):
@@ -189,10 +375,12 @@ class PaddedDIN(DINAttention):
         query: torch.Tensor,
         seq_values: torch.Tensor,
         seq_lengths: torch.Tensor,
-        user_index: torch.Tensor,
+        user_index: torch.Tensor | None,
     ) -> torch.Tensor:
-        # query: [B, D]; seq_values: [T, D]; seq_lengths: [U]; user_index: [B]
+        # query: [B, D]; seq_values: [T, D]; seq_lengths: [U]; user_index: [B] (None: arange(B))
         self._check(query, seq_values)
+        if user_index is None:  # every row its own user (training), as JaggedDIN accepts
+            user_index = torch.arange(query.shape[0], device=query.device)
         seq = self.pad(seq_values, seq_lengths)[user_index]  # [B, L, D]
         lengths = seq_lengths[user_index]  # [B]
         length = seq.shape[1]

@@ -218,3 +218,28 @@ def test_program_loads_and_runs_without_fbgemm_or_torchrec(
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=120)
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), small_arch(**x))
+
+
+@pytest.mark.parametrize("lengths", [[4, 0, 100, 1, 2, 0, 9], [0, 0, 0], [3]])
+def test_training_fast_path_equals_general_path(lengths: list[int]) -> None:
+    """user_index=None (training: one user per row) gives the logits and gradients of
+    user_index=arange(B), in train mode, and leaves the exported program's inputs alone."""
+    torch.manual_seed(3)
+    arch = DenseArch(24, 20, 12, [32, 16], [16, 8], [8]).double().train()
+    gen = torch.Generator().manual_seed(4)
+    x = inputs(arch, gen, lengths, list(range(len(lengths))))
+    results = []
+    for user_index in (x["user_index"], None):
+        leaves = {k: v.double().requires_grad_() for k, v in x.items() if v.is_floating_point()}
+        arch.zero_grad()
+        logits = arch(**leaves, seq_lengths=x["seq_lengths"], user_index=user_index)
+        (logits * torch.linspace(-1, 1, len(lengths), dtype=torch.float64)).sum().backward()
+        named = {k: v.grad for k, v in leaves.items()}
+        named.update({n: p.grad for n, p in arch.named_parameters()})
+        results.append((logits.detach(), named))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="one user per candidate row"):
+        arch(**{**x, "user_deep": x["user_deep"].repeat(2, 1), "user_index": None})

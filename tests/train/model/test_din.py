@@ -1,13 +1,16 @@
 """JaggedDIN against tzrec's padded DIN: same weights, same outputs and gradients; user tiling;
-torch.export with dynamic sizes."""
+torch.export with dynamic sizes; the training fast path (user_index=None) against the general
+path, eager and compiled."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 from torch.export import Dim
 
-from train.model.din import JaggedDIN, PaddedDIN
+from train.model.din import JaggedDIN, PaddedDIN, SortedPairFeatures, SortedSegmentSoftmaxPool
 
 D = 48
 ATTN = [32, 16]  # smaller than the config's [256, 64]: the math is the same, the test is faster
@@ -47,7 +50,11 @@ def pair(
 
 
 def grads(
-    module: torch.nn.Module, q: torch.Tensor, s: torch.Tensor, lens: torch.Tensor, ui: torch.Tensor
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    lens: torch.Tensor,
+    ui: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     q, s = q.clone().requires_grad_(), s.clone().requires_grad_()
     module.zero_grad()
@@ -184,3 +191,156 @@ def test_split_first_layer_scores_equal_the_concatenated_input() -> None:
     seg, elem = torch.randint(0, 5, (30,)), torch.randint(0, 7, (30,))
     s = sv[elem]
     torch.testing.assert_close(din.pair_scores(q, sv, seg, elem, s), din.score(q[seg], s))
+
+
+# --------------------------------------------------------------------------- training fast path
+
+
+def fast_and_general(
+    jagged: JaggedDIN, q: torch.Tensor, s: torch.Tensor, lens: torch.Tensor
+) -> tuple[
+    tuple[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]:
+    """(output, gradients) of user_index=None and of user_index=arange(B)."""
+    return grads(jagged, q, s, lens, None), grads(jagged, q, s, lens, torch.arange(len(lens)))
+
+
+def assert_same(
+    got: tuple[torch.Tensor, dict[str, torch.Tensor]],
+    want: tuple[torch.Tensor, dict[str, torch.Tensor]],
+    rtol: float = 1e-10,
+    atol: float = 1e-12,
+) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert got[1][name] is not None, name
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_fast_path_equals_general_path(seed: int) -> None:
+    """user_index=None (one user per row, no sync) = general path with arange: output and
+    gradients of every parameter, the query and the sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    jagged, padded = pair()
+    batch = jagged_batch(gen, random_lengths(gen, 24))
+    q, s, lens, _ = batch
+    assert (lens == 0).any() and (lens > 0).any()
+    fast, general = fast_and_general(jagged, q, s, lens)
+    assert_same(fast, general)
+    assert fast[0][lens == 0].abs().max() == 0
+    assert_same(fast, grads(padded, *batch), rtol=1e-9)  # and tzrec's padded DIN
+
+
+@pytest.mark.parametrize("lengths", [[0, 0, 0], [], [0], [0, 1, 0], [1]])
+def test_fast_path_empty_sequences(lengths: list[int]) -> None:
+    """All-empty (T = 0), no rows at all (B = 0), single rows: zeros where empty, same grads."""
+    gen = torch.Generator().manual_seed(8)
+    jagged, _ = pair()
+    q, s, lens, _ = jagged_batch(gen, lengths)
+    fast, general = fast_and_general(jagged, q, s, lens)
+    assert fast[0].shape == (len(lengths), D)
+    assert_same(fast, general)
+    assert not fast[0][lens == 0].any()
+
+
+def test_fast_path_long_sequences() -> None:
+    """Long sequences (past the 100 cap of the config) next to empty and short ones."""
+    gen = torch.Generator().manual_seed(9)
+    jagged, _ = pair()
+    q, s, lens, _ = jagged_batch(gen, [300, 0, 1, 157, 2, 0, 1000, 5])
+    fast, general = fast_and_general(jagged, q, s, lens)
+    assert_same(fast, general, rtol=1e-9, atol=1e-12)
+
+
+def test_fast_path_float32_extreme_scores_and_partial_grads() -> None:
+    """Large scores stay finite; only the query (or only the sequence) needing a gradient."""
+    gen = torch.Generator().manual_seed(10)
+    jagged, _ = pair(torch.float32)
+    q, s, lens, _ = jagged_batch(gen, [3, 1, 0, 7, 40], dtype=torch.float32)
+    out = jagged(q * 200, s * 200, lens, None)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, jagged(q * 200, s * 200, lens, torch.arange(5)))
+    for needs in ("query", "seq_values"):
+        qq = q.clone().requires_grad_(needs == "query")
+        ss = s.clone().requires_grad_(needs == "seq_values")
+        got = torch.autograd.grad(jagged(qq, ss, lens, None).sum(), qq if needs == "query" else ss)
+        want = torch.autograd.grad(
+            jagged(qq, ss, lens, torch.arange(5)).sum(), qq if needs == "query" else ss
+        )
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fast_path_bf16_autocast() -> None:
+    gen = torch.Generator().manual_seed(11)
+    jagged, _ = pair(torch.float32)
+    q, s, lens, ui = jagged_batch(gen, [4, 0, 2, 9], dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, general = jagged(q, s, lens, None), jagged(q, s, lens, ui)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, general, rtol=0.02, atol=0.02)
+
+
+def test_fast_path_rejects_more_users_than_rows() -> None:
+    jagged, _ = pair()
+    q = torch.zeros(2, D, dtype=torch.float64)
+    s = torch.zeros(3, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one user per candidate row"):
+        jagged(q, s, torch.tensor([1, 1, 1]), None)
+
+
+def test_fast_path_custom_functions_gradcheck() -> None:
+    """The hand-written backwards of the two autograd nodes against finite differences."""
+    gen = torch.Generator().manual_seed(12)
+    lens = torch.tensor([2, 0, 3, 1, 0])
+    seg = torch.repeat_interleave(lens, output_size=6)
+    offsets = torch.tensor([0, 2, 2, 5, 6, 6])
+    scores = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    values = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    query = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, v: SortedSegmentSoftmaxPool.apply(a, v, seg, offsets), (scores, values)
+    )
+    assert torch.autograd.gradcheck(
+        lambda qq, v: SortedPairFeatures.apply(qq, v, seg, offsets), (query, values)
+    )
+
+
+def test_fast_path_compiled_equals_general_path() -> None:
+    """compile_fast_path (torch.compile, dynamic shapes): same function and gradients; the
+    flag leaves the general path and export alone."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(13)
+    jagged, _ = pair()
+    jagged.compile_fast_path = True
+    for lengths in (random_lengths(gen, 9), random_lengths(gen, 17), [0, 0], [200, 0, 3]):
+        q, s, lens, _ = jagged_batch(gen, lengths)
+        fast, general = fast_and_general(jagged, q, s, lens)
+        assert_same(fast, general, rtol=1e-9, atol=1e-12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    jagged.eval()
+    example = jagged_batch(gen, [3, 0, 5], [0, 1, 2, 2, 0])
+    users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
+    program = torch.export.export(
+        jagged, example, dynamic_shapes=({0: batch}, {0: total}, {0: users}, {0: batch})
+    )
+    inputs = jagged_batch(gen, [7], [0] * 10)
+    torch.testing.assert_close(program.module()(*inputs), jagged(*inputs))
+
+
+def test_export_traces_the_general_path() -> None:
+    """The exported program (serving: user_index is data) has no fast-path node in it."""
+    gen = torch.Generator().manual_seed(14)
+    jagged, _ = pair(torch.float32)
+    jagged.eval()
+    example = jagged_batch(gen, [3, 0, 5], [0, 1, 2, 2, 0], dtype=torch.float32)
+    users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
+    program = torch.export.export(
+        jagged, example, dynamic_shapes=({0: batch}, {0: total}, {0: users}, {0: batch})
+    )
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert not [t for t in targets if "segment_reduce" in t]
+    assert len(program.graph_signature.user_inputs) == 4  # query, seq_values, lengths, user_index
