@@ -5,6 +5,11 @@ Run it through ``python -m loadtest`` (which builds the pool and reads the resul
     python -m locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 30s -H 127.0.0.1:50051 \\
         --request-pool out/requests.pool --raw-latency-dir out/raw --final-csv out/locust
 
+The pool decides the request format: candidates as ``candidate_columns`` (the default of
+``python -m loadtest`` and ``loadtest.requests.build_request_pool``) or as ``candidates``
+(``--no-columnar`` / ``columnar=False``); the pool header's ``format`` says which, and
+``--request-format`` makes a run refuse a pool of the other format.
+
 Importing locust gevent-patches the process, so this file only ever runs inside a locust process;
 gRPC is made gevent-cooperative (``init_gevent``) before any channel exists.
 """
@@ -68,6 +73,12 @@ def _add_options(parser) -> None:
         "--wait-ms", type=float, default=0.0, help="pause per user between requests"
     )
     parser.add_argument("--rpc-timeout-s", type=float, default=10.0, help="deadline of one Predict")
+    parser.add_argument(
+        "--request-format",
+        default="any",
+        choices=["any", "columnar", "rows"],
+        help="the candidate encoding the pool must hold (its header's format); any: whatever it has",
+    )
 
 
 class _State:
@@ -87,6 +98,12 @@ def _on_init(environment: Environment, **_kwargs) -> None:
     if not opts.request_pool:
         sys.exit("locustfile: --request-pool is required (build one with python -m loadtest)")
     _State.pool = read_pool(opts.request_pool)
+    fmt = _State.pool.info.get("format", "rows")  # pools of before candidate_columns: rows
+    if opts.request_format not in ("any", fmt):
+        sys.exit(
+            f"locustfile: {opts.request_pool} holds {fmt} requests, not {opts.request_format}; "
+            "rebuild it (python -m loadtest --columnar / --no-columnar)"
+        )
     if opts.raw_latency_dir:
         _State.raw = RawLatencyWriter(opts.raw_latency_dir)
 
@@ -121,7 +138,7 @@ def _write_final_csv(**_kwargs) -> None:
 
 
 class PredictUser(User):
-    """One client with its own gRPC channel, sending pooled PredictRequests.
+    """One client with its own gRPC channel and connection, sending pooled PredictRequests.
 
     Attributes:
         host: ``ip:port`` of the PredictionService (locust's ``--host``).
@@ -146,6 +163,10 @@ class PredictUser(User):
             options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                # a connection of its own: channels with equal arguments otherwise share one
+                # (gRPC's global subchannel pool), so every user of a process would send over
+                # one TCP connection, to one server process of several sharing the port
+                ("grpc.use_local_subchannel_pool", 1),
             ],
         )
         # no (de)serializers: the pool holds wire bytes and the response size is its byte length

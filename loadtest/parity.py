@@ -3,7 +3,8 @@
 For each check, one eval row gives the user part (user features, click sequences, context) and
 ``num_candidates`` eval rows give the candidate ads. The same (user, ad) pairs are laid out as
 sample rows and scored from the bundle alone (:func:`serve.offline.score_table`); the gRPC
-answers must match within ``atol``.
+answers must match within ``atol``, with the candidates sent in both encodings (``candidates``
+and ``candidate_columns``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from loadtest.requests import sides_from_metadata, value_types_from_metadata
+from loadtest.requests import columnar_request, sides_from_metadata, value_types_from_metadata
 from loadtest.run import fetch_metadata
 from protos import predict_pb2, predict_pb2_grpc
 
@@ -28,6 +29,7 @@ class ParityResult:
     candidates: int
     max_abs_diff: float
     model_version: str
+    formats: tuple[str, ...] = ("rows", "columnar")  # each request was sent in these encodings
 
     def to_dict(self) -> dict[str, object]:
         return self.__dict__.copy()
@@ -111,14 +113,16 @@ def check_parity(
                     rows = rows.set_column(
                         rows.schema.get_field_index(name), name, user_part.column(name)
                     )
-            response = stub.Predict(request_for_rows(rows, sides, types, f"parity-{i}"), timeout=30)
-            online = np.asarray(response.probabilities, dtype=np.float64)
+            req = request_for_rows(rows, sides, types, f"parity-{i}")
             offline = score_table(model, rows, tiled=True).astype(np.float64)
-            if online.shape != offline.shape:
-                raise AssertionError(
-                    f"request {i}: {online.shape} answers for {offline.shape} rows"
-                )
-            worst = max(worst, float(np.abs(online - offline).max()))
+            for fmt, sent in (("rows", req), ("columnar", columnar_request(req, types))):
+                response = stub.Predict(sent, timeout=30)
+                online = np.asarray(response.probabilities, dtype=np.float64)
+                if online.shape != offline.shape:
+                    raise AssertionError(
+                        f"request {i} ({fmt}): {online.shape} answers for {offline.shape} rows"
+                    )
+                worst = max(worst, float(np.abs(online - offline).max()))
     if worst > atol:
         raise AssertionError(f"online vs offline max abs diff {worst:.3g} > {atol}")
     return ParityResult(num_requests, num_requests * num_candidates, worst, metadata.model_version)

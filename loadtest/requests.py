@@ -6,10 +6,16 @@ request = one eval row's user features, click sequences and context, plus ``num_
 the row's own ad first (the one impression whose label is known), then ads drawn (seeded) from the
 distinct item-feature tuples of the sample rows.
 
+The candidates go in one of the two encodings of ``PredictRequest`` (``columnar``): as
+``candidate_columns`` (default: one packed column per item feature, much cheaper for the server
+to parse and check) or as ``candidates`` (one ``Features`` map per ad). Both carry the same
+candidates, drawn the same way (:func:`columnar_request` turns one into the other).
+
 Requests are serialized once. The work is columnar: every distinct value of a feature becomes its
 serialized map entry once, a row's ``Features`` is the concatenation of its entries, and a request
 is ``head + candidate field bytes`` (protobuf merges concatenated fields, so this parses to the
-same message as building it field by field; the tests check that). Example::
+same message as building it field by field; the tests check that); a columnar request's columns
+are numpy gathers of the candidates' rows. Example::
 
     md = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest())
     pool = build_request_pool(
@@ -19,7 +25,7 @@ same message as building it field by field; the tests check that). Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +38,10 @@ from protos import predict_pb2
 
 SIDES = ("user", "item", "context", "sequence")
 VALUE_TYPES = {"int64": pa.int64(), "double": pa.float64(), "string": pa.string()}
+# Column kind of candidate_columns per Arrow type, and the placeholder sent in missing rows
+_COLUMN_KINDS = {pa.int64(): "int64s", pa.float64(): "doubles", pa.string(): "strings"}
+_PLACEHOLDERS = {"int64s": 0, "doubles": 0.0, "strings": ""}
+_VALUE_COLUMN = {"int64_value": "int64s", "double_value": "doubles", "string_value": "strings"}
 _CANDIDATES_TAG = bytes(
     [predict_pb2.PredictRequest.DESCRIPTOR.fields_by_name["candidates"].number << 3 | 2]
 )
@@ -71,6 +81,7 @@ def build_request_pool(
     max_rows: int = 100_000,
     sequence_delim: str = "|",
     max_sequence_length: int = 0,
+    columnar: bool = True,
 ) -> RequestPool:
     """Serialize ``num_requests`` PredictRequests from the first ``max_rows`` rows of ``samples``.
 
@@ -80,7 +91,9 @@ def build_request_pool(
     float → double_value, string → string_value). Nulls (and NaN) become an unset ``Value``, an
     explicit missing value. Sequence columns are ``sequence_delim``-joined ids or list columns; an
     empty token is a missing id and is sent as 0. ``max_sequence_length`` > 0 keeps the most recent
-    ids only (the server rejects longer sequences).
+    ids only (the server rejects longer sequences). ``columnar``: candidates as
+    ``candidate_columns`` (a null is a ``missing`` row) instead of ``candidates``; the same seed
+    draws the same candidates either way.
     """
     bad = {n: s for n, s in feature_sides.items() if s not in SIDES}
     if bad:
@@ -106,7 +119,15 @@ def build_request_pool(
             for n in by_side["sequence"]
         }
     )
-    item_fields, item_of_row = _candidate_fields([entries[n] for n in by_side["item"]])
+    item_features = [entries[n] for n in by_side["item"]]
+    first, item_of_row = _item_tuples(item_features)
+    if columnar:
+        columns = {
+            n: _column_values(n, table.column(n), (value_types or {}).get(n))
+            for n in by_side["item"]
+        }
+    else:
+        item_fields = _candidate_fields(item_features, first)
     payloads = []
     for i, r in enumerate(rows):
         req = predict_pb2.PredictRequest(request_id=f"loadtest-{i}")
@@ -114,11 +135,63 @@ def build_request_pool(
         req.context.MergeFromString(contexts[i])
         for name, (values, offsets) in sequences.items():
             req.sequences[name].ids.extend(values[offsets[r] : offsets[r + 1]].tolist())
-        others = _draw(rng, len(item_fields), num_candidates - 1)
-        cands = item_fields[np.concatenate(([item_of_row[r]], others))]
-        payloads.append(req.SerializeToString() + b"".join(cands))
-    info = {"samples": str(samples), "rows_read": table.num_rows, "seed": seed}
+        others = _draw(rng, len(first), num_candidates - 1)
+        items = np.concatenate(([item_of_row[r]], others))  # distinct item tuples
+        if columnar:
+            cc = req.candidate_columns
+            cc.num_candidates = num_candidates
+            cand_rows = first[items]  # a sample row of each tuple
+            for name, (kind, values, missing) in columns.items():
+                _fill_column(cc.columns[name], kind, values[cand_rows], missing[cand_rows])
+            payloads.append(req.SerializeToString())
+        else:
+            payloads.append(req.SerializeToString() + b"".join(item_fields[items]))
+    info = {
+        "samples": str(samples),
+        "rows_read": table.num_rows,
+        "seed": seed,
+        "format": "columnar" if columnar else "rows",
+    }
     return RequestPool(payloads, num_candidates, info)
+
+
+def columnar_request(
+    request: predict_pb2.PredictRequest, value_types: Mapping[str, str] | None = None
+) -> predict_pb2.PredictRequest:
+    """A copy of ``request`` with its ``candidates`` sent as ``candidate_columns`` instead: the
+    same candidates in the same order (an unset Value becomes a ``missing`` row).
+
+    A column's kind is that of its values; a feature missing in every candidate takes its
+    ``value_types`` entry (default ``int64``). A feature whose candidates mix kinds (an int and a
+    string id) has no column form: ValueError.
+    """
+    out = predict_pb2.PredictRequest()
+    out.CopyFrom(request)
+    out.ClearField("candidates")
+    cc = out.candidate_columns
+    cc.num_candidates = len(request.candidates)
+    names = list(dict.fromkeys(n for c in request.candidates for n in c.values))
+    for name in names:
+        values: list[object] = []
+        kinds = set()
+        for i, c in enumerate(request.candidates):
+            if name not in c.values:
+                raise ValueError(f"candidates[{i}] has no {name!r}: every column needs all rows")
+            v = c.values[name]
+            kind = v.WhichOneof("kind")
+            values.append(None if kind is None else getattr(v, kind))
+            kinds.add(kind)
+        kinds.discard(None)
+        if len(kinds) > 1:
+            raise ValueError(f"feature {name!r} mixes {sorted(kinds)}: no single column kind")
+        vtype = (value_types or {}).get(name, "int64")
+        kind = _VALUE_COLUMN[kinds.pop()] if kinds else _COLUMN_KINDS[VALUE_TYPES[vtype]]
+        missing = np.array([v is None for v in values], bool)
+        placeholder = _PLACEHOLDERS[kind]
+        filled = np.empty(len(values), object)
+        filled[:] = [placeholder if v is None else v for v in values]
+        _fill_column(cc.columns[name], kind, filled, missing)
+    return out
 
 
 # --------------------------------------------------------------------------- columns
@@ -207,19 +280,48 @@ def _join_rows(features: list[tuple[np.ndarray, np.ndarray]], rows: np.ndarray) 
     return [b"".join(t) for t in zip(*cols, strict=True)] if cols else [b""] * len(rows)
 
 
-def _candidate_fields(
-    features: list[tuple[np.ndarray, np.ndarray]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """(fields, item_of_row): serialized ``candidates`` fields, one per distinct item-feature tuple,
-    and the index of each row's own item in ``fields``."""
+def _item_tuples(features: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(first, item_of_row): a sample row of each distinct item-feature tuple, and the tuple
+    of each row (an index into ``first``)."""
     if not features:
         raise ValueError("the model has no item-side features, so there are no candidates to send")
     codes = np.stack([c for _, c in features], axis=1)  # (rows, item features)
-    uniq, first, item_of_row = np.unique(codes, axis=0, return_index=True, return_inverse=True)
-    bodies = _join_rows(features, first)
-    fields = np.empty(len(uniq), dtype=object)
-    fields[:] = [_CANDIDATES_TAG + _varint(len(b)) + b for b in bodies]
-    return fields, item_of_row.reshape(-1)
+    _, first, item_of_row = np.unique(codes, axis=0, return_index=True, return_inverse=True)
+    return first, item_of_row.reshape(-1)
+
+
+def _candidate_fields(
+    features: list[tuple[np.ndarray, np.ndarray]], first: np.ndarray
+) -> np.ndarray:
+    """Serialized ``candidates`` fields, one per distinct item-feature tuple (row ``first[k]``)."""
+    fields = np.empty(len(first), dtype=object)
+    fields[:] = [_CANDIDATES_TAG + _varint(len(b)) + b for b in _join_rows(features, first)]
+    return fields
+
+
+def _column_values(
+    name: str, column: pa.ChunkedArray, value_type: str | None
+) -> tuple[str, np.ndarray, np.ndarray]:
+    """(kind, values, missing) of an item column over all rows: the Column kind, the values
+    with a placeholder in the null rows (an object array for strings), the null mask."""
+    arr = _coerce(name, column.combine_chunks(), value_type)
+    kind = _COLUMN_KINDS[arr.type]
+    missing = arr.is_null().to_numpy(zero_copy_only=False)
+    filled = arr.fill_null(_PLACEHOLDERS[kind]).to_numpy(zero_copy_only=False)
+    return kind, filled, missing
+
+
+def _fill_column(
+    column: predict_pb2.Column,
+    kind: str,
+    values: np.ndarray | Sequence[object],
+    missing: np.ndarray,
+) -> None:
+    """Set ``column`` to ``values`` of Column kind ``kind``, ``missing`` marking missing rows
+    (sent only when some row is missing)."""
+    getattr(column, kind).values.extend(np.asarray(values).tolist())
+    if missing.any():
+        column.missing.extend(missing.tolist())
 
 
 def _jagged_ids(

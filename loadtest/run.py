@@ -1,7 +1,10 @@
 """Headless load test against a running PredictionService: pool → locust subprocess → report.
 
     python -m loadtest --host 127.0.0.1:50051 --users 8 --spawn-rate 8 --duration 30 \\
-        --candidates 100 --samples data/samples/eval --out out/loadtest
+        --candidates 100 --samples data/samples/eval --out out/loadtest [--no-columnar]
+
+Requests carry their candidates as ``candidate_columns`` (``--columnar``, the default: cheaper
+for the server) or as one ``Features`` per candidate (``--no-columnar``); same candidates.
 
 Writes into ``--out``: ``requests.pool`` (the serialized requests), ``raw/latency-<pid>.bin``
 (exact latencies), ``locust_stats.csv`` & co. (locust's CSV, final numbers), ``locust.log``, ``summary.json`` and
@@ -82,6 +85,7 @@ def run_load_test(
     wait_ms: float = 0.0,
     rpc_timeout_s: float = 10.0,
     processes: int = 1,
+    columnar: bool = True,
 ) -> dict[str, object]:
     """Run one headless locust test against ``host`` (``ip:port``) and return the summary.
 
@@ -113,6 +117,7 @@ def run_load_test(
         num_candidates=num_candidates,
         seed=seed,
         max_sequence_length=metadata.max_sequence_length,
+        columnar=columnar,
     )
     pool.info["model_version"] = metadata.model_version
     pool_file = write_pool(out / "requests.pool", pool)
@@ -152,6 +157,7 @@ def run_load_test(
         "duration_s": duration_s,
         "processes": processes,
         "candidates_per_request": num_candidates,
+        "request_format": "columnar" if columnar else "rows",
         "request_pool": {"requests": len(pool), "build_s": build_s, **pool.info},
         **report.latency_stats(raw, num_candidates),
         "timeline": rows,
@@ -185,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--processes", type=int, default=1, help="locust processes (load generator cores)"
     )
+    p.add_argument(
+        "--columnar",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send candidates as candidate_columns (default) or, with --no-columnar, as one "
+        "Features map per candidate (the row format)",
+    )
     a = p.parse_args(argv)
     s = run_load_test(
         a.host,
@@ -199,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_ms=a.wait_ms,
         rpc_timeout_s=a.rpc_timeout,
         processes=a.processes,
+        columnar=a.columnar,
     )
     lat = s["latency_ms"]
     assert isinstance(lat, dict)

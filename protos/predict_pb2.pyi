@@ -35,8 +35,53 @@ class IdSequence(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class Int64Column(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, values: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DoubleColumn(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StringColumn(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Column(_message.Message):
+    __slots__ = ("int64s", "doubles", "strings", "missing")
+    INT64S_FIELD_NUMBER: _ClassVar[int]
+    DOUBLES_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    int64s: Int64Column
+    doubles: DoubleColumn
+    strings: StringColumn
+    missing: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, int64s: _Optional[_Union[Int64Column, _Mapping]] = ..., doubles: _Optional[_Union[DoubleColumn, _Mapping]] = ..., strings: _Optional[_Union[StringColumn, _Mapping]] = ..., missing: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class CandidateColumns(_message.Message):
+    __slots__ = ("num_candidates", "columns")
+    class ColumnsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Column
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Column, _Mapping]] = ...) -> None: ...
+    NUM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    num_candidates: int
+    columns: _containers.MessageMap[str, Column]
+    def __init__(self, num_candidates: _Optional[int] = ..., columns: _Optional[_Mapping[str, Column]] = ...) -> None: ...
+
 class PredictRequest(_message.Message):
-    __slots__ = ("request_id", "user", "sequences", "context", "candidates")
+    __slots__ = ("request_id", "user", "sequences", "context", "candidates", "candidate_columns")
     class SequencesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,12 +94,14 @@ class PredictRequest(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     user: Features
     sequences: _containers.MessageMap[str, IdSequence]
     context: Features
     candidates: _containers.RepeatedCompositeFieldContainer[Features]
-    def __init__(self, request_id: _Optional[str] = ..., user: _Optional[_Union[Features, _Mapping]] = ..., sequences: _Optional[_Mapping[str, IdSequence]] = ..., context: _Optional[_Union[Features, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[Features, _Mapping]]] = ...) -> None: ...
+    candidate_columns: CandidateColumns
+    def __init__(self, request_id: _Optional[str] = ..., user: _Optional[_Union[Features, _Mapping]] = ..., sequences: _Optional[_Mapping[str, IdSequence]] = ..., context: _Optional[_Union[Features, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[Features, _Mapping]]] = ..., candidate_columns: _Optional[_Union[CandidateColumns, _Mapping]] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("probabilities", "model_version", "request_id")

@@ -9,8 +9,12 @@ import sys
 from pathlib import Path
 
 from serve.batcher import BatcherConfig
+from serve.model import default_device
 from serve.server import PredictionServer, ServerConfig
 from serve.validation import Limits
+
+# one request of 500-1000 candidates fills a CPU batch; a GPU runs 8K rows in about the time of 1K
+DEFAULT_BATCH_ROWS = {"cpu": 1024, "cuda": 8192}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -21,7 +25,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8500)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    p.add_argument("--max-batch-rows", type=int, default=1024)
+    p.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=None,
+        help=f"candidate rows per batch (default: {DEFAULT_BATCH_ROWS['cpu']} on the CPU, "
+        f"{DEFAULT_BATCH_ROWS['cuda']} on CUDA, where a larger batch costs about the same)",
+    )
     p.add_argument("--max-wait-us", type=int, default=500)
     p.add_argument("--max-queue", type=int, default=256, help="pending requests before overload")
     p.add_argument("--max-candidates", type=int, default=1000)
@@ -35,6 +45,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads (0: torch's default, one per core); 1 suits a small CPU host "
         "where the RPC threads need the other cores",
     )
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="Python's GIL switch interval (sys.setswitchinterval; default 5 ms): how long a "
+        "thread that wants the GIL back (the batcher, after each torch call) may wait for the "
+        "RPC threads running validation and feature generation",
+    )
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="SO_REUSEPORT: several server processes share --port (the kernel spreads "
+        "connections over them), e.g. one per few cores to get past the GIL of one process",
+    )
     p.add_argument("--poll-interval-s", type=float, default=2.0)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     p.add_argument("--no-verify-checksums", action="store_true")
@@ -45,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
+    device = a.device or default_device()
+    rows = a.max_batch_rows or DEFAULT_BATCH_ROWS.get(device, DEFAULT_BATCH_ROWS["cpu"])
     return ServerConfig(
         bundle=a.bundle,
         model_dir=a.model_dir,
@@ -53,11 +79,13 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         metrics_port=a.metrics_port,
         device=a.device,
         limits=Limits(a.max_candidates, a.max_sequence_length),
-        batching=BatcherConfig(a.max_batch_rows, a.max_wait_us, a.max_queue),
+        batching=BatcherConfig(rows, a.max_wait_us, a.max_queue),
         max_message_bytes=a.max_message_bytes,
         rpc_threads=a.rpc_threads,
         torch_threads=a.torch_threads or None,
         poll_interval_s=a.poll_interval_s,
+        reuse_port=a.reuse_port,
+        switch_interval_s=None if a.switch_interval_ms is None else a.switch_interval_ms / 1e3,
         verify_checksums=not a.no_verify_checksums,
         admin_writes=not a.no_admin_writes,
     )

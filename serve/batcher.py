@@ -49,7 +49,11 @@ class BatcherClosedError(RuntimeError):
 
 
 class Predictor(Protocol):
-    """What the batcher runs: a loaded model version (see :class:`serve.model.LoadedModel`)."""
+    """What the batcher runs: a loaded model version (see :class:`serve.model.LoadedModel`).
+
+    A predictor whose ``reports_timings`` attribute is true is called as
+    ``predict(batch, timings=dict)`` and fills in per-stage seconds (:attr:`BatchStats.stages`).
+    """
 
     def predict(self, batch: Batch) -> torch.Tensor: ...  # [B] probabilities
 
@@ -85,7 +89,10 @@ class BatchStats:
     rows: int
     expired: int
     queue_wait_s: float  # oldest request's wait
-    run_s: float
+    run_s: float  # model time (wall), predict only
+    concat_s: float = 0.0  # merging the requests into one batch (wall)
+    cpu_s: float = 0.0  # CPU time of the worker thread for the batch (concat + predict)
+    stages: dict[str, float] = field(default_factory=dict)  # predictor's split of run_s (wall)
 
 
 class Batcher:
@@ -192,16 +199,35 @@ class Batcher:
         if not live:
             self._report(BatchStats(0, 0, expired, now - taken[0].enqueued, 0.0))
             return
+        cpu0 = time.thread_time()
         batch = concat_batches([p.batch for p in live])
         start = time.monotonic()
-        probs = live[0].model.predict(batch).detach().cpu().numpy()  # [ΣB]
+        model = live[0].model
+        stages: dict[str, float] = {}
+        if getattr(model, "reports_timings", False):
+            out = model.predict(batch, timings=stages)  # type: ignore[call-arg]
+        else:
+            out = model.predict(batch)
+        probs = out.detach().cpu().numpy()  # [ΣB]
         run_s = time.monotonic() - start
+        cpu_s = time.thread_time() - cpu0
         offset = 0
         for p in live:
             n = p.batch.batch_size
             p.future.set_result(probs[offset : offset + n])
             offset += n
-        self._report(BatchStats(len(live), offset, expired, start - live[0].enqueued, run_s))
+        self._report(
+            BatchStats(
+                len(live),
+                offset,
+                expired,
+                start - live[0].enqueued,
+                run_s,
+                concat_s=start - now,
+                cpu_s=cpu_s,
+                stages=stages,
+            )
+        )
 
     def _report(self, stats: BatchStats) -> None:
         if self._on_batch is not None:

@@ -155,9 +155,19 @@ class FusedTables:
         tid = self._tid[codes]  # [N]; dense ids get the key space with no keys
         # an id >= 2**shift cannot be in a table (all keys are below): send it there too
         space = torch.where(ids < (1 << self._shift), tid, self._n_dyn)
-        idx, found = self.hash.find((space << self._shift) | ids)
+        # StaticLookupTable.find without its key check, which reads a flag (any negative key?)
+        # back from the device: a host sync per batch. Feature generation gives ids >= 0; a
+        # negative id of a dynamic table would only miss (no key is negative).
+        keys = (space << self._shift) | ids
+        table = self.hash.keys  # sorted ascending
+        if table.numel() == 0:
+            found = torch.zeros_like(ids, dtype=torch.bool)
+            dyn = emb
+        else:
+            pos = torch.searchsorted(table, keys).clamp_(max=table.numel() - 1)
+            found = table.index_select(0, pos) == keys
+            dyn = self.hash.values.index_select(0, pos)  # [N, dim]
         self._counts.index_add_(0, tid, torch.stack([found.long(), torch.ones_like(tid)], 1))
-        dyn = self.hash.values.index_select(0, idx.clamp(min=0))  # [N, dim]
         return torch.where(found.unsqueeze(1), dyn, emb)
 
     def _pool(self, kjt: KeyedJaggedTensor, emb: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:

@@ -4,7 +4,13 @@ Names (all prefixed ``dynrec_serving_``): ``requests_total{method}``, ``errors_t
 ``request_latency_seconds{method}`` (histogram), ``batch_rows`` / ``batch_requests`` (histograms),
 ``queue_depth``, ``expired_requests_total``, ``table_lookups_total{table,result=hit|miss}``,
 ``model_loads_total{result=ok|refused}``, ``model_info{version,device}``,
-``startup_seconds{stage}``. Exposed over HTTP by :meth:`ServingMetrics.serve_http`.
+``startup_seconds{stage}``, and ``stage_seconds{stage,clock}`` (histogram), where serving time
+goes: per request in its RPC thread (``validate``, ``fg``, ``wait`` = queue + batch,
+``respond``), per batch in the batcher thread (``queue_wait`` of its oldest request,
+``concat``, the model's ``h2d``, ``compute``, ``sync``, and ``batch`` = all of it), each as
+``clock="wall"`` and, for work done in one thread, ``clock="cpu"`` (that thread's CPU time: wall
+minus cpu is time spent waiting, e.g. for the GIL). Exposed over HTTP by
+:meth:`ServingMetrics.serve_http`.
 """
 
 from __future__ import annotations
@@ -105,8 +111,30 @@ class ServingMetrics:
             ["stage"],
             registry=r,
         )
+        self.stage_seconds = Histogram(
+            f"{p}stage_seconds",
+            "Serving time per request (validate, fg, wait, respond) and per batch (queue_wait, "
+            "concat, h2d, compute, sync, batch); clock wall or the thread's cpu time",
+            ["stage", "clock"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._stages: dict[tuple[str, str], Any] = {}
         r.register(_TableCollector(current_model))
         self._http: Any = None
+
+    def _stage(self, stage: str, clock: str) -> Any:
+        child = self._stages.get((stage, clock))
+        if child is None:
+            child = self._stages[stage, clock] = self.stage_seconds.labels(stage, clock)
+        return child
+
+    def on_request(self, stages: dict[str, tuple[float, float | None]]) -> None:
+        """Per-request stage times: ``{stage: (wall seconds, thread CPU seconds or None)}``."""
+        for stage, (wall, cpu) in stages.items():
+            self._stage(stage, "wall").observe(wall)
+            if cpu is not None:
+                self._stage(stage, "cpu").observe(cpu)
 
     def on_batch(self, stats: BatchStats) -> None:
         if stats.expired:
@@ -115,6 +143,12 @@ class ServingMetrics:
             self.batch_rows.observe(stats.rows)
             self.batch_requests.observe(stats.requests)
             self.batch_seconds.observe(stats.run_s)
+            self._stage("queue_wait", "wall").observe(stats.queue_wait_s)
+            self._stage("concat", "wall").observe(stats.concat_s)
+            for stage, seconds in stats.stages.items():
+                self._stage(stage, "wall").observe(seconds)
+            self._stage("batch", "wall").observe(stats.concat_s + stats.run_s)
+            self._stage("batch", "cpu").observe(stats.cpu_s)
 
     def on_model(self, model: LoadedModel) -> None:
         self.model_loads.labels("ok").inc()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -148,6 +149,8 @@ def _keyword_inputs(program: torch.export.ExportedProgram) -> bool:
 class LoadedModel:
     """One model version on one device. Thread safety: :meth:`predict` is called by one worker."""
 
+    reports_timings = True  # predict(batch, timings=...) splits its time (serve.batcher)
+
     def __init__(
         self,
         bundle: Bundle,
@@ -243,21 +246,100 @@ class LoadedModel:
                     )
         self.tables.reset_stats()
 
+    def to_device(self, batch: Batch) -> Batch:
+        """``batch`` on :attr:`device`: one pinned host buffer and one host-to-device copy on
+        CUDA (see :func:`batch_to_device`), the batch itself on the CPU."""
+        for kjt in (batch.user, batch.item, batch.sequence):
+            kjt.length_per_key()  # computed (and kept) on the host: no device sync later
+        return batch_to_device(batch, self.device)
+
     @torch.inference_mode()
     def logits(self, batch: Batch) -> torch.Tensor:
         """[B] logits on the device."""
-        for kjt in (batch.user, batch.item, batch.sequence):
-            kjt.length_per_key()  # computed (and kept) on the host: no device sync later
-        inputs = self.tables.embed(batch.to(self.device, non_blocking=True))
-        return self.program(**inputs)
+        return self._logits(self.to_device(batch))
 
-    def predict(self, batch: Batch) -> torch.Tensor:
-        """[B] click probabilities, float32, on the CPU, in candidate order."""
+    @torch.inference_mode()
+    def _logits(self, batch: Batch) -> torch.Tensor:
+        return self.program(**self.tables.embed(batch))
+
+    def predict(self, batch: Batch, timings: dict[str, float] | None = None) -> torch.Tensor:
+        """[B] click probabilities, float32, on the CPU, in candidate order.
+
+        ``timings`` (optional) receives wall seconds of ``h2d`` (packing and the copy),
+        ``compute`` (lookups and dense program: launch time on CUDA, where kernels run
+        asynchronously) and ``sync`` (waiting for the device and copying the scores back).
+        """
         with self._lock:
-            return torch.sigmoid(self.logits(batch).float()).cpu()
+            if timings is None:
+                return torch.sigmoid(self.logits(batch).float()).cpu()
+            t0 = time.perf_counter()
+            on_device = self.to_device(batch)
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                probs = torch.sigmoid(self._logits(on_device).float())
+            t2 = time.perf_counter()
+            out = probs.cpu()
+            t3 = time.perf_counter()
+            timings.update(h2d=t1 - t0, compute=t2 - t1, sync=t3 - t2)
+            return out
 
     def table_stats(self) -> list[TableStats]:
         return self.tables.stats()
+
+
+def _device_kjt(
+    kjt: KeyedJaggedTensor, values: torch.Tensor, lengths: torch.Tensor
+) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=values,
+        lengths=lengths,
+        stride=kjt.stride(),
+        length_per_key=kjt.length_per_key(),
+        offset_per_key=kjt.offset_per_key(),
+    )
+
+
+def batch_to_device(batch: Batch, device: torch.device, *, packed: bool | None = None) -> Batch:
+    """``batch`` on ``device``; on CUDA (``packed``) with one host-to-device copy.
+
+    ``Batch.to`` copies every tensor on its own (values and lengths of three KJTs and the user
+    index: 7 copies from pageable memory, each staged by the driver and each synchronizing the
+    stream). Packed, their bytes go into one pinned buffer (numpy copies, no torch ops), are
+    copied once without blocking and are viewed back with their dtypes and shapes; KJTs keep
+    their host-side ``length_per_key``. Batches with labels, weights or tensors already off the
+    CPU take ``Batch.to``. ``packed=True`` on the CPU (no pinning, no copy) is for tests.
+    """
+    packed = device.type == "cuda" if packed is None else packed
+    kjts = (batch.user, batch.item, batch.sequence)
+    parts = [t for k in kjts for t in (k.values(), k.lengths())] + [batch.user_index]
+    if (
+        not packed
+        or batch.labels is not None
+        or batch.oracle is not None
+        or any(k.weights_or_none() is not None for k in kjts)
+        or any(t.device.type != "cpu" for t in parts)
+    ):
+        return batch.to(device, non_blocking=True)
+    arrays = [t.detach().contiguous().view(-1).numpy().view(np.uint8) for t in parts]
+    sizes = [(a.nbytes + 7) // 8 * 8 for a in arrays]  # 8-byte aligned: views of any dtype
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buf = host.numpy()
+    offset = 0
+    for a, size in zip(arrays, sizes, strict=True):
+        buf[offset : offset + a.nbytes] = a
+        offset += size
+    chunks = host.to(device, non_blocking=True).split(sizes)
+    moved = [
+        c[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        for c, t in zip(chunks, parts, strict=True)
+    ]
+    return Batch(
+        user=_device_kjt(batch.user, moved[0], moved[1]),
+        item=_device_kjt(batch.item, moved[2], moved[3]),
+        sequence=_device_kjt(batch.sequence, moved[4], moved[5]),
+        user_index=moved[6],
+    )
 
 
 def synthetic_batch(

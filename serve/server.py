@@ -15,6 +15,7 @@ does health turn SERVING. With ``model_dir`` the directory is watched for new ve
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -61,12 +62,16 @@ class ServerConfig:
     poll_interval_s: float = 2.0
     verify_checksums: bool = True
     admin_writes: bool = True  # ModelAdminService.ApplyDelta (InspectTables always answers)
+    reuse_port: bool = False  # SO_REUSEPORT: several server processes on one port
+    switch_interval_s: float | None = None  # sys.setswitchinterval (None: Python's, 5 ms)
 
     def __post_init__(self) -> None:
         if (self.bundle is None) == (self.model_dir is None):
             raise ValueError("give exactly one of bundle (one version) or model_dir (watched)")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1 (or None), got {self.torch_threads}")
+        if self.switch_interval_s is not None and self.switch_interval_s <= 0:
+            raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
 
 
 class PredictionServer:
@@ -106,10 +111,12 @@ class PredictionServer:
         cfg = self.config
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
+        if cfg.switch_interval_s is not None:
+            sys.setswitchinterval(cfg.switch_interval_s)
         opts = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(cfg.reuse_port)),
         ]
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="rpc"),

@@ -1,8 +1,9 @@
 """The PredictionService servicer: protos ↔ the pure functions of serve/, nothing else.
 
-Predict: validate (:mod:`serve.validation`) → feature generation (:func:`shared.fg.request_columns_to_batch`)
-→ the batcher (lookups + dense program of the model version current when the request arrived)
-→ probabilities. Every failure becomes a status code, never a crash:
+Predict: validate (:mod:`serve.validation`; candidates as rows or as columns) → feature generation
+(:func:`shared.fg.request_columns_to_batch`) → the batcher (lookups + dense program of the model
+version current when the request arrived) → probabilities. Every failure becomes a status code,
+never a crash:
 
     RequestError, FeatureError  INVALID_ARGUMENT (the message starts with the field)
     QueueFullError              RESOURCE_EXHAUSTED
@@ -97,21 +98,37 @@ class PredictionServicer(predict_pb2_grpc.PredictionServiceServicer):
     ) -> predict_pb2.PredictResponse:
         def run() -> predict_pb2.PredictResponse:
             model = self._model()
+            t0, c0 = time.perf_counter(), time.thread_time()
             inputs = request_inputs(request, model.fs, self._limits)
+            t1, c1 = time.perf_counter(), time.thread_time()
             try:
                 batch = request_columns_to_batch(model.fs, **vars(inputs))
             except FeatureError as err:
-                raise RequestError(request_field(model.fs, err.field), err.message) from err
+                columnar = request.HasField("candidate_columns")
+                field = request_field(model.fs, err.field, columnar=columnar)
+                raise RequestError(field, err.message) from err
+            t2, c2 = time.perf_counter(), time.thread_time()
             remaining = context.time_remaining()  # None without a client deadline
             deadline = None if remaining is None else time.monotonic() + remaining
             future = self._batcher.submit(model, batch, deadline=deadline)
             context.add_callback(future.cancel)  # client gone: drop it if not started
             probs = future.result(timeout=remaining)
-            return predict_pb2.PredictResponse(
+            t3, c3 = time.perf_counter(), time.thread_time()
+            response = predict_pb2.PredictResponse(
                 probabilities=probs.tolist(),
                 model_version=model.version,
                 request_id=request.request_id,
             )
+            t4, c4 = time.perf_counter(), time.thread_time()
+            self._metrics.on_request(
+                {
+                    "validate": (t1 - t0, c1 - c0),
+                    "fg": (t2 - t1, c2 - c1),
+                    "wait": (t3 - t2, None),
+                    "respond": (t4 - t3, c4 - c3),
+                }
+            )
+            return response
 
         return self._call("Predict", context, run)  # type: ignore[return-value]
 

@@ -5,21 +5,33 @@ values have the wire type the feature expects (see :func:`value_type`), the cand
 non-empty and within ``max_candidates``, the sub-sequences of one sequence have equal lengths
 within ``max_sequence_length``, and nothing unknown is sent. Value semantics that feature
 generation owns (negative price, ids out of range) are reported by :mod:`shared.fg` as
-``FeatureError`` and mapped the same way by the servicer. Field names in errors::
+``FeatureError`` and mapped the same way by the servicer (:func:`request_field`).
 
-    candidates                      empty or too many
-    candidates[3].price             a candidate's feature
-    user.user_id, context.pid       a user / context feature
-    sequences.click_50_seq__brand   a sequence sub-feature
+Candidates come in one of two encodings, checked by the same column checks (:func:`_check_names`,
+:func:`_check_kind`, :func:`_check_finite`) and giving the same feature-generation inputs:
+``candidates`` (one ``Features`` map per candidate; the common case is checked a column at a time
+by :func:`_item_columns`) and ``candidate_columns`` (one typed, packed column per feature,
+converted to Arrow with one call per column by :func:`_candidate_columns`). Field names in
+errors::
+
+    candidates                                  empty or too many
+    candidates[3].price                         a candidate's feature
+    candidate_columns                           sent together with candidates
+    candidate_columns.num_candidates            0 or too many
+    candidate_columns.columns["price"]          a column: unknown, absent, kind, length, values
+    user.user_id, context.pid                   a user / context feature
+    sequences.click_50_seq__brand               a sequence sub-feature
 """
 
 from __future__ import annotations
 
-import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
 
 from protos import predict_pb2
 from shared.features import FeatureSet, FeatureSpec, IdTransform, Side
@@ -47,13 +59,15 @@ class Limits:
 class FgInputs:
     """Keyword arguments of ``shared.fg.request_columns_to_batch`` (None = explicit missing value).
 
-    ``items`` holds one column per ITEM-side feature (the value of each candidate, in order).
+    ``items`` holds one column per ITEM-side feature (the value of each candidate, in order): a
+    list (None = missing) from ``candidates``, an Arrow array (null = missing) from
+    ``candidate_columns``.
     """
 
     user: dict[str, object]
     sequences: dict[str, list[int]]
     context: dict[str, object]
-    items: dict[str, list[object]]
+    items: dict[str, list[object] | pa.Array]
     num_candidates: int
 
 
@@ -72,6 +86,10 @@ _ACCEPTED = {
     "double": ("double_value", "int64_value"),
     "string": ("string_value", "int64_value"),
 }
+# the Column kinds of candidate_columns, by the Value kind they stand for
+_COLUMN_KINDS = {"int64_value": "int64s", "double_value": "doubles", "string_value": "strings"}
+_VALUE_KINDS = {c: v for v, c in _COLUMN_KINDS.items()}
+_COLUMN_DTYPES = {"int64s": np.int64, "doubles": np.float64}
 
 
 def _accepted(spec: FeatureSpec) -> tuple[str, ...]:
@@ -80,19 +98,68 @@ def _accepted(spec: FeatureSpec) -> tuple[str, ...]:
     return _ACCEPTED[value_type(spec)]
 
 
+# --------------------------------------------------------------------------- shared checks
+# used by both candidate encodings (and by user / context features)
+
+
+def _check_names(
+    present: Collection[str],
+    specs: Mapping[str, FeatureSpec],
+    field: Callable[[str], str],
+    where: str,
+    mark_missing: str,
+) -> None:
+    """Every feature of ``specs`` is in ``present`` and nothing else is."""
+    for name in present:
+        if name not in specs:
+            raise RequestError(
+                field(name),
+                f"unknown feature for {where}; expected {sorted(specs)} (see GetModelMetadata)",
+            )
+    for name in specs:
+        if name not in present:
+            raise RequestError(field(name), f"missing required feature; {mark_missing}")
+
+
+def _check_kind(
+    spec: FeatureSpec, kind: str, field: str, got: object, names: Mapping[str, str] | None = None
+) -> None:
+    """Values of Value kind ``kind`` (``int64_value``...) are accepted for ``spec``; ``names``
+    says how the encoding calls the kinds in the message (``candidate_columns``: ``int64s``...)."""
+    accepted = _accepted(spec)
+    if kind in accepted:
+        return
+    name = (lambda k: k) if names is None else names.__getitem__
+    if value_type(spec) == "double":
+        wanted = f"a number ({name('double_value')})"
+    else:
+        wanted = " or ".join(map(name, accepted))
+    raise RequestError(field, f"expected {wanted}, got {name(kind)} {got!r}")
+
+
+def _check_finite(field: str, values: np.ndarray, skip: np.ndarray | None = None) -> None:
+    """Double values are finite (``skip``: rows not checked, the missing ones); a column's error
+    names the first bad candidate."""
+    bad = ~np.isfinite(values)
+    if skip is not None:
+        bad &= ~skip
+    if bad.any():
+        i = int(np.argmax(bad))
+        at = f" (candidate {i})" if len(values) > 1 else ""
+        raise RequestError(field, f"expected a finite number, got {values[i]}{at}")
+
+
+# --------------------------------------------------------------------------- row format
+
+
 def _value(v: predict_pb2.Value, spec: FeatureSpec, field: str) -> object:
     kind = v.WhichOneof("kind")
     if kind is None:
         return None  # explicit missing value → zero embedding
-    expected = value_type(spec)
-    accepted = _accepted(spec)
     raw = getattr(v, kind)
-    if kind not in accepted:
-        if expected == "double":
-            raise RequestError(field, f"expected a number (double_value), got {kind} {raw!r}")
-        raise RequestError(field, f"expected {' or '.join(accepted)}, got {kind} {raw!r}")
-    if kind == "double_value" and not math.isfinite(raw):
-        raise RequestError(field, f"expected a finite number, got {raw}")
+    _check_kind(spec, kind, field, raw)
+    if kind == "double_value":
+        _check_finite(field, np.array((raw,)))
     return raw
 
 
@@ -103,21 +170,14 @@ def _features(
     where: str,
 ) -> dict[str, object]:
     values = msg.values
-    for name in values:
-        if name not in specs:
-            raise RequestError(
-                f"{prefix}.{name}",
-                f"unknown feature for {where}; expected {sorted(specs)} (see GetModelMetadata)",
-            )
-    out: dict[str, object] = {}
-    for name, spec in specs.items():
-        if name not in values:
-            raise RequestError(
-                f"{prefix}.{name}",
-                "missing required feature; send an empty Value to mark it missing",
-            )
-        out[name] = _value(values[name], spec, f"{prefix}.{name}")
-    return out
+    _check_names(
+        values,
+        specs,
+        lambda name: f"{prefix}.{name}",
+        where,
+        "send an empty Value to mark it missing",
+    )
+    return {name: _value(values[name], spec, f"{prefix}.{name}") for name, spec in specs.items()}
 
 
 _KIND = operator.methodcaller("WhichOneof", "kind")
@@ -129,9 +189,10 @@ def _item_columns(
     """The candidates' values column by column, when every candidate has exactly the features
     of ``specs`` with values of accepted kinds (finite, for doubles).
 
-    This is the common case, checked in bulk, a column at a time; None sends the request
-    through the per-candidate checks of :func:`_features`, which name the first bad candidate.
-    Either way the values are the same (an empty Value is None).
+    This is the common case, checked in bulk, a column at a time (the column checks of
+    ``candidate_columns``); None sends the request through the per-candidate checks of
+    :func:`_features`, which name the first bad candidate. Either way the values are the same
+    (an empty Value is None).
     """
     maps = [c.values for c in candidates]
     if any(len(m) != len(specs) for m in maps):
@@ -143,17 +204,101 @@ def _item_columns(
             return None
         kinds = list(map(_KIND, col))
         present = set(kinds) - {None}
-        if not present <= set(_accepted(spec)):
-            return None
         raw: list[Any]
         if len(present) == 1 and None not in kinds:
             raw = list(map(operator.attrgetter(next(iter(present))), col))
         else:  # explicit missing values (None) or mixed kinds
             raw = [None if k is None else getattr(v, k) for v, k in zip(col, kinds, strict=True)]
-        if "double_value" in present and not all(math.isfinite(x) for x in raw if x is not None):
+        try:
+            for kind in present:
+                _check_kind(spec, kind, name, None)
+            if "double_value" in present:  # numbers only, after the kind check
+                _check_finite(name, np.array([x for x in raw if x is not None], np.float64))
+        except RequestError:
             return None
         columns[name] = raw
     return columns
+
+
+# --------------------------------------------------------------------------- columnar format
+
+
+def column_field(name: str) -> str:
+    """How errors name the column of feature ``name`` in ``candidate_columns``."""
+    return f'candidate_columns.columns["{name}"]'
+
+
+def _column_array(col: predict_pb2.Column, spec: FeatureSpec, n: int, field: str) -> pa.Array:
+    """One column → an Arrow array of its ``n`` values (null where ``missing``), with one
+    conversion call (packed numbers via numpy, strings via a list)."""
+    kind = col.WhichOneof("kind")
+    if kind is None:
+        wanted = " or ".join(_COLUMN_KINDS[k] for k in _accepted(spec))
+        raise RequestError(
+            field, f"no values; set {wanted} (with `missing` marking the missing ones)"
+        )
+    values = getattr(col, kind).values
+    _check_kind(spec, _VALUE_KINDS[kind], field, list(values[:3]), _COLUMN_KINDS)
+    if len(values) != n:
+        raise RequestError(field, f"{len(values)} values, expected num_candidates {n}")
+    missing: np.ndarray | None = None
+    if len(col.missing):
+        if len(col.missing) != n:
+            raise RequestError(
+                field,
+                f"missing has {len(col.missing)} entries, expected none or num_candidates {n}",
+            )
+        missing = np.array(col.missing, dtype=bool)
+        if not missing.any():
+            missing = None
+    if kind == "strings":
+        return pa.array(list(values), pa.string(), mask=missing)
+    arr = np.array(values, dtype=_COLUMN_DTYPES[kind])
+    if kind == "doubles":
+        _check_finite(field, arr, missing)
+    return pa.array(arr, mask=missing)
+
+
+def _candidate_columns(
+    cc: predict_pb2.CandidateColumns, specs: Mapping[str, FeatureSpec]
+) -> dict[str, pa.Array]:
+    """``candidate_columns`` → one Arrow array per ITEM-side feature (count checked before)."""
+    n = cc.num_candidates
+    columns = cc.columns
+    _check_names(
+        columns,
+        specs,
+        column_field,
+        "a candidate",
+        "send its column, with `missing` marking missing values",
+    )
+    return {
+        name: _column_array(columns[name], spec, n, column_field(name))
+        for name, spec in specs.items()
+    }
+
+
+# --------------------------------------------------------------------------- request
+
+
+def _num_candidates(request: predict_pb2.PredictRequest, limits: Limits) -> int:
+    """The candidate count of whichever encoding ``request`` uses (exactly one, checked)."""
+    if request.HasField("candidate_columns"):
+        if len(request.candidates):
+            raise RequestError(
+                "candidate_columns",
+                f"set together with candidates ({len(request.candidates)}); send either "
+                "candidates (one Features per candidate) or candidate_columns (one column per "
+                "feature), not both",
+            )
+        field, n = "candidate_columns.num_candidates", request.candidate_columns.num_candidates
+    else:
+        field, n = "candidates", len(request.candidates)
+    if n == 0:
+        raise RequestError(field, "empty; send at least one candidate ad")
+    if n > limits.max_candidates:
+        raise RequestError(field, f"{n} candidates, more than the limit {limits.max_candidates}")
+    return n
 
 
 def _sequences(
@@ -190,13 +335,7 @@ def _sequences(
 
 def request_inputs(request: predict_pb2.PredictRequest, fs: FeatureSet, limits: Limits) -> FgInputs:
     """Check ``request`` against the model's features and the limits; raises :class:`RequestError`."""
-    n = len(request.candidates)
-    if n == 0:
-        raise RequestError("candidates", "empty; send at least one candidate ad")
-    if n > limits.max_candidates:
-        raise RequestError(
-            "candidates", f"{n} candidates, more than the limit {limits.max_candidates}"
-        )
+    n = _num_candidates(request, limits)
     scalar = [f for f in fs.features.values() if not f.is_sequence]
     by_side = {
         side: {f.name: f for f in scalar if f.side is side}
@@ -205,8 +344,12 @@ def request_inputs(request: predict_pb2.PredictRequest, fs: FeatureSet, limits: 
     user = _features(request.user, by_side[Side.USER], "user", "the user")
     sequences = _sequences(request, fs, limits)
     context = _features(request.context, by_side[Side.CONTEXT], "context", "the context")
-    items = _item_columns(request.candidates, by_side[Side.ITEM])
-    if items is None:
+    items: dict[str, list[object] | pa.Array]
+    if request.HasField("candidate_columns"):
+        items = dict(_candidate_columns(request.candidate_columns, by_side[Side.ITEM]))
+    elif (columns := _item_columns(request.candidates, by_side[Side.ITEM])) is not None:
+        items = dict(columns)
+    else:
         rows = [
             _features(c, by_side[Side.ITEM], f"candidates[{i}]", "a candidate")
             for i, c in enumerate(request.candidates)
@@ -215,13 +358,14 @@ def request_inputs(request: predict_pb2.PredictRequest, fs: FeatureSet, limits: 
     return FgInputs(user, sequences, context, items, n)
 
 
-def request_field(fs: FeatureSet, feature: str) -> str:
-    """Where feature ``feature`` lives in a request (for errors raised by feature generation)."""
+def request_field(fs: FeatureSet, feature: str, *, columnar: bool = False) -> str:
+    """Where feature ``feature`` lives in a request (for errors raised by feature generation);
+    ``columnar``: the request sent ``candidate_columns``."""
     spec = fs.features.get(feature)
     if spec is None:
         return feature
     if spec.is_sequence:
         return f"sequences.{feature}"
-    return {Side.USER: "user", Side.CONTEXT: "context", Side.ITEM: "candidates[*]"}[
-        spec.side
-    ] + f".{feature}"
+    if spec.side is Side.ITEM:
+        return column_field(feature) if columnar else f"candidates[*].{feature}"
+    return {Side.USER: "user", Side.CONTEXT: "context"}[spec.side] + f".{feature}"

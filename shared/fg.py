@@ -461,7 +461,7 @@ def table_to_batch(
     return batch
 
 
-def _request_array(name: str, values: list[object]) -> pa.Array:
+def _request_array(name: str, values: list[object] | np.ndarray) -> pa.Array:
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as e:
@@ -516,15 +516,17 @@ def request_columns_to_batch(
     user: Mapping[str, object],
     sequences: Mapping[str, Sequence[int | None]],
     context: Mapping[str, object],
-    items: Mapping[str, Sequence[object]],
+    items: Mapping[str, Sequence[object] | pa.Array | np.ndarray],
     num_candidates: int,
     stats: FgStats | None = None,
 ) -> Batch:
     """:func:`request_to_batch` with the candidates given column by column (what the server's
-    validation builds): ``items[name]`` holds ITEM-side feature ``name`` of every candidate.
+    validation builds): ``items[name]`` holds ITEM-side feature ``name`` of every candidate, as
+    a list (None = missing), or as an Arrow array (null = missing) or numpy array, which are
+    used as they are (no per-value conversion; the server's columnar requests come this way).
 
     Example: two candidates ``items={"adgroup_id": [7, 9], "price": [1.5, None], ...}``,
-    ``num_candidates=2``.
+    ``num_candidates=2``; ``items={"adgroup_id": pa.array([7, 9]), ...}`` gives the same batch.
     """
     n = num_candidates
     if n == 0:
@@ -540,7 +542,12 @@ def request_columns_to_batch(
             raise FeatureError(spec.name, "missing from the request's candidates")
         if len(values) != n:
             raise FeatureError(spec.name, f"{len(values)} values for {n} candidates")
-        cols[spec.name] = _request_array(spec.name, list(values))
+        if isinstance(values, pa.Array):
+            cols[spec.name] = values
+        elif isinstance(values, np.ndarray):
+            cols[spec.name] = _request_array(spec.name, values)
+        else:
+            cols[spec.name] = _request_array(spec.name, list(values))
     for specs in _sequences(fs).values():
         for spec in specs:
             seq = _need(sequences, spec.name, "sequences")

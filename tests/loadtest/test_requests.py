@@ -1,5 +1,6 @@
 """Requests built from sample rows: sides from the metadata, explicit missing values, sequences,
-and the byte-concatenation shortcut producing the same message protobuf would."""
+the byte-concatenation shortcut producing the same message protobuf would, and the two candidate
+encodings (rows, columns) carrying the same candidates."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import numpy as np
 import pytest
 
 from loadtest.pool import read_pool, write_pool
-from loadtest.requests import build_request_pool, sides_from_metadata, value_types_from_metadata
+from loadtest.requests import (
+    build_request_pool,
+    columnar_request,
+    sides_from_metadata,
+    value_types_from_metadata,
+)
 from protos import predict_pb2
 
 from .conftest import CONTEXT, ITEM, ROWS, SEQUENCE, USER, model_metadata
@@ -28,6 +34,24 @@ def _value(v: predict_pb2.Value) -> object:
     return None if kind is None else getattr(v, kind)
 
 
+def _candidates(req: predict_pb2.PredictRequest) -> list[dict[str, object]]:
+    """The candidates of either encoding as {feature: value or None}, in order."""
+    if not req.HasField("candidate_columns"):
+        return [{n: _value(v) for n, v in c.values.items()} for c in req.candidates]
+    cc = req.candidate_columns
+    out: list[dict[str, object]] = [{} for _ in range(cc.num_candidates)]
+    for name, col in cc.columns.items():
+        values = list(getattr(col, col.WhichOneof("kind")).values)
+        assert len(values) == cc.num_candidates
+        missing = list(col.missing) or [False] * cc.num_candidates
+        for row, v, m in zip(out, values, missing, strict=True):
+            row[name] = None if m else v
+    return out
+
+
+FORMATS = pytest.mark.parametrize("columnar", [True, False], ids=["columnar", "rows"])
+
+
 def test_sides_come_from_metadata() -> None:
     sides = sides_from_metadata(model_metadata())
     assert {n for n, s in sides.items() if s == "sequence"} == set(SEQUENCE)
@@ -39,21 +63,26 @@ def test_sides_come_from_metadata() -> None:
         sides_from_metadata(bad)
 
 
-def test_request_matches_its_row(sample_dir: Path) -> None:
-    reqs = _build(sample_dir, num_requests=50, num_candidates=4, seed=3)
+@FORMATS
+def test_request_matches_its_row(sample_dir: Path, columnar: bool) -> None:
+    reqs = _build(sample_dir, num_requests=50, num_candidates=4, seed=3, columnar=columnar)
     user_row = {uid: i for i, uid in enumerate(ROWS["user_id"])}
     for req in reqs:
         assert set(req.user.values) == set(USER)
         assert set(req.context.values) == set(CONTEXT)
         assert set(req.sequences) == set(SEQUENCE)
-        assert len(req.candidates) == 4
-        assert all(set(c.values) == set(ITEM) for c in req.candidates)
+        assert req.HasField("candidate_columns") == columnar
+        assert len(req.candidates) == (0 if columnar else 4)
+        cands = _candidates(req)
+        assert len(cands) == 4
+        assert all(set(c) == set(ITEM) for c in cands)
         r = user_row[req.user.values["user_id"].int64_value]
         for name in USER + CONTEXT:
             got = _value((req.user if name in USER else req.context).values[name])
             assert got == ROWS[name][r], name
         # the row's own ad comes first
-        assert _value(req.candidates[0].values["adgroup_id"]) == ROWS["adgroup_id"][r]
+        assert cands[0]["adgroup_id"] == ROWS["adgroup_id"][r]
+        assert cands[0]["price"] == ROWS["price"][r]
     seqs = {
         _value(q.user.values["user_id"]): [list(q.sequences[n].ids) for n in SEQUENCE] for q in reqs
     }
@@ -64,39 +93,93 @@ def test_request_matches_its_row(sample_dir: Path) -> None:
     assert seqs[16] == [[201, 0, 205], [7, 0, 9], [51, 52, 53]]
 
 
-def test_nulls_are_explicit_missing_values(sample_dir: Path) -> None:
-    reqs = _build(sample_dir, num_requests=40, num_candidates=6)
+@FORMATS
+def test_nulls_are_explicit_missing_values(sample_dir: Path, columnar: bool) -> None:
+    reqs = _build(sample_dir, num_requests=40, num_candidates=6, columnar=columnar)
     missing_user = [q for q in reqs if q.user.values["user_id"].int64_value == 12]
     assert missing_user, "row of user 12 not drawn"
     v = missing_user[0].user.values
     assert "pvalue_level" in v and v["pvalue_level"].WhichOneof("kind") is None
-    brands = {_value(c.values["brand"]) for q in reqs for c in q.candidates}
-    prices = {_value(c.values["price"]) for q in reqs for c in q.candidates}
+    brands = {c["brand"] for q in reqs for c in _candidates(q)}
+    prices = {c["price"] for q in reqs for c in _candidates(q)}
     assert None in brands and 51 in brands
     assert None in prices and 9.9 in prices
     assert all(isinstance(_value(q.context.values["pid"]), str) for q in reqs)
 
 
-def test_candidates_are_distinct_items_and_seeded(sample_dir: Path) -> None:
-    a = _build(sample_dir, num_requests=20, num_candidates=5, seed=1)
-    b = _build(sample_dir, num_requests=20, num_candidates=5, seed=1)
-    c = _build(sample_dir, num_requests=20, num_candidates=5, seed=2)
+@FORMATS
+def test_candidates_are_distinct_items_and_seeded(sample_dir: Path, columnar: bool) -> None:
+    a = _build(sample_dir, num_requests=20, num_candidates=5, seed=1, columnar=columnar)
+    b = _build(sample_dir, num_requests=20, num_candidates=5, seed=1, columnar=columnar)
+    c = _build(sample_dir, num_requests=20, num_candidates=5, seed=2, columnar=columnar)
     assert a == b and a != c
     # 5 distinct item tuples in the sample (row 5 repeats row 0's ad): 4 draws are distinct
     for q in a:
-        drawn = [c.SerializeToString(deterministic=True) for c in q.candidates[1:]]
+        drawn = [tuple(sorted(c.items())) for c in _candidates(q)[1:]]
         assert len(set(drawn)) == 4
+
+
+def test_both_formats_carry_the_same_requests(sample_dir: Path) -> None:
+    md = model_metadata()
+    types = value_types_from_metadata(md)
+    rows = _build(sample_dir, num_requests=30, num_candidates=6, seed=4, columnar=False)
+    cols = _build(sample_dir, num_requests=30, num_candidates=6, seed=4, columnar=True)
+    assert len(rows) == len(cols) == 30
+    for r, c in zip(rows, cols, strict=True):
+        assert _candidates(r) == _candidates(c)
+        assert columnar_request(r, types) == c  # the converter gives the very same message
+        head_r, head_c = predict_pb2.PredictRequest(), predict_pb2.PredictRequest()
+        head_r.CopyFrom(r)
+        head_r.ClearField("candidates")
+        head_c.CopyFrom(c)
+        head_c.ClearField("candidate_columns")
+        assert head_r == head_c  # user, sequences, context, request id
+    # nulls are missing rows with a placeholder; a column with none has no mask
+    cc = next(q.candidate_columns for q in cols if any(c["brand"] is None for c in _candidates(q)))
+    brand = cc.columns["brand"]
+    assert brand.WhichOneof("kind") == "int64s" and len(brand.missing) == 6
+    assert all(v == 0 for v, m in zip(brand.int64s.values, brand.missing, strict=True) if m)
+    assert cc.columns["price"].WhichOneof("kind") == "doubles"
+    assert len(cc.columns["adgroup_id"].missing) == 0
+
+
+def test_columnar_request_errors_and_all_missing_columns() -> None:
+    req = predict_pb2.PredictRequest()
+    for v in (predict_pb2.Value(), predict_pb2.Value()):
+        c = req.candidates.add()
+        c.values["price"].CopyFrom(v)
+        c.values["pid"].CopyFrom(predict_pb2.Value(string_value="a"))
+    cc = columnar_request(req, {"price": "double"}).candidate_columns
+    assert cc.num_candidates == 2
+    assert list(cc.columns["price"].doubles.values) == [0.0, 0.0]
+    assert list(cc.columns["price"].missing) == [True, True]
+    assert list(cc.columns["pid"].strings.values) == ["a", "a"]
+    req.candidates[1].values["pid"].CopyFrom(predict_pb2.Value(int64_value=3))
+    with pytest.raises(ValueError, match="'pid' mixes"):
+        columnar_request(req)
+    req.candidates[1].values.pop("pid")
+    with pytest.raises(ValueError, match=r"candidates\[1\] has no 'pid'"):
+        columnar_request(req)
 
 
 def test_concatenated_bytes_equal_protobuf_serialization(sample_dir: Path) -> None:
     md = model_metadata()
-    pool = build_request_pool(sample_dir, sides_from_metadata(md), num_requests=5, num_candidates=3)
+    pool = build_request_pool(
+        sample_dir, sides_from_metadata(md), num_requests=5, num_candidates=3, columnar=False
+    )
     for payload in pool.payloads:
         msg = predict_pb2.PredictRequest.FromString(payload)
         again = predict_pb2.PredictRequest()
         again.CopyFrom(msg)
         assert predict_pb2.PredictRequest.FromString(again.SerializeToString()) == msg
         assert len(msg.candidates) == 3
+
+
+def test_pool_header_says_the_format(sample_dir: Path, tmp_path: Path) -> None:
+    sides = sides_from_metadata(model_metadata())
+    for columnar, fmt in ((True, "columnar"), (False, "rows")):
+        pool = build_request_pool(sample_dir, sides, num_requests=3, columnar=columnar)
+        assert read_pool(write_pool(tmp_path / f"{fmt}.pool", pool)).info["format"] == fmt
 
 
 def test_sequence_cap_keeps_most_recent(sample_dir: Path) -> None:
@@ -145,11 +228,14 @@ def test_builds_thousands_of_requests_quickly(tmp_path: Path) -> None:
     for name in SEQUENCE:
         cols[name] = seq
     pq.write_table(pa.table(cols), tmp_path / "part-0.parquet")
-    t0 = time.perf_counter()
-    pool = build_request_pool(tmp_path, sides_from_metadata(model_metadata()), num_requests=2000)
-    took = time.perf_counter() - t0
-    assert len(pool) == 2000
-    assert took < 10, f"building 2000 requests x 100 candidates took {took:.1f} s"
+    for columnar in (True, False):
+        t0 = time.perf_counter()
+        pool = build_request_pool(
+            tmp_path, sides_from_metadata(model_metadata()), num_requests=2000, columnar=columnar
+        )
+        took = time.perf_counter() - t0
+        assert len(pool) == 2000
+        assert took < 10, f"building 2000 requests x 100 candidates ({columnar=}) took {took:.1f} s"
 
 
 def test_one_click_with_missing_brand_keeps_sub_sequences_aligned() -> None:

@@ -44,7 +44,10 @@ class _LayoutCheckingServicer(predict_pb2_grpc.PredictionServiceServicer):
         problem = _layout_problem(request)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        ids = np.array([c.values["adgroup_id"].int64_value for c in request.candidates])
+        if request.HasField("candidate_columns"):
+            ids = np.array(request.candidate_columns.columns["adgroup_id"].int64s.values)
+        else:
+            ids = np.array([c.values["adgroup_id"].int64_value for c in request.candidates])
         probs = 1.0 / (1.0 + np.exp(-((ids % 7) - 3.0)))
         return predict_pb2.PredictResponse(
             probabilities=probs.tolist(), model_version="test-1", request_id=request.request_id
@@ -60,6 +63,15 @@ def _layout_problem(req: predict_pb2.PredictRequest) -> str | None:
         return f"sequences {sorted(req.sequences)}"
     if len({len(s.ids) for s in req.sequences.values()}) != 1:
         return "sequence lengths differ"
+    if req.HasField("candidate_columns"):
+        cc = req.candidate_columns
+        if req.candidates or set(cc.columns) != set(ITEM):
+            return "candidate columns"
+        for col in cc.columns.values():
+            kind = col.WhichOneof("kind")
+            if kind is None or len(getattr(col, kind).values) != cc.num_candidates:
+                return "candidate column length"
+        return None
     if not req.candidates or any(set(c.values) != set(ITEM) for c in req.candidates):
         return "candidate features"
     return None
@@ -79,8 +91,12 @@ def prediction_server() -> Iterator[tuple[str, _LayoutCheckingServicer]]:
         server.stop(grace=None)
 
 
+@pytest.mark.parametrize("columnar", [True, False], ids=["columnar", "rows"])
 def test_load_test_reports_exact_percentiles(
-    prediction_server: tuple[str, _LayoutCheckingServicer], sample_dir: Path, tmp_path: Path
+    prediction_server: tuple[str, _LayoutCheckingServicer],
+    sample_dir: Path,
+    tmp_path: Path,
+    columnar: bool,
 ) -> None:
     address, servicer = prediction_server
     out = tmp_path / "loadtest"
@@ -93,9 +109,12 @@ def test_load_test_reports_exact_percentiles(
         duration_s=3,
         num_candidates=20,
         num_requests=50,
+        columnar=columnar,
     )
 
     assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["request_format"] == summary["request_pool"]["format"]
+    assert summary["request_format"] == ("columnar" if columnar else "rows")
     assert summary["failures"] == 0, summary["locust"]["failures"]
     lat = summary["latency_ms"]
     assert all(lat[k] > 0 for k in ("p50", "p95", "p99", "p99.9"))

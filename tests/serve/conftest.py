@@ -215,3 +215,70 @@ def requests(
 @pytest.fixture(scope="session")
 def table(fs: FeatureSet, groups: list[list[dict[str, object]]]) -> pa.Table:
     return rows_table(fs, [r for g in groups for r in g])
+
+
+# --------------------------------------------------------------------------- columnar requests
+
+
+def to_columnar(fs: FeatureSet, req: predict_pb2.PredictRequest) -> predict_pb2.PredictRequest:
+    """``req`` with its candidates as ``candidate_columns`` (the same candidates)."""
+    from loadtest.requests import columnar_request
+    from serve.validation import value_type
+
+    return columnar_request(req, {f.name: value_type(f) for f in fs.features.values()})
+
+
+def candidate_variants(
+    requests: list[predict_pb2.PredictRequest],
+) -> dict[str, predict_pb2.PredictRequest]:
+    """Row-format requests covering what both candidate encodings must treat alike: explicit
+    missing values (some rows, every row), unknown ids, string ids of a dynamic feature, int
+    prices, empty and non-empty click sequences, and a one-candidate request."""
+
+    def variant(i: int, mutate) -> predict_pb2.PredictRequest:
+        req = predict_pb2.PredictRequest()
+        req.CopyFrom(requests[i])
+        mutate(req)
+        return req
+
+    def some_missing(req: predict_pb2.PredictRequest) -> None:
+        req.candidates[0].values["brand"].CopyFrom(predict_pb2.Value())
+        req.candidates[-1].values["price"].CopyFrom(predict_pb2.Value())
+        req.candidates[-1].values["cate_id"].CopyFrom(predict_pb2.Value())
+
+    def all_missing(req: predict_pb2.PredictRequest) -> None:
+        for c in req.candidates:
+            c.values["brand"].CopyFrom(predict_pb2.Value())
+            c.values["price"].CopyFrom(predict_pb2.Value())
+
+    def unknown_ids(req: predict_pb2.PredictRequest) -> None:
+        for k, c in enumerate(req.candidates):
+            c.values["adgroup_id"].CopyFrom(predict_pb2.Value(int64_value=10**12 + k))
+            c.values["customer"].CopyFrom(predict_pb2.Value(int64_value=2**62 + k))
+
+    def string_ids_int_prices(req: predict_pb2.PredictRequest) -> None:
+        for k, c in enumerate(req.candidates):
+            c.values["adgroup_id"].CopyFrom(predict_pb2.Value(string_value=f"ad-{k % 3}"))
+            c.values["price"].CopyFrom(predict_pb2.Value(int64_value=10 * k))
+
+    def no_clicks(req: predict_pb2.PredictRequest) -> None:
+        for seq in req.sequences.values():
+            seq.ClearField("ids")
+
+    def one_candidate(req: predict_pb2.PredictRequest) -> None:
+        del req.candidates[1:]
+
+    with_clicks = next(
+        i for i, r in enumerate(requests) if len(next(iter(r.sequences.values())).ids)
+    )
+    many = max(range(len(requests)), key=lambda i: len(requests[i].candidates))
+    return {
+        "as sampled": variant(with_clicks, lambda r: None),
+        "empty sequences": variant(0, lambda r: None),
+        "some values missing": variant(many, some_missing),
+        "a column all missing": variant(many, all_missing),
+        "unknown ids": variant(many, unknown_ids),
+        "string ids, int prices": variant(many, string_ids_int_prices),
+        "no clicks": variant(with_clicks, no_clicks),
+        "one candidate": variant(many, one_candidate),
+    }

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serve.__main__ import config_from_args, parse_args
+from serve.__main__ import DEFAULT_BATCH_ROWS, config_from_args, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +26,18 @@ def test_flags_map_to_config(tmp_path: Path) -> None:
     assert cfg.model_dir == tmp_path and cfg.bundle is None and cfg.device == "cpu"
     assert (cfg.batching.max_batch_rows, cfg.batching.max_wait_us) == (64, 250)
     assert (cfg.limits.max_candidates, cfg.limits.max_sequence_length) == (50, 30)
+
+
+def test_batch_rows_default_by_device_and_process_flags(tmp_path: Path) -> None:
+    base = ["--model-dir", str(tmp_path)]
+    cpu = config_from_args(parse_args([*base, "--device", "cpu"]))
+    cuda = config_from_args(parse_args([*base, "--device", "cuda"]))
+    assert cpu.batching.max_batch_rows == DEFAULT_BATCH_ROWS["cpu"] == 1024
+    assert cuda.batching.max_batch_rows == DEFAULT_BATCH_ROWS["cuda"] > 1024
+    assert (cpu.reuse_port, cpu.switch_interval_s) == (False, None)
+    flags = [*base, "--device", "cpu", "--reuse-port", "--switch-interval-ms", "0.5"]
+    cfg = config_from_args(parse_args(flags))
+    assert cfg.reuse_port and cfg.switch_interval_s == 0.0005
 
 
 def test_cli_serves_then_stops_on_sigterm(bundle_v1: Path) -> None:

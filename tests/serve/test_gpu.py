@@ -45,3 +45,23 @@ def test_server_on_cuda_answers_like_the_offline_scorer(
     finally:
         srv.stop(grace=0)
     np.testing.assert_allclose(got, flat, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_transfer_to_cuda_keeps_every_tensor(bundle_v1: Path, table: pa.Table) -> None:
+    from serve.model import batch_to_device
+    from shared.fg import table_to_batch
+
+    batch = table_to_batch(LoadedModel.load(bundle_v1, device="cpu").fs, table)
+    batch = type(batch)(batch.user, batch.item, batch.sequence, batch.user_index)  # no labels
+    moved = batch_to_device(batch, torch.device("cuda"))
+    for x, y in (
+        (batch.user, moved.user),
+        (batch.item, moved.item),
+        (batch.sequence, moved.sequence),
+    ):
+        assert y.values().is_cuda and x.length_per_key() == y.length_per_key()
+        assert torch.equal(x.values(), y.values().cpu()) and torch.equal(
+            x.lengths(), y.lengths().cpu()
+        )
+        assert x.lengths().dtype == y.lengths().dtype
+    assert torch.equal(batch.user_index, moved.user_index.cpu())

@@ -25,6 +25,8 @@ from serve.servicer import SERVICE_NAME
 from serve.validation import Limits
 from shared.features import FeatureSet
 
+from .conftest import candidate_variants, to_columnar
+
 LIMITS = Limits(max_candidates=8, max_sequence_length=20)
 BATCHING = BatcherConfig(max_batch_rows=64, max_wait_us=2000, max_queue=64)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -139,6 +141,39 @@ def test_metrics_endpoint(server: PredictionServer, stub, requests) -> None:
         'dynrec_serving_model_loads_total{result="ok"} 1.0',
     ):
         assert name in text, name
+    # where the time goes: request stages in the RPC thread, batch stages in the batcher
+    for stage, clocks in {
+        "validate": ("wall", "cpu"),
+        "fg": ("wall", "cpu"),
+        "wait": ("wall",),
+        "respond": ("wall", "cpu"),
+        "queue_wait": ("wall",),
+        "concat": ("wall",),
+        "h2d": ("wall",),
+        "compute": ("wall",),
+        "sync": ("wall",),
+        "batch": ("wall", "cpu"),
+    }.items():
+        for clock in clocks:
+            assert f'dynrec_serving_stage_seconds_count{{clock="{clock}",stage="{stage}"}}' in text
+
+
+def test_servers_share_a_port_with_reuse_port(bundle_v1: Path, requests) -> None:
+    first = PredictionServer(_config(bundle=bundle_v1, reuse_port=True, metrics_port=None))
+    first.start()
+    second = PredictionServer(
+        _config(bundle=bundle_v1, reuse_port=True, metrics_port=None, port=first.port)
+    )
+    try:
+        second.start()
+        assert second.port == first.port
+        assert first.wait_ready(60) and second.wait_ready(60)
+        with grpc.insecure_channel(f"127.0.0.1:{first.port}") as channel:
+            stub = predict_pb2_grpc.PredictionServiceStub(channel)
+            assert len(stub.Predict(requests[0], timeout=10).probabilities) > 0
+    finally:
+        first.stop(grace=0)
+        second.stop(grace=0)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -214,6 +249,152 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, requests, case: st
     assert info.value.code() == INVALID, info.value.details()
     assert field in info.value.details()
     assert stub.Predict(requests[1], timeout=10).probabilities  # still answers
+
+
+# --------------------------------------------------------------------------- columnar candidates
+
+
+def test_columnar_requests_score_like_row_requests(stub, fs: FeatureSet, requests) -> None:
+    """The same candidates as ``candidates`` and as ``candidate_columns``: the same scores."""
+    cases = {f"sample {i}": r for i, r in enumerate(requests)} | candidate_variants(requests)
+    for name, rows in cases.items():
+        columns = to_columnar(fs, rows)
+        assert not columns.candidates and columns.candidate_columns.num_candidates > 0
+        want = stub.Predict(rows, timeout=10)
+        got = stub.Predict(columns, timeout=10)
+        assert got.request_id == want.request_id and got.model_version == want.model_version
+        assert len(got.probabilities) == len(rows.candidates), name
+        np.testing.assert_allclose(
+            got.probabilities, want.probabilities, rtol=1e-6, atol=1e-7, err_msg=name
+        )
+
+
+def test_columnar_placeholders_of_missing_rows_are_ignored(stub, fs: FeatureSet, requests) -> None:
+    rows = candidate_variants(requests)["some values missing"]
+    columns = to_columnar(fs, rows)
+    cols = columns.candidate_columns.columns
+    last = columns.candidate_columns.num_candidates - 1
+    cols["price"].doubles.values[last] = float("nan")  # missing: not checked, not used
+    cols["cate_id"].int64s.values[last] = -5
+    cols["brand"].int64s.values[0] = -1
+    want = stub.Predict(rows, timeout=10).probabilities
+    np.testing.assert_allclose(stub.Predict(columns, timeout=10).probabilities, want, rtol=1e-6)
+
+
+def _columnar_bad_cases() -> dict[str, tuple[object, str, str]]:
+    """name → (mutation of a good columnar request, field the error must name, words in it)."""
+
+    def col(name: str):
+        return lambda r: r.candidate_columns.columns[name]
+
+    def set_doubles(r, name: str, values: list[float]) -> None:
+        c = r.candidate_columns.columns[name]
+        c.ClearField("kind")
+        c.doubles.values.extend(values)
+
+    def n(r) -> int:
+        return r.candidate_columns.num_candidates
+
+    def field(name: str) -> str:
+        return f'candidate_columns.columns["{name}"]'
+
+    return {
+        "rows and columns": (
+            lambda r: r.candidates.add(),
+            "candidate_columns",
+            "not both",
+        ),
+        "no candidates": (
+            lambda r: setattr(r.candidate_columns, "num_candidates", 0),
+            "candidate_columns.num_candidates",
+            "empty",
+        ),
+        "too many candidates": (
+            lambda r: setattr(r.candidate_columns, "num_candidates", LIMITS.max_candidates + 1),
+            "candidate_columns.num_candidates",
+            "more than the limit",
+        ),
+        "short column": (
+            lambda r: col("adgroup_id")(r).int64s.values.pop(),
+            field("adgroup_id"),
+            "values, expected num_candidates",
+        ),
+        "long column": (
+            lambda r: col("price")(r).doubles.values.append(1.0),
+            field("price"),
+            "values, expected num_candidates",
+        ),
+        "missing mask length": (
+            lambda r: col("brand")(r).missing.extend([False] * (n(r) + 1)),
+            field("brand"),
+            "missing has",
+        ),
+        "absent column": (
+            lambda r: r.candidate_columns.columns.pop("cate_id"),
+            field("cate_id"),
+            "missing required feature",
+        ),
+        "unknown column": (
+            lambda r: r.candidate_columns.columns["colour"].int64s.values.extend([1] * n(r)),
+            field("colour"),
+            "unknown feature",
+        ),
+        "user feature as a column": (
+            lambda r: r.candidate_columns.columns["user_id"].int64s.values.extend([1] * n(r)),
+            field("user_id"),
+            "unknown feature",
+        ),
+        "no values": (
+            lambda r: col("customer")(r).ClearField("kind"),
+            field("customer"),
+            "no values",
+        ),
+        "doubles for an id": (
+            lambda r: set_doubles(r, "adgroup_id", [1.5] * n(r)),
+            field("adgroup_id"),
+            "expected int64s or strings, got doubles",
+        ),
+        "strings for a price": (
+            lambda r: (
+                col("price")(r).ClearField("kind"),
+                col("price")(r).strings.values.extend(["cheap"] * n(r)),
+            ),
+            field("price"),
+            "expected a number (doubles), got strings",
+        ),
+        "NaN price": (
+            lambda r: set_doubles(r, "price", [1.0] * (n(r) - 1) + [float("nan")]),
+            field("price"),
+            "finite",
+        ),
+        "negative price": (
+            lambda r: set_doubles(r, "price", [-3.0] * n(r)),
+            field("price"),
+            "negative",
+        ),
+        "negative id": (
+            lambda r: col("adgroup_id")(r).int64s.values.__setitem__(0, -2),
+            field("adgroup_id"),
+            "negative id",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_columnar_bad_cases()))
+def test_bad_columnar_input_is_invalid_argument_naming_the_field(
+    stub, fs: FeatureSet, requests, case: str
+) -> None:
+    mutate, field, words = _columnar_bad_cases()[case]
+    good = to_columnar(fs, candidate_variants(requests)["unknown ids"])  # int64s, doubles
+    req = predict_pb2.PredictRequest()
+    req.CopyFrom(good)
+    mutate(req)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(req, timeout=10)
+    assert info.value.code() == INVALID, info.value.details()
+    assert info.value.details().startswith(f"{field}: "), info.value.details()
+    assert words in info.value.details()
+    assert stub.Predict(good, timeout=10).probabilities  # still answers
 
 
 def test_oversize_message_is_refused(stub, requests) -> None:

@@ -1,12 +1,19 @@
-"""serve.validation: the column-wise candidate check agrees with the per-candidate one."""
+"""serve.validation: the column-wise candidate check agrees with the per-candidate one, and
+columnar candidates give the very batch their row form gives."""
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
 import pytest
+import torch
 
 from protos import predict_pb2
 from serve.validation import Limits, RequestError, _features, request_inputs
 from shared.features import FeatureSet, Side
+from shared.fg import request_columns_to_batch
+
+from .conftest import candidate_variants, to_columnar
 
 
 def _per_candidate(req: predict_pb2.PredictRequest, fs: FeatureSet) -> dict[str, list[object]]:
@@ -59,3 +66,32 @@ def test_an_unknown_or_missing_feature_is_named(fs: FeatureSet, requests) -> Non
     with pytest.raises(RequestError) as err:
         request_inputs(req, fs, Limits())
     assert err.value.field == "candidates[1].colour"
+
+
+def _batch(req: predict_pb2.PredictRequest, fs: FeatureSet):
+    return request_columns_to_batch(fs, **vars(request_inputs(req, fs, Limits())))
+
+
+def test_columnar_candidates_give_the_batch_of_their_rows(fs: FeatureSet, requests) -> None:
+    cases = {f"sample {i}": r for i, r in enumerate(requests)} | candidate_variants(requests)
+    for name, rows in cases.items():
+        columns = to_columnar(fs, rows)
+        items = request_inputs(columns, fs, Limits()).items
+        assert all(isinstance(v, pa.Array) for v in items.values())
+        for side in ("user", "item", "sequence"):
+            want, got = getattr(_batch(rows, fs), side), getattr(_batch(columns, fs), side)
+            assert got.keys() == want.keys(), name
+            assert torch.equal(got.values(), want.values()), (name, side)
+            assert torch.equal(got.lengths(), want.lengths()), (name, side)
+        by_row = request_inputs(rows, fs, Limits()).items
+        for feature, arr in items.items():
+            assert arr.to_pylist() == by_row[feature], (name, feature)
+
+
+def test_columnar_missing_rows_are_nulls(fs: FeatureSet, requests) -> None:
+    rows = candidate_variants(requests)["some values missing"]
+    items = request_inputs(to_columnar(fs, rows), fs, Limits()).items
+    assert items["brand"].null_count == 1 and not items["brand"].is_valid()[0].as_py()
+    assert items["price"].null_count == 1 and items["price"].type == pa.float64()
+    assert items["adgroup_id"].null_count == 0
+    assert np.asarray(items["adgroup_id"]).dtype == np.int64

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call (nvidia-h200, 16 cores): Predict throughput and latency of `python -m serve`
+# under locust, GPU against the CPU baseline on the same machine and load, with the server's
+# stage profile and a py-spy GIL profile (bench/bench_serving.py). Run from the repo root on the
+# GPU machine with $OUT set, after fetching the wheels here and `carry: [".whl"]`:
+#   ../shared/device/fetch-wheels.sh locust==2.47.0 gevent==26.9.0 geventhttpclient==2.6.1 \
+#     greenlet==3.5.6 zope.event==6.2 zope.interface==8.7 flask==3.1.3 flask-cors==6.0.5 \
+#     flask-login==0.6.3 blinker==1.9.0 itsdangerous==2.2.0 pyzmq==27.3.0 configargparse==1.9.0 \
+#     brotli==1.2.1 python-engineio==4.15.1 python-socketio==5.18.1 bidict==0.24.1 \
+#     simple-websocket==1.1.0 wsproto==1.3.2 websocket-client==1.9.2 py-spy==0.4.3
+# (plus grpcio==1.85.3 grpcio-health-checking grpcio-reflection prometheus-client, already in .whl:
+# the generated stubs want grpcio >= 1.85.1). About 6-7 minutes; writes under $OUT:
+# bench_serving.json, pyspy_raw.txt, bench_serving.log.
+set -x
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nproc
+.site/bin/py-spy --version
+# runs (500 candidates per request; candidates as candidate_columns unless the run says :rows):
+# one GPU server process at 32 closed-loop users with row and with columnar requests (the
+# request format's cost where one process's GIL is the limit), the CPU baseline, GPU with four
+# processes (SO_REUSEPORT), and GPU with eight processes at 64 users (throughput; rows and
+# columnar) and at 8 users (latency). The offline profile compares parse/validate/fg per request
+# of both formats on the same requests.
+timeout "${BENCH_TIMEOUT:-500}" python3 -m bench.bench_serving --out "$OUT" --work /tmp/bench_serving \
+  --run cuda:1:500:32:rows --run cuda:1:500:32 --run cpu:1:500:32 --run cuda:4:500:32 \
+  --run cuda:8:500:64:rows --run cuda:8:500:64 --run cuda:8:500:8 \
+  --duration "${BENCH_DURATION:-20}" --processes 4 "$@" 2>&1 | tee "$OUT/bench_serving.log"
