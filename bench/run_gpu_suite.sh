@@ -1,12 +1,29 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, GPU tests, a 1-GPU NCCL torchrun run, and the
-# training/DIN/hash-table benchmarks. Run on the GPU machine from the repo root with $OUT set,
-# after `../shared/device/fetch-wheels.sh` here and `carry: [".whl"]` (see ../shared/device).
+# One device call (nvidia-h200): GPU tests, then the hash-table, DIN and training benchmarks and
+# the training-step profile, each under its own timeout so the call ends inside 10 minutes.
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (wheels from
+# ../shared/device/fetch-wheels.sh; see README "Contributing"). Writes JSON and logs under $OUT.
+# (at most 8 files come back: gpu_tests.log, suite.log, the JSONs, profile_train.txt.)
+# The serving benchmark needs a call of its own: bench/run_serving_gpu.sh.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.site
-nvidia-smi --query-gpu=name,memory.total --format=csv
-python3 -m train.data all --size small --out /tmp/small --config configs/multi_tower_din_taobao_dynamicemb.config > $OUT/data.log 2>&1
-timeout 75 python3 -m pytest -q -p no:cacheprovider -m gpu tests > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
-timeout 70 python3 -m bench.bench_distributed --device cuda --procs 1 --data /tmp/small/samples --batch-size 8192 --max-steps 25 --warmup 5 --num-workers 2 --out $OUT/bench_distributed_gpu1.json > $OUT/bench_distributed.log 2>&1; echo "dist rc=$?"; tail -4 $OUT/bench_distributed.log
-timeout 75 python3 -m bench.bench_train --samples /tmp/small/samples --device cuda --batch 8192 --steps 8 --padded-steps 3 --warmup 3 --end-to-end-steps 20 --num-workers 4 --out $OUT/bench_train_gpu.json > $OUT/bench_train.log 2>&1; echo "bench_train rc=$?"; grep -A6 '"step"' $OUT/bench_train.log | head -8
+export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -m train.data all --size small --out /tmp/small \
+  --config configs/multi_tower_din_taobao_dynamicemb.config > /dev/null 2>&1
+timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
+timeout 110 python3 -m bench.bench_gpu_hashtable --out "$OUT/bench_gpu_hashtable.json" \
+  --sections find,insert --repeats 7 >> "$OUT/suite.log" 2>&1
+echo "hashtable rc=$?"
+timeout 130 python3 -m bench.bench_din --device cuda --out "$OUT/bench_din.json" \
+  >> "$OUT/suite.log" 2>&1
+echo "din rc=$?"
+timeout 100 python3 -m bench.bench_train --samples /tmp/small/samples --device cuda --batch 8192 \
+  --steps 10 --padded-steps 3 --warmup 3 --end-to-end-steps 25 --num-workers 8 \
+  --out "$OUT/bench_train.json" >> "$OUT/suite.log" 2>&1
+echo "train rc=$?"
+timeout 60 python3 -m bench.profile_train --samples /tmp/small/samples --device cuda \
+  --out "$OUT/profile_train.json" >> "$OUT/suite.log" 2>&1
+echo "profile rc=$?"
+python3 -m bench.summarize_gpu_suite "$OUT"
