@@ -11,8 +11,12 @@ capacity ``keys / load_factor``, no growth) and, in the same run:
   [keys, dim] matrix, the floor a hash lookup is compared with; ``find_gather``: find plus
   ``index_select`` of the found rows;
 - ``insert``: all keys into an empty table in one call and in ``--batch``-key calls, and an
-  assign of every (stored) key, kernels and torch core, with a check that both give the same
-  table.
+  assign of every (stored) key: the torch core, and each kernel implementation of
+  ``cuda/insert.py`` (``insert_v1``, ``insert_v2``; ``--insert-impls``), each with a check that
+  it gives the core's table (``insert_v2`` also through CuPy's launch instead of the direct
+  driver launch: ``one_call_cupy_launch``); ``erase_all``: an erase of every key, kernels and
+  core; ``counter``: the admission counter's table (dim 0, 1024 slots a bucket, LFU) taking
+  ``--counter-keys`` new keys and erasing them, kernels and core.
 
 Then the bulk build of ``--build-keys`` keys (serving startup): ``HashTable.from_keys_values``
 with kernels and torch core, and ``StaticLookupTable.from_keys_values``.
@@ -21,7 +25,8 @@ Times are medians of ``--repeats`` runs between CUDA events (``per_call``: synch
 each call, host work included; ``pipelined``: ``--pipeline`` calls back to back, so host work
 overlaps the GPU's; ``kernel_only``: the find kernel relaunched on converted arguments, without
 the Python work of a call). Builds and inserts synchronise inside, so they are timed per call.
-``--profile`` adds torch.profiler tables of one find, insert and build.
+``--profile`` adds torch.profiler tables of one find, insert (each implementation) and build.
+``--sections`` and ``--load-factors`` select parts of the run.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 import torch
 
 from shared.hashtable import cuda
+from shared.hashtable.cuda import insert
 from shared.hashtable.cuda.find import find as kernel_find
 from shared.hashtable.cuda.find import prepared_find
 from shared.hashtable.cuda.runtime import FIND_WINDOWS
@@ -95,8 +101,12 @@ def _fresh(n: int, lf: float, dim: int, device: torch.device) -> HashTable:
 
 
 def bench_insert(
-    keys: torch.Tensor, lf: float, dim: int, batch: int, repeats: int
+    keys: torch.Tensor, lf: float, dim: int, batch: int, repeats: int, impls: list[str]
 ) -> dict[str, Any]:
+    """Inserts of every key into an empty table (one call, ``batch``-key calls) and an assign of
+    every stored key: the torch core once, then each kernel implementation (cuda/insert.py
+    IMPL), each checked against the core's table. Top-level ``one_call``/``batched``/
+    ``assign_all`` repeat the default implementation's numbers."""
     dev, n = keys.device, keys.numel()
     values = torch.randn(n, dim, device=dev)
     scores = torch.arange(n, device=dev)
@@ -113,36 +123,159 @@ def bench_insert(
             sl = slice(s, s + batch)
             state["t"].insert_or_assign(keys[sl], values[sl], scores[sl])
 
-    out: dict[str, Any] = {"batch": batch}
-    for name, fn in (("one_call", insert_all), ("batched", insert_batches)):
-        fresh()
-        fn()  # warm up
-        k = _time(fn, repeats, setup=fresh)
-        with cuda.disabled():
-            fresh()
-            fn()
-            c = _time(fn, max(1, repeats // 2), setup=fresh)
-        out[name] = {
-            "kernel_s": k,
-            "kernel_keys_per_s": n / k,
-            "core_s": c,
-            "core_keys_per_s": n / c,
-            "speedup": c / k,
-        }
-    fresh()
-    insert_all()
-    table = state["t"]
-    with cuda.disabled():
-        fresh()
-        insert_all()
-    out["kernel_table_equals_core_table"] = _same_table(table, state["t"])
-    out["size"], out["evictions"] = table.size, table.evictions
+    calls = (("one_call", insert_all), ("batched", insert_batches))
     perm = torch.randperm(n, device=dev)
     q, qv, qs = keys[perm], values[perm], scores[perm]
-    k = _time(lambda: table.insert_or_assign(q, qv, qs), repeats)
+    out: dict[str, Any] = {"batch": batch, "default_impl": insert.IMPL, "core": {}}
     with cuda.disabled():
-        c = _time(lambda: table.insert_or_assign(q, qv, qs), 3)
-    out["assign_all"] = {"kernel_keys_per_s": n / k, "core_keys_per_s": n / c}
+        for name, fn in calls:
+            fresh()
+            fn()
+            out["core"][name] = _time(fn, max(1, repeats // 2), setup=fresh)
+        fresh()
+        insert_all()
+        core_table = state["t"]
+        core_assign = _time(lambda: core_table.insert_or_assign(q, qv, qs), 3)
+    for impl in impls:
+        res: dict[str, Any] = {}
+        with insert.implementation(impl):
+            for name, fn in calls:
+                fresh()
+                fn()  # warm up
+                k, c = _time(fn, repeats, setup=fresh), out["core"][name]
+                res[name] = {
+                    "kernel_s": k,
+                    "kernel_keys_per_s": n / k,
+                    "core_s": c,
+                    "core_keys_per_s": n / c,
+                    "speedup": c / k,
+                }
+            fresh()
+            insert_all()
+            table = state["t"]
+            res["kernel_table_equals_core_table"] = _same_table(table, core_table)
+            res["size"], res["evictions"] = table.size, table.evictions
+            k = _time(lambda t=table: t.insert_or_assign(q, qv, qs), repeats)
+            res["assign_all"] = {"kernel_keys_per_s": n / k, "core_keys_per_s": n / core_assign}
+            if impl == "v2":  # the same calls through CuPy's RawKernel launch (host time)
+                fresh()
+                insert_all()
+                with _cupy_launch():
+                    k = _time(insert_all, repeats, setup=fresh)
+                res["one_call_cupy_launch"] = {"kernel_s": k, "kernel_keys_per_s": n / k}
+        out[f"insert_{impl}"] = res
+    if "v1" in impls and "v2" in impls:
+        out["v2_speedup_over_v1"] = {
+            name: out["insert_v1"][name]["kernel_s"] / out["insert_v2"][name]["kernel_s"]
+            for name, _ in calls
+        }
+    default = out.get(f"insert_{insert.IMPL}")
+    if default is not None:
+        for key in ("one_call", "batched", "assign_all", "kernel_table_equals_core_table"):
+            out[key] = default[key]
+    out["erase_all"] = _bench_erase(state, fresh, insert_all, q, repeats)
+    return out
+
+
+class _cupy_launch:
+    """insert.DIRECT_LAUNCH off inside the block (CuPy's RawKernel call for every launch)."""
+
+    def __enter__(self) -> None:
+        self.before, insert.DIRECT_LAUNCH = insert.DIRECT_LAUNCH, False
+
+    def __exit__(self, *exc: object) -> None:
+        insert.DIRECT_LAUNCH = self.before
+
+
+def _bench_erase(
+    state: dict[str, HashTable],
+    fresh: Callable[[], None],
+    fill: Callable[[], None],
+    q: torch.Tensor,
+    repeats: int,
+) -> dict[str, Any]:
+    """Erase of every stored key (``q``, shuffled) from a full table: kernels and core."""
+    n = q.numel()
+
+    def setup() -> None:
+        fresh()
+        fill()
+
+    def erase() -> None:
+        state["t"].erase(q)
+
+    setup()
+    erase()  # warm up
+    k = _time(erase, repeats, setup=setup)
+    setup()
+    erase()
+    kernel_table = state["t"]
+    with cuda.disabled():
+        setup()
+        erase()
+        c = _time(erase, max(1, repeats // 2), setup=setup)
+        setup()
+        erase()
+    return {
+        "kernel_s": k,
+        "kernel_keys_per_s": n / k,
+        "core_s": c,
+        "core_keys_per_s": n / c,
+        "speedup": c / k,
+        "kernel_table_equals_core_table": _same_table(kernel_table, state["t"]),
+    }
+
+
+def _counter(capacity: int, dev: torch.device) -> HashTable:
+    """The admission counter's table (admission.FrequencyCounter): dim 0, LFU, no growth."""
+    from shared.features import ScoreStrategy
+
+    return HashTable(
+        0,
+        init_capacity=capacity,
+        max_capacity=capacity,
+        bucket_capacity=1024,
+        score_strategy=ScoreStrategy.LFU,
+        device=dev,
+    )
+
+
+def bench_counter(keys: torch.Tensor, repeats: int) -> dict[str, Any]:
+    """Insert of every key (new, dim 0) into an empty counter table of twice the keys, and the
+    erase of every key: kernels (v2: place opts in to 61 KB of shared memory a warp) and core."""
+    dev, n = keys.device, keys.numel()
+    counts = torch.randint(1, 5, (n,), device=dev)
+    state: dict[str, HashTable] = {}
+
+    def fresh() -> None:
+        state["t"] = _counter(2 * n, dev)
+
+    def fill() -> None:
+        state["t"].insert_or_assign(keys, torch.zeros(n, 0, device=dev), counts)
+
+    out: dict[str, Any] = {"keys": n, "bucket_capacity": 1024}
+    fresh()
+    fill()  # warm up
+    k = _time(fill, repeats, setup=fresh)
+    out["insert_path"] = insert.last_path
+    fresh()
+    fill()
+    kernel_table = state["t"]
+    with cuda.disabled():
+        fresh()
+        fill()
+        c = _time(fill, max(1, repeats // 2), setup=fresh)
+        fresh()
+        fill()
+    out["insert"] = {
+        "kernel_s": k,
+        "kernel_keys_per_s": n / k,
+        "core_s": c,
+        "core_keys_per_s": n / c,
+        "speedup": c / k,
+        "kernel_table_equals_core_table": _same_table(kernel_table, state["t"]),
+    }
+    out["erase"] = _bench_erase(state, fresh, fill, keys.flip(0), repeats)
     return out
 
 
@@ -236,16 +369,55 @@ def profile(path: Path, keys: torch.Tensor, dim: int, build_keys: int) -> None:
     bvalues = torch.randn(build_keys, dim, device=dev)
     full = _fresh(n, 0.5, dim, dev)
     full.insert_or_assign(keys, values, scores)
-    calls: dict[str, Callable[[], Any]] = {
-        "find (1 call, all keys)": lambda: full.find(keys, validate=False),
-        "insert_or_assign (1 call, all keys, empty table)": lambda: _fresh(
-            n, 0.5, dim, dev
-        ).insert_or_assign(keys, values, scores),
-        "from_keys_values": lambda: HashTable.from_keys_values(bkeys, bvalues, device=dev),
+    empty: dict[str, HashTable] = {}
+
+    def new_table() -> None:
+        empty["t"] = _fresh(n, 0.5, dim, dev)
+
+    def full_table() -> None:
+        new_table()
+        empty["t"].insert_or_assign(keys, values, scores)
+
+    def new_counter() -> None:
+        empty["t"] = _counter(2 * n, dev)
+
+    def insert_with(impl: str) -> Callable[[], Any]:
+        def run() -> None:
+            with insert.implementation(impl):
+                empty["t"].insert_or_assign(keys, values, scores)
+
+        return run
+
+    calls: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
+        "find (1 call, all keys)": (lambda: full.find(keys, validate=False), None),
+        **{
+            f"insert_or_assign {impl} (1 call, all keys, empty table made before)": (
+                insert_with(impl),
+                new_table,
+            )
+            for impl in insert.IMPLS
+        },
+        "erase (1 call, all keys, full table made before)": (
+            lambda: empty["t"].erase(keys),
+            full_table,
+        ),
+        "counter insert (dim 0, bucket 1024, 1 call, all keys, empty table made before)": (
+            lambda: empty["t"].insert_or_assign(keys, torch.zeros(n, 0, device=dev), scores),
+            new_counter,
+        ),
+        "from_keys_values": (
+            lambda: HashTable.from_keys_values(bkeys, bvalues, device=dev),
+            None,
+        ),
     }
     text = []
-    for name, fn in calls.items():
-        fn()
+    for name, (fn, setup) in calls.items():
+        for _ in range(2):  # warm up
+            if setup is not None:
+                setup()
+            fn()
+        if setup is not None:
+            setup()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
@@ -265,10 +437,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--batch", type=int, default=65_536, help="keys per call of batched runs")
     p.add_argument("--build-keys", type=int, default=1_500_000)
+    p.add_argument(
+        "--counter-keys", type=int, default=200_000, help="keys of the counter part of insert"
+    )
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--pipeline", type=int, default=20, help="calls back to back per timing")
     p.add_argument("--profile", type=Path, help="also write torch.profiler tables here")
+    p.add_argument(
+        "--load-factors", default="0.5,0.9", help="comma-separated load factors (find, insert)"
+    )
+    p.add_argument(
+        "--sections", default="find,insert,build", help="comma-separated: find, insert, build"
+    )
+    p.add_argument(
+        "--insert-impls",
+        default=",".join(insert.IMPLS),
+        help="comma-separated insert implementations to time (cuda/insert.py IMPLS)",
+    )
     args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    impls = [i for i in args.insert_impls.split(",") if i]
+    if unknown := set(impls) - set(insert.IMPLS):
+        raise SystemExit(f"bench_gpu_hashtable: unknown insert implementations {sorted(unknown)}")
     if cuda.unavailable_reason() is not None:
         raise SystemExit(f"bench_gpu_hashtable: {cuda.unavailable_reason()}")
     import cupy
@@ -285,6 +475,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "pipeline": args.pipeline,
         "load_factors": {},
+        "insert_direct_launch": insert.DIRECT_LAUNCH,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -297,19 +488,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps({name: into[name]}, indent=1), flush=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    for lf in (0.5, 0.9):
+    for lf in (float(x) for x in args.load_factors.split(",")):
         into = result["load_factors"].setdefault(str(lf), {"load_factor_target": lf})
+        if "find" in sections:
+            section(
+                "find",
+                lambda lf=lf: bench_find(
+                    keys, lf, args.dim, args.batch, args.repeats, args.pipeline
+                ),
+                into,
+            )
+        if "insert" in sections:
+            section(
+                "insert",
+                lambda lf=lf: bench_insert(keys, lf, args.dim, args.batch, args.repeats, impls),
+                into,
+            )
+    if "insert" in sections:
         section(
-            "find",
-            lambda lf=lf: bench_find(keys, lf, args.dim, args.batch, args.repeats, args.pipeline),
-            into,
+            "counter",
+            lambda: bench_counter(keys[: args.counter_keys], args.repeats),
+            result,
         )
-        section(
-            "insert",
-            lambda lf=lf: bench_insert(keys, lf, args.dim, args.batch, args.repeats),
-            into,
-        )
-    section("build", lambda: bench_build(args.build_keys, args.dim, args.repeats, dev), result)
+    if "build" in sections:
+        section("build", lambda: bench_build(args.build_keys, args.dim, args.repeats, dev), result)
     if args.profile is not None:
         section("profile", lambda: profile(args.profile, keys, args.dim, args.build_keys) or {}, {})
     return result

@@ -61,7 +61,9 @@ class FrequencyCounter:
         A key that cannot be remembered (its bucket is full of higher counts) still gets its
         total for this call, so a key seen ``threshold`` times in one batch is admitted.
         """
-        counts = counts.to(self.table.device, torch.int64)
+        device = self.table.device
+        keys, counts = keys.to(device), counts.to(device, torch.int64)
+        table_ids = None if table_ids is None else table_ids.to(device)
         rows, found = self.table.find(keys, table_ids, validate=validate)
         totals = counts.clone()
         hit, new = split_mask(found)
@@ -71,7 +73,7 @@ class FrequencyCounter:
         if new.numel():
             self.table.insert_or_assign(
                 keys[new],
-                torch.zeros(new.numel(), 0),
+                torch.zeros(new.numel(), 0, device=self.table.device),
                 totals[new],
                 table_ids=None if table_ids is None else table_ids[new],
                 pinned_rows=rows[hit],
@@ -90,7 +92,12 @@ class FrequencyCounter:
         self, keys: torch.Tensor, counts: torch.Tensor, table_ids: torch.Tensor | None = None
     ) -> None:
         """Set the counts of ``keys`` (used when restoring a checkpoint)."""
-        self.table.insert_or_assign(keys, torch.zeros(keys.numel(), 0), counts, table_ids=table_ids)
+        self.table.insert_or_assign(
+            keys,
+            torch.zeros(keys.numel(), 0, device=self.table.device),
+            counts,
+            table_ids=table_ids,
+        )
 
     def clear(self, table_id: int | None = None) -> int:
         return self.table.clear(table_id)

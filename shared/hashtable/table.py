@@ -29,9 +29,9 @@ Determinism: every step is a stable sort, a searchsorted, a cumsum or a scatter 
 indices, so the same sequence of calls gives the same table on CPU and CUDA. Keys must be
 non-negative (-1 marks a free row).
 
-On CUDA with CuPy installed, ``find``, ``insert_or_assign`` and ``from_keys_values`` run the
-kernels of :mod:`shared.hashtable.cuda` on these same arrays, with the same results; the code
-here stays the CPU path and the reference (``shared.hashtable.cuda.disabled()`` forces it).
+On CUDA with CuPy installed, ``find``, ``insert_or_assign``, ``erase`` and ``from_keys_values``
+run the kernels of :mod:`shared.hashtable.cuda` on these same arrays, with the same results; the
+code here stays the CPU path and the reference (``shared.hashtable.cuda.disabled()`` forces it).
 """
 
 from __future__ import annotations
@@ -453,6 +453,12 @@ class HashTable:
 
     def erase(self, keys: torch.Tensor, table_ids: torch.Tensor | None = None) -> int:
         """Remove ``keys`` (missing ones are ignored); returns how many were removed."""
+        if self.device.type == "cuda" and cuda_kernels.available():
+            from shared.hashtable.cuda.insert import erase
+
+            erased = erase(self, keys, table_ids)  # one host sync; None: the core's job
+            if erased is not None:
+                return erased
         keys, table_ids = self._prepare(keys, table_ids, "HashTable.erase")
         if keys.numel() == 0:
             return 0

@@ -1,23 +1,58 @@
-"""``HashTable.insert_or_assign`` on CUDA, giving the torch core's table and result.
+"""``HashTable.insert_or_assign`` and ``HashTable.erase`` on CUDA, giving the torch core's table
+and result.
 
-1. ``ht_insert_stage`` (a thread per key): locate each key; stored keys mark their row with the
-   last input index using it, new keys are staged in their bucket's list.
-2. ``ht_insert_plan`` (a block per bucket): deduplicate the staged pairs (the last occurrence
-   wins) and order them by (fingerprint, table id, key), the torch core's order. One host sync
-   reads what the call needs (new pairs, fullest bucket, errors).
-3. If the table would grow, or a bucket received more than twice its capacity of new keys,
-   nothing has changed yet and the call returns None: the torch core does it all.
-4. ``ht_insert_assign`` writes the stored keys' values and scores; ``ht_insert_merge`` (a block
-   per bucket) gives the new keys of the buckets with room their empty slots' rows and merges
-   them into the sorted slots; buckets without room (at maximum capacity) go through the torch
-   core's ``_insert_overflow`` (eviction by score, NO_EVICTION refusals), unchanged.
-5. ``ht_insert_rows`` gathers each input's row and ``inserted`` flag.
+Two insert implementations; :data:`IMPL` picks one (``implementation("v1")`` for a block of code):
+
+**v2** (default; kernels.cu ``ht_ins2_*``): three launches on torch's stream (four for a table
+that may still grow), one host read.
+
+1. ``ht_ins2_stage_w<W>`` (a thread per key): locate each key; a stored key marks its row with
+   the last input index using it, a new occurrence is staged in its bucket's list.
+2. ``ht_ins2_place0`` (a warp per bucket): order the bucket's new occurrences by (fingerprint,
+   table id, key), the torch core's order; the last occurrence of each pair represents it.
+   Where the stage counts rule out growth (at max capacity, or when the staged occurrences
+   cannot reach the load bound), the warp merges the new pairs into its bucket at once: they
+   take the rows of the empty slots, the slots stay sorted, and the warp writes the new rows
+   (key, table id, score, values, accumulators), which lie in the bucket's own row range.
+3. ``ht_ins2_place1``, only for a table that may grow: the same merge where growth looked
+   possible from the stage counts but the exact pair counts of pass 0 rule it out.
+4. ``ht_ins2_write`` (``2**gshift`` threads a key, 16-byte copies): the last occurrence of each
+   stored pair assigns its row.
+
+The stats (new pairs, fullest bucket, errors) are copied to pinned memory after pass 0 and
+read once, after every launch is queued: the host waits for stage and pass 0 only, while pass 1
+and the row writes run. When the call cannot finish on the kernels (growth, a bucket receiving
+more than twice its capacity of new occurrences, invalid keys) the kernels leave the table
+untouched and the call returns None: the torch core does it all (or raises its error). Buckets
+without room at max capacity go through the torch core's ``_insert_overflow`` (eviction by
+score, NO_EVICTION refusals), then ``ht_ins2_gather`` fills their rows.
+Scratch buffers are kept per table (:class:`_Scratch`) and left clear by the kernels
+themselves: no per-call allocation or fill beyond the two result tensors. Launches go to the
+driver (``cuLaunchKernel``) from C parameter buffers kept with the scratch (:class:`_Kernel`):
+a launch stores each argument in its slot, with no CuPy argument conversion
+(:data:`DIRECT_LAUNCH` False: CuPy's launch, for comparison). Tables of any dim (0 included:
+the admission counter) and bucket capacity take this path; a bucket capacity whose shared
+memory exceeds 48 KiB per warp (1024, the counter's default) opts in to the device's limit.
+
+**v1** (``ht_insert_*``): stage, then a 128-thread block per bucket deduplicates and ranks
+(O(k^2) per thread), one host sync, then assign, merge (a block per bucket) and rows.
+
+**erase** (kernels.cu ``ht_erase_*``, :func:`erase`): mark (a thread per key) and apply (a warp
+per bucket holding an erased key: a stable partition of its slots, the rows freed), one host
+read, on the table's v2 scratch; invalid keys raise the core's error with the table untouched.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import ctypes
+import math
+import re
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from shared.hashtable.cuda import runtime as rt
@@ -28,8 +63,49 @@ if TYPE_CHECKING:
     from shared.hashtable.table import HashTable, InsertResult
 
 WHAT = "HashTable.insert_or_assign"
+ERASE_WHAT = "HashTable.erase"
 PLAN_BLOCK = 128
-STAGE_FACTOR = 2  # staged new keys a bucket may receive, in bucket capacities
+STAGE_FACTOR = 2  # staged new keys a bucket may receive, in bucket capacities (place needs 2)
+IMPLS = ("v1", "v2")
+IMPL = "v2"  # the implementation HashTable.insert_or_assign uses on CUDA
+DIRECT_LAUNCH = True  # v2 and erase launch through cuLaunchKernel (False: CuPy's RawKernel call)
+PLACE_WARPS = 4  # buckets (warps) per block of ht_ins2_place*, fewer when shared memory is short
+ERASE_WARPS = 4  # buckets (warps) per block of ht_erase_apply
+PLACE_STATIC_SMEM = 256  # room for the static shared memory of ht_ins2_place* (48 bytes)
+OPTIN_SHARED_ATTR = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+# kernels.cu HT_ST_*: the stats of one v2 call
+ST_STAGED_OVER, ST_NEG_KEY, ST_BAD_TID, ST_MAYBE_FULL, ST_STAGED, ST_ANY_TID = range(6)
+ST_NEW, ST_MAX_FILL, ST_N_OVER, ST_OVER_NEW = range(6, 10)
+ST_LEN = 16
+# kernels.cu HT_ER_*: the stats of one erase
+ER_NEG_KEY, ER_BAD_TID, ER_ERASED, ER_LISTED = range(4)
+
+# Parameter types of the kernels launched through _Kernel, in order: p pointer (a tensor or
+# None), q int64, i int32, f float32. Must match kernels.cu (test_cuda_kernels checks them).
+SIGNATURES = {
+    "ht_ins2_stage": "ppiqpppppqqqiqpppppp",
+    "ht_ins2_place": "ppiqqqipppppppppppiqpppifiiipppppi",
+    "ht_ins2_write": "qpppiiiipppppiqqpppi",
+    "ht_ins2_gather": "ppqpp",
+    "ht_erase_mark": "ppiqpppppqqqipppp",
+    "ht_erase_apply": "qipppppppppppp",
+}
+
+last_path = ""  # what the latest v2 call did: "fast", "slow", "overflow", "abort" (tests)
+
+
+@contextlib.contextmanager
+def implementation(name: str) -> Iterator[None]:
+    """Use insert implementation ``name`` ("v1" or "v2") inside the block."""
+    global IMPL
+    if name not in IMPLS:
+        raise ValueError(f"insert implementation {name!r} is not one of {IMPLS}")
+    before, IMPL = IMPL, name
+    try:
+        yield
+    finally:
+        IMPL = before
 
 
 def insert_or_assign(
@@ -44,6 +120,542 @@ def insert_or_assign(
 ) -> InsertResult | None:
     """What ``HashTable.insert_or_assign`` returns for the same call, or None (table untouched)
     where the torch core must do it: growth, skewed batches, very large buckets, no keys."""
+    impl = _insert_v1 if IMPL == "v1" else _insert_v2
+    return impl(
+        table,
+        keys,
+        values,
+        scores,
+        table_ids=table_ids,
+        accumulators=accumulators,
+        pinned_rows=pinned_rows,
+    )
+
+
+# ---------------------------------------------------------------------------------------- v2
+
+
+def _place_stride(S: int) -> int:
+    """Shared-memory bytes per warp of ``ht_ins2_place*`` (its layout comment): 30 * S, to 16."""
+    return (30 * S + 15) // 16 * 16
+
+
+def _erase_stride(bc: int) -> int:
+    """Shared-memory bytes per warp of ``ht_erase_apply``: a bucket's fingerprints and rows."""
+    return 16 * bc
+
+
+_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
+_NUMPY = {"q": np.int64, "i": np.int32, "f": np.float32}
+
+
+def _family(name: str) -> str:
+    """The SIGNATURES entry of a kernel name (``ht_ins2_stage_w4`` → ``ht_ins2_stage``)."""
+    return re.sub(r"(_w\d+|\d)$", "", name)
+
+
+def _arg_values(sig: str, args: Sequence[Any]) -> list[int | float]:
+    """Plain numbers of ``args`` for signature ``sig``: tensors become data pointers."""
+    if len(args) != len(sig):
+        raise TypeError(f"kernel takes {len(sig)} arguments ({sig}), got {len(args)}")
+    out: list[int | float] = []
+    for kind, a in zip(sig, args, strict=True):
+        if kind == "p":
+            out.append(0 if a is None else a.data_ptr())
+        elif kind == "f":
+            out.append(float(a))
+        else:
+            out.append(int(a))
+    return out
+
+
+class _Kernel:
+    """A kernels.cu function and a C buffer of its parameters (``sig``: see SIGNATURES): a
+    launch stores each argument in its slot and hands the buffer to ``cuLaunchKernel``, which
+    copies it. Kept per table (a buffer is not shared between threads)."""
+
+    def __init__(self, index: int, name: str) -> None:
+        self.name = name
+        self.sig = SIGNATURES[_family(name)]
+        self.fn = rt._function(index, name)
+        self.slots = [_CTYPES[c]() for c in self.sig]
+        self.params = (ctypes.c_void_p * len(self.sig))(*(ctypes.addressof(s) for s in self.slots))
+        self.params_ptr = ctypes.addressof(self.params)
+        self.ptr = 0  # the CUfunction, read at the first direct launch (in the device's context)
+
+    def bind(self, args: Sequence[Any]) -> None:
+        for slot, value in zip(self.slots, _arg_values(self.sig, args), strict=True):
+            slot.value = value
+
+    def cupy_args(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """The arguments as CuPy's RawKernel call takes them (NumPy scalars of each width)."""
+        return tuple(
+            v if kind == "p" else _NUMPY[kind](v)
+            for kind, v in zip(self.sig, _arg_values(self.sig, args), strict=True)
+        )
+
+
+class _Scratch:
+    """The v2 buffers of one table size (``nb`` buckets of ``bc``), kept between calls.
+
+    Invariant between calls: ``scount`` is 0, ``win`` is -1 and ``stats[parity]`` is 0; the
+    kernels restore it (place clears scount, ht_ins2_write clears win and the other stats
+    buffer; ht_erase_apply the same for an erase). ``dirty`` marks a call interrupted between
+    its launches: the next call clears all.
+    """
+
+    def __init__(self, table: HashTable) -> None:
+        dev, nb, bc = table.device, table.num_buckets, table.bucket_capacity
+        self.shape = (nb, bc)
+        self.S = STAGE_FACTOR * bc
+        self.scount = torch.zeros(nb, dtype=torch.int32, device=dev)  # staged occurrences
+        self.stage = torch.empty(nb * self.S, dtype=torch.int32, device=dev)  # input indices
+        self.win = torch.full((nb * bc,), -1, dtype=torch.int32, device=dev)  # writer of a row
+        self.nnew = torch.empty(nb, dtype=torch.int64, device=dev)  # new pairs (over buckets)
+        self.over_list = torch.empty(nb, dtype=torch.int64, device=dev)  # buckets without room
+        self.stats = torch.zeros(2, ST_LEN, dtype=torch.int64, device=dev)  # alternate per call
+        self.stats_of = (self.stats[0], self.stats[1])
+        self.host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.rep_of = torch.empty(0, dtype=torch.int32, device=dev)  # grows with the batch
+        self.empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.kernels: dict[str, _Kernel] = {}
+        self.parity = 0
+        self.dirty = False
+        self.stream_ptr: int | None = None
+        self.event: Any = None
+
+    def clear(self) -> None:
+        self.scount.zero_()
+        self.win.fill_(-1)
+        self.stats.zero_()
+        self.parity = 0
+        self.dirty = False
+
+    def kernel(self, launch: _Launcher, name: str) -> _Kernel:
+        k = self.kernels.get(name)
+        if k is None:
+            k = self.kernels[name] = _Kernel(launch.index, name)
+        return k
+
+
+_scratch: weakref.WeakKeyDictionary[HashTable, _Scratch] = weakref.WeakKeyDictionary()
+_streams: dict[tuple[int, int], Any] = {}
+_optin: dict[int, int] = {}  # device index -> opt-in shared memory a block may use
+_smem_set: dict[tuple[int, str], int] = {}  # dynamic shared memory a kernel was allowed
+
+
+def _scratch_of(table: HashTable, launcher: _Launcher) -> _Scratch:
+    sc = _scratch.get(table)
+    if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
+        sc = _scratch[table] = _Scratch(table)  # new, or the table grew (the old one is freed)
+    if sc.stream_ptr is not None and sc.stream_ptr != launcher.stream_ptr:
+        launcher.synchronize()  # the last call's kernels ran on another stream
+    sc.stream_ptr = launcher.stream_ptr
+    if sc.event is None:
+        sc.event = launcher.event()
+    if sc.dirty:
+        sc.clear()
+    return sc
+
+
+def _block_warps(launch: _Launcher, names: tuple[str, ...], stride: int, want: int) -> int:
+    """Warps per block of the kernels ``names`` with ``stride`` bytes of dynamic shared memory
+    a warp: up to ``want`` within the default 48 KiB, else within the device's opt-in limit,
+    which the kernels are then allowed (call inside ``with launch``). 0: not one warp fits."""
+    warps = min(want, (rt.MAX_SHARED - PLACE_STATIC_SMEM) // stride)
+    if warps > 0:
+        return warps
+    limit = _optin.get(launch.index)
+    if limit is None:
+        try:
+            limit = int(launch.cp.cuda.runtime.deviceGetAttribute(OPTIN_SHARED_ATTR, launch.index))
+        except Exception:  # an old CuPy or driver: no opt-in
+            limit = rt.MAX_SHARED
+        limit = _optin[launch.index] = limit
+    warps = min(want, (limit - PLACE_STATIC_SMEM) // stride)
+    if warps <= 0:
+        return 0
+    need = warps * stride
+    for name in names:
+        key = (launch.index, name)
+        if _smem_set.get(key, 0) < need:
+            try:
+                rt._function(launch.index, name).max_dynamic_shared_size_bytes = need
+            except Exception:
+                return 0
+            _smem_set[key] = need
+    return warps
+
+
+class _Launcher:
+    """Launches kernels.cu functions (:class:`_Kernel`) on torch's current stream of
+    ``device``: through ``cuLaunchKernel`` from the kernel's parameter buffer, or (no current
+    context, :data:`DIRECT_LAUNCH` False, an old CuPy) through CuPy's RawKernel call. Use
+    inside ``with`` (the device's CUDA context)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cp = rt._cupy()
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.torch_stream = torch.cuda.current_stream(self.index)
+        self.stream_ptr = self.torch_stream.cuda_stream
+        self._device: Any = None
+        self.direct = False
+
+    def __enter__(self) -> _Launcher:
+        self._device = self.cp.cuda.Device(self.index)
+        self._device.__enter__()
+        drv = self.cp.cuda.driver
+        self.direct = DIRECT_LAUNCH and hasattr(drv, "launchKernel") and drv.ctxGetCurrent() != 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._device.__exit__(*exc)
+
+    def _cupy_stream(self) -> Any:
+        key = (self.index, self.stream_ptr)
+        if key not in _streams:
+            _streams[key] = self.cp.cuda.ExternalStream(self.stream_ptr, self.index)
+        return _streams[key]
+
+    def __call__(
+        self, kernel: _Kernel, grid: int, block: int, args: Sequence[Any], shared_mem: int = 0
+    ) -> None:
+        if self.direct:
+            kernel.bind(args)
+            if not kernel.ptr:
+                kernel.ptr = kernel.fn.kernel.ptr
+            self.cp.cuda.driver.launchKernel(
+                kernel.ptr, grid, 1, 1, block, 1, 1, shared_mem, self.stream_ptr,
+                kernel.params_ptr, 0,
+            )  # fmt: skip
+        else:
+            kernel.fn(
+                (grid,),
+                (block,),
+                kernel.cupy_args(args),
+                shared_mem=shared_mem,
+                stream=self._cupy_stream(),
+            )
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, event: Any) -> None:
+        """Queue the copy of ``src`` into pinned ``dst`` and ``event`` after it."""
+        dst.copy_(src, non_blocking=True)
+        event.record(self.torch_stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+
+def _dense(
+    t: torch.Tensor, dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """``t`` on ``dev`` as a contiguous ``dtype`` tensor of ``shape`` (no op when it is one)."""
+    if t.dtype != dtype or t.device != dev:
+        t = t.to(dev, dtype)
+    if t.shape != shape:
+        t = t.reshape(shape)
+    return t.contiguous()
+
+
+def _row_layout(dim: int, arrays: list[torch.Tensor]) -> tuple[bool, int]:
+    """(vec4, gshift) of row copies: float4 units when ``dim % 4 == 0`` and every array is
+    16-byte aligned, else floats; ``2**gshift`` threads a row, the smallest power of 2 covering
+    its units, at most 32."""
+    vec4 = dim % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in arrays)
+    units = dim // 4 if vec4 else dim
+    return vec4, min(5, (max(units, 1) - 1).bit_length())
+
+
+def _insert_v2(
+    table: HashTable,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    table_ids: torch.Tensor | None,
+    accumulators: torch.Tensor | None,
+    pinned_rows: torch.Tensor | None,
+) -> InsertResult | None:
+    global last_path
+    from shared.hashtable.table import InsertResult
+
+    dev, bc, dim = table.device, table.bucket_capacity, table.dim
+    keys, tids = table._prepare(keys, table_ids, WHAT, validate=False)
+    n = keys.numel()
+    S = STAGE_FACTOR * bc
+    if n == 0 or n >= 1 << 31 or S > 32767:
+        return None
+    keys = keys.contiguous()
+    tids = None if tids is None else tids.contiguous()
+    values = _dense(values, dev, torch.float32, (n, dim))
+    scores = _dense(scores, dev, torch.int64, (n,))
+    acc_out = table._accum
+    acc_in = None  # the core ignores given accumulators when the table keeps none
+    if accumulators is not None and acc_out is not None:
+        acc_in = _dense(accumulators, dev, torch.float32, (n, dim))
+    aligned = [values, table._values]
+    aligned += [t for t in (acc_out, acc_in) if t is not None]
+    vec4, gshift = _row_layout(dim, aligned)
+    nb, cap = table.num_buckets, table.capacity
+    may_grow = nb < table._max_buckets
+    # the most new pairs without growth: size + new > lf * nb * bc <=> new > floor(...) - size
+    new_limit = math.floor(table.max_load_factor * nb * bc) - table._size
+    stride = _place_stride(S)
+    has_t = int(tids is not None)
+    limits = (int(may_grow), new_limit)
+
+    launch = _Launcher(dev)
+    with launch:
+        warps = _block_warps(launch, ("ht_ins2_place0", "ht_ins2_place1"), stride, PLACE_WARPS)
+        if warps == 0:
+            return None
+        sc = _scratch_of(table, launch)
+        if sc.rep_of.numel() < n:
+            sc.rep_of = torch.empty(n, dtype=torch.int32, device=dev)
+        stats, stats_next = sc.stats_of[sc.parity], sc.stats_of[1 - sc.parity]
+        rows = torch.empty(n, dtype=torch.int64, device=dev)
+        inserted = torch.empty(n, dtype=torch.uint8, device=dev)
+        n_blocks = rt.blocks(n)
+        sc.dirty = True
+        launch(
+            sc.kernel(launch, f"ht_ins2_stage_w{window(table)}"),
+            n_blocks,
+            rt.BLOCK,
+            (
+                keys,
+                tids,
+                has_t,
+                n,
+                table._slot_fp,
+                table._slot_row,
+                table._row_key,
+                table._row_tid,
+                table._bucket_count,
+                nb,
+                bc,
+                cap,
+                int(tids is not None or table._any_tid),
+                S,
+                rows,
+                inserted,
+                sc.win,
+                sc.scount,
+                sc.stage,
+                stats,
+            ),
+        )
+        place_args = (
+            keys,
+            tids,
+            has_t,
+            nb,
+            bc,
+            S,
+            stride,
+            sc.scount,
+            sc.stage,
+            table._bucket_count,
+            table._slot_fp,
+            table._slot_row,
+            rows,
+            inserted,
+            sc.rep_of,
+            sc.nnew,
+            sc.over_list,
+            stats,
+            *limits,
+            values,
+            scores,
+            acc_in,
+            int(acc_in is not None),
+            table.initial_accumulator_value,
+            dim,
+            int(vec4),
+            gshift,
+            table._row_key,
+            table._row_tid,
+            table._row_score,
+            table._values,
+            acc_out,
+            int(acc_out is not None),
+        )
+        grid, block, smem = math.ceil(nb / warps), 32 * warps, warps * stride
+        launch(sc.kernel(launch, "ht_ins2_place0"), grid, block, place_args, smem)
+        launch.to_host(sc.host, stats, sc.event)
+        if may_grow:  # at max capacity pass 0 always decides: no pass 1
+            launch(sc.kernel(launch, "ht_ins2_place1"), grid, block, place_args, smem)
+        launch(
+            sc.kernel(launch, "ht_ins2_write"),
+            rt.blocks(n << gshift),
+            rt.BLOCK,
+            (
+                n,
+                values,
+                scores,
+                acc_in,
+                int(acc_in is not None),
+                dim,
+                int(vec4),
+                gshift,
+                rows,
+                inserted,
+                sc.win,
+                stats,
+                stats_next,
+                *limits,
+                bc,
+                table._values,
+                table._row_score,
+                acc_out,
+                int(acc_out is not None),
+            ),
+        )
+        sc.parity ^= 1  # ht_ins2_write cleared the other buffer
+        sc.dirty = False
+        sc.event.synchronize()  # stage and pass 0 are done; pass 1 and the writes may still run
+    st = sc.host.tolist()
+
+    if st[ST_NEG_KEY] or st[ST_BAD_TID]:
+        last_path = "abort"
+        table._prepare(keys, tids, WHAT)  # raises the torch core's error
+        return None
+    if st[ST_STAGED_OVER] or (may_grow and (st[ST_NEW] > new_limit or st[ST_MAX_FILL] > bc)):
+        last_path = "abort"
+        return None  # nothing changed: growth or a skewed batch, the torch core's job
+    fast = not may_grow or (not st[ST_MAYBE_FULL] and st[ST_STAGED] <= new_limit)
+    last_path = "fast" if fast else "slow"
+    table._size += st[ST_NEW] - st[ST_OVER_NEW]
+    if st[ST_ANY_TID]:
+        table._any_tid = True  # a superset of the core's rule (new stored pairs): always safe
+    evicted_k, evicted_t, refused = sc.empty, sc.empty, 0
+    if st[ST_N_OVER]:
+        last_path = "overflow"
+        over = torch.sort(sc.over_list[: st[ST_N_OVER]]).values
+        rep_rows = torch.empty(n, dtype=torch.int64, device=dev)
+        evicted_k, evicted_t, refused = _overflow(
+            table,
+            over,
+            keys,
+            tids,
+            values,
+            scores,
+            acc_in,
+            pinned_rows,
+            sc.stage,
+            sc.nnew,
+            rep_rows,
+        )
+        with launch:
+            launch(
+                sc.kernel(launch, "ht_ins2_gather"),
+                n_blocks,
+                rt.BLOCK,
+                (sc.rep_of, rep_rows, n, rows, inserted),
+            )
+    return InsertResult(rows, inserted.view(torch.bool), evicted_k, evicted_t, refused)
+
+
+# ---------------------------------------------------------------------------------------- erase
+
+
+def erase(table: HashTable, keys: torch.Tensor, table_ids: torch.Tensor | None) -> int | None:
+    """What ``HashTable.erase`` returns for the same call, with the same table afterwards; None
+    (table untouched) where the torch core must do it (buckets too large for shared memory)."""
+    dev, nb, bc = table.device, table.num_buckets, table.bucket_capacity
+    keys, tids = table._prepare(keys, table_ids, ERASE_WHAT, validate=False)
+    n = keys.numel()
+    if n == 0:
+        return 0
+    if n >= 1 << 31:
+        return None
+    keys = keys.contiguous()
+    tids = None if tids is None else tids.contiguous()
+    stride = _erase_stride(bc)
+    launch = _Launcher(dev)
+    with launch:
+        warps = _block_warps(launch, ("ht_erase_apply",), stride, ERASE_WARPS)
+        if warps == 0:
+            return None
+        sc = _scratch_of(table, launch)
+        stats, stats_next = sc.stats_of[sc.parity], sc.stats_of[1 - sc.parity]
+        sc.dirty = True
+        launch(
+            sc.kernel(launch, f"ht_erase_mark_w{window(table)}"),
+            rt.blocks(n),
+            rt.BLOCK,
+            (
+                keys,
+                tids,
+                int(tids is not None),
+                n,
+                table._slot_fp,
+                table._slot_row,
+                table._row_key,
+                table._row_tid,
+                table._bucket_count,
+                nb,
+                bc,
+                table.capacity,
+                int(tids is not None or table._any_tid),
+                sc.win,
+                sc.scount,
+                sc.over_list,
+                stats,
+            ),
+        )
+        launch.to_host(sc.host, stats, sc.event)
+        launch(
+            sc.kernel(launch, "ht_erase_apply"),
+            math.ceil(min(n, nb) / warps),  # at most one bucket listed per distinct key
+            32 * warps,
+            (
+                bc,
+                stride,
+                sc.scount,
+                sc.win,
+                sc.over_list,
+                stats,
+                stats_next,
+                table._sentinel,
+                table._bucket_count,
+                table._slot_fp,
+                table._slot_row,
+                table._row_key,
+                table._row_tid,
+                table._row_score,
+            ),
+            warps * stride,
+        )
+        sc.parity ^= 1  # ht_erase_apply cleared the other buffer
+        sc.dirty = False
+        sc.event.synchronize()  # the marks are counted; the apply may still run
+    st = sc.host.tolist()
+    if st[ER_NEG_KEY] or st[ER_BAD_TID]:
+        table._prepare(keys, tids, ERASE_WHAT)  # raises the torch core's error
+        return None
+    erased = st[ER_ERASED]
+    table._size -= erased
+    return erased
+
+
+# ---------------------------------------------------------------------------------------- v1
+# ---------------------------------------------------------------------------------------- v1
+
+
+def _insert_v1(
+    table: HashTable,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    table_ids: torch.Tensor | None,
+    accumulators: torch.Tensor | None,
+    pinned_rows: torch.Tensor | None,
+) -> InsertResult | None:
+    """v1: the kernels ht_insert_* (a block per bucket; one host sync in the middle)."""
     from shared.hashtable.table import InsertResult
 
     dev, bc = table.device, table.bucket_capacity

@@ -404,3 +404,722 @@ extern "C" __global__ void ht_insert_rows(const i64* __restrict__ row_found,
         inserted[i] = q >= 0;
     }
 }
+
+// ---------------------------------------------------------------- insert_or_assign, v2
+//
+// insert.py's default path (the v1 kernels above stay selectable: insert.IMPL = "v1"). Three
+// launches (four for a table that may grow) on torch's stream and one host read (the stats,
+// copied after place pass 0):
+//
+// 1. ht_ins2_stage_w<W> (a thread per key): locate; a stored key marks its row in win
+//    (atomicMax: the last occurrence wins), a new occurrence is staged (input index) in its
+//    bucket's list stage[b * S + arrival]. Counters are aggregated per warp (ballot) and per
+//    block (shared memory): one global atomic per block and counter, not per key.
+// 2. ht_ins2_place0 (a warp per bucket): rank the bucket's staged occurrences by (fingerprint,
+//    table id, key, input index): a 32-bit key per entry (the high bits of its position in the
+//    bucket's fingerprint range, its list index below) ranks them with one shared-memory load
+//    and two compares per pair; the rare runs the key cannot order (equal high bits: duplicates
+//    of one pair, or close fingerprints) are re-ranked with the full order. The last
+//    occurrence of each pair represents it; count the pairs. When the stage counts rule out
+//    growth (always at max capacity, and for any batch that cannot reach the load bound), the
+//    warp finalizes at once: the new pairs take the rows of the empty slots, the slots stay
+//    sorted, and the warp writes the new rows (key, table id, score; values and accumulators
+//    with 2^gshift lanes a row and 16-byte copies): the rows of a bucket lie in its own row
+//    range (contiguous for a fresh table), so these writes are coalesced, where a thread per
+//    input key scatters partial-sector writes over the whole table.
+// 3. ht_ins2_place1, launched only for a table that may grow: where growth looked possible
+//    from the stage counts but the exact pair counts of pass 0 rule it out, the same finalize;
+//    when pass 0 decided (fast or abort), every block returns after reading the stats.
+// 4. ht_ins2_write (2^gshift threads per key): the last occurrence of each stored pair
+//    (win[row] == i) assigns its row: score, values, accumulators when given; clears win.
+//    New keys (inserted[i]) only cost the read of rows[i] and inserted[i].
+//
+// Every call leaves the scratch as it found it (scount 0, win -1, the other stats buffer 0),
+// so the host allocates and clears nothing per call. When the call cannot finish here (growth,
+// a bucket list overflow, invalid keys), no kernel writes to the table (decision 0 below) and
+// the host hands the call to the torch core.
+//
+// Expected times for 1M new keys, dim 16, load factor 0.5 (15625 buckets of 128) on an H200
+// (measured before this version: write 263 us, place 2 x 65 us averaged, stage 37 us):
+// - stage: ~37 us (unchanged).
+// - place0: ~40-60 us. Ranking: 64 entries a bucket, 2 a lane, 64 iterations of one broadcast
+//   load and two 32-bit compares (was 128 iterations of 64-bit compares with a tie branch).
+//   Finalize: the gather of 64 MB of input rows (2 full sectors each) and 64 MB of contiguous
+//   row writes, ~25 MB of row metadata, the occurrences' rows/inserted: ~150 MB, ~45 us of
+//   bandwidth that overlaps the ranking of other warps.
+// - place1: not launched for a table at max capacity (the benchmark's); otherwise ~3 us.
+// - write: ~5 us when every key is new (rows and inserted read, coalesced); for 1M assigned
+//   keys ~40-60 us (random 64-byte rows, now 4 threads a row: 16-byte accesses, a warp covers
+//   8 whole rows).
+
+#define HT_ST_STAGED_OVER 0  // new occurrences that found their bucket's list full (S)
+#define HT_ST_NEG_KEY 1      // a key is negative
+#define HT_ST_BAD_TID 2      // a table id is outside [0, 2**31)
+#define HT_ST_MAYBE_FULL 3   // a bucket: stored + staged occurrences > bc
+#define HT_ST_STAGED 4       // staged new occurrences (>= new pairs)
+#define HT_ST_ANY_TID 5      // a new occurrence has a non-zero table id
+#define HT_ST_NEW 6          // new pairs (place pass 0)
+#define HT_ST_MAX_FILL 7     // max over buckets with new pairs of stored + new (pass 0)
+#define HT_ST_N_OVER 8       // buckets whose new pairs do not fit (at max capacity; pass 0)
+#define HT_ST_OVER_NEW 9     // their new pairs (pass 0)
+#define HT_ST_OVER_CURSOR 10 // entries of over_list written
+#define HT_ST_LEN 16
+
+// What the call does, from the stats: 0 abort (the table stays untouched), 1 fast (the stage
+// counts rule out growth: place pass 0 finalizes), 2 slow (pass 1 finalizes: growth was
+// possible from the stage counts, the exact counts rule it out). exact = 0 (pass 0, the exact
+// counts do not exist yet): 2 means "undecided, count only". Mirrors insert.py's decision.
+// new_limit = floor(max_load_factor * nb * bc) - size: the most new pairs without growth.
+__device__ __forceinline__ int ht_ins2_decide(const u64* st, int may_grow, i64 new_limit, i64 bc,
+                                              int exact) {
+    if (st[HT_ST_STAGED_OVER] | st[HT_ST_NEG_KEY] | st[HT_ST_BAD_TID]) return 0;
+    if (!may_grow || (st[HT_ST_MAYBE_FULL] == 0 && (i64)st[HT_ST_STAGED] <= new_limit)) return 1;
+    if (!exact) return 2;
+    return ((i64)st[HT_ST_NEW] > new_limit || (i64)st[HT_ST_MAX_FILL] > bc) ? 0 : 2;
+}
+
+// s += the number of lanes of this warp with pred (whole warps must call it).
+__device__ __forceinline__ void ht_ins2_count(unsigned int* s, bool pred) {
+    const unsigned int m = __ballot_sync(0xffffffffu, pred);
+    if ((threadIdx.x & 31) == 0 && m != 0) atomicAdd(s, (unsigned int)__popc(m));
+}
+
+// blockDim.x: a multiple of 32 (the ballots); no thread returns before the last barrier.
+template <int W>
+__device__ __forceinline__ void ht_ins2_stage(
+    const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids, i64 n,
+    const i64* __restrict__ slot_fp, const i64* __restrict__ slot_row,
+    const i64* __restrict__ row_key, const int* __restrict__ row_tid,
+    const i64* __restrict__ bucket_count, i64 nb, i64 bc, i64 cap, int check_tid, i64 S,
+    i64* __restrict__ rows, unsigned char* __restrict__ inserted, int* __restrict__ win,
+    unsigned int* __restrict__ scount, int* __restrict__ stage, u64* __restrict__ stats) {
+    __shared__ unsigned int s_cnt[6];  // staged over, neg, bad tid, maybe full, staged, any tid
+    if (threadIdx.x < 6) s_cnt[threadIdx.x] = 0;
+    __syncthreads();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    bool over = false, neg = false, bad = false, full = false, staged = false, any_tid = false;
+    if (i < n) {
+        const i64 key = keys[i];
+        const i64 tid = has_tids ? tids[i] : 0;
+        neg = key < 0;
+        bad = tid < 0 || tid >= (1LL << 31);
+        const i64 fp = ht_fingerprint(key, tid);
+        const i64 b = ht_bucket(fp, nb);
+        const i64 c = bucket_count[b];
+        const i64 r = c > 0 ? ht_locate<W>(slot_fp, slot_row, row_key, row_tid, bucket_count, nb,
+                                           bc, cap, check_tid, key, tid, fp)
+                            : -1;
+        rows[i] = r;
+        inserted[i] = 0;
+        if (r >= 0) {
+            atomicMax(win + r, (int)i);
+        } else {
+            const unsigned int pos = atomicAdd(scount + b, 1u);
+            staged = true;
+            any_tid = tid != 0;
+            if ((i64)pos < S) stage[b * S + pos] = (int)i;
+            else over = true;
+            full = c + (i64)pos + 1 > bc;
+        }
+    }
+    ht_ins2_count(s_cnt + 0, over);
+    ht_ins2_count(s_cnt + 1, neg);
+    ht_ins2_count(s_cnt + 2, bad);
+    ht_ins2_count(s_cnt + 3, full);
+    ht_ins2_count(s_cnt + 4, staged);
+    ht_ins2_count(s_cnt + 5, any_tid);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (s_cnt[0]) atomicAdd(stats + HT_ST_STAGED_OVER, (u64)s_cnt[0]);
+        if (s_cnt[1]) atomicOr(stats + HT_ST_NEG_KEY, 1ULL);
+        if (s_cnt[2]) atomicOr(stats + HT_ST_BAD_TID, 1ULL);
+        if (s_cnt[3]) atomicOr(stats + HT_ST_MAYBE_FULL, 1ULL);
+        if (s_cnt[4]) atomicAdd(stats + HT_ST_STAGED, (u64)s_cnt[4]);
+        if (s_cnt[5]) atomicOr(stats + HT_ST_ANY_TID, 1ULL);
+    }
+}
+
+// One extern "C" kernel per probe window (no template name to register in runtime.py).
+#define HT_INS2_STAGE(W)                                                                       \
+    extern "C" __global__ void ht_ins2_stage_w##W(                                             \
+        const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids, i64 n,       \
+        const i64* __restrict__ slot_fp, const i64* __restrict__ slot_row,                     \
+        const i64* __restrict__ row_key, const int* __restrict__ row_tid,                      \
+        const i64* __restrict__ bucket_count, i64 nb, i64 bc, i64 cap, int check_tid, i64 S,   \
+        i64* __restrict__ rows, unsigned char* __restrict__ inserted, int* __restrict__ win,   \
+        unsigned int* __restrict__ scount, int* __restrict__ stage, u64* __restrict__ stats) { \
+        ht_ins2_stage<W>(keys, tids, has_tids, n, slot_fp, slot_row, row_key, row_tid,         \
+                         bucket_count, nb, bc, cap, check_tid, S, rows, inserted, win, scount, \
+                         stage, stats);                                                        \
+    }
+HT_INS2_STAGE(0)
+HT_INS2_STAGE(4)
+HT_INS2_STAGE(8)
+HT_INS2_STAGE(16)
+
+// Order of staged entries a, b of one bucket: (fingerprint, table id, key, input index), the
+// order HashTable._insert_new's stable sort by fingerprint of the (table id, key)-sorted unique
+// pairs gives, with the input index last. Keys and table ids come from global memory (L2): only
+// entries of equal fingerprint need them.
+__device__ __forceinline__ bool ht_ins2_less(const i64* s_fp, const int* s_idx,
+                                             const i64* __restrict__ keys,
+                                             const i64* __restrict__ tids, int has_tids, int a,
+                                             int b) {
+    const i64 fa = s_fp[a], fb = s_fp[b];
+    if (fa != fb) return fa < fb;
+    const int ia = s_idx[a], ib = s_idx[b];
+    if (has_tids) {
+        const i64 ta = tids[ia], tb = tids[ib];
+        if (ta != tb) return ta < tb;
+    }
+    const i64 ka = keys[ia], kb = keys[ib];
+    if (ka != kb) return ka < kb;
+    return ia < ib;
+}
+
+__device__ __forceinline__ bool ht_ins2_same_pair(const i64* s_fp, const int* s_idx,
+                                                  const i64* __restrict__ keys,
+                                                  const i64* __restrict__ tids, int has_tids,
+                                                  int a, int b) {
+    if (s_fp[a] != s_fp[b]) return false;
+    const int ia = s_idx[a], ib = s_idx[b];
+    return keys[ia] == keys[ib] && (!has_tids || tids[ia] == tids[ib]);
+}
+
+// Values (and accumulators) of a warp's new rows: row n_row[q] gets input row s_idx[n_t[q]],
+// q < u; 2^gshift lanes a row (gshift <= 5), units of 4 floats when vec4 (dim % 4 == 0, arrays
+// 16-byte aligned), else single floats. Up to 4 rows a lane are loaded before they are stored.
+__device__ __forceinline__ void ht_ins2_copy_new(
+    int lane, int gshift, int u, const i64* n_row, const short* n_t, const int* s_idx, int dim,
+    int vec4, const float* __restrict__ values, const float* __restrict__ accum_in,
+    int has_accum, float accum_init, float* __restrict__ out_values,
+    float* __restrict__ out_accum, int has_out_accum) {
+    if (dim <= 0) return;
+    const int G = 1 << gshift;
+    const int sub = lane & (G - 1);
+    const int step = 32 >> gshift;  // rows a warp covers at once
+    const bool acc = has_out_accum != 0;
+    const bool from_in = has_accum != 0;
+    if (vec4) {
+        const int nv = dim >> 2;
+        const float4* vin = reinterpret_cast<const float4*>(values);
+        const float4* ain = reinterpret_cast<const float4*>(accum_in);
+        float4* vout = reinterpret_cast<float4*>(out_values);
+        float4* aout = reinterpret_cast<float4*>(out_accum);
+        const float4 init4 = make_float4(accum_init, accum_init, accum_init, accum_init);
+        for (int q0 = lane >> gshift; q0 < u; q0 += 4 * step) {
+            for (int d = sub; d < nv; d += G) {
+                float4 v[4], a[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int q = q0 + j * step;
+                    if (q < u) {
+                        const i64 src = (i64)s_idx[n_t[q]] * nv + d;
+                        v[j] = vin[src];
+                        a[j] = acc && from_in ? ain[src] : init4;
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int q = q0 + j * step;
+                    if (q < u) {
+                        const i64 dst = n_row[q] * nv + d;
+                        vout[dst] = v[j];
+                        if (acc) aout[dst] = a[j];
+                    }
+                }
+            }
+        }
+    } else {
+        for (int q0 = lane >> gshift; q0 < u; q0 += 4 * step) {
+            for (int d = sub; d < dim; d += G) {
+                float v[4], a[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int q = q0 + j * step;
+                    if (q < u) {
+                        const i64 src = (i64)s_idx[n_t[q]] * dim + d;
+                        v[j] = values[src];
+                        a[j] = acc && from_in ? accum_in[src] : accum_init;
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int q = q0 + j * step;
+                    if (q < u) {
+                        const i64 dst = n_row[q] * dim + d;
+                        out_values[dst] = v[j];
+                        if (acc) out_accum[dst] = a[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// A warp per bucket b (blockDim.x = 32 * warps), `stride` bytes of dynamic shared memory per
+// warp (insert.py's _place_stride: 30 * S rounded up to 16; S = 2 * bc, S <= 32767), in byte
+// offsets of S:
+//   [0, 8S) s_fp i64 | [8S, 16S) s_hk u32 (ranking) | [16S, 20S) free | [20S, 24S) s_idx int |
+//   [24S, 26S) s_ord short | [26S, 28S) s_q short | [28S, 30S) n_t short
+// s_hk[t]: the rank key of entry t; s_ord[p]: the entry at sorted position p; s_q[p]: the rank
+// among the bucket's new pairs of the pair at p; n_t[q]: the entry representing new pair q.
+// Once ranked, the merge reuses [8S, 16S) as e_fp [bc] + e_row [bc] (the stored slots) and
+// [16S, 20S) as n_row [bc] (the rows the new pairs take: those of empty slots c, c + 1, ...).
+//
+// PASS 0: counts (stats NEW, MAX_FILL, N_OVER, OVER_NEW, block-aggregated) unless the call is
+// aborted; finalizes when the decision is 1 (fast); clears scount[b] unless the decision is 2
+// (undecided: pass 1 follows). PASS 1: only when pass 0 was undecided; finalizes when the
+// exact decision is 2 (slow); clears scount[b].
+// Finalize, with c stored and u new pairs: c + u <= bc: the j-th new pair (in the order above,
+// HashTable._insert_new's) takes the row of empty slot c + j, and the c stored and u new
+// entries merge by fingerprint (stored first on ties: the stable re-sort of HashTable._resort);
+// the new rows get key, table id, score, values and accumulators of the pair's last
+// occurrence; rows[i] / inserted[i] of every occurrence. c + u > bc (only at max capacity):
+// over_list gets b, nnew[b] = u, stage[b * S + j] the j-th representative, and rep_of[i] every
+// occurrence's representative, for the torch core's eviction (host).
+template <int PASS>
+__device__ __forceinline__ void ht_ins2_place(
+    const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids, i64 nb, i64 bc,
+    i64 S, int stride, unsigned int* __restrict__ scount, int* __restrict__ stage,
+    i64* __restrict__ bucket_count, i64* __restrict__ slot_fp, i64* __restrict__ slot_row,
+    i64* __restrict__ rows, unsigned char* __restrict__ inserted, int* __restrict__ rep_of,
+    i64* __restrict__ nnew, i64* __restrict__ over_list, u64* __restrict__ stats, int may_grow,
+    i64 new_limit, const float* __restrict__ values, const i64* __restrict__ scores,
+    const float* __restrict__ accum_in, int has_accum, float accum_init, int dim, int vec4,
+    int gshift, i64* __restrict__ row_key, int* __restrict__ row_tid,
+    i64* __restrict__ row_score, float* __restrict__ out_values, float* __restrict__ out_accum,
+    int has_out_accum) {
+    HT_SMEM(ht_ins2_smem);
+    __shared__ unsigned long long s_stat[4];  // new pairs, max fill, buckets over, their pairs
+    __shared__ int s_dec;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (threadIdx.x < 4) s_stat[threadIdx.x] = 0;
+    if (threadIdx.x == 0) {
+        const int d0 = ht_ins2_decide(stats, may_grow, new_limit, bc, 0);
+        // pass 1: -1 when pass 0 decided (it finalized or aborted, and cleared scount)
+        s_dec = PASS == 0 ? d0 : (d0 == 2 ? ht_ins2_decide(stats, may_grow, new_limit, bc, 1) : -1);
+    }
+    __syncthreads();
+    const int dec = s_dec;
+    if (PASS == 1 && dec < 0) return;  // the whole block: no barrier follows in pass 1
+    const i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (b < nb) {
+        const int k = (int)scount[b];  // the same for every lane: the branches below are warp-uniform
+        const bool finalize = PASS == 0 ? dec == 1 : dec == 2;
+        const bool plan = dec != 0 && k > 0 && (i64)k <= S;
+        if (plan) {
+            unsigned char* w = ht_ins2_smem + (i64)warp * stride;
+            i64* s_fp = reinterpret_cast<i64*>(w);
+            unsigned int* s_hk = reinterpret_cast<unsigned int*>(w + 8 * S);
+            int* s_idx = reinterpret_cast<int*>(w + 20 * S);
+            short* s_ord = reinterpret_cast<short*>(w + 24 * S);
+            short* s_q = s_ord + S;
+            short* n_t = s_q + S;
+            const i64 base = b * bc;
+            const i64 c = bucket_count[b];
+            const int tb = 32 - __clz((int)S - 1);  // bits of a list index (S >= 2)
+            for (int t = lane; t < k; t += 32) {
+                const int idx = stage[b * S + t];
+                const i64 fp = ht_fingerprint(keys[idx], has_tids ? tids[idx] : 0);
+                // the position in the bucket's range, u * nb mod 2**64, is increasing in fp
+                const unsigned int h = (unsigned int)((((u64)fp ^ HT_SIGN) * (u64)nb) >> 32);
+                s_fp[t] = fp;
+                s_idx[t] = idx;
+                s_hk[t] = ((h >> tb) << tb) | (unsigned int)t;
+            }
+            __syncwarp();
+            // rank by s_hk (distinct: a permutation of 0..k-1), two entries a lane per sweep
+            for (int t0 = lane; t0 < k; t0 += 64) {
+                const int t1 = t0 + 32;
+                const unsigned int h0 = s_hk[t0];
+                const unsigned int h1 = t1 < k ? s_hk[t1] : 0u;
+                int r0 = 0, r1 = 0, v = 0;
+#pragma unroll 2
+                for (; v + 4 <= k; v += 4) {  // s_hk is 16-byte aligned: 4 keys a load
+                    const uint4 h = reinterpret_cast<const uint4*>(s_hk)[v >> 2];
+                    r0 += (h.x < h0) + (h.y < h0) + (h.z < h0) + (h.w < h0);
+                    r1 += (h.x < h1) + (h.y < h1) + (h.z < h1) + (h.w < h1);
+                }
+                for (; v < k; ++v) {
+                    const unsigned int h = s_hk[v];
+                    r0 += h < h0 ? 1 : 0;
+                    r1 += h < h1 ? 1 : 0;
+                }
+                s_ord[r0] = (short)t0;
+                if (t1 < k) s_ord[r1] = (short)t1;
+            }
+            __syncwarp();
+            // runs of equal high bits hold entries the key did not order (its fingerprint order
+            // is right between runs): re-rank inside each run by the full order, through s_q
+            bool runs = false;
+            for (int p0 = 0; p0 < k; p0 += 32) {
+                const int p = p0 + lane;
+                const bool tie =
+                    p + 1 < k && (s_hk[s_ord[p]] >> tb) == (s_hk[s_ord[p + 1]] >> tb);
+                runs |= __any_sync(0xffffffffu, tie);
+            }
+            if (runs) {
+                for (int p = lane; p < k; p += 32) {
+                    const int t = s_ord[p];
+                    const unsigned int hh = s_hk[t] >> tb;
+                    int lo = p, hi = p + 1;
+                    while (lo > 0 && (s_hk[s_ord[lo - 1]] >> tb) == hh) --lo;
+                    while (hi < k && (s_hk[s_ord[hi]] >> tb) == hh) ++hi;
+                    int dest = lo;
+                    for (int q = lo; q < hi; ++q)
+                        if (q != p && ht_ins2_less(s_fp, s_idx, keys, tids, has_tids, s_ord[q], t))
+                            ++dest;
+                    s_q[dest] = (short)t;
+                }
+                __syncwarp();
+                for (int p = lane; p < k; p += 32) s_ord[p] = s_q[p];
+                __syncwarp();
+            }
+            // the last entry of each run of one pair represents it; q: exclusive count of them
+            int u = 0;
+            for (int p0 = 0; p0 < k; p0 += 32) {
+                const int p = p0 + lane;
+                bool rep = false;
+                if (p < k)
+                    rep = p == k - 1 || !ht_ins2_same_pair(s_fp, s_idx, keys, tids, has_tids,
+                                                           s_ord[p], s_ord[p + 1]);
+                const unsigned int m = __ballot_sync(0xffffffffu, rep);
+                const int q = u + __popc(m & ((1u << lane) - 1u));
+                if (p < k) {
+                    s_q[p] = (short)q;
+                    if (rep) n_t[q] = s_ord[p];
+                }
+                u += __popc(m);
+            }
+            __syncwarp();
+            if (PASS == 0 && lane == 0) {
+                const u64 fill = (u64)c + (u64)u;
+                atomicAdd(&s_stat[0], (unsigned long long)u);
+                atomicMax(&s_stat[1], (unsigned long long)fill);
+                if ((i64)fill > bc) {
+                    atomicAdd(&s_stat[2], 1ULL);
+                    atomicAdd(&s_stat[3], (unsigned long long)u);
+                }
+            }
+            if (finalize && c + u <= bc) {
+                i64* e_fp = reinterpret_cast<i64*>(w + 8 * S);  // s_hk is dead from here on
+                i64* e_row = e_fp + bc;
+                i64* n_row = reinterpret_cast<i64*>(w + 16 * S);
+                for (int t = lane; t < c; t += 32) {
+                    e_fp[t] = slot_fp[base + t];
+                    e_row[t] = slot_row[base + t];
+                }
+                for (int q = lane; q < u; q += 32) n_row[q] = slot_row[base + c + q];
+                __syncwarp();  // every read of the bucket's slots is done before the writes
+                for (int t = lane; t < c; t += 32) {
+                    const i64 f = e_fp[t];
+                    int lo = 0, hi = u;  // new pairs with a smaller fingerprint
+                    while (lo < hi) {
+                        const int mid = (lo + hi) >> 1;
+                        if (s_fp[n_t[mid]] < f) lo = mid + 1;
+                        else hi = mid;
+                    }
+                    if (lo != 0) {
+                        slot_fp[base + t + lo] = f;
+                        slot_row[base + t + lo] = e_row[t];
+                    }
+                }
+                for (int q = lane; q < u; q += 32) {
+                    const int t = n_t[q];
+                    const i64 f = s_fp[t];
+                    int lo = 0, hi = (int)c;  // stored entries with a fingerprint <= f
+                    while (lo < hi) {
+                        const int mid = (lo + hi) >> 1;
+                        if (e_fp[mid] <= f) lo = mid + 1;
+                        else hi = mid;
+                    }
+                    const i64 r = n_row[q];
+                    const int idx = s_idx[t];
+                    slot_fp[base + q + lo] = f;
+                    slot_row[base + q + lo] = r;
+                    row_key[r] = keys[idx];
+                    row_tid[r] = has_tids ? (int)tids[idx] : 0;
+                    row_score[r] = scores[idx];
+                }
+                ht_ins2_copy_new(lane, gshift, u, n_row, n_t, s_idx, dim, vec4, values, accum_in,
+                                 has_accum, accum_init, out_values, out_accum, has_out_accum);
+                for (int p = lane; p < k; p += 32) {
+                    const int i = s_idx[s_ord[p]];
+                    rows[i] = n_row[s_q[p]];
+                    inserted[i] = 1;
+                }
+                if (lane == 0) bucket_count[b] = c + u;
+            } else if (finalize) {
+                if (lane == 0) {
+                    const u64 j = atomicAdd(stats + HT_ST_OVER_CURSOR, 1ULL);
+                    over_list[j] = b;
+                    nnew[b] = u;
+                }
+                for (int q = lane; q < u; q += 32) stage[b * S + q] = s_idx[n_t[q]];
+                for (int p = lane; p < k; p += 32) rep_of[s_idx[s_ord[p]]] = s_idx[n_t[s_q[p]]];
+            }
+        }
+        if (k != 0 && (PASS == 1 || dec != 2)) {
+            __syncwarp();  // every lane has read scount[b]
+            if (lane == 0) scount[b] = 0;
+        }
+    }
+    if (PASS == 0) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (s_stat[0]) atomicAdd(stats + HT_ST_NEW, (u64)s_stat[0]);
+            if (s_stat[1]) atomicMax(stats + HT_ST_MAX_FILL, (u64)s_stat[1]);
+            if (s_stat[2]) atomicAdd(stats + HT_ST_N_OVER, (u64)s_stat[2]);
+            if (s_stat[3]) atomicAdd(stats + HT_ST_OVER_NEW, (u64)s_stat[3]);
+        }
+    }
+}
+
+// Two kernels (two names in a profile): pass 0 and pass 1.
+#define HT_INS2_PLACE(PASS)                                                                    \
+    extern "C" __global__ void ht_ins2_place##PASS(                                            \
+        const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids, i64 nb,      \
+        i64 bc, i64 S, int stride, unsigned int* __restrict__ scount, int* __restrict__ stage, \
+        i64* __restrict__ bucket_count, i64* __restrict__ slot_fp, i64* __restrict__ slot_row, \
+        i64* __restrict__ rows, unsigned char* __restrict__ inserted,                          \
+        int* __restrict__ rep_of, i64* __restrict__ nnew, i64* __restrict__ over_list,         \
+        u64* __restrict__ stats, int may_grow, i64 new_limit, const float* __restrict__ values, \
+        const i64* __restrict__ scores, const float* __restrict__ accum_in, int has_accum,     \
+        float accum_init, int dim, int vec4, int gshift, i64* __restrict__ row_key,            \
+        int* __restrict__ row_tid, i64* __restrict__ row_score,                                \
+        float* __restrict__ out_values, float* __restrict__ out_accum, int has_out_accum) {    \
+        ht_ins2_place<PASS>(keys, tids, has_tids, nb, bc, S, stride, scount, stage,            \
+                            bucket_count, slot_fp, slot_row, rows, inserted, rep_of, nnew,     \
+                            over_list, stats, may_grow, new_limit, values, scores, accum_in,   \
+                            has_accum, accum_init, dim, vec4, gshift, row_key, row_tid,        \
+                            row_score, out_values, out_accum, has_out_accum);                  \
+    }
+HT_INS2_PLACE(0)
+HT_INS2_PLACE(1)
+
+// 2^gshift threads per key (gshift <= 5: a group never straddles a warp; blockDim.x a multiple
+// of 32, no thread returns before the shuffle): the group's first thread reads rows[i] and, for
+// a stored key (inserted[i] == 0) whose last occurrence is i (win[row] == i), clears win[row]
+// and hands the row to the group, which assigns it (score, values, accumulators when given)
+// unless the call was aborted. New rows were written by place. Block 0 clears the next call's
+// stats buffer. vec4: dim % 4 == 0 and the value arrays 16-byte aligned (float4 copies).
+extern "C" __global__ void ht_ins2_write(
+    i64 n, const float* __restrict__ values, const i64* __restrict__ scores,
+    const float* __restrict__ accum_in, int has_accum, int dim, int vec4, int gshift,
+    const i64* __restrict__ rows, const unsigned char* __restrict__ inserted,
+    int* __restrict__ win, const u64* __restrict__ stats, u64* __restrict__ stats_next,
+    int may_grow, i64 new_limit, i64 bc, float* __restrict__ out_values,
+    i64* __restrict__ row_score, float* __restrict__ out_accum, int has_out_accum) {
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) s_ok = ht_ins2_decide(stats, may_grow, new_limit, bc, 1) != 0;
+    if (blockIdx.x == 0)
+        for (int j = threadIdx.x; j < HT_ST_LEN; j += blockDim.x) stats_next[j] = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int G = 1 << gshift;
+    const int sub = lane & (G - 1);
+    const i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> gshift;
+    i64 r = -1;
+    if (sub == 0 && i < n) {
+        const i64 found = rows[i];
+        if (found >= 0 && inserted[i] == 0 && win[found] == (int)i) {
+            win[found] = -1;  // only this thread reads win[found] as its own from here on
+            r = found;
+        }
+    }
+    r = __shfl_sync(0xffffffffu, r, lane & ~(G - 1));
+    if (r < 0 || !s_ok) return;
+    if (sub == 0) row_score[r] = scores[i];
+    const bool acc = has_out_accum && has_accum;
+    if (vec4) {
+        const int nv = dim >> 2;
+        const float4* vin = reinterpret_cast<const float4*>(values) + i * nv;
+        float4* vout = reinterpret_cast<float4*>(out_values) + r * nv;
+        for (int d = sub; d < nv; d += G) vout[d] = vin[d];
+        if (acc) {
+            const float4* ain = reinterpret_cast<const float4*>(accum_in) + i * nv;
+            float4* aout = reinterpret_cast<float4*>(out_accum) + r * nv;
+            for (int d = sub; d < nv; d += G) aout[d] = ain[d];
+        }
+    } else {
+        const i64 src = i * dim, dst = r * dim;
+        for (int d = sub; d < dim; d += G) out_values[dst + d] = values[src + d];
+        if (acc)
+            for (int d = sub; d < dim; d += G) out_accum[dst + d] = accum_in[src + d];
+    }
+}
+
+// After the host's eviction pass (buckets in over_list): the occurrences of their new pairs
+// (rows[i] still -1) take their representative's row (-1: refused).
+extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
+                                         const i64* __restrict__ rep_rows, i64 n,
+                                         i64* __restrict__ rows, unsigned char* __restrict__ inserted) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || rows[i] >= 0) return;
+    const i64 q = rep_rows[rep_of[i]];
+    rows[i] = q;
+    inserted[i] = q >= 0;
+}
+
+// ---------------------------------------------------------------- erase
+//
+// HashTable.erase on CUDA (insert.py's erase): two launches on torch's stream and one host read
+// (the stats, copied after the mark kernel). The scratch is insert v2's (win, scount, over_list,
+// the stats buffers), left as found.
+//
+// 1. ht_erase_mark_w<W> (a thread per key): validate and locate; a found row is marked in win
+//    (atomicCAS -1 -> input index: duplicates of a pair mark and count it once) and its bucket
+//    is listed once (scount[b] as the flag, over_list the list).
+// 2. ht_erase_apply (a warp per listed bucket): unless a key was invalid (the host then raises
+//    the torch core's error, the table untouched), the bucket's occupied slots are partitioned
+//    stably: kept entries first (still sorted), then the erased ones in slot order (fingerprint
+//    = the bucket's sentinel, rows freed: key -1, table id 0, score 0), then the empty slots as
+//    they were: what HashTable.erase's stable re-sort of the bucket gives (the sentinel is odd,
+//    above every fingerprint of the bucket). Clears the marks either way.
+// For n keys over a table of nb buckets: mark ~ a find (~50 us for 1M keys on an H200), apply
+// ~ 2 KB read and written a listed bucket of 128 slots.
+
+#define HT_ER_NEG_KEY 0  // a key is negative
+#define HT_ER_BAD_TID 1  // a table id is outside [0, 2**31)
+#define HT_ER_ERASED 2   // distinct stored pairs found (erased unless a key is invalid)
+#define HT_ER_LISTED 3   // buckets listed in over_list
+
+// blockDim.x: a multiple of 32 (the ballots); no thread returns before the last barrier.
+template <int W>
+__device__ __forceinline__ void ht_erase_mark(
+    const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids, i64 n,
+    const i64* __restrict__ slot_fp, const i64* __restrict__ slot_row,
+    const i64* __restrict__ row_key, const int* __restrict__ row_tid,
+    const i64* __restrict__ bucket_count, i64 nb, i64 bc, i64 cap, int check_tid,
+    int* __restrict__ win, unsigned int* __restrict__ scount, i64* __restrict__ list,
+    u64* __restrict__ stats) {
+    __shared__ unsigned int s_cnt[3];  // negative keys, bad table ids, erased pairs
+    if (threadIdx.x < 3) s_cnt[threadIdx.x] = 0;
+    __syncthreads();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    bool neg = false, bad = false, erased = false;
+    if (i < n) {
+        const i64 key = keys[i];
+        const i64 tid = has_tids ? tids[i] : 0;
+        neg = key < 0;
+        bad = tid < 0 || tid >= (1LL << 31);
+        const i64 fp = ht_fingerprint(key, tid);
+        const i64 b = ht_bucket(fp, nb);
+        const i64 r = bucket_count[b] > 0
+                          ? ht_locate<W>(slot_fp, slot_row, row_key, row_tid, bucket_count, nb,
+                                         bc, cap, check_tid, key, tid, fp)
+                          : -1;
+        if (r >= 0 && atomicCAS(win + r, -1, (int)i) == -1) {
+            erased = true;
+            if (atomicCAS(scount + b, 0u, 1u) == 0u)
+                list[atomicAdd(stats + HT_ER_LISTED, 1ULL)] = b;
+        }
+    }
+    ht_ins2_count(s_cnt + 0, neg);
+    ht_ins2_count(s_cnt + 1, bad);
+    ht_ins2_count(s_cnt + 2, erased);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (s_cnt[0]) atomicOr(stats + HT_ER_NEG_KEY, 1ULL);
+        if (s_cnt[1]) atomicOr(stats + HT_ER_BAD_TID, 1ULL);
+        if (s_cnt[2]) atomicAdd(stats + HT_ER_ERASED, (u64)s_cnt[2]);
+    }
+}
+
+#define HT_ERASE_MARK(W)                                                                       \
+    extern "C" __global__ void ht_erase_mark_w##W(                                             \
+        const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids, i64 n,       \
+        const i64* __restrict__ slot_fp, const i64* __restrict__ slot_row,                     \
+        const i64* __restrict__ row_key, const int* __restrict__ row_tid,                      \
+        const i64* __restrict__ bucket_count, i64 nb, i64 bc, i64 cap, int check_tid,         \
+        int* __restrict__ win, unsigned int* __restrict__ scount, i64* __restrict__ list,      \
+        u64* __restrict__ stats) {                                                             \
+        ht_erase_mark<W>(keys, tids, has_tids, n, slot_fp, slot_row, row_key, row_tid,         \
+                         bucket_count, nb, bc, cap, check_tid, win, scount, list, stats);      \
+    }
+HT_ERASE_MARK(0)
+HT_ERASE_MARK(4)
+HT_ERASE_MARK(8)
+HT_ERASE_MARK(16)
+
+// A warp per listed bucket (grid-stride over the list; blockDim.x = 32 * warps), `stride` bytes
+// of dynamic shared memory a warp (16 * bc: the bucket's fingerprints and rows). Block 0 clears
+// the next call's stats buffer.
+extern "C" __global__ void ht_erase_apply(
+    i64 bc, int stride, unsigned int* __restrict__ scount, int* __restrict__ win,
+    const i64* __restrict__ list, const u64* __restrict__ stats, u64* __restrict__ stats_next,
+    const i64* __restrict__ sentinel, i64* __restrict__ bucket_count, i64* __restrict__ slot_fp,
+    i64* __restrict__ slot_row, i64* __restrict__ row_key, int* __restrict__ row_tid,
+    i64* __restrict__ row_score) {
+    HT_SMEM(smem);
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) s_ok = (stats[HT_ER_NEG_KEY] | stats[HT_ER_BAD_TID]) == 0;
+    if (blockIdx.x == 0)
+        for (int j = threadIdx.x; j < HT_ST_LEN; j += blockDim.x) stats_next[j] = 0;
+    __syncthreads();
+    const bool ok = s_ok != 0;
+    const i64 listed = (i64)stats[HT_ER_LISTED];
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const unsigned int below = (1u << lane) - 1u;
+    i64* s_fp = reinterpret_cast<i64*>(smem + (i64)(threadIdx.x >> 5) * stride);
+    i64* s_row = s_fp + bc;  // a row, or ~row (negative) when it is erased
+    for (i64 j = (i64)blockIdx.x * warps + (threadIdx.x >> 5); j < listed;
+         j += (i64)gridDim.x * warps) {
+        const i64 b = list[j];
+        const i64 base = b * bc;
+        i64 c64 = bucket_count[b];
+        const int c = (int)(c64 > bc ? bc : c64);
+        int e = 0;  // erased entries of the bucket
+        for (int p0 = 0; p0 < c; p0 += 32) {
+            const int p = p0 + lane;
+            bool er = false;
+            if (p < c) {
+                const i64 r = slot_row[base + p];
+                er = win[r] != -1;
+                s_fp[p] = slot_fp[base + p];
+                s_row[p] = er ? ~r : r;
+            }
+            e += __popc(__ballot_sync(0xffffffffu, er));
+        }
+        __syncwarp();  // every slot is read before any is written
+        const int kept = c - e;
+        const i64 sent = sentinel[b];
+        int nk = 0, ne = 0;  // kept / erased entries placed so far
+        for (int p0 = 0; p0 < c; p0 += 32) {
+            const int p = p0 + lane;
+            const bool has = p < c;
+            const i64 sr = has ? s_row[p] : 0;
+            const bool er = has && sr < 0;
+            const unsigned int me = __ballot_sync(0xffffffffu, er);
+            const unsigned int mk = __ballot_sync(0xffffffffu, has && !er);
+            if (er) {
+                const i64 r = ~sr;
+                win[r] = -1;
+                if (ok) {
+                    const i64 dst = base + kept + ne + __popc(me & below);
+                    slot_fp[dst] = sent;
+                    slot_row[dst] = r;
+                    row_key[r] = -1;
+                    row_tid[r] = 0;
+                    row_score[r] = 0;
+                }
+            } else if (has && ok) {
+                const i64 dst = base + nk + __popc(mk & below);
+                if (dst != base + p) {
+                    slot_fp[dst] = s_fp[p];
+                    slot_row[dst] = sr;
+                }
+            }
+            ne += __popc(me);
+            nk += __popc(mk);
+        }
+        if (lane == 0) {
+            scount[b] = 0;
+            if (ok) bucket_count[b] = kept;
+        }
+        __syncwarp();  // the shared arrays are reused by the warp's next bucket
+    }
+}

@@ -9,7 +9,7 @@ identical rows, build and insert identical key sets and rows. Run on the GPU mac
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -190,14 +190,23 @@ def test_build_dispatches_to_the_kernel_on_cuda():
     _assert_same_table(got, want)
 
 
+@pytest.fixture(params=["v1", "v2"])
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each insert test runs both implementations of cuda/insert.py (IMPL)."""
+    from shared.hashtable.cuda import insert
+
+    with insert.implementation(request.param):
+        yield request.param
+
+
 def _insert_pair(
     kernel: HashTable, core: HashTable, used: list[bool], **kw
 ) -> tuple[InsertResult, InsertResult]:
-    from shared.hashtable.cuda.insert import insert_or_assign
+    from shared.hashtable.cuda import insert
 
     with cuda.disabled():
         want = core.insert_or_assign(**kw)
-    got = insert_or_assign(
+    got = insert.insert_or_assign(
         kernel,
         kw["keys"],
         kw["values"],
@@ -207,10 +216,34 @@ def _insert_pair(
         pinned_rows=kw.get("pinned_rows"),
     )
     used.append(got is not None)
+    if insert.IMPL == "v2":
+        PATHS.append(insert.last_path)
+        _assert_scratch_clear(kernel)
     if got is None:  # the kernel path hands growth and skewed batches to the torch core
         with cuda.disabled():
             got = kernel.insert_or_assign(**kw)
     return got, want
+
+
+PATHS: list[str] = []  # insert.last_path of the v2 calls of the current test
+
+
+@pytest.fixture(autouse=True)
+def _clear_paths() -> None:
+    PATHS.clear()
+
+
+def _assert_scratch_clear(table: HashTable) -> None:
+    """v2 leaves its cached scratch as the next call needs it (the kernels clear it)."""
+    from shared.hashtable.cuda import insert
+
+    sc = insert._scratch.get(table)
+    if sc is None:
+        return
+    assert not sc.dirty
+    assert bool((sc.scount == 0).all()), "scount"
+    assert bool((sc.win == -1).all()), "win"
+    assert bool((sc.stats_of[sc.parity] == 0).all()), "stats"
 
 
 def _assert_same_result(got: InsertResult, want: InsertResult) -> None:
@@ -229,12 +262,15 @@ def _run_script(table: HashTable, batches: int, make: Batch) -> list[bool]:
     for step in range(batches):
         kw = make(step, g)
         if kw.pop("pin", False):
+            tids = kw.get("table_ids")
+            head = None if tids is None else tids[:20]
             with cuda.disabled():
-                kw["pinned_rows"] = core.find(kw["keys"][:20], kw.get("table_ids", None))[0]
+                kw["pinned_rows"] = core.find(kw["keys"][:20], head)[0]
             kw["pinned_rows"] = kw["pinned_rows"][kw["pinned_rows"] >= 0]
         got, want = _insert_pair(kernel, core, used, **kw)
         _assert_same_result(got, want)
         _assert_same_table(kernel, core)
+        assert kernel._any_tid or not core._any_tid  # never lazier than the core (eager is safe)
     return used
 
 
@@ -248,15 +284,16 @@ def _batch(n: int, dim: int, universe: int, g: torch.Generator, **extra) -> dict
     }
 
 
-@pytest.mark.parametrize("bc", [128, 16])
-def test_insert_without_growth_gives_the_core_table(bc: int):
+@pytest.mark.parametrize("bc", [128, 16, 7])
+def test_insert_without_growth_gives_the_core_table(bc: int, impl: str):
     t = HashTable(4, init_capacity=8192, max_capacity=8192, bucket_capacity=bc, device=DEVICE)
     used = _run_script(t, 6, lambda s, g: _batch(700, 4, 3000, g))
-    assert all(used)  # never full: every call stays on the kernels
+    assert all(used)  # no growth: every call stays on the kernels
+    assert impl == "v1" or set(PATHS) <= {"fast", "overflow"}  # bc 7: a bucket may fill up
 
 
 @pytest.mark.parametrize("strategy", [ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION])
-def test_insert_at_max_capacity_evicts_like_the_core(strategy: ScoreStrategy):
+def test_insert_at_max_capacity_evicts_like_the_core(strategy: ScoreStrategy, impl: str):
     t = HashTable(
         3,
         init_capacity=512,
@@ -267,9 +304,10 @@ def test_insert_at_max_capacity_evicts_like_the_core(strategy: ScoreStrategy):
     )
     used = _run_script(t, 8, lambda s, g: _batch(300, 3, 5000, g, pin=s % 2 == 1))
     assert all(used) and t.evictions + t.refusals > 0
+    assert impl == "v1" or "overflow" in PATHS
 
 
-def test_insert_with_growth_fused_ids_and_accumulators():
+def test_insert_with_growth_fused_ids_and_accumulators(impl: str):
     t = HashTable(
         2,
         init_capacity=64,
@@ -290,29 +328,348 @@ def test_insert_with_growth_fused_ids_and_accumulators():
     assert any(used) and not all(used)  # growth went to the core, the rest to the kernels
 
 
-def test_insert_of_colliding_fingerprints():
+def test_insert_of_colliding_fingerprints(impl: str):
     t = HashTable(1, init_capacity=1024, max_capacity=1024, bucket_capacity=64, device=DEVICE)
     keys = _collision_keys(60)
 
     def make(step: int, g: torch.Generator) -> dict:
         k = keys[step::3]
+        k = torch.cat([k, k[:7]])  # and duplicates of colliding pairs in the batch
         return {"keys": k, "values": k.float()[:, None], "scores": torch.zeros_like(k)}
 
     assert all(_run_script(t, 3, make))
 
 
-def test_insert_rejects_what_the_core_rejects():
+def test_insert_rejects_what_the_core_rejects(impl: str):
     from shared.hashtable.cuda.insert import insert_or_assign
 
     t = HashTable(1, init_capacity=64, max_capacity=64, device=DEVICE)
+    args = {"accumulators": None, "pinned_rows": None}
     with pytest.raises(ValueError, match="negative"):
         insert_or_assign(
-            t,
-            torch.tensor([3, -5]),
-            torch.zeros(2, 1),
-            torch.zeros(2),
-            table_ids=None,
-            accumulators=None,
-            pinned_rows=None,
+            t, torch.tensor([3, -5]), torch.zeros(2, 1), torch.zeros(2), table_ids=None, **args
+        )
+    with pytest.raises(ValueError, match="table ids"):
+        ids = torch.tensor([0, 1 << 31])
+        insert_or_assign(
+            t, torch.tensor([3, 5]), torch.zeros(2, 1), torch.zeros(2), table_ids=ids, **args
         )
     assert t.size == 0
+    _assert_scratch_clear(t)
+    res = insert_or_assign(
+        t, torch.tensor([3, 5]), torch.ones(2, 1), torch.zeros(2), table_ids=None, **args
+    )
+    assert res is not None and t.size == 2  # the scratch is usable after a refused call
+
+
+def test_insert_slow_path_near_the_load_bound(impl: str):
+    """A table that may grow, batches whose occurrences (with duplicates) exceed the load bound
+    but whose distinct new keys do not: v2 decides after counting the pairs (place pass 1);
+    later batches do grow (the torch core)."""
+    t = HashTable(4, init_capacity=1024, max_capacity=8192, bucket_capacity=32, device=DEVICE)
+
+    def make(step: int, g: torch.Generator) -> dict:
+        keys = torch.randint(0, 60, (400,), generator=g) * 7919 + 3 + step * 1000003
+        return {
+            "keys": keys,
+            "values": torch.randn(400, 4, generator=g),
+            "scores": torch.randint(0, 50, (400,), generator=g),
+        }
+
+    used = _run_script(t, 12, make)
+    assert any(used) and not all(used)
+    assert impl == "v1" or {"slow", "abort"} <= set(PATHS)
+
+
+def test_insert_of_a_skewed_batch_goes_to_the_core(impl: str):
+    """More new occurrences in one bucket than its list holds (2 * bucket_capacity)."""
+    t = HashTable(4, init_capacity=4096, max_capacity=4096, bucket_capacity=16, device=DEVICE)
+
+    def make(step: int, g: torch.Generator) -> dict:
+        keys = torch.cat(
+            [torch.full((40,), 12345 + step), torch.randint(0, 10**6, (50,), generator=g)]
+        )
+        return {
+            "keys": keys,
+            "values": torch.randn(90, 4, generator=g),
+            "scores": torch.randint(0, 50, (90,), generator=g),
+        }
+
+    used = _run_script(t, 3, make)
+    assert not any(used)
+
+
+def test_insert_at_max_capacity_with_ids_accumulators_pins_and_dim_16(impl: str):
+    """dim 16: the float4 copies of values and accumulators; fused ids and pins at eviction."""
+    t = HashTable(
+        16,
+        init_capacity=256,
+        max_capacity=256,
+        bucket_capacity=8,
+        with_accumulator=True,
+        initial_accumulator_value=0.5,
+        device=DEVICE,
+    )
+
+    def make(step: int, g: torch.Generator) -> dict:
+        ids = torch.randint(0, 2, (120,), generator=g)
+        b = _batch(120, 16, 900, g, table_ids=ids, pin=step % 2 == 0)
+        if step % 3 == 0:
+            b["accumulators"] = torch.rand(120, 16, generator=g)
+        return b
+
+    assert all(_run_script(t, 10, make))
+    assert impl == "v1" or "overflow" in PATHS
+
+
+def test_insert_dispatch_uses_the_kernels_and_growth_renews_the_scratch(impl: str):
+    """HashTable.insert_or_assign on CUDA: the kernels, the core on growth (the table's v2
+    scratch then follows the new size), and assigning every stored key."""
+    t = HashTable(16, init_capacity=4096, max_capacity=1 << 16, bucket_capacity=128, device=DEVICE)
+    core = copy.deepcopy(t)
+    g = torch.Generator().manual_seed(3)
+    keys = _random_keys(20000, seed=4)
+    for s in range(0, 20000, 5000):
+        k = keys[s : s + 5000]
+        v, sc = torch.randn(5000, 16, generator=g), torch.randint(0, 9, (5000,), generator=g)
+        got = t.insert_or_assign(k, v, sc)
+        with cuda.disabled():
+            want = core.insert_or_assign(k, v, sc)
+        _assert_same_result(got, want)
+        _assert_same_table(t, core)
+    assert t.num_buckets > 32  # it grew
+    v = torch.randn(20000, 16, generator=g)
+    got = t.insert_or_assign(keys.flip(0), v, torch.arange(20000))
+    with cuda.disabled():
+        want = core.insert_or_assign(keys.flip(0), v, torch.arange(20000))
+    _assert_same_result(got, want)
+    _assert_same_table(t, core)
+    _assert_scratch_clear(t)
+
+
+# ------------------------------------------------------------------ v2: any dim, erase, launches
+
+
+def test_kernel_signatures_match_the_source():
+    """insert.SIGNATURES (the parameter buffers of direct launches) against kernels.cu."""
+    import re
+
+    from shared.hashtable.cuda import insert
+    from shared.hashtable.cuda.runtime import SOURCE
+
+    src = SOURCE.read_text().replace("\\\n", "\n")
+    kinds = {"i64": "q", "u64": "q", "int": "i", "float": "f"}
+    found = {}
+    for m in re.finditer(r'extern "C" __global__ void (\w+?)(?:##\w+)?\s*\(([^)]*)\)', src):
+        params = [p.strip() for p in m.group(2).split(",")]
+        sig = "".join(
+            "p" if "*" in p else kinds[p.rsplit(" ", 1)[0].replace("const", "").strip()]
+            for p in params
+        )
+        found[m.group(1).removesuffix("_w")] = sig
+    for family, sig in insert.SIGNATURES.items():
+        assert found[family] == sig, family
+    for name in ("ht_ins2_stage_w4", "ht_ins2_place0", "ht_ins2_place1", "ht_erase_mark_w0"):
+        assert insert._family(name) in insert.SIGNATURES
+
+
+DIMS = [0, 1, 3, 16, 17, 64]
+
+
+@pytest.fixture
+def v2() -> Iterator[None]:
+    from shared.hashtable.cuda import insert
+
+    with insert.implementation("v2"):
+        yield
+
+
+@pytest.mark.parametrize("dim", DIMS)
+def test_insert_v2_of_any_dim_gives_the_core_table(dim: int, v2: None):
+    """No growth: duplicates, table ids, accumulators every other call, assigns of stored keys;
+    place writes the new rows (float4 or float copies, 2**gshift lanes a row)."""
+    t = HashTable(
+        dim,
+        init_capacity=8192,
+        max_capacity=8192,
+        bucket_capacity=32,
+        with_accumulator=dim > 0,
+        initial_accumulator_value=0.5,
+        device=DEVICE,
+    )
+
+    def make(step: int, g: torch.Generator) -> dict:
+        b = _batch(600, dim, 2500, g, table_ids=torch.randint(0, 3, (600,), generator=g))
+        if step % 2 and dim:
+            b["accumulators"] = torch.rand(600, dim, generator=g)
+        return b
+
+    assert all(_run_script(t, 6, make))
+    assert "fast" in PATHS and set(PATHS) <= {"fast", "overflow"}
+
+
+@pytest.mark.parametrize("dim", DIMS)
+def test_insert_v2_growth_and_eviction_of_any_dim(dim: int, v2: None):
+    """Growth (the core), the slow path near the load bound, then eviction at max capacity
+    with pins (the core's overflow code, then ht_ins2_gather)."""
+    t = HashTable(
+        dim,
+        init_capacity=64,
+        max_capacity=1024,
+        bucket_capacity=16,
+        with_accumulator=dim > 0,
+        device=DEVICE,
+    )
+
+    def make(step: int, g: torch.Generator) -> dict:
+        ids = torch.randint(0, 2, (150,), generator=g)
+        b = _batch(150, dim, 3000, g, table_ids=ids, pin=step % 2 == 1)
+        if step % 3 == 0 and dim:
+            b["accumulators"] = torch.rand(150, dim, generator=g)
+        return b
+
+    used = _run_script(t, 16, make)
+    assert any(used) and not all(used)
+    assert t.num_buckets == 64 and t.evictions > 0 and "overflow" in PATHS
+
+
+def test_insert_v2_of_unaligned_values_uses_float_copies(v2: None):
+    from shared.hashtable.cuda import insert
+
+    n, dim = 500, 16
+    t = HashTable(dim, init_capacity=4096, max_capacity=4096, with_accumulator=True, device=DEVICE)
+
+    def make(step: int, g: torch.Generator) -> dict:
+        b = _batch(n, dim, 2000, g)
+        flat = torch.randn(n * dim + 1, generator=g).to(DEVICE)
+        b["values"] = flat[1:].view(n, dim)  # 4 bytes past a 16-byte boundary
+        b["accumulators"] = torch.rand(n * dim + 1, generator=g).to(DEVICE)[1:].view(n, dim)
+        assert insert._row_layout(dim, [b["values"]]) == (False, 4)
+        return b
+
+    assert all(_run_script(t, 4, make))
+
+
+def test_insert_v2_through_cupy_launches(v2: None, monkeypatch: pytest.MonkeyPatch):
+    """DIRECT_LAUNCH off: CuPy's RawKernel call with the same arguments, the same tables."""
+    from shared.hashtable.cuda import insert
+
+    monkeypatch.setattr(insert, "DIRECT_LAUNCH", False)
+    t = HashTable(4, init_capacity=64, max_capacity=2048, bucket_capacity=16, device=DEVICE)
+    used = _run_script(t, 8, lambda s, g: _batch(200, 4, 1500, g))
+    assert any(used)
+    _erase_pair(t, copy.deepcopy(t), torch.arange(0, 1500 * 7919, 7919 * 3) + 3, None)
+
+
+def _erase_pair(kernel: HashTable, core: HashTable, keys: torch.Tensor, tids) -> int:
+    """The kernel erase on ``kernel``, the core's on ``core`` (equal tables before): equal
+    counts and tables after."""
+    from shared.hashtable.cuda import insert
+
+    with cuda.disabled():
+        want = core.erase(keys, tids)
+    got = insert.erase(kernel, keys, tids)
+    assert got is not None and got == want
+    _assert_same_table(kernel, core)
+    _assert_scratch_clear(kernel)
+    return got
+
+
+@pytest.mark.parametrize("bc", [128, 16, 7, 1])
+@pytest.mark.parametrize("fused", [False, True])
+def test_erase_gives_the_core_table(bc: int, fused: bool, v2: None):
+    """Present, absent and duplicate keys (colliding fingerprints among them), then inserts
+    into the freed slots, several rounds."""
+    keys = torch.cat([_random_keys(3000, seed=bc), _collision_keys(40)])
+    tids = torch.randint(0, 3, keys.shape, generator=torch.Generator().manual_seed(4))
+    kernel = _core_table(keys, 3, bc, 0.5, tids if fused else None)
+    core = copy.deepcopy(kernel)
+    g = torch.Generator().manual_seed(5)
+    absent = _random_keys(300, seed=77, high=1 << 40) + (1 << 61)
+    total = 0
+    for step in range(4):
+        pick = torch.randint(0, keys.numel(), (700,), generator=g)  # duplicates too
+        k = torch.cat([keys[pick], absent[step * 50 : step * 50 + 50], keys[pick[:30]]])
+        t = None
+        if fused:
+            t = torch.cat([tids[pick], torch.zeros(50, dtype=torch.int64), tids[pick[:30]]])
+        total += _erase_pair(kernel, core, k, t)
+        used: list[bool] = []
+        back = keys[pick[:200]]
+        kw = {
+            "keys": back,
+            "values": torch.randn(200, 3, generator=g),
+            "scores": torch.arange(200),
+            "table_ids": None if not fused else tids[pick[:200]],
+        }
+        got, want = _insert_pair(kernel, core, used, **kw)
+        _assert_same_result(got, want)
+        _assert_same_table(kernel, core)
+    assert total > 0
+    assert _erase_pair(kernel, core, absent, None) == 0
+    assert _erase_pair(kernel, core, keys[:0], None) == 0
+
+
+def test_erase_rejects_what_the_core_rejects(v2: None):
+    from shared.hashtable.cuda import insert
+
+    keys = _random_keys(500, seed=9)
+    t = _core_table(keys, 2, 16, 0.5)
+    before = copy.deepcopy(t)
+    with pytest.raises(ValueError, match="negative"):
+        insert.erase(t, torch.cat([keys[:10], torch.tensor([-4])]), None)
+    with pytest.raises(ValueError, match="table ids"):
+        insert.erase(t, keys[:3], torch.tensor([0, 1 << 31, 0]))
+    _assert_same_table(t, before)  # nothing erased: the marks were cleared, not applied
+    _assert_scratch_clear(t)
+    _erase_pair(t, before, keys[:100], None)  # the scratch is usable after a refused call
+
+
+def test_erase_dispatch_and_clear_on_cuda():
+    """HashTable.erase / clear on CUDA use the kernels; a full erase empties the table."""
+    keys = _random_keys(4000, seed=12)
+    tids = torch.randint(0, 2, keys.shape, generator=torch.Generator().manual_seed(1))
+    t = _core_table(keys, 4, 128, 0.5, tids)
+    core = copy.deepcopy(t)
+    assert t.clear(1) == core_clear(core, 1)
+    _assert_same_table(t, core)
+    assert t.erase(keys, tids) == core_erase(core, keys, tids)
+    _assert_same_table(t, core)
+    assert t.size == 0
+
+
+def core_clear(t: HashTable, table_id: int) -> int:
+    with cuda.disabled():
+        return t.clear(table_id)
+
+
+def core_erase(t: HashTable, keys: torch.Tensor, tids) -> int:
+    with cuda.disabled():
+        return t.erase(keys, tids)
+
+
+def test_frequency_counter_on_the_kernels_gives_the_core_counts(v2: None):
+    """The admission counter (dim 0, 1024 slots a bucket: place opts in to more shared memory,
+    LFU eviction at capacity): add and erase through the kernels, equal to the core."""
+    from shared.hashtable.admission import FrequencyCounter
+    from shared.hashtable.cuda import insert
+
+    kernel = FrequencyCounter(4096, 1024, device=DEVICE)
+    core = copy.deepcopy(kernel)
+    g = torch.Generator().manual_seed(21)
+    paths = set()
+    for step in range(6):
+        keys = _random_keys(1500, seed=100 + step, high=1 << 14)  # repeats across steps
+        tids = torch.randint(0, 2, keys.shape, generator=g)
+        counts = torch.randint(1, 4, keys.shape, generator=g)
+        got = kernel.add(keys, counts, tids)
+        paths.add(insert.last_path)
+        with cuda.disabled():
+            want = core.add(keys, counts, tids)
+        assert torch.equal(got.cpu(), want.cpu())
+        _assert_same_table(kernel.table, core.table)
+        gone, gone_t = keys[: 200 + step], tids[: 200 + step]
+        assert kernel.erase(gone, gone_t) == core_erase(core.table, gone, gone_t)
+        _assert_same_table(kernel.table, core.table)
+    assert paths & {"fast", "overflow"} and kernel.evictions > 0
+    _assert_scratch_clear(kernel.table)
