@@ -14,7 +14,11 @@ DIN variants, all on the training layout (U == B, one user row per sample) with 
 - ``jagged_fast``: the training fast path, ``user_index=None`` (no sync, no expansion, custom
   autograd nodes for the pair features and the segment softmax pooling);
 - ``jagged_compiled``: the fast path under ``torch.compile`` (dynamic shapes, no CUDA graphs);
-  on by default on CUDA only (``--compile``).
+  on by default on CUDA only (``--compile``);
+- ``jagged_graphed``: the fast path's forward and backward captured as CUDA graphs and replayed
+  (:class:`train.model.graphed.DINGraphs`: T padded to its bucket, one dummy row); CUDA only
+  (``--graphs``). The capture happens in the warmup runs; ``graphs`` records the bucket and the
+  replay/capture counts.
 
 Times are the median of ``--repeats`` timed runs after ``--warmup`` runs (the first compiled run
 compiles); on CUDA every run is bracketed by ``torch.cuda.synchronize`` (latency of one step).
@@ -40,6 +44,7 @@ import torch
 
 from train.model.dense_arch import DenseArch
 from train.model.din import JaggedDIN, PaddedDIN
+from train.model.graphed import DenseArchGraphs, DINGraphs, bucket_rows
 
 DIM = 48  # query / sequence width: adgroup_id, cate_id, brand embeddings of 16
 ATTN_UNITS = [256, 64]
@@ -171,6 +176,10 @@ def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
+def _clone(a: torch.Tensor | None) -> torch.Tensor | None:
+    return None if a is None else a.detach().clone()
+
+
 def _max_abs(a: torch.Tensor | None) -> float:
     return float(a.abs().max()) if a is not None and a.numel() else 0.0
 
@@ -182,6 +191,7 @@ def bench_din(
     repeats: int,
     warmup: int,
     compile_fast_path: bool = False,
+    graphs: bool = False,
 ) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1)
     b, t = lengths.numel(), int(lengths.sum())
@@ -194,28 +204,34 @@ def bench_din(
     q = torch.randn(b, DIM, generator=gen).to(device).requires_grad_()
     s = torch.randn(t, DIM, generator=gen).to(device).requires_grad_()
     lens, ui = lengths.to(device), torch.arange(b, device=device)
-    # name -> (module, user_index): None is the training fast path
-    variants: dict[str, tuple[torch.nn.Module, torch.Tensor | None]] = {
-        "jagged": (jagged, ui),
-        "padded": (padded, ui),
-        "jagged_fast": (jagged, None),
+    # name -> (callable, module with the parameters, user_index): None is the training fast path
+    variants: dict[str, tuple[Callable[..., torch.Tensor], torch.nn.Module, torch.Tensor | None]]
+    variants = {
+        "jagged": (jagged, jagged, ui),
+        "padded": (padded, padded, ui),
+        "jagged_fast": (jagged, jagged, None),
     }
     if compile_fast_path:
-        variants["jagged_compiled"] = (compiled, None)
+        variants["jagged_compiled"] = (compiled, compiled, None)
+    din_graphs = None
+    if graphs:  # the fast path through CUDA graphs, on the same module and inputs
+        din_graphs = DINGraphs(jagged)
+        variants["jagged_graphed"] = (din_graphs, jagged, None)
     outputs: dict[str, dict[str, torch.Tensor | None]] = {}
 
     def step_of(name: str, keep: bool = False) -> Callable[[], None]:
-        module, user_index = variants[name]
+        fn, module, user_index = variants[name]
 
         def step() -> None:
             module.zero_grad(set_to_none=True)
             q.grad, s.grad = None, None
-            out = module(q, s, lens, user_index)  # [B, D]
+            out = fn(q, s, lens, user_index)  # [B, D]
             out.square().sum().backward()
             if keep:  # outside the timed runs: output and gradients for the agreement check
-                grads: dict[str, torch.Tensor | None] = {"out": out.detach()}
-                grads.update({"query": q.grad, "seq_values": s.grad})
-                grads.update({n: p.grad for n, p in module.named_parameters()})
+                # clones: a graph's output and gradients live in its buffers
+                grads: dict[str, torch.Tensor | None] = {"out": out.detach().clone()}
+                grads.update({"query": _clone(q.grad), "seq_values": _clone(s.grad)})
+                grads.update({n: _clone(p.grad) for n, p in module.named_parameters()})
                 outputs[name] = grads
 
         return step
@@ -277,6 +293,8 @@ def bench_din(
     )
     result["agreement"] = agreement
     result["profile"] = profiles
+    if din_graphs is not None:
+        result["graphs"] = {"t_pad": bucket_rows(t), "t": t, **din_graphs.stats}
     return result
 
 
@@ -286,11 +304,14 @@ def bench_dense_arch(
     repeats: int,
     warmup: int,
     compile_fast_path: bool = False,
+    graphs: bool = False,
 ) -> dict[str, dict[str, object]]:
     """The seed config's dense part, training layout (U == B, user_index = arange).
 
     ``general``: user_index given (as exported); ``fast``: ``user_index=None``;
-    ``compiled``: ``fast`` with the DIN's ``compile_fast_path`` (only when asked for).
+    ``compiled``: ``fast`` with the DIN's ``compile_fast_path`` (only when asked for);
+    ``graphed``: ``fast`` through :class:`DenseArchGraphs` (CUDA graphs, only when asked for),
+    with ``agreement``: max abs difference to ``fast`` in logits and in every gradient.
     """
     gen = torch.Generator().manual_seed(2)
     b, t = lengths.numel(), int(lengths.sum())
@@ -307,11 +328,25 @@ def bench_dense_arch(
     x["seq_lengths"], x["user_index"] = lengths.to(device), torch.arange(b, device=device)
     labels = (torch.rand(b, generator=gen) < 0.05).float().to(device)
 
-    def step_of(user_index: torch.Tensor | None) -> Callable[[], None]:
+    kept: dict[str, list[torch.Tensor | None]] = {}
+
+    def step_of(
+        user_index: torch.Tensor | None,
+        fn: Callable[..., torch.Tensor] = arch,
+        keep: str | None = None,
+    ) -> Callable[[], None]:
         def step() -> None:
             arch.zero_grad(set_to_none=True)
-            logits = arch(**{**x, "user_index": user_index})  # [B]
+            for k in ("user_deep", "item_deep", "query", "seq_values"):
+                x[k].grad = None  # type: ignore[union-attr]
+            logits = fn(**{**x, "user_index": user_index})  # [B]
             torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+            if keep is not None:
+                kept[keep] = [logits.detach().clone()]
+                kept[keep] += [
+                    _clone(v.grad) for k, v in x.items() if v is not None and v.is_floating_point()
+                ]
+                kept[keep] += [_clone(p.grad) for p in arch.parameters()]
 
         return step
 
@@ -323,6 +358,17 @@ def bench_dense_arch(
         arch.din.compile_fast_path = True
         out["compiled"] = summary(time_runs(step_of(None), repeats, warmup, device))
         arch.din.compile_fast_path = False
+    if graphs:
+        dense_graphs = DenseArchGraphs(arch)
+        graphed = step_of(None, dense_graphs)
+        out["fast"]["steady_ms"] = steady_ms(step_of(None), repeats, device)
+        out["graphed"] = summary(time_runs(graphed, repeats, warmup, device))
+        out["graphed"]["steady_ms"] = steady_ms(graphed, repeats, device)
+        step_of(None, keep="fast")()
+        step_of(None, dense_graphs, keep="graphed")()
+        diffs = [_max_diff(a, b) for a, b in zip(kept["fast"], kept["graphed"], strict=True)]
+        out["graphed"]["agreement"] = {"logits": diffs[0], "grads": max(diffs[1:])}
+        out["graphed"]["graphs"] = dict(dense_graphs.stats)
     return out
 
 
@@ -342,10 +388,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         default="auto",
         help="time the torch.compile'd fast path too (auto: on CUDA only)",
     )
+    parser.add_argument(
+        "--graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="time the fast path through CUDA graphs too (auto: on CUDA only; elsewhere the "
+        "wrapper runs eagerly)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     repeats = args.repeats or (30 if device.type == "cuda" else 5)
     compile_din = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    graphs = args.graphs == "on" or (args.graphs == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)
 
     lengths = sample_lengths(
@@ -372,14 +426,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "padded_elements": args.batch * args.max_len,
         },
         "din_forward_backward": bench_din(
-            lengths, device, args.max_len, repeats, args.warmup, compile_din
+            lengths, device, args.max_len, repeats, args.warmup, compile_din, graphs
         ),
     }
-    dense = bench_dense_arch(lengths, device, repeats, args.warmup, compile_din)
+    dense = bench_dense_arch(lengths, device, repeats, args.warmup, compile_din, graphs)
     result["dense_arch_forward_backward"] = dense["general"]  # user_index given, as exported
     result["dense_arch_forward_backward_fast"] = dense["fast"]  # user_index=None (training)
     if "compiled" in dense:
         result["dense_arch_forward_backward_compiled"] = dense["compiled"]
+    if "graphed" in dense:
+        result["dense_arch_forward_backward_graphed"] = dense["graphed"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -31,13 +31,14 @@ from shared.config import load_config
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import build_feature_set
 from train.data.loader import Loader
+from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
 from train.trainer import _amp_context, build_optimizers, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def phased_step(model, optimizers, batch, step: int, amp: str, sync) -> dict[str, float]:
+def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> dict[str, float]:
     """One train_step split into phases, each timed between device synchronizations."""
     times: dict[str, float] = {}
     t = time.perf_counter()
@@ -55,9 +56,11 @@ def phased_step(model, optimizers, batch, step: int, amp: str, sync) -> dict[str
     mark("zero_grad")
     pooled, sequences = model.sparse(batch)
     mark("sparse_forward")
-    inputs = assemble_dense_inputs(model.fs, batch, pooled, sequences)
+    inputs = dict(assemble_dense_inputs(model.fs, batch, pooled, sequences))
+    if batch.rows_are_users:
+        inputs["user_index"] = None
     with _amp_context(amp, batch.user_index.device):
-        logits = model.dense(**inputs)
+        logits = (graphs or model.dense)(**inputs)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
     mark("dense_forward")
     loss.backward()
@@ -68,7 +71,7 @@ def phased_step(model, optimizers, batch, step: int, amp: str, sync) -> dict[str
     return times
 
 
-def sync_sites(model, optimizers, batch, step: int, amp: str) -> dict[str, int]:
+def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[str, int]:
     """Host synchronizations of one step, counted by the first frame inside this repository."""
     sites: collections.Counter[str] = collections.Counter()
     root = str(ROOT)
@@ -93,7 +96,7 @@ def sync_sites(model, optimizers, batch, step: int, amp: str) -> dict[str, int]:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
-            train_step(model, optimizers, batch, step, amp)
+            train_step(model, optimizers, batch, step, amp, graphs=graphs)
             torch.cuda.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -112,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--amp", default="", choices=["", "BF16", "FP16"])
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="dense part through CUDA graphs, as the trainer runs it (auto: on CUDA)",
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -135,20 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
     model.train()
+    use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
+    graphs = DenseArchGraphs(model.dense) if use_graphs else None
     it = iter(enumerate(batches))
     for _ in range(args.warmup):
         i, b = next(it)
-        train_step(model, optimizers, b, i, args.amp)
+        train_step(model, optimizers, b, i, args.amp, graphs=graphs)
     sync()
 
     result: dict[str, object] = {"device": str(device), "torch": torch.__version__,
-                                 "batch": args.batch, "amp": args.amp}  # fmt: skip
+                                 "batch": args.batch, "amp": args.amp,
+                                 "cuda_graphs": use_graphs}  # fmt: skip
     phases: dict[str, list[float]] = collections.defaultdict(list)
     walls = []
     for _ in range(args.steps):
         i, b = next(it)
         t0 = time.perf_counter()
-        for k, v in phased_step(model, optimizers, b, i, args.amp, sync).items():
+        for k, v in phased_step(model, optimizers, b, i, args.amp, sync, graphs).items():
             phases[k].append(v)
         walls.append((time.perf_counter() - t0) * 1e3)
     result["phases_ms_median"] = {k: statistics.median(v) for k, v in phases.items()}
@@ -156,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if device.type == "cuda":
         i, b = next(it)
-        result["syncs"] = sites = sync_sites(model, optimizers, b, i, args.amp)
+        result["syncs"] = sites = sync_sites(model, optimizers, b, i, args.amp, graphs)
         result["sync_count"] = sum(sites.values())
 
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
             i, b = next(it)
-            train_step(model, optimizers, b, i, args.amp)
+            train_step(model, optimizers, b, i, args.amp, graphs=graphs)
         sync()
     wall = (time.perf_counter() - t0) * 1e3 / args.steps
     events = prof.key_averages()

@@ -6,6 +6,7 @@ Examples::
         --train data/small/samples/train --eval data/small/samples/eval --model-dir runs/dyn
     python -m train train ... --resume            # continue from the newest checkpoint
     python -m train train ... --fine_tune_checkpoint runs/init   # start from these weights
+    python -m train train ... --no-cuda-graphs    # dense part eagerly (default on CUDA: graphs)
     python -m train evaluate --config ... --model-dir runs/dyn
     python -m train export --config ... --model-dir runs/dyn --out runs/dyn/bundle
     torchrun --nproc_per_node 2 -m train train ...   # distributed: gloo on cpu, NCCL on cuda;
@@ -54,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dense forward+backward through CUDA graphs (default: on for single-process CUDA "
+        "training; never on CPU or distributed)",
+    )
 
     e = sub.add_parser("evaluate", help="evaluate a checkpoint")
     _common(e)
@@ -103,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed=args.seed,
                     progress_bar=not args.no_progress,
                     dist=env,
+                    cuda_graphs=args.cuda_graphs,
                 )
             ).fit()
         finally:

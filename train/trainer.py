@@ -6,6 +6,11 @@ on every rank: each reads its part of every global batch, the dynamic tables are
 (:class:`~train.distributed.sharded_dynamic.ShardedDynamicEmbedding`), the rest is replicated
 (:class:`~train.distributed.replicated.GradSync`); rank 0 writes metrics, dense checkpoint state
 and the plot, every rank writes its own dynamic-table files.
+
+Single-process CUDA training replays the dense forward+backward from CUDA graphs
+(:mod:`train.model.graphed`, ``TrainOptions.cuda_graphs``, on by default there); CPU and
+distributed runs stay eager. The graphs live beside the model, never in it: checkpoints and
+the exported program are the same either way.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import logging
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +41,7 @@ from train.distributed.sharded_dynamic import ShardedDynamicEmbedding
 from train.evaluate import EvalResult, UserCounts, evaluate
 from train.fine_tune import load_weights
 from train.metrics_log import MetricsLog
+from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN, sparse_adagrad
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,13 @@ class TrainOptions:
     seed: int = 0
     progress_bar: bool = True
     dist: DistEnv | None = None  # set under torchrun (train.distributed.env.init_from_env)
+    # dense forward+backward through CUDA graphs (train.model.graphed); None: CUDA_GRAPHS_DEFAULT.
+    # Only single-process CUDA training uses them (CPU and distributed runs are always eager).
+    cuda_graphs: bool | None = None
+
+
+# CUDA graphs for the dense part when TrainOptions.cuda_graphs is None: on (single-process CUDA)
+CUDA_GRAPHS_DEFAULT = True
 
 
 @dataclass
@@ -125,11 +138,14 @@ def train_step(
     *,
     sync: GradSync | None = None,
     global_rows: int | None = None,
+    graphs: DenseArchGraphs | None = None,
 ) -> torch.Tensor:
     """One optimizer step; returns the loss as a device tensor (no host sync).
 
     Distributed (``sync``): the loss is this rank's share of the mean over the ``global_rows``
     rows of all ranks (the shares sum to the global mean) and gradients are summed over ranks.
+    ``graphs`` (built on ``model.dense``; ignored with ``sync``) runs the dense forward+backward
+    through CUDA graphs where it can (:mod:`train.model.graphed`), else eagerly.
     """
     device = batch.user_index.device
     model.sparse.dynamic.set_step(step)
@@ -141,7 +157,9 @@ def train_step(
     )
     if batch.rows_are_users:  # the DIN's path without a host sync (train.model.din)
         inputs["user_index"] = None
-    dense = model.dense if sync is None else sync.dense
+    dense: Callable[..., torch.Tensor] = model.dense if sync is None else sync.dense
+    if graphs is not None and sync is None:
+        dense = graphs  # same call signature; falls back to model.dense itself when it must
     with _amp_context(amp, device):
         logits = dense(**inputs)  # [B]
     if sync is None:
@@ -188,6 +206,7 @@ class Trainer:
             self.model.sparse.dynamic = sharded  # type: ignore[assignment]
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
+        self.graphs = self._dense_graphs()
         self.loader = Loader(
             self.train_path,
             self.fs,
@@ -202,6 +221,24 @@ class Trainer:
         )
         # rank 0 writes the metrics; the others keep their records in memory only
         self.metrics = MetricsLog(self.model_dir / "metrics.jsonl" if self.rank == 0 else None)
+
+    def _dense_graphs(self) -> DenseArchGraphs | None:
+        """CUDA graphs for the dense part: single-process CUDA training only (DDP-wrapped
+        dense stays eager; its gradient hooks cannot run inside a replayed graph)."""
+        want = self.options.cuda_graphs
+        if want is None:
+            want = CUDA_GRAPHS_DEFAULT
+        if not want:
+            return None
+        if self.device.type != "cuda":
+            if self.options.cuda_graphs:
+                log.info("cuda_graphs: device %s is not CUDA; the dense part runs eagerly",
+                         self.device)  # fmt: skip
+            return None
+        if self.dist is not None:
+            log.info("cuda_graphs: off under distributed training (DDP-wrapped dense part)")
+            return None
+        return DenseArchGraphs(self.model.dense)
 
     def _eval_batches(self) -> Iterator[Batch]:
         loader = Loader(
@@ -331,6 +368,7 @@ class Trainer:
                     self.amp,
                     sync=self.sync,
                     global_rows=global_rows,
+                    graphs=self.graphs,
                 )
                 running_n += 1
                 progress.step += 1
@@ -387,6 +425,8 @@ class Trainer:
                 "samples_per_s_per_rank": rate / self.world_size,
                 "peak_memory_bytes": self._peak_memory(),
                 "tables": self._table_stats(),
+                # replays, captures, eager calls by reason (absent: graphs off)
+                **({"cuda_graphs": dict(self.graphs.stats)} if self.graphs is not None else {}),
             }
         )
         if self.rank == 0:
