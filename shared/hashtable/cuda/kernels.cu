@@ -587,73 +587,59 @@ __device__ __forceinline__ bool ht_ins2_same_pair(const i64* s_fp, const int* s_
 }
 
 // Values (and accumulators) of a warp's new rows: row n_row[q] gets input row s_idx[n_t[q]],
-// q < u; 2^gshift lanes a row (gshift <= 5), units of 4 floats when vec4 (dim % 4 == 0, arrays
-// 16-byte aligned), else single floats. Up to 4 rows a lane are loaded before they are stored.
+// q < u; 2^gshift lanes a row (gshift <= 5), `units` elements of type T a row (float4 when
+// vec4: dim % 4 == 0 and arrays 16-byte aligned, else float). Up to 4 rows a lane are loaded
+// before they are stored.
+template <typename T>
+__device__ __forceinline__ void ht_ins2_copy_units(
+    int lane, int gshift, int u, const i64* n_row, const short* n_t, const int* s_idx, int units,
+    const T* __restrict__ vin, const T* __restrict__ ain, bool from_in, T init,
+    T* __restrict__ vout, T* __restrict__ aout, bool acc) {
+    const int G = 1 << gshift;
+    const int sub = lane & (G - 1);
+    const int step = 32 >> gshift;  // rows a warp covers at once
+    for (int q0 = lane >> gshift; q0 < u; q0 += 4 * step) {
+        for (int d = sub; d < units; d += G) {
+            T v[4], a[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int q = q0 + j * step;
+                if (q < u) {
+                    const i64 src = (i64)s_idx[n_t[q]] * units + d;
+                    v[j] = vin[src];
+                    a[j] = acc && from_in ? ain[src] : init;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int q = q0 + j * step;
+                if (q < u) {
+                    const i64 dst = n_row[q] * units + d;
+                    vout[dst] = v[j];
+                    if (acc) aout[dst] = a[j];
+                }
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ void ht_ins2_copy_new(
     int lane, int gshift, int u, const i64* n_row, const short* n_t, const int* s_idx, int dim,
     int vec4, const float* __restrict__ values, const float* __restrict__ accum_in,
     int has_accum, float accum_init, float* __restrict__ out_values,
     float* __restrict__ out_accum, int has_out_accum) {
     if (dim <= 0) return;
-    const int G = 1 << gshift;
-    const int sub = lane & (G - 1);
-    const int step = 32 >> gshift;  // rows a warp covers at once
     const bool acc = has_out_accum != 0;
     const bool from_in = has_accum != 0;
     if (vec4) {
-        const int nv = dim >> 2;
-        const float4* vin = reinterpret_cast<const float4*>(values);
-        const float4* ain = reinterpret_cast<const float4*>(accum_in);
-        float4* vout = reinterpret_cast<float4*>(out_values);
-        float4* aout = reinterpret_cast<float4*>(out_accum);
-        const float4 init4 = make_float4(accum_init, accum_init, accum_init, accum_init);
-        for (int q0 = lane >> gshift; q0 < u; q0 += 4 * step) {
-            for (int d = sub; d < nv; d += G) {
-                float4 v[4], a[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int q = q0 + j * step;
-                    if (q < u) {
-                        const i64 src = (i64)s_idx[n_t[q]] * nv + d;
-                        v[j] = vin[src];
-                        a[j] = acc && from_in ? ain[src] : init4;
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int q = q0 + j * step;
-                    if (q < u) {
-                        const i64 dst = n_row[q] * nv + d;
-                        vout[dst] = v[j];
-                        if (acc) aout[dst] = a[j];
-                    }
-                }
-            }
-        }
+        ht_ins2_copy_units<float4>(
+            lane, gshift, u, n_row, n_t, s_idx, dim >> 2,
+            reinterpret_cast<const float4*>(values), reinterpret_cast<const float4*>(accum_in),
+            from_in, make_float4(accum_init, accum_init, accum_init, accum_init),
+            reinterpret_cast<float4*>(out_values), reinterpret_cast<float4*>(out_accum), acc);
     } else {
-        for (int q0 = lane >> gshift; q0 < u; q0 += 4 * step) {
-            for (int d = sub; d < dim; d += G) {
-                float v[4], a[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int q = q0 + j * step;
-                    if (q < u) {
-                        const i64 src = (i64)s_idx[n_t[q]] * dim + d;
-                        v[j] = values[src];
-                        a[j] = acc && from_in ? accum_in[src] : accum_init;
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int q = q0 + j * step;
-                    if (q < u) {
-                        const i64 dst = n_row[q] * dim + d;
-                        out_values[dst] = v[j];
-                        if (acc) out_accum[dst] = a[j];
-                    }
-                }
-            }
-        }
+        ht_ins2_copy_units<float>(lane, gshift, u, n_row, n_t, s_idx, dim, values, accum_in,
+                                  from_in, accum_init, out_values, out_accum, acc);
     }
 }
 
