@@ -24,7 +24,9 @@ with kernels and torch core, and ``StaticLookupTable.from_keys_values``.
 Times are medians of ``--repeats`` runs between CUDA events (``per_call``: synchronised before
 each call, host work included; ``pipelined``: ``--pipeline`` calls back to back, so host work
 overlaps the GPU's; ``kernel_only``: the find kernel relaunched on converted arguments, without
-the Python work of a call). Builds and inserts synchronise inside, so they are timed per call.
+the Python work of a call). ``kernel_api`` (``HashTable.find``) launches through the driver
+(``runtime.Launcher``); ``kernel_api_cupy_launch`` is the same call through CuPy's RawKernel
+call on DLPack views (``runtime.DIRECT_LAUNCH`` off). Builds and inserts synchronise inside, so they are timed per call.
 ``--profile`` adds torch.profiler tables of one find, insert (each implementation) and build.
 ``--sections`` and ``--load-factors`` select parts of the run.
 """
@@ -44,6 +46,7 @@ import torch
 
 from shared.hashtable import cuda
 from shared.hashtable.cuda import insert
+from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda.find import find as kernel_find
 from shared.hashtable.cuda.find import prepared_find
 from shared.hashtable.cuda.runtime import FIND_WINDOWS
@@ -178,13 +181,16 @@ def bench_insert(
 
 
 class _cupy_launch:
-    """insert.DIRECT_LAUNCH off inside the block (CuPy's RawKernel call for every launch)."""
+    """insert.DIRECT_LAUNCH and runtime.DIRECT_LAUNCH off inside the block (CuPy's RawKernel
+    call for every launch: insert v2/erase with pointer arguments, find and keyed on DLPack
+    views)."""
 
     def __enter__(self) -> None:
-        self.before, insert.DIRECT_LAUNCH = insert.DIRECT_LAUNCH, False
+        self.before = (insert.DIRECT_LAUNCH, rt.DIRECT_LAUNCH)
+        insert.DIRECT_LAUNCH = rt.DIRECT_LAUNCH = False
 
     def __exit__(self, *exc: object) -> None:
-        insert.DIRECT_LAUNCH = self.before
+        insert.DIRECT_LAUNCH, rt.DIRECT_LAUNCH = self.before
 
 
 def _bench_erase(
@@ -295,6 +301,10 @@ def bench_find(
         run, _, _ = prepared_find(table, q, probe_window=w)
         find[f"kernel_only_window_{w}"] = _rate(n, run, repeats, pipeline)
     find["kernel_api"] = _rate(n, lambda: table.find(q, validate=False), repeats, pipeline)
+    with _cupy_launch():  # the same calls through CuPy's RawKernel call (DLPack per call)
+        find["kernel_api_cupy_launch"] = _rate(
+            n, lambda: table.find(q, validate=False), repeats, pipeline
+        )
     with cuda.disabled():
         find["core"] = _rate(n, lambda: table.find(q, validate=False), repeats, pipeline)
         want = table.find(q, validate=False)
@@ -327,6 +337,10 @@ def bench_find(
     }
     find["kernel_vs_core"] = piped["kernel_api"] / piped["core"]
     find["kernel_vs_dense_index_select"] = piped["kernel_api"] / piped["dense_index_select"]
+    find["direct_vs_cupy_launch"] = {  # > 1: the direct launch is faster
+        m: find["kernel_api_cupy_launch"][f"{m}_s"] / find["kernel_api"][f"{m}_s"]
+        for m in ("per_call", "pipelined")
+    }
     return find
 
 
@@ -476,6 +490,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "pipeline": args.pipeline,
         "load_factors": {},
         "insert_direct_launch": insert.DIRECT_LAUNCH,
+        "direct_launch": rt.DIRECT_LAUNCH,  # find and keyed (runtime.Launcher)
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

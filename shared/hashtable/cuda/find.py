@@ -1,4 +1,10 @@
-"""``HashTable.find`` on CUDA: one thread per key (kernels.cu ``ht_find``)."""
+"""``HashTable.find`` on CUDA: one thread per key (kernels.cu ``ht_find``).
+
+A call allocates ``rows``/``found`` and launches ``ht_find`` through ``runtime.Launcher``
+(``cuLaunchKernel`` from a parameter buffer, the tensors as data pointers): no DLPack export per
+call. ``runtime.DIRECT_LAUNCH`` False (or no current CUDA context): CuPy's RawKernel call on
+DLPack views, as :func:`prepared_find` does.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ from shared.hashtable.cuda import runtime as rt
 
 if TYPE_CHECKING:
     from shared.hashtable.table import HashTable
+
+
+# ``ht_find``'s parameter types for runtime.Kernel (checked against kernels.cu by the tests)
+SIGNATURES = {"ht_find": "ppiqpppppqqqipp"}
 
 
 def window(table: HashTable, requested: int | None = None) -> int:
@@ -77,8 +87,14 @@ def find(
 
     ``keys``/``table_ids`` are validated int64 tensors on the table's device (``_prepare``).
     """
+    n = keys.numel()
+    if n and rt.DIRECT_LAUNCH:
+        launch = rt.Launcher(table.device)
+        with launch:
+            if launch.direct:
+                return _find_direct(launch, table, keys, table_ids, probe_window)
     name, args, rows, found = _find_args(table, keys, table_ids, probe_window)
-    if keys.numel():
+    if n:
         rt.launch(
             name,
             rt.blocks(keys.numel()),
@@ -88,6 +104,46 @@ def find(
             cached=table_tensors(table),
         )
     return rows, found.view(torch.bool)
+
+
+def _find_direct(
+    launch: rt.Launcher,
+    table: HashTable,
+    keys: torch.Tensor,
+    table_ids: torch.Tensor | None,
+    probe_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`find` through ``launch`` (inside its ``with``; ``keys`` not empty)."""
+    dev, n = table.device, keys.numel()
+    rows = torch.empty(n, dtype=torch.int64, device=dev)
+    found = torch.empty(n, dtype=torch.bool, device=dev)  # the kernel writes bool
+    # the contiguous copies (if any) stay referenced here until the launch is queued
+    k = keys.contiguous()
+    tids = rt.dummy(dev, torch.int64) if table_ids is None else table_ids.contiguous()
+    kernel = launch.kernel(f"ht_find<{window(table, probe_window)}>", SIGNATURES["ht_find"])
+    launch(
+        kernel,
+        rt.blocks(n),
+        rt.BLOCK,
+        (
+            k,
+            tids,
+            table_ids is not None,
+            n,
+            table._slot_fp,
+            table._slot_row,
+            table._row_key,
+            table._row_tid,
+            table._bucket_count,
+            table.num_buckets,
+            table.bucket_capacity,
+            table.capacity,
+            table_ids is not None or table._any_tid,
+            rows,
+            found,
+        ),
+    )
+    return rows, found
 
 
 def prepared_find(

@@ -28,11 +28,12 @@ without room at max capacity go through the torch core's ``_insert_overflow`` (e
 score, NO_EVICTION refusals), then ``ht_ins2_gather`` fills their rows.
 Scratch buffers are kept per table (:class:`_Scratch`) and left clear by the kernels
 themselves: no per-call allocation or fill beyond the two result tensors. Launches go to the
-driver (``cuLaunchKernel``) from C parameter buffers kept with the scratch (:class:`_Kernel`):
+driver (``cuLaunchKernel``) from C parameter buffers kept with the scratch (``runtime.Kernel``):
 a launch stores each argument in its slot, with no CuPy argument conversion
-(:data:`DIRECT_LAUNCH` False: CuPy's launch, for comparison). Tables of any dim (0 included:
-the admission counter) and bucket capacity take this path; a bucket capacity whose shared
-memory exceeds 48 KiB per warp (1024, the counter's default) opts in to the device's limit.
+(:data:`DIRECT_LAUNCH` or ``runtime.DIRECT_LAUNCH`` False: CuPy's launch, for comparison).
+Tables of any dim (0 included: the admission counter) and bucket capacity take this path; a
+bucket capacity whose shared memory exceeds 48 KiB per warp (1024, the counter's default) opts
+in to the device's limit.
 
 **v1** (``ht_insert_*``): stage, then a 128-thread block per bucket deduplicates and ranks
 (O(k^2) per thread), one host sync, then assign, merge (a block per bucket) and rows.
@@ -45,14 +46,12 @@ read, on the table's v2 scratch; invalid keys raise the core's error with the ta
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import re
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from shared.hashtable.cuda import runtime as rt
@@ -81,8 +80,8 @@ ST_LEN = 16
 # kernels.cu HT_ER_*: the stats of one erase
 ER_NEG_KEY, ER_BAD_TID, ER_ERASED, ER_LISTED = range(4)
 
-# Parameter types of the kernels launched through _Kernel, in order: p pointer (a tensor or
-# None), q int64, i int32, f float32. Must match kernels.cu (test_cuda_kernels checks them).
+# Parameter types of the kernels launched through runtime.Kernel, in order: p pointer (a tensor
+# or None), q int64, i int32, f float32. Must match kernels.cu (test_cuda_keyed checks them).
 SIGNATURES = {
     "ht_ins2_stage": "ppiqpppppqqqiqpppppp",
     "ht_ins2_place": "ppiqqqipppppppppppiqpppifiiipppppi",
@@ -145,54 +144,9 @@ def _erase_stride(bc: int) -> int:
     return 16 * bc
 
 
-_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
-_NUMPY = {"q": np.int64, "i": np.int32, "f": np.float32}
-
-
 def _family(name: str) -> str:
     """The SIGNATURES entry of a kernel name (``ht_ins2_stage_w4`` → ``ht_ins2_stage``)."""
     return re.sub(r"(_w\d+|\d)$", "", name)
-
-
-def _arg_values(sig: str, args: Sequence[Any]) -> list[int | float]:
-    """Plain numbers of ``args`` for signature ``sig``: tensors become data pointers."""
-    if len(args) != len(sig):
-        raise TypeError(f"kernel takes {len(sig)} arguments ({sig}), got {len(args)}")
-    out: list[int | float] = []
-    for kind, a in zip(sig, args, strict=True):
-        if kind == "p":
-            out.append(0 if a is None else a.data_ptr())
-        elif kind == "f":
-            out.append(float(a))
-        else:
-            out.append(int(a))
-    return out
-
-
-class _Kernel:
-    """A kernels.cu function and a C buffer of its parameters (``sig``: see SIGNATURES): a
-    launch stores each argument in its slot and hands the buffer to ``cuLaunchKernel``, which
-    copies it. Kept per table (a buffer is not shared between threads)."""
-
-    def __init__(self, index: int, name: str) -> None:
-        self.name = name
-        self.sig = SIGNATURES[_family(name)]
-        self.fn = rt._function(index, name)
-        self.slots = [_CTYPES[c]() for c in self.sig]
-        self.params = (ctypes.c_void_p * len(self.sig))(*(ctypes.addressof(s) for s in self.slots))
-        self.params_ptr = ctypes.addressof(self.params)
-        self.ptr = 0  # the CUfunction, read at the first direct launch (in the device's context)
-
-    def bind(self, args: Sequence[Any]) -> None:
-        for slot, value in zip(self.slots, _arg_values(self.sig, args), strict=True):
-            slot.value = value
-
-    def cupy_args(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        """The arguments as CuPy's RawKernel call takes them (NumPy scalars of each width)."""
-        return tuple(
-            v if kind == "p" else _NUMPY[kind](v)
-            for kind, v in zip(self.sig, _arg_values(self.sig, args), strict=True)
-        )
 
 
 class _Scratch:
@@ -218,7 +172,7 @@ class _Scratch:
         self.host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.rep_of = torch.empty(0, dtype=torch.int32, device=dev)  # grows with the batch
         self.empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        self.kernels: dict[str, _Kernel] = {}
+        self.kernels: dict[str, rt.Kernel] = {}
         self.parity = 0
         self.dirty = False
         self.stream_ptr: int | None = None
@@ -231,20 +185,19 @@ class _Scratch:
         self.parity = 0
         self.dirty = False
 
-    def kernel(self, launch: _Launcher, name: str) -> _Kernel:
+    def kernel(self, launch: rt.Launcher, name: str) -> rt.Kernel:
         k = self.kernels.get(name)
         if k is None:
-            k = self.kernels[name] = _Kernel(launch.index, name)
+            k = self.kernels[name] = rt.Kernel(launch.index, name, SIGNATURES[_family(name)])
         return k
 
 
 _scratch: weakref.WeakKeyDictionary[HashTable, _Scratch] = weakref.WeakKeyDictionary()
-_streams: dict[tuple[int, int], Any] = {}
 _optin: dict[int, int] = {}  # device index -> opt-in shared memory a block may use
 _smem_set: dict[tuple[int, str], int] = {}  # dynamic shared memory a kernel was allowed
 
 
-def _scratch_of(table: HashTable, launcher: _Launcher) -> _Scratch:
+def _scratch_of(table: HashTable, launcher: rt.Launcher) -> _Scratch:
     sc = _scratch.get(table)
     if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
         sc = _scratch[table] = _Scratch(table)  # new, or the table grew (the old one is freed)
@@ -258,7 +211,7 @@ def _scratch_of(table: HashTable, launcher: _Launcher) -> _Scratch:
     return sc
 
 
-def _block_warps(launch: _Launcher, names: tuple[str, ...], stride: int, want: int) -> int:
+def _block_warps(launch: rt.Launcher, names: tuple[str, ...], stride: int, want: int) -> int:
     """Warps per block of the kernels ``names`` with ``stride`` bytes of dynamic shared memory
     a warp: up to ``want`` within the default 48 KiB, else within the device's opt-in limit,
     which the kernels are then allowed (call inside ``with launch``). 0: not one warp fits."""
@@ -285,68 +238,6 @@ def _block_warps(launch: _Launcher, names: tuple[str, ...], stride: int, want: i
                 return 0
             _smem_set[key] = need
     return warps
-
-
-class _Launcher:
-    """Launches kernels.cu functions (:class:`_Kernel`) on torch's current stream of
-    ``device``: through ``cuLaunchKernel`` from the kernel's parameter buffer, or (no current
-    context, :data:`DIRECT_LAUNCH` False, an old CuPy) through CuPy's RawKernel call. Use
-    inside ``with`` (the device's CUDA context)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cp = rt._cupy()
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.torch_stream = torch.cuda.current_stream(self.index)
-        self.stream_ptr = self.torch_stream.cuda_stream
-        self._device: Any = None
-        self.direct = False
-
-    def __enter__(self) -> _Launcher:
-        self._device = self.cp.cuda.Device(self.index)
-        self._device.__enter__()
-        drv = self.cp.cuda.driver
-        self.direct = DIRECT_LAUNCH and hasattr(drv, "launchKernel") and drv.ctxGetCurrent() != 0
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._device.__exit__(*exc)
-
-    def _cupy_stream(self) -> Any:
-        key = (self.index, self.stream_ptr)
-        if key not in _streams:
-            _streams[key] = self.cp.cuda.ExternalStream(self.stream_ptr, self.index)
-        return _streams[key]
-
-    def __call__(
-        self, kernel: _Kernel, grid: int, block: int, args: Sequence[Any], shared_mem: int = 0
-    ) -> None:
-        if self.direct:
-            kernel.bind(args)
-            if not kernel.ptr:
-                kernel.ptr = kernel.fn.kernel.ptr
-            self.cp.cuda.driver.launchKernel(
-                kernel.ptr, grid, 1, 1, block, 1, 1, shared_mem, self.stream_ptr,
-                kernel.params_ptr, 0,
-            )  # fmt: skip
-        else:
-            kernel.fn(
-                (grid,),
-                (block,),
-                kernel.cupy_args(args),
-                shared_mem=shared_mem,
-                stream=self._cupy_stream(),
-            )
-
-    def event(self) -> Any:
-        return torch.cuda.Event()
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, event: Any) -> None:
-        """Queue the copy of ``src`` into pinned ``dst`` and ``event`` after it."""
-        dst.copy_(src, non_blocking=True)
-        event.record(self.torch_stream)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.index)
 
 
 def _dense(
@@ -407,7 +298,7 @@ def _insert_v2(
     has_t = int(tids is not None)
     limits = (int(may_grow), new_limit)
 
-    launch = _Launcher(dev)
+    launch = rt.Launcher(dev, direct=DIRECT_LAUNCH)
     with launch:
         warps = _block_warps(launch, ("ht_ins2_place0", "ht_ins2_place1"), stride, PLACE_WARPS)
         if warps == 0:
@@ -574,7 +465,7 @@ def erase(table: HashTable, keys: torch.Tensor, table_ids: torch.Tensor | None) 
     keys = keys.contiguous()
     tids = None if tids is None else tids.contiguous()
     stride = _erase_stride(bc)
-    launch = _Launcher(dev)
+    launch = rt.Launcher(dev, direct=DIRECT_LAUNCH)
     with launch:
         warps = _block_warps(launch, ("ht_erase_apply",), stride, ERASE_WARPS)
         if warps == 0:

@@ -9,7 +9,8 @@ storage fills the new rows of all its member tables in one launch, without selec
 table's keys (``FusedStorage._fill``).
 
 The per-table parameters live in two small device arrays (:class:`InitParams`), built once per
-list of initializers by their owner.
+list of initializers by their owner. Launches go through ``runtime.Launcher`` (``cuLaunchKernel``,
+the tensors as data pointers) where it can, else through CuPy's RawKernel call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 SOURCE: rt.Source = ("keyed.cu", ("--fmad=false",))  # no FMA contraction anywhere
 MAX_GRID = 1 << 16  # blocks of a launch; the kernels loop over the rest
+# parameter types for runtime.Kernel (direct launches; checked against keyed.cu by the tests)
+SIGNATURES = {"kd_initial_rows": "ppiqqqppp", "kd_fingerprint": "ppiqp"}
 
 # keyed.cu KD_* modes and parameter layout
 MODE_CONSTANT, MODE_UNIFORM, MODE_NORMAL, MODE_TRUNCATED_NORMAL, MODE_NONE = range(5)
@@ -114,6 +117,7 @@ def initial_rows(
         device=dev,
         cached=(params.prm, params.iprm),
         source=SOURCE,
+        sig=SIGNATURES["kd_initial_rows"],
     )
     return out
 
@@ -134,5 +138,6 @@ def fingerprint(keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Ten
         (k, t, rt.i32(table_ids is not None), rt.i64(n), out),
         device=dev,
         source=SOURCE,
+        sig=SIGNATURES["kd_fingerprint"],
     )
     return out

@@ -126,6 +126,38 @@ def test_find_dispatches_to_the_kernel_on_cuda():
     assert torch.equal(rows, want[0]) and torch.equal(found, want[1])
 
 
+def test_find_through_direct_and_cupy_launches(monkeypatch: pytest.MonkeyPatch):
+    """runtime.DIRECT_LAUNCH on (cuLaunchKernel from a parameter buffer) and off (CuPy's call
+    on DLPack views): the same rows and found flags, the core's, for each window and table ids;
+    no keys too."""
+    from shared.hashtable.cuda import runtime as rt
+    from shared.hashtable.cuda.find import find
+
+    keys = torch.cat([_random_keys(4000, seed=11), _collision_keys(20)])
+    tids = torch.randint(0, 3, keys.shape, generator=torch.Generator().manual_seed(3))
+    t = _core_table(keys, 4, 16, 0.7, tids)
+    absent = _random_keys(300, seed=12, high=1 << 40) + (1 << 61)
+    query = torch.cat([keys, absent, torch.tensor([-1, 0])]).to(DEVICE)
+    qt = torch.cat([tids, torch.zeros(302, dtype=torch.int64)]).to(DEVICE)
+    cases = [(query, qt), (query[::2], qt[::2]), (query, None), (query[:0], qt[:0])]
+    for k, tt in cases:  # query[::2]: non-contiguous keys and ids
+        with cuda.disabled():
+            want = t.find(k, tt, validate=False)
+        for w in rt.FIND_WINDOWS:
+            got = {}
+            for direct in (True, False):
+                monkeypatch.setattr(rt, "DIRECT_LAUNCH", direct)
+                rows, found = find(t, k, tt, probe_window=w)
+                assert rows.dtype == torch.int64 and found.dtype == torch.bool
+                got[direct] = (rows, found)
+            for rows, found in got.values():
+                assert torch.equal(rows, want[0]) and torch.equal(found, want[1]), w
+    monkeypatch.setattr(rt, "DIRECT_LAUNCH", True)
+    launcher = rt.Launcher(torch.device(DEVICE))
+    with launcher:
+        assert launcher.direct  # the direct path is what the first pass above tested
+
+
 def _build_both(**kw) -> tuple[HashTable | None, HashTable]:
     from shared.hashtable.cuda.build import from_keys_values
 
@@ -448,29 +480,6 @@ def test_insert_dispatch_uses_the_kernels_and_growth_renews_the_scratch(impl: st
 
 
 # ------------------------------------------------------------------ v2: any dim, erase, launches
-
-
-def test_kernel_signatures_match_the_source():
-    """insert.SIGNATURES (the parameter buffers of direct launches) against kernels.cu."""
-    import re
-
-    from shared.hashtable.cuda import insert
-    from shared.hashtable.cuda.runtime import SOURCE
-
-    src = SOURCE.read_text().replace("\\\n", "\n")
-    kinds = {"i64": "q", "u64": "q", "int": "i", "float": "f"}
-    found = {}
-    for m in re.finditer(r'extern "C" __global__ void (\w+?)(?:##\w+)?\s*\(([^)]*)\)', src):
-        params = [p.strip() for p in m.group(2).split(",")]
-        sig = "".join(
-            "p" if "*" in p else kinds[p.rsplit(" ", 1)[0].replace("const", "").strip()]
-            for p in params
-        )
-        found[m.group(1).removesuffix("_w")] = sig
-    for family, sig in insert.SIGNATURES.items():
-        assert found[family] == sig, family
-    for name in ("ht_ins2_stage_w4", "ht_ins2_place0", "ht_ins2_place1", "ht_erase_mark_w0"):
-        assert insert._family(name) in insert.SIGNATURES
 
 
 DIMS = [0, 1, 3, 16, 17, 64]

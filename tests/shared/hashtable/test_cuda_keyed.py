@@ -121,6 +121,48 @@ def test_init_params_layout():
     assert p.iprm[0, 0].item() == to_signed(inits[0].salt)
 
 
+def _kernel_params(path) -> dict[str, list[str]]:
+    """The parameter declarations of every ``__global__`` function of a .cu file (macro
+    kernels such as ``ht_ins2_stage_w##W`` under ``ht_ins2_stage_w``; templates by name)."""
+    src = path.read_text().replace("\\\n", "\n")
+    found = {}
+    for m in re.finditer(r"__global__ void (\w+?)(?:##\w+)?\s*\(([^)]*)\)", src):
+        found[m.group(1).removesuffix("_w")] = [p.strip() for p in m.group(2).split(",")]
+    return found
+
+
+def _signature(params: list[str]) -> str:
+    kinds = {"i64": "q", "u64": "q", "int": "i", "float": "f"}
+    return "".join(
+        "p" if "*" in p else kinds[p.rsplit(" ", 1)[0].replace("const", "").strip()] for p in params
+    )
+
+
+def test_kernel_signatures_match_the_source():
+    """The parameter types of direct launches (runtime.Kernel: insert, find and keyed
+    SIGNATURES) against kernels.cu and keyed.cu."""
+    from shared.hashtable.cuda import find, insert
+
+    main = _kernel_params(rt.SOURCE)
+    for family, sig in {**insert.SIGNATURES, **find.SIGNATURES}.items():
+        assert _signature(main[family]) == sig, family
+    for name in ("ht_ins2_stage_w4", "ht_ins2_place0", "ht_ins2_place1", "ht_erase_mark_w0"):
+        assert insert._family(name) in insert.SIGNATURES
+    kd = _kernel_params(rt.SOURCE.with_name(keyed.SOURCE[0]))
+    assert set(keyed.SIGNATURES) <= set(kd)
+    for name, sig in keyed.SIGNATURES.items():
+        assert _signature(kd[name]) == sig, name
+
+
+def test_kernel_arguments_fill_the_parameter_slots():
+    """runtime.arg_values: pointers (None: 0), int64, int32 and float32 in signature order."""
+    t = torch.zeros(3, dtype=torch.int64)
+    values = rt.arg_values("pqipf", (t, rt.i64(1 << 40), True, None, 0.5))
+    assert values == [t.data_ptr(), 1 << 40, 1, 0, 0.5]
+    with pytest.raises(TypeError):
+        rt.arg_values("pq", (t,))
+
+
 # ---------------------------------------------------------------- GPU
 
 
