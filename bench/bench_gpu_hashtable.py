@@ -193,6 +193,37 @@ class _cupy_launch:
         insert.DIRECT_LAUNCH, rt.DIRECT_LAUNCH = self.before
 
 
+def _kernels_vs_core(
+    state: dict[str, HashTable],
+    setup: Callable[[], None],
+    op: Callable[[], None],
+    n: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """``op`` on a table ``setup`` makes (``state["t"]``), timed with the kernels and with the
+    torch core, and whether both left the same table."""
+    setup()
+    op()  # warm up
+    k = _time(op, repeats, setup=setup)
+    setup()
+    op()
+    kernel_table = state["t"]
+    with cuda.disabled():
+        setup()
+        op()
+        c = _time(op, max(1, repeats // 2), setup=setup)
+        setup()
+        op()
+    return {
+        "kernel_s": k,
+        "kernel_keys_per_s": n / k,
+        "core_s": c,
+        "core_keys_per_s": n / c,
+        "speedup": c / k,
+        "kernel_table_equals_core_table": _same_table(kernel_table, state["t"]),
+    }
+
+
 def _bench_erase(
     state: dict[str, HashTable],
     fresh: Callable[[], None],
@@ -210,26 +241,7 @@ def _bench_erase(
     def erase() -> None:
         state["t"].erase(q)
 
-    setup()
-    erase()  # warm up
-    k = _time(erase, repeats, setup=setup)
-    setup()
-    erase()
-    kernel_table = state["t"]
-    with cuda.disabled():
-        setup()
-        erase()
-        c = _time(erase, max(1, repeats // 2), setup=setup)
-        setup()
-        erase()
-    return {
-        "kernel_s": k,
-        "kernel_keys_per_s": n / k,
-        "core_s": c,
-        "core_keys_per_s": n / c,
-        "speedup": c / k,
-        "kernel_table_equals_core_table": _same_table(kernel_table, state["t"]),
-    }
+    return _kernels_vs_core(state, setup, erase, n, repeats)
 
 
 def _counter(capacity: int, dev: torch.device) -> HashTable:
@@ -261,26 +273,9 @@ def bench_counter(keys: torch.Tensor, repeats: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"keys": n, "bucket_capacity": 1024}
     fresh()
-    fill()  # warm up
-    k = _time(fill, repeats, setup=fresh)
-    out["insert_path"] = insert.last_path
-    fresh()
     fill()
-    kernel_table = state["t"]
-    with cuda.disabled():
-        fresh()
-        fill()
-        c = _time(fill, max(1, repeats // 2), setup=fresh)
-        fresh()
-        fill()
-    out["insert"] = {
-        "kernel_s": k,
-        "kernel_keys_per_s": n / k,
-        "core_s": c,
-        "core_keys_per_s": n / c,
-        "speedup": c / k,
-        "kernel_table_equals_core_table": _same_table(kernel_table, state["t"]),
-    }
+    out["insert_path"] = insert.last_path  # the path the kernels took (fast/overflow/core)
+    out["insert"] = _kernels_vs_core(state, fresh, fill, n, repeats)
     out["erase"] = _bench_erase(state, fresh, fill, keys.flip(0), repeats)
     return out
 

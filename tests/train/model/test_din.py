@@ -159,15 +159,20 @@ def test_rejects_wrong_width() -> None:
         jagged(torch.zeros(2, 16), torch.zeros(3, 16), torch.tensor([3, 0]), torch.arange(2))
 
 
+def _export(jagged: JaggedDIN, example: tuple) -> torch.export.ExportedProgram:
+    """The DIN exported as serving loads it: dynamic users, candidates and elements."""
+    users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
+    return torch.export.export(
+        jagged, example, dynamic_shapes=({0: batch}, {0: total}, {0: users}, {0: batch})
+    )
+
+
 def test_export_with_dynamic_users_candidates_and_elements() -> None:
     gen = torch.Generator().manual_seed(6)
     jagged, _ = pair(torch.float32)
     jagged.eval()
     example = jagged_batch(gen, [3, 0, 5], [0, 1, 2, 2, 0], dtype=torch.float32)
-    users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
-    program = torch.export.export(
-        jagged, example, dynamic_shapes=({0: batch}, {0: total}, {0: users}, {0: batch})
-    )
+    program = _export(jagged, example)
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert not [t for t in targets if "fbgemm" in t]
     run = program.module()
@@ -323,10 +328,7 @@ def test_fast_path_compiled_equals_general_path() -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
     jagged.eval()
     example = jagged_batch(gen, [3, 0, 5], [0, 1, 2, 2, 0])
-    users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
-    program = torch.export.export(
-        jagged, example, dynamic_shapes=({0: batch}, {0: total}, {0: users}, {0: batch})
-    )
+    program = _export(jagged, example)
     inputs = jagged_batch(gen, [7], [0] * 10)
     torch.testing.assert_close(program.module()(*inputs), jagged(*inputs))
 
@@ -337,10 +339,7 @@ def test_export_traces_the_general_path() -> None:
     jagged, _ = pair(torch.float32)
     jagged.eval()
     example = jagged_batch(gen, [3, 0, 5], [0, 1, 2, 2, 0], dtype=torch.float32)
-    users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
-    program = torch.export.export(
-        jagged, example, dynamic_shapes=({0: batch}, {0: total}, {0: users}, {0: batch})
-    )
+    program = _export(jagged, example)
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert not [t for t in targets if "segment_reduce" in t]
     assert len(program.graph_signature.user_inputs) == 4  # query, seq_values, lengths, user_index
