@@ -27,7 +27,7 @@ import torch
 
 from shared.batch import Batch
 from shared.bundle import Bundle
-from shared.dense_inputs import DenseLayout, assemble_dense_inputs, dense_layout, pool
+from shared.dense_inputs import DenseLayout, assemble_dense_inputs, dense_layout, pool_features
 from shared.features import FeatureSet, TableSpec
 from shared.hashtable.lookup import StaticLookupTable
 
@@ -157,7 +157,11 @@ class SparseTables:
         fs = self.fs
         # (which, feature, ids, lengths) of every feature, then one lookup per table
         parts: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
-        for which, kjt in (("user", batch.user), ("item", batch.item), ("seq", batch.sequence)):
+        for which, kjt in (
+            ("user", batch.user),
+            ("item", batch.item),
+            ("sequence", batch.sequence),
+        ):
             for name, jt in kjt.to_dict().items():
                 parts.append((which, name, jt.values(), jt.lengths()))
         by_table: dict[str, list[int]] = {}
@@ -169,14 +173,8 @@ class SparseTables:
             found = self.tables[table].lookup(ids[0] if len(ids) == 1 else torch.cat(ids))
             for i, chunk in zip(idx, torch.split(found, [x.numel() for x in ids]), strict=True):
                 rows[i] = chunk  # [n_i, dim]
-        pooled: dict[str, torch.Tensor] = {}
-        sequences: dict[str, torch.Tensor] = {}
-        for (which, name, _ids, lengths), emb in zip(parts, rows, strict=True):
-            assert emb is not None
-            if which == "seq":
-                sequences[name] = emb  # [T, dim]
-            else:
-                pooled[name] = pool(emb, lengths, fs.tables[fs.features[name].table].pooling)
+        assert all(r is not None for r in rows)
+        pooled, sequences = pool_features(fs, parts, rows)  # type: ignore[arg-type]
         return assemble_dense_inputs(fs, batch, pooled, sequences, layout=self.layout)
 
     def stats(self) -> list[TableStats]:

@@ -16,7 +16,7 @@ Pure torch, no torchrec kernels beyond KJT accessors, so it runs on CUDA without
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,16 +79,58 @@ def pool(emb: torch.Tensor, lengths: torch.Tensor, pooling: str = "sum") -> torc
 
     ``pooling`` is ``"sum"`` or ``"mean"``; an empty bag (a missing value) gives zeros.
     """
-    rows = lengths.shape[0]
-    bag = torch.repeat_interleave(
-        torch.arange(rows, device=emb.device), lengths, output_size=emb.shape[0]
-    )  # [N] bag of each row
-    out = emb.new_zeros(rows, emb.shape[1]).index_add(0, bag, emb)  # [R, D]
-    if pooling == "sum":
-        return out
-    if pooling == "mean":
-        return out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype)
-    raise ValueError(f"pooling {pooling!r} is not sum or mean")
+    return pool_many([emb], [lengths], [pooling])[0]
+
+
+def pool_many(
+    embs: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor], poolings: Sequence[str]
+) -> list[torch.Tensor]:
+    """:func:`pool` of several features at once: one index_add per embedding width instead of
+    four ops per feature (the GPU's host spends ~25 µs per op). Same sums, in the same order."""
+    for p in poolings:
+        if p not in ("sum", "mean"):
+            raise ValueError(f"pooling {p!r} is not sum or mean")
+    out: list[torch.Tensor | None] = [None] * len(embs)
+    by_width: dict[int, list[int]] = {}
+    for i, e in enumerate(embs):
+        by_width.setdefault(e.shape[1], []).append(i)
+    for idx in by_width.values():
+        emb = torch.cat([embs[i] for i in idx]) if len(idx) > 1 else embs[idx[0]]
+        lens = torch.cat([lengths[i] for i in idx]) if len(idx) > 1 else lengths[idx[0]]
+        rows = lens.shape[0]
+        bag = torch.repeat_interleave(
+            torch.arange(rows, device=emb.device), lens, output_size=emb.shape[0]
+        )  # [N] bag of each row
+        summed = emb.new_zeros(rows, emb.shape[1]).index_add(0, bag, emb)  # [R, D]
+        parts = torch.split(summed, [lengths[i].shape[0] for i in idx])
+        for i, part in zip(idx, parts, strict=True):
+            if poolings[i] == "mean":
+                part = part / lengths[i].clamp(min=1).unsqueeze(1).to(part.dtype)
+            out[i] = part
+    return out  # type: ignore[return-value]
+
+
+def pool_features(
+    fs: FeatureSet,
+    parts: Sequence[tuple[str, str, torch.Tensor, torch.Tensor]],
+    rows: Sequence[torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(pooled, sequences) from looked-up embeddings, as :func:`assemble_dense_inputs` takes
+    them. ``parts[i]`` is (which KJT, feature, ids, lengths) with ``which`` "sequence" for the
+    jagged sequence sub-features (kept as [T, dim]); ``rows[i]`` is its [n_i, dim] embeddings.
+    Every other feature is pooled per bag with its table's pooling (one :func:`pool_many`)."""
+    sequences: dict[str, torch.Tensor] = {}
+    names, embs, lengths, poolings = [], [], [], []
+    for (which, name, _ids, lens), emb in zip(parts, rows, strict=True):
+        if which == "sequence":
+            sequences[name] = emb  # [T, dim]
+        else:
+            names.append(name)
+            embs.append(emb)
+            lengths.append(lens)
+            poolings.append(fs.tables[fs.features[name].table].pooling)
+    pooled = dict(zip(names, pool_many(embs, lengths, poolings), strict=True))  # [rows, dim]
+    return pooled, sequences
 
 
 def _concat(parts: list[torch.Tensor], rows: int, like: torch.Tensor) -> torch.Tensor:

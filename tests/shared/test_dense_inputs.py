@@ -3,7 +3,7 @@ from pathlib import Path
 import torch
 
 from serve.model import synthetic_batch
-from shared.dense_inputs import assemble_dense_inputs, dense_layout, pool
+from shared.dense_inputs import assemble_dense_inputs, dense_layout, pool, pool_many
 from shared.features import feature_set_from_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,6 +19,19 @@ def test_pool_sum_mean_and_empty_bags() -> None:
     assert s.tolist() == [[2, 4], [0, 0], [18, 21], [10, 11]]
     m = pool(emb, lengths, "mean")
     assert m.tolist() == [[1, 2], [0, 0], [6, 7], [10, 11]]
+
+
+def test_pool_many_equals_pool_per_feature() -> None:
+    gen = torch.Generator().manual_seed(3)
+    lengths = [torch.tensor([2, 0, 3, 1]), torch.tensor([1, 1, 0]), torch.tensor([0, 0])]
+    embs = [
+        torch.randn(int(n.sum()), d, generator=gen) for n, d in zip(lengths, (4, 4, 2), strict=True)
+    ]
+    poolings = ["sum", "mean", "sum"]
+    got = pool_many(embs, lengths, poolings)
+    for g, e, n, p in zip(got, embs, lengths, poolings, strict=True):
+        assert torch.equal(g, pool(e, n, p))  # same sums in the same order
+    assert [tuple(g.shape) for g in got] == [(4, 4), (3, 4), (2, 2)]
 
 
 def test_layout_of_the_seed_config() -> None:

@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from shared.batch import Batch
-from shared.dense_inputs import pool
+from shared.dense_inputs import pool_features
 from shared.features import FeatureSet
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 
@@ -110,15 +110,7 @@ class SparseArch(nn.Module):
                 parts.append((which, name, jt.values(), jt.lengths()))
         rows = self._lookup(parts)
         # 2. pool scalar features per bag, keep sequences jagged
-        pooled: dict[str, torch.Tensor] = {}
-        sequences: dict[str, torch.Tensor] = {}
-        for (which, name, _ids, lengths), emb in zip(parts, rows, strict=True):
-            if which == "sequence":
-                sequences[name] = emb  # [T, dim]
-            else:
-                table = self.fs.tables[self.fs.features[name].table]
-                pooled[name] = pool(emb, lengths, table.pooling)  # [rows, dim]
-        return pooled, sequences
+        return pool_features(self.fs, parts, rows)
 
     def _lookup(
         self, parts: list[tuple[str, str, torch.Tensor, torch.Tensor]]
