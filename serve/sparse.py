@@ -27,7 +27,14 @@ import torch
 
 from shared.batch import Batch
 from shared.bundle import Bundle
-from shared.dense_inputs import DenseLayout, assemble_dense_inputs, dense_layout, pool_features
+from shared.dense_inputs import (
+    DenseLayout,
+    assemble_dense_inputs,
+    dense_layout,
+    feature_parts,
+    parts_by_table,
+    pool_features,
+)
 from shared.features import FeatureSet, TableSpec
 from shared.hashtable.lookup import StaticLookupTable
 
@@ -155,20 +162,9 @@ class SparseTables:
     def embed(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The dense program's inputs for ``batch`` (already on :attr:`device`)."""
         fs = self.fs
-        # (which, feature, ids, lengths) of every feature, then one lookup per table
-        parts: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
-        for which, kjt in (
-            ("user", batch.user),
-            ("item", batch.item),
-            ("sequence", batch.sequence),
-        ):
-            for name, jt in kjt.to_dict().items():
-                parts.append((which, name, jt.values(), jt.lengths()))
-        by_table: dict[str, list[int]] = {}
-        for i, (_w, name, _ids, _l) in enumerate(parts):
-            by_table.setdefault(fs.features[name].table, []).append(i)
+        parts = feature_parts(batch)  # then one lookup per table
         rows: list[torch.Tensor | None] = [None] * len(parts)
-        for table, idx in by_table.items():
+        for table, idx in parts_by_table(fs, parts).items():
             ids = [parts[i][2] for i in idx]
             found = self.tables[table].lookup(ids[0] if len(ids) == 1 else torch.cat(ids))
             for i, chunk in zip(idx, torch.split(found, [x.numel() for x in ids]), strict=True):

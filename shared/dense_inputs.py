@@ -74,6 +74,29 @@ def dense_layout(fs: FeatureSet) -> DenseLayout:
     )
 
 
+# One feature's ids in a batch: (KJT "user" | "item" | "sequence", feature, ids [n], lengths [rows])
+FeaturePart = tuple[str, str, torch.Tensor, torch.Tensor]
+
+
+def feature_parts(batch: Batch) -> list[FeaturePart]:
+    """Every feature of ``batch`` with its ids and bag lengths, in KJT order (user, item,
+    sequence): what training and serving look up, then pool with :func:`pool_features`."""
+    kjts = (("user", batch.user), ("item", batch.item), ("sequence", batch.sequence))
+    return [
+        (which, name, jt.values(), jt.lengths())
+        for which, kjt in kjts
+        for name, jt in kjt.to_dict().items()
+    ]
+
+
+def parts_by_table(fs: FeatureSet, parts: Sequence[FeaturePart]) -> dict[str, list[int]]:
+    """Table name → positions in ``parts`` of the features it serves (one lookup per table)."""
+    out: dict[str, list[int]] = {}
+    for i, (_which, name, _ids, _lengths) in enumerate(parts):
+        out.setdefault(fs.features[name].table, []).append(i)
+    return out
+
+
 def pool(emb: torch.Tensor, lengths: torch.Tensor, pooling: str = "sum") -> torch.Tensor:
     """Pool the rows of each bag: ``emb`` [N, D] with ``lengths`` [R] (sum N) → [R, D].
 
@@ -112,7 +135,7 @@ def pool_many(
 
 def pool_features(
     fs: FeatureSet,
-    parts: Sequence[tuple[str, str, torch.Tensor, torch.Tensor]],
+    parts: Sequence[FeaturePart],
     rows: Sequence[torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(pooled, sequences) from looked-up embeddings, as :func:`assemble_dense_inputs` takes

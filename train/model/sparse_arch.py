@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from shared.batch import Batch
-from shared.dense_inputs import pool_features
+from shared.dense_inputs import FeaturePart, feature_parts, parts_by_table, pool_features
 from shared.features import FeatureSet
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 
@@ -100,25 +100,15 @@ class SparseArch(nn.Module):
         return self.dense.parameters()
 
     def forward(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        kjts = {"user": batch.user, "item": batch.item, "sequence": batch.sequence}
-        # 1. every (feature, ids) of the batch, grouped by table
-        parts: list[
-            tuple[str, str, torch.Tensor, torch.Tensor]
-        ] = []  # (kjt, feature, ids, lengths)
-        for which, kjt in kjts.items():
-            for name, jt in kjt.to_dict().items():
-                parts.append((which, name, jt.values(), jt.lengths()))
+        # 1. every (feature, ids) of the batch, looked up once per table
+        parts = feature_parts(batch)
         rows = self._lookup(parts)
         # 2. pool scalar features per bag, keep sequences jagged
         return pool_features(self.fs, parts, rows)
 
-    def _lookup(
-        self, parts: list[tuple[str, str, torch.Tensor, torch.Tensor]]
-    ) -> list[torch.Tensor]:
+    def _lookup(self, parts: list[FeaturePart]) -> list[torch.Tensor]:
         """One lookup call per table; returns [n_i, dim] rows per part, in order."""
-        by_table: dict[str, list[int]] = {}
-        for i, (_w, name, _ids, _l) in enumerate(parts):
-            by_table.setdefault(self.fs.features[name].table, []).append(i)
+        by_table = parts_by_table(self.fs, parts)
         out: list[torch.Tensor | None] = [None] * len(parts)
         dyn_keys: dict[str, torch.Tensor] = {}
         for table, idx in by_table.items():
