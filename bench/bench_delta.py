@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -35,11 +34,14 @@ from bench.synthetic_bundle import (
     synthetic_request,
     write_synthetic_bundle,
 )
-from bench.traffic import ClosedLoopClients, latency_stats
+from bench.traffic import (
+    ClosedLoopClients,
+    install_version,
+    latency_stats,
+    start_model_dir_server,
+)
 from protos import predict_pb2, predict_pb2_grpc
-from serve.batcher import BatcherConfig
 from serve.model import default_device
-from serve.server import PredictionServer, ServerConfig
 from shared.bundle import read_bundle, write_bundle
 from shared.delta import diff_tables, write_delta
 
@@ -121,15 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "delta_bytes": sum(f.stat().st_size for f in delta.iterdir()),
             "bundle_bytes": sum(f.stat().st_size for f in (root / "v2").iterdir()),
         }
-        config = ServerConfig(
-            model_dir=models,
-            device=a.device,
-            poll_interval_s=0.1,
-            batching=BatcherConfig(max_batch_rows=1024, max_wait_us=500),
-        )
-        server = PredictionServer(config).start()
-        if not server.wait_ready(300):
-            raise SystemExit(f"server did not start: {server.load_error}")
+        server = start_model_dir_server(models, a.device, ready_timeout_s=300)
         host = f"127.0.0.1:{server.port}"
         traffic = ClosedLoopClients(host, requests, a.clients, timeout_s=30).start()
         time.sleep(0.5)  # settle
@@ -142,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         t_applied = time.perf_counter()
         time.sleep(a.phase_s)
         t2 = time.perf_counter()
-        shutil.copytree(root / "v2", models / ".2.tmp")
-        (models / ".2.tmp").rename(models / "2")
+        install_version(root / "v2", models, "2")
         traffic.wait_for_version("2", timeout_s=300)
         t_swapped = time.perf_counter()
         time.sleep(a.phase_s)

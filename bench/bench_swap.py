@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -29,10 +28,13 @@ from bench.synthetic_bundle import (
     synthetic_request,
     write_synthetic_bundle,
 )
-from bench.traffic import ClosedLoopClients, latency_stats
-from serve.batcher import BatcherConfig
+from bench.traffic import (
+    ClosedLoopClients,
+    install_version,
+    latency_stats,
+    start_model_dir_server,
+)
 from serve.model import default_device
-from serve.server import PredictionServer, ServerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,15 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         write_synthetic_bundle(
             root / "v2", fs, keys=keys, program_path=program, version="2", seed=1
         )
-        config = ServerConfig(
-            model_dir=models,
-            device=a.device,
-            poll_interval_s=0.1,
-            batching=BatcherConfig(max_batch_rows=1024, max_wait_us=500),
-        )
-        server = PredictionServer(config).start()
-        if not server.wait_ready(120):
-            raise SystemExit(f"server did not start: {server.load_error}")
+        server = start_model_dir_server(models, a.device, ready_timeout_s=120)
         traffic = ClosedLoopClients(
             f"127.0.0.1:{server.port}", requests, a.clients, timeout_s=10
         ).start()
@@ -78,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         t_before = time.perf_counter()
         time.sleep(a.before_s)
         t_install = time.perf_counter()
-        shutil.copytree(root / "v2", models / ".2.tmp")
-        (models / ".2.tmp").rename(models / "2")
+        install_version(root / "v2", models, "2")
         traffic.wait_for_version("2", timeout_s=60)
         t_swapped = time.perf_counter()
         time.sleep(a.after_s)

@@ -1,15 +1,42 @@
-"""Closed-loop gRPC Predict clients for the hot-swap and delta benchmarks (127.0.0.1 only)."""
+"""Closed-loop gRPC Predict clients for the hot-swap and delta benchmarks (127.0.0.1 only), and
+the server those benchmarks run: a ``--model-dir`` server and the atomic install of a version."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import numpy as np
 
 from protos import predict_pb2, predict_pb2_grpc
+from serve.batcher import BatcherConfig
+from serve.server import PredictionServer, ServerConfig
+
+
+def start_model_dir_server(models: Path, device: str, ready_timeout_s: float) -> PredictionServer:
+    """A server watching ``models`` (polled every 0.1 s), batches of up to 1024 rows, ready."""
+    config = ServerConfig(
+        model_dir=models,
+        device=device,
+        poll_interval_s=0.1,
+        batching=BatcherConfig(max_batch_rows=1024, max_wait_us=500),
+    )
+    server = PredictionServer(config).start()
+    if not server.wait_ready(ready_timeout_s):
+        raise SystemExit(f"server did not start: {server.load_error}")
+    return server
+
+
+def install_version(bundle: Path, models: Path, version: str) -> None:
+    """Copy ``bundle`` into ``models/<version>`` atomically (a hidden copy, then one rename), as a
+    deployment would, so the server never sees a half-written version."""
+    tmp = models / f".{version}.tmp"
+    shutil.copytree(bundle, tmp)
+    tmp.rename(models / version)
 
 
 def latency_stats(lat: list[float]) -> dict[str, float]:
