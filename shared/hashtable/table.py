@@ -747,6 +747,33 @@ class HashTable:
         return new_row
 
     @classmethod
+    def sized_for(
+        cls,
+        n: int,
+        dim: int,
+        *,
+        bucket_capacity: int,
+        max_load_factor: float,
+        max_capacity: int | None,
+        score_strategy: ScoreStrategy,
+        with_accumulator: bool,
+        device: torch.device,
+    ) -> HashTable:
+        """An empty table whose capacity holds ``n`` keys at ``max_load_factor`` (growth bounded
+        by ``max_capacity``, default that capacity): what a bulk build starts from."""
+        cap = max(1, math.ceil(n / max_load_factor))
+        return cls(
+            dim,
+            init_capacity=cap,
+            max_capacity=max(cap, max_capacity or cap),
+            bucket_capacity=bucket_capacity,
+            score_strategy=score_strategy,
+            max_load_factor=max_load_factor,
+            with_accumulator=with_accumulator,
+            device=device,
+        )
+
+    @classmethod
     def from_keys_values(
         cls,
         keys: torch.Tensor,
@@ -800,14 +827,13 @@ class HashTable:
                 f"HashTable.from_keys_values: key {dup} appears more than once; keys must be "
                 "distinct (deduplicate them, e.g. keep the last value of each key)"
             )
-        cap = max(1, math.ceil(n / max_load_factor))
-        table = cls(
+        table = cls.sized_for(
+            n,
             values.shape[1],
-            init_capacity=cap,
-            max_capacity=max(cap, max_capacity or cap),
             bucket_capacity=bucket_capacity,
-            score_strategy=score_strategy,
             max_load_factor=max_load_factor,
+            max_capacity=max_capacity,
+            score_strategy=score_strategy,
             with_accumulator=accumulators is not None,
             device=device,
         )

@@ -3,7 +3,6 @@ keys by (fingerprint, input index), the order of the torch core's stable sort (n
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,14 +41,13 @@ def from_keys_values(
         raise ValueError(f"{WHAT}: values must be [{n}, dim], got {tuple(values.shape)}")
     if n == 0 or n >= 1 << 31:
         return None
-    cap = max(1, math.ceil(n / max_load_factor))
-    table = cls(
+    table = cls.sized_for(
+        n,
         values.shape[1],
-        init_capacity=cap,
-        max_capacity=max(cap, max_capacity or cap),
         bucket_capacity=bucket_capacity,
-        score_strategy=score_strategy,
         max_load_factor=max_load_factor,
+        max_capacity=max_capacity,
+        score_strategy=score_strategy,
         with_accumulator=accumulators is not None,
         device=device,
     )
