@@ -4,8 +4,9 @@ One set of column functions serves training (:func:`table_to_batch`, a Parquet r
 rows) and serving (:func:`request_to_batch`, one user with N candidates): the request is first
 turned into small Arrow columns and then goes through exactly the same code, so a row gives
 bit-identical ids on both sides. Everything is vectorized over rows (pyarrow / numpy); the only
-Python loops run over features, over the distinct lengths of long tokens, or over the bytes of
-distinct hashed strings.
+Python loops run over features, over the distinct lengths of long tokens, over the byte positions
+of distinct hashed strings (and the rest of a few long ones, see :func:`~shared.fg_text.hash64`),
+or, for a serving column that mixes kinds, over its values once.
 
 Transforms (``FeatureSpec.transform``):
 
@@ -17,7 +18,15 @@ Transforms (``FeatureSpec.transform``):
 - ``BUCKETIZE``: float → number of boundaries ``<= x`` (``searchsorted(..., side="right")``), i.e.
   bucket ``i`` holds ``[boundaries[i-1], boundaries[i])``; a value equal to a boundary goes to the
   bucket above it. Boundaries are compared as written in the config (the proto's float32 1.1 is
-  read back as the decimal 1.1). Integer and numeric-string columns are accepted.
+  read back as the decimal 1.1). Integer and numeric-string columns are accepted; an integer
+  (any int64 or uint64) is compared as its nearest double.
+
+Serving values (:func:`request_columns_to_batch`) are Python lists (None = missing), numpy or
+Arrow arrays. A list may mix kinds, as the protocol allows (a DYNAMIC id as int64 or string, a
+HASH value as string or int64, a price as double or int64): each value gets exactly the ids it
+would get in a column of its own kind (the list becomes an Arrow union, one child per kind, and
+each child goes through the column functions on its own). Integers beyond int64 become uint64
+(a price gets its bucket, an id is refused).
 
 Missing values and bad data (every default is counted in :class:`FgStats`):
 
@@ -31,13 +40,16 @@ Missing values and bad data (every default is counted in :class:`FgStats`):
 - A sequence longer than ``sequence_length``: training keeps the last ``sequence_length``
   elements (counted per sequence); serving raises :class:`FeatureError`.
 - :class:`FeatureError` (naming the column) for: a missing column/key, a wrong type (float or bool
-  ids, an unparsable string), a negative MOD/DYNAMIC id, an id outside int64, a malformed
-  sequence token, a NaN/infinite/negative price, a null label.
+  ids, an unparsable string, bytes, anything pyarrow cannot convert), a negative MOD/DYNAMIC id,
+  an id outside int64 (an integer outside uint64 anywhere), a malformed sequence token, a
+  sequence list mixing kinds, a NaN/infinite/negative price, a null label. It is the only
+  exception bad values raise; its message is at most about 1,000 characters.
 """
 
 from __future__ import annotations
 
 import functools
+import reprlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,10 +86,19 @@ __all__ = [
 ]
 
 
+_MAX_MESSAGE = 1000  # characters: a hostile value quoted in a message stays short
+
+
 class FeatureError(ValueError):
-    """A raw value that feature generation cannot turn into ids; ``field`` names the column."""
+    """A raw value that feature generation cannot turn into ids; ``field`` names the column.
+
+    The message is cut to ``_MAX_MESSAGE`` characters (it may quote a client's multi-megabyte
+    string, and the server returns it in a gRPC status).
+    """
 
     def __init__(self, field: str, message: str) -> None:
+        if len(message) > _MAX_MESSAGE:
+            message = f"{message[:_MAX_MESSAGE]}... ({len(message) - _MAX_MESSAGE} more characters)"
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
@@ -204,15 +225,20 @@ def _bucketize(spec: FeatureSpec, arr: pa.Array) -> np.ndarray:
     t = arr.type
     if _is_string(t):
         try:
-            arr = pc.cast(arr, pa.float64())
-        except pa.ArrowInvalid as e:
+            floats = pc.cast(arr, pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
             raise FeatureError(spec.name, f"not a number: {e}") from None
-    elif not (pa.types.is_floating(t) or pa.types.is_integer(t)):
+    elif pa.types.is_integer(t):  # any int64/uint64: the nearest double (beyond 2**53, too)
+        floats = arr.cast(pa.float64(), safe=False)
+    elif pa.types.is_floating(t):
+        floats = arr.cast(pa.float64())
+    else:
         raise FeatureError(spec.name, f"has type {t}; expected a number")
-    x = np.asarray(arr.cast(pa.float64()))
+    x = np.asarray(floats)
     bad = ~(np.isfinite(x) & (x >= 0))
     if bad.any():
-        raise FeatureError(spec.name, f"value {x[bad][0]} is NaN, infinite or negative")
+        value = arr[int(np.argmax(bad))].as_py()
+        raise FeatureError(spec.name, f"value {value!r} is NaN, infinite or negative")
     return np.searchsorted(_decimal_boundaries(spec.boundaries), x, side="right").astype(np.int64)
 
 
@@ -229,8 +255,14 @@ def _decimal_boundaries(boundaries: tuple[float, ...]) -> np.ndarray:
 def scalar_ids(
     spec: FeatureSpec, col: pa.Array | pa.ChunkedArray, stats: FgStats | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One scalar column → (ids int64 [present rows], lengths int32 [rows]); null → length 0."""
+    """One scalar column → (ids int64 [present rows], lengths int32 [rows]); null → length 0.
+
+    A union column (values of several kinds, see :func:`_request_array`) gives each value the
+    ids of its own kind: every child goes through this function on its own.
+    """
     arr = _combine(col)
+    if pa.types.is_union(arr.type):
+        return _union_ids(spec, arr, stats)
     n = len(arr)
     valid = _valid_mask(arr)
     if valid is not None and stats is not None:
@@ -247,6 +279,32 @@ def scalar_ids(
         ids = _ints_to_ids(spec, _to_int64(spec.name, arr))
     lengths = np.ones(n, np.int32) if valid is None else valid.astype(np.int32)
     return ids, lengths
+
+
+def _union_ids(
+    spec: FeatureSpec, arr: pa.UnionArray, stats: FgStats | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`scalar_ids` of a union column: each child's ids, put back in row order."""
+    rows_at = slice(arr.offset, arr.offset + len(arr))  # the buffers (type_codes ignores slices)
+    codes = np.frombuffer(arr.buffers()[1], np.int8)[rows_at]
+    slots: np.ndarray  # row → slot in its child
+    if arr.type.mode == "dense":
+        slots = np.frombuffer(arr.buffers()[2], np.int32)[rows_at]
+    else:  # a sparse union's children are sliced with it
+        slots = np.arange(len(arr))
+    ids = np.zeros(len(arr), np.int64)
+    lengths = np.zeros(len(arr), np.int32)
+    for child, code in enumerate(arr.type.type_codes):
+        rows = np.flatnonzero(codes == code)
+        if not len(rows):
+            continue
+        child_ids, child_lengths = scalar_ids(spec, arr.field(child))
+        by_slot = np.zeros(len(child_lengths), np.int64)
+        by_slot[child_lengths == 1] = child_ids
+        ids[rows], lengths[rows] = by_slot[slots[rows]], child_lengths[slots[rows]]
+    if stats is not None and not lengths.all():
+        stats.missing[spec.name] += int((lengths == 0).sum())
+    return ids[lengths == 1], lengths
 
 
 # --------------------------------------------------------------------------- sequences
@@ -461,11 +519,97 @@ def table_to_batch(
     return batch
 
 
-def _request_array(name: str, values: list[object] | np.ndarray) -> pa.Array:
+_SHORT_REPR = reprlib.Repr()  # quotes request values in messages: 3 items, 40 characters
+_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = 3
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 40
+
+
+_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("missing", type(None)),
+    ("bool", (bool, np.bool_)),  # before int: bool is an int
+    ("int", (int, np.integer)),
+    ("float", (float, np.floating)),
+    ("str", str),
+    ("bytes", bytes),
+)
+
+
+def _kind(t: type) -> str:
+    """The kind of a request value's Python type (numpy scalars are their Python kind)."""
+    for kind, types in _KINDS:
+        if issubclass(t, types):
+            return kind
+    return "other"
+
+
+def _arrow(name: str, values: list[object] | np.ndarray) -> pa.Array:
+    """``pa.array(values)``; ints beyond int64 give uint64 (refused as ids, bucketized as
+    prices); anything pyarrow cannot convert is a :class:`FeatureError`."""
     try:
         return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as e:
-        raise FeatureError(name, f"cannot convert {values[:3]!r}...: {e}") from None
+    except OverflowError:
+        pass
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        raise FeatureError(name, f"cannot convert {_SHORT_REPR.repr(values)}: {e}") from None
+    try:
+        return pa.array(values, pa.uint64())
+    except (pa.ArrowException, OverflowError, TypeError, ValueError):
+        raise FeatureError(
+            name, f"an integer of {_SHORT_REPR.repr(values)} is outside int64 and uint64"
+        ) from None
+
+
+def _request_array(name: str, values: list[object] | np.ndarray) -> pa.Array:
+    """Request values (a list, None = missing, or a numpy array) → one Arrow array.
+
+    Values of one kind (ints, floats, strings...) give a plain array. Several kinds in one list
+    (a DYNAMIC id sent as 7 by one candidate and as "ad-3" by another, or a price as 3 and 2.5)
+    give a dense union with one child per kind (and one for the missing values):
+    :func:`scalar_ids` turns each child into ids on its own, so every value gets exactly the
+    ids it would get in a column of its own kind.
+    """
+    if isinstance(values, np.ndarray) and values.dtype != object:
+        return _arrow(name, values)
+    kind_of = {t: _kind(t) for t in set(map(type, values))}
+    kinds = sorted(set(kind_of.values()) - {"missing"})
+    if len(kinds) <= 1:
+        return _arrow(name, values)
+    code = {kind: i for i, kind in enumerate([*kinds, "missing"])}
+    codes = np.array([code[kind_of[type(v)]] for v in values], np.int8)
+    slots = np.zeros(len(codes), np.int32)
+    children = []
+    for kind, i in code.items():
+        rows = np.flatnonzero(codes == i)
+        slots[rows] = np.arange(len(rows))
+        members = [values[r] for r in rows.tolist()]
+        children.append(pa.nulls(len(rows)) if kind == "missing" else _arrow(name, members))
+    return pa.UnionArray.from_dense(
+        pa.array(codes, pa.int8()), pa.array(slots, pa.int32()), children, [*kinds, "missing"]
+    )
+
+
+def _item_array(name: str, values: object, n: int) -> pa.Array:
+    """The ITEM-side column ``values`` of :func:`request_columns_to_batch` → an Arrow array."""
+    if values is None:
+        raise FeatureError(name, "missing from the request's candidates")
+    column: pa.Array | pa.ChunkedArray | np.ndarray | list[object]
+    if isinstance(values, pa.Array | pa.ChunkedArray) or (
+        isinstance(values, np.ndarray) and values.ndim == 1
+    ):
+        column = values
+    elif isinstance(values, Sequence) and not isinstance(values, str | bytes):
+        column = list(values)
+    else:
+        raise FeatureError(
+            name,
+            f"expected a list or array of {n} values (one per candidate), got "
+            f"{type(values).__name__} {_SHORT_REPR.repr(values)}",
+        )
+    if len(column) != n:
+        raise FeatureError(name, f"{len(column)} values for {n} candidates")
+    if isinstance(column, pa.Array | pa.ChunkedArray):
+        return _combine(column)  # used as it is
+    return _request_array(name, column)
 
 
 def _need(mapping: Mapping[str, object], name: str, where: str) -> object:
@@ -529,31 +673,28 @@ def request_columns_to_batch(
     ``num_candidates=2``; ``items={"adgroup_id": pa.array([7, 9]), ...}`` gives the same batch.
     """
     n = num_candidates
-    if n == 0:
+    if n < 1:
         raise FeatureError("candidates", "at least one candidate is needed")
     cols: dict[str, pa.Array] = {}
     for spec in _scalars(fs, (Side.USER,)):
-        cols[spec.name] = _request_array(spec.name, [_need(user, spec.name, "user")])
+        cols[spec.name] = _arrow(spec.name, [_need(user, spec.name, "user")])  # one kind
     for spec in _scalars(fs, (Side.CONTEXT,)):
-        cols[spec.name] = _request_array(spec.name, [_need(context, spec.name, "context")] * n)
+        cols[spec.name] = _arrow(spec.name, [_need(context, spec.name, "context")] * n)
     for spec in _scalars(fs, (Side.ITEM,)):
-        values = items.get(spec.name)
-        if values is None:
-            raise FeatureError(spec.name, "missing from the request's candidates")
-        if len(values) != n:
-            raise FeatureError(spec.name, f"{len(values)} values for {n} candidates")
-        if isinstance(values, pa.Array):
-            cols[spec.name] = values
-        elif isinstance(values, np.ndarray):
-            cols[spec.name] = _request_array(spec.name, values)
-        else:
-            cols[spec.name] = _request_array(spec.name, list(values))
+        cols[spec.name] = _item_array(spec.name, items.get(spec.name), n)
     for specs in _sequences(fs).values():
         for spec in specs:
             seq = _need(sequences, spec.name, "sequences")
             if isinstance(seq, str | bytes) or not isinstance(seq, Sequence | np.ndarray):
                 raise FeatureError(spec.name, f"expected a list of ids, got {type(seq).__name__}")
             vals = _request_array(spec.name, list(seq))
+            if pa.types.is_union(vals.type):
+                kinds = [vals.type.field(i).name for i in range(vals.type.num_fields)]
+                raise FeatureError(
+                    spec.name,
+                    f"values of several kinds ({', '.join(k for k in kinds if k != 'missing')}); "
+                    "send a list of integer ids",
+                )
             cols[spec.name] = pa.ListArray.from_arrays(pa.array([0, len(vals)], pa.int32()), vals)
     batch = Batch(
         user=_scalar_kjt(_scalars(fs, (Side.USER,)), cols, 1, stats),

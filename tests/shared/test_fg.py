@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -11,7 +12,15 @@ import pytest
 import torch
 
 from shared.features import FeatureSet, Side, feature_set_from_text
-from shared.fg import FeatureError, FgStats, hash64, request_to_batch, table_to_batch
+from shared.fg import (
+    FeatureError,
+    FgStats,
+    hash64,
+    request_columns_to_batch,
+    request_to_batch,
+    scalar_ids,
+    table_to_batch,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_TEXT = (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
@@ -102,6 +111,43 @@ def test_hash64_matches_reference_and_golden() -> None:
 
 
 GOLDEN_PID_HASH = 0x256786E14CF7B4E
+
+
+def _random_strings(rng: np.random.Generator, lengths: list[int]) -> list[str]:
+    """Strings of about ``lengths[i]`` UTF-8 bytes: ASCII, 2-, 3- and 4-byte characters."""
+    alphabet = ["a", "Z", "0", "|", "_", " ", "é", "ß", "中", "€", "😀", "\x00", "\x7f"]
+    width = np.array([len(c.encode()) for c in alphabet])
+    out = []
+    for n in lengths:
+        picks = rng.integers(len(alphabet), size=n).tolist()
+        upto = int(np.searchsorted(np.cumsum(width[picks]), n)) + 1  # the first n bytes or more
+        out.append("".join(alphabet[i] for i in picks[:upto]))
+    return out
+
+
+def test_hash64_of_random_strings_equals_the_reference() -> None:
+    rng = np.random.default_rng(7)
+    lengths = [int(n) for n in rng.integers(0, 301, 300)]
+    # every path of hash64: many strings beyond 64 bytes (the loop over byte positions goes on),
+    # a few of hundreds or thousands of bytes (their rests are hashed one string at a time, by a
+    # byte loop or in numpy passes), beyond 65,536 bytes (several blocks), duplicates, a null
+    batches = [
+        lengths,
+        [5, 80, 300, 2000],
+        [0, 1, 11, 70_000, 3000],
+        [200_000],
+        [*lengths[:40], 1537, 1600, 9000],
+    ]
+    for batch in batches:
+        words = _random_strings(rng, batch)
+        got = hash64(pa.array([*words, None, words[0]]))
+        want = [ref_hash(w) for w in words]
+        assert [int(h) for h in got] == [*want, ref_hash(""), want[0]], batch[:5]
+    # a sliced array (offsets not starting at 0) hashes the same
+    words = _random_strings(rng, [3, 100, 2000, 7])
+    assert [int(h) for h in hash64(pa.array(words).slice(1, 2))] == [
+        ref_hash(w) for w in words[1:3]
+    ]
 
 
 def test_sequence_tokens_parse_like_int(fs: FeatureSet) -> None:
@@ -272,6 +318,213 @@ def test_request_with_n_candidates_shares_user_and_context(fs: FeatureSet) -> No
     assert batch.sequence.stride() == 1 and batch.user.stride() == 1
 
 
+# --------------------------------------------------------------------------- mixed kinds
+
+
+@pytest.fixture(scope="module")
+def item_pid() -> FeatureSet:
+    """The seed config with ``pid`` (HASH) on the item side, so candidates can mix its kinds."""
+    fs = feature_set_from_text(
+        SEED_TEXT.replace('expression: "context:pid"', 'expression: "item:pid"'), "item pid"
+    )
+    assert fs.features["pid"].side is Side.ITEM
+    return fs
+
+
+def _item_ids(
+    fs: FeatureSet, name: str, column: object, stats: FgStats | None = None, n: int | None = None
+) -> list[list[int]]:
+    """Ids of ITEM-side feature ``name`` for the candidate column ``column`` (others: base_row)."""
+    req = _request_from_row(fs, base_row())
+    n = len(column) if n is None else n  # type: ignore[arg-type]
+    items = {key: [value] * n for key, value in req["candidates"][0].items()} | {name: column}
+    batch = request_columns_to_batch(
+        fs,
+        user=req["user"],
+        sequences=req["sequences"],
+        context=req["context"],
+        items=items,
+        num_candidates=n,
+        stats=stats,
+    )
+    return jagged(batch.item, name)
+
+
+MIXED = [
+    ("adgroup_id", [7, "ad-3", None, 2**63 - 1, "7", 0, np.int64(9), None, "ad-3"]),  # DYNAMIC
+    ("pid", ["430548_1007", 7, None, "7", -5, "", np.int64(430548), "-5"]),  # HASH
+    ("price", [2.5, 3, None, 170.0, 2**62, 0, 1.1, np.float32(2.5), 2**63 + 1]),  # BUCKETIZE
+]
+
+
+@pytest.mark.parametrize(("name", "column"), MIXED)
+def test_a_mixed_column_gives_each_value_the_ids_of_its_kind_alone(
+    item_pid: FeatureSet, name: str, column: list[object]
+) -> None:
+    stats = FgStats()
+    got = _item_ids(item_pid, name, column, stats)
+    assert stats.missing[name] == column.count(None)
+    # each value alone
+    assert got == [_item_ids(item_pid, name, [v])[0] for v in column]
+    # each kind as a column of its own (Python and numpy scalars of one kind together)
+    kinds = [type(v.item() if isinstance(v, np.generic) else v) for v in column]
+    want: list[list[int] | None] = [None] * len(column)
+    for kind in set(kinds):
+        rows = [i for i, k in enumerate(kinds) if k is kind]
+        ids = _item_ids(item_pid, name, [column[i] for i in rows])
+        for i, row_ids in zip(rows, ids, strict=True):
+            want[i] = row_ids
+    assert got == want
+
+
+def test_mixed_columns_follow_the_documented_semantics(item_pid: FeatureSet) -> None:
+    size = item_pid.features["pid"].hash_bucket_size
+    assert _item_ids(item_pid, "pid", [7, "7", "x", None]) == [
+        [ref_hash("7") % size],  # an int hashes as its decimal string
+        [ref_hash("7") % size],
+        [ref_hash("x") % size],
+        [],
+    ]
+    assert _item_ids(item_pid, "adgroup_id", [7, "7", None]) == [
+        [7],  # an int id is taken as it is, a string is hashed
+        [ref_hash("7") & (2**63 - 1)],
+        [],
+    ]
+    assert _item_ids(item_pid, "price", [3, 2.5, None, 2**63 - 1]) == [[2], [2], [], [98]]
+
+
+def test_union_columns_of_any_layout_give_the_same_ids(item_pid: FeatureSet) -> None:
+    codes = pa.array([0, 1, 1, 0, 2], pa.int8())
+    ints, strs = pa.array([7, None, 8, 9, 10]), pa.array(["a", "b", "c", None, "e"])
+    nulls = pa.nulls(5)
+    sparse = pa.UnionArray.from_sparse(codes, [ints, strs, nulls])  # rows: 7, b, c, 9, null
+    dense = pa.UnionArray.from_dense(
+        pa.array([1, 0, 1, 1, 0, 2, 0], pa.int8()),
+        pa.array([4, 0, 1, 2, 3, 0, 0], pa.int32()),
+        [pa.array([7, 9, 11, 12]), pa.array(["x", "b", "c", "y", "z"]), pa.nulls(1)],
+    ).slice(1, 5)  # rows: 7, b, c, 12, null
+    want = _item_ids(item_pid, "adgroup_id", [7, "b", "c", 9, None])
+    assert _item_ids(item_pid, "adgroup_id", sparse) == want
+    assert _item_ids(item_pid, "adgroup_id", dense) == [*want[:3], [12], []]
+
+
+# --------------------------------------------------------------------------- hostile values
+
+
+def test_int_prices_of_any_width_get_the_bucket_of_their_nearest_double(fs: FeatureSet) -> None:
+    top = len(fs.features["price"].boundaries)
+    big = [2**53 + 1, 2**62, 2**63 - 1]
+    assert _item_ids(fs, "price", big) == [[top]] * 3
+    assert _item_ids(fs, "price", pa.array([2**64 - 1, 2**63], pa.uint64())) == [[top]] * 2
+    assert _item_ids(fs, "price", np.array([2**64 - 1, 5], np.uint64)) == [[top], [3]]
+    assert _item_ids(fs, "price", [2**63, 2**64 - 1]) == [[top]] * 2  # Python ints beyond int64
+    for bad in (-(2**63), -1, np.int64(-(2**63))):
+        with pytest.raises(FeatureError, match="negative") as info:
+            _item_ids(fs, "price", [5, bad])
+        assert info.value.field == "price" and str(int(bad)) in str(info.value)
+    # a boundary beyond 2**53: an int compares as its nearest double (doubles near 1e17 are 16
+    # apart: 1e17 - 1 rounds up to the boundary, 1e17 - 8 too (a tie, to even), 1e17 - 9 down)
+    spec = dataclasses.replace(fs.features["price"], boundaries=(1e17,))
+    values = [10**17 - 1, 10**17 - 16, 10**17 - 8, 10**17 - 9, 10**17]
+    ids, _ = scalar_ids(spec, pa.array(values))
+    assert ids.tolist() == [int(float(v) >= 1e17) for v in values] == [1, 0, 1, 0, 1]
+
+
+HOSTILE_COLUMNS = [
+    ("adgroup_id", [2**63]),  # DYNAMIC: outside int64
+    ("adgroup_id", [7, 2**64]),  # outside uint64
+    ("adgroup_id", [-(2**63) - 1]),
+    ("adgroup_id", [-1]),
+    ("adgroup_id", [1.5]),
+    ("adgroup_id", [math.nan, None]),
+    ("adgroup_id", [True]),
+    ("adgroup_id", [7, True]),  # a bool among ints
+    ("adgroup_id", [7, 2.0]),  # a float among ints
+    ("adgroup_id", ["a", b"a"]),  # bytes among strings
+    ("adgroup_id", [b"7"]),
+    ("adgroup_id", [1j]),
+    ("adgroup_id", [[1, 2]]),
+    ("adgroup_id", [{"a": 1}]),
+    ("adgroup_id", [object()]),
+    ("adgroup_id", [7, object()]),
+    ("adgroup_id", np.array([1 + 2j])),
+    ("adgroup_id", np.array([1.5])),
+    ("adgroup_id", np.array(["2024-01-01"], "datetime64[D]")),
+    ("adgroup_id", pa.array([True, None])),
+    ("adgroup_id", pa.array([b"x"])),
+    ("adgroup_id", pa.array([[1]])),
+    ("pid", [1.5]),  # HASH: ints and strings only
+    ("pid", [2**63]),
+    ("pid", ["a", True]),
+    ("price", ["a", 1.5]),  # BUCKETIZE: numbers only
+    ("price", [math.nan]),
+    ("price", [math.inf, 2]),
+    ("price", [True]),
+    ("price", [2**64]),
+    ("price", np.array([1 + 2j])),
+    ("price", pa.array([b"1"])),
+]
+
+
+@pytest.mark.parametrize(("name", "column"), HOSTILE_COLUMNS)
+def test_hostile_candidate_values_raise_feature_error_naming_the_feature(
+    item_pid: FeatureSet, name: str, column: object
+) -> None:
+    with pytest.raises(FeatureError) as info:
+        _item_ids(item_pid, name, column)
+    assert info.value.field == name, str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("where", "name", "value"),
+    [
+        ("user", "user_id", 2**63),
+        ("user", "user_id", 2**64),
+        ("user", "user_id", math.nan),
+        ("user", "user_id", [1, 2]),
+        ("user", "cms_segid", "x"),  # MOD parses strings
+        ("user", "cms_segid", "9" * 30),
+        ("user", "cms_segid", b"1"),
+        ("context", "pid", 1.5),
+        ("sequences", SEQ[0], [2**63, 1, 2]),
+        ("sequences", SEQ[0], [2**64, 1, 2]),
+        ("sequences", SEQ[0], [1.5, 1, 2]),
+        ("sequences", SEQ[0], [math.nan, 1, 2]),
+        ("sequences", SEQ[0], [True, 1, 2]),
+        ("sequences", SEQ[0], [b"1", 1, 2]),
+        ("sequences", SEQ[0], ["x", 1, 2]),  # mixed kinds: a sequence holds integer ids
+        ("sequences", SEQ[0], [[1], 1, 2]),
+    ],
+)
+def test_hostile_request_values_raise_feature_error_naming_the_feature(
+    fs: FeatureSet, where: str, name: str, value: object
+) -> None:
+    req = _request_from_row(fs, base_row())
+    req[where] = req[where] | {name: value}
+    with pytest.raises(FeatureError) as info:
+        request_to_batch(fs, **req)
+    assert info.value.field == name, str(info.value)
+
+
+@pytest.mark.parametrize("column", [5, "ab", b"ab", np.array(7), {"a": 1}, None, [1, 2, 3]])
+def test_a_candidate_column_is_a_list_or_array_of_one_value_per_candidate(
+    fs: FeatureSet, column: object
+) -> None:
+    with pytest.raises(FeatureError) as info:
+        _item_ids(fs, "brand", column, n=2)
+    assert info.value.field == "brand", str(info.value)
+
+
+def test_a_long_value_is_quoted_short_and_hashed(fs: FeatureSet) -> None:
+    # a client's megabyte string is quoted, cut short, in the error (and hashed fast if valid)
+    req = _request_from_row(fs, base_row())
+    with pytest.raises(FeatureError) as info:
+        request_to_batch(fs, **(req | {"user": req["user"] | {"cms_segid": "7" + "x" * 10**6}}))
+    assert info.value.field == "cms_segid" and len(str(info.value)) < 1200
+    long_id = "ad-" + "x" * 10**6
+    assert _item_ids(fs, "adgroup_id", [long_id, 3]) == [[ref_hash(long_id) & (2**63 - 1)], [3]]
+
+
 # --------------------------------------------------------------------------- bad data
 
 
@@ -380,7 +633,7 @@ def test_request_errors_name_the_field(fs: FeatureSet) -> None:
     fails("price", candidates=[good["candidates"][0] | {"price": -3.0}])
     fails(
         "adgroup_id",
-        candidates=[good["candidates"][0], good["candidates"][0] | {"adgroup_id": "x"}],
+        candidates=[good["candidates"][0], good["candidates"][0] | {"adgroup_id": 1.5}],
     )
     fails("brand", candidates=[{k: v for k, v in good["candidates"][0].items() if k != "brand"}])
     fails("user_id", user=good["user"] | {"user_id": 2**64})
