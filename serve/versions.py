@@ -6,8 +6,16 @@ natural order (``2`` < ``10``, ``step-999`` < ``step-1000``) that loads is serve
 loaded and warmed up in a background thread while the old one keeps serving, then swapped in by
 one reference assignment: requests already accepted keep the model they were validated against
 (the batcher never mixes versions in one batch), so in-flight requests finish on the old
-version. A bundle that fails to load is refused (logged, ``model_loads_total{result="refused"}``)
-and remembered by its manifest's mtime, so it is retried only when rewritten.
+version.
+
+Each version directory is compared by its *stamp*: every file's relative name, size and
+modification time (a bundle has a handful of files, so this is cheap). A version is loaded only
+once its stamp is the same on two consecutive polls, so a copy still being written (for example
+one that lands ``manifest.json`` first) is waited for; the first poll (startup) loads at once.
+While the best version is being written the current model keeps serving; nothing lower is
+loaded meanwhile. A bundle that fails to load is refused (logged with its version and reason,
+``model_loads_total{result="refused"}``, :attr:`ModelManager.last_refusal`) and retried only
+once its directory has changed and then stopped changing.
 A serving model can also be replaced by a successor built from it on the same loader priority
 (:meth:`ModelManager.replace`: delta updates, :mod:`serve.delta`).
 """
@@ -19,16 +27,41 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
-from serve.model import LoadedModel
 from shared.bundle.layout import MANIFEST
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[Path], LoadedModel]
+REASON_CHARS = 500  # Refusal.reason is cut to this many characters
+
+
+class Versioned(Protocol):
+    """What :class:`ModelManager` needs of a model: its version, for logs and swaps."""
+
+    @property
+    def version(self) -> str: ...
+
+
+M = TypeVar("M", bound=Versioned)
+
+# (relative file name, size, mtime_ns) of every file of a version directory, sorted
+_Stamp = tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A version that failed to load: which, from where, why (one line), and when."""
+
+    version: str  # the version directory's name
+    path: Path
+    reason: str  # the error's text on one line, at most REASON_CHARS characters
+    at_unix: float  # time.time() of the refusal
 
 
 def version_key(name: str) -> tuple[object, ...]:
@@ -52,32 +85,67 @@ def list_versions(model_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: version_key(p.name), reverse=True)
 
 
-def _stamp(path: Path) -> tuple[str, int]:
-    try:
-        return str(path), (path / MANIFEST).stat().st_mtime_ns
-    except OSError:
-        return str(path), -1
+def _dir_stamp(path: Path) -> _Stamp:
+    """Name, size and mtime_ns of every file under ``path``, recursively, sorted.
+
+    An entry that cannot be read (removed mid-walk, no permission) counts as ``(name, -1, -1)``,
+    so a directory that stays unreadable still has a stable stamp (and is refused once).
+    """
+    found: list[tuple[str, int, int]] = []
+    folders = [(path, "")]
+    while folders:
+        folder, prefix = folders.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError:
+            found.append((prefix, -1, -1))
+            continue
+        for entry in entries:
+            name = prefix + entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append((Path(entry.path), name + "/"))
+                    continue
+                st = entry.stat()
+            except OSError:
+                found.append((name, -1, -1))
+                continue
+            found.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(found))
 
 
-class ModelManager:
-    """Holds the current :class:`LoadedModel` and replaces it when a better version appears.
+def _one_line(err: BaseException, limit: int = REASON_CHARS) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
+
+class ModelManager(Generic[M]):
+    """Holds the current model and replaces it when a better version appears.
+
+    ``loader(path)`` builds a model from a bundle directory (the server's wraps
+    :meth:`serve.model.LoadedModel.load`; anything with a ``version`` will do, tests use stubs);
     ``on_loaded(model)`` / ``on_refused(path, error)`` are called after each load attempt.
+    :attr:`last_refusal` and :attr:`refusals` say which bundle was refused last, and why.
     """
 
     def __init__(
         self,
-        loader: Loader,
+        loader: Callable[[Path], M],
         *,
-        on_loaded: Callable[[LoadedModel], None] | None = None,
+        on_loaded: Callable[[M], None] | None = None,
         on_refused: Callable[[Path, Exception], None] | None = None,
     ) -> None:
         self._loader = loader
         self._on_loaded = on_loaded
         self._on_refused = on_refused
-        self._current: LoadedModel | None = None
-        self._current_stamp: tuple[str, int] | None = None
-        self._refused: set[tuple[str, int]] = set()
+        self._current: M | None = None
+        self._current_stamp: tuple[str, _Stamp] | None = None  # (path, stamp) it was loaded from
+        self._refused: dict[str, _Stamp] = {}  # path -> its stamp when refused
+        self._last_refusal: Refusal | None = None
+        self._refusals = 0
+        # stamps of the versions looked at by the previous poll; None: no poll yet
+        self._seen: dict[str, _Stamp] | None = None
         self._load_lock = threading.Lock()  # one load at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -85,23 +153,45 @@ class ModelManager:
         self.ready = threading.Event()  # set once a model is serving
 
     @property
-    def current(self) -> LoadedModel | None:
+    def current(self) -> M | None:
         return self._current
+
+    @property
+    def last_refusal(self) -> Refusal | None:
+        """The most recent refused load (kept after that version loads later), or None."""
+        return self._last_refusal
+
+    @property
+    def refusals(self) -> int:
+        """How many load attempts were refused since start (retries count again)."""
+        return self._refusals
 
     def load(self, path: Path) -> bool:
         """Load ``path`` and swap it in; False (old one kept) if it fails. Blocking."""
-        stamp = _stamp(path)
+        return self._load(path, _dir_stamp(path))
+
+    def _load(self, path: Path, stamp: _Stamp) -> bool:
+        # ``stamp`` is taken before loading: files that change during the load change the stamp
+        # again, so a refused bundle that was completed meanwhile is retried.
         with self._load_lock:
             try:
                 model = self._loader(path)
             except Exception as err:
-                self._refused.add(stamp)
-                log.error("refused model bundle %s: %s", path, err)
+                refusal = Refusal(path.name, path, _one_line(err), time.time())
+                self._refused[str(path)] = stamp
+                self._last_refusal, self._refusals = refusal, self._refusals + 1
+                log.error(
+                    "refused model %s from %s: %s (retried once the directory changes)",
+                    refusal.version,
+                    path,
+                    refusal.reason,
+                )
                 if self._on_refused is not None:
                     self._on_refused(path, err)
                 return False
+            self._refused.pop(str(path), None)
             old = self._current
-            self._current, self._current_stamp = model, stamp  # the atomic swap
+            self._current, self._current_stamp = model, (str(path), stamp)  # the atomic swap
             self.ready.set()
         log.info(
             "serving model %s from %s (previous: %s)",
@@ -113,7 +203,7 @@ class ModelManager:
             self._on_loaded(model)
         return True
 
-    def replace(self, build: Callable[[LoadedModel], LoadedModel]) -> LoadedModel:
+    def replace(self, build: Callable[[M], M]) -> M:
         """Build a successor of the serving model and swap it in (e.g. base + a delta,
         :mod:`serve.delta`); blocking, errors propagate and the old model keeps serving.
 
@@ -137,14 +227,30 @@ class ModelManager:
         return model
 
     def poll(self, model_dir: Path) -> bool:
-        """Serve the highest loadable version of ``model_dir``; True if it changed the model."""
+        """Serve the highest loadable version of ``model_dir``; True if it changed the model.
+
+        Versions are tried highest first. One refused and unchanged since is skipped. One whose
+        stamp differs from the previous poll's (new, or still being written) ends this poll:
+        the next poll loads it if it stood still. The first poll loads without waiting.
+        """
+        first = self._seen is None
+        previous = self._seen or {}
+        seen: dict[str, _Stamp] = {}
+        self._seen = seen  # only the versions looked at; the others are stamped when needed
         for path in list_versions(model_dir):
-            stamp = _stamp(path)
-            if stamp == self._current_stamp:
+            key = str(path)
+            stamp = seen[key] = _dir_stamp(path)
+            if self._current_stamp == (key, stamp):
                 return False  # the best candidate is the one serving
-            if stamp in self._refused:
-                continue
-            if self.load(path):
+            refused = self._refused.get(key)
+            if refused == stamp:
+                continue  # refused, and unchanged since
+            if not first and previous.get(key) != stamp:
+                log.debug("model %s in %s is new or changing; next poll", path.name, path)
+                return False  # wait for it rather than load a lower version meanwhile
+            if refused is not None:
+                log.info("retrying refused model %s from %s: its files changed", path.name, path)
+            if self._load(path, stamp):
                 return True
         return False
 
