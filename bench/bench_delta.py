@@ -41,6 +41,7 @@ from bench.traffic import (
     start_model_dir_server,
 )
 from protos import predict_pb2, predict_pb2_grpc
+from serve.admin import AdminConfig
 from serve.model import default_device
 from shared.bundle import read_bundle, write_bundle
 from shared.delta import diff_tables, write_delta
@@ -123,16 +124,17 @@ def main(argv: list[str] | None = None) -> int:
             "delta_bytes": sum(f.stat().st_size for f in delta.iterdir()),
             "bundle_bytes": sum(f.stat().st_size for f in (root / "v2").iterdir()),
         }
-        server = start_model_dir_server(models, a.device, ready_timeout_s=300)
+        admin = AdminConfig(address="127.0.0.1:0", delta_root=root)
+        server = start_model_dir_server(models, a.device, ready_timeout_s=300, admin=admin)
         host = f"127.0.0.1:{server.port}"
         traffic = ClosedLoopClients(host, requests, a.clients, timeout_s=30).start()
         time.sleep(0.5)  # settle
         t0 = time.perf_counter()
         time.sleep(a.phase_s)
         t1 = time.perf_counter()
-        with grpc.insecure_channel(host) as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{server.admin_port}") as channel:
             admin = predict_pb2_grpc.ModelAdminServiceStub(channel)
-            applied = admin.ApplyDelta(predict_pb2.ApplyDeltaRequest(path=str(delta)), timeout=300)
+            applied = admin.ApplyDelta(predict_pb2.ApplyDeltaRequest(path=delta.name), timeout=300)
         t_applied = time.perf_counter()
         time.sleep(a.phase_s)
         t2 = time.perf_counter()

@@ -156,9 +156,10 @@ def offline_profile(
     )
     from protos import predict_pb2
     from serve.batcher import concat_batches
+    from serve.limits import Limits
     from serve.model import LoadedModel
     from serve.servicer import model_metadata
-    from serve.validation import Limits, request_inputs
+    from serve.validation import request_inputs
     from shared.fg import request_columns_to_batch
 
     torch.set_num_threads(torch_threads)
@@ -673,8 +674,8 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         extra += ["--max-wait-us", str(a.max_wait_us)]
     if spec.switch_interval_ms is not None:
         extra += ["--switch-interval-ms", str(spec.switch_interval_ms)]
-    if a.rpc_threads:
-        extra += ["--rpc-threads", str(a.rpc_threads)]
+    if a.max_queue:
+        extra += ["--max-queue", str(a.max_queue)]
     result: dict[str, Any] = {"run": spec.name, **vars(spec), "server_args": extra}
     group = ServerGroup(bundle, spec.device, spec.workers, work, extra)
     cpu = gpu = None
@@ -903,7 +904,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-torch-threads", type=int, default=1, help="CPU servers' torch threads")
     p.add_argument("--max-batch-rows", type=int, default=None, help="default: the server's")
     p.add_argument("--max-wait-us", type=int, default=None, help="default: the server's")
-    p.add_argument("--rpc-threads", type=int, default=None, help="default: the server's")
+    p.add_argument(
+        "--max-queue", type=int, default=None, help="server admission bound (default: the server's)"
+    )
     p.add_argument("--no-offline", action="store_true", help="skip the offline profile")
     p.add_argument("--py-spy", default=None, help="py-spy executable (default: found on PATH)")
     p.add_argument("--no-py-spy", action="store_true")

@@ -25,8 +25,9 @@ from bench.synthetic_bundle import (
     write_synthetic_bundle,
 )
 from serve.batcher import concat_batches
+from serve.limits import Limits
 from serve.model import LoadedModel, default_device
-from serve.validation import Limits, request_inputs
+from serve.validation import request_inputs
 from shared.fg import request_columns_to_batch
 
 

@@ -13,17 +13,22 @@ import grpc
 import numpy as np
 
 from protos import predict_pb2, predict_pb2_grpc
+from serve.admin import AdminConfig
 from serve.batcher import BatcherConfig
 from serve.server import PredictionServer, ServerConfig
 
 
-def start_model_dir_server(models: Path, device: str, ready_timeout_s: float) -> PredictionServer:
-    """A server watching ``models`` (polled every 0.1 s), batches of up to 1024 rows, ready."""
+def start_model_dir_server(
+    models: Path, device: str, ready_timeout_s: float, *, admin: AdminConfig | None = None
+) -> PredictionServer:
+    """A server watching ``models`` (polled every 0.1 s), batches of up to 1024 rows, ready;
+    with ``admin``, its admin service too (``server.admin_port``)."""
     config = ServerConfig(
         model_dir=models,
         device=device,
         poll_interval_s=0.1,
         batching=BatcherConfig(max_batch_rows=1024, max_wait_us=500),
+        admin=admin,
     )
     server = PredictionServer(config).start()
     if not server.wait_ready(ready_timeout_s):

@@ -118,18 +118,56 @@ class ModelMetadataRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FeatureInfo(_message.Message):
-    __slots__ = ("name", "side", "kind", "table", "value_type")
+    __slots__ = ("name", "side", "kind", "table", "value_type", "max_length")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIDE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VALUE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     side: str
     kind: str
     table: str
     value_type: str
-    def __init__(self, name: _Optional[str] = ..., side: _Optional[str] = ..., kind: _Optional[str] = ..., table: _Optional[str] = ..., value_type: _Optional[str] = ...) -> None: ...
+    max_length: int
+    def __init__(self, name: _Optional[str] = ..., side: _Optional[str] = ..., kind: _Optional[str] = ..., table: _Optional[str] = ..., value_type: _Optional[str] = ..., max_length: _Optional[int] = ...) -> None: ...
+
+class SequenceInfo(_message.Message):
+    __slots__ = ("name", "features", "max_length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    features: _containers.RepeatedScalarFieldContainer[str]
+    max_length: int
+    def __init__(self, name: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., max_length: _Optional[int] = ...) -> None: ...
+
+class ServingLimits(_message.Message):
+    __slots__ = ("max_candidates", "max_string_bytes", "max_request_bytes", "max_message_bytes", "max_detail_bytes", "max_pending")
+    MAX_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STRING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DETAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_FIELD_NUMBER: _ClassVar[int]
+    max_candidates: int
+    max_string_bytes: int
+    max_request_bytes: int
+    max_message_bytes: int
+    max_detail_bytes: int
+    max_pending: int
+    def __init__(self, max_candidates: _Optional[int] = ..., max_string_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_detail_bytes: _Optional[int] = ..., max_pending: _Optional[int] = ...) -> None: ...
+
+class ModelRefusal(_message.Message):
+    __slots__ = ("version", "reason", "at_unix")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    reason: str
+    at_unix: float
+    def __init__(self, version: _Optional[str] = ..., reason: _Optional[str] = ..., at_unix: _Optional[float] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("name", "is_hashmap", "dim", "rows", "capacity", "load_factor")
@@ -148,7 +186,7 @@ class TableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., is_hashmap: _Optional[bool] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., load_factor: _Optional[float] = ...) -> None: ...
 
 class ModelMetadata(_message.Message):
-    __slots__ = ("model_version", "config_digest", "features", "tables", "loaded_at_unix", "startup_seconds", "device", "max_candidates", "max_sequence_length", "base_version", "deltas")
+    __slots__ = ("model_version", "config_digest", "features", "tables", "loaded_at_unix", "startup_seconds", "device", "max_candidates", "max_sequence_length", "base_version", "deltas", "limits", "sequences", "last_refusal")
     class StartupSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +205,9 @@ class ModelMetadata(_message.Message):
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     model_version: str
     config_digest: str
     features: _containers.RepeatedCompositeFieldContainer[FeatureInfo]
@@ -178,7 +219,10 @@ class ModelMetadata(_message.Message):
     max_sequence_length: int
     base_version: str
     deltas: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_version: _Optional[str] = ..., config_digest: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., loaded_at_unix: _Optional[float] = ..., startup_seconds: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., max_candidates: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., base_version: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ...) -> None: ...
+    limits: ServingLimits
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
+    last_refusal: ModelRefusal
+    def __init__(self, model_version: _Optional[str] = ..., config_digest: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., loaded_at_unix: _Optional[float] = ..., startup_seconds: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., max_candidates: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., base_version: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[ServingLimits, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., last_refusal: _Optional[_Union[ModelRefusal, _Mapping]] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("top_k",)

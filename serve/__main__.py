@@ -1,4 +1,9 @@
-"""``python -m serve --bundle DIR | --model-dir DIR --port P [--metrics-port M] ...``"""
+"""``python -m serve --bundle DIR | --model-dir DIR --port P [--metrics-port M] ...``
+
+Limits, admission, TLS and the admin service are flags here; ``GetModelMetadata`` reports the
+limits a client must keep to. The admin service (delta updates, table inspection) is off unless
+``--admin-address`` is given.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,12 @@ import signal
 import sys
 from pathlib import Path
 
+from serve.admin import AdminConfig
 from serve.batcher import BatcherConfig
+from serve.limits import Limits
 from serve.model import default_device
+from serve.security import TlsConfig
 from serve.server import PredictionServer, ServerConfig
-from serve.validation import Limits
 
 # one request of 500-1000 candidates fills a CPU batch; a GPU runs 8K rows in about the time of 1K
 DEFAULT_BATCH_ROWS = {"cpu": 1024, "cuda": 8192}
@@ -33,11 +40,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{DEFAULT_BATCH_ROWS['cuda']} on CUDA, where a larger batch costs about the same)",
     )
     p.add_argument("--max-wait-us", type=int, default=500)
-    p.add_argument("--max-queue", type=int, default=256, help="pending requests before overload")
-    p.add_argument("--max-candidates", type=int, default=1000)
-    p.add_argument("--max-sequence-length", type=int, default=100)
-    p.add_argument("--max-message-bytes", type=int, default=4 << 20)
-    p.add_argument("--rpc-threads", type=int, default=64)
+    lim = Limits()
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=lim.max_pending,
+        help="Predicts in flight (parsing, queued or running); past it RESOURCE_EXHAUSTED at "
+        "once (default %(default)s)",
+    )
+    p.add_argument(
+        "--reserve-threads",
+        type=int,
+        default=8,
+        help="RPC threads beyond --max-queue, for health checks, metadata and refusals "
+        "(default %(default)s)",
+    )
+    p.add_argument("--max-candidates", type=int, default=lim.max_candidates)
+    p.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="cap every click sequence at this many elements (default: each sequence's "
+        "sequence_length from the config)",
+    )
+    p.add_argument(
+        "--max-string-bytes",
+        type=int,
+        default=lim.max_string_bytes,
+        help="UTF-8 bytes of one string value (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=lim.max_request_bytes,
+        help="serialized PredictRequest size (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-detail-bytes",
+        type=int,
+        default=lim.max_detail_bytes,
+        help="error details sent to clients are cut to this size (default %(default)s)",
+    )
     p.add_argument(
         "--torch-threads",
         type=int,
@@ -62,7 +105,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-interval-s", type=float, default=2.0)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     p.add_argument("--no-verify-checksums", action="store_true")
-    p.add_argument(
+    tls = p.add_argument_group("TLS for the public port (and the admin port)")
+    tls.add_argument("--tls-cert", type=Path, help="PEM certificate chain")
+    tls.add_argument("--tls-key", type=Path, help="PEM private key")
+    tls.add_argument(
+        "--tls-client-ca", type=Path, help="PEM CA bundle: require client certificates (mTLS)"
+    )
+    adm = p.add_argument_group("admin service (ModelAdminService; off unless --admin-address)")
+    adm.add_argument(
+        "--admin-address",
+        default=None,
+        help="host:port or unix:/path for the admin service, never the public port",
+    )
+    adm.add_argument(
+        "--admin-token-file", type=Path, help="file holding the bearer token admin calls must send"
+    )
+    adm.add_argument(
+        "--delta-root", type=Path, help="ApplyDelta reads delta directories only under this one"
+    )
+    adm.add_argument(
         "--no-admin-writes", action="store_true", help="refuse ModelAdminService.ApplyDelta"
     )
     return p.parse_args(argv)
@@ -78,29 +139,73 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         port=a.port,
         metrics_port=a.metrics_port,
         device=a.device,
-        limits=Limits(a.max_candidates, a.max_sequence_length),
-        batching=BatcherConfig(rows, a.max_wait_us, a.max_queue),
-        max_message_bytes=a.max_message_bytes,
-        rpc_threads=a.rpc_threads,
+        limits=Limits(
+            max_candidates=a.max_candidates,
+            max_sequence_length=a.max_sequence_length,
+            max_string_bytes=a.max_string_bytes,
+            max_request_bytes=a.max_request_bytes,
+            max_detail_bytes=a.max_detail_bytes,
+            max_pending=a.max_queue,
+        ),
+        batching=BatcherConfig(rows, a.max_wait_us),
+        reserve_threads=a.reserve_threads,
         torch_threads=a.torch_threads or None,
         poll_interval_s=a.poll_interval_s,
         reuse_port=a.reuse_port,
         switch_interval_s=None if a.switch_interval_ms is None else a.switch_interval_ms / 1e3,
         verify_checksums=not a.no_verify_checksums,
-        admin_writes=not a.no_admin_writes,
+        tls=_tls(a),
+        admin=_admin(a),
+    )
+
+
+def _tls(a: argparse.Namespace) -> TlsConfig | None:
+    if a.tls_cert is None and a.tls_key is None:
+        if a.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if a.tls_cert is None or a.tls_key is None:
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return TlsConfig(a.tls_cert, a.tls_key, a.tls_client_ca)
+
+
+def _admin(a: argparse.Namespace) -> AdminConfig | None:
+    if a.admin_address is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--admin-token-file", a.admin_token_file),
+                ("--delta-root", a.delta_root),
+                ("--no-admin-writes", a.no_admin_writes or None),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --admin-address (the admin service is off)")
+        return None
+    return AdminConfig(
+        address=a.admin_address,
+        token_file=a.admin_token_file,
+        delta_root=a.delta_root,
+        allow_writes=not a.no_admin_writes,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
+    # force: importing torchrec installs a root handler first, which would make this a no-op
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     try:
         config = config_from_args(parse_args(argv))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    server = PredictionServer(config).start()
+    try:
+        server = PredictionServer(config).start()
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=5.0))
     if not server.wait_ready():
         logging.error("no model could be loaded: %s", server.load_error)

@@ -9,7 +9,7 @@ cancelled by the client) are dropped before they cost any compute.
 
 Example::
 
-    batcher = Batcher(BatcherConfig(max_batch_rows=1024, max_wait_us=500, max_queue=256))
+    batcher = Batcher(BatcherConfig(max_batch_rows=1024, max_wait_us=500))
     future = batcher.submit(model, batch, deadline=time.monotonic() + 0.1)
     probabilities = future.result()        # np.ndarray [N] float32
     batcher.close()
@@ -36,10 +36,6 @@ from shared.batch import Batch
 log = logging.getLogger(__name__)
 
 
-class QueueFullError(RuntimeError):
-    """The request queue is at ``max_queue``: the server is overloaded (RESOURCE_EXHAUSTED)."""
-
-
 class DeadlineExpiredError(TimeoutError):
     """The request's deadline passed while it waited in the queue (DEADLINE_EXCEEDED)."""
 
@@ -62,12 +58,10 @@ class Predictor(Protocol):
 class BatcherConfig:
     max_batch_rows: int = 1024  # candidate rows per batch (a larger single request runs alone)
     max_wait_us: int = 500  # how long the first request of a batch waits for company
-    max_queue: int = 256  # pending requests; beyond this submit() raises QueueFullError
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_rows", "max_queue"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {self.max_batch_rows}")
         if self.max_wait_us < 0:
             raise ValueError(f"max_wait_us must be >= 0, got {self.max_wait_us}")
 
@@ -96,7 +90,11 @@ class BatchStats:
 
 
 class Batcher:
-    """Bounded queue + one worker thread. ``on_batch`` (optional) receives :class:`BatchStats`."""
+    """A queue + one worker thread. ``on_batch`` (optional) receives :class:`BatchStats`.
+
+    The queue holds at most the requests the server admitted (:mod:`serve.admission` bounds
+    them before they are parsed), so it needs no bound of its own.
+    """
 
     def __init__(
         self, config: BatcherConfig, *, on_batch: Callable[[BatchStats], None] | None = None
@@ -126,10 +124,6 @@ class Batcher:
         with self._cond:
             if self._closed:
                 raise BatcherClosedError("the server is shutting down")
-            if len(self._queue) >= self.config.max_queue:
-                raise QueueFullError(
-                    f"request queue is full ({self.config.max_queue} pending); retry later"
-                )
             self._queue.append(pending)
             self._cond.notify()
         return pending.future

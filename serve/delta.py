@@ -1,15 +1,24 @@
 """Delta updates on a running server: base bundle + delta → a new model version, no restart.
 
 A delta (:mod:`shared.delta`, written by ``python -m train.tools delta-export``) is relative to a
-base bundle. :func:`build_with_delta` takes the serving model, checks that the delta was made for
-the bundle it was loaded from (manifest digest and config digest), merges the base tables (kept
-in memory, memory-mapped) with the delta's rows, builds the serving tables from the result with
-the same code as a full load (:func:`serve.model.build_tables`), loads the delta's dense program
-if it has one (the program cache makes a same-graph program a weight copy) or reuses the base's,
-and warms the new model up. :meth:`serve.versions.ModelManager.replace` runs this on the loader
-thread while requests keep being served by the old model, and swaps the result in with one
-reference assignment, so there is no restart and no pause; the scores equal those of a full
-export of the same checkpoint (tests check it over gRPC).
+base bundle. :func:`resolve_delta` turns the request's path into a directory under the server's
+delta root: relative paths only, no ``..``, symlinks resolved and kept inside the root, and one
+refusal text for every path that is not a delta there (existing or not, so a client learns
+nothing about the server's other directories). :func:`build_with_delta` reads the delta
+(:func:`shared.delta_reader.read_delta`: every field checked, messages name it by the request's
+path, not the server's), checks that it was made for the bundle the server runs (manifest
+digest and config digest), merges the base tables (kept in memory, memory-mapped) with the
+delta's rows, builds the serving tables from the result with the same code as a full load
+(:func:`serve.model.build_tables`), loads the delta's dense program if it has one (the program
+cache makes a same-graph program a weight copy) or reuses the base's, and warms the new model
+up. A program that does not load or run with its tables is a :class:`DeltaError` like any other
+defect of the delta. :meth:`serve.versions.ModelManager.replace` runs this on the loader thread
+while requests keep being served by the old model, and swaps the result in with one reference
+assignment, so there is no restart and no pause; the scores equal those of a full export of
+the same checkpoint (tests check it over gRPC). Example::
+
+    path = resolve_delta(Path("/srv/deltas").resolve(), "step-2000")   # DeltaPathError if not
+    model, delta = build_with_delta(current, path, label="delta 'step-2000'")
 
 The new model's version is ``"<base version>+<delta id>"`` and it remembers every delta applied
 since the base was loaded (``LoadedModel.deltas``; GetModelMetadata and InspectTables return
@@ -19,16 +28,60 @@ them). Because deltas are relative to the base, applying one replaces the previo
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import torch
+
 from serve.model import LoadedModel, StartupTimes, _side_stream, _sync, build_tables, load_program
-from shared.delta import Delta, DeltaError, apply_delta_tables, manifest_digest, read_delta
+from shared.bundle import BundleError
+from shared.delta import (
+    DELTA_MANIFEST,
+    DELTA_PROGRAM,
+    Delta,
+    DeltaError,
+    apply_delta_tables,
+    manifest_digest,
+)
+from shared.delta_reader import read_delta
+
+MAX_PATH_CHARS = 1024
 
 
 class DeltaMismatchError(DeltaError):
     """The delta was made for another base bundle than the one the server runs."""
+
+
+class DeltaPathError(DeltaError):
+    """The request's path is no delta directory under the delta root (one text for all)."""
+
+
+def no_delta_at(path: str) -> str:
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    return (
+        f"path: no readable delta at {shown!r} under the delta root; give the delta directory "
+        "relative to the server's --delta-root (no absolute path, no '..')"
+    )
+
+
+def resolve_delta(root: Path, path: str) -> Path:
+    """The delta directory ``path`` names under ``root`` (resolved: no symlink in it), or
+    :class:`DeltaPathError` with the same text whatever the reason: an absolute path, ``..``,
+    a symlink leading out of the root, nothing there, or a directory without a manifest."""
+    if not path:
+        raise DeltaPathError("path: empty; give the delta directory relative to the delta root")
+    parts = PurePosixPath(path).parts
+    if len(path) > MAX_PATH_CHARS or "\0" in path or path.startswith("/") or ".." in parts:
+        raise DeltaPathError(no_delta_at(path))
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, path))
+    manifest = os.path.join(real, DELTA_MANIFEST)
+    inside = os.path.commonpath([real, real_root]) == real_root
+    if not inside or os.path.realpath(manifest) != manifest or not os.path.isfile(manifest):
+        raise DeltaPathError(no_delta_at(path))
+    return Path(real)
 
 
 def check_base(model: LoadedModel, delta: Delta) -> None:
@@ -36,9 +89,9 @@ def check_base(model: LoadedModel, delta: Delta) -> None:
     digest = manifest_digest(base.manifest)
     if delta.base_digest != digest or delta.config_digest != base.config_digest:
         raise DeltaMismatchError(
-            f"{delta.path}: made for base bundle {delta.base_version!r} (manifest digest "
-            f"{delta.base_digest[:12]}), but the server runs base {base.version!r} ({digest[:12]}"
-            f", from {base.path}); export the delta against that bundle (delta-export --base)"
+            f"{delta.where}: made for base bundle {delta.base_version!r} (manifest digest "
+            f"{delta.base_digest[:12]}), but the server runs base {base.version!r} "
+            f"({digest[:12]}); export the delta against that bundle (delta-export --base)"
         )
 
 
@@ -48,10 +101,12 @@ def build_with_delta(
     *,
     verify_checksums: bool = True,
     warmup_candidates: int = 100,
+    label: str = "",
 ) -> tuple[LoadedModel, Delta]:
-    """The model of ``current``'s base bundle plus the delta at ``path`` (see module doc)."""
+    """The model of ``current``'s base bundle plus the delta at ``path`` (see module doc);
+    ``label`` names the delta in error messages (default: its path)."""
     t0 = time.perf_counter()
-    delta = read_delta(path, verify_checksums=verify_checksums)
+    delta = read_delta(path, verify_checksums=verify_checksums, label=label)
     check_base(current, delta)
     base = current.base_bundle
     dense, hashed = apply_delta_tables(base.dense_tables, base.hash_tables, delta)
@@ -75,12 +130,12 @@ def build_with_delta(
         _sync(dev)
         t2 = time.perf_counter()
         if delta.dense_program_path is not None:
-            program = load_program(delta.dense_program_path, dev)
+            program = _delta_program(delta, dev)
         else:
             program = current.base_program
         t3 = time.perf_counter()
         model = LoadedModel(patched, tables, program, dev, StartupTimes(t1 - t0, 0, 0, 0, 0))
-        model.warmup(candidates=warmup_candidates)
+        _warmup(model, delta, warmup_candidates)
         _sync(dev)
     t4 = time.perf_counter()
     model.startup = StartupTimes(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
@@ -90,4 +145,39 @@ def build_with_delta(
     return model, delta
 
 
-__all__ = ["DeltaError", "DeltaMismatchError", "build_with_delta", "check_base"]
+def _delta_program(delta: Delta, dev: torch.device) -> Any:
+    assert delta.dense_program_path is not None
+    try:
+        return load_program(delta.dense_program_path, dev)
+    except BundleError as err:
+        cause = err.__cause__ or err
+        raise DeltaError(
+            f"{delta.where}: {DELTA_PROGRAM}: not a loadable dense program "
+            f"({type(cause).__name__}: {str(cause)[:300]}); re-export the delta"
+        ) from None
+
+
+def _warmup(model: LoadedModel, delta: Delta, candidates: int) -> None:
+    """Warm up; a failure is the delta's when it brought its own program (the tables were
+    checked against the base), else a bug of the server and raised as it is."""
+    try:
+        model.warmup(candidates=candidates)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as err:
+        if delta.dense_program_path is None:
+            raise
+        raise DeltaError(
+            f"{delta.where}: {DELTA_PROGRAM} does not run with the tables "
+            f"({type(err).__name__}: {str(err)[:300]}); re-export the delta against its base"
+        ) from None
+
+
+__all__ = [
+    "DeltaError",
+    "DeltaMismatchError",
+    "DeltaPathError",
+    "build_with_delta",
+    "check_base",
+    "resolve_delta",
+]

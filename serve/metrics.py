@@ -1,9 +1,13 @@
 """Prometheus metrics of the server, in a registry of its own (several servers per process in tests).
 
-Names (all prefixed ``dynrec_serving_``): ``requests_total{method}``, ``errors_total{method,code}``,
+Names (all prefixed ``dynrec_serving_``): ``requests_total{method}``, ``errors_total{method,code}``
+(every failed RPC, by status code), ``rejections_total{method,reason}`` (refused before any
+work: ``overloaded``, ``request_too_large``, ``undecodable``), ``pending_requests`` (admitted,
+not yet answered; the admission bound is ``serve --max-queue``),
 ``request_latency_seconds{method}`` (histogram), ``batch_rows`` / ``batch_requests`` (histograms),
 ``queue_depth``, ``expired_requests_total``, ``table_lookups_total{table,result=hit|miss}``,
-``model_loads_total{result=ok|refused}``, ``model_info{version,device}``,
+``model_loads_total{result=ok|refused}``, ``model_last_refusal_timestamp_seconds{version}`` (the
+last version refused, and when), ``model_info{version,device}``,
 ``startup_seconds{stage}``, and ``stage_seconds{stage,clock}`` (histogram), where serving time
 goes: per request in its RPC thread (``validate``, ``fg``, ``wait`` = queue + batch,
 ``respond``), per batch in the batcher thread (``queue_wait`` of its oldest request,
@@ -76,6 +80,15 @@ class ServingMetrics:
         self.errors = Counter(
             f"{p}errors", "RPCs failed, by status code", ["method", "code"], registry=r
         )
+        self.rejections = Counter(
+            f"{p}rejections",
+            "RPCs refused before any work, by reason (overloaded, request_too_large, undecodable)",
+            ["method", "reason"],
+            registry=r,
+        )
+        self.pending = Gauge(
+            f"{p}pending_requests", "Predicts admitted and not yet answered", registry=r
+        )
         self.latency = Histogram(
             f"{p}request_latency_seconds",
             "RPC latency in the servicer",
@@ -98,6 +111,12 @@ class ServingMetrics:
         )
         self.model_loads = Counter(
             f"{p}model_loads", "Model version loads, ok or refused", ["result"], registry=r
+        )
+        self.last_refusal = Gauge(
+            f"{p}model_last_refusal_timestamp_seconds",
+            "Unix time of the last refused model version (its name in the label)",
+            ["version"],
+            registry=r,
         )
         self.model_info = Gauge(
             f"{p}model_info",
@@ -156,6 +175,11 @@ class ServingMetrics:
         self.model_info.labels(model.version, str(model.device)).set(1)
         for stage, seconds in model.startup.as_dict().items():
             self.startup.labels(stage).set(seconds)
+
+    def on_refused(self, version: str, at_unix: float) -> None:
+        self.model_loads.labels("refused").inc()
+        self.last_refusal.clear()
+        self.last_refusal.labels(version).set(at_unix)
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the /metrics HTTP endpoint; returns the bound port (``port=0``: ephemeral)."""

@@ -3,7 +3,14 @@
 Startup order: the port opens first with health NOT_SERVING (for ``""`` and the service name),
 the model loads in a background thread (read, table build, program load, warm-up), and only then
 does health turn SERVING. With ``model_dir`` the directory is watched for new versions
-(:mod:`serve.versions`). Example::
+(:mod:`serve.versions`).
+
+Threads: each Predict holds an RPC thread until its batch is done, so the pool is the admission
+bound (``limits.max_pending``) plus ``reserve_threads``: Predicts past the bound are refused at
+once (:mod:`serve.admission`) and health checks, metadata and those refusals always find a
+thread. gRPC's own concurrency limit is off, so every refusal is the server's and is counted.
+TLS (``tls``) secures the public port; the admin service (``admin``, off by default) has a
+server of its own (:class:`serve.admin.AdminServer`). Example::
 
     server = PredictionServer(ServerConfig(bundle=Path("exports/v1"))).start()
     server.wait_ready(60)
@@ -24,15 +31,16 @@ from pathlib import Path
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from protos import predict_pb2_grpc
-from serve.admin import ADMIN_SERVICE_NAME, AdminServicer
+from serve.admin import AdminConfig, AdminServer
+from serve.admission import Admission
 from serve.batcher import Batcher, BatcherConfig
+from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel, default_device
+from serve.reflection import enable_reflection
+from serve.security import TlsConfig, bind
 from serve.servicer import SERVICE_NAME, PredictionServicer
-from serve.validation import Limits
 from serve.versions import ModelManager
 
 log = logging.getLogger(__name__)
@@ -53,15 +61,16 @@ class ServerConfig:
     device: str | None = None  # None: cuda when available, else cpu
     limits: Limits = field(default_factory=Limits)
     batching: BatcherConfig = field(default_factory=BatcherConfig)
-    max_message_bytes: int = 4 << 20
-    rpc_threads: int = 64  # handler threads; each waits for its request's batch
+    # threads beyond the admission bound (limits.max_pending): health, metadata, refusals
+    reserve_threads: int = 8
     # torch intra-op threads of the process (None: torch's default, one per core). The batcher
     # runs one batch at a time while the RPC threads do feature generation beside it, so on a
     # small CPU host one thread each keeps them from spinning against each other.
     torch_threads: int | None = None
     poll_interval_s: float = 2.0
     verify_checksums: bool = True
-    admin_writes: bool = True  # ModelAdminService.ApplyDelta (InspectTables always answers)
+    tls: TlsConfig | None = None  # None: plaintext public port
+    admin: AdminConfig | None = None  # None: no ModelAdminService at all
     reuse_port: bool = False  # SO_REUSEPORT: several server processes on one port
     switch_interval_s: float | None = None  # sys.setswitchinterval (None: Python's, 5 ms)
 
@@ -72,6 +81,16 @@ class ServerConfig:
             raise ValueError(f"torch_threads must be >= 1 (or None), got {self.torch_threads}")
         if self.switch_interval_s is not None and self.switch_interval_s <= 0:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
+        if self.reserve_threads < 1:
+            raise ValueError(
+                f"reserve_threads must be >= 1 (health checks need a thread), "
+                f"got {self.reserve_threads}"
+            )
+
+    @property
+    def rpc_threads(self) -> int:
+        """Handler threads: one per admitted Predict plus the reserve."""
+        return self.limits.max_pending + self.reserve_threads
 
 
 class PredictionServer:
@@ -80,13 +99,15 @@ class PredictionServer:
         self.device = config.device or default_device()
         self.metrics = ServingMetrics(lambda: self.manager.current)
         self.manager = ModelManager(
-            self._load,
-            on_loaded=self._on_loaded,
-            on_refused=lambda _p, _e: self.metrics.model_loads.labels("refused").inc(),
+            self._load, on_loaded=self._on_loaded, on_refused=self._on_refused
         )
         self.batcher = Batcher(config.batching, on_batch=self.metrics.on_batch)
+        self.admission = Admission(config.limits.max_pending)
         self.metrics.queue_depth.set_function(self.batcher.depth)
+        self.metrics.pending.set_function(lambda: self.admission.pending)
         self.health = health.HealthServicer()
+        self.admin: AdminServer | None = None
+        self.admin_port: int | None = None
         self.load_error: Exception | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -106,6 +127,13 @@ class PredictionServer:
         self.metrics.on_model(model)
         for name in ("", SERVICE_NAME):
             self.health.set(name, SERVING)
+        if self.admin is not None:
+            self.admin.set_serving(True)
+
+    def _on_refused(self, _path: Path, _err: Exception) -> None:
+        refusal = self.manager.last_refusal
+        if refusal is not None:
+            self.metrics.on_refused(refusal.version, refusal.at_unix)
 
     def start(self) -> PredictionServer:
         cfg = self.config
@@ -113,49 +141,54 @@ class PredictionServer:
             torch.set_num_threads(cfg.torch_threads)
         if cfg.switch_interval_s is not None:
             sys.setswitchinterval(cfg.switch_interval_s)
+        limit = cfg.limits.transport_bytes
         opts = [
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
-            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", int(cfg.reuse_port)),
         ]
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="rpc"),
             options=opts,
-            # beyond this many RPCs in flight gRPC answers RESOURCE_EXHAUSTED itself
-            maximum_concurrent_rpcs=cfg.rpc_threads + cfg.batching.max_queue,
         )
         servicer = PredictionServicer(
-            lambda: self.manager.current, self.batcher, cfg.limits, self.metrics
-        )
-        predict_pb2_grpc.add_PredictionServiceServicer_to_server(servicer, server)
-        admin = AdminServicer(
-            self.manager,
+            lambda: self.manager.current,
+            self.batcher,
+            cfg.limits,
             self.metrics,
-            allow_writes=cfg.admin_writes,
-            verify_checksums=cfg.verify_checksums,
-            warmup_candidates=min(cfg.limits.max_candidates, 100),
+            self.admission,
+            last_refusal=lambda: self.manager.last_refusal,
         )
-        predict_pb2_grpc.add_ModelAdminServiceServicer_to_server(admin, server)
+        server.add_generic_rpc_handlers((servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server,
-        )
-        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+        enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
+        self.port = bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
         server.start()
         self._grpc = server
+        if cfg.admin is not None:
+            self.admin = AdminServer(
+                cfg.admin,
+                self.manager,
+                self.metrics,
+                tls=cfg.tls,
+                verify_checksums=cfg.verify_checksums,
+                warmup_candidates=min(cfg.limits.max_candidates, 100),
+            ).start()
+            self.admin_port = self.admin.port
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.host)
         log.info(
-            "listening on %s:%d (metrics: %s), device %s",
+            "listening on %s:%d (%s; metrics: %s; admin: %s), device %s, at most %d requests "
+            "in flight",
             cfg.host,
             self.port,
+            "TLS" if cfg.tls is not None else "plaintext",
             self.metrics_port,
+            "off" if cfg.admin is None else cfg.admin.address,
             self.device,
+            cfg.limits.max_pending,
         )
         self._loading = threading.Thread(target=self._initial_load, name="model-load", daemon=True)
         self._loading.start()
@@ -192,6 +225,8 @@ class PredictionServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
         self.manager.stop()
+        if self.admin is not None:
+            self.admin.stop(grace)
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
         self.batcher.close()

@@ -2,19 +2,20 @@
 
 Predict: validate (:mod:`serve.validation`; candidates as rows or as columns) → feature generation
 (:func:`shared.fg.request_columns_to_batch`) → the batcher (lookups + dense program of the model
-version current when the request arrived) → probabilities. Every failure becomes a status code,
-never a crash:
+version current when the request arrived) → probabilities. The methods are served from raw
+bytes by :func:`serve.rpc.unary_service` (parsing, admission, limits, metrics, INTERNAL with a
+request id); :func:`status_of` maps this service's expected failures:
 
     RequestError, FeatureError  INVALID_ARGUMENT (the message starts with the field)
-    QueueFullError              RESOURCE_EXHAUSTED
-    deadline passed             DEADLINE_EXCEEDED
+    deadline passed             DEADLINE_EXCEEDED (checked between stages and while waiting)
+    cancelled by the client     CANCELLED
     no model loaded / closing   UNAVAILABLE
-    anything else               INTERNAL (logged with its traceback)
+
+No client deadline means no deadline: the request waits for its batch however long it takes.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -22,56 +23,63 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
-from protos import predict_pb2, predict_pb2_grpc
-from serve.batcher import Batcher, BatcherClosedError, DeadlineExpiredError, QueueFullError
+from protos import predict_pb2
+from serve.admission import Admission
+from serve.batcher import Batcher, BatcherClosedError, DeadlineExpiredError
+from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel
-from serve.validation import Limits, RequestError, request_field, request_inputs, value_type
+from serve.rpc import Method, RpcError, check_deadline, deadline_of, unary_service
+from serve.validation import RequestError, feature_error, request_inputs, value_type
+from serve.versions import Refusal
+from shared.features import FeatureSpec
 from shared.fg import FeatureError, request_columns_to_batch
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = predict_pb2.DESCRIPTOR.services_by_name["PredictionService"].full_name
 
 
-class RpcError(Exception):
-    """An expected failure with its status code (aborts the RPC with ``code`` and ``details``)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-def _status(err: BaseException) -> RpcError:
-    if isinstance(err, RpcError):
-        return err
+def status_of(err: BaseException) -> RpcError | None:
+    """This service's expected failures as status codes (None: a bug, INTERNAL)."""
     if isinstance(err, RequestError | FeatureError):
         return RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    if isinstance(err, QueueFullError):
-        return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
     if isinstance(err, DeadlineExpiredError | FutureTimeout):
         return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded: {err}")
     if isinstance(err, BatcherClosedError):
         return RpcError(grpc.StatusCode.UNAVAILABLE, str(err))
     if isinstance(err, CancelledError):
         return RpcError(grpc.StatusCode.CANCELLED, "cancelled by the client")
-    log.error("internal error", exc_info=err)
-    return RpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+    return None
 
 
-class PredictionServicer(predict_pb2_grpc.PredictionServiceServicer):
+class PredictionServicer:
     def __init__(
         self,
         current_model: Callable[[], LoadedModel | None],
         batcher: Batcher,
         limits: Limits,
         metrics: ServingMetrics,
+        admission: Admission,
+        last_refusal: Callable[[], Refusal | None] = lambda: None,
     ) -> None:
         self._current = current_model
+        self._last_refusal = last_refusal
         self._batcher = batcher
         self._limits = limits
         self._metrics = metrics
+        self._admission = admission
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods, served from raw bytes (see :mod:`serve.rpc`)."""
+        return unary_service(
+            SERVICE_NAME,
+            [
+                Method("Predict", predict_pb2.PredictRequest, self.predict, self._admission),
+                Method("GetModelMetadata", predict_pb2.ModelMetadataRequest, self.metadata),
+            ],
+            metrics=self._metrics,
+            status_of=status_of,
+            limits=self._limits,
+        )
 
     def _model(self) -> LoadedModel:
         model = self._current()
@@ -79,79 +87,79 @@ class PredictionServicer(predict_pb2_grpc.PredictionServiceServicer):
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "no model loaded yet; retry when SERVING")
         return model
 
-    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], object]) -> object:
-        """Run ``fn`` with metrics; expected failures abort the RPC with their status code."""
-        self._metrics.requests.labels(method).inc()
-        start = time.perf_counter()
-        try:
-            return fn()
-        except Exception as err:
-            status = _status(err)
-            self._metrics.errors.labels(method, status.code.name).inc()
-            context.abort(status.code, status.details)
-            raise  # not reached: abort raises
-        finally:
-            self._metrics.latency.labels(method).observe(time.perf_counter() - start)
-
-    def Predict(
+    def predict(
         self, request: predict_pb2.PredictRequest, context: grpc.ServicerContext
     ) -> predict_pb2.PredictResponse:
-        def run() -> predict_pb2.PredictResponse:
-            model = self._model()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            inputs = request_inputs(request, model.fs, self._limits)
-            t1, c1 = time.perf_counter(), time.thread_time()
-            try:
-                batch = request_columns_to_batch(model.fs, **vars(inputs))
-            except FeatureError as err:
-                columnar = request.HasField("candidate_columns")
-                field = request_field(model.fs, err.field, columnar=columnar)
-                raise RequestError(field, err.message) from err
-            t2, c2 = time.perf_counter(), time.thread_time()
-            remaining = context.time_remaining()  # None without a client deadline
-            deadline = None if remaining is None else time.monotonic() + remaining
-            future = self._batcher.submit(model, batch, deadline=deadline)
-            context.add_callback(future.cancel)  # client gone: drop it if not started
-            probs = future.result(timeout=remaining)
-            t3, c3 = time.perf_counter(), time.thread_time()
-            response = predict_pb2.PredictResponse(
-                probabilities=probs.tolist(),
-                model_version=model.version,
-                request_id=request.request_id,
-            )
-            t4, c4 = time.perf_counter(), time.thread_time()
-            self._metrics.on_request(
-                {
-                    "validate": (t1 - t0, c1 - c0),
-                    "fg": (t2 - t1, c2 - c1),
-                    "wait": (t3 - t2, None),
-                    "respond": (t4 - t3, c4 - c3),
-                }
-            )
-            return response
+        deadline = deadline_of(context)
+        model = self._model()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        inputs = request_inputs(request, model.fs, self._limits)
+        t1, c1 = time.perf_counter(), time.thread_time()
+        try:
+            batch = request_columns_to_batch(model.fs, **vars(inputs))
+        except FeatureError as err:
+            columnar = request.HasField("candidate_columns")
+            raise feature_error(model.fs, inputs, err, columnar=columnar) from err
+        t2, c2 = time.perf_counter(), time.thread_time()
+        check_deadline(deadline, "before batching (validation and feature generation)")
+        future = self._batcher.submit(model, batch, deadline=deadline)
+        context.add_callback(future.cancel)  # client gone: drop it if not started
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        probs = future.result(timeout=timeout)
+        t3, c3 = time.perf_counter(), time.thread_time()
+        response = predict_pb2.PredictResponse(
+            probabilities=probs.tolist(),
+            model_version=model.version,
+            request_id=request.request_id,
+        )
+        t4, c4 = time.perf_counter(), time.thread_time()
+        self._metrics.on_request(
+            {
+                "validate": (t1 - t0, c1 - c0),
+                "fg": (t2 - t1, c2 - c1),
+                "wait": (t3 - t2, None),
+                "respond": (t4 - t3, c4 - c3),
+            }
+        )
+        return response
 
-        return self._call("Predict", context, run)  # type: ignore[return-value]
-
-    def GetModelMetadata(
+    def metadata(
         self, request: predict_pb2.ModelMetadataRequest, context: grpc.ServicerContext
     ) -> predict_pb2.ModelMetadata:
-        return self._call(  # type: ignore[return-value]
-            "GetModelMetadata", context, lambda: model_metadata(self._model(), self._limits)
-        )
+        return model_metadata(self._model(), self._limits, self._last_refusal())
 
 
-def model_metadata(model: LoadedModel, limits: Limits) -> predict_pb2.ModelMetadata:
+def _side(spec: FeatureSpec) -> str:
+    return "sequence" if spec.is_sequence else spec.side.value
+
+
+def model_metadata(
+    model: LoadedModel, limits: Limits, refusal: Refusal | None = None
+) -> predict_pb2.ModelMetadata:
     fs = model.fs
-    return predict_pb2.ModelMetadata(
+    groups: dict[str, list[FeatureSpec]] = {}
+    for f in fs.features.values():
+        if f.is_sequence:
+            groups.setdefault(f.sequence_name or f.name, []).append(f)
+    sequences = [
+        predict_pb2.SequenceInfo(
+            name=name,
+            features=[f.name for f in specs],
+            max_length=limits.sequence_cap(specs[0].sequence_length),
+        )
+        for name, specs in groups.items()
+    ]
+    md = predict_pb2.ModelMetadata(
         model_version=model.version,
         config_digest=model.bundle.config_digest,
         features=[
             predict_pb2.FeatureInfo(
                 name=f.name,
-                side=f.side.value,
+                side=_side(f),
                 kind=f.kind.value,
                 table=f.table,
                 value_type=value_type(f),
+                max_length=limits.sequence_cap(f.sequence_length) if f.is_sequence else 0,
             )
             for f in fs.features.values()
         ],
@@ -170,7 +178,23 @@ def model_metadata(model: LoadedModel, limits: Limits) -> predict_pb2.ModelMetad
         startup_seconds=model.startup.as_dict(),
         device=str(model.device),
         max_candidates=limits.max_candidates,
-        max_sequence_length=limits.max_sequence_length,
+        max_sequence_length=min((s.max_length for s in sequences), default=0),
         base_version=model.base_bundle.version,
         deltas=list(model.deltas),
+        limits=predict_pb2.ServingLimits(
+            max_candidates=limits.max_candidates,
+            max_string_bytes=limits.max_string_bytes,
+            max_request_bytes=limits.max_request_bytes,
+            max_message_bytes=limits.transport_bytes,
+            max_detail_bytes=limits.max_detail_bytes,
+            max_pending=limits.max_pending,
+        ),
+        sequences=sequences,
     )
+    if refusal is not None:
+        md.last_refusal.CopyFrom(
+            predict_pb2.ModelRefusal(
+                version=refusal.version, reason=refusal.reason, at_unix=refusal.at_unix
+            )
+        )
+    return md

@@ -34,7 +34,9 @@ import numpy as np
 import pyarrow as pa
 
 from protos import predict_pb2
+from serve.limits import Limits, shown
 from shared.features import FeatureSet, FeatureSpec, IdTransform, Side
+from shared.fg import FeatureError, scalar_ids
 
 
 class RequestError(ValueError):
@@ -43,16 +45,6 @@ class RequestError(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_candidates: int = 1000
-    max_sequence_length: int = 100  # further capped per sequence by its configured length
-
-    def __post_init__(self) -> None:
-        if self.max_candidates < 1 or self.max_sequence_length < 0:
-            raise ValueError(f"limits must be positive, got {self}")
 
 
 @dataclass(frozen=True)
@@ -113,7 +105,7 @@ def _check_names(
     for name in present:
         if name not in specs:
             raise RequestError(
-                field(name),
+                field(_name(name)),
                 f"unknown feature for {where}; expected {sorted(specs)} (see GetModelMetadata)",
             )
     for name in specs:
@@ -134,7 +126,7 @@ def _check_kind(
         wanted = f"a number ({name('double_value')})"
     else:
         wanted = " or ".join(map(name, accepted))
-    raise RequestError(field, f"expected {wanted}, got {name(kind)} {got!r}")
+    raise RequestError(field, f"expected {wanted}, got {name(kind)} {shown(got)}")
 
 
 def _check_finite(field: str, values: np.ndarray, skip: np.ndarray | None = None) -> None:
@@ -149,10 +141,30 @@ def _check_finite(field: str, values: np.ndarray, skip: np.ndarray | None = None
         raise RequestError(field, f"expected a finite number, got {values[i]}{at}")
 
 
+def _check_strings(field: str, values: Sequence[str], limit: int) -> None:
+    """Every string has at most ``limit`` UTF-8 bytes (before any hashing touches a byte);
+    a column's error names the first long candidate."""
+    if not values or max(map(len, values)) * 4 <= limit:  # a character is at most 4 bytes
+        return
+    for i, v in enumerate(values):
+        if len(v) * 4 > limit and (size := len(v.encode("utf-8", "surrogatepass"))) > limit:
+            at = f" (candidate {i})" if len(values) > 1 else ""
+            raise RequestError(
+                field,
+                f"string of {size} bytes{at}, more than the limit {limit} "
+                "(serve --max-string-bytes)",
+            )
+
+
+def _name(name: str) -> str:
+    """A client-chosen name, cut short for echoing in a field path."""
+    return name if len(name) <= 64 else f"{name[:48]}...({len(name)} chars)"
+
+
 # --------------------------------------------------------------------------- row format
 
 
-def _value(v: predict_pb2.Value, spec: FeatureSpec, field: str) -> object:
+def _value(v: predict_pb2.Value, spec: FeatureSpec, field: str, limits: Limits) -> object:
     kind = v.WhichOneof("kind")
     if kind is None:
         return None  # explicit missing value → zero embedding
@@ -160,6 +172,8 @@ def _value(v: predict_pb2.Value, spec: FeatureSpec, field: str) -> object:
     _check_kind(spec, kind, field, raw)
     if kind == "double_value":
         _check_finite(field, np.array((raw,)))
+    elif kind == "string_value":
+        _check_strings(field, (raw,), limits.max_string_bytes)
     return raw
 
 
@@ -168,6 +182,7 @@ def _features(
     specs: Mapping[str, FeatureSpec],
     prefix: str,
     where: str,
+    limits: Limits,
 ) -> dict[str, object]:
     values = msg.values
     _check_names(
@@ -177,14 +192,16 @@ def _features(
         where,
         "send an empty Value to mark it missing",
     )
-    return {name: _value(values[name], spec, f"{prefix}.{name}") for name, spec in specs.items()}
+    return {
+        name: _value(values[name], spec, f"{prefix}.{name}", limits) for name, spec in specs.items()
+    }
 
 
 _KIND = operator.methodcaller("WhichOneof", "kind")
 
 
 def _item_columns(
-    candidates: Sequence[predict_pb2.Features], specs: Mapping[str, FeatureSpec]
+    candidates: Sequence[predict_pb2.Features], specs: Mapping[str, FeatureSpec], limits: Limits
 ) -> dict[str, list[object]] | None:
     """The candidates' values column by column, when every candidate has exactly the features
     of ``specs`` with values of accepted kinds (finite, for doubles).
@@ -214,6 +231,10 @@ def _item_columns(
                 _check_kind(spec, kind, name, None)
             if "double_value" in present:  # numbers only, after the kind check
                 _check_finite(name, np.array([x for x in raw if x is not None], np.float64))
+            if "string_value" in present:
+                _check_strings(
+                    name, [x for x in raw if isinstance(x, str)], limits.max_string_bytes
+                )
         except RequestError:
             return None
         columns[name] = raw
@@ -228,7 +249,9 @@ def column_field(name: str) -> str:
     return f'candidate_columns.columns["{name}"]'
 
 
-def _column_array(col: predict_pb2.Column, spec: FeatureSpec, n: int, field: str) -> pa.Array:
+def _column_array(
+    col: predict_pb2.Column, spec: FeatureSpec, n: int, field: str, limits: Limits
+) -> pa.Array:
     """One column → an Arrow array of its ``n`` values (null where ``missing``), with one
     conversion call (packed numbers via numpy, strings via a list)."""
     kind = col.WhichOneof("kind")
@@ -252,7 +275,9 @@ def _column_array(col: predict_pb2.Column, spec: FeatureSpec, n: int, field: str
         if not missing.any():
             missing = None
     if kind == "strings":
-        return pa.array(list(values), pa.string(), mask=missing)
+        strings = list(values)
+        _check_strings(field, strings, limits.max_string_bytes)
+        return pa.array(strings, pa.string(), mask=missing)
     arr = np.array(values, dtype=_COLUMN_DTYPES[kind])
     if kind == "doubles":
         _check_finite(field, arr, missing)
@@ -260,7 +285,7 @@ def _column_array(col: predict_pb2.Column, spec: FeatureSpec, n: int, field: str
 
 
 def _candidate_columns(
-    cc: predict_pb2.CandidateColumns, specs: Mapping[str, FeatureSpec]
+    cc: predict_pb2.CandidateColumns, specs: Mapping[str, FeatureSpec], limits: Limits
 ) -> dict[str, pa.Array]:
     """``candidate_columns`` → one Arrow array per ITEM-side feature (count checked before)."""
     n = cc.num_candidates
@@ -273,7 +298,7 @@ def _candidate_columns(
         "send its column, with `missing` marking missing values",
     )
     return {
-        name: _column_array(columns[name], spec, n, column_field(name))
+        name: _column_array(columns[name], spec, n, column_field(name), limits)
         for name, spec in specs.items()
     }
 
@@ -308,7 +333,7 @@ def _sequences(
     for name in request.sequences:
         if name not in specs:
             raise RequestError(
-                f"sequences.{name}", f"unknown sequence feature; expected {sorted(specs)}"
+                f"sequences.{_name(name)}", f"unknown sequence feature; expected {sorted(specs)}"
             )
     out: dict[str, list[int]] = {}
     first_of: dict[str, str] = {}  # sequence_name → first sub-feature seen
@@ -317,9 +342,13 @@ def _sequences(
         if name not in request.sequences:
             raise RequestError(field, "missing required sequence; send an empty list if none")
         ids = list(request.sequences[name].ids)
-        cap = min(limits.max_sequence_length, spec.sequence_length or limits.max_sequence_length)
+        cap = limits.sequence_cap(spec.sequence_length)
         if len(ids) > cap:
-            raise RequestError(field, f"{len(ids)} elements, more than the limit {cap}")
+            raise RequestError(
+                field,
+                f"{len(ids)} elements, more than the limit {cap}; send the most recent {cap} "
+                "(GetModelMetadata lists each sequence's max_length)",
+            )
         group = spec.sequence_name or name
         if group in first_of and len(ids) != len(out[first_of[group]]):
             other = first_of[group]
@@ -341,31 +370,52 @@ def request_inputs(request: predict_pb2.PredictRequest, fs: FeatureSet, limits: 
         side: {f.name: f for f in scalar if f.side is side}
         for side in (Side.USER, Side.ITEM, Side.CONTEXT)
     }
-    user = _features(request.user, by_side[Side.USER], "user", "the user")
+    user = _features(request.user, by_side[Side.USER], "user", "the user", limits)
     sequences = _sequences(request, fs, limits)
-    context = _features(request.context, by_side[Side.CONTEXT], "context", "the context")
+    context = _features(request.context, by_side[Side.CONTEXT], "context", "the context", limits)
     items: dict[str, list[object] | pa.Array]
     if request.HasField("candidate_columns"):
-        items = dict(_candidate_columns(request.candidate_columns, by_side[Side.ITEM]))
-    elif (columns := _item_columns(request.candidates, by_side[Side.ITEM])) is not None:
+        items = dict(_candidate_columns(request.candidate_columns, by_side[Side.ITEM], limits))
+    elif (columns := _item_columns(request.candidates, by_side[Side.ITEM], limits)) is not None:
         items = dict(columns)
     else:
         rows = [
-            _features(c, by_side[Side.ITEM], f"candidates[{i}]", "a candidate")
+            _features(c, by_side[Side.ITEM], f"candidates[{i}]", "a candidate", limits)
             for i, c in enumerate(request.candidates)
         ]
         items = {name: [row[name] for row in rows] for name in by_side[Side.ITEM]}
     return FgInputs(user, sequences, context, items, n)
 
 
-def request_field(fs: FeatureSet, feature: str, *, columnar: bool = False) -> str:
-    """Where feature ``feature`` lives in a request (for errors raised by feature generation);
-    ``columnar``: the request sent ``candidate_columns``."""
-    spec = fs.features.get(feature)
+def feature_error(
+    fs: FeatureSet, inputs: FgInputs, err: FeatureError, *, columnar: bool
+) -> RequestError:
+    """A feature-generation error (a value semantics check, e.g. a negative id) as a
+    :class:`RequestError` naming where the value is in the request: for an ITEM-side feature
+    the first bad candidate is found by running the feature's column one value at a time (an
+    error path only; at most ``max_candidates`` values)."""
+    spec = fs.features.get(err.field)
     if spec is None:
-        return feature
+        return RequestError(err.field, err.message)
     if spec.is_sequence:
-        return f"sequences.{feature}"
-    if spec.side is Side.ITEM:
-        return column_field(feature) if columnar else f"candidates[*].{feature}"
-    return {Side.USER: "user", Side.CONTEXT: "context"}[spec.side] + f".{feature}"
+        return RequestError(f"sequences.{spec.name}", err.message)
+    if spec.side is not Side.ITEM:
+        side = {Side.USER: "user", Side.CONTEXT: "context"}[spec.side]
+        return RequestError(f"{side}.{spec.name}", err.message)
+    values = inputs.items[spec.name]
+    bad = _first_bad_value(spec, values)
+    if columnar:
+        at = "" if bad is None else f" (candidate {bad})"
+        return RequestError(column_field(spec.name), err.message + at)
+    where = "candidates" if bad is None else f"candidates[{bad}]"
+    return RequestError(f"{where}.{spec.name}", err.message)
+
+
+def _first_bad_value(spec: FeatureSpec, values: list[object] | pa.Array) -> int | None:
+    for i in range(len(values)):
+        try:
+            one = values[i : i + 1]
+            scalar_ids(spec, one if isinstance(one, pa.Array) else pa.array(one))
+        except Exception:  # whatever this one value raises, it is the bad one
+            return i
+    return None

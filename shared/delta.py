@@ -1,8 +1,10 @@
 """Delta updates of a bundle: only the rows that changed since a base bundle, and their merge.
 
 ``train/`` writes a delta (:func:`diff_tables` + :func:`write_delta`, ``python -m train.tools
-delta-export``); ``serve/`` reads it (:func:`read_delta`) and rebuilds its tables as base + delta
-(:func:`apply_delta_tables`). Layout of a delta directory::
+delta-export``); ``serve/`` reads it (:func:`shared.delta_reader.read_delta`, which checks
+every field, file and tensor before use) and rebuilds its tables as base + delta
+(:func:`apply_delta_tables`, which checks the delta against the base). Layout of a delta
+directory (the manifest's ``files`` names the other two; a reader opens no other path)::
 
     delta.safetensors   per dynamic table T: "T.upsert_keys" int64 [n] (new and updated keys),
                         "T.upsert_values" float32 [n, dim], "T.evict_keys" int64 [e] (keys of the
@@ -23,7 +25,7 @@ rows changed since its base; publish a new full bundle when it gets large. Writi
 
     tables = diff_tables(base.dense_tables, base.hash_tables, new_dense, new_hash)
     write_delta(out, tables=tables, base_manifest=base.manifest, delta_id="step-2000", ...)
-    delta = read_delta(out)                         # checked; DeltaError names file and fix
+    delta = read_delta(out)          # shared.delta_reader; DeltaError names file, field and fix
     dense, hashed = apply_delta_tables(base.dense_tables, base.hash_tables, delta)
 """
 
@@ -43,7 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from shared.bundle.layout import sha256, write_json
 
@@ -125,6 +127,11 @@ class Delta:
     tables: dict[str, TableDelta]
     dense_program_path: Path | None
     manifest: dict[str, Any] = field(repr=False)
+    label: str = ""  # how messages name the delta ("": by its path); the server: request path
+
+    @property
+    def where(self) -> str:
+        return self.label or str(self.path)
 
     @property
     def summaries(self) -> dict[str, Any]:
@@ -215,7 +222,7 @@ def diff_tables(
     return out
 
 
-# --------------------------------------------------------------------------- write / read
+# --------------------------------------------------------------------------- write
 
 
 def write_delta(
@@ -280,71 +287,6 @@ def write_delta(
     return out
 
 
-def _manifest(root: Path) -> dict[str, Any]:
-    path = root / DELTA_MANIFEST
-    if not path.is_file():
-        raise DeltaError(
-            f"{root}: no {DELTA_MANIFEST}: not a delta directory, or its export did not finish"
-        )
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise DeltaError(f"{path}: unreadable JSON ({err}); re-export the delta") from None
-    if m.get("format") != DELTA_FORMAT or m.get("format_version") != DELTA_FORMAT_VERSION:
-        raise DeltaError(
-            f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}; expected "
-            f"{DELTA_FORMAT!r} {DELTA_FORMAT_VERSION}"
-        )
-    for key in ("delta_id", "base", "config_digest", "target_version", "tables", "files"):
-        if key not in m:
-            raise DeltaError(f"{path}: key {key!r} is missing; re-export the delta")
-    return m
-
-
-def read_delta(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> Delta:
-    """Read and check a delta directory; any defect raises :class:`DeltaError`."""
-    root = Path(path)
-    if not root.is_dir():
-        raise DeltaError(f"{root}: no such delta directory (the server reads its own filesystem)")
-    m = _manifest(root)
-    for name, info in m["files"].items():
-        p = root / name
-        if not p.is_file() or p.stat().st_size != info["size"]:
-            raise DeltaError(f"{p}: missing or truncated (manifest: {info['size']} bytes)")
-        if verify_checksums and sha256(p) != info["sha256"]:
-            raise DeltaError(f"{p}: sha256 mismatch against the manifest; copy the delta again")
-    tensors = load_file(root / DELTA_TENSORS)
-    tables: dict[str, TableDelta] = {}
-    for name, c in m["tables"].items():
-
-        def get(suffix: str, name: str = name) -> torch.Tensor:
-            key = f"{name}.{suffix}"
-            if key not in tensors:
-                raise DeltaError(f"{root / DELTA_TENSORS}: tensor {key!r} is missing")
-            return tensors[key]
-
-        t = TableDelta(name, bool(c["is_hashmap"]), int(c["dimension"]), c["base_rows"], 0)
-        t.target_rows = int(c["target_rows"])
-        if t.is_hashmap:
-            t.upsert_keys, t.upsert_values = get("upsert_keys"), get("upsert_values")
-            t.evict_keys, t.new = get("evict_keys"), int(c["new"])
-        else:
-            t.rows, t.row_values = get("rows"), get("row_values")
-        tables[name] = t
-    program = root / DELTA_PROGRAM if m.get("dense_program") else None
-    return Delta(
-        path=root,
-        delta_id=str(m["delta_id"]),
-        base_version=str(m["base"]["version"]),
-        base_digest=str(m["base"]["manifest_digest"]),
-        config_digest=str(m["config_digest"]),
-        target_version=str(m["target_version"]),
-        tables=tables,
-        dense_program_path=program,
-        manifest=m,
-    )
-
-
 # --------------------------------------------------------------------------- apply
 
 
@@ -355,39 +297,48 @@ def apply_delta_tables(
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Base tables + ``delta`` → new (dense, hash) tables; the base tensors are not modified.
 
-    Tables the delta does not name are shared with the base. Sizes are checked against the
-    delta's ``target_rows`` (a delta of another base fails here even without its digest).
+    Tables the delta does not name are shared with the base. Each table's kind, dimension, row
+    counts (``base_rows`` → ``target_rows``) and count of new keys are checked against the
+    base: a delta of another base fails here even without its digest.
     """
     dense = dict(base_dense)
     hashed = dict(base_hash)
+    foreign = "it was made for another base bundle"
     for name, t in delta.tables.items():
-        where = f"{delta.path}: table {name!r}"
+        where = f"{delta.where}: table {name!r}"
         if t.is_hashmap:
             if name not in base_hash:
-                raise DeltaError(f"{where}: not a hashmap table of the base bundle")
+                raise DeltaError(f"{where}: not a hashmap table of the base bundle; {foreign}")
             assert t.upsert_keys is not None and t.upsert_values is not None
             assert t.evict_keys is not None
             keys, values = base_hash[name]
+            if values.shape[1] != t.dim:
+                raise DeltaError(f"{where}: dimension {t.dim}, the base has {values.shape[1]}")
             drop = torch.cat([t.upsert_keys, t.evict_keys])
             keep = ~torch.isin(keys, drop)
+            new = int((~torch.isin(t.upsert_keys, keys)).sum())
             merged = (
                 torch.cat([keys[keep], t.upsert_keys]),
                 torch.cat([values[keep], t.upsert_values]),
             )
             rows = int(merged[0].numel())
-            if rows != t.target_rows or values.shape[0] != t.base_rows:
+            if rows != t.target_rows or values.shape[0] != t.base_rows or new != t.new:
                 raise DeltaError(
-                    f"{where}: base has {values.shape[0]} keys and the merge {rows}, the delta "
-                    f"expects {t.base_rows} → {t.target_rows}: it was made for another base bundle"
+                    f"{where}: base has {values.shape[0]} keys and the merge {rows} ({new} new), "
+                    f"the delta expects {t.base_rows} → {t.target_rows} ({t.new} new): {foreign}"
                 )
             hashed[name] = merged
         else:
             if name not in base_dense:
-                raise DeltaError(f"{where}: not a dense table of the base bundle")
+                raise DeltaError(f"{where}: not a dense table of the base bundle; {foreign}")
             assert t.rows is not None and t.row_values is not None
             w = base_dense[name]
-            if w.shape[0] != t.target_rows or (t.rows.numel() and int(t.rows.max()) >= w.shape[0]):
-                raise DeltaError(f"{where}: {w.shape[0]} rows, the delta expects {t.target_rows}")
+            rows_ok = not t.rows.numel() or 0 <= int(t.rows.min()) <= int(t.rows.max()) < len(w)
+            if list(w.shape) != [t.target_rows, t.dim] or not rows_ok:
+                raise DeltaError(
+                    f"{where}: the base is {list(w.shape)}, the delta expects "
+                    f"[{t.target_rows}, {t.dim}]: {foreign}"
+                )
             if t.rows.numel():
                 w = w.clone()
                 w[t.rows] = t.row_values

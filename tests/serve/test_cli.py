@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve.__main__ import DEFAULT_BATCH_ROWS, config_from_args, parse_args
@@ -26,6 +27,31 @@ def test_flags_map_to_config(tmp_path: Path) -> None:
     assert cfg.model_dir == tmp_path and cfg.bundle is None and cfg.device == "cpu"
     assert (cfg.batching.max_batch_rows, cfg.batching.max_wait_us) == (64, 250)
     assert (cfg.limits.max_candidates, cfg.limits.max_sequence_length) == (50, 30)
+    assert cfg.admin is None and cfg.tls is None  # admin off, plaintext: the defaults
+    assert cfg.host == "127.0.0.1"
+
+
+def test_limit_and_admission_flags(tmp_path: Path) -> None:
+    flags = ["--model-dir", str(tmp_path), "--max-string-bytes", "64", "--max-queue", "5"]
+    flags += ["--max-request-bytes", "1000", "--max-detail-bytes", "200", "--reserve-threads", "3"]
+    cfg = config_from_args(parse_args(flags))
+    lim = cfg.limits
+    assert (lim.max_string_bytes, lim.max_request_bytes, lim.max_detail_bytes) == (64, 1000, 200)
+    assert lim.max_pending == 5 and cfg.rpc_threads == 8  # every admitted request has a thread
+    assert lim.max_sequence_length is None  # default: each sequence's configured length
+
+
+def test_admin_and_tls_flags(tmp_path: Path) -> None:
+    base = ["--model-dir", str(tmp_path)]
+    with pytest.raises(ValueError, match="need --admin-address"):
+        config_from_args(parse_args([*base, "--delta-root", str(tmp_path)]))
+    with pytest.raises(ValueError, match="both --tls-cert and --tls-key"):
+        config_from_args(parse_args([*base, "--tls-cert", "c.pem"]))
+    flags = [*base, "--admin-address", "unix:/tmp/a.sock", "--delta-root", str(tmp_path)]
+    cfg = config_from_args(parse_args([*flags, "--tls-cert", "c.pem", "--tls-key", "k.pem"]))
+    assert cfg.admin is not None and cfg.admin.address == "unix:/tmp/a.sock"
+    assert cfg.admin.delta_root == tmp_path and cfg.admin.allow_writes
+    assert cfg.tls is not None and cfg.tls.client_ca is None
 
 
 def test_batch_rows_default_by_device_and_process_flags(tmp_path: Path) -> None:
@@ -46,7 +72,7 @@ def test_cli_serves_then_stops_on_sigterm(bundle_v1: Path) -> None:
         [*cmd, "--metrics-port", "0", "--device", "cpu"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
     )
     try:
@@ -61,6 +87,11 @@ def test_cli_serves_then_stops_on_sigterm(bundle_v1: Path) -> None:
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        # logging works although torchrec installs a root handler first: timestamped INFO lines
+        assert re.search(r"^\d{4}-\d\d-\d\d .* INFO serve.server: listening on ", log, re.M), log
+        assert re.search(r" INFO serve.versions: serving model 1 from ", log), log
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -15,20 +15,20 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from protos import predict_pb2, predict_pb2_grpc
 from serve.batcher import BatcherConfig
+from serve.limits import Limits
 from serve.offline import score_rows
 from serve.server import PredictionServer, ServerConfig
 from serve.servicer import SERVICE_NAME
-from serve.validation import Limits
 from shared.features import FeatureSet
 
 from .conftest import candidate_variants, to_columnar
 
-LIMITS = Limits(max_candidates=8, max_sequence_length=20)
-BATCHING = BatcherConfig(max_batch_rows=64, max_wait_us=2000, max_queue=64)
+LIMITS = Limits(max_candidates=8, max_sequence_length=20, max_request_bytes=64 << 10)
+BATCHING = BatcherConfig(max_batch_rows=64, max_wait_us=2000)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -38,8 +38,6 @@ def _config(**kw: object) -> ServerConfig:
         limits=LIMITS,
         batching=BATCHING,
         metrics_port=0,
-        max_message_bytes=64 << 10,
-        rpc_threads=16,
     )
     base.update(kw)
     return ServerConfig(**base)  # type: ignore[arg-type]
@@ -113,15 +111,43 @@ def test_metadata(stub, fs: FeatureSet) -> None:
     assert {t.name for t in md.tables} == set(fs.tables)
     assert set(md.startup_seconds) == {"read", "table_build", "program_load", "warmup", "total"}
     assert md.max_candidates == LIMITS.max_candidates and md.device == "cpu"
+    # sequences: where they go in a request, and the length the server enforces (the flag's
+    # 20 caps the config's 50)
+    sides = {f.name: f.side for f in md.features}
+    seq = [n for n, spec in fs.features.items() if spec.is_sequence]
+    assert {sides[n] for n in seq} == {"sequence"} and sides["adgroup_id"] == "item"
+    assert [(s.name, list(s.features), s.max_length) for s in md.sequences] == [
+        ("click_50_seq", seq, 20)
+    ]
+    assert md.max_sequence_length == 20
+    assert {f.max_length for f in md.features if f.name in seq} == {20}
+    assert md.limits.max_candidates == 8 and md.limits.max_request_bytes == 64 << 10
+    assert md.limits.max_pending == LIMITS.max_pending
+    assert md.limits.max_string_bytes == LIMITS.max_string_bytes
+    assert not md.HasField("last_refusal")
 
 
-def test_reflection_lists_the_services(server: PredictionServer) -> None:
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_the_services(server: PredictionServer, version: str) -> None:
+    """Both reflection versions answer (grpcurl asks v1 first); v1 and v1alpha messages are
+    the same on the wire, so the v1alpha stubs speak v1 under the v1 method path."""
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        req = reflection_pb2.ServerReflectionRequest(list_services="")
-        (resp,) = list(stub.ServerReflectionInfo(iter([req]), timeout=10))
-    names = {s.name for s in resp.list_services_response.service}
-    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        listing = reflection_pb2.ServerReflectionRequest(list_services="")
+        lookup = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
+        listed, found = list(call(iter([listing, lookup]), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {
+        SERVICE_NAME,
+        "grpc.health.v1.Health",
+        f"grpc.reflection.{version}.ServerReflection",
+    } <= names
+    assert "dynrec.serving.ModelAdminService" not in names  # the admin service is off
+    assert found.file_descriptor_response.file_descriptor_proto
 
 
 def test_metrics_endpoint(server: PredictionServer, stub, requests) -> None:
@@ -219,8 +245,12 @@ def _bad_cases() -> dict[str, tuple[object, str]]:
             "candidates[0].price",
         ),
         "negative price": (
-            lambda r: set_value(r.candidates[0], "price", double_value=-3.0),
-            "candidates[*].price",
+            lambda r: set_value(r.candidates[1], "price", double_value=-3.0),
+            "candidates[1].price",
+        ),
+        "string too long": (
+            lambda r: set_value(r.context, "pid", string_value="4" * 300),
+            "context.pid",
         ),
         "negative id": (lambda r: set_value(r.user, "age_level", int64_value=-2), "user.age_level"),
         "sequence too long": (
@@ -247,7 +277,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, requests, case: st
     with pytest.raises(grpc.RpcError) as info:
         stub.Predict(req, timeout=10)
     assert info.value.code() == INVALID, info.value.details()
-    assert field in info.value.details()
+    assert info.value.details().startswith(f"{field}: "), info.value.details()
     assert stub.Predict(requests[1], timeout=10).probabilities  # still answers
 
 
@@ -397,15 +427,49 @@ def test_bad_columnar_input_is_invalid_argument_naming_the_field(
     assert stub.Predict(good, timeout=10).probabilities  # still answers
 
 
-def test_oversize_message_is_refused(stub, requests) -> None:
+def test_oversize_message_is_refused_and_counted(server, stub, requests) -> None:
+    counted = ("Predict", "request_too_large")
+    before = _sample(server, "dynrec_serving_rejections_total", counted)
     req = predict_pb2.PredictRequest()
     req.CopyFrom(requests[0])
-    req.request_id = "x" * (70 << 10)
+    req.request_id = "x" * (70 << 10)  # past the 64 kB limit: the server refuses it
     with pytest.raises(grpc.RpcError) as info:
         stub.Predict(req, timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "larger than max" in info.value.details()
+    assert info.value.details().startswith("request: "), info.value.details()
+    assert _sample(server, "dynrec_serving_rejections_total", counted) == before + 1
+    req.request_id = "x" * (LIMITS.transport_bytes + 1)  # past the transport's own limit
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(req, timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert stub.Predict(requests[0], timeout=10).probabilities
+
+
+def _sample(server: PredictionServer, name: str, labels: tuple[str, str]) -> float:
+    value = server.metrics.registry.get_sample_value(
+        name, {"method": labels[0], "reason": labels[1]}
+    )
+    return value or 0.0
+
+
+def test_undecodable_bytes_are_invalid_argument(server, requests) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        raw = channel.unary_unary(
+            f"/{SERVICE_NAME}/Predict",
+            request_serializer=None,
+            response_deserializer=predict_pb2.PredictResponse.FromString,
+        )
+        for junk in (b"\xff\xff\xff", requests[0].SerializeToString()[:-3], b"\x0a\x05ab"):
+            with pytest.raises(grpc.RpcError) as info:
+                raw(junk, timeout=10)
+            assert info.value.code() == INVALID, info.value.details()
+            assert info.value.details().startswith("request: not a valid"), info.value.details()
+        assert raw(requests[0].SerializeToString(), timeout=10).probabilities
+
+
+def test_predict_without_a_deadline(stub, requests, expected_v1) -> None:
+    resp = stub.Predict(requests[0])  # no timeout: no deadline, as grpcurl and Postman send
+    np.testing.assert_allclose(resp.probabilities, expected_v1[0], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -510,8 +574,17 @@ def test_hot_swap_under_traffic_then_corrupt_bundle_refused(
             time.sleep(0.05)
         assert loads._value.get() == 1
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-            r = predict_pb2_grpc.PredictionServiceStub(channel).Predict(requests[0], timeout=10)
+            stub = predict_pb2_grpc.PredictionServiceStub(channel)
+            r = stub.Predict(requests[0], timeout=10)
+            md = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest(), timeout=10)
         assert r.model_version == "2"
+        # which version was refused, and why: in the metadata and as a metric
+        assert md.last_refusal.version == "3" and "sha256" in md.last_refusal.reason
+        labels = {"version": "3"}
+        refused_at = srv.metrics.registry.get_sample_value(
+            "dynrec_serving_model_last_refusal_timestamp_seconds", labels
+        )
+        assert refused_at == md.last_refusal.at_unix
         np.testing.assert_allclose(r.probabilities, expected_v2[0], rtol=1e-5, atol=1e-6)
         time.sleep(0.2)  # further polls do not retry the refused bundle
         assert loads._value.get() == 1

@@ -9,9 +9,10 @@ import torch
 
 from serve.batcher import concat_batches
 from serve.fused import FusedTables, fusable
+from serve.limits import Limits
 from serve.model import synthetic_batch
 from serve.sparse import SparseTables
-from serve.validation import Limits, request_inputs
+from serve.validation import request_inputs
 from shared.bundle import read_bundle
 from shared.fg import request_columns_to_batch
 

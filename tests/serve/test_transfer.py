@@ -9,8 +9,9 @@ import torch
 
 from bench.synthetic_bundle import synthetic_request
 from serve.batcher import concat_batches
+from serve.limits import Limits
 from serve.model import LoadedModel, batch_to_device
-from serve.validation import Limits, request_inputs
+from serve.validation import request_inputs
 from shared.batch import Batch
 from shared.features import FeatureSet
 from shared.fg import request_columns_to_batch

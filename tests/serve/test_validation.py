@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from protos import predict_pb2
-from serve.validation import Limits, RequestError, _features, request_inputs
+from serve.limits import Limits
+from serve.validation import RequestError, _features, request_inputs
 from shared.features import FeatureSet, Side
 from shared.fg import request_columns_to_batch
 
@@ -18,7 +19,9 @@ from .conftest import candidate_variants, to_columnar
 
 def _per_candidate(req: predict_pb2.PredictRequest, fs: FeatureSet) -> dict[str, list[object]]:
     specs = {f.name: f for f in fs.features.values() if f.side is Side.ITEM and not f.is_sequence}
-    rows = [_features(c, specs, f"candidates[{i}]", "") for i, c in enumerate(req.candidates)]
+    rows = [
+        _features(c, specs, f"candidates[{i}]", "", Limits()) for i, c in enumerate(req.candidates)
+    ]
     return {name: [row[name] for row in rows] for name in specs}
 
 

@@ -8,10 +8,15 @@ Examples::
     python -m train.tools convert --from-config configs/multi_tower_din_taobao.config \\
         --checkpoint runs/nb/checkpoints/step_500 --to-config cfg --samples data/samples/train \\
         --eval data/samples/eval --out runs/converted
-    python -m train.tools inspect --checkpoint runs/dyn            # or --server 127.0.0.1:8500
+    python -m train.tools inspect --checkpoint runs/dyn
+    python -m train.tools inspect --server unix:/run/dynrec/admin.sock --token-file token
     python -m train.tools delta-export --config cfg --base exports/v1 --model-dir runs/dyn \\
-        --out exports/deltas/step-2000
-    python -m train.tools delta-apply --server 127.0.0.1:8500 --delta exports/deltas/step-2000
+        --out /srv/deltas/step-2000
+    python -m train.tools delta-apply --server 127.0.0.1:8501 --token-file token \\
+        --delta step-2000
+
+``--server`` is the server's admin address (``serve --admin-address``), not its public port;
+``--delta`` is relative to the server's ``--delta-root`` (:mod:`train.tools.admin_client`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from train.tools.admin_client import AdminTarget
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="table statistics of a checkpoint or a running server")
     where = s.add_mutually_exclusive_group(required=True)
     where.add_argument("--checkpoint", type=Path, help="step dir, model dir or init-ckpt dir")
-    where.add_argument("--server", metavar="HOST:PORT")
+    where.add_argument("--server", metavar="ADMIN_ADDRESS", help=SERVER_HELP)
     s.add_argument("--top-k", type=int, default=10)
     s.add_argument("--json", action="store_true")
 
@@ -71,12 +79,35 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--overwrite", action="store_true")
 
     a = sub.add_parser("delta-apply", help="apply a delta dir to a running server")
-    a.add_argument("--server", metavar="HOST:PORT", required=True)
-    a.add_argument("--delta", type=Path, required=True, help="a path the server can read")
+    a.add_argument("--server", metavar="ADMIN_ADDRESS", required=True, help=SERVER_HELP)
+    a.add_argument(
+        "--delta",
+        required=True,
+        help="the delta directory relative to the server's --delta-root, e.g. step-2000",
+    )
     a.add_argument("--timeout", type=float, default=300.0)
     for command in (i, c, d, a):
         command.add_argument("--json", action="store_true", help="JSON instead of text")
+    for command in (s, a):
+        _admin_arguments(command)
     return p
+
+
+SERVER_HELP = "the server's admin address (serve --admin-address): HOST:PORT or unix:/path"
+
+
+def _admin_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("admin service access (with --server)")
+    g.add_argument("--token-file", type=Path, help="bearer token (the server's --admin-token-file)")
+    g.add_argument("--tls-ca", type=Path, help="PEM roots of the server's TLS certificate")
+    g.add_argument("--tls-cert", type=Path, help="PEM client certificate (mTLS), with --tls-key")
+    g.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+
+
+def _admin_target(args: argparse.Namespace) -> AdminTarget:
+    from train.tools.admin_client import AdminTarget
+
+    return AdminTarget(args.server, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def _init_ckpt(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,14 +161,13 @@ def _convert(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _delta_apply(args: argparse.Namespace) -> dict[str, Any]:
-    import grpc
-
     from protos import predict_pb2, predict_pb2_grpc
 
-    with grpc.insecure_channel(args.server) as channel:
+    target = _admin_target(args)
+    with target.channel() as channel:
         stub = predict_pb2_grpc.ModelAdminServiceStub(channel)
-        request = predict_pb2.ApplyDeltaRequest(path=str(args.delta.resolve()))
-        resp = stub.ApplyDelta(request, timeout=args.timeout)
+        request = predict_pb2.ApplyDeltaRequest(path=args.delta)
+        resp = stub.ApplyDelta(request, metadata=target.metadata(), timeout=args.timeout)
     return {
         "model_version": resp.model_version,
         "base_version": resp.base_version,
@@ -213,9 +243,12 @@ def run(args: argparse.Namespace) -> str:
         from train.tools.inspection import format_report, inspect_checkpoint, inspect_server
 
         if args.checkpoint is not None:
+            access = (args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
+            if any(v is not None for v in access):
+                raise ValueError("--token-file and --tls-* are for --server, not --checkpoint")
             report = inspect_checkpoint(args.checkpoint, top_k=args.top_k)
         else:
-            report = inspect_server(args.server, top_k=args.top_k)
+            report = inspect_server(_admin_target(args), top_k=args.top_k)
         return (
             json.dumps(report, indent=1) if args.json else format_report(report, top_k=args.top_k)
         )

@@ -23,7 +23,8 @@ import torch
 
 from shared.bundle import read_bundle
 from shared.config import config_digest, load_config
-from shared.delta import DeltaError, diff_tables, read_delta, write_delta
+from shared.delta import DeltaError, diff_tables, write_delta
+from shared.delta_reader import read_delta
 from shared.hashtable.summary import checkpoint_summaries
 from train.checkpoint import DYNAMIC_MODULE
 from train.export import restore_model

@@ -7,10 +7,11 @@ admission backlog (``admission_threshold``, ``admission_pending`` keys counted b
 - A checkpoint (a ``step_N`` dir, a model dir, or an init-ckpt dir) is read file by file, no
   config needed; only its dynamic tables are listed. ``capacity`` there is the bound the table
   can grow to, ``max_capacity`` x the saving world size, and ``load_factor`` is size / that.
-- A server (``HOST:PORT``) answers ``ModelAdminService.InspectTables``: every table it serves,
-  ``capacity`` / ``load_factor`` of its serving hash table, ``hits`` / ``misses`` of lookups since
-  the version was loaded, and the training-side columns as of the export or delta it serves
-  (bundles carry them in ``manifest.json`` ``extra.table_summaries``).
+- A server answers ``ModelAdminService.InspectTables`` on its admin address (``HOST:PORT`` or
+  ``unix:/path``, with its token and TLS files: :mod:`train.tools.admin_client`): every table
+  it serves, ``capacity`` / ``load_factor`` of its serving hash table, ``hits`` / ``misses`` of
+  lookups since the version was loaded, and the training-side columns as of the export or delta
+  it serves (bundles carry them in ``manifest.json`` ``extra.table_summaries``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from shared.hashtable.summary import checkpoint_summaries
 from train.checkpoint import DYNAMIC_MODULE
 from train.fine_tune import resolve_checkpoint
+from train.tools.admin_client import AdminTarget
 
 
 def inspect_checkpoint(path: str | Path, *, top_k: int = 10) -> dict[str, Any]:
@@ -49,14 +51,19 @@ def inspect_checkpoint(path: str | Path, *, top_k: int = 10) -> dict[str, Any]:
     return {"source": "checkpoint", "where": str(ckpt), "tables": tables}
 
 
-def inspect_server(target: str, *, top_k: int = 10, timeout: float = 10.0) -> dict[str, Any]:
-    import grpc
-
+def inspect_server(
+    target: AdminTarget | str, *, top_k: int = 10, timeout: float = 10.0
+) -> dict[str, Any]:
+    """``InspectTables`` of the server whose admin service listens at ``target`` (an address,
+    or an :class:`AdminTarget` with its token and TLS files)."""
     from protos import predict_pb2, predict_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    admin = AdminTarget(target) if isinstance(target, str) else target
+    with admin.channel() as channel:
         stub = predict_pb2_grpc.ModelAdminServiceStub(channel)
-        resp = stub.InspectTables(predict_pb2.InspectRequest(top_k=top_k), timeout=timeout)
+        resp = stub.InspectTables(
+            predict_pb2.InspectRequest(top_k=top_k), metadata=admin.metadata(), timeout=timeout
+        )
     tables = []
     for t in resp.tables:
         tables.append(
@@ -82,7 +89,7 @@ def inspect_server(target: str, *, top_k: int = 10, timeout: float = 10.0) -> di
         )
     return {
         "source": "server",
-        "where": target,
+        "where": admin.address,
         "model_version": resp.model_version,
         "base_version": resp.base_version,
         "deltas": list(resp.deltas),

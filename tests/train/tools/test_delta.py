@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shared.bundle import read_bundle
-from shared.delta import DeltaError, apply_delta_tables, manifest_digest, read_delta
+from shared.delta import DeltaError, apply_delta_tables, manifest_digest
+from shared.delta_reader import read_delta
 from tests.conftest import SEED_CONFIG, write_config
 from train.tools.__main__ import main
 from train.tools.delta import export_delta
