@@ -1,4 +1,5 @@
-"""The CuPy hash-table kernels beside the torch core and a dense ``index_select``, on one GPU.
+"""The CUDA hash-table backend (CuPy kernels) beside the torch backend and a dense
+``index_select``, on one GPU.
 
     python -m bench.bench_gpu_hashtable --out bench/results/bench_gpu_hashtable.json
 
@@ -6,29 +7,27 @@ For each load factor (0.5, 0.9): ``--keys`` random keys (dim ``--dim``, 128 slot
 capacity ``keys / load_factor``, no growth) and, in the same run:
 
 - ``find``: one call of every key (shuffled), kernels (each probe window; 0 = binary search)
-  and the torch core (``cuda.disabled()``); also a batch of absent keys and a training-size
-  batch; ``dense_index_select``: ``index_select`` of as many random rows of a dense
-  [keys, dim] matrix, the floor a hash lookup is compared with; ``find_gather``: find plus
-  ``index_select`` of the found rows;
+  and the torch backend (``TorchBackend``, the reference, on the same GPU); also a batch of
+  absent keys and a training-size batch; ``dense_index_select``: ``index_select`` of as many
+  random rows of a dense [keys, dim] matrix, the floor a hash lookup is compared with;
+  ``find_gather``: find plus ``index_select`` of the found rows;
 - ``insert``: all keys into an empty table in one call and in ``--batch``-key calls, and an
-  assign of every (stored) key: the torch core, and each kernel implementation of
-  ``cuda/insert.py`` (``insert_v1``, ``insert_v2``; ``--insert-impls``), each with a check that
-  it gives the core's table (``insert_v2`` also through CuPy's launch instead of the direct
-  driver launch: ``one_call_cupy_launch``); ``erase_all``: an erase of every key, kernels and
-  core; ``counter``: the admission counter's table (dim 0, 1024 slots a bucket, LFU) taking
-  ``--counter-keys`` new keys and erasing them, kernels and core.
+  assign of every (stored) key: the torch backend and the CUDA backend, with a check that the
+  kernels give the torch backend's table; ``erase_all``: an erase of every key, both backends;
+  ``counter``: the admission counter's table (dim 0, 1024 slots a bucket, LFU) taking
+  ``--counter-keys`` new keys and erasing them, both backends.
 
 Then the bulk build of ``--build-keys`` keys (serving startup): ``HashTable.from_keys_values``
-with kernels and torch core, and ``StaticLookupTable.from_keys_values``.
+with each backend, and ``StaticLookupTable.from_keys_values``.
 
 Times are medians of ``--repeats`` runs between CUDA events (``per_call``: synchronised before
 each call, host work included; ``pipelined``: ``--pipeline`` calls back to back, so host work
-overlaps the GPU's; ``kernel_only``: the find kernel relaunched on converted arguments, without
-the Python work of a call). ``kernel_api`` (``HashTable.find``) launches through the driver
-(``runtime.Launcher``); ``kernel_api_cupy_launch`` is the same call through CuPy's RawKernel
-call on DLPack views (``runtime.DIRECT_LAUNCH`` off). Builds and inserts synchronise inside, so they are timed per call.
-``--profile`` adds torch.profiler tables of one find, insert (each implementation) and build.
-``--sections`` and ``--load-factors`` select parts of the run.
+overlaps the GPU's; ``kernel_only``: the find kernel relaunched on fixed arguments, without
+the Python work of a call). Every launch goes through the driver (``runtime.Launcher``).
+Builds and inserts synchronise inside, so they are timed per call. Results measured before the
+launch and insert paths were reduced to one each (CuPy's launch, the first insert kernels) are
+in ``bench/results/`` and git history. ``--profile`` adds torch.profiler tables of one find,
+insert and build. ``--sections`` and ``--load-factors`` select parts of the run.
 """
 
 from __future__ import annotations
@@ -44,14 +43,18 @@ from typing import Any
 
 import torch
 
+from shared.features import ScoreStrategy
 from shared.hashtable import cuda
-from shared.hashtable.cuda import insert
-from shared.hashtable.cuda import runtime as rt
+from shared.hashtable.backend import Backend
+from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.cuda.find import find as kernel_find
 from shared.hashtable.cuda.find import prepared_find
 from shared.hashtable.cuda.runtime import FIND_WINDOWS
 from shared.hashtable.lookup import StaticLookupTable
 from shared.hashtable.table import HashTable
+from shared.hashtable.torch_backend import TorchBackend
+
+TORCH = TorchBackend()
 
 STATE = ("_slot_fp", "_slot_row", "_row_key", "_row_tid", "_row_score", "_values")
 
@@ -98,25 +101,34 @@ def _same_table(a: HashTable, b: HashTable) -> bool:
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in STATE) and a.size == b.size
 
 
-def _fresh(n: int, lf: float, dim: int, device: torch.device) -> HashTable:
+def _fresh(n: int, lf: float, dim: int, device: torch.device, backend: Backend) -> HashTable:
     cap = math.ceil(n / lf)
-    return HashTable(dim, init_capacity=cap, max_capacity=cap, bucket_capacity=128, device=device)
+    return HashTable(
+        dim,
+        init_capacity=cap,
+        max_capacity=cap,
+        bucket_capacity=128,
+        device=device,
+        backend=backend,
+    )
 
 
 def bench_insert(
-    keys: torch.Tensor, lf: float, dim: int, batch: int, repeats: int, impls: list[str]
+    keys: torch.Tensor, lf: float, dim: int, batch: int, repeats: int, kernels: CudaBackend
 ) -> dict[str, Any]:
     """Inserts of every key into an empty table (one call, ``batch``-key calls) and an assign of
-    every stored key: the torch core once, then each kernel implementation (cuda/insert.py
-    IMPL), each checked against the core's table. Top-level ``one_call``/``batched``/
-    ``assign_all`` repeat the default implementation's numbers."""
+    every stored key: the torch backend (``core``) once, then the CUDA backend, checked against
+    the torch backend's table."""
     dev, n = keys.device, keys.numel()
     values = torch.randn(n, dim, device=dev)
     scores = torch.arange(n, device=dev)
     state: dict[str, HashTable] = {}
 
-    def fresh() -> None:
-        state["t"] = _fresh(n, lf, dim, dev)
+    def fresh(backend: Backend) -> Callable[[], None]:
+        def make() -> None:
+            state["t"] = _fresh(n, lf, dim, dev, backend)
+
+        return make
 
     def insert_all() -> None:
         state["t"].insert_or_assign(keys, values, scores)
@@ -129,91 +141,68 @@ def bench_insert(
     calls = (("one_call", insert_all), ("batched", insert_batches))
     perm = torch.randperm(n, device=dev)
     q, qv, qs = keys[perm], values[perm], scores[perm]
-    out: dict[str, Any] = {"batch": batch, "default_impl": insert.IMPL, "core": {}}
-    with cuda.disabled():
-        for name, fn in calls:
-            fresh()
-            fn()
-            out["core"][name] = _time(fn, max(1, repeats // 2), setup=fresh)
-        fresh()
-        insert_all()
-        core_table = state["t"]
-        core_assign = _time(lambda: core_table.insert_or_assign(q, qv, qs), 3)
-    for impl in impls:
-        res: dict[str, Any] = {}
-        with insert.implementation(impl):
-            for name, fn in calls:
-                fresh()
-                fn()  # warm up
-                k, c = _time(fn, repeats, setup=fresh), out["core"][name]
-                res[name] = {
-                    "kernel_s": k,
-                    "kernel_keys_per_s": n / k,
-                    "core_s": c,
-                    "core_keys_per_s": n / c,
-                    "speedup": c / k,
-                }
-            fresh()
-            insert_all()
-            table = state["t"]
-            res["kernel_table_equals_core_table"] = _same_table(table, core_table)
-            res["size"], res["evictions"] = table.size, table.evictions
-            k = _time(lambda t=table: t.insert_or_assign(q, qv, qs), repeats)
-            res["assign_all"] = {"kernel_keys_per_s": n / k, "core_keys_per_s": n / core_assign}
-            if impl == "v2":  # the same calls through CuPy's RawKernel launch (host time)
-                fresh()
-                insert_all()
-                with _cupy_launch():
-                    k = _time(insert_all, repeats, setup=fresh)
-                res["one_call_cupy_launch"] = {"kernel_s": k, "kernel_keys_per_s": n / k}
-        out[f"insert_{impl}"] = res
-    if "v1" in impls and "v2" in impls:
-        out["v2_speedup_over_v1"] = {
-            name: out["insert_v1"][name]["kernel_s"] / out["insert_v2"][name]["kernel_s"]
-            for name, _ in calls
+    out: dict[str, Any] = {"batch": batch, "core": {}}
+    core_fresh, kernel_fresh = fresh(TORCH), fresh(kernels)
+    for name, fn in calls:
+        core_fresh()
+        fn()
+        out["core"][name] = _time(fn, max(1, repeats // 2), setup=core_fresh)
+    core_fresh()
+    insert_all()
+    core_table = state["t"]
+    core_assign = _time(lambda: core_table.insert_or_assign(q, qv, qs), 3)
+    before = kernels.paths.copy()
+    for name, fn in calls:
+        kernel_fresh()
+        fn()  # warm up
+        k, c = _time(fn, repeats, setup=kernel_fresh), out["core"][name]
+        out[name] = {
+            "kernel_s": k,
+            "kernel_keys_per_s": n / k,
+            "core_s": c,
+            "core_keys_per_s": n / c,
+            "speedup": c / k,
         }
-    default = out.get(f"insert_{insert.IMPL}")
-    if default is not None:
-        for key in ("one_call", "batched", "assign_all", "kernel_table_equals_core_table"):
-            out[key] = default[key]
-    out["erase_all"] = _bench_erase(state, fresh, insert_all, q, repeats)
+    kernel_fresh()
+    insert_all()
+    table = state["t"]
+    out["kernel_table_equals_core_table"] = _same_table(table, core_table)
+    out["size"], out["evictions"] = table.size, table.evictions
+    k = _time(lambda t=table: t.insert_or_assign(q, qv, qs), repeats)
+    out["assign_all"] = {"kernel_keys_per_s": n / k, "core_keys_per_s": n / core_assign}
+    out["kernel_paths"] = dict(kernels.paths - before)  # what the CUDA backend's calls did
+    out["erase_all"] = _bench_erase(state, fresh, insert_all, q, repeats, kernels)
     return out
-
-
-class _cupy_launch:
-    """insert.DIRECT_LAUNCH and runtime.DIRECT_LAUNCH off inside the block (CuPy's RawKernel
-    call for every launch: insert v2/erase with pointer arguments, find and keyed on DLPack
-    views)."""
-
-    def __enter__(self) -> None:
-        self.before = (insert.DIRECT_LAUNCH, rt.DIRECT_LAUNCH)
-        insert.DIRECT_LAUNCH = rt.DIRECT_LAUNCH = False
-
-    def __exit__(self, *exc: object) -> None:
-        insert.DIRECT_LAUNCH, rt.DIRECT_LAUNCH = self.before
 
 
 def _kernels_vs_core(
     state: dict[str, HashTable],
-    setup: Callable[[], None],
+    setup: Callable[[Backend], None],
     op: Callable[[], None],
     n: int,
     repeats: int,
+    kernels: CudaBackend,
 ) -> dict[str, Any]:
-    """``op`` on a table ``setup`` makes (``state["t"]``), timed with the kernels and with the
-    torch core, and whether both left the same table."""
-    setup()
+    """``op`` on a table ``setup(backend)`` makes (``state["t"]``), timed with the CUDA backend
+    and with the torch backend, and whether both left the same table."""
+
+    def kernel_setup() -> None:
+        setup(kernels)
+
+    def core_setup() -> None:
+        setup(TORCH)
+
+    kernel_setup()
     op()  # warm up
-    k = _time(op, repeats, setup=setup)
-    setup()
+    k = _time(op, repeats, setup=kernel_setup)
+    kernel_setup()
     op()
     kernel_table = state["t"]
-    with cuda.disabled():
-        setup()
-        op()
-        c = _time(op, max(1, repeats // 2), setup=setup)
-        setup()
-        op()
+    core_setup()
+    op()
+    c = _time(op, max(1, repeats // 2), setup=core_setup)
+    core_setup()
+    op()
     return {
         "kernel_s": k,
         "kernel_keys_per_s": n / k,
@@ -226,28 +215,27 @@ def _kernels_vs_core(
 
 def _bench_erase(
     state: dict[str, HashTable],
-    fresh: Callable[[], None],
+    fresh: Callable[[Backend], Callable[[], None]],
     fill: Callable[[], None],
     q: torch.Tensor,
     repeats: int,
+    kernels: CudaBackend,
 ) -> dict[str, Any]:
-    """Erase of every stored key (``q``, shuffled) from a full table: kernels and core."""
+    """Erase of every stored key (``q``, shuffled) from a full table: both backends."""
     n = q.numel()
 
-    def setup() -> None:
-        fresh()
+    def setup(backend: Backend) -> None:
+        fresh(backend)()
         fill()
 
     def erase() -> None:
         state["t"].erase(q)
 
-    return _kernels_vs_core(state, setup, erase, n, repeats)
+    return _kernels_vs_core(state, setup, erase, n, repeats, kernels)
 
 
-def _counter(capacity: int, dev: torch.device) -> HashTable:
+def _counter(capacity: int, dev: torch.device, backend: Backend) -> HashTable:
     """The admission counter's table (admission.FrequencyCounter): dim 0, LFU, no growth."""
-    from shared.features import ScoreStrategy
-
     return HashTable(
         0,
         init_capacity=capacity,
@@ -255,38 +243,54 @@ def _counter(capacity: int, dev: torch.device) -> HashTable:
         bucket_capacity=1024,
         score_strategy=ScoreStrategy.LFU,
         device=dev,
+        backend=backend,
     )
 
 
-def bench_counter(keys: torch.Tensor, repeats: int) -> dict[str, Any]:
+def bench_counter(keys: torch.Tensor, repeats: int, kernels: CudaBackend) -> dict[str, Any]:
     """Insert of every key (new, dim 0) into an empty counter table of twice the keys, and the
-    erase of every key: kernels (v2: place opts in to 61 KB of shared memory a warp) and core."""
+    erase of every key: both backends (the kernels' place opts in to 61 KB of shared memory a
+    warp)."""
     dev, n = keys.device, keys.numel()
     counts = torch.randint(1, 5, (n,), device=dev)
     state: dict[str, HashTable] = {}
 
-    def fresh() -> None:
-        state["t"] = _counter(2 * n, dev)
+    def fresh(backend: Backend) -> Callable[[], None]:
+        def make() -> None:
+            state["t"] = _counter(2 * n, dev, backend)
+
+        return make
 
     def fill() -> None:
         state["t"].insert_or_assign(keys, torch.zeros(n, 0, device=dev), counts)
 
+    def setup(backend: Backend) -> None:
+        fresh(backend)()
+
     out: dict[str, Any] = {"keys": n, "bucket_capacity": 1024}
-    fresh()
+    before = kernels.paths.copy()
+    setup(kernels)
     fill()
-    out["insert_path"] = insert.last_path  # the path the kernels took (fast/overflow/core)
-    out["insert"] = _kernels_vs_core(state, fresh, fill, n, repeats)
-    out["erase"] = _bench_erase(state, fresh, fill, keys.flip(0), repeats)
+    out["insert_paths"] = dict(kernels.paths - before)  # the path the kernels took
+    out["insert"] = _kernels_vs_core(state, setup, fill, n, repeats, kernels)
+    out["erase"] = _bench_erase(state, fresh, fill, keys.flip(0), repeats, kernels)
     return out
 
 
 def bench_find(
-    keys: torch.Tensor, lf: float, dim: int, batch: int, repeats: int, pipeline: int
+    keys: torch.Tensor,
+    lf: float,
+    dim: int,
+    batch: int,
+    repeats: int,
+    pipeline: int,
+    kernels: CudaBackend,
 ) -> dict[str, Any]:
     dev, n = keys.device, keys.numel()
-    table = _fresh(n, lf, dim, dev)
-    with cuda.disabled():  # filled by the core: the find part does not depend on the insert
-        table.insert_or_assign(keys, torch.randn(n, dim, device=dev), torch.arange(n, device=dev))
+    core = _fresh(n, lf, dim, dev, TORCH)
+    # filled by the torch backend: the find part does not depend on the insert
+    core.insert_or_assign(keys, torch.randn(n, dim, device=dev), torch.arange(n, device=dev))
+    table = core.to(dev, backend=kernels)
     q = keys[torch.randperm(n, device=dev)]
     find: dict[str, Any] = {"keys": n, "size": table.size, "load_factor": table.load_factor}
     for w in FIND_WINDOWS:
@@ -296,13 +300,8 @@ def bench_find(
         run, _, _ = prepared_find(table, q, probe_window=w)
         find[f"kernel_only_window_{w}"] = _rate(n, run, repeats, pipeline)
     find["kernel_api"] = _rate(n, lambda: table.find(q, validate=False), repeats, pipeline)
-    with _cupy_launch():  # the same calls through CuPy's RawKernel call (DLPack per call)
-        find["kernel_api_cupy_launch"] = _rate(
-            n, lambda: table.find(q, validate=False), repeats, pipeline
-        )
-    with cuda.disabled():
-        find["core"] = _rate(n, lambda: table.find(q, validate=False), repeats, pipeline)
-        want = table.find(q, validate=False)
+    find["core"] = _rate(n, lambda: core.find(q, validate=False), repeats, pipeline)
+    want = core.find(q, validate=False)
     got = table.find(q, validate=False)
     find["kernel_rows_equal_core_rows"] = bool(
         torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -314,8 +313,7 @@ def bench_find(
     )
     qb = q[:batch]
     find["kernel_batch"] = _rate(batch, lambda: table.find(qb, validate=False), repeats, pipeline)
-    with cuda.disabled():
-        find["core_batch"] = _rate(batch, lambda: table.find(qb, validate=False), repeats, pipeline)
+    find["core_batch"] = _rate(batch, lambda: core.find(qb, validate=False), repeats, pipeline)
 
     def find_gather() -> torch.Tensor:
         rows, _ = table.find(q, validate=False)
@@ -332,23 +330,20 @@ def bench_find(
     }
     find["kernel_vs_core"] = piped["kernel_api"] / piped["core"]
     find["kernel_vs_dense_index_select"] = piped["kernel_api"] / piped["dense_index_select"]
-    find["direct_vs_cupy_launch"] = {  # > 1: the direct launch is faster
-        m: find["kernel_api_cupy_launch"][f"{m}_s"] / find["kernel_api"][f"{m}_s"]
-        for m in ("per_call", "pipelined")
-    }
     return find
 
 
-def bench_build(n: int, dim: int, repeats: int, device: torch.device) -> dict[str, Any]:
+def bench_build(
+    n: int, dim: int, repeats: int, device: torch.device, kernels: CudaBackend
+) -> dict[str, Any]:
     keys = _random_keys(n, seed=2, device=device)
     values = torch.randn(n, dim, device=device)
 
     def kernel() -> HashTable:
-        return HashTable.from_keys_values(keys, values, device=device)
+        return HashTable.from_keys_values(keys, values, device=device, backend=kernels)
 
     def core() -> HashTable:
-        with cuda.disabled():
-            return HashTable.from_keys_values(keys, values, device=device)
+        return HashTable.from_keys_values(keys, values, device=device, backend=TORCH)
 
     for _ in range(2):
         kernel(), core()
@@ -365,7 +360,9 @@ def bench_build(n: int, dim: int, repeats: int, device: torch.device) -> dict[st
     }
 
 
-def profile(path: Path, keys: torch.Tensor, dim: int, build_keys: int) -> None:
+def profile(
+    path: Path, keys: torch.Tensor, dim: int, build_keys: int, kernels: CudaBackend
+) -> None:
     """torch.profiler tables (GPU and host time per op and kernel) of a find and an insert of
     every key at load factor 0.5, and of the bulk build: where the time of each call goes."""
     from torch.profiler import ProfilerActivity
@@ -376,36 +373,26 @@ def profile(path: Path, keys: torch.Tensor, dim: int, build_keys: int) -> None:
     scores = torch.arange(n, device=dev)
     bkeys = _random_keys(build_keys, seed=2, device=dev)
     bvalues = torch.randn(build_keys, dim, device=dev)
-    full = _fresh(n, 0.5, dim, dev)
+    full = _fresh(n, 0.5, dim, dev, kernels)
     full.insert_or_assign(keys, values, scores)
     empty: dict[str, HashTable] = {}
 
     def new_table() -> None:
-        empty["t"] = _fresh(n, 0.5, dim, dev)
+        empty["t"] = _fresh(n, 0.5, dim, dev, kernels)
 
     def full_table() -> None:
         new_table()
         empty["t"].insert_or_assign(keys, values, scores)
 
     def new_counter() -> None:
-        empty["t"] = _counter(2 * n, dev)
-
-    def insert_with(impl: str) -> Callable[[], Any]:
-        def run() -> None:
-            with insert.implementation(impl):
-                empty["t"].insert_or_assign(keys, values, scores)
-
-        return run
+        empty["t"] = _counter(2 * n, dev, kernels)
 
     calls: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
         "find (1 call, all keys)": (lambda: full.find(keys, validate=False), None),
-        **{
-            f"insert_or_assign {impl} (1 call, all keys, empty table made before)": (
-                insert_with(impl),
-                new_table,
-            )
-            for impl in insert.IMPLS
-        },
+        "insert_or_assign (1 call, all keys, empty table made before)": (
+            lambda: empty["t"].insert_or_assign(keys, values, scores),
+            new_table,
+        ),
         "erase (1 call, all keys, full table made before)": (
             lambda: empty["t"].erase(keys),
             full_table,
@@ -415,7 +402,7 @@ def profile(path: Path, keys: torch.Tensor, dim: int, build_keys: int) -> None:
             new_counter,
         ),
         "from_keys_values": (
-            lambda: HashTable.from_keys_values(bkeys, bvalues, device=dev),
+            lambda: HashTable.from_keys_values(bkeys, bvalues, device=dev, backend=kernels),
             None,
         ),
     }
@@ -458,20 +445,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--sections", default="find,insert,build", help="comma-separated: find, insert, build"
     )
-    p.add_argument(
-        "--insert-impls",
-        default=",".join(insert.IMPLS),
-        help="comma-separated insert implementations to time (cuda/insert.py IMPLS)",
-    )
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
-    impls = [i for i in args.insert_impls.split(",") if i]
-    if unknown := set(impls) - set(insert.IMPLS):
-        raise SystemExit(f"bench_gpu_hashtable: unknown insert implementations {sorted(unknown)}")
     if cuda.unavailable_reason() is not None:
         raise SystemExit(f"bench_gpu_hashtable: {cuda.unavailable_reason()}")
     import cupy
 
+    kernels = CudaBackend()
     dev = torch.device("cuda")
     keys = _random_keys(args.keys, seed=1, device=dev)
     result: dict[str, Any] = {
@@ -484,8 +464,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "pipeline": args.pipeline,
         "load_factors": {},
-        "insert_direct_launch": insert.DIRECT_LAUNCH,
-        "direct_launch": rt.DIRECT_LAUNCH,  # find and keyed (runtime.Launcher)
+        "backends": {"kernel": kernels.name, "core": TORCH.name},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -504,26 +483,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             section(
                 "find",
                 lambda lf=lf: bench_find(
-                    keys, lf, args.dim, args.batch, args.repeats, args.pipeline
+                    keys, lf, args.dim, args.batch, args.repeats, args.pipeline, kernels
                 ),
                 into,
             )
         if "insert" in sections:
             section(
                 "insert",
-                lambda lf=lf: bench_insert(keys, lf, args.dim, args.batch, args.repeats, impls),
+                lambda lf=lf: bench_insert(keys, lf, args.dim, args.batch, args.repeats, kernels),
                 into,
             )
     if "insert" in sections:
         section(
             "counter",
-            lambda: bench_counter(keys[: args.counter_keys], args.repeats),
+            lambda: bench_counter(keys[: args.counter_keys], args.repeats, kernels),
             result,
         )
     if "build" in sections:
-        section("build", lambda: bench_build(args.build_keys, args.dim, args.repeats, dev), result)
+        section(
+            "build",
+            lambda: bench_build(args.build_keys, args.dim, args.repeats, dev, kernels),
+            result,
+        )
     if args.profile is not None:
-        section("profile", lambda: profile(args.profile, keys, args.dim, args.build_keys) or {}, {})
+        section(
+            "profile",
+            lambda: profile(args.profile, keys, args.dim, args.build_keys, kernels) or {},
+            {},
+        )
     return result
 
 

@@ -1,7 +1,10 @@
-"""Dynamic hash-table embeddings (dynamicemb semantics) in vectorized torch, CPU and CUDA.
+"""Dynamic hash-table embeddings (dynamicemb semantics): vectorized torch, CuPy kernels on CUDA.
 
 - :class:`HashTable` (``table.py``): int64 keys → rows; find / insert_or_assign / erase /
-  export, growth, eviction by score, NO_EVICTION refusals, bulk ``from_keys_values``.
+  export, growth, eviction by score, NO_EVICTION refusals, bulk ``from_keys_values``. Its
+  arrays are a ``TableLayout`` (``layout.py``); its operations are those of the backend it
+  gets once, when made (``backend.py``): ``TorchBackend`` (``torch_backend.py``, any device,
+  the reference) or ``CudaBackend`` (``cuda/``, CuPy kernels, the default on CUDA).
 - :class:`StaticLookupTable` (``lookup.py``): the read-only table serving builds at startup.
 - :class:`KeyedInitializer` (``initializers.py``): new rows as a function of (seed, table, key).
 - :class:`FrequencyCounter` (``admission.py``): bounded counters for frequency admission.

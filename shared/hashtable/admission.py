@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from shared.features import ScoreStrategy
+from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import split_mask
 from shared.hashtable.table import ExportedRows, HashTable
 
@@ -22,8 +23,14 @@ class FrequencyCounter:
     """Bounded (table id, key) → count map. ``add`` returns the counts after adding."""
 
     def __init__(
-        self, capacity: int, bucket_capacity: int = 1024, *, device: torch.device | str = "cpu"
+        self,
+        capacity: int,
+        bucket_capacity: int = 1024,
+        *,
+        device: torch.device | str = "cpu",
+        backend: Backend | None = None,
     ) -> None:
+        """``backend``: the counter table's (default: ``backend_for`` the device)."""
         self.table = HashTable(
             0,
             init_capacity=capacity,
@@ -31,6 +38,7 @@ class FrequencyCounter:
             bucket_capacity=bucket_capacity,
             score_strategy=ScoreStrategy.LFU,
             device=device,
+            backend=backend,
         )
 
     @property

@@ -30,8 +30,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,9 +40,6 @@ import torch
 from shared.features import TableSpec
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.storage import TableState
-
-if TYPE_CHECKING:
-    from shared.hashtable.embedding import DynamicEmbeddingCollection
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +52,21 @@ _DTYPES = {
     "counter_keys": "<i8",
     "counter_frequencies": "<i8",
 }
+
+
+class DynamicTables(Protocol):
+    """What :func:`save` and :func:`load` use of a ``DynamicEmbeddingCollection`` (which
+    imports this module for its ``save``/``load``)."""
+
+    @property
+    def tables(self) -> Mapping[str, TableSpec]: ...
+
+    @property
+    def adagrad(self) -> AdagradConfig: ...
+
+    def table_state(self, name: str) -> TableState: ...
+
+    def load_table_state(self, name: str, state: TableState) -> None: ...
 
 
 def file_name(table: str, kind: str, rank: int, world_size: int) -> str:
@@ -148,7 +161,7 @@ def write_table_files(
 
 
 def save(
-    dec: DynamicEmbeddingCollection,
+    dec: DynamicTables,
     ckpt_dir: str | Path,
     module_name: str,
     rank: int = 0,
@@ -272,7 +285,7 @@ def read_table(directory: Path, table: str) -> tuple[TableState, dict[str, Any]]
 
 
 def load(
-    dec: DynamicEmbeddingCollection,
+    dec: DynamicTables,
     ckpt_dir: str | Path,
     module_name: str,
     rank: int = 0,

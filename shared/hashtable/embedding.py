@@ -39,7 +39,9 @@ from typing import Any
 import torch
 
 from shared.features import ScoreStrategy, TableSpec
+from shared.hashtable import checkpoint
 from shared.hashtable.adagrad import AdagradConfig
+from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import check_keys
 from shared.hashtable.storage import FusedStorage, LookupPlan, TableState, compatibility_key
 
@@ -131,7 +133,10 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         seed: int = 0,
         clock: Callable[[], int] | None = None,
         max_load_factor: float = 0.5,
+        backend: Backend | None = None,
     ) -> None:
+        """``backend``: every storage's hash-table backend (default: ``backend_for`` the
+        device; e.g. ``TorchBackend()`` for the torch code on a GPU)."""
         super().__init__()
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
@@ -157,6 +162,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 seed=seed,
                 device=self.device,
                 max_load_factor=max_load_factor,
+                backend=backend,
             )
             for name, members in plan_storages(tables, fusion_groups)
         ]
@@ -165,6 +171,9 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         }
         # autograd anchor: not a Parameter/buffer, so no optimizer or state_dict sees it
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
+
+    def extra_repr(self) -> str:
+        return ", ".join(repr(s) for s in self._storages)
 
     # ------------------------------------------------------------------ configuration
 
@@ -243,9 +252,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         self, ckpt_dir: str | Path, module_name: str, rank: int = 0, world_size: int = 1
     ) -> Path:
         """See :func:`shared.hashtable.checkpoint.save`."""
-        from shared.hashtable.checkpoint import save
-
-        return save(self, ckpt_dir, module_name, rank=rank, world_size=world_size)
+        return checkpoint.save(self, ckpt_dir, module_name, rank=rank, world_size=world_size)
 
     def load(
         self,
@@ -257,6 +264,6 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         strict: bool = True,
     ) -> None:
         """See :func:`shared.hashtable.checkpoint.load`."""
-        from shared.hashtable.checkpoint import load
-
-        load(self, ckpt_dir, module_name, rank=rank, world_size=world_size, strict=strict)
+        checkpoint.load(
+            self, ckpt_dir, module_name, rank=rank, world_size=world_size, strict=strict
+        )

@@ -12,8 +12,6 @@ import hashlib
 
 import torch
 
-from shared.hashtable.cuda import runtime as cuda_kernels
-
 MASK64 = (1 << 64) - 1
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -60,17 +58,9 @@ def fingerprint(keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Ten
     Fingerprints are even so that the odd bucket sentinels (:func:`bucket_sentinels`) never
     equal one. Table id 0 has salt 0; two keys share a fingerprint only if their mixes differ
     in the lowest bit alone (or, for fused tables, by chance): lookups compare the full pair.
-    On CUDA one kernel computes the same bits (``cuda/keyed.cu``).
+    On CUDA one kernel computes the same bits (``cuda/keyed.cu``, the CUDA backend's
+    ``fingerprint``).
     """
-    if (
-        keys.is_cuda
-        and keys.dtype == torch.int64
-        and (table_ids is None or table_ids.shape == keys.shape)
-        and cuda_kernels.available()
-    ):
-        from shared.hashtable.cuda import keyed
-
-        return keyed.fingerprint(keys, table_ids)
     x = keys
     if table_ids is not None:
         x = x ^ mix64(table_ids.to(torch.int64) * to_signed(GOLDEN))

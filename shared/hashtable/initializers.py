@@ -14,8 +14,9 @@ CUDA give the same bits, and a key gets the same row on whatever rank inserts it
 
 Modes (tzrec/dynamicemb semantics): NORMAL(mean, std_dev); TRUNCATED_NORMAL(mean, std_dev)
 conditioned on [lower, upper] (inverse CDF, like dynamicemb's kernel); UNIFORM[lower, upper);
-CONSTANT(value). On CUDA (with CuPy) one kernel computes the same bits (``cuda/keyed.cu``);
-the torch code below is the CPU path and the reference. Example::
+CONSTANT(value). The code below is the torch backend's (any device) and the reference; the CUDA
+backend's ``keyed_rows`` computes the same bits in one kernel (``cuda/keyed.cu``), every table
+of a fused storage in one launch. Example::
 
     init = KeyedInitializer(InitializerSpec(InitMode.NORMAL, std_dev=0.05), seed=0, table="user_id_emb")
     init(torch.tensor([7, 42]), dim=16)   # [2, 16] float32, the same on every call and device
@@ -24,16 +25,12 @@ the torch code below is the CPU path and the reference. Example::
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from shared.features import InitializerSpec, InitMode
-from shared.hashtable.cuda import runtime as cuda_kernels
 from shared.hashtable.hashing import GOLDEN, _srl, mix64, mix64_int, name_salt, to_signed
-
-if TYPE_CHECKING:
-    from shared.hashtable.cuda.keyed import InitParams
 
 _LN2 = 0.6931471805599453
 _SQRT_HALF = 0.7071067811865476
@@ -113,7 +110,6 @@ class KeyedInitializer:
             raise ValueError(f"initializer of {table!r}: std_dev must be >= 0, got {spec.std_dev}")
         if spec.mode in (InitMode.UNIFORM, InitMode.TRUNCATED_NORMAL) and spec.lower > spec.upper:
             raise ValueError(f"initializer of {table!r}: lower {spec.lower} > upper {spec.upper}")
-        self._cuda_params: dict[torch.device, InitParams] = {}  # the CUDA kernel's, per device
 
     @property
     def is_constant(self) -> bool:
@@ -132,13 +128,6 @@ class KeyedInitializer:
         n = keys.numel()
         if s.mode is InitMode.CONSTANT:
             return torch.full((n, dim), s.value, dtype=torch.float32, device=keys.device)
-        if keys.is_cuda and keys.dim() == 1 and cuda_kernels.available():
-            from shared.hashtable.cuda import keyed
-
-            params = self._cuda_params.get(keys.device)
-            if params is None:
-                params = self._cuda_params[keys.device] = keyed.init_params([self], keys.device)
-            return keyed.initial_rows(params, keys, None, dim)
         u = key_uniforms(keys, dim, self.salt)
         if s.mode is InitMode.UNIFORM:
             x = s.lower + (s.upper - s.lower) * u
@@ -151,3 +140,14 @@ class KeyedInitializer:
             p = (lo + (hi - lo) * u).clamp(min=1e-300, max=1.0 - 2.0**-53)
             x = (s.mean + s.std_dev * inv_normal_cdf(p)).clamp(min=s.lower, max=s.upper)
         return x.to(torch.float32)
+
+
+class NewRows(Protocol):
+    """The initial rows of a list of initializers, made once per list by a backend
+    (``Backend.keyed_rows``: the torch loop over the tables, or one CUDA kernel)."""
+
+    def __call__(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None, dim: int
+    ) -> torch.Tensor:
+        """[n, dim] float32: row i from initializer ``table_ids[i]`` (0 without table ids)."""
+        ...

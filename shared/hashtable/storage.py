@@ -13,22 +13,17 @@ sum of their max capacities, and a member may use more than its own share when o
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from shared.features import InitializerSpec, ScoreStrategy, TableSpec
 from shared.hashtable.adagrad import AdagradConfig, adagrad_update
 from shared.hashtable.admission import FrequencyCounter
-from shared.hashtable.cuda import runtime as cuda_kernels
+from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import check_keys, segment_sum_sorted, split_mask, unique_pairs
 from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.table import HashTable
-
-if TYPE_CHECKING:
-    from shared.hashtable.cuda.keyed import InitParams
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +75,11 @@ def compatibility_key(spec: TableSpec) -> tuple[int, ScoreStrategy, int]:
 
 
 class FusedStorage:
-    """Dynamic tables sharing one hash table; table ``specs[i]`` has table id ``i``."""
+    """Dynamic tables sharing one hash table; table ``specs[i]`` has table id ``i``.
+
+    The hash table's backend (``backend``, default ``backend_for`` the device) also runs the
+    admission counter and computes new rows (all member tables in one call).
+    """
 
     def __init__(
         self,
@@ -91,6 +90,7 @@ class FusedStorage:
         seed: int,
         device: torch.device,
         max_load_factor: float = 0.5,
+        backend: Backend | None = None,
     ) -> None:
         dyn = [s.dynamic for s in specs if s.dynamic is not None]
         assert len(dyn) == len(specs) and len({compatibility_key(s) for s in specs}) == 1
@@ -112,7 +112,9 @@ class FusedStorage:
             with_accumulator=True,
             initial_accumulator_value=adagrad.initial_accumulator_value,
             device=device,
+            backend=backend,
         )
+        self.backend = self.table.backend
         adm = [d.admission for d in dyn]
         self.counter: FrequencyCounter | None = None
         if any(adm):
@@ -120,6 +122,7 @@ class FusedStorage:
                 sum(a.counter_capacity for a in adm if a),
                 max(a.counter_bucket_capacity for a in adm if a),
                 device=device,
+                backend=self.backend,
             )
         self.has_admission = torch.tensor([a is not None for a in adm], device=device)
         self.thresholds = torch.tensor([a.threshold if a else 1 for a in adm], device=device)
@@ -133,43 +136,28 @@ class FusedStorage:
         self.admission_init = [
             keyed(d.admission.initializer, n) if d.admission else None for n, d in pairs
         ]
-        self._init_params: dict[int, tuple[Sequence[KeyedInitializer | None], InitParams]] = {}
         # training misses: table id t + n * (not admitted) picks init[t] or admission_init[t]
         self.train_init = [*self.init, *self.admission_init]
+        # [n, dim] new rows of (keys, table ids) from each list, all its tables in one call
+        self._init_rows = self.backend.keyed_rows(self.init, device)
+        self._eval_rows = self.backend.keyed_rows(self.eval_init, device)
+        self._train_rows = self.backend.keyed_rows(self.train_init, device)
         self.all_admission = all(a is not None for a in adm)
         self._counts = torch.zeros(len(specs), len(COUNTERS), dtype=torch.int64, device=device)
         self._refusals_logged = [0] * len(specs)  # refusal totals already warned about
         self.mutations = 0  # inserts and loads so far: rows of older plans may have moved
+
+    def __repr__(self) -> str:
+        return (
+            f"FusedStorage({self.name!r}, tables={self.names}, capacity={self.table.capacity}, "
+            f"backend={self.backend.name})"
+        )
 
     # ------------------------------------------------------------------ forward
 
     def _tids(self, table_ids: torch.Tensor) -> torch.Tensor | None:
         """Table ids as passed to the HashTable: None for a single-table storage."""
         return table_ids if len(self.specs) > 1 else None
-
-    def _fill(
-        self, inits: Sequence[KeyedInitializer | None], keys: torch.Tensor, tids: torch.Tensor
-    ) -> torch.Tensor:
-        """[n, dim] values: row i from ``inits[tids[i]]`` (never None for a key's table).
-
-        On CUDA one kernel for all tables (its parameter arrays built once per list ``inits``,
-        which are this storage's long-lived lists); on the CPU a loop over the tables.
-        """
-        if keys.is_cuda and cuda_kernels.available():
-            from shared.hashtable.cuda import keyed
-
-            hit = self._init_params.get(id(inits))
-            if hit is None or hit[0] is not inits:
-                hit = (inits, keyed.init_params(inits, keys.device))
-                self._init_params[id(inits)] = hit
-            return keyed.initial_rows(hit[1], keys, tids, self.dim)
-        out = torch.empty(keys.numel(), self.dim, device=self.device)
-        for t, init in enumerate(inits):
-            sel = torch.nonzero(tids == t).squeeze(1)
-            if sel.numel():
-                assert init is not None
-                out[sel] = init(keys[sel], self.dim)
-        return out
 
     def lookup(
         self, parts: list[tuple[int, torch.Tensor]], *, train: bool, score_now: int
@@ -190,9 +178,9 @@ class FusedStorage:
         if miss.numel():  # not stored: admission value (train), fresh init (refused), eval value
             if train:
                 which = ut[miss] + len(self.specs) * not_admitted[miss].to(torch.int64)
-                out[miss] = self._fill(self.train_init, uk[miss], which)
+                out[miss] = self._train_rows(uk[miss], which, self.dim)
             else:
-                out[miss] = self._fill(self.eval_init, uk[miss], ut[miss])
+                out[miss] = self._eval_rows(uk[miss], ut[miss], self.dim)
         rows = torch.where(valid, rows, torch.full_like(rows, -1))
         return LookupPlan(
             uk,
@@ -257,7 +245,7 @@ class FusedStorage:
         self.mutations += 1
         result = self.table.insert_or_assign(
             ik,
-            self._fill(self.init, ik, it),
+            self._init_rows(ik, it, self.dim),
             scores,
             table_ids=self._tids(it),
             pinned_rows=rows[hit],

@@ -1,56 +1,47 @@
-"""``HashTable.from_keys_values`` on CUDA: count + stage, then one block per bucket places its
-keys by (fingerprint, input index), the order of the torch core's stable sort (no global sort)."""
+"""A bulk build on CUDA (the CUDA backend's ``build``, for ``HashTable.from_keys_values``): count
++ stage, then one block per bucket places its keys by (fingerprint, input index), the order of
+the torch backend's stable sort (no global sort)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from shared.features import ScoreStrategy
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.hashing import check_keys
+from shared.hashtable.layout import TableLayout
 
-if TYPE_CHECKING:
-    from shared.hashtable.table import HashTable
+L = TypeVar("L", bound=TableLayout)
 
 WHAT = "HashTable.from_keys_values"
 PLACE_BLOCK = 128
+# parameter types for runtime.Kernel (checked against kernels.cu by the tests)
+SIGNATURES = {"ht_build_count": "ppiqqqpp", "ht_build_place": "ppipippiiqppppppppp"}
 
 
-def from_keys_values(
-    cls: type[HashTable],
+def build(
+    sized: Callable[[int, int, bool], L],
     keys: torch.Tensor,
     values: torch.Tensor,
     *,
-    bucket_capacity: int,
     device: torch.device,
     scores: torch.Tensor | None,
     table_ids: torch.Tensor | None,
     accumulators: torch.Tensor | None,
-    max_load_factor: float,
-    max_capacity: int | None,
-    score_strategy: ScoreStrategy,
-) -> HashTable | None:
-    """The table the torch core builds from the same arguments, or None where this path does
-    not apply (no keys, more than 2**31, buckets too large for shared memory, or duplicate keys:
-    the torch core then builds the table or raises its error)."""
+) -> L | None:
+    """The table the torch backend builds from the same arguments (in the empty table that
+    ``sized(n, dim, with_accumulator)`` makes), or None where this path does not apply (no
+    keys, more than 2**31, buckets too large for shared memory, or duplicate keys: the torch
+    backend then builds the table or raises its error)."""
     keys = check_keys(keys.to(device), WHAT, check_sign=False).contiguous()
     n = keys.numel()
     if values.dim() != 2 or values.shape[0] != n:
         raise ValueError(f"{WHAT}: values must be [{n}, dim], got {tuple(values.shape)}")
     if n == 0 or n >= 1 << 31:
         return None
-    table = cls.sized_for(
-        n,
-        values.shape[1],
-        bucket_capacity=bucket_capacity,
-        max_load_factor=max_load_factor,
-        max_capacity=max_capacity,
-        score_strategy=score_strategy,
-        with_accumulator=accumulators is not None,
-        device=device,
-    )
+    table = sized(n, values.shape[1], accumulators is not None)
     bc, dim = table.bucket_capacity, table.dim
     smem = bc * 16  # s_fp (8) + s_idx (4) + s_src (4) per slot
     if smem > rt.MAX_SHARED:
@@ -60,11 +51,12 @@ def from_keys_values(
     key_args = (keys, dummy64 if tids is None else tids, rt.i32(tids is not None))
 
     nb = table.num_buckets
-    while True:  # double the buckets until none overflows (the torch core's may_exceed_max)
+    while True:  # double the buckets until none overflows (the torch backend's may_exceed_max)
         count = torch.zeros(nb, dtype=torch.int64, device=device)
         stage = torch.empty(nb * bc, dtype=torch.int32, device=device)
         rt.launch(
             "ht_build_count",
+            SIGNATURES["ht_build_count"],
             rt.blocks(n),
             rt.BLOCK,
             (*key_args, rt.i64(n), rt.i64(nb), rt.i64(bc), count, stage),
@@ -75,7 +67,7 @@ def from_keys_values(
             checks.append((tids != 0).any())
         info = torch.stack([c.to(torch.int64) for c in checks]).tolist()  # the one sync
         if info[1]:
-            check_keys(keys, WHAT)  # raises the torch core's error for the negative key
+            check_keys(keys, WHAT)  # raises the torch backend's error for the negative key
         if info[0] <= bc:
             break
         nb *= 2
@@ -88,6 +80,7 @@ def from_keys_values(
     dup = torch.zeros(1, dtype=torch.int32, device=device)
     rt.launch(
         "ht_build_place",
+        SIGNATURES["ht_build_place"],
         nb,
         PLACE_BLOCK,
         (
@@ -113,7 +106,7 @@ def from_keys_values(
         shared_mem=smem,
     )
     if int(dup):
-        return None  # the torch core names the duplicate key
+        return None  # the torch backend names the duplicate key
     table._bucket_count = count
     table._size = n
     table._any_tid = tids is not None and bool(info[2])

@@ -1,15 +1,15 @@
-"""``HashTable.insert_or_assign`` and ``HashTable.erase`` on CUDA, giving the torch core's table
-and result.
+"""Insert-or-assign and erase on CUDA (the CUDA backend's), giving the torch backend's table and
+result.
 
-Two insert implementations; :data:`IMPL` picks one (``implementation("v1")`` for a block of code):
-
-**v2** (default; kernels.cu ``ht_ins2_*``): three launches on torch's stream (four for a table
-that may still grow), one host read.
+**insert_or_assign** (kernels.cu ``ht_ins2_*``): three launches on torch's stream (four for a
+table that may still grow), one host read. 1.7-2.5 G keys/s for 1M new keys on the H200 (an
+earlier implementation, a block per bucket with a host sync in the middle, gave 0.79 G and is
+gone: ``bench/results/bench_gpu_hashtable_insert_h200.json`` and git history).
 
 1. ``ht_ins2_stage_w<W>`` (a thread per key): locate each key; a stored key marks its row with
    the last input index using it, a new occurrence is staged in its bucket's list.
 2. ``ht_ins2_place0`` (a warp per bucket): order the bucket's new occurrences by (fingerprint,
-   table id, key), the torch core's order; the last occurrence of each pair represents it.
+   table id, key), the torch backend's order; the last occurrence of each pair represents it.
    Where the stage counts rule out growth (at max capacity, or when the staged occurrences
    cannot reach the load bound), the warp merges the new pairs into its bucket at once: they
    take the rows of the empty slots, the slots stay sorted, and the warp writes the new rows
@@ -23,57 +23,50 @@ The stats (new pairs, fullest bucket, errors) are copied to pinned memory after 
 read once, after every launch is queued: the host waits for stage and pass 0 only, while pass 1
 and the row writes run. When the call cannot finish on the kernels (growth, a bucket receiving
 more than twice its capacity of new occurrences, invalid keys) the kernels leave the table
-untouched and the call returns None: the torch core does it all (or raises its error). Buckets
-without room at max capacity go through the torch core's ``_insert_overflow`` (eviction by
-score, NO_EVICTION refusals), then ``ht_ins2_gather`` fills their rows.
+untouched and :func:`insert_or_assign` returns no result: the CUDA backend then runs the torch
+algorithms (which raise their error for invalid keys). Buckets without room at max capacity go
+through the torch backend's ``insert_overflow`` (eviction by score, NO_EVICTION refusals), then
+``ht_ins2_gather`` fills their rows.
 Scratch buffers are kept per table (:class:`_Scratch`) and left clear by the kernels
 themselves: no per-call allocation or fill beyond the two result tensors. Launches go to the
 driver (``cuLaunchKernel``) from C parameter buffers kept with the scratch (``runtime.Kernel``):
-a launch stores each argument in its slot, with no CuPy argument conversion
-(:data:`DIRECT_LAUNCH` or ``runtime.DIRECT_LAUNCH`` False: CuPy's launch, for comparison).
+a launch stores each argument in its slot, with no CuPy argument conversion.
 Tables of any dim (0 included: the admission counter) and bucket capacity take this path; a
 bucket capacity whose shared memory exceeds 48 KiB per warp (1024, the counter's default) opts
 in to the device's limit.
 
-**v1** (``ht_insert_*``): stage, then a 128-thread block per bucket deduplicates and ranks
-(O(k^2) per thread), one host sync, then assign, merge (a block per bucket) and rows.
-
 **erase** (kernels.cu ``ht_erase_*``, :func:`erase`): mark (a thread per key) and apply (a warp
 per bucket holding an erased key: a stable partition of its slots, the rows freed), one host
-read, on the table's v2 scratch; invalid keys raise the core's error with the table untouched.
+read, on the table's scratch; invalid keys raise the torch backend's error with the table
+untouched.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import weakref
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared.hashtable.cuda import runtime as rt
-from shared.hashtable.cuda.find import table_args, table_tensors, window
-from shared.hashtable.hashing import bucket_of, fingerprint
+from shared.hashtable.cuda.find import window
+from shared.hashtable.hashing import bucket_of
+from shared.hashtable.layout import InsertResult, TableLayout
 
 if TYPE_CHECKING:
-    from shared.hashtable.table import HashTable, InsertResult
+    from shared.hashtable.torch_backend import TorchBackend
 
 WHAT = "HashTable.insert_or_assign"
 ERASE_WHAT = "HashTable.erase"
-PLAN_BLOCK = 128
 STAGE_FACTOR = 2  # staged new keys a bucket may receive, in bucket capacities (place needs 2)
-IMPLS = ("v1", "v2")
-IMPL = "v2"  # the implementation HashTable.insert_or_assign uses on CUDA
-DIRECT_LAUNCH = True  # v2 and erase launch through cuLaunchKernel (False: CuPy's RawKernel call)
 PLACE_WARPS = 4  # buckets (warps) per block of ht_ins2_place*, fewer when shared memory is short
 ERASE_WARPS = 4  # buckets (warps) per block of ht_erase_apply
 PLACE_STATIC_SMEM = 256  # room for the static shared memory of ht_ins2_place* (48 bytes)
 OPTIN_SHARED_ATTR = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
-# kernels.cu HT_ST_*: the stats of one v2 call
+# kernels.cu HT_ST_*: the stats of one insert
 ST_STAGED_OVER, ST_NEG_KEY, ST_BAD_TID, ST_MAYBE_FULL, ST_STAGED, ST_ANY_TID = range(6)
 ST_NEW, ST_MAX_FILL, ST_N_OVER, ST_OVER_NEW = range(6, 10)
 ST_LEN = 16
@@ -91,47 +84,15 @@ SIGNATURES = {
     "ht_erase_apply": "qipppppppppppp",
 }
 
-last_path = ""  # what the latest v2 call did: "fast", "slow", "overflow", "abort" (tests)
+# What an insert did (:func:`insert_or_assign`'s second value; the CUDA backend counts them):
+# the kernels stored the call ("fast": place pass 0, "slow": place pass 1, "overflow": with full
+# buckets through the torch backend's eviction), or they left it to the torch algorithms
+# ("abort": the kernels found growth, a skewed batch or invalid keys; "unsupported": nothing was
+# launched: no keys, 2**31 keys or more, buckets too large for shared memory).
+PATHS = ("fast", "slow", "overflow", "abort", "unsupported")
 
 
-@contextlib.contextmanager
-def implementation(name: str) -> Iterator[None]:
-    """Use insert implementation ``name`` ("v1" or "v2") inside the block."""
-    global IMPL
-    if name not in IMPLS:
-        raise ValueError(f"insert implementation {name!r} is not one of {IMPLS}")
-    before, IMPL = IMPL, name
-    try:
-        yield
-    finally:
-        IMPL = before
-
-
-def insert_or_assign(
-    table: HashTable,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scores: torch.Tensor,
-    *,
-    table_ids: torch.Tensor | None,
-    accumulators: torch.Tensor | None,
-    pinned_rows: torch.Tensor | None,
-) -> InsertResult | None:
-    """What ``HashTable.insert_or_assign`` returns for the same call, or None (table untouched)
-    where the torch core must do it: growth, skewed batches, very large buckets, no keys."""
-    impl = _insert_v1 if IMPL == "v1" else _insert_v2
-    return impl(
-        table,
-        keys,
-        values,
-        scores,
-        table_ids=table_ids,
-        accumulators=accumulators,
-        pinned_rows=pinned_rows,
-    )
-
-
-# ---------------------------------------------------------------------------------------- v2
+# ---------------------------------------------------------------------------------------- insert
 
 
 def _place_stride(S: int) -> int:
@@ -150,7 +111,7 @@ def _family(name: str) -> str:
 
 
 class _Scratch:
-    """The v2 buffers of one table size (``nb`` buckets of ``bc``), kept between calls.
+    """The buffers of one table size (``nb`` buckets of ``bc``), kept between calls.
 
     Invariant between calls: ``scount`` is 0, ``win`` is -1 and ``stats[parity]`` is 0; the
     kernels restore it (place clears scount, ht_ins2_write clears win and the other stats
@@ -158,7 +119,7 @@ class _Scratch:
     its launches: the next call clears all.
     """
 
-    def __init__(self, table: HashTable) -> None:
+    def __init__(self, table: TableLayout) -> None:
         dev, nb, bc = table.device, table.num_buckets, table.bucket_capacity
         self.shape = (nb, bc)
         self.S = STAGE_FACTOR * bc
@@ -192,12 +153,12 @@ class _Scratch:
         return k
 
 
-_scratch: weakref.WeakKeyDictionary[HashTable, _Scratch] = weakref.WeakKeyDictionary()
+_scratch: weakref.WeakKeyDictionary[TableLayout, _Scratch] = weakref.WeakKeyDictionary()
 _optin: dict[int, int] = {}  # device index -> opt-in shared memory a block may use
 _smem_set: dict[tuple[int, str], int] = {}  # dynamic shared memory a kernel was allowed
 
 
-def _scratch_of(table: HashTable, launcher: rt.Launcher) -> _Scratch:
+def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
     sc = _scratch.get(table)
     if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
         sc = _scratch[table] = _Scratch(table)  # new, or the table grew (the old one is freed)
@@ -260,8 +221,9 @@ def _row_layout(dim: int, arrays: list[torch.Tensor]) -> tuple[bool, int]:
     return vec4, min(5, (max(units, 1) - 1).bit_length())
 
 
-def _insert_v2(
-    table: HashTable,
+def insert_or_assign(
+    table: TableLayout,
+    core: TorchBackend,
     keys: torch.Tensor,
     values: torch.Tensor,
     scores: torch.Tensor,
@@ -269,22 +231,23 @@ def _insert_v2(
     table_ids: torch.Tensor | None,
     accumulators: torch.Tensor | None,
     pinned_rows: torch.Tensor | None,
-) -> InsertResult | None:
-    global last_path
-    from shared.hashtable.table import InsertResult
-
+) -> tuple[InsertResult | None, str]:
+    """(what the torch backend's ``insert_or_assign`` returns for the same call, the path: see
+    :data:`PATHS`), or (None, path) with the table untouched where the torch algorithms must do
+    the call. ``core``: the backend whose ``insert_overflow`` and ``fingerprint`` serve full
+    buckets (the calling CUDA backend)."""
     dev, bc, dim = table.device, table.bucket_capacity, table.dim
     keys, tids = table._prepare(keys, table_ids, WHAT, validate=False)
     n = keys.numel()
     S = STAGE_FACTOR * bc
     if n == 0 or n >= 1 << 31 or S > 32767:
-        return None
+        return None, "unsupported"
     keys = keys.contiguous()
     tids = None if tids is None else tids.contiguous()
     values = _dense(values, dev, torch.float32, (n, dim))
     scores = _dense(scores, dev, torch.int64, (n,))
     acc_out = table._accum
-    acc_in = None  # the core ignores given accumulators when the table keeps none
+    acc_in = None  # the torch backend ignores given accumulators when the table keeps none
     if accumulators is not None and acc_out is not None:
         acc_in = _dense(accumulators, dev, torch.float32, (n, dim))
     aligned = [values, table._values]
@@ -298,11 +261,11 @@ def _insert_v2(
     has_t = int(tids is not None)
     limits = (int(may_grow), new_limit)
 
-    launch = rt.Launcher(dev, direct=DIRECT_LAUNCH)
+    launch = rt.Launcher(dev)
     with launch:
         warps = _block_warps(launch, ("ht_ins2_place0", "ht_ins2_place1"), stride, PLACE_WARPS)
         if warps == 0:
-            return None
+            return None, "unsupported"
         sc = _scratch_of(table, launch)
         if sc.rep_of.numel() < n:
             sc.rep_of = torch.empty(n, dtype=torch.int32, device=dev)
@@ -410,24 +373,23 @@ def _insert_v2(
     st = sc.host.tolist()
 
     if st[ST_NEG_KEY] or st[ST_BAD_TID]:
-        last_path = "abort"
-        table._prepare(keys, tids, WHAT)  # raises the torch core's error
-        return None
+        table._prepare(keys, tids, WHAT)  # raises the torch backend's error
+        return None, "abort"
     if st[ST_STAGED_OVER] or (may_grow and (st[ST_NEW] > new_limit or st[ST_MAX_FILL] > bc)):
-        last_path = "abort"
-        return None  # nothing changed: growth or a skewed batch, the torch core's job
+        return None, "abort"  # nothing changed: growth or a skewed batch, the torch backend's job
     fast = not may_grow or (not st[ST_MAYBE_FULL] and st[ST_STAGED] <= new_limit)
-    last_path = "fast" if fast else "slow"
+    path = "fast" if fast else "slow"
     table._size += st[ST_NEW] - st[ST_OVER_NEW]
     if st[ST_ANY_TID]:
-        table._any_tid = True  # a superset of the core's rule (new stored pairs): always safe
+        table._any_tid = True  # a superset of the torch rule (new stored pairs): always safe
     evicted_k, evicted_t, refused = sc.empty, sc.empty, 0
     if st[ST_N_OVER]:
-        last_path = "overflow"
+        path = "overflow"
         over = torch.sort(sc.over_list[: st[ST_N_OVER]]).values
         rep_rows = torch.empty(n, dtype=torch.int64, device=dev)
         evicted_k, evicted_t, refused = _overflow(
             table,
+            core,
             over,
             keys,
             tids,
@@ -446,15 +408,16 @@ def _insert_v2(
                 rt.BLOCK,
                 (sc.rep_of, rep_rows, n, rows, inserted),
             )
-    return InsertResult(rows, inserted.view(torch.bool), evicted_k, evicted_t, refused)
+    return InsertResult(rows, inserted.view(torch.bool), evicted_k, evicted_t, refused), path
 
 
 # ---------------------------------------------------------------------------------------- erase
 
 
-def erase(table: HashTable, keys: torch.Tensor, table_ids: torch.Tensor | None) -> int | None:
-    """What ``HashTable.erase`` returns for the same call, with the same table afterwards; None
-    (table untouched) where the torch core must do it (buckets too large for shared memory)."""
+def erase(table: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None) -> int | None:
+    """What the torch backend's ``erase`` returns for the same call, with the same table
+    afterwards; None (table untouched) where the torch algorithms must do it (2**31 keys or
+    more, buckets too large for shared memory)."""
     dev, nb, bc = table.device, table.num_buckets, table.bucket_capacity
     keys, tids = table._prepare(keys, table_ids, ERASE_WHAT, validate=False)
     n = keys.numel()
@@ -465,7 +428,7 @@ def erase(table: HashTable, keys: torch.Tensor, table_ids: torch.Tensor | None) 
     keys = keys.contiguous()
     tids = None if tids is None else tids.contiguous()
     stride = _erase_stride(bc)
-    launch = rt.Launcher(dev, direct=DIRECT_LAUNCH)
+    launch = rt.Launcher(dev)
     with launch:
         warps = _block_warps(launch, ("ht_erase_apply",), stride, ERASE_WARPS)
         if warps == 0:
@@ -525,186 +488,16 @@ def erase(table: HashTable, keys: torch.Tensor, table_ids: torch.Tensor | None) 
         sc.event.synchronize()  # the marks are counted; the apply may still run
     st = sc.host.tolist()
     if st[ER_NEG_KEY] or st[ER_BAD_TID]:
-        table._prepare(keys, tids, ERASE_WHAT)  # raises the torch core's error
+        table._prepare(keys, tids, ERASE_WHAT)  # raises the torch backend's error
         return None
     erased = st[ER_ERASED]
     table._size -= erased
     return erased
 
 
-# ---------------------------------------------------------------------------------------- v1
-# ---------------------------------------------------------------------------------------- v1
-
-
-def _insert_v1(
-    table: HashTable,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scores: torch.Tensor,
-    *,
-    table_ids: torch.Tensor | None,
-    accumulators: torch.Tensor | None,
-    pinned_rows: torch.Tensor | None,
-) -> InsertResult | None:
-    """v1: the kernels ht_insert_* (a block per bucket; one host sync in the middle)."""
-    from shared.hashtable.table import InsertResult
-
-    dev, bc = table.device, table.bucket_capacity
-    keys, tids = table._prepare(keys, table_ids, WHAT, validate=False)
-    n = keys.numel()
-    if n == 0 or n >= 1 << 31:
-        return None
-    S = STAGE_FACTOR * bc
-    plan_smem, merge_smem = S * 32, bc * 36
-    if max(plan_smem, merge_smem) > rt.MAX_SHARED:
-        return None
-    keys = keys.contiguous()
-    values = values.to(dev, torch.float32).reshape(n, table.dim).contiguous()
-    scores = scores.to(dev, torch.int64).reshape(n).contiguous()
-    if accumulators is not None:
-        accumulators = accumulators.to(dev, torch.float32).reshape(n, table.dim).contiguous()
-    nb, cap = table.num_buckets, table.capacity
-    dummy64, dummy32 = rt.dummy(dev, torch.int64), rt.dummy(dev, torch.float32)
-    key_args = (keys, dummy64 if tids is None else tids.contiguous(), rt.i32(tids is not None))
-    cached = table_tensors(table)
-
-    counters = torch.zeros(2 * nb + 8, dtype=torch.int64, device=dev)
-    scount, nnew, stats = counters[:nb], counters[nb : 2 * nb], counters[2 * nb :]
-    row_found = torch.empty(n, dtype=torch.int64, device=dev)
-    win = torch.full((cap,), -1, dtype=torch.int32, device=dev)
-    stage = torch.empty(nb * S, dtype=torch.int32, device=dev)
-    rep_of = torch.empty(n, dtype=torch.int32, device=dev)
-    rt.launch(
-        f"ht_insert_stage<{window(table)}>",
-        rt.blocks(n),
-        rt.BLOCK,
-        (
-            *key_args,
-            rt.i64(n),
-            *table_args(table),
-            rt.i32(tids is not None or table._any_tid),
-            rt.i64(S),
-            row_found,
-            win,
-            scount,
-            stage,
-            stats,
-        ),
-        device=dev,
-        cached=cached,
-    )
-    rt.launch(
-        "ht_insert_plan",
-        nb,
-        PLAN_BLOCK,
-        (*key_args, rt.i64(S), scount, stage, table._bucket_count, rt.i64(bc), rep_of, nnew, stats),
-        device=dev,
-        shared_mem=plan_smem,
-        cached=cached,
-    )
-    staged_over, neg_key, bad_tid, new_tid, total_new, max_fill, n_over, over_new = (
-        stats.tolist()  # the one host sync of the call
-    )
-    if neg_key or bad_tid:
-        table._prepare(keys, tids, WHAT)  # raises the torch core's error
-    grows = table.num_buckets < table._max_buckets and (
-        table._size + total_new > table.max_load_factor * nb * bc or max_fill > bc
-    )
-    if grows or staged_over:
-        return None
-
-    has_acc = accumulators is not None and table._accum is not None
-    rt.launch(
-        "ht_insert_assign",
-        rt.blocks(n),
-        rt.BLOCK,
-        (
-            row_found,
-            win,
-            rt.i64(n),
-            values,
-            scores,
-            accumulators if has_acc else dummy32,
-            rt.i32(has_acc),
-            rt.i32(table.dim),
-            table._values,
-            table._row_score,
-            table._accum if has_acc else dummy32,
-        ),
-        device=dev,
-        cached=cached,
-    )
-    rep_rows = torch.full((n,), -1, dtype=torch.int64, device=dev)
-    # buckets without room, decided before the merge changes the counts of the others
-    over = (
-        torch.nonzero((nnew > 0) & (table._bucket_count + nnew > bc)).squeeze(1) if n_over else None
-    )
-    if total_new > over_new:
-        rt.launch(
-            "ht_insert_merge",
-            nb,
-            PLAN_BLOCK,
-            (
-                *key_args,
-                values,
-                scores,
-                dummy32 if accumulators is None else accumulators,
-                rt.i32(accumulators is not None),
-                rt.f32(table.initial_accumulator_value),
-                rt.i32(table.dim),
-                rt.i64(bc),
-                rt.i64(S),
-                stage,
-                nnew,
-                table._bucket_count,
-                table._slot_fp,
-                table._slot_row,
-                table._row_key,
-                table._row_tid,
-                table._row_score,
-                table._values,
-                dummy32 if table._accum is None else table._accum,
-                rt.i32(table._accum is not None),
-                rep_rows,
-            ),
-            device=dev,
-            shared_mem=merge_smem,
-            cached=cached,
-        )
-        table._size += total_new - over_new
-    if new_tid:
-        table._any_tid = True
-    empty = torch.zeros(0, dtype=torch.int64, device=dev)
-    evicted_k, evicted_t, refused = empty, empty, 0
-    if over is not None:
-        evicted_k, evicted_t, refused = _overflow(
-            table,
-            over,
-            keys,
-            tids,
-            values,
-            scores,
-            accumulators,
-            pinned_rows,
-            stage,
-            nnew,
-            rep_rows,
-        )
-
-    rows = torch.empty(n, dtype=torch.int64, device=dev)
-    inserted = torch.empty(n, dtype=torch.uint8, device=dev)
-    rt.launch(
-        "ht_insert_rows",
-        rt.blocks(n),
-        rt.BLOCK,
-        (row_found, rep_of, rep_rows, rt.i64(n), rows, inserted),
-        device=dev,
-    )
-    return InsertResult(rows, inserted.view(torch.bool), evicted_k, evicted_t, refused)
-
-
 def _overflow(
-    table: HashTable,
+    table: TableLayout,
+    core: TorchBackend,
     over: torch.Tensor,
     keys: torch.Tensor,
     tids: torch.Tensor | None,
@@ -716,22 +509,23 @@ def _overflow(
     nnew: torch.Tensor,
     rep_rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Buckets whose new keys do not fit: the torch core's ``_insert_overflow`` on their new
-    pairs (``over`` [n_o]: the buckets, ascending), in its order (bucket, then fingerprint);
-    fills ``rep_rows``."""
+    """Buckets whose new keys do not fit: ``core.insert_overflow`` on their new pairs (``over``
+    [n_o]: the buckets, ascending), in its order (bucket, then fingerprint); fills
+    ``rep_rows``."""
     dev, nb = table.device, table.num_buckets
     S = stage.numel() // nb
     staged = stage.view(nb, S)[over]  # [n_o, S]: new pairs of each bucket, in order
     reps = staged[torch.arange(S, device=dev) < nnew[over][:, None]].to(torch.int64)  # [m]
     k = keys[reps]
     t = None if tids is None else tids[reps]
-    fp = fingerprint(k, t)
+    fp = core.fingerprint(k, t)
     pinned = None
     if pinned_rows is not None:
         pinned = torch.zeros(table.capacity, dtype=torch.bool, device=dev)
         pinned[pinned_rows.to(dev)] = True
     rows = torch.full_like(reps, -1)
-    ek, et, refused = table._insert_overflow(
+    ek, et, refused = core.insert_overflow(
+        table,
         torch.arange(reps.numel(), device=dev),
         fp,
         bucket_of(fp, nb),

@@ -1,4 +1,4 @@
-// CUDA kernels for the slot layout of shared/hashtable/table.py (see cuda/__init__.py).
+// CUDA kernels for the slot layout of shared/hashtable/layout.py (see cuda/__init__.py).
 //
 // Block kernels loop over their work with `for (t = threadIdx.x; t < n; t += blockDim.x)` and
 // separate phases with __syncthreads(), so they give the same result for any block size (the
@@ -97,7 +97,7 @@ __device__ __forceinline__ i64 ht_lower_bound(const i64* __restrict__ slot_fp, i
 
 // Row of (key, tid) or -1: the lower bound, then the run of equal fingerprints (two stored
 // pairs share one only when their mixes differ in the dropped lowest bit, or by chance across
-// table ids), comparing the full pair like HashTable._row_match.
+// table ids), comparing the full pair like TorchBackend._row_match.
 template <int W>
 __device__ __forceinline__ i64 ht_locate(const i64* __restrict__ slot_fp,
                                          const i64* __restrict__ slot_row,
@@ -153,7 +153,7 @@ extern "C" __global__ void ht_build_count(const i64* __restrict__ keys,
 }
 
 // One block per bucket: the staged keys go to slots base + rank by (fingerprint, input index),
-// what HashTable._rebuild's stable sort by fingerprint gives; rows equal slots. The table's
+// what TorchBackend._rebuild's stable sort by fingerprint gives; rows equal slots. The table's
 // arrays come freshly allocated (sentinels, -1 keys, zero rows). dup_flag: two equal pairs.
 extern "C" __global__ void ht_build_place(
     const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids,
@@ -205,211 +205,10 @@ extern "C" __global__ void ht_build_place(
 }
 
 // ---------------------------------------------------------------- insert_or_assign
-
-// Per input key: its row if stored (win[row] = last input index using it), else staged in its
-// bucket's list (stage[b * S + arrival], arrival order arbitrary; count past S means the caller
-// falls back to the torch core).
-template <int W>
-__global__ void ht_insert_stage(const i64* __restrict__ keys, const i64* __restrict__ tids,
-                                int has_tids, i64 n, const i64* __restrict__ slot_fp,
-                                const i64* __restrict__ slot_row, const i64* __restrict__ row_key,
-                                const int* __restrict__ row_tid,
-                                const i64* __restrict__ bucket_count, i64 nb, i64 bc, i64 cap,
-                                int check_tid, i64 S, i64* __restrict__ row_found,
-                                int* __restrict__ win, u64* __restrict__ scount,
-                                int* __restrict__ stage, u64* __restrict__ stats) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const i64 key = keys[i];
-    const i64 tid = has_tids ? tids[i] : 0;
-    if (key < 0) atomicOr(stats + 1, 1ULL);  // the host raises HashTable's error
-    if (tid < 0 || tid >= (1LL << 31)) atomicOr(stats + 2, 1ULL);
-    const i64 fp = ht_fingerprint(key, tid);
-    const i64 r = ht_locate<W>(slot_fp, slot_row, row_key, row_tid, bucket_count, nb, bc, cap,
-                               check_tid, key, tid, fp);
-    row_found[i] = r;
-    if (r >= 0) {
-        atomicMax(win + r, (int)i);
-    } else {
-        const i64 b = ht_bucket(fp, nb);
-        const u64 pos = atomicAdd(scount + b, 1ULL);
-        if ((i64)pos < S) stage[b * S + pos] = (int)i;
-        else atomicAdd(stats + 0, 1ULL);  // the host falls back to the torch core
-    }
-}
-
-// One block per bucket with staged new keys: deduplicate pairs (the last input occurrence
-// represents the pair: rep_of[i]), order the representatives by (fingerprint, table id, key),
-// the order HashTable._insert_new's stable sort of the unique pairs gives, and write them back
-// to stage[b * S + rank]; nnew[b] = their number. stats: [3] a new pair has a non-zero table
-// id, [4] new pairs, [5] max over buckets of stored + new, [6] buckets that overflow, [7] their
-// new pairs.
-extern "C" __global__ void ht_insert_plan(const i64* __restrict__ keys,
-                                          const i64* __restrict__ tids, int has_tids, i64 S,
-                                          const u64* __restrict__ scount, int* __restrict__ stage,
-                                          const i64* __restrict__ bucket_count, i64 bc,
-                                          int* __restrict__ rep_of, i64* __restrict__ nnew,
-                                          u64* __restrict__ stats) {
-    HT_SMEM(smem);
-    i64* s_fp = reinterpret_cast<i64*>(smem);  // [S]
-    i64* s_key = s_fp + S;  // [S]
-    i64* s_tid = s_key + S;  // [S]
-    int* s_idx = reinterpret_cast<int*>(s_tid + S);  // [S]
-    int* s_rep = s_idx + S;  // [S] 1 if the entry represents its pair
-    __shared__ int s_n, s_any_tid;
-    const i64 b = blockIdx.x;
-    const i64 k = (i64)scount[b];
-    if (k == 0 || k > S) return;  // k > S: the host falls back to the torch core
-    if (threadIdx.x == 0) s_n = s_any_tid = 0;
-    for (i64 t = threadIdx.x; t < k; t += blockDim.x) {
-        const int j = stage[b * S + t];
-        s_idx[t] = j;
-        s_key[t] = keys[j];
-        s_tid[t] = has_tids ? tids[j] : 0;
-        s_fp[t] = ht_fingerprint(s_key[t], s_tid[t]);
-    }
-    __syncthreads();
-    for (i64 t = threadIdx.x; t < k; t += blockDim.x) {
-        int rep = s_idx[t];
-        for (i64 u = 0; u < k; ++u)
-            if (s_fp[u] == s_fp[t] && s_key[u] == s_key[t] && s_tid[u] == s_tid[t] &&
-                s_idx[u] > rep)
-                rep = s_idx[u];
-        rep_of[s_idx[t]] = rep;
-        s_rep[t] = rep == s_idx[t];
-        if (s_rep[t]) atomicAdd(&s_n, 1);
-        if (s_rep[t] && s_tid[t] != 0) s_any_tid = 1;
-    }
-    __syncthreads();
-    for (i64 t = threadIdx.x; t < k; t += blockDim.x) {
-        if (!s_rep[t]) continue;
-        const i64 fp = s_fp[t], key = s_key[t], tid = s_tid[t];
-        int rank = 0;
-        for (i64 u = 0; u < k; ++u) {
-            if (!s_rep[u]) continue;
-            const i64 f = s_fp[u];
-            if (f < fp || (f == fp && (s_tid[u] < tid || (s_tid[u] == tid && s_key[u] < key))))
-                ++rank;
-        }
-        stage[b * S + rank] = s_idx[t];
-    }
-    if (threadIdx.x == 0) {
-        const u64 u = (u64)s_n, fill = (u64)bucket_count[b] + u;
-        nnew[b] = (i64)u;
-        if (s_any_tid) atomicOr(stats + 3, 1ULL);
-        atomicAdd(stats + 4, u);
-        atomicMax(stats + 5, fill);
-        if ((i64)fill > bc) {
-            atomicAdd(stats + 6, 1ULL);
-            atomicAdd(stats + 7, u);
-        }
-    }
-}
-
-// Stored keys used by the call: the last occurrence's values, score (and accumulators).
-extern "C" __global__ void ht_insert_assign(const i64* __restrict__ row_found,
-                                            const int* __restrict__ win, i64 n,
-                                            const float* __restrict__ values,
-                                            const i64* __restrict__ scores,
-                                            const float* __restrict__ accum_in, int has_accum,
-                                            int dim, float* __restrict__ out_values,
-                                            i64* __restrict__ row_score,
-                                            float* __restrict__ out_accum) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const i64 r = row_found[i];
-    if (r < 0 || win[r] != (int)i) return;
-    row_score[r] = scores[i];
-    for (int d = 0; d < dim; ++d) out_values[r * dim + d] = values[i * dim + d];
-    if (has_accum)
-        for (int d = 0; d < dim; ++d) out_accum[r * dim + d] = accum_in[i * dim + d];
-}
-
-// One block per bucket whose new keys fit: the j-th new key (in stage order) takes the row of
-// empty slot c + j; the c stored and the u new entries merge by fingerprint (stored first on
-// ties), as the stable re-sort of HashTable._resort leaves them. rep_rows[i] = row of rep i.
-extern "C" __global__ void ht_insert_merge(
-    const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids,
-    const float* __restrict__ values, const i64* __restrict__ scores,
-    const float* __restrict__ accum_in, int has_accum, float accum_init, int dim, i64 bc, i64 S,
-    const int* __restrict__ stage, const i64* __restrict__ nnew, i64* __restrict__ bucket_count,
-    i64* __restrict__ slot_fp, i64* __restrict__ slot_row, i64* __restrict__ row_key,
-    int* __restrict__ row_tid, i64* __restrict__ row_score, float* __restrict__ out_values,
-    float* __restrict__ out_accum, int has_out_accum, i64* __restrict__ rep_rows) {
-    HT_SMEM(smem);
-    i64* e_fp = reinterpret_cast<i64*>(smem);  // [bc] stored fingerprints
-    i64* e_row = e_fp + bc;  // [bc]
-    i64* n_fp = e_row + bc;  // [bc] new fingerprints
-    i64* n_row = n_fp + bc;  // [bc]
-    int* n_idx = reinterpret_cast<int*>(n_row + bc);  // [bc] input index of each new key
-    const i64 b = blockIdx.x;
-    const i64 u = nnew[b];
-    const i64 c = bucket_count[b];
-    if (u == 0 || c + u > bc) return;
-    const i64 base = b * bc;
-    for (i64 t = threadIdx.x; t < c; t += blockDim.x) {
-        e_fp[t] = slot_fp[base + t];
-        e_row[t] = slot_row[base + t];
-    }
-    for (i64 j = threadIdx.x; j < u; j += blockDim.x) {
-        const int i = stage[b * S + j];
-        n_idx[j] = i;
-        n_fp[j] = ht_fingerprint(keys[i], has_tids ? tids[i] : 0);
-        n_row[j] = slot_row[base + c + j];
-    }
-    __syncthreads();
-    for (i64 t = threadIdx.x; t < c; t += blockDim.x) {
-        i64 pos = t;
-        for (i64 j = 0; j < u; ++j) pos += n_fp[j] < e_fp[t] ? 1 : 0;
-        slot_fp[base + pos] = e_fp[t];
-        slot_row[base + pos] = e_row[t];
-    }
-    for (i64 j = threadIdx.x; j < u; j += blockDim.x) {
-        i64 pos = j;
-        for (i64 t = 0; t < c; ++t) pos += e_fp[t] <= n_fp[j] ? 1 : 0;
-        const int i = n_idx[j];
-        const i64 r = n_row[j];
-        slot_fp[base + pos] = n_fp[j];
-        slot_row[base + pos] = r;
-        row_key[r] = keys[i];
-        row_tid[r] = has_tids ? (int)tids[i] : 0;
-        row_score[r] = scores[i];
-        rep_rows[i] = r;
-    }
-    for (i64 e = threadIdx.x; e < u * dim; e += blockDim.x) {
-        const i64 j = e / dim, d = e - j * dim;
-        const i64 src = (i64)n_idx[j] * dim + d;
-        out_values[n_row[j] * dim + d] = values[src];
-        if (has_out_accum) out_accum[n_row[j] * dim + d] = has_accum ? accum_in[src] : accum_init;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) bucket_count[b] = c + u;
-}
-
-// rows[i]: the stored row, or the row its pair's representative got (-1: refused);
-// inserted[i]: the pair was new and is stored now.
-extern "C" __global__ void ht_insert_rows(const i64* __restrict__ row_found,
-                                          const int* __restrict__ rep_of,
-                                          const i64* __restrict__ rep_rows, i64 n,
-                                          i64* __restrict__ rows, bool* __restrict__ inserted) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const i64 r = row_found[i];
-    if (r >= 0) {
-        rows[i] = r;
-        inserted[i] = false;
-    } else {
-        const i64 q = rep_rows[rep_of[i]];
-        rows[i] = q;
-        inserted[i] = q >= 0;
-    }
-}
-
-// ---------------------------------------------------------------- insert_or_assign, v2
 //
-// insert.py's default path (the v1 kernels above stay selectable: insert.IMPL = "v1"). Three
-// launches (four for a table that may grow) on torch's stream and one host read (the stats,
-// copied after place pass 0):
+// insert.py's path (an earlier block-per-bucket version is in git history). Three launches
+// (four for a table that may grow) on torch's stream and one host read (the stats, copied
+// after place pass 0):
 //
 // 1. ht_ins2_stage_w<W> (a thread per key): locate; a stored key marks its row in win
 //    (atomicMax: the last occurrence wins), a new occurrence is staged (input index) in its
@@ -437,7 +236,7 @@ extern "C" __global__ void ht_insert_rows(const i64* __restrict__ row_found,
 // Every call leaves the scratch as it found it (scount 0, win -1, the other stats buffer 0),
 // so the host allocates and clears nothing per call. When the call cannot finish here (growth,
 // a bucket list overflow, invalid keys), no kernel writes to the table (decision 0 below) and
-// the host hands the call to the torch core.
+// the host hands the call to the torch backend.
 //
 // Expected times for 1M new keys, dim 16, load factor 0.5 (15625 buckets of 128) on an H200
 // (measured before this version: write 263 us, place 2 x 65 us averaged, stage 37 us):
@@ -558,7 +357,7 @@ HT_INS2_STAGE(8)
 HT_INS2_STAGE(16)
 
 // Order of staged entries a, b of one bucket: (fingerprint, table id, key, input index), the
-// order HashTable._insert_new's stable sort by fingerprint of the (table id, key)-sorted unique
+// order TorchBackend._insert_new's stable sort by fingerprint of the (table id, key)-sorted unique
 // pairs gives, with the input index last. Keys and table ids come from global memory (L2): only
 // entries of equal fingerprint need them.
 __device__ __forceinline__ bool ht_ins2_less(const i64* s_fp, const int* s_idx,
@@ -658,8 +457,8 @@ __device__ __forceinline__ void ht_ins2_copy_new(
 // (undecided: pass 1 follows). PASS 1: only when pass 0 was undecided; finalizes when the
 // exact decision is 2 (slow); clears scount[b].
 // Finalize, with c stored and u new pairs: c + u <= bc: the j-th new pair (in the order above,
-// HashTable._insert_new's) takes the row of empty slot c + j, and the c stored and u new
-// entries merge by fingerprint (stored first on ties: the stable re-sort of HashTable._resort);
+// TorchBackend._insert_new's) takes the row of empty slot c + j, and the c stored and u new
+// entries merge by fingerprint (stored first on ties: the stable re-sort of TorchBackend._resort);
 // the new rows get key, table id, score, values and accumulators of the pair's last
 // occurrence; rows[i] / inserted[i] of every occurrence. c + u > bc (only at max capacity):
 // over_list gets b, nnew[b] = u, stage[b * S + j] the j-th representative, and rep_of[i] every
@@ -952,7 +751,7 @@ extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
 // ---------------------------------------------------------------- erase
 //
 // HashTable.erase on CUDA (insert.py's erase): two launches on torch's stream and one host read
-// (the stats, copied after the mark kernel). The scratch is insert v2's (win, scount, over_list,
+// (the stats, copied after the mark kernel). The scratch is the insert's (win, scount, over_list,
 // the stats buffers), left as found.
 //
 // 1. ht_erase_mark_w<W> (a thread per key): validate and locate; a found row is marked in win

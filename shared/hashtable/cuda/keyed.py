@@ -1,16 +1,17 @@
-"""Keyed initial rows and fingerprints on CUDA (``keyed.cu``): one launch each.
+"""Keyed initial rows and fingerprints on CUDA (``keyed.cu``; the CUDA backend's ``keyed_rows``
+and ``fingerprint``): one launch each.
 
 The torch versions (:class:`~shared.hashtable.initializers.KeyedInitializer`, and
 :func:`~shared.hashtable.hashing.fingerprint`) are hundreds of elementwise ops a call: splitmix64
 in int64 and an inverse normal CDF whose polynomials take one op per Horner step. The kernels
-compute the same bits in one thread per element (the GPU tests compare them with torch on the
-device under ``cuda.disabled()``), and an initializer kernel takes a table id per key, so a fused
-storage fills the new rows of all its member tables in one launch, without selecting each
-table's keys (``FusedStorage._fill``).
+compute the same bits in one thread per element (the GPU tests compare them with the torch code
+on the device), and an initializer kernel takes a table id per key, so a fused storage fills the
+new rows of all its member tables in one launch, without selecting each table's keys
+(:class:`KernelRows`).
 
 The per-table parameters live in two small device arrays (:class:`InitParams`), built once per
-list of initializers by their owner. Launches go through ``runtime.Launcher`` (``cuLaunchKernel``,
-the tensors as data pointers) where it can, else through CuPy's RawKernel call.
+list of initializers (:class:`KernelRows`, made by the storage). Launches go through
+``runtime.Launcher`` (``cuLaunchKernel``, the tensors as data pointers).
 """
 
 from __future__ import annotations
@@ -88,6 +89,21 @@ def init_params(inits: Sequence[KeyedInitializer | None], device: torch.device |
     )
 
 
+class KernelRows:
+    """New rows from a list of initializers in one launch: row i from ``inits[table_ids[i]]``
+    (table id 0 without ``table_ids``; NaN rows for a table without one). The parameters are
+    copied to ``device`` once, here."""
+
+    def __init__(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> None:
+        self.params = init_params(inits, device)
+
+    def __call__(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None, dim: int
+    ) -> torch.Tensor:
+        """[n, dim] float32 rows of ``keys`` [n] int64 on the parameters' device."""
+        return initial_rows(self.params, keys, table_ids, dim)
+
+
 def initial_rows(
     params: InitParams, keys: torch.Tensor, tids: torch.Tensor | None, dim: int
 ) -> torch.Tensor:
@@ -101,6 +117,7 @@ def initial_rows(
     t = rt.dummy(dev, torch.int64) if tids is None else tids.to(torch.int64).contiguous()
     rt.launch(
         "kd_initial_rows",
+        SIGNATURES["kd_initial_rows"],
         min(rt.blocks(n * dim), MAX_GRID),
         rt.BLOCK,
         (
@@ -115,9 +132,7 @@ def initial_rows(
             out,
         ),
         device=dev,
-        cached=(params.prm, params.iprm),
         source=SOURCE,
-        sig=SIGNATURES["kd_initial_rows"],
     )
     return out
 
@@ -133,11 +148,11 @@ def fingerprint(keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Ten
     t = rt.dummy(dev, torch.int64) if table_ids is None else table_ids.to(torch.int64).contiguous()
     rt.launch(
         "kd_fingerprint",
+        SIGNATURES["kd_fingerprint"],
         min(rt.blocks(n), MAX_GRID),
         rt.BLOCK,
         (k, t, rt.i32(table_ids is not None), rt.i64(n), out),
         device=dev,
         source=SOURCE,
-        sig=SIGNATURES["kd_fingerprint"],
     )
     return out

@@ -1,20 +1,19 @@
 """Loading ``kernels.cu`` (and ``keyed.cu``) with CuPy and launching their kernels on torch tensors.
 
-CuPy is imported lazily: importing this module costs nothing on a machine without it.
+CuPy is imported once, at the first compile or launch (the CUDA backend's construction asks
+:func:`unavailable_reason` first): importing this module costs nothing on a machine without it.
 Kernels run on torch's current stream of the tensors' device, so they order with torch's own
-work and need no synchronisation. Two ways to launch:
+work and need no synchronisation.
 
-- :func:`launch` / :func:`prepared`: CuPy's RawKernel call; tensors cross into CuPy through
-  DLPack (``cupy.from_dlpack``, no copy); the views of a table's long-lived arrays are cached
-  per tensor object and dropped when the tensor dies.
-- :class:`Launcher` / :class:`Kernel` (find, keyed, insert v2, erase): the driver's
-  ``cuLaunchKernel`` from a C parameter buffer per kernel, the tensors passed as their data
-  pointers: no DLPack export and no CuPy argument conversion per call. A kernel's parameter
-  types are a signature string (``p`` pointer, ``q`` int64, ``i`` int32, ``f`` float32; the
-  tests check them against the sources). Without a current CUDA context or with
-  :data:`DIRECT_LAUNCH` False, a Launcher passes the same arguments (pointers as integers) to
-  CuPy's RawKernel call; ``launch(..., sig=...)`` (keyed) and ``find`` fall back to the DLPack
-  path instead.
+Every launch goes through :class:`Launcher` / :class:`Kernel` (:func:`launch` and
+:func:`prepared` wrap them): the driver's ``cuLaunchKernel`` from a C parameter buffer per
+kernel, the tensors passed as their data pointers: no DLPack export and no CuPy argument
+conversion per call (13.3 G keys/s for a find of 1M keys on the H200, 5.4 G through CuPy's
+RawKernel call on DLPack views: ``bench/results/bench_gpu_hashtable.json``). A kernel's parameter
+types are a signature string (``p`` pointer, ``q`` int64, ``i`` int32, ``f`` float32; the tests
+check them against the sources). Only where the driver launch cannot run (no current CUDA
+context, a CuPy without ``driver.launchKernel``) does a Launcher pass the same arguments
+(pointers as integers) to CuPy's RawKernel call.
 
 A pointer passed to a launch must stay valid until the launch is queued: tensors are read when
 the launch is queued and the caller holds them until then (torch's caching allocator reuses a
@@ -23,13 +22,11 @@ freed block on the same stream only for work queued after it, so queued kernels 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import math
 import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +34,16 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("kernels.cu")
-FIND_WINDOWS = (0, 4, 8, 16)  # compiled variants of ht_find / ht_insert_stage (0: binary search)
+FIND_WINDOWS = (0, 4, 8, 16)  # compiled variants of ht_find (0: binary search)
 DEFAULT_WINDOW = 4  # slots a probe reads (16-byte loads): fastest on the H200 (bench_gpu_hashtable)
 BLOCK = 256  # threads per block of the one-thread-per-key kernels
 MAX_SHARED = 48 * 1024  # dynamic shared memory a block may use without opting in
-DIRECT_LAUNCH = True  # Launcher uses cuLaunchKernel (False: CuPy's RawKernel call, to compare)
 
 # Another source file of this folder, compiled as a module of its own (only ``extern "C"``
 # kernels): (file name, NVRTC options added to -std=c++17), e.g. keyed.py's SOURCE.
 Source = tuple[str, tuple[str, ...]]
 
-_enabled = True
-_views: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+_cp: Any = None  # the cupy module, once imported
 _dummies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _streams: dict[tuple[int, int], Any] = {}  # (device, stream pointer) -> cupy ExternalStream
 _local = threading.local()  # .kernels: this thread's Launcher.kernel cache
@@ -69,29 +64,27 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
-    """Whether HashTable on CUDA dispatches to the kernels (CUDA, CuPy, and not disabled)."""
-    return _enabled and unavailable_reason() is None
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Run the torch core on CUDA too (the reference the tests and benchmarks compare with)."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
+    """Whether the kernels can run here (CUDA and CuPy); see :func:`unavailable_reason`."""
+    return unavailable_reason() is None
 
 
 def _cupy() -> Any:
-    import cupy
+    """The cupy module, imported at the first call."""
+    global _cp
+    if _cp is None:
+        import cupy
 
-    return cupy
+        _cp = cupy
+    return _cp
+
+
+def load() -> None:
+    """Import CuPy now (the CUDA backend does at its construction, not at its first call)."""
+    _cupy()
 
 
 def _template_names() -> list[str]:
-    return [f"{k}<{w}>" for k in ("ht_find", "ht_insert_stage") for w in FIND_WINDOWS]
+    return [f"ht_find<{w}>" for w in FIND_WINDOWS]
 
 
 @functools.cache
@@ -124,19 +117,6 @@ def _function(device_index: int, name: str, source: Source | None = None) -> Any
     return _module(device_index).get_function(name)
 
 
-def as_cupy(t: torch.Tensor, *, cache: bool = False) -> Any:
-    """A CuPy view of CUDA tensor ``t`` (DLPack, no copy); ``cache`` for long-lived tensors."""
-    if not cache:
-        return _cupy().from_dlpack(t.detach())
-    key = id(t)
-    hit = _views.get(key)
-    if hit is not None and hit[0]() is t:
-        return hit[1]
-    view = _cupy().from_dlpack(t.detach())
-    _views[key] = (weakref.ref(t, lambda _, k=key: _views.pop(k, None)), view)
-    return view
-
-
 def dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A one-element tensor passed where a kernel's optional array is absent."""
     key = (device, dtype)
@@ -161,64 +141,32 @@ def blocks(n: int, block: int = BLOCK) -> int:
     return max(1, math.ceil(n / block))
 
 
-def _launcher(
-    name: str,
-    grid: int,
-    block: int,
-    args: Sequence[Any],
-    device: torch.device,
-    shared_mem: int,
-    cached: Sequence[torch.Tensor],
-    source: Source | None = None,
-) -> Callable[[], None]:
-    cp = _cupy()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    keep = {id(t) for t in cached} | {id(t) for t in _dummies.values()}
-    stream = _cupy_stream(index, torch.cuda.current_stream(index).cuda_stream)
-    fn = _function(index, name, source)
-    with cp.cuda.Device(index), stream:  # DLPack exports then need no cross-stream event
-        cargs = tuple(
-            as_cupy(a, cache=id(a) in keep) if isinstance(a, torch.Tensor) else a for a in args
-        )
-
-    def run() -> None:
-        with cp.cuda.Device(index), stream:
-            fn((grid,), (block,), cargs, shared_mem=shared_mem)
-
-    return run
-
-
 def launch(
     name: str,
+    sig: str,
     grid: int,
     block: int,
     args: Sequence[Any],
     *,
     device: torch.device,
     shared_mem: int = 0,
-    cached: Sequence[torch.Tensor] = (),
     source: Source | None = None,
-    sig: str | None = None,
 ) -> None:
-    """Launch kernel ``name`` on torch's current stream of ``device``.
+    """Launch kernel ``name`` (parameter types ``sig``, see :class:`Kernel`) through a
+    :class:`Launcher` on torch's current stream of ``device``.
 
-    ``args``: tensors (contiguous, on ``device``) and NumPy scalars, in the kernel's order;
-    tensors in ``cached`` (by identity) keep their CuPy view between calls. ``source``: the
-    kernel's module when it is not in ``kernels.cu`` (see :data:`Source`). With ``sig`` (the
-    kernel's parameter types, see :class:`Kernel`) the launch goes through :class:`Launcher`
-    (``cuLaunchKernel``, no DLPack) where it can, else through CuPy's call.
+    ``args``: tensors (contiguous, on ``device``; None for a null pointer) and numbers, in the
+    kernel's order. ``source``: the kernel's module when it is not in ``kernels.cu`` (see
+    :data:`Source`).
     """
-    if sig is not None and DIRECT_LAUNCH:
-        launcher = Launcher(device)
-        with launcher:
-            if launcher.direct:
-                launcher(launcher.kernel(name, sig, source), grid, block, args, shared_mem)
-                return
-    _launcher(name, grid, block, args, device, shared_mem, cached, source)()
+    launcher = Launcher(device)
+    with launcher:
+        launcher(launcher.kernel(name, sig, source), grid, block, args, shared_mem)
 
 
 def prepared(
     name: str,
+    sig: str,
     grid: int,
     block: int,
     args: Sequence[Any],
@@ -227,12 +175,20 @@ def prepared(
     shared_mem: int = 0,
     source: Source | None = None,
 ) -> Callable[[], None]:
-    """A launch with its arguments converted once (for timing the kernel alone, or replaying
-    it on the same tensors): the returned function only launches."""
-    return _launcher(name, grid, block, args, device, shared_mem, (), source)
+    """A launch of ``name`` on fixed ``args`` (for timing the kernel alone, or replaying it on
+    the same tensors): the returned function only launches, on the stream current now, from a
+    parameter buffer of its own. Call it on the thread that made it."""
+    launcher = Launcher(device)
+    kernel = Kernel(launcher.index, name, sig, source)
+
+    def run() -> None:
+        with launcher:
+            launcher(kernel, grid, block, args, shared_mem)
+
+    return run
 
 
-# ------------------------------------------------------------------------------ direct launch
+# ------------------------------------------------------------------------------ launches
 
 _CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
 _NUMPY = {"q": np.int64, "i": np.int32, "f": np.float32}
@@ -299,29 +255,24 @@ class Kernel:
 
 
 class Launcher:
-    """Launches :class:`Kernel` functions on torch's current stream of ``device``: through
-    ``cuLaunchKernel`` from the kernel's parameter buffer, or (no current context,
-    :data:`DIRECT_LAUNCH` or ``direct`` False, an old CuPy) through CuPy's RawKernel call
-    with the same arguments. Use inside ``with`` (the device's CUDA context)."""
+    """Launches :class:`Kernel` functions on torch's current stream of ``device`` (the one
+    current when the Launcher is made): through ``cuLaunchKernel`` from the kernel's parameter
+    buffer, or, where that cannot run (no current context, a CuPy without
+    ``driver.launchKernel``: :attr:`direct` False), through CuPy's RawKernel call with the same
+    arguments. Use inside ``with`` (the device's CUDA context)."""
 
-    def __init__(self, device: torch.device, *, direct: bool = True) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.cp = _cupy()
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.stream_ptr = _raw_stream(self.index)
         self._device: Any = None
-        self._want_direct = direct
         self.direct = False
 
     def __enter__(self) -> Launcher:
         self._device = self.cp.cuda.Device(self.index)
         self._device.__enter__()
         drv = self.cp.cuda.driver
-        self.direct = (
-            self._want_direct
-            and DIRECT_LAUNCH
-            and hasattr(drv, "launchKernel")
-            and drv.ctxGetCurrent() != 0
-        )
+        self.direct = hasattr(drv, "launchKernel") and drv.ctxGetCurrent() != 0
         return self
 
     def __exit__(self, *exc: object) -> None:

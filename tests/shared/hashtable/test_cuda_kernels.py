@@ -1,23 +1,26 @@
-"""The CuPy kernels (shared/hashtable/cuda) against the torch core on the same inputs.
+"""The CUDA backend (the CuPy kernels of shared/hashtable/cuda) against the torch backend.
 
-Each test runs the kernel and the torch core (``cuda.disabled()``) on the same CUDA tables and
-asks for equal results and equal tables (every slot, row, key, score and value): find gives
-identical rows, build and insert identical key sets and rows. Run on the GPU machine:
-``python3 -m pytest -q -m gpu tests/shared/hashtable``.
+Each test runs the same calls on two copies of a CUDA table, one with a ``CudaBackend`` and one
+with a ``TorchBackend`` (chosen by constructing them), and asks for equal results and equal
+tables (every slot, row, key, score and value): find gives identical rows, build and insert
+identical key sets and rows. Which path a call took is read from the CUDA backend's ``paths``
+counter. Run on the GPU machine: ``python3 -m pytest -q -m gpu tests/shared/hashtable``.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from shared.features import ScoreStrategy
 from shared.hashtable import cuda
+from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.hashing import mix64_int, to_signed
 from shared.hashtable.table import HashTable, InsertResult
+from shared.hashtable.torch_backend import TorchBackend
 
 from .test_table import _unmix64
 
@@ -30,6 +33,8 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"  # the device the tables live on (tests call the kernel modules directly)
+TORCH = TorchBackend()  # the reference
+KERNEL_PATHS = {"insert.fast", "insert.slow", "insert.overflow"}  # the kernels stored the call
 STATE = ("_slot_fp", "_slot_row", "_row_key", "_row_tid", "_row_score", "_values", "_accum")
 STATE += ("_bucket_count",)
 COUNTERS = ("size", "num_buckets", "evictions", "refusals", "generation", "_max_buckets")
@@ -61,29 +66,41 @@ def _collision_keys(count: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
+@pytest.fixture
+def kernels() -> CudaBackend:
+    """A CUDA backend of the test's own (its ``paths`` count only this test's calls)."""
+    return CudaBackend()
+
+
+def _paths(table: HashTable) -> Counter[str]:
+    assert isinstance(table.backend, CudaBackend)
+    return table.backend.paths
+
+
 def _core_table(keys: torch.Tensor, dim: int, bc: int, lf: float, tids=None) -> HashTable:
-    """A table filled by the torch core: a bulk build, then inserts and erases that move rows."""
+    """A table filled by the torch backend (and using it): a bulk build, then inserts and
+    erases that move rows."""
     n = keys.numel()
     g = torch.Generator().manual_seed(n)
     vals = torch.randn(n, dim, generator=g)
     half = n // 2
-    with cuda.disabled():
-        t = HashTable.from_keys_values(
-            keys[:half],
-            vals[:half],
-            bucket_capacity=bc,
-            device=DEVICE,
-            table_ids=None if tids is None else tids[:half],
-            max_load_factor=lf,
-            max_capacity=4 * n,
-        )
-        t.insert_or_assign(
-            keys[half:],
-            vals[half:],
-            torch.arange(n - half),
-            table_ids=None if tids is None else tids[half:],
-        )
-        t.erase(keys[: n // 8], None if tids is None else tids[: n // 8])
+    t = HashTable.from_keys_values(
+        keys[:half],
+        vals[:half],
+        bucket_capacity=bc,
+        device=DEVICE,
+        table_ids=None if tids is None else tids[:half],
+        max_load_factor=lf,
+        max_capacity=4 * n,
+        backend=TORCH,
+    )
+    t.insert_or_assign(
+        keys[half:],
+        vals[half:],
+        torch.arange(n - half),
+        table_ids=None if tids is None else tids[half:],
+    )
+    t.erase(keys[: n // 8], None if tids is None else tids[: n // 8])
     return t
 
 
@@ -104,8 +121,7 @@ def test_find_gives_the_core_rows(bc: int, lf: float, fused: bool):
     query = torch.cat([keys, absent, keys.flip(0), torch.tensor([-1, -5, 0])])
     qt = torch.cat([tids, torch.zeros(500, dtype=torch.int64), tids.flip(0), tids[:3]])
     qt = qt if fused else None
-    with cuda.disabled():
-        want_rows, want_found = t.find(query, qt, validate=False)
+    want_rows, want_found = t.find(query, qt, validate=False)  # the torch backend
     assert 0 < int(want_found.sum()) < query.numel()
     from shared.hashtable.cuda.runtime import FIND_WINDOWS
 
@@ -116,22 +132,24 @@ def test_find_gives_the_core_rows(bc: int, lf: float, fused: bool):
 
 
 def test_find_dispatches_to_the_kernel_on_cuda():
-    if torch.device(DEVICE).type != "cuda":
-        pytest.skip("dispatch needs a CUDA table")
+    """A CUDA table gets the CUDA backend by default, and its find the torch backend's rows."""
     keys = _random_keys(1000, seed=5)
-    t = _core_table(keys, 2, 128, 0.5)
+    core = _core_table(keys, 2, 128, 0.5)
+    t = core.to(DEVICE)
+    assert t.backend.name == "cuda" and core.backend is TORCH
+    assert "backend=cuda" in repr(t)
     rows, found = t.find(keys)
-    with cuda.disabled():
-        want = t.find(keys)
+    want = core.find(keys)
     assert torch.equal(rows, want[0]) and torch.equal(found, want[1])
 
 
-def test_find_through_direct_and_cupy_launches(monkeypatch: pytest.MonkeyPatch):
-    """runtime.DIRECT_LAUNCH on (cuLaunchKernel from a parameter buffer) and off (CuPy's call
-    on DLPack views): the same rows and found flags, the core's, for each window and table ids;
-    no keys too."""
+def test_find_through_the_driver_and_through_cupy_where_it_cannot():
+    """find launches through the driver (cuLaunchKernel from a parameter buffer): the torch
+    backend's rows and found flags for each window, with table ids, non-contiguous keys and no
+    keys. A Launcher that cannot launch directly (``direct`` False: no current context) passes
+    the same arguments to CuPy's RawKernel call: the same results."""
     from shared.hashtable.cuda import runtime as rt
-    from shared.hashtable.cuda.find import find
+    from shared.hashtable.cuda.find import SIGNATURES, _find_args, find, window
 
     keys = torch.cat([_random_keys(4000, seed=11), _collision_keys(20)])
     tids = torch.randint(0, 3, keys.shape, generator=torch.Generator().manual_seed(3))
@@ -141,43 +159,33 @@ def test_find_through_direct_and_cupy_launches(monkeypatch: pytest.MonkeyPatch):
     qt = torch.cat([tids, torch.zeros(302, dtype=torch.int64)]).to(DEVICE)
     cases = [(query, qt), (query[::2], qt[::2]), (query, None), (query[:0], qt[:0])]
     for k, tt in cases:  # query[::2]: non-contiguous keys and ids
-        with cuda.disabled():
-            want = t.find(k, tt, validate=False)
+        want = t.find(k, tt, validate=False)  # the torch backend
         for w in rt.FIND_WINDOWS:
-            got = {}
-            for direct in (True, False):
-                monkeypatch.setattr(rt, "DIRECT_LAUNCH", direct)
-                rows, found = find(t, k, tt, probe_window=w)
-                assert rows.dtype == torch.int64 and found.dtype == torch.bool
-                got[direct] = (rows, found)
-            for rows, found in got.values():
-                assert torch.equal(rows, want[0]) and torch.equal(found, want[1]), w
-    monkeypatch.setattr(rt, "DIRECT_LAUNCH", True)
-    launcher = rt.Launcher(torch.device(DEVICE))
-    with launcher:
-        assert launcher.direct  # the direct path is what the first pass above tested
+            rows, found = find(t, k, tt, probe_window=w)
+            assert rows.dtype == torch.int64 and found.dtype == torch.bool
+            assert torch.equal(rows, want[0]) and torch.equal(found, want[1]), w
+            if k.numel() == 0:
+                continue
+            rows, found = torch.empty_like(rows), torch.empty_like(found)
+            kc, tc = k.contiguous(), None if tt is None else tt.contiguous()
+            launcher = rt.Launcher(torch.device(DEVICE))
+            with launcher:
+                assert launcher.direct  # what find above used
+                launcher.direct = False
+                kernel = launcher.kernel(f"ht_find<{window(t, w)}>", SIGNATURES["ht_find"])
+                launcher(kernel, rt.blocks(k.numel()), rt.BLOCK, _find_args(t, kc, tc, rows, found))
+            assert torch.equal(rows, want[0]) and torch.equal(found, want[1]), w
 
 
-def _build_both(**kw) -> tuple[HashTable | None, HashTable]:
-    from shared.hashtable.cuda.build import from_keys_values
-
-    with cuda.disabled():
-        want = HashTable.from_keys_values(**kw)
-    kw = dict(kw)
-    kw.setdefault("bucket_capacity", 128)
-    kw.setdefault("scores", None)
-    kw.setdefault("table_ids", None)
-    kw.setdefault("accumulators", None)
-    kw.setdefault("max_load_factor", 0.5)
-    kw.setdefault("max_capacity", None)
-    kw.setdefault("score_strategy", ScoreStrategy.STEP)
-    kw["device"] = torch.device(kw["device"])
-    return from_keys_values(HashTable, **kw), want
+def _build_both(kernels: CudaBackend, **kw) -> tuple[HashTable, HashTable]:
+    """(the CUDA backend's build, the torch backend's) of the same arguments."""
+    want = HashTable.from_keys_values(**kw, backend=TORCH)
+    return HashTable.from_keys_values(**kw, backend=kernels), want
 
 
 @pytest.mark.parametrize("bc", [128, 16, 7])
 @pytest.mark.parametrize("extras", [False, True])
-def test_build_gives_the_core_table(bc: int, extras: bool):
+def test_build_gives_the_core_table(bc: int, extras: bool, kernels: CudaBackend):
     keys = torch.cat([_random_keys(5000, seed=bc), _collision_keys(30)])
     n = keys.numel()
     g = torch.Generator().manual_seed(3)
@@ -187,77 +195,68 @@ def test_build_gives_the_core_table(bc: int, extras: bool):
         kw["scores"] = torch.randint(0, 100, (n,), generator=g)
         kw["table_ids"] = torch.randint(0, 4, (n,), generator=g)
         kw["accumulators"] = torch.rand(n, 5, generator=g)
-    got, want = _build_both(**kw)
-    assert got is not None
+    got, want = _build_both(kernels, **kw)
+    assert kernels.paths == Counter({"build.kernel": 1})
     _assert_same_table(got, want)
     assert got._any_tid == want._any_tid
+    assert got.backend is kernels and want.backend is TORCH
 
 
-def test_build_doubles_overflowing_buckets_like_the_core():
+def test_build_doubles_overflowing_buckets_like_the_core(kernels: CudaBackend):
     keys = _random_keys(4000, seed=7)
     got, want = _build_both(
-        keys=keys, values=torch.ones(4000, 1), device=DEVICE, bucket_capacity=4, max_load_factor=1.0
+        kernels,
+        keys=keys,
+        values=torch.ones(4000, 1),
+        device=DEVICE,
+        bucket_capacity=4,
+        max_load_factor=1.0,
     )
-    assert got is not None and want.num_buckets > 1000  # 4000 keys / 4 slots, doubled
+    assert kernels.paths == Counter({"build.kernel": 1})
+    assert want.num_buckets > 1000  # 4000 keys / 4 slots, doubled
     _assert_same_table(got, want)
 
 
-def test_build_reports_the_core_errors():
-    if torch.device(DEVICE).type != "cuda":
-        pytest.skip("dispatch needs CUDA")
+def test_build_reports_the_core_errors(kernels: CudaBackend):
     with pytest.raises(ValueError, match="key 5 appears more than once"):
-        HashTable.from_keys_values(torch.tensor([5, 6, 5]), torch.zeros(3, 2), device=DEVICE)
+        HashTable.from_keys_values(
+            torch.tensor([5, 6, 5]), torch.zeros(3, 2), device=DEVICE, backend=kernels
+        )
+    assert kernels.paths == Counter({"build.torch": 1})  # the torch code names the key
     with pytest.raises(ValueError, match="key -3 at position 1 is negative"):
-        HashTable.from_keys_values(torch.tensor([5, -3]), torch.zeros(2, 2), device=DEVICE)
+        HashTable.from_keys_values(
+            torch.tensor([5, -3]), torch.zeros(2, 2), device=DEVICE, backend=kernels
+        )
 
 
 def test_build_dispatches_to_the_kernel_on_cuda():
-    if torch.device(DEVICE).type != "cuda":
-        pytest.skip("dispatch needs CUDA")
     keys = _random_keys(20000, seed=8)
     vals = torch.randn(20000, 16)
     got = HashTable.from_keys_values(keys, vals, device=DEVICE)
-    with cuda.disabled():
-        want = HashTable.from_keys_values(keys, vals, device=DEVICE)
+    assert got.backend.name == "cuda"
+    before = _paths(got)["build.kernel"]
+    got = HashTable.from_keys_values(keys, vals, device=DEVICE)
+    assert _paths(got)["build.kernel"] == before + 1
+    want = HashTable.from_keys_values(keys, vals, device=DEVICE, backend=TORCH)
     _assert_same_table(got, want)
-
-
-@pytest.fixture(params=["v1", "v2"])
-def impl(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each insert test runs both implementations of cuda/insert.py (IMPL)."""
-    from shared.hashtable.cuda import insert
-
-    with insert.implementation(request.param):
-        yield request.param
 
 
 def _insert_pair(
     kernel: HashTable, core: HashTable, used: list[bool], **kw
 ) -> tuple[InsertResult, InsertResult]:
-    from shared.hashtable.cuda import insert
-
-    with cuda.disabled():
-        want = core.insert_or_assign(**kw)
-    got = insert.insert_or_assign(
-        kernel,
-        kw["keys"],
-        kw["values"],
-        kw["scores"],
-        table_ids=kw.get("table_ids"),
-        accumulators=kw.get("accumulators"),
-        pinned_rows=kw.get("pinned_rows"),
-    )
-    used.append(got is not None)
-    if insert.IMPL == "v2":
-        PATHS.append(insert.last_path)
-        _assert_scratch_clear(kernel)
-    if got is None:  # the kernel path hands growth and skewed batches to the torch core
-        with cuda.disabled():
-            got = kernel.insert_or_assign(**kw)
+    """The call on ``kernel`` (a CUDA backend) and on ``core`` (the torch backend); records the
+    kernel call's path in PATHS and whether the kernels stored it in ``used``."""
+    want = core.insert_or_assign(**kw)
+    before = _paths(kernel).copy()
+    got = kernel.insert_or_assign(**kw)
+    (path,) = _paths(kernel) - before  # the one path this call counted
+    used.append(path in KERNEL_PATHS)
+    PATHS.append(path.removeprefix("insert."))
+    _assert_scratch_clear(kernel)
     return got, want
 
 
-PATHS: list[str] = []  # insert.last_path of the v2 calls of the current test
+PATHS: list[str] = []  # the insert paths (fast, slow, overflow, abort, ...) of the current test
 
 
 @pytest.fixture(autouse=True)
@@ -266,7 +265,7 @@ def _clear_paths() -> None:
 
 
 def _assert_scratch_clear(table: HashTable) -> None:
-    """v2 leaves its cached scratch as the next call needs it (the kernels clear it)."""
+    """The kernels leave their cached scratch as the next call needs it (they clear it)."""
     from shared.hashtable.cuda import insert
 
     sc = insert._scratch.get(table)
@@ -287,8 +286,10 @@ def _assert_same_result(got: InsertResult, want: InsertResult) -> None:
 Batch = Callable[[int, torch.Generator], dict]
 
 
-def _run_script(table: HashTable, batches: int, make: Batch) -> list[bool]:
-    kernel, core = table, copy.deepcopy(table)
+def _run_script(kernel: HashTable, batches: int, make: Batch) -> list[bool]:
+    """``batches`` inserts from ``make`` on ``kernel`` (a CUDA backend) and on a copy with the
+    torch backend: equal results and tables after each; whether the kernels stored each call."""
+    core = kernel.to(kernel.device, backend=TORCH)
     used: list[bool] = []
     g = torch.Generator().manual_seed(11)
     for step in range(batches):
@@ -296,8 +297,7 @@ def _run_script(table: HashTable, batches: int, make: Batch) -> list[bool]:
         if kw.pop("pin", False):
             tids = kw.get("table_ids")
             head = None if tids is None else tids[:20]
-            with cuda.disabled():
-                kw["pinned_rows"] = core.find(kw["keys"][:20], head)[0]
+            kw["pinned_rows"] = core.find(kw["keys"][:20], head)[0]
             kw["pinned_rows"] = kw["pinned_rows"][kw["pinned_rows"] >= 0]
         got, want = _insert_pair(kernel, core, used, **kw)
         _assert_same_result(got, want)
@@ -317,15 +317,17 @@ def _batch(n: int, dim: int, universe: int, g: torch.Generator, **extra) -> dict
 
 
 @pytest.mark.parametrize("bc", [128, 16, 7])
-def test_insert_without_growth_gives_the_core_table(bc: int, impl: str):
-    t = HashTable(4, init_capacity=8192, max_capacity=8192, bucket_capacity=bc, device=DEVICE)
+def test_insert_without_growth_gives_the_core_table(bc: int, kernels: CudaBackend):
+    t = HashTable(
+        4, init_capacity=8192, max_capacity=8192, bucket_capacity=bc, device=DEVICE, backend=kernels
+    )
     used = _run_script(t, 6, lambda s, g: _batch(700, 4, 3000, g))
     assert all(used)  # no growth: every call stays on the kernels
-    assert impl == "v1" or set(PATHS) <= {"fast", "overflow"}  # bc 7: a bucket may fill up
+    assert set(PATHS) <= {"fast", "overflow"}  # bc 7: a bucket may fill up
 
 
 @pytest.mark.parametrize("strategy", [ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION])
-def test_insert_at_max_capacity_evicts_like_the_core(strategy: ScoreStrategy, impl: str):
+def test_insert_at_max_capacity_evicts_like_the_core(strategy: ScoreStrategy, kernels: CudaBackend):
     t = HashTable(
         3,
         init_capacity=512,
@@ -333,13 +335,14 @@ def test_insert_at_max_capacity_evicts_like_the_core(strategy: ScoreStrategy, im
         bucket_capacity=16,
         score_strategy=strategy,
         device=DEVICE,
+        backend=kernels,
     )
     used = _run_script(t, 8, lambda s, g: _batch(300, 3, 5000, g, pin=s % 2 == 1))
     assert all(used) and t.evictions + t.refusals > 0
-    assert impl == "v1" or "overflow" in PATHS
+    assert "overflow" in PATHS
 
 
-def test_insert_with_growth_fused_ids_and_accumulators(impl: str):
+def test_insert_with_growth_fused_ids_and_accumulators(kernels: CudaBackend):
     t = HashTable(
         2,
         init_capacity=64,
@@ -348,6 +351,7 @@ def test_insert_with_growth_fused_ids_and_accumulators(impl: str):
         with_accumulator=True,
         initial_accumulator_value=0.25,
         device=DEVICE,
+        backend=kernels,
     )
 
     def make(step: int, g: torch.Generator) -> dict:
@@ -357,11 +361,13 @@ def test_insert_with_growth_fused_ids_and_accumulators(impl: str):
         return b
 
     used = _run_script(t, 12, make)
-    assert any(used) and not all(used)  # growth went to the core, the rest to the kernels
+    assert any(used) and not all(used)  # growth went to the torch code, the rest to the kernels
 
 
-def test_insert_of_colliding_fingerprints(impl: str):
-    t = HashTable(1, init_capacity=1024, max_capacity=1024, bucket_capacity=64, device=DEVICE)
+def test_insert_of_colliding_fingerprints(kernels: CudaBackend):
+    t = HashTable(
+        1, init_capacity=1024, max_capacity=1024, bucket_capacity=64, device=DEVICE, backend=kernels
+    )
     keys = _collision_keys(60)
 
     def make(step: int, g: torch.Generator) -> dict:
@@ -372,33 +378,27 @@ def test_insert_of_colliding_fingerprints(impl: str):
     assert all(_run_script(t, 3, make))
 
 
-def test_insert_rejects_what_the_core_rejects(impl: str):
-    from shared.hashtable.cuda.insert import insert_or_assign
-
-    t = HashTable(1, init_capacity=64, max_capacity=64, device=DEVICE)
-    args = {"accumulators": None, "pinned_rows": None}
+def test_insert_rejects_what_the_core_rejects(kernels: CudaBackend):
+    t = HashTable(1, init_capacity=64, max_capacity=64, device=DEVICE, backend=kernels)
     with pytest.raises(ValueError, match="negative"):
-        insert_or_assign(
-            t, torch.tensor([3, -5]), torch.zeros(2, 1), torch.zeros(2), table_ids=None, **args
-        )
+        t.insert_or_assign(torch.tensor([3, -5]), torch.zeros(2, 1), torch.zeros(2))
     with pytest.raises(ValueError, match="table ids"):
         ids = torch.tensor([0, 1 << 31])
-        insert_or_assign(
-            t, torch.tensor([3, 5]), torch.zeros(2, 1), torch.zeros(2), table_ids=ids, **args
-        )
+        t.insert_or_assign(torch.tensor([3, 5]), torch.zeros(2, 1), torch.zeros(2), table_ids=ids)
     assert t.size == 0
     _assert_scratch_clear(t)
-    res = insert_or_assign(
-        t, torch.tensor([3, 5]), torch.ones(2, 1), torch.zeros(2), table_ids=None, **args
-    )
-    assert res is not None and t.size == 2  # the scratch is usable after a refused call
+    t.insert_or_assign(torch.tensor([3, 5]), torch.ones(2, 1), torch.zeros(2))
+    assert t.size == 2  # the scratch is usable after a refused call ...
+    assert kernels.paths == Counter({"insert.fast": 1})  # ... and the kernels stored the call
 
 
-def test_insert_slow_path_near_the_load_bound(impl: str):
+def test_insert_slow_path_near_the_load_bound(kernels: CudaBackend):
     """A table that may grow, batches whose occurrences (with duplicates) exceed the load bound
-    but whose distinct new keys do not: v2 decides after counting the pairs (place pass 1);
-    later batches do grow (the torch core)."""
-    t = HashTable(4, init_capacity=1024, max_capacity=8192, bucket_capacity=32, device=DEVICE)
+    but whose distinct new keys do not: the kernels decide after counting the pairs (place pass
+    1); later batches do grow (the torch code)."""
+    t = HashTable(
+        4, init_capacity=1024, max_capacity=8192, bucket_capacity=32, device=DEVICE, backend=kernels
+    )
 
     def make(step: int, g: torch.Generator) -> dict:
         keys = torch.randint(0, 60, (400,), generator=g) * 7919 + 3 + step * 1000003
@@ -410,12 +410,14 @@ def test_insert_slow_path_near_the_load_bound(impl: str):
 
     used = _run_script(t, 12, make)
     assert any(used) and not all(used)
-    assert impl == "v1" or {"slow", "abort"} <= set(PATHS)
+    assert {"slow", "abort"} <= set(PATHS)
 
 
-def test_insert_of_a_skewed_batch_goes_to_the_core(impl: str):
+def test_insert_of_a_skewed_batch_goes_to_the_core(kernels: CudaBackend):
     """More new occurrences in one bucket than its list holds (2 * bucket_capacity)."""
-    t = HashTable(4, init_capacity=4096, max_capacity=4096, bucket_capacity=16, device=DEVICE)
+    t = HashTable(
+        4, init_capacity=4096, max_capacity=4096, bucket_capacity=16, device=DEVICE, backend=kernels
+    )
 
     def make(step: int, g: torch.Generator) -> dict:
         keys = torch.cat(
@@ -428,10 +430,10 @@ def test_insert_of_a_skewed_batch_goes_to_the_core(impl: str):
         }
 
     used = _run_script(t, 3, make)
-    assert not any(used)
+    assert not any(used) and set(PATHS) == {"abort"}
 
 
-def test_insert_at_max_capacity_with_ids_accumulators_pins_and_dim_16(impl: str):
+def test_insert_at_max_capacity_with_ids_accumulators_pins_and_dim_16(kernels: CudaBackend):
     """dim 16: the float4 copies of values and accumulators; fused ids and pins at eviction."""
     t = HashTable(
         16,
@@ -441,6 +443,7 @@ def test_insert_at_max_capacity_with_ids_accumulators_pins_and_dim_16(impl: str)
         with_accumulator=True,
         initial_accumulator_value=0.5,
         device=DEVICE,
+        backend=kernels,
     )
 
     def make(step: int, g: torch.Generator) -> dict:
@@ -451,50 +454,44 @@ def test_insert_at_max_capacity_with_ids_accumulators_pins_and_dim_16(impl: str)
         return b
 
     assert all(_run_script(t, 10, make))
-    assert impl == "v1" or "overflow" in PATHS
+    assert "overflow" in PATHS
 
 
-def test_insert_dispatch_uses_the_kernels_and_growth_renews_the_scratch(impl: str):
-    """HashTable.insert_or_assign on CUDA: the kernels, the core on growth (the table's v2
-    scratch then follows the new size), and assigning every stored key."""
+def test_insert_dispatch_uses_the_kernels_and_growth_renews_the_scratch():
+    """HashTable.insert_or_assign on CUDA (the default backend): the kernels, the torch code on
+    growth (the table's scratch then follows the new size), and assigning every stored key."""
     t = HashTable(16, init_capacity=4096, max_capacity=1 << 16, bucket_capacity=128, device=DEVICE)
-    core = copy.deepcopy(t)
+    assert t.backend.name == "cuda"
+    core = t.to(DEVICE, backend=TORCH)
+    before = _paths(t).copy()
     g = torch.Generator().manual_seed(3)
     keys = _random_keys(20000, seed=4)
     for s in range(0, 20000, 5000):
         k = keys[s : s + 5000]
         v, sc = torch.randn(5000, 16, generator=g), torch.randint(0, 9, (5000,), generator=g)
         got = t.insert_or_assign(k, v, sc)
-        with cuda.disabled():
-            want = core.insert_or_assign(k, v, sc)
+        want = core.insert_or_assign(k, v, sc)
         _assert_same_result(got, want)
         _assert_same_table(t, core)
     assert t.num_buckets > 32  # it grew
     v = torch.randn(20000, 16, generator=g)
     got = t.insert_or_assign(keys.flip(0), v, torch.arange(20000))
-    with cuda.disabled():
-        want = core.insert_or_assign(keys.flip(0), v, torch.arange(20000))
+    want = core.insert_or_assign(keys.flip(0), v, torch.arange(20000))
     _assert_same_result(got, want)
     _assert_same_table(t, core)
     _assert_scratch_clear(t)
+    counted = _paths(t) - before
+    assert counted["insert.abort"] > 0 and counted["insert.fast"] > 0
 
 
-# ------------------------------------------------------------------ v2: any dim, erase, launches
+# ------------------------------------------------------------------ any dim, erase
 
 
 DIMS = [0, 1, 3, 16, 17, 64]
 
 
-@pytest.fixture
-def v2() -> Iterator[None]:
-    from shared.hashtable.cuda import insert
-
-    with insert.implementation("v2"):
-        yield
-
-
 @pytest.mark.parametrize("dim", DIMS)
-def test_insert_v2_of_any_dim_gives_the_core_table(dim: int, v2: None):
+def test_insert_of_any_dim_gives_the_core_table(dim: int, kernels: CudaBackend):
     """No growth: duplicates, table ids, accumulators every other call, assigns of stored keys;
     place writes the new rows (float4 or float copies, 2**gshift lanes a row)."""
     t = HashTable(
@@ -505,6 +502,7 @@ def test_insert_v2_of_any_dim_gives_the_core_table(dim: int, v2: None):
         with_accumulator=dim > 0,
         initial_accumulator_value=0.5,
         device=DEVICE,
+        backend=kernels,
     )
 
     def make(step: int, g: torch.Generator) -> dict:
@@ -518,9 +516,9 @@ def test_insert_v2_of_any_dim_gives_the_core_table(dim: int, v2: None):
 
 
 @pytest.mark.parametrize("dim", DIMS)
-def test_insert_v2_growth_and_eviction_of_any_dim(dim: int, v2: None):
-    """Growth (the core), the slow path near the load bound, then eviction at max capacity
-    with pins (the core's overflow code, then ht_ins2_gather)."""
+def test_insert_growth_and_eviction_of_any_dim(dim: int, kernels: CudaBackend):
+    """Growth (the torch code), the slow path near the load bound, then eviction at max
+    capacity with pins (the torch code's overflow, then ht_ins2_gather)."""
     t = HashTable(
         dim,
         init_capacity=64,
@@ -528,6 +526,7 @@ def test_insert_v2_growth_and_eviction_of_any_dim(dim: int, v2: None):
         bucket_capacity=16,
         with_accumulator=dim > 0,
         device=DEVICE,
+        backend=kernels,
     )
 
     def make(step: int, g: torch.Generator) -> dict:
@@ -542,11 +541,18 @@ def test_insert_v2_growth_and_eviction_of_any_dim(dim: int, v2: None):
     assert t.num_buckets == 64 and t.evictions > 0 and "overflow" in PATHS
 
 
-def test_insert_v2_of_unaligned_values_uses_float_copies(v2: None):
+def test_insert_of_unaligned_values_uses_float_copies(kernels: CudaBackend):
     from shared.hashtable.cuda import insert
 
     n, dim = 500, 16
-    t = HashTable(dim, init_capacity=4096, max_capacity=4096, with_accumulator=True, device=DEVICE)
+    t = HashTable(
+        dim,
+        init_capacity=4096,
+        max_capacity=4096,
+        with_accumulator=True,
+        device=DEVICE,
+        backend=kernels,
+    )
 
     def make(step: int, g: torch.Generator) -> dict:
         b = _batch(n, dim, 2000, g)
@@ -559,26 +565,13 @@ def test_insert_v2_of_unaligned_values_uses_float_copies(v2: None):
     assert all(_run_script(t, 4, make))
 
 
-def test_insert_v2_through_cupy_launches(v2: None, monkeypatch: pytest.MonkeyPatch):
-    """DIRECT_LAUNCH off: CuPy's RawKernel call with the same arguments, the same tables."""
-    from shared.hashtable.cuda import insert
-
-    monkeypatch.setattr(insert, "DIRECT_LAUNCH", False)
-    t = HashTable(4, init_capacity=64, max_capacity=2048, bucket_capacity=16, device=DEVICE)
-    used = _run_script(t, 8, lambda s, g: _batch(200, 4, 1500, g))
-    assert any(used)
-    _erase_pair(t, copy.deepcopy(t), torch.arange(0, 1500 * 7919, 7919 * 3) + 3, None)
-
-
 def _erase_pair(kernel: HashTable, core: HashTable, keys: torch.Tensor, tids) -> int:
-    """The kernel erase on ``kernel``, the core's on ``core`` (equal tables before): equal
-    counts and tables after."""
-    from shared.hashtable.cuda import insert
-
-    with cuda.disabled():
-        want = core.erase(keys, tids)
-    got = insert.erase(kernel, keys, tids)
-    assert got is not None and got == want
+    """The erase on ``kernel`` (a CUDA backend) and on ``core`` (the torch backend; equal tables
+    before): the kernels did it, equal counts and tables after."""
+    want = core.erase(keys, tids)
+    before = _paths(kernel)["erase.kernel"]
+    got = kernel.erase(keys, tids)
+    assert _paths(kernel)["erase.kernel"] == before + 1 and got == want
     _assert_same_table(kernel, core)
     _assert_scratch_clear(kernel)
     return got
@@ -586,13 +579,13 @@ def _erase_pair(kernel: HashTable, core: HashTable, keys: torch.Tensor, tids) ->
 
 @pytest.mark.parametrize("bc", [128, 16, 7, 1])
 @pytest.mark.parametrize("fused", [False, True])
-def test_erase_gives_the_core_table(bc: int, fused: bool, v2: None):
+def test_erase_gives_the_core_table(bc: int, fused: bool, kernels: CudaBackend):
     """Present, absent and duplicate keys (colliding fingerprints among them), then inserts
     into the freed slots, several rounds."""
     keys = torch.cat([_random_keys(3000, seed=bc), _collision_keys(40)])
     tids = torch.randint(0, 3, keys.shape, generator=torch.Generator().manual_seed(4))
-    kernel = _core_table(keys, 3, bc, 0.5, tids if fused else None)
-    core = copy.deepcopy(kernel)
+    core = _core_table(keys, 3, bc, 0.5, tids if fused else None)
+    kernel = core.to(DEVICE, backend=kernels)
     g = torch.Generator().manual_seed(5)
     absent = _random_keys(300, seed=77, high=1 << 40) + (1 << 61)
     total = 0
@@ -619,66 +612,54 @@ def test_erase_gives_the_core_table(bc: int, fused: bool, v2: None):
     assert _erase_pair(kernel, core, keys[:0], None) == 0
 
 
-def test_erase_rejects_what_the_core_rejects(v2: None):
-    from shared.hashtable.cuda import insert
-
+def test_erase_rejects_what_the_core_rejects(kernels: CudaBackend):
     keys = _random_keys(500, seed=9)
-    t = _core_table(keys, 2, 16, 0.5)
-    before = copy.deepcopy(t)
+    before = _core_table(keys, 2, 16, 0.5)
+    t = before.to(DEVICE, backend=kernels)
     with pytest.raises(ValueError, match="negative"):
-        insert.erase(t, torch.cat([keys[:10], torch.tensor([-4])]), None)
+        t.erase(torch.cat([keys[:10], torch.tensor([-4])]))
     with pytest.raises(ValueError, match="table ids"):
-        insert.erase(t, keys[:3], torch.tensor([0, 1 << 31, 0]))
+        t.erase(keys[:3], torch.tensor([0, 1 << 31, 0]))
     _assert_same_table(t, before)  # nothing erased: the marks were cleared, not applied
     _assert_scratch_clear(t)
     _erase_pair(t, before, keys[:100], None)  # the scratch is usable after a refused call
 
 
 def test_erase_dispatch_and_clear_on_cuda():
-    """HashTable.erase / clear on CUDA use the kernels; a full erase empties the table."""
+    """HashTable.erase / clear on CUDA (the default backend) use the kernels; a full erase
+    empties the table."""
     keys = _random_keys(4000, seed=12)
     tids = torch.randint(0, 2, keys.shape, generator=torch.Generator().manual_seed(1))
-    t = _core_table(keys, 4, 128, 0.5, tids)
-    core = copy.deepcopy(t)
-    assert t.clear(1) == core_clear(core, 1)
+    core = _core_table(keys, 4, 128, 0.5, tids)
+    t = core.to(DEVICE)
+    assert t.backend.name == "cuda"
+    before = _paths(t)["erase.kernel"]
+    assert t.clear(1) == core.clear(1)
     _assert_same_table(t, core)
-    assert t.erase(keys, tids) == core_erase(core, keys, tids)
+    assert t.erase(keys, tids) == core.erase(keys, tids)
     _assert_same_table(t, core)
-    assert t.size == 0
+    assert t.size == 0 and _paths(t)["erase.kernel"] == before + 2
 
 
-def core_clear(t: HashTable, table_id: int) -> int:
-    with cuda.disabled():
-        return t.clear(table_id)
-
-
-def core_erase(t: HashTable, keys: torch.Tensor, tids) -> int:
-    with cuda.disabled():
-        return t.erase(keys, tids)
-
-
-def test_frequency_counter_on_the_kernels_gives_the_core_counts(v2: None):
+def test_frequency_counter_on_the_kernels_gives_the_core_counts(kernels: CudaBackend):
     """The admission counter (dim 0, 1024 slots a bucket: place opts in to more shared memory,
-    LFU eviction at capacity): add and erase through the kernels, equal to the core."""
+    LFU eviction at capacity): add and erase through the kernels, equal to the torch code."""
     from shared.hashtable.admission import FrequencyCounter
-    from shared.hashtable.cuda import insert
 
-    kernel = FrequencyCounter(4096, 1024, device=DEVICE)
-    core = copy.deepcopy(kernel)
+    kernel = FrequencyCounter(4096, 1024, device=DEVICE, backend=kernels)
+    core = FrequencyCounter(4096, 1024, device=DEVICE, backend=TORCH)
     g = torch.Generator().manual_seed(21)
-    paths = set()
     for step in range(6):
         keys = _random_keys(1500, seed=100 + step, high=1 << 14)  # repeats across steps
         tids = torch.randint(0, 2, keys.shape, generator=g)
         counts = torch.randint(1, 4, keys.shape, generator=g)
         got = kernel.add(keys, counts, tids)
-        paths.add(insert.last_path)
-        with cuda.disabled():
-            want = core.add(keys, counts, tids)
+        want = core.add(keys, counts, tids)
         assert torch.equal(got.cpu(), want.cpu())
         _assert_same_table(kernel.table, core.table)
         gone, gone_t = keys[: 200 + step], tids[: 200 + step]
-        assert kernel.erase(gone, gone_t) == core_erase(core.table, gone, gone_t)
+        assert kernel.erase(gone, gone_t) == core.erase(gone, gone_t)
         _assert_same_table(kernel.table, core.table)
-    assert paths & {"fast", "overflow"} and kernel.evictions > 0
+    assert {"insert.fast", "insert.overflow"} & set(kernels.paths) and kernel.evictions > 0
+    assert kernels.paths["erase.kernel"] == 6 and "erase.torch" not in kernels.paths
     _assert_scratch_clear(kernel.table)

@@ -1,7 +1,8 @@
 """The keyed-initializer and fingerprint kernels (cuda/keyed.cu) against the torch code.
 
-The GPU tests run the kernel and the torch code (``cuda.disabled()``) on the same CUDA tensors
-and ask for bitwise equal results (``torch.equal``). Run on the GPU machine:
+The GPU tests run the CUDA backend's kernels and the torch code (``KeyedInitializer``,
+``hashing.fingerprint``, the torch backend's ``keyed_rows``) on the same CUDA tensors and ask
+for bitwise equal results (``torch.equal``). Run on the GPU machine:
 ``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_keyed.py``. The CPU tests check
 the kernel source's constants and the parameter arrays.
 """
@@ -19,9 +20,11 @@ from shared.hashtable import cuda, initializers
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.cuda import keyed
 from shared.hashtable.cuda import runtime as rt
+from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.hashing import fingerprint, to_signed
 from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.storage import FusedStorage
+from shared.hashtable.torch_backend import TorchBackend
 
 from .conftest import dyn_table
 
@@ -32,6 +35,7 @@ needs_cuda = pytest.mark.skipif(
 )
 DEVICE = "cuda"
 DIMS = [1, 16, 17, 64]
+TORCH = TorchBackend()
 
 N, T, U, C = InitMode.NORMAL, InitMode.TRUNCATED_NORMAL, InitMode.UNIFORM, InitMode.CONSTANT
 SPECS = {
@@ -139,12 +143,14 @@ def _signature(params: list[str]) -> str:
 
 
 def test_kernel_signatures_match_the_source():
-    """The parameter types of direct launches (runtime.Kernel: insert, find and keyed
+    """The parameter types of every launch (runtime.Kernel: insert, find, build and keyed
     SIGNATURES) against kernels.cu and keyed.cu."""
-    from shared.hashtable.cuda import find, insert
+    from shared.hashtable.cuda import build, find, insert
 
     main = _kernel_params(rt.SOURCE)
-    for family, sig in {**insert.SIGNATURES, **find.SIGNATURES}.items():
+    sigs = {**insert.SIGNATURES, **find.SIGNATURES, **build.SIGNATURES}
+    assert set(main) == set(sigs)  # every kernel of kernels.cu is launched with a signature
+    for family, sig in sigs.items():
         assert _signature(main[family]) == sig, family
     for name in ("ht_ins2_stage_w4", "ht_ins2_place0", "ht_ins2_place1", "ht_erase_mark_w0"):
         assert insert._family(name) in insert.SIGNATURES
@@ -173,10 +179,9 @@ def test_kernel_arguments_fill_the_parameter_slots():
 def test_initializer_kernel_matches_torch(name: str, dim: int):
     init = KeyedInitializer(SPECS[name], seed=11, table=f"{name}_emb")
     keys = _keys(20_000, seed=dim).to(DEVICE)
-    with cuda.disabled():
-        want = init(keys, dim)
+    want = init(keys, dim)  # the torch code (CONSTANT: torch.full)
     direct = keyed.initial_rows(keyed.init_params([init], keys.device), keys, None, dim)
-    got = init(keys, dim)  # dispatches to the kernel (CONSTANT: torch.full)
+    got = CudaBackend().keyed_rows([init], keys.device)(keys, None, dim)
     assert want.dtype == got.dtype == direct.dtype == torch.float32
     assert torch.equal(direct, want), name
     assert torch.equal(got, want), name
@@ -187,6 +192,7 @@ def test_initializer_kernel_matches_torch(name: str, dim: int):
 def test_initializer_kernel_covers_every_branch():
     """Values of each AS241 branch and of the clamps appear in the compared outputs."""
     keys = _keys(20_000, seed=3).to(DEVICE)
+    kernels = CudaBackend()
     for name, lo, hi in [
         ("normal_std", -0.5, 0.5),  # central
         ("normal_std", 1.5, 5.0),  # near tail (|q| > 0.425)
@@ -194,7 +200,7 @@ def test_initializer_kernel_covers_every_branch():
         ("trunc_clamped_p", -39.0, -39.0),  # p clamped to 1e-300, then x to upper
     ]:
         init = KeyedInitializer(SPECS[name], seed=11, table=f"{name}_emb")
-        x = init(keys, 16)
+        x = kernels.keyed_rows([init], keys.device)(keys, None, 16)
         assert bool(((x >= lo) & (x <= hi)).any()), name
 
 
@@ -203,7 +209,7 @@ def test_initializer_kernel_covers_every_branch():
 def test_initializer_kernel_without_keys_and_without_initializer():
     init = KeyedInitializer(SPECS["normal"], seed=1, table="a")
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    assert init(empty, 8).shape == (0, 8)
+    assert CudaBackend().keyed_rows([init], empty.device)(empty, None, 8).shape == (0, 8)
     p = keyed.init_params([init, None], empty.device)
     keys = torch.tensor([5, 6], device=DEVICE)
     out = keyed.initial_rows(p, keys, torch.tensor([1, 0], device=DEVICE), 4)
@@ -224,7 +230,11 @@ def _storage(dim: int) -> FusedStorage:
         for i, n in enumerate(names)
     ]
     return FusedStorage(
-        "group", specs, adagrad=AdagradConfig(lr=0.1), seed=5, device=torch.device(DEVICE)
+        "group",
+        specs,
+        adagrad=AdagradConfig(lr=0.1),
+        seed=5,
+        device=torch.device(DEVICE),
     )
 
 
@@ -232,7 +242,11 @@ def _storage(dim: int) -> FusedStorage:
 @needs_cuda
 @pytest.mark.parametrize("dim", DIMS)
 def test_fused_fill_is_one_launch_with_the_torch_rows(dim: int, monkeypatch):
+    """The CUDA backend's new rows of a list of initializers: one launch for all its tables,
+    the torch backend's rows; a CUDA storage uses them (its backend is the CUDA one)."""
     s = _storage(dim)
+    assert s.backend.name == "cuda" and "backend=cuda" in repr(s)
+    dev = torch.device(DEVICE)
     nt = len(s.specs)
     keys = _keys(30_000, seed=dim).to(DEVICE)
     g = torch.Generator().manual_seed(dim)
@@ -243,11 +257,11 @@ def test_fused_fill_is_one_launch_with_the_torch_rows(dim: int, monkeypatch):
     both = [*s.init, *s.admission_init]  # table t + nt: admission value of table t
     both_tids = torch.where(keys % 2 == 0, tids, adm_tids + nt)
     cases = [
-        (s.init, tids),
-        (s.eval_init, tids),
-        (s.admission_init, adm_tids),
-        (both, both_tids),
-        (s.init, tids[:1]),
+        (s.init, tids, s._init_rows),
+        (s.eval_init, tids, s._eval_rows),
+        (s.admission_init, adm_tids, None),
+        (both, both_tids, s._train_rows),
+        (s.init, tids[:1], s._init_rows),
     ]
     launches = []
     real_launch = rt.launch
@@ -257,15 +271,18 @@ def test_fused_fill_is_one_launch_with_the_torch_rows(dim: int, monkeypatch):
         real_launch(name, *args, **kwargs)
 
     monkeypatch.setattr(rt, "launch", launch)
-    for inits, t in cases:
+    for inits, t, storage_rows in cases:
         k = keys[: t.numel()]
-        with cuda.disabled():
-            want = s._fill(inits, k, t)
-        before = len(launches)
-        got = s._fill(inits, k, t)
-        assert launches[before:] == ["kd_initial_rows"]
+        want = TORCH.keyed_rows(inits, dev)(k, t, s.dim)
+        assert launches == []  # the torch code launches nothing
+        rows = s.backend.keyed_rows(inits, dev)
+        got = rows(k, t, s.dim)
+        assert launches == ["kd_initial_rows"]
         assert torch.equal(got, want)
-        assert torch.equal(s._fill(inits, k, t), want)  # with the cached parameters
+        assert torch.equal(rows(k, t, s.dim), want)  # the parameters are kept
+        if storage_rows is not None:
+            assert torch.equal(storage_rows(k, t, s.dim), want)
+        launches.clear()
 
 
 @gpu
@@ -283,16 +300,14 @@ def test_fingerprint_kernel_matches_torch(tids: str):
         "int32": torch.randint(0, 2**31 - 1, (n,), generator=g, dtype=torch.int32),
     }[tids]
     t = None if t is None else t.to(DEVICE)
-    with cuda.disabled():
-        want = fingerprint(keys, t)
+    kernels = CudaBackend()
+    want = fingerprint(keys, t)  # the torch code
     direct = keyed.fingerprint(keys, t)
-    got = fingerprint(keys, t)
+    got = kernels.fingerprint(keys, t)
     assert got.dtype == want.dtype == torch.int64
     assert torch.equal(direct, want) and torch.equal(got, want)
     # 2-D and non-contiguous inputs, and no keys
     k2 = keys[: 2 * 1000].view(1000, 2).t()
     t2 = None if t is None else t[: 2 * 1000].view(1000, 2).t()
-    with cuda.disabled():
-        want2 = fingerprint(k2, t2)
-    assert torch.equal(fingerprint(k2, t2), want2)
-    assert fingerprint(keys[:0], None if t is None else t[:0]).shape == (0,)
+    assert torch.equal(kernels.fingerprint(k2, t2), fingerprint(k2, t2))
+    assert kernels.fingerprint(keys[:0], None if t is None else t[:0]).shape == (0,)

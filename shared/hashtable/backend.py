@@ -1,0 +1,114 @@
+"""A hash table's backend: the object that runs its operations, chosen once per table.
+
+A :class:`~shared.hashtable.table.HashTable` holds its arrays (a
+:class:`~shared.hashtable.layout.TableLayout`) and one :class:`Backend`, set when the table is
+made (``HashTable(..., backend=...)``, default :func:`backend_for` its device) or copied to a
+device (``HashTable.to``); every find, insert, erase and bulk build goes through it, and no call
+asks again which one it is. Two implementations, equal in every result:
+
+- :class:`~shared.hashtable.torch_backend.TorchBackend`: vectorized torch on any device; the CPU
+  path and the reference.
+- :class:`~shared.hashtable.cuda.backend.CudaBackend`: the CuPy kernels of
+  :mod:`shared.hashtable.cuda`, derived from the torch backend, whose algorithms it runs for the
+  cases its kernels do not cover (listed in its module docstring).
+
+Tests and benchmarks pick one by constructing it, e.g. ``HashTable(..., device="cuda",
+backend=TorchBackend())`` for the reference on a GPU. The storages of training
+(``FusedStorage``) take their table's backend for the admission counter and the new-row
+initializers too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+import torch
+
+from shared.hashtable.cuda import runtime as cuda_kernels
+from shared.hashtable.cuda.backend import CudaBackend
+from shared.hashtable.initializers import KeyedInitializer, NewRows
+from shared.hashtable.layout import InsertResult, TableLayout
+from shared.hashtable.torch_backend import TorchBackend
+
+L = TypeVar("L", bound=TableLayout)
+
+__all__ = ["Backend", "CudaBackend", "NewRows", "TorchBackend", "backend_for"]
+
+
+class Backend(Protocol):
+    """The operations of a hash table on its :class:`TableLayout` (see the module docstring).
+
+    ``find`` takes keys checked by ``TableLayout._prepare`` (``HashTable.find`` checks them);
+    ``insert_or_assign`` and ``erase`` take the caller's tensors and check them themselves (the
+    CUDA kernels check on the device, without a host sync). Results are those documented on
+    :class:`~shared.hashtable.table.HashTable`.
+    """
+
+    name: str  # "torch", "cuda": what the table's repr shows
+
+    def accepts(self, device: torch.device) -> bool:
+        """Whether tables on ``device`` can use this backend."""
+        ...
+
+    def fingerprint(self, keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Tensor:
+        """:func:`shared.hashtable.hashing.fingerprint` of the keys (the same bits)."""
+        ...
+
+    def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
+        """The new-row function of table ids ``0 .. len(inits) - 1`` on ``device`` (make it
+        once per list: it may copy parameters to the device)."""
+        ...
+
+    def find(
+        self, t: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def insert_or_assign(
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        *,
+        table_ids: torch.Tensor | None = None,
+        accumulators: torch.Tensor | None = None,
+        pinned_rows: torch.Tensor | None = None,
+    ) -> InsertResult: ...
+
+    def erase(
+        self, t: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None = None
+    ) -> int: ...
+
+    def build(
+        self,
+        sized: Callable[[int, int, bool], L],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        device: torch.device,
+        scores: torch.Tensor | None = None,
+        table_ids: torch.Tensor | None = None,
+        accumulators: torch.Tensor | None = None,
+    ) -> L:
+        """The table ``sized(n, dim, with_accumulator)`` makes, filled with the distinct
+        ``keys`` [n] and ``values`` [n, dim] (``HashTable.from_keys_values``)."""
+        ...
+
+
+TORCH = TorchBackend()
+
+
+@functools.cache
+def _cuda() -> CudaBackend:
+    return CudaBackend()
+
+
+def backend_for(device: torch.device | str) -> Backend:
+    """The backend a table on ``device`` gets by default: the CUDA kernels on a CUDA device
+    where CuPy is installed (one :class:`CudaBackend` for every CUDA table), else the torch
+    backend. The one place the choice is made."""
+    if torch.device(device).type == "cuda" and cuda_kernels.available():
+        return _cuda()
+    return TORCH

@@ -1,0 +1,144 @@
+"""The CUDA backend of a hash table: the CuPy kernels of this folder, the torch backend's
+algorithms where the kernels stop.
+
+A table gets it once, when it is made on a CUDA device with CuPy installed
+(:func:`shared.hashtable.backend.backend_for`), or by passing ``CudaBackend()``. It derives from
+:class:`~shared.hashtable.torch_backend.TorchBackend` and overrides what the kernels do; the
+inherited torch algorithms (``super()``) run, on the same arrays, for the cases the kernels do
+not cover. Those cases are decided here, and nowhere else:
+
+- ``find``: always the kernel (``find.py``).
+- ``insert_or_assign``: ``insert.py``'s kernels, full buckets at max capacity through the
+  inherited ``insert_overflow`` (eviction by score, NO_EVICTION refusals). The torch algorithms
+  take the whole call (the kernels leave the table untouched) when the table must grow, when a
+  bucket receives more than twice its capacity of new occurrences, for invalid keys (the torch
+  code raises its error), for no keys or 2**31 keys or more, and when a bucket's shared memory
+  exceeds what the device allows.
+- ``erase``: ``insert.py``'s erase kernels; the torch algorithms for 2**31 keys or more or
+  buckets too large for shared memory.
+- ``build`` (``HashTable.from_keys_values``): ``build.py``; the torch algorithms for no keys,
+  2**31 keys or more, buckets of more than 3072 slots (48 KiB of shared memory), and duplicate
+  keys (the torch code names the key in its error).
+- ``fingerprint``: ``keyed.cu``'s kernel for int64 keys on CUDA (with table ids of the same
+  shape); the inherited algorithms hash with it too (growth, eviction).
+- ``keyed_rows``: ``keyed.cu``'s initializer kernel, all the tables of a list in one launch.
+
+:attr:`CudaBackend.paths` counts what the calls did (``insert.fast``, ``insert.slow``,
+``insert.overflow``: the kernels stored the call; ``insert.abort``, ``insert.unsupported``: the
+torch algorithms did, see ``insert.PATHS``; ``erase.kernel`` / ``erase.torch``,
+``build.kernel`` / ``build.torch``): what tests and benchmarks read to see which path ran.
+Every result equals the torch backend's (the GPU tests compare them on the device).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from shared.hashtable.cuda import build as cuda_build
+from shared.hashtable.cuda import find as cuda_find
+from shared.hashtable.cuda import insert as cuda_insert
+from shared.hashtable.cuda import keyed
+from shared.hashtable.cuda import runtime as rt
+from shared.hashtable.hashing import fingerprint
+from shared.hashtable.layout import InsertResult, TableLayout
+from shared.hashtable.torch_backend import TorchBackend
+
+if TYPE_CHECKING:
+    from shared.hashtable.initializers import KeyedInitializer, NewRows
+
+L = TypeVar("L", bound=TableLayout)
+
+
+class CudaBackend(TorchBackend):
+    """The kernels of :mod:`shared.hashtable.cuda` (see the module docstring); CUDA tables only.
+
+    Construction needs CUDA and CuPy (``runtime.unavailable_reason()`` says what is missing)
+    and imports CuPy; nothing is imported or decided per call after that.
+    """
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        reason = rt.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"CudaBackend: the CUDA kernels cannot run here: {reason}")
+        rt.load()
+        self.paths: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return "CudaBackend()"
+
+    def accepts(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    # ------------------------------------------------------------------ hashing, new rows
+
+    def fingerprint(self, keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Tensor:
+        if (
+            keys.is_cuda
+            and keys.dtype == torch.int64
+            and (table_ids is None or table_ids.shape == keys.shape)
+        ):
+            return keyed.fingerprint(keys, table_ids)
+        return fingerprint(keys, table_ids)
+
+    def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
+        return keyed.KernelRows(inits, device)
+
+    # ------------------------------------------------------------------ operations
+
+    def find(
+        self, t: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cuda_find.find(t, keys, table_ids)
+
+    def insert_or_assign(
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        *,
+        table_ids: torch.Tensor | None = None,
+        accumulators: torch.Tensor | None = None,
+        pinned_rows: torch.Tensor | None = None,
+    ) -> InsertResult:
+        extra = {"table_ids": table_ids, "accumulators": accumulators, "pinned_rows": pinned_rows}
+        result, path = cuda_insert.insert_or_assign(t, self, keys, values, scores, **extra)
+        self.paths[f"insert.{path}"] += 1
+        if result is not None:
+            return result
+        return super().insert_or_assign(t, keys, values, scores, **extra)
+
+    def erase(
+        self, t: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None = None
+    ) -> int:
+        erased = cuda_insert.erase(t, keys, table_ids)  # one host sync
+        if erased is not None:
+            self.paths["erase.kernel"] += 1
+            return erased
+        self.paths["erase.torch"] += 1
+        return super().erase(t, keys, table_ids)
+
+    def build(
+        self,
+        sized: Callable[[int, int, bool], L],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        device: torch.device,
+        scores: torch.Tensor | None = None,
+        table_ids: torch.Tensor | None = None,
+        accumulators: torch.Tensor | None = None,
+    ) -> L:
+        extra = {"scores": scores, "table_ids": table_ids, "accumulators": accumulators}
+        table = cuda_build.build(sized, keys, values, device=device, **extra)
+        if table is not None:
+            self.paths["build.kernel"] += 1
+            return table
+        self.paths["build.torch"] += 1
+        return super().build(sized, keys, values, device=device, **extra)
