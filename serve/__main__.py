@@ -29,66 +29,93 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", type=Path, help="serve this bundle directory")
     src.add_argument("--model-dir", type=Path, help="watch <dir>/<version>/ bundles, hot-swap")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8500)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine)"
+    )
+    p.add_argument("--port", type=int, default=8500, help="gRPC port (0: any free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     p.add_argument(
+        "--poll-interval-s",
+        type=float,
+        default=2.0,
+        help="--model-dir: seconds between looks for new versions (default %(default)s)",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
+    p.add_argument(
+        "--no-verify-checksums",
+        action="store_true",
+        help="skip the sha256 of the bundle files at load (faster startup)",
+    )
+    _batching_args(p.add_argument_group("batching and admission"))
+    _limit_args(p.add_argument_group("request limits (reported by GetModelMetadata)"))
+    _process_args(p.add_argument_group("process"))
+    _tls_args(p.add_argument_group("TLS for the public port (and a TCP admin address)"))
+    _admin_args(p.add_argument_group("admin service (off unless --admin-address)"))
+    return p.parse_args(argv)
+
+
+def _batching_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--max-batch-rows",
         type=int,
         default=None,
         help=f"candidate rows per batch (default: {DEFAULT_BATCH_ROWS['cpu']} on the CPU, "
         f"{DEFAULT_BATCH_ROWS['cuda']} on CUDA, where a larger batch costs about the same)",
     )
-    p.add_argument("--max-wait-us", type=int, default=500)
-    lim = Limits()
-    p.add_argument(
+    g.add_argument(
+        "--max-wait-us",
+        type=int,
+        default=500,
+        help="how long the first request of a batch waits for others (default %(default)s)",
+    )
+    g.add_argument(
         "--max-queue",
         type=int,
-        default=lim.max_pending,
+        default=Limits().max_pending,
         help="Predicts in flight (parsing, queued or running); past it RESOURCE_EXHAUSTED at "
         "once (default %(default)s)",
     )
-    p.add_argument(
+    g.add_argument(
         "--reserve-threads",
         type=int,
         default=8,
         help="RPC threads beyond --max-queue, for health checks, metadata and refusals "
         "(default %(default)s)",
     )
-    p.add_argument("--max-candidates", type=int, default=lim.max_candidates)
-    p.add_argument(
+
+
+def _limit_args(g: argparse._ArgumentGroup) -> None:
+    lim = Limits()
+    g.add_argument(
+        "--max-candidates",
+        type=int,
+        default=lim.max_candidates,
+        help="candidate ads per request (default %(default)s)",
+    )
+    g.add_argument(
         "--max-sequence-length",
         type=int,
         default=None,
         help="cap every click sequence at this many elements (default: each sequence's "
         "sequence_length from the config)",
     )
-    p.add_argument(
-        "--max-string-bytes",
-        type=int,
-        default=lim.max_string_bytes,
-        help="UTF-8 bytes of one string value (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=lim.max_request_bytes,
-        help="serialized PredictRequest size (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-detail-bytes",
-        type=int,
-        default=lim.max_detail_bytes,
-        help="error details sent to clients are cut to this size (default %(default)s)",
-    )
-    p.add_argument(
+    for flag, default, what in (
+        ("--max-string-bytes", lim.max_string_bytes, "UTF-8 bytes of one string value"),
+        ("--max-request-bytes", lim.max_request_bytes, "serialized PredictRequest size"),
+        ("--max-detail-bytes", lim.max_detail_bytes, "error details are cut to this size"),
+    ):
+        g.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
+
+
+def _process_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--torch-threads",
         type=int,
         default=1,
         help="torch intra-op threads (0: torch's default, one per core); 1 suits a small CPU host "
         "where the RPC threads need the other cores",
     )
-    p.add_argument(
+    g.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
@@ -96,37 +123,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "thread that wants the GIL back (the batcher, after each torch call) may wait for the "
         "RPC threads running validation and feature generation",
     )
-    p.add_argument(
+    g.add_argument(
         "--reuse-port",
         action="store_true",
         help="SO_REUSEPORT: several server processes share --port (the kernel spreads "
         "connections over them), e.g. one per few cores to get past the GIL of one process",
     )
-    p.add_argument("--poll-interval-s", type=float, default=2.0)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
-    p.add_argument("--no-verify-checksums", action="store_true")
-    tls = p.add_argument_group("TLS for the public port (and the admin port)")
-    tls.add_argument("--tls-cert", type=Path, help="PEM certificate chain")
-    tls.add_argument("--tls-key", type=Path, help="PEM private key")
-    tls.add_argument(
+
+
+def _tls_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--tls-cert", type=Path, help="PEM certificate chain")
+    g.add_argument("--tls-key", type=Path, help="PEM private key")
+    g.add_argument(
         "--tls-client-ca", type=Path, help="PEM CA bundle: require client certificates (mTLS)"
     )
-    adm = p.add_argument_group("admin service (ModelAdminService; off unless --admin-address)")
-    adm.add_argument(
+
+
+def _admin_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--admin-address",
         default=None,
-        help="host:port or unix:/path for the admin service, never the public port",
+        help="host:port or unix:/path for ModelAdminService (delta updates, table inspection); "
+        "never the public port",
     )
-    adm.add_argument(
+    g.add_argument(
         "--admin-token-file", type=Path, help="file holding the bearer token admin calls must send"
     )
-    adm.add_argument(
+    g.add_argument(
         "--delta-root", type=Path, help="ApplyDelta reads delta directories only under this one"
     )
-    adm.add_argument(
+    g.add_argument(
         "--no-admin-writes", action="store_true", help="refuse ModelAdminService.ApplyDelta"
     )
-    return p.parse_args(argv)
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:

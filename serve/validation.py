@@ -276,6 +276,8 @@ def _column_array(
             missing = None
     if kind == "strings":
         strings = list(values)
+        if missing is not None:  # placeholders of missing rows are ignored, whatever they hold
+            strings = ["" if m else v for v, m in zip(strings, missing.tolist(), strict=True)]
         _check_strings(field, strings, limits.max_string_bytes)
         return pa.array(strings, pa.string(), mask=missing)
     arr = np.array(values, dtype=_COLUMN_DTYPES[kind])
