@@ -25,7 +25,7 @@ are numpy gathers of the candidates' rows. Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -95,13 +95,7 @@ def build_request_pool(
     ``candidate_columns`` (a null is a ``missing`` row) instead of ``candidates``; the same seed
     draws the same candidates either way.
     """
-    bad = {n: s for n, s in feature_sides.items() if s not in SIDES}
-    if bad:
-        raise ValueError(f"feature_sides: {bad} not in {SIDES}")
-    if num_candidates < 1 or num_requests < 1:
-        raise ValueError(
-            f"num_candidates ({num_candidates}) and num_requests ({num_requests}) must be >= 1"
-        )
+    _check_pool_args(feature_sides, num_requests, num_candidates)
     table = _read_rows(Path(samples), list(feature_sides), max_rows)
     by_side = {s: [n for n, side in feature_sides.items() if side == s] for s in SIDES}
     entries = {
@@ -126,26 +120,15 @@ def build_request_pool(
             n: _column_values(n, table.column(n), (value_types or {}).get(n))
             for n in by_side["item"]
         }
+        serialize = _columnar_candidates(columns, first, num_candidates)
     else:
-        item_fields = _candidate_fields(item_features, first)
+        serialize = _row_candidates(_candidate_fields(item_features, first))
     payloads = []
     for i, r in enumerate(rows):
-        req = predict_pb2.PredictRequest(request_id=f"loadtest-{i}")
-        req.user.MergeFromString(users[i])
-        req.context.MergeFromString(contexts[i])
-        for name, (values, offsets) in sequences.items():
-            req.sequences[name].ids.extend(values[offsets[r] : offsets[r + 1]].tolist())
+        req = _request_head(f"loadtest-{i}", users[i], contexts[i], sequences, r)
         others = _draw(rng, len(first), num_candidates - 1)
         items = np.concatenate(([item_of_row[r]], others))  # distinct item tuples
-        if columnar:
-            cc = req.candidate_columns
-            cc.num_candidates = num_candidates
-            cand_rows = first[items]  # a sample row of each tuple
-            for name, (kind, values, missing) in columns.items():
-                _fill_column(cc.columns[name], kind, values[cand_rows], missing[cand_rows])
-            payloads.append(req.SerializeToString())
-        else:
-            payloads.append(req.SerializeToString() + b"".join(item_fields[items]))
+        payloads.append(serialize(req, items))
     info = {
         "samples": str(samples),
         "rows_read": table.num_rows,
@@ -153,6 +136,66 @@ def build_request_pool(
         "format": "columnar" if columnar else "rows",
     }
     return RequestPool(payloads, num_candidates, info)
+
+
+def _check_pool_args(
+    feature_sides: Mapping[str, str], num_requests: int, num_candidates: int
+) -> None:
+    bad = {n: s for n, s in feature_sides.items() if s not in SIDES}
+    if bad:
+        raise ValueError(f"feature_sides: {bad} not in {SIDES}")
+    if num_candidates < 1 or num_requests < 1:
+        raise ValueError(
+            f"num_candidates ({num_candidates}) and num_requests ({num_requests}) must be >= 1"
+        )
+
+
+def _request_head(
+    request_id: str,
+    user: bytes,
+    context: bytes,
+    sequences: dict[str, tuple[np.ndarray, np.ndarray]],
+    row: int,
+) -> predict_pb2.PredictRequest:
+    """A request without its candidates: the serialized ``user`` and ``context`` Features and
+    sample row ``row``'s click sequences."""
+    req = predict_pb2.PredictRequest(request_id=request_id)
+    req.user.MergeFromString(user)
+    req.context.MergeFromString(context)
+    for name, (values, offsets) in sequences.items():
+        req.sequences[name].ids.extend(values[offsets[row] : offsets[row + 1]].tolist())
+    return req
+
+
+# (request head, distinct item tuples of its candidates) -> the serialized request
+_Serialize = Callable[[predict_pb2.PredictRequest, np.ndarray], bytes]
+
+
+def _columnar_candidates(
+    columns: dict[str, tuple[str, np.ndarray, np.ndarray]], first: np.ndarray, num_candidates: int
+) -> _Serialize:
+    """Candidates as ``candidate_columns``: each column gathers the rows ``first[items]`` of
+    its (kind, values, missing) in ``columns``."""
+
+    def serialize(req: predict_pb2.PredictRequest, items: np.ndarray) -> bytes:
+        cc = req.candidate_columns
+        cc.num_candidates = num_candidates
+        cand_rows = first[items]  # a sample row of each tuple
+        for name, (kind, values, missing) in columns.items():
+            _fill_column(cc.columns[name], kind, values[cand_rows], missing[cand_rows])
+        return req.SerializeToString()
+
+    return serialize
+
+
+def _row_candidates(item_fields: np.ndarray) -> _Serialize:
+    """Candidates as ``candidates``: the head's bytes, then the serialized ``candidates`` field
+    of each item tuple (``item_fields``, from :func:`_candidate_fields`)."""
+
+    def serialize(req: predict_pb2.PredictRequest, items: np.ndarray) -> bytes:
+        return req.SerializeToString() + b"".join(item_fields[items])
+
+    return serialize
 
 
 def columnar_request(

@@ -25,8 +25,8 @@ from pathlib import Path
 import grpc
 
 from loadtest import report
-from loadtest.latency import read_raw_latencies
-from loadtest.pool import write_pool
+from loadtest.latency import RawLatencies, read_raw_latencies
+from loadtest.pool import RequestPool, write_pool
 from loadtest.requests import build_request_pool, sides_from_metadata, value_types_from_metadata
 from protos import predict_pb2, predict_pb2_grpc
 
@@ -97,56 +97,31 @@ def run_load_test(
             f"duration_s must be a whole number of seconds >= 1 (locust's -t), got {duration_s}"
         )
     out = Path(out)
-    raw_dir = out / "raw"
-    shutil.rmtree(raw_dir, ignore_errors=True)  # stale files of an earlier run would be counted
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("locust_*.csv"):
-        stale.unlink()
-    metadata = fetch_metadata(host)
-    if metadata.max_candidates and num_candidates > metadata.max_candidates:
-        raise ValueError(
-            f"num_candidates {num_candidates} exceeds the server's max_candidates "
-            f"{metadata.max_candidates}; lower --candidates"
-        )
-    t0 = time.perf_counter()
-    pool = build_request_pool(
+    raw_dir = _clear_outputs(out)
+    metadata = _served_metadata(host, num_candidates)
+    pool, pool_file, build_s = _write_request_pool(
         samples,
-        sides_from_metadata(metadata),
-        value_types=value_types_from_metadata(metadata),
+        metadata,
+        out / "requests.pool",
         num_requests=num_requests,
         num_candidates=num_candidates,
         seed=seed,
-        max_sequence_length=metadata.max_sequence_length,
         columnar=columnar,
     )
-    pool.info["model_version"] = metadata.model_version
-    pool_file = write_pool(out / "requests.pool", pool)
-    build_s = time.perf_counter() - t0
-
-    cmd = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "-u", str(users), "-r", str(spawn_rate), "-t", f"{int(duration_s)}s", "-H", host,
-        "--final-csv", str(out / "locust"), "--only-summary", "--loglevel", "WARNING",
-        "--request-pool", str(pool_file), "--raw-latency-dir", str(raw_dir),
-        "--wait-ms", str(wait_ms), "--rpc-timeout-s", str(rpc_timeout_s),
-    ]  # fmt: skip
-    if processes > 1:
-        cmd += ["--processes", str(processes)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
     log_file = out / "locust.log"
-    with open(log_file, "w") as log:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=duration_s + 120
-        )
-    raw = read_raw_latencies(raw_dir)
-    if proc.returncode not in (0, 1) or len(raw) == 0:  # 1 = the run had failures
-        tail = log_file.read_text()[-3000:]
-        raise RuntimeError(
-            f"locust exited with {proc.returncode} and {len(raw)} requests; {log_file}:\n{tail}"
-        )
+    cmd = _locust_command(
+        host,
+        pool_file,
+        raw_dir,
+        out / "locust",
+        users=users,
+        spawn_rate=spawn_rate,
+        duration_s=duration_s,
+        wait_ms=wait_ms,
+        rpc_timeout_s=rpc_timeout_s,
+        processes=processes,
+    )
+    exit_code, raw = _run_locust(cmd, log_file, raw_dir, timeout_s=duration_s + 120)
 
     rows = report.timeline(raw, num_candidates)
     summary: dict[str, object] = {
@@ -161,7 +136,7 @@ def run_load_test(
         "request_pool": {"requests": len(pool), "build_s": build_s, **pool.info},
         **report.latency_stats(raw, num_candidates),
         "timeline": rows,
-        "locust": {"exit_code": proc.returncode, **report.read_locust_csv(out / "locust")},
+        "locust": {"exit_code": exit_code, **report.read_locust_csv(out / "locust")},
     }
     title = f"{host}: {users} users, {num_candidates} candidates/request"
     summary["files"] = {
@@ -173,6 +148,105 @@ def run_load_test(
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _clear_outputs(out: Path) -> Path:
+    """Create ``out`` without an earlier run's raw latencies and locust CSVs (they would be
+    counted or reported); returns the raw-latency directory."""
+    raw_dir = out / "raw"
+    shutil.rmtree(raw_dir, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("locust_*.csv"):
+        stale.unlink()
+    return raw_dir
+
+
+def _served_metadata(host: str, num_candidates: int) -> predict_pb2.ModelMetadata:
+    """The served model's metadata, refusing more candidates per request than it accepts."""
+    metadata = fetch_metadata(host)
+    if metadata.max_candidates and num_candidates > metadata.max_candidates:
+        raise ValueError(
+            f"num_candidates {num_candidates} exceeds the server's max_candidates "
+            f"{metadata.max_candidates}; lower --candidates"
+        )
+    return metadata
+
+
+def _write_request_pool(
+    samples: str | Path,
+    metadata: predict_pb2.ModelMetadata,
+    path: Path,
+    *,
+    num_requests: int,
+    num_candidates: int,
+    seed: int,
+    columnar: bool,
+) -> tuple[RequestPool, Path, float]:
+    """(pool, its file, seconds to build and write it): requests laid out as ``metadata`` says."""
+    t0 = time.perf_counter()
+    pool = build_request_pool(
+        samples,
+        sides_from_metadata(metadata),
+        value_types=value_types_from_metadata(metadata),
+        num_requests=num_requests,
+        num_candidates=num_candidates,
+        seed=seed,
+        max_sequence_length=metadata.max_sequence_length,
+        columnar=columnar,
+    )
+    pool.info["model_version"] = metadata.model_version
+    pool_file = write_pool(path, pool)
+    return pool, pool_file, time.perf_counter() - t0
+
+
+def _locust_command(
+    host: str,
+    pool_file: Path,
+    raw_dir: Path,
+    csv_prefix: Path,
+    *,
+    users: int,
+    spawn_rate: float,
+    duration_s: int,
+    wait_ms: float,
+    rpc_timeout_s: float,
+    processes: int,
+) -> list[str]:
+    """The headless locust command line of one run of :data:`LOCUSTFILE`."""
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        "-u", str(users), "-r", str(spawn_rate), "-t", f"{int(duration_s)}s", "-H", host,
+        "--final-csv", str(csv_prefix), "--only-summary", "--loglevel", "WARNING",
+        "--request-pool", str(pool_file), "--raw-latency-dir", str(raw_dir),
+        "--wait-ms", str(wait_ms), "--rpc-timeout-s", str(rpc_timeout_s),
+    ]  # fmt: skip
+    if processes > 1:
+        cmd += ["--processes", str(processes)]
+    return cmd
+
+
+def _run_locust(
+    cmd: list[str], log_file: Path, raw_dir: Path, *, timeout_s: float
+) -> tuple[int, RawLatencies]:
+    """Run ``cmd`` from the repo root, output to ``log_file``; (exit code, raw latencies).
+
+    Exit code 1 is a run with failed requests; any other failure, or no latencies at all, is
+    a RuntimeError quoting the log's tail."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    with open(log_file, "w") as log:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+        )
+    raw = read_raw_latencies(raw_dir)
+    if proc.returncode not in (0, 1) or len(raw) == 0:  # 1 = the run had failures
+        tail = log_file.read_text()[-3000:]
+        raise RuntimeError(
+            f"locust exited with {proc.returncode} and {len(raw)} requests; {log_file}:\n{tail}"
+        )
+    return proc.returncode, raw
 
 
 def main(argv: list[str] | None = None) -> int:

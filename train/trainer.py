@@ -88,6 +88,30 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class _LossWindow:
+    """The training loss since the last ``train`` record, summed on the device (no host sync
+    per step), and when and at how many samples that window opened."""
+
+    loss_sum: torch.Tensor
+    steps: int
+    since: float  # time.perf_counter()
+    samples: int
+
+    @classmethod
+    def open(cls, samples: int, device: torch.device) -> _LossWindow:
+        return cls(torch.zeros((), device=device), 0, time.perf_counter(), samples)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+
+    def restart(self, now: float, samples: int) -> None:
+        self.loss_sum.zero_()
+        self.steps = 0
+        self.since, self.samples = now, samples
+
+
 def _amp_context(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast for the dense MLPs on GPU only; embeddings stay fp32."""
     if not mode or device.type != "cuda":
@@ -329,14 +353,11 @@ class Trainer:
             )
 
     def fit(self) -> TrainResult:
+        """Train to ``max_steps`` or the configured epochs, then checkpoint, evaluate, summarize.
+
+        Each step: train, then on its cadence log, checkpoint and evaluate (in that order)."""
         opts = self.options
-        progress = Progress()
-        if opts.resume:
-            progress = self._resume(progress)
-        if progress.step == 0:  # not resumed
-            self._start_weights()
-        progress.global_batch_size = self.loader.global_batch_size
-        num_epochs = self.config.train_config.num_epochs or 1
+        progress = self._start_progress()
         max_steps = opts.max_steps or self.config.train_config.num_steps or None
         user_counts = (
             UserCounts.from_samples(self.train_path) if "user_id" in self.fs.features else None
@@ -344,9 +365,7 @@ class Trainer:
         self.model.train()
         start = time.perf_counter()
         start_samples = progress.samples
-        running = torch.zeros((), device=self.device)
-        running_n = 0
-        tick, tick_samples = time.perf_counter(), progress.samples
+        window = _LossWindow.open(progress.samples, self.device)
         bar = tqdm(
             desc="train",
             unit="batch",
@@ -354,67 +373,96 @@ class Trainer:
             initial=progress.step,
             total=max_steps,
         )
-        done = False
-        while progress.epoch < num_epochs and not done:
-            rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
-            for batch in self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch):
-                batch = batch.to(self.device, non_blocking=True)
-                global_rows = rows[progress.batch_in_epoch]
-                running += train_step(
-                    self.model,
-                    self.optimizers,
-                    batch,
-                    progress.step,
-                    self.amp,
-                    sync=self.sync,
-                    global_rows=global_rows,
-                    graphs=self.graphs,
-                )
-                running_n += 1
-                progress.step += 1
-                progress.batch_in_epoch += 1
-                progress.samples += global_rows
-                bar.update(1)
-                if progress.step % self.log_every == 0:
-                    now = time.perf_counter()
-                    rate = (progress.samples - tick_samples) / max(now - tick, 1e-9)
-                    loss_sum = float(running)  # one host sync per log interval
-                    if self.dist is not None:  # the ranks' shares add up to the global mean
-                        loss_sum = self.dist.all_reduce_sum([loss_sum])[0]
-                    loss = loss_sum / running_n
-                    bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
-                    record = {
-                        "kind": "train",
-                        "step": progress.step,
-                        "epoch": progress.epoch,
-                        "loss": loss,
-                        "samples_per_s": rate,
-                        "samples": progress.samples,
-                        "tables": self._table_stats(),
-                    }
-                    if self.comm is not None:
-                        record["world_size"] = self.world_size
-                        record["samples_per_s_per_rank"] = rate / self.world_size
-                        record["all_to_all"] = self.comm.take(running_n, now - tick)
-                    self.metrics.write(record)
-                    running.zero_()
-                    running_n = 0
-                    tick, tick_samples = now, progress.samples
-                if self.checkpoint_every and progress.step % self.checkpoint_every == 0:
-                    self._save(progress)
-                if opts.eval_every and progress.step % opts.eval_every == 0:
-                    self.run_eval(user_counts, progress.step)
-                if max_steps and progress.step >= max_steps:
-                    done = True
-                    break
-            else:
-                progress.epoch += 1
-                progress.batch_in_epoch = 0
+        for batch, global_rows in self._batches(progress):
+            window.add(self._step(batch, global_rows, progress))
+            bar.update(1)
+            if progress.step % self.log_every == 0:
+                self._log_train(progress, window, bar)
+            if self.checkpoint_every and progress.step % self.checkpoint_every == 0:
+                self._save(progress)
+            if opts.eval_every and progress.step % opts.eval_every == 0:
+                self.run_eval(user_counts, progress.step)
+            if max_steps and progress.step >= max_steps:
+                break
         bar.close()
         seconds = time.perf_counter() - start
         ckpt = self._save(progress)
         final = self.run_eval(user_counts, progress.step)
         rate = (progress.samples - start_samples) / max(seconds, 1e-9)
+        self._write_summary(progress, seconds, rate)
+        if self.rank == 0:
+            self.metrics.plot(self.model_dir / "curves.png")
+        return TrainResult(progress, final, seconds, rate, ckpt, self.metrics.records)
+
+    def _start_progress(self) -> Progress:
+        """Where this run starts: the latest checkpoint (``resume``) or step 0 from the start
+        weights (:meth:`_start_weights`)."""
+        progress = Progress()
+        if self.options.resume:
+            progress = self._resume(progress)
+        if progress.step == 0:  # not resumed
+            self._start_weights()
+        progress.global_batch_size = self.loader.global_batch_size
+        return progress
+
+    def _batches(self, progress: Progress) -> Iterator[tuple[Batch, int]]:
+        """(batch on the device, global rows of its step) from ``progress`` to the last epoch.
+
+        An epoch read to its end advances ``progress`` to the next; a caller that stops early
+        (``max_steps``) leaves it inside the epoch, where a resume continues."""
+        num_epochs = self.config.train_config.num_epochs or 1
+        while progress.epoch < num_epochs:
+            rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
+            for batch in self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch):
+                yield batch.to(self.device, non_blocking=True), rows[progress.batch_in_epoch]
+            progress.epoch += 1
+            progress.batch_in_epoch = 0
+
+    def _step(self, batch: Batch, global_rows: int, progress: Progress) -> torch.Tensor:
+        """One optimizer step on ``batch``, counted in ``progress``; returns the loss (device)."""
+        loss = train_step(
+            self.model,
+            self.optimizers,
+            batch,
+            progress.step,
+            self.amp,
+            sync=self.sync,
+            global_rows=global_rows,
+            graphs=self.graphs,
+        )
+        progress.step += 1
+        progress.batch_in_epoch += 1
+        progress.samples += global_rows
+        return loss
+
+    def _log_train(self, progress: Progress, window: _LossWindow, bar: tqdm) -> None:
+        """A ``train`` record (mean loss and throughput since the last one) and the bar's
+        postfix; starts the next window."""
+        now = time.perf_counter()
+        rate = (progress.samples - window.samples) / max(now - window.since, 1e-9)
+        loss_sum = float(window.loss_sum)  # one host sync per log interval
+        if self.dist is not None:  # the ranks' shares add up to the global mean
+            loss_sum = self.dist.all_reduce_sum([loss_sum])[0]
+        loss = loss_sum / window.steps
+        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+        record = {
+            "kind": "train",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            "loss": loss,
+            "samples_per_s": rate,
+            "samples": progress.samples,
+            "tables": self._table_stats(),
+        }
+        if self.comm is not None:
+            record["world_size"] = self.world_size
+            record["samples_per_s_per_rank"] = rate / self.world_size
+            record["all_to_all"] = self.comm.take(window.steps, now - window.since)
+        self.metrics.write(record)
+        window.restart(now, progress.samples)
+
+    def _write_summary(self, progress: Progress, seconds: float, rate: float) -> None:
+        """The run's last record: time, throughput, peak memory, tables, CUDA-graph counts."""
         self.metrics.write(
             {
                 "kind": "summary",
@@ -429,9 +477,6 @@ class Trainer:
                 **({"cuda_graphs": dict(self.graphs.stats)} if self.graphs is not None else {}),
             }
         )
-        if self.rank == 0:
-            self.metrics.plot(self.model_dir / "curves.png")
-        return TrainResult(progress, final, seconds, rate, ckpt, self.metrics.records)
 
     def _save(self, progress: Progress) -> Path:
         return save_checkpoint(
