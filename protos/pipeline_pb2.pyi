@@ -20,6 +20,11 @@ class FgMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FG_DAG: _ClassVar[FgMode]
     FG_BUCKETIZE: _ClassVar[FgMode]
 
+class IdMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DYNREC: _ClassVar[IdMode]
+    TZREC: _ClassVar[IdMode]
+
 class FeatureGroupType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DEEP: _ClassVar[FeatureGroupType]
@@ -32,6 +37,8 @@ FG_NONE: FgMode
 FG_NORMAL: FgMode
 FG_DAG: FgMode
 FG_BUCKETIZE: FgMode
+DYNREC: IdMode
+TZREC: IdMode
 DEEP: FeatureGroupType
 WIDE: FeatureGroupType
 SEQUENCE: FeatureGroupType
@@ -121,7 +128,7 @@ class EvalConfig(_message.Message):
     def __init__(self, num_steps: _Optional[int] = ...) -> None: ...
 
 class DataConfig(_message.Message):
-    __slots__ = ("batch_size", "dataset_type", "fg_mode", "label_fields", "num_workers", "drop_remainder", "shuffle", "shuffle_buffer_size")
+    __slots__ = ("batch_size", "dataset_type", "fg_mode", "label_fields", "num_workers", "drop_remainder", "shuffle", "shuffle_buffer_size", "dynrec_id_mode")
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATASET_TYPE_FIELD_NUMBER: _ClassVar[int]
     FG_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +137,7 @@ class DataConfig(_message.Message):
     DROP_REMAINDER_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DYNREC_ID_MODE_FIELD_NUMBER: _ClassVar[int]
     batch_size: int
     dataset_type: DatasetType
     fg_mode: FgMode
@@ -138,7 +146,8 @@ class DataConfig(_message.Message):
     drop_remainder: bool
     shuffle: bool
     shuffle_buffer_size: int
-    def __init__(self, batch_size: _Optional[int] = ..., dataset_type: _Optional[_Union[DatasetType, str]] = ..., fg_mode: _Optional[_Union[FgMode, str]] = ..., label_fields: _Optional[_Iterable[str]] = ..., num_workers: _Optional[int] = ..., drop_remainder: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., shuffle_buffer_size: _Optional[int] = ...) -> None: ...
+    dynrec_id_mode: IdMode
+    def __init__(self, batch_size: _Optional[int] = ..., dataset_type: _Optional[_Union[DatasetType, str]] = ..., fg_mode: _Optional[_Union[FgMode, str]] = ..., label_fields: _Optional[_Iterable[str]] = ..., num_workers: _Optional[int] = ..., drop_remainder: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., shuffle_buffer_size: _Optional[int] = ..., dynrec_id_mode: _Optional[_Union[IdMode, str]] = ...) -> None: ...
 
 class DynamicEmbInitializerArgs(_message.Message):
     __slots__ = ("mode", "mean", "std_dev", "lower", "upper", "value")

@@ -1,10 +1,11 @@
 """Typed feature definitions derived from a pipeline config: the single source for train/ and serve/.
 
 A :class:`FeatureSet` says, for every feature, which raw column it reads, how raw values become ids
-(``num_buckets`` modulo, ``hash_bucket_size`` hash, dynamic raw id, bucketized float), which
-embedding table it looks up, and which model groups use it and how (pooled in DEEP, query or
-sequence in SEQUENCE). Sequence sub-features (``click_50_seq__adgroup_id``) share the table of the
-top-level feature with the same embedding name. Example::
+(``num_buckets`` modulo, ``hash_bucket_size`` hash, dynamic raw id, bucketized float; the hashes
+and dynamic keys follow the config's :class:`IdMode`), which embedding table it looks up, and
+which model groups use it and how (pooled in DEEP, query or sequence in SEQUENCE). Sequence
+sub-features (``click_50_seq__adgroup_id``) share the table of the top-level feature with the same
+embedding name. Example::
 
     fs = build_feature_set(load_config("configs/multi_tower_din_taobao_dynamicemb.config"))
     fs.tables["adgroup_id_emb"].dynamic.max_capacity   # 250000
@@ -14,7 +15,7 @@ top-level feature with the same embedding name. Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum, unique
 
 from protos import pipeline_pb2
@@ -38,9 +39,26 @@ class Side(Enum):
 @unique
 class IdTransform(Enum):
     MOD = "num_buckets"  # id mod num_buckets
-    HASH = "hash_bucket_size"  # stable hash of the string mod hash_bucket_size
-    DYNAMIC = "dynamic"  # raw non-negative int64 id (strings: stable hash into [0, 2**63))
+    HASH = "hash_bucket_size"  # stable hash of the string mod hash_bucket_size (see IdMode)
+    DYNAMIC = "dynamic"  # DYNREC: raw int64 id >= 0 (strings: hash into [0, 2**63)); see IdMode
     BUCKETIZE = "boundaries"  # float → index in [0, len(boundaries)]
+
+
+@unique
+class IdMode(Enum):
+    """Which hash functions the id transforms use (``data_config.dynrec_id_mode``, default DYNREC).
+
+    DYNREC: ``hash_bucket_size`` strings by :func:`~shared.fg_text.hash64` (FNV-1a + SplitMix64),
+    dynamic tables keyed by the raw non-negative id (strings: ``hash64 & (2**63 - 1)``).
+    TZREC: the ids TorchEasyRec's feature generation (pyfg) makes, so its tables and checkpoints
+    line up with ours: ``hash_bucket_size`` by :func:`~shared.fg_text.std_hash` (libstdc++'s
+    ``std::hash<std::string>``) of the value's string form, dynamic keys
+    ``std_hash(str(id)) % (2**63 - 1)`` for integer and string ids alike. ``num_buckets`` and
+    boundaries are the same in both.
+    """
+
+    DYNREC = "dynrec"
+    TZREC = "tzrec"
 
 
 @unique
@@ -135,6 +153,7 @@ class FeatureSpec:
     sequence_name: str | None = None
     sequence_length: int | None = None
     sequence_delim: str | None = None
+    id_mode: IdMode = IdMode.DYNREC  # the config's, the same on every feature of a FeatureSet
 
     @property
     def is_sequence(self) -> bool:
@@ -161,6 +180,18 @@ class FeatureSet:
     # dynamic tables of one feature group share one storage (table fusion): group → tables
     fusion_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
     label_fields: tuple[str, ...] = ("clk",)
+
+    @property
+    def id_mode(self) -> IdMode:
+        """The id mode of every feature (DYNREC for a set without features). Checkpoints and
+        bundles record ``fs.id_mode.value`` so that ids are generated alike where they are read."""
+        modes = {f.id_mode for f in self.features.values()}
+        if len(modes) > 1:
+            raise ValueError(
+                f"features disagree on id_mode ({', '.join(sorted(m.value for m in modes))}); "
+                "one FeatureSet has one mode"
+            )
+        return modes.pop() if modes else IdMode.DYNREC
 
     @property
     def dynamic_tables(self) -> list[TableSpec]:
@@ -204,6 +235,8 @@ def build_feature_set(
             _add_sequence_feature(fc.sequence_feature, src, tables, features)
         else:
             raise src.error("feature_configs", "empty feature_configs entry")
+    mode = IdMode[pipeline_pb2.IdMode.Name(config.data_config.dynrec_id_mode)]
+    features = {name: replace(f, id_mode=mode) for name, f in features.items()}
     groups = _build_groups(config.model_config, features, src)
     fusion = _fusion_groups(groups, features, tables)
     labels = tuple(config.data_config.label_fields) or ("clk",)

@@ -8,13 +8,18 @@ Python loops run over features, over the distinct lengths of long tokens, over t
 of distinct hashed strings (and the rest of a few long ones, see :func:`~shared.fg_text.hash64`),
 or, for a serving column that mixes kinds, over its values once.
 
-Transforms (``FeatureSpec.transform``):
+Transforms (``FeatureSpec.transform``), with the hash functions of the feature's id mode
+(``FeatureSpec.id_mode``, :class:`~shared.features.IdMode`; chosen once, in :data:`_ID_HASHES`):
 
 - ``MOD``: non-negative integer id → ``id % num_buckets``. Integer strings are parsed.
-- ``HASH``: :func:`~shared.fg_text.hash64` (FNV-1a + SplitMix64) of the value's string form
-  (integers: their decimal digits, so the string ``"7"`` and the integer ``7`` agree) →
-  ``% hash_bucket_size``. Hashing runs on the distinct values only, mapped back by index.
-- ``DYNAMIC``: the raw non-negative int64 id; strings → ``hash64(s) & (2**63 - 1)``.
+- ``HASH``: the mode's string hash of the value's string form (integers: their decimal digits, so
+  the string ``"7"`` and the integer ``7`` agree) → ``% hash_bucket_size``. DYNREC:
+  :func:`~shared.fg_text.hash64` (FNV-1a + SplitMix64); TZREC: :func:`~shared.fg_text.std_hash`
+  (libstdc++'s ``std::hash<std::string>``, as pyfg). Hashing runs on the distinct values only,
+  mapped back by index.
+- ``DYNAMIC``: DYNREC: the raw non-negative int64 id; strings → ``hash64(s) & (2**63 - 1)``.
+  TZREC: every id as pyfg keys dynamic tables, ``std_hash(str(id)) % (2**63 - 1)`` (integers
+  hashed by their decimal digits, negative ones too).
 - ``BUCKETIZE``: float → number of boundaries ``<= x`` (``searchsorted(..., side="right")``), i.e.
   bucket ``i`` holds ``[boundaries[i-1], boundaries[i])``; a value equal to a boundary goes to the
   bucket above it. Boundaries are compared as written in the config (the proto's float32 1.1 is
@@ -51,7 +56,7 @@ from __future__ import annotations
 import functools
 import reprlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,7 +66,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shared.batch import Batch
-from shared.features import FeatureKind, FeatureSet, FeatureSpec, IdTransform, Side
+from shared.features import FeatureKind, FeatureSet, FeatureSpec, IdMode, IdTransform, Side
 from shared.fg_text import (
     INT64_MAX,
     TokenError,
@@ -69,6 +74,7 @@ from shared.fg_text import (
     hash64,
     hash_strings,
     split_int_tokens,
+    std_hash,
     string_buffers,
 )
 
@@ -198,12 +204,38 @@ def _hash_size(spec: FeatureSpec) -> np.ndarray:
     return np.asarray(spec.hash_bucket_size, np.uint64)
 
 
+@dataclass(frozen=True)
+class _IdHashes:
+    """The hash functions of one :class:`~shared.features.IdMode` (see :data:`_ID_HASHES`)."""
+
+    string_hash: Callable[[pa.Array], np.ndarray]  # distinct strings → uint64
+    dynamic_key: Callable[[np.ndarray], np.ndarray]  # uint64 string hash → int64 key < 2**63
+    hash_dynamic_ints: bool  # DYNAMIC integer ids: hashed as their digits (else kept raw, >= 0)
+
+
+_INT64_MAX_U = np.uint64(INT64_MAX)
+# each mode's functions, picked once per column by the feature's id_mode: the transforms below
+# never ask which mode they run in
+_ID_HASHES: dict[IdMode, _IdHashes] = {
+    IdMode.DYNREC: _IdHashes(hash64, lambda h: (h & _INT64_MAX_U).astype(np.int64), False),
+    # pyfg: hash_bucket_size = 2**63 - 1 on dynamicemb features (tzrec id_feature.py _fg_json)
+    IdMode.TZREC: _IdHashes(std_hash, lambda h: (h % _INT64_MAX_U).astype(np.int64), True),
+}
+
+
+def _int_hashes(ints: np.ndarray, hashes: _IdHashes) -> np.ndarray:
+    """The string hash of each integer's decimal digits (uint64), computed per distinct value."""
+    uniq, inv = np.unique(ints, return_inverse=True)
+    return hashes.string_hash(pc.cast(pa.array(uniq), pa.string()))[inv]
+
+
 def _ints_to_ids(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
-    """Transform integer ids (int64 ndarray) of ``spec``; raises on negative MOD/DYNAMIC ids."""
+    """Transform integer ids (int64 ndarray) of ``spec``; raises on negative MOD/raw DYNAMIC ids."""
+    hashes = _ID_HASHES[spec.id_mode]
     if spec.transform is IdTransform.HASH:
-        uniq, inv = np.unique(ints, return_inverse=True)
-        h = hash64(pc.cast(pa.array(uniq), pa.string()))
-        return (h % _hash_size(spec)).astype(np.int64)[inv]
+        return (_int_hashes(ints, hashes) % _hash_size(spec)).astype(np.int64)
+    if spec.transform is IdTransform.DYNAMIC and hashes.hash_dynamic_ints:
+        return hashes.dynamic_key(_int_hashes(ints, hashes))
     if len(ints) and int(ints.min()) < 0:
         raise FeatureError(spec.name, f"negative id {int(ints.min())}; ids must be >= 0")
     if spec.transform is IdTransform.MOD:
@@ -214,10 +246,11 @@ def _ints_to_ids(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
 
 
 def _strings_to_ids(spec: FeatureSpec, strings: pa.Array) -> np.ndarray:
+    hashes = _ID_HASHES[spec.id_mode]
     if spec.transform is IdTransform.HASH:
-        return (hash_strings(strings) % _hash_size(spec)).astype(np.int64)
+        return (hash_strings(strings, hashes.string_hash) % _hash_size(spec)).astype(np.int64)
     if spec.transform is IdTransform.DYNAMIC:
-        return (hash_strings(strings) & np.uint64(INT64_MAX)).astype(np.int64)
+        return hashes.dynamic_key(hash_strings(strings, hashes.string_hash))
     return _ints_to_ids(spec, _to_int64(spec.name, strings))
 
 

@@ -11,7 +11,9 @@ dataclasses (never written by hand): enums become their values, tuples become li
 
 Reading is strict: a missing or unknown key, a wrong type or a dangling reference (a feature whose
 table is not declared) raises :class:`FgSpecError` with the path of the bad key, e.g.
-``fg.json: tables.user_id_emb.dynamic: missing key 'max_capacity'``.
+``fg.json: tables.user_id_emb.dynamic: missing key 'max_capacity'``. The one exception are the
+keys added since format 1 (:data:`_ADDED_KEYS`): an fg.json written before them lacks them and
+means what the code did then, their dataclass default (no ``id_mode``: ``"dynrec"``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import typing
 from enum import Enum
 from typing import Any
 
-from shared.features import FeatureSet
+from shared.features import FeatureSet, FeatureSpec
 
 FG_FORMAT_VERSION = 1
+# keys added after format 1 was first written; absent, they take their dataclass default
+_ADDED_KEYS: dict[type, frozenset[str]] = {FeatureSpec: frozenset({"id_mode"})}
 
 
 class FgSpecError(ValueError):
@@ -154,10 +158,11 @@ def _decode_dataclass(value: Any, cls: type, source: str, path: str) -> Any:
                 f"{_where(source, path)}: unknown key {key!r} (known: {known}); the bundle was "
                 "written by a newer or different version: re-export it with this code"
             )
+    added = _ADDED_KEYS.get(cls, frozenset())
     for name in names:
-        if name not in value:
+        if name not in value and name not in added:
             raise FgSpecError(f"{_where(source, path)}: missing key {name!r}")
-    kwargs = {n: _decode(value[n], hints[n], source, _join(path, n)) for n in names}
+    kwargs = {n: _decode(value[n], hints[n], source, _join(path, n)) for n in names if n in value}
     return cls(**kwargs)
 
 
@@ -169,6 +174,14 @@ def _check_references(fs: FeatureSet, source: str) -> None:
                 raise FgSpecError(
                     f"{source}: {section}.{key}.name is {spec.name!r}; it must equal its key"
                 )
+    modes = {f.id_mode for f in fs.features.values()}
+    if len(modes) > 1:
+        first = next(iter(fs.features.values()))
+        odd = next(f for f in fs.features.values() if f.id_mode is not first.id_mode)
+        raise FgSpecError(
+            f"{source}: features.{odd.name}.id_mode: {odd.id_mode.value!r} differs from "
+            f"features.{first.name}.id_mode {first.id_mode.value!r}; one bundle has one id mode"
+        )
     for f in fs.features.values():
         if f.table not in fs.tables:
             raise FgSpecError(

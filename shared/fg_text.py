@@ -1,15 +1,17 @@
 """Byte-level kernels of feature generation: the stable string hash and the decimal token parser.
 
-Both work on the raw buffers of Arrow string arrays with numpy, vectorized over strings/tokens:
+They work on the raw buffers of Arrow string arrays with numpy, vectorized over strings/tokens:
 :func:`hash64` loops over byte positions (of distinct values; the rest of a few long strings is
-hashed one string at a time, in numpy passes for the longest), :func:`split_int_tokens` splits
-delimited id lists and parses every token at once with SWAR arithmetic (eight digits per uint64).
+hashed one string at a time, in numpy passes for the longest), :func:`std_hash` (TorchEasyRec's
+string hash) likewise over 8-byte block positions, :func:`split_int_tokens` splits delimited id
+lists and parses every token at once with SWAR arithmetic (eight digits per uint64).
 They raise :class:`TokenError` with a message; :mod:`shared.fg` adds the column name.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,10 +148,83 @@ def _prime_powers() -> np.ndarray:
     return np.multiply.accumulate(p, out=p)
 
 
-def hash_strings(strings: pa.Array) -> np.ndarray:
-    """hash64 per row, computed on the distinct values only (dictionary-encoded)."""
+# libstdc++'s std::hash<std::string> for 64-bit size_t: _Hash_bytes (libstdc++-v3/libsupc++/
+# hash_bytes.cc, a MurmurHash2-64A variant) with _Hash_impl's seed (include/bits/functional_hash.h)
+_STD_MUL = np.uint64(0xC6A4A7935BD1E995)
+_STD_SEED = np.uint64(0xC70F6907)
+_U47 = np.uint64(47)
+
+
+def std_hash(strings: pa.Array) -> np.ndarray:
+    """libstdc++'s ``std::hash<std::string>`` of each string's UTF-8 bytes (uint64).
+
+    The hash TorchEasyRec's feature generation (pyfg) buckets ``hash_bucket_size`` strings and
+    keys dynamic tables with (``std::hash(s) % size``); ``std_hash(pa.array(["abc"])) % 100`` is
+    33 as in tzrec's own tests. ``_Hash_bytes(p, len, 0xc70f6907)``: ``h = seed ^ len * M``; per
+    8-byte little-endian block ``w``: ``h = (h ^ mix(w * M) * M) * M``, ``mix(v) = v ^ v >> 47``;
+    the last ``len % 8`` bytes as one little-endian integer ``t``: ``h = (h ^ t) * M``; finally
+    ``mix(mix(h) * M)``. Call it on distinct values. Nulls hash like "".
+
+    Vectorized as :func:`hash64`: the loop runs over block positions (strings sorted by length),
+    for the first ``_SHORT`` bytes and then as long as ``_WIDE`` strings are left; the blocks of the
+    few longer strings are mixed in numpy and chained one string at a time (:func:`_std_chain`).
+    """
+    strings = pc.fill_null(strings.cast(pa.large_string()), "")
+    offsets, data = string_buffers(strings)
+    lens = np.diff(offsets)
+    order = np.argsort(-lens, kind="stable")
+    starts, lens = offsets[:-1][order], lens[order]
+    neg_blocks = -(lens // 8)  # ascending
+    n = len(lens)
+    words = byte_words(data)
+    longest = -int(neg_blocks[0]) if n else 0
+    wide = -int(neg_blocks[_WIDE - 1]) if n >= _WIDE else 0  # _WIDE strings have this many
+    stop = min(longest, max(_SHORT // 8, wide))
+    h = _STD_SEED ^ (lens.astype(np.uint64) * _STD_MUL)
+    active = np.searchsorted(neg_blocks, -np.arange(stop), side="left")  # strings with block j
+    for j, k in enumerate(active.tolist()):
+        h[:k] ^= _std_mix_blocks(words[starts[:k] + 8 * j])
+        h[:k] *= _STD_MUL
+    for i in range(int(np.searchsorted(neg_blocks, -stop, side="left"))):  # more blocks than stop
+        h[i] = _std_chain(
+            int(h[i]), _std_mix_blocks(words[starts[i] + 8 * stop : starts[i] + lens[i] - 7 : 8])
+        )
+    rest = lens % 8
+    t = np.flatnonzero(rest)
+    tail_bits = (rest[t] * 8).astype(np.uint64)
+    h[t] ^= words[starts[t] + lens[t] - rest[t]] & ((np.uint64(1) << tail_bits) - np.uint64(1))
+    h[t] *= _STD_MUL
+    h ^= h >> _U47
+    h *= _STD_MUL
+    h ^= h >> _U47
+    out = np.empty_like(h)
+    out[order] = h
+    return out
+
+
+def _std_mix_blocks(w: np.ndarray) -> np.ndarray:
+    """``mix(w * M) * M`` of 8-byte blocks ``w`` (uint64; the products wrap)."""
+    d = w * _STD_MUL
+    d ^= d >> _U47
+    d *= _STD_MUL
+    return d
+
+
+def _std_chain(h: int, mixed: np.ndarray) -> int:
+    """The _Hash_bytes state ``h`` advanced over the mixed blocks of one long string."""
+    mul = int(_STD_MUL)
+    for d in mixed.tolist():
+        h = ((h ^ d) * mul) & _MASK64
+    return h
+
+
+def hash_strings(
+    strings: pa.Array, hasher: Callable[[pa.Array], np.ndarray] = hash64
+) -> np.ndarray:
+    """``hasher`` (:func:`hash64` or :func:`std_hash`) per row, computed on the distinct values
+    only (dictionary-encoded)."""
     enc = pc.dictionary_encode(strings)
-    return hash64(enc.dictionary)[np.asarray(enc.indices)]
+    return hasher(enc.dictionary)[np.asarray(enc.indices)]
 
 
 # --------------------------------------------------------------------------- decimal tokens
@@ -174,14 +249,19 @@ def _parse_upto8(words: np.ndarray, pos: np.ndarray, n: np.ndarray) -> np.ndarra
     ) >> u(32)
 
 
-def _parse_digits(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Parse decimal tokens (1..19 digits, already checked) at ``data[starts : starts + lens]``."""
+def byte_words(data: np.ndarray) -> np.ndarray:
+    """uint64 view whose element ``i`` is the 8 (unaligned, little-endian) bytes from byte ``i`` of
+    ``data`` (a zero-padded copy: bytes past the end read as 0), for ``i`` in ``0 .. len(data)``."""
     pad = np.zeros((len(data) + 16) // 8 * 8, np.uint8)
     pad[: len(data)] = data
-    # element i = the 8 (unaligned, little-endian) bytes starting at byte i
-    words = np.lib.stride_tricks.as_strided(
+    return np.lib.stride_tricks.as_strided(
         pad.view(np.uint64), shape=(len(data) + 1,), strides=(1,)
     )
+
+
+def _parse_digits(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Parse decimal tokens (1..19 digits, already checked) at ``data[starts : starts + lens]``."""
+    words = byte_words(data)
     short = lens <= 8
     if short.all():
         return _parse_upto8(words, starts, lens)

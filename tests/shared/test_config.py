@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from protos import pipeline_pb2
 from shared.config import ConfigError, config_digest, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,14 @@ def test_seed_config_differs_only_in_input_paths() -> None:
     assert [a.split(":")[0] for a, _ in diff] == ["train_input_path", "eval_input_path"]
     # and the seed text itself parses (paths are just strings)
     parse_config(seed_text, "seed")
+
+
+def test_tzrec_configs_get_todays_ids_and_the_extension_selects_theirs() -> None:
+    assert load_config(SEED).data_config.dynrec_id_mode == pipeline_pb2.DYNREC  # field absent
+    cfg = parse_config("data_config {\n  fg_mode: FG_DAG\n  dynrec_id_mode: TZREC\n}\n")
+    assert cfg.data_config.dynrec_id_mode == pipeline_pb2.TZREC
+    with pytest.raises(ConfigError, match=r"cfg:2: .*dynrec_id_mode: FARM.*no value named FARM"):
+        parse_config("data_config {\n dynrec_id_mode: FARM\n}\n", "cfg")
 
 
 def test_unknown_field_names_line() -> None:

@@ -6,6 +6,7 @@ from shared.config import ConfigError
 from shared.features import (
     FeatureKind,
     GroupType,
+    IdMode,
     IdTransform,
     InitMode,
     ScoreStrategy,
@@ -186,3 +187,12 @@ def test_error_line_points_at_the_field() -> None:
     with pytest.raises(ConfigError) as info:
         feature_set_from_text(text, "cfg")
     assert 'score_strategy: "LRU"' in text.splitlines()[info.value.line - 1]
+
+
+def test_id_mode_defaults_to_dynrec_and_reaches_every_feature() -> None:
+    assert feature_set_from_text(SEED_TEXT, "seed").id_mode is IdMode.DYNREC
+    text = SEED_TEXT.replace("data_config {\n", "data_config {\ndynrec_id_mode: TZREC\n", 1)
+    fs = feature_set_from_text(text, "tzrec ids")
+    assert fs.id_mode is IdMode.TZREC
+    assert {f.id_mode for f in fs.features.values()} == {IdMode.TZREC}  # sequences too
+    assert fs.features["click_50_seq__brand"].id_mode is IdMode.TZREC

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from shared.features import FeatureSet, Side, feature_set_from_text
+from shared.features import FeatureSet, IdMode, IdTransform, Side, feature_set_from_text
 from shared.fg import (
     FeatureError,
     FgStats,
@@ -19,8 +20,10 @@ from shared.fg import (
     request_columns_to_batch,
     request_to_batch,
     scalar_ids,
+    sequence_ids,
     table_to_batch,
 )
+from shared.fg_text import std_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_TEXT = (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
@@ -40,9 +43,20 @@ USER = (
 )
 
 
+TZREC_TEXT = SEED_TEXT.replace("data_config {\n", "data_config {\ndynrec_id_mode: TZREC\n", 1)
+KEY_SPACE = 2**63 - 1  # tzrec's MAX_HASH_BUCKET_SIZE: pyfg's hash_bucket_size of dynamicemb ids
+
+
 @pytest.fixture(scope="module")
 def fs() -> FeatureSet:
     return feature_set_from_text(SEED_TEXT, "seed")
+
+
+@pytest.fixture(scope="module")
+def fs_tzrec() -> FeatureSet:
+    fs = feature_set_from_text(TZREC_TEXT, "seed, TorchEasyRec ids")
+    assert fs.id_mode is IdMode.TZREC
+    return fs
 
 
 def ref_hash(s: str) -> int:
@@ -53,6 +67,23 @@ def ref_hash(s: str) -> int:
     h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & MASK64
     return h ^ (h >> 31)
+
+
+def ref_std_hash(s: str) -> int:
+    """Pure-Python libstdc++ ``std::hash<std::string>`` (64-bit ``_Hash_bytes``, seed 0xc70f6907,
+    gcc libstdc++-v3/libsupc++/hash_bytes.cc): the reference for :func:`shared.fg_text.std_hash`."""
+    mul = 0xC6A4A7935BD1E995
+    data = s.encode("utf-8")
+    end = len(data) & ~7
+    h = 0xC70F6907 ^ ((len(data) * mul) & MASK64)
+    for p in range(0, end, 8):
+        k = (int.from_bytes(data[p : p + 8], "little") * mul) & MASK64
+        k = ((k ^ (k >> 47)) * mul) & MASK64
+        h = ((h ^ k) * mul) & MASK64
+    if len(data) & 7:
+        h = ((h ^ int.from_bytes(data[end:], "little")) * mul) & MASK64
+    h = ((h ^ (h >> 47)) * mul) & MASK64
+    return h ^ (h >> 47)
 
 
 def rows_table(rows: list[dict[str, object]], fs: FeatureSet) -> pa.Table:
@@ -125,14 +156,19 @@ def _random_strings(rng: np.random.Generator, lengths: list[int]) -> list[str]:
     return out
 
 
-def test_hash64_of_random_strings_equals_the_reference() -> None:
+@pytest.mark.parametrize(("hasher", "ref"), [(hash64, ref_hash), (std_hash, ref_std_hash)])
+def test_string_hashes_of_random_strings_equal_their_reference(
+    hasher: Callable[[pa.Array], np.ndarray], ref: Callable[[str], int]
+) -> None:
     rng = np.random.default_rng(7)
     lengths = [int(n) for n in rng.integers(0, 301, 300)]
-    # every path of hash64: many strings beyond 64 bytes (the loop over byte positions goes on),
-    # a few of hundreds or thousands of bytes (their rests are hashed one string at a time, by a
-    # byte loop or in numpy passes), beyond 65,536 bytes (several blocks), duplicates, a null
+    # every path: lengths 0..16 (std_hash: around its 8-byte blocks), many strings beyond 64 bytes
+    # (the loop over byte/block positions goes on), a few of hundreds or thousands of bytes (their
+    # rests are hashed one string at a time; hash64: by a byte loop or in numpy passes), beyond
+    # 65,536 bytes (hash64: several blocks), duplicates, a null; multi-byte UTF-8 throughout
     batches = [
         lengths,
+        list(range(17)),
         [5, 80, 300, 2000],
         [0, 1, 11, 70_000, 3000],
         [200_000],
@@ -140,14 +176,93 @@ def test_hash64_of_random_strings_equals_the_reference() -> None:
     ]
     for batch in batches:
         words = _random_strings(rng, batch)
-        got = hash64(pa.array([*words, None, words[0]]))
-        want = [ref_hash(w) for w in words]
-        assert [int(h) for h in got] == [*want, ref_hash(""), want[0]], batch[:5]
+        got = hasher(pa.array([*words, None, words[0]]))
+        want = [ref(w) for w in words]
+        assert [int(h) for h in got] == [*want, ref(""), want[0]], batch[:5]
     # a sliced array (offsets not starting at 0) hashes the same
     words = _random_strings(rng, [3, 100, 2000, 7])
-    assert [int(h) for h in hash64(pa.array(words).slice(1, 2))] == [
-        ref_hash(w) for w in words[1:3]
+    assert [int(h) for h in hasher(pa.array(words).slice(1, 2))] == [ref(w) for w in words[1:3]]
+    assert hasher(pa.array([], pa.string())).tolist() == []
+
+
+# TorchEasyRec's own expectations of pyfg, hash_bucket_size=100: alibaba/TorchEasyRec@54cac316
+# tzrec/features/id_feature_test.py:255-274 (test_id_feature_with_hash_bucket_size; the bucket size
+# at l. 293): "abc\x1defg" -> [33, 44], "hij" -> 66, default "xyz" -> 13; ints 1, 2, 3 -> 95, 70,
+# 13, default "4" -> 56 (l. 272-274, without USE_FARM_HASH_TO_BUCKETIZE). l. 641: an empty
+# sequence with default_value "" gives 26, the bucket of "0" (pyfg's fill: our reading).
+TZREC_BUCKETS_OF_100 = {
+    "abc": 33,
+    "efg": 44,
+    "hij": 66,
+    "xyz": 13,
+    "1": 95,
+    "2": 70,
+    "3": 13,
+    "4": 56,
+    "0": 26,
+}
+
+
+def test_std_hash_reproduces_tzrec_test_vectors() -> None:
+    words = list(TZREC_BUCKETS_OF_100)
+    got = std_hash(pa.array(words))
+    assert [int(h) for h in got] == [ref_std_hash(w) for w in words]
+    assert {w: int(h) % 100 for w, h in zip(words, got, strict=True)} == TZREC_BUCKETS_OF_100
+
+
+def test_tzrec_mode_gives_the_bucket_ids_of_tzrec_tests(fs_tzrec: FeatureSet) -> None:
+    spec = dataclasses.replace(fs_tzrec.features["pid"], hash_bucket_size=100)
+    ids, lengths = scalar_ids(spec, pa.array(["abc", "efg", None, "hij", "xyz"]))
+    assert ids.tolist() == [33, 44, 66, 13] and lengths.tolist() == [1, 1, 0, 1, 1]
+    ids, lengths = scalar_ids(spec, pa.array([1, 2, None, 3, 4]))  # ints: their decimal string
+    assert ids.tolist() == [95, 70, 13, 56] and lengths.tolist() == [1, 1, 0, 1, 1]
+    dynrec = dataclasses.replace(spec, id_mode=IdMode.DYNREC)
+    assert scalar_ids(dynrec, pa.array(["abc"]))[0].tolist() == [ref_hash("abc") % 100]
+
+
+def test_tzrec_mode_keys_dynamic_ids_as_pyfg(fs_tzrec: FeatureSet) -> None:
+    spec = fs_tzrec.features["adgroup_id"]
+    assert spec.transform is IdTransform.DYNAMIC and spec.id_mode is IdMode.TZREC
+    ints = [7, 63133, 0, 2**63 - 1, -5]  # every id is hashed, a negative one too
+    ids, _ = scalar_ids(spec, pa.array(ints))
+    assert ids.tolist() == [ref_std_hash(str(i)) % KEY_SPACE for i in ints]
+    ids, _ = scalar_ids(spec, pa.array(["7", "efg"]))
+    assert ids[0] == scalar_ids(spec, pa.array([7]))[0][0]  # "7" and 7 agree
+    # a modulo, not a mask: std::hash("efg") is above 2**63, its key is h - (2**63 - 1)
+    h = ref_std_hash("efg")
+    assert h >= 2**63 and int(ids[1]) == h - KEY_SPACE != h & (2**63 - 1)
+    ((seq, lengths),) = sequence_ids(
+        [fs_tzrec.features["click_50_seq__adgroup_id"]], [pa.array(["11|22", ""])], truncate=True
+    )
+    assert seq.tolist() == [ref_std_hash("11") % KEY_SPACE, ref_std_hash("22") % KEY_SPACE]
+    assert lengths.tolist() == [2, 0]
+
+
+def test_tzrec_mode_changes_only_hashed_and_dynamic_ids(
+    fs: FeatureSet, fs_tzrec: FeatureSet
+) -> None:
+    rows = [base_row(), base_row(user_id=5, pid="430539_1007", click_50_seq__brand="7|8|9")]
+    ours, theirs = (
+        table_to_batch(fs, rows_table(rows, fs)),
+        table_to_batch(fs_tzrec, rows_table(rows, fs_tzrec)),
+    )
+    assert jagged(theirs.user, "user_id") == [
+        [ref_std_hash("1234") % KEY_SPACE],
+        [ref_std_hash("5") % KEY_SPACE],
     ]
+    assert jagged(theirs.item, "pid") == [
+        [ref_std_hash(p) % 20] for p in ("430548_1007", "430539_1007")
+    ]
+    assert (
+        jagged(theirs.sequence, "click_50_seq__cate_id")
+        == [[ref_std_hash(c) % KEY_SPACE for c in "123"]] * 2
+    )
+    for spec in fs.features.values():  # num_buckets and boundaries: the same in both modes
+        if spec.transform in (IdTransform.MOD, IdTransform.BUCKETIZE):
+            kjt = {Side.USER: "user", Side.ITEM: "item", Side.CONTEXT: "item"}[spec.side]
+            kjt = "sequence" if spec.is_sequence else kjt
+            got = jagged(getattr(theirs, kjt), spec.name)
+            assert got == jagged(getattr(ours, kjt), spec.name), spec.name
 
 
 def test_sequence_tokens_parse_like_int(fs: FeatureSet) -> None:
@@ -284,7 +399,11 @@ def _request_from_row(fs: FeatureSet, row: dict[str, object]) -> dict[str, objec
     }
 
 
-def test_request_to_batch_gives_the_same_ids_as_table_to_batch(fs: FeatureSet) -> None:
+@pytest.mark.parametrize("mode", list(IdMode))
+def test_request_to_batch_gives_the_same_ids_as_table_to_batch(
+    fs: FeatureSet, fs_tzrec: FeatureSet, mode: IdMode
+) -> None:
+    fs = {IdMode.DYNREC: fs, IdMode.TZREC: fs_tzrec}[mode]
     rows = [
         base_row(),
         base_row(brand=None, cms_segid=None, price=1.1, pid="430539_1007"),

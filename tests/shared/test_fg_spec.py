@@ -17,6 +17,7 @@ from shared.features import (
     FeatureSpec,
     GroupSpec,
     GroupType,
+    IdMode,
     IdTransform,
     InitializerSpec,
     InitMode,
@@ -122,6 +123,7 @@ def _feature(
         "sequence_name": None,
         "sequence_length": None,
         "sequence_delim": None,
+        "id_mode": "dynrec",
     }
     return {**base, **over}
 
@@ -263,6 +265,14 @@ def _broken(edit: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
             lambda d: d["tables"]["price_emb"].update(name="other"),
             "fg.json: tables.price_emb.name is 'other'; it must equal its key",
         ),
+        (
+            lambda d: d["features"]["item"].update(id_mode="farm"),
+            "fg.json: features.item.id_mode: 'farm' is not one of 'dynrec', 'tzrec'",
+        ),
+        (
+            lambda d: d["features"]["price"].update(id_mode="tzrec"),
+            "fg.json: features.price.id_mode: 'tzrec' differs from features.item.id_mode 'dynrec'",
+        ),
     ],
 )
 def test_errors_name_the_key(edit: Callable[[dict[str, Any]], object], message: str) -> None:
@@ -276,3 +286,22 @@ def test_non_finite_float_is_refused_on_write() -> None:
     fs.features["price"] = replace(fs.features["price"], boundaries=(1.0, float("inf")))
     with pytest.raises(FgSpecError, match=r"features\.price\.boundaries\[1\]: inf is not finite"):
         feature_set_to_dict(fs)
+
+
+def test_an_fg_json_without_id_mode_means_todays_ids() -> None:
+    """Bundles written before the id mode existed keep generating the ids they were trained on."""
+    old = copy.deepcopy(GOLDEN)
+    for f in old["features"].values():
+        del f["id_mode"]
+    fs = feature_set_from_dict(old)
+    assert fs == _small() and fs.id_mode is IdMode.DYNREC
+
+
+def test_the_tzrec_id_mode_round_trips() -> None:
+    text = (ROOT / "configs" / CONFIGS[0]).read_text()
+    text = text.replace("data_config {\n", "data_config {\ndynrec_id_mode: TZREC\n", 1)
+    fs = feature_set_from_text(text, "tzrec ids")
+    d = feature_set_to_dict(fs)
+    assert {f["id_mode"] for f in d["features"].values()} == {"tzrec"}
+    back = _json_round_trip(fs)
+    assert back == fs and back.id_mode is IdMode.TZREC
