@@ -48,10 +48,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 
 from protos import predict_pb2
 from serve.delta import DeltaError, DeltaMismatchError, build_with_delta, resolve_delta
+from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel
@@ -79,8 +80,6 @@ ADMIN_THREADS = 4  # inspection and delta applies are rare; applies run one at a
 MAX_ADMIN_RPCS = 16  # beyond this many in flight: RESOURCE_EXHAUSTED (answered by gRPC)
 MAX_ADMIN_REQUEST_BYTES = 64 << 10  # a path or a top_k
 ADMIN_LIMITS = Limits(max_request_bytes=MAX_ADMIN_REQUEST_BYTES)
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass(frozen=True)
@@ -343,7 +342,7 @@ class AdminServer:
             maximum_concurrent_rpcs=MAX_ADMIN_RPCS,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        add_health(server, self.health)
         enable_reflection(server, (ADMIN_SERVICE_NAME, health.SERVICE_NAME))
         unix = cfg.address.startswith(UNIX_PREFIX)
         self.port = bind(server, cfg.address, self._tls)

@@ -17,6 +17,8 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from serve.rpc import parsed_stream_stream
+
 V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
 V1ALPHA_SERVICE_NAME = reflection.SERVICE_NAME
 _V1_FILE = "grpc/reflection/v1/reflection.proto"
@@ -51,10 +53,8 @@ def enable_reflection(server: grpc.Server, service_names: Iterable[str]) -> None
     names = (*service_names, V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME)
     servicer = reflection.ReflectionServicer(names)
     for service in (V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME):
-        handler = grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo,
-            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        handler = parsed_stream_stream(
+            servicer.ServerReflectionInfo, reflection_pb2.ServerReflectionRequest
         )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, {"ServerReflectionInfo": handler}),)

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -178,3 +178,56 @@ def unary_service(
         for m in methods
     }
     return grpc.method_handlers_generic_handler(service, handlers)
+
+
+def _parse_or_abort(
+    request_type: type[Message], raw: bytes, context: grpc.ServicerContext
+) -> Message:
+    try:
+        return request_type.FromString(raw)
+    except (DecodeError, RecursionError, ValueError) as err:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request: not a valid {request_type.DESCRIPTOR.full_name} message "
+            f"({truncate(str(err), 200)})",
+        )
+        raise  # not reached: abort raises
+
+
+def parsed_unary(
+    behavior: Callable[[Any, grpc.ServicerContext], Message], request_type: type[Message]
+) -> grpc.RpcMethodHandler:
+    """A unary method of a library servicer (health), served from raw bytes, so that bytes
+    that do not decode are INVALID_ARGUMENT instead of gRPC's INTERNAL."""
+    return grpc.unary_unary_rpc_method_handler(
+        lambda raw, ctx: behavior(_parse_or_abort(request_type, raw, ctx), ctx),
+        request_deserializer=None,
+        response_serializer=lambda msg: msg.SerializeToString(),
+    )
+
+
+def parsed_unary_stream(
+    behavior: Callable[[Any, grpc.ServicerContext], Iterator[Message]],
+    request_type: type[Message],
+) -> grpc.RpcMethodHandler:
+    """:func:`parsed_unary` for a server-streaming method (health's Watch)."""
+    return grpc.unary_stream_rpc_method_handler(
+        lambda raw, ctx: behavior(_parse_or_abort(request_type, raw, ctx), ctx),
+        request_deserializer=None,
+        response_serializer=lambda msg: msg.SerializeToString(),
+    )
+
+
+def parsed_stream_stream(
+    behavior: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Message]],
+    request_type: type[Message],
+) -> grpc.RpcMethodHandler:
+    """:func:`parsed_unary` for a bidirectional method (reflection): each message is parsed
+    as it arrives."""
+
+    def run(raws: Iterator[bytes], ctx: grpc.ServicerContext) -> Iterator[Message]:
+        return behavior((_parse_or_abort(request_type, raw, ctx) for raw in raws), ctx)
+
+    return grpc.stream_stream_rpc_method_handler(
+        run, request_deserializer=None, response_serializer=lambda msg: msg.SerializeToString()
+    )

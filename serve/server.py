@@ -30,11 +30,12 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 
 from serve.admin import AdminConfig, AdminServer
 from serve.admission import Admission
 from serve.batcher import Batcher, BatcherConfig
+from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel, default_device
@@ -44,9 +45,6 @@ from serve.servicer import SERVICE_NAME, PredictionServicer
 from serve.versions import ModelManager
 
 log = logging.getLogger(__name__)
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass(frozen=True)
@@ -160,7 +158,7 @@ class PredictionServer:
             last_refusal=lambda: self.manager.last_refusal,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        add_health(server, self.health)
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
         enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from shared.hashtable.cuda import runtime as rt
@@ -42,7 +43,7 @@ def build(
     if n == 0 or n >= 1 << 31:
         return None
     table = sized(n, values.shape[1], accumulators is not None)
-    bc, dim = table.bucket_capacity, table.dim
+    bc = table.bucket_capacity
     smem = bc * 16  # s_fp (8) + s_idx (4) + s_src (4) per slot
     if smem > rt.MAX_SHARED:
         return None
@@ -50,8 +51,36 @@ def build(
     dummy64 = rt.dummy(device, torch.int64)
     key_args = (keys, dummy64 if tids is None else tids, rt.i32(tids is not None))
 
-    nb = table.num_buckets
-    while True:  # double the buckets until none overflows (the torch backend's may_exceed_max)
+    nb, count, stage, info = _count_and_stage(keys, tids, key_args, table.num_buckets, bc, device)
+    if nb != table.num_buckets:
+        table._allocate(nb)
+    dup = _place(
+        table, nb, key_args, dummy64, values, scores, accumulators, count, stage, smem, device
+    )
+    if int(dup):
+        return None  # the torch backend names the duplicate key
+    table._bucket_count = count
+    table._size = n
+    table._any_tid = tids is not None and bool(info[2])
+    table._max_buckets = max(table._max_buckets, nb)
+    table.generation = 0
+    return table
+
+
+def _count_and_stage(
+    keys: torch.Tensor,
+    tids: torch.Tensor | None,
+    key_args: tuple[torch.Tensor, torch.Tensor, np.int32],
+    nb: int,
+    bc: int,
+    device: torch.device,
+) -> tuple[int, torch.Tensor, torch.Tensor, list[int]]:
+    """``ht_build_count`` from ``nb`` buckets, doubling them until none overflows (the torch
+    backend's may_exceed_max): (buckets, count [nb] int64, stage [nb * bc] int32: each
+    bucket's input indices, info: [fullest bucket, any negative key, any table id]). One host
+    sync a try; raises the torch backend's error for a negative key."""
+    n = keys.numel()
+    while True:
         count = torch.zeros(nb, dtype=torch.int64, device=device)
         stage = torch.empty(nb * bc, dtype=torch.int32, device=device)
         rt.launch(
@@ -69,11 +98,26 @@ def build(
         if info[1]:
             check_keys(keys, WHAT)  # raises the torch backend's error for the negative key
         if info[0] <= bc:
-            break
+            return nb, count, stage, info
         nb *= 2
-    if nb != table.num_buckets:
-        table._allocate(nb)
 
+
+def _place(
+    table: TableLayout,
+    nb: int,
+    key_args: tuple[torch.Tensor, torch.Tensor, np.int32],
+    dummy64: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor | None,
+    accumulators: torch.Tensor | None,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    smem: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``ht_build_place``, a block per bucket of ``table`` (``nb``, the counted buckets):
+    the staged keys into their slots and rows; dup [1] int32, nonzero where a key repeats."""
+    bc, dim = table.bucket_capacity, table.dim
     vals = values.to(device, torch.float32).contiguous()
     acc = None if accumulators is None else accumulators.to(device, torch.float32).contiguous()
     dummy32 = rt.dummy(device, torch.float32)
@@ -105,11 +149,4 @@ def build(
         device=device,
         shared_mem=smem,
     )
-    if int(dup):
-        return None  # the torch backend names the duplicate key
-    table._bucket_count = count
-    table._size = n
-    table._any_tid = tids is not None and bool(info[2])
-    table._max_buckets = max(table._max_buckets, nb)
-    table.generation = 0
-    return table
+    return dup

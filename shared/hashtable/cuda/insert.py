@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import re
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -221,6 +222,34 @@ def _row_layout(dim: int, arrays: list[torch.Tensor]) -> tuple[bool, int]:
     return vec4, min(5, (max(units, 1) - 1).bit_length())
 
 
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs ~3 us more per insert (host-bound)
+class _Batch:
+    """One insert's inputs as the kernels take them, with the table's geometry and limits at the
+    call (:func:`_batch_of`): what the steps of :func:`insert_or_assign` share."""
+
+    dev: torch.device
+    keys: torch.Tensor  # [n] int64, contiguous
+    tids: torch.Tensor | None  # [n] int64, contiguous
+    n: int
+    n_blocks: int  # of the one-thread-per-key kernels (stage, gather)
+    values: torch.Tensor  # [n, dim] float32
+    scores: torch.Tensor  # [n] int64
+    acc_in: torch.Tensor | None  # [n, dim] float32: the given accumulators, where kept
+    acc_out: torch.Tensor | None  # the table's accumulators
+    vec4: bool
+    gshift: int
+    nb: int
+    bc: int
+    cap: int
+    dim: int
+    S: int  # staged occurrences a bucket may receive
+    stride: int  # shared-memory bytes per warp of ht_ins2_place*
+    may_grow: bool
+    new_limit: int  # the most new pairs without growth
+    has_t: int
+    limits: tuple[int, int]  # (may_grow, new_limit) as the kernels take them
+
+
 def insert_or_assign(
     table: TableLayout,
     core: TorchBackend,
@@ -236,12 +265,48 @@ def insert_or_assign(
     :data:`PATHS`), or (None, path) with the table untouched where the torch algorithms must do
     the call. ``core``: the backend whose ``insert_overflow`` and ``fingerprint`` serve full
     buckets (the calling CUDA backend)."""
+    b = _batch_of(table, keys, values, scores, table_ids, accumulators)
+    if b is None:
+        return None, "unsupported"
+    launch = rt.Launcher(b.dev)
+    with launch:
+        warps = _block_warps(launch, ("ht_ins2_place0", "ht_ins2_place1"), b.stride, PLACE_WARPS)
+        if warps == 0:
+            return None, "unsupported"
+        sc = _scratch_of(table, launch)
+        rows, inserted = _launch_insert(table, b, launch, sc, warps)
+    st = sc.host.tolist()
+
+    path = _path_of(table, b, st)
+    if path == "abort":
+        return None, path
+    _count_new(table, st)
+    evicted_k, evicted_t, refused = sc.empty, sc.empty, 0
+    if st[ST_N_OVER]:
+        path = "overflow"
+        evicted_k, evicted_t, refused = _hand_over(
+            table, core, b, launch, sc, st[ST_N_OVER], pinned_rows, rows, inserted
+        )
+    return InsertResult(rows, inserted.view(torch.bool), evicted_k, evicted_t, refused), path
+
+
+def _batch_of(
+    table: TableLayout,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    table_ids: torch.Tensor | None,
+    accumulators: torch.Tensor | None,
+) -> _Batch | None:
+    """The call's arguments as the kernels take them (no host sync: the keys are checked on the
+    device), or None where the kernels cannot take it (no keys, 2**31 keys or more, a staging
+    list too long)."""
     dev, bc, dim = table.device, table.bucket_capacity, table.dim
     keys, tids = table._prepare(keys, table_ids, WHAT, validate=False)
     n = keys.numel()
     S = STAGE_FACTOR * bc
     if n == 0 or n >= 1 << 31 or S > 32767:
-        return None, "unsupported"
+        return None
     keys = keys.contiguous()
     tids = None if tids is None else tids.contiguous()
     values = _dense(values, dev, torch.float32, (n, dim))
@@ -260,155 +325,211 @@ def insert_or_assign(
     stride = _place_stride(S)
     has_t = int(tids is not None)
     limits = (int(may_grow), new_limit)
+    n_blocks = rt.blocks(n)
+    return _Batch(
+        dev=dev, keys=keys, tids=tids, n=n, n_blocks=n_blocks, values=values, scores=scores,
+        acc_in=acc_in, acc_out=acc_out, vec4=vec4, gshift=gshift, nb=nb, bc=bc, cap=cap, dim=dim,
+        S=S, stride=stride, may_grow=may_grow, new_limit=new_limit, has_t=has_t, limits=limits,
+    )  # fmt: skip
 
-    launch = rt.Launcher(dev)
-    with launch:
-        warps = _block_warps(launch, ("ht_ins2_place0", "ht_ins2_place1"), stride, PLACE_WARPS)
-        if warps == 0:
-            return None, "unsupported"
-        sc = _scratch_of(table, launch)
-        if sc.rep_of.numel() < n:
-            sc.rep_of = torch.empty(n, dtype=torch.int32, device=dev)
-        stats, stats_next = sc.stats_of[sc.parity], sc.stats_of[1 - sc.parity]
-        rows = torch.empty(n, dtype=torch.int64, device=dev)
-        inserted = torch.empty(n, dtype=torch.uint8, device=dev)
-        n_blocks = rt.blocks(n)
-        sc.dirty = True
-        launch(
-            sc.kernel(launch, f"ht_ins2_stage_w{window(table)}"),
-            n_blocks,
-            rt.BLOCK,
-            (
-                keys,
-                tids,
-                has_t,
-                n,
-                table._slot_fp,
-                table._slot_row,
-                table._row_key,
-                table._row_tid,
-                table._bucket_count,
-                nb,
-                bc,
-                cap,
-                int(tids is not None or table._any_tid),
-                S,
-                rows,
-                inserted,
-                sc.win,
-                sc.scount,
-                sc.stage,
-                stats,
-            ),
-        )
-        place_args = (
-            keys,
-            tids,
-            has_t,
-            nb,
-            bc,
-            S,
-            stride,
-            sc.scount,
-            sc.stage,
-            table._bucket_count,
-            table._slot_fp,
-            table._slot_row,
-            rows,
-            inserted,
-            sc.rep_of,
-            sc.nnew,
-            sc.over_list,
-            stats,
-            *limits,
-            values,
-            scores,
-            acc_in,
-            int(acc_in is not None),
-            table.initial_accumulator_value,
-            dim,
-            int(vec4),
-            gshift,
-            table._row_key,
-            table._row_tid,
-            table._row_score,
-            table._values,
-            acc_out,
-            int(acc_out is not None),
-        )
-        grid, block, smem = math.ceil(nb / warps), 32 * warps, warps * stride
-        launch(sc.kernel(launch, "ht_ins2_place0"), grid, block, place_args, smem)
-        launch.to_host(sc.host, stats, sc.event)
-        if may_grow:  # at max capacity pass 0 always decides: no pass 1
-            launch(sc.kernel(launch, "ht_ins2_place1"), grid, block, place_args, smem)
-        launch(
-            sc.kernel(launch, "ht_ins2_write"),
-            rt.blocks(n << gshift),
-            rt.BLOCK,
-            (
-                n,
-                values,
-                scores,
-                acc_in,
-                int(acc_in is not None),
-                dim,
-                int(vec4),
-                gshift,
-                rows,
-                inserted,
-                sc.win,
-                stats,
-                stats_next,
-                *limits,
-                bc,
-                table._values,
-                table._row_score,
-                acc_out,
-                int(acc_out is not None),
-            ),
-        )
-        sc.parity ^= 1  # ht_ins2_write cleared the other buffer
-        sc.dirty = False
-        sc.event.synchronize()  # stage and pass 0 are done; pass 1 and the writes may still run
-    st = sc.host.tolist()
 
+def _launch_insert(
+    table: TableLayout, b: _Batch, launch: rt.Launcher, sc: _Scratch, warps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queue stage, place (pass 0, the stats copy, pass 1 where the table may grow) and the row
+    writes on torch's stream, then wait for the stats copy: (rows [n] int64, inserted [n]
+    uint8), the call's results, the rows of the overflowing buckets' new pairs still unset."""
+    if sc.rep_of.numel() < b.n:
+        sc.rep_of = torch.empty(b.n, dtype=torch.int32, device=b.dev)
+    stats, stats_next = sc.stats_of[sc.parity], sc.stats_of[1 - sc.parity]
+    rows = torch.empty(b.n, dtype=torch.int64, device=b.dev)
+    inserted = torch.empty(b.n, dtype=torch.uint8, device=b.dev)
+    sc.dirty = True
+    stage_args = _stage_args(table, b, sc, stats, rows, inserted)
+    launch(sc.kernel(launch, f"ht_ins2_stage_w{window(table)}"), b.n_blocks, rt.BLOCK, stage_args)
+    place_args = _place_args(table, b, sc, stats, rows, inserted)
+    grid, block, smem = math.ceil(b.nb / warps), 32 * warps, warps * b.stride
+    launch(sc.kernel(launch, "ht_ins2_place0"), grid, block, place_args, smem)
+    launch.to_host(sc.host, stats, sc.event)
+    if b.may_grow:  # at max capacity pass 0 always decides: no pass 1
+        launch(sc.kernel(launch, "ht_ins2_place1"), grid, block, place_args, smem)
+    write_args = _write_args(table, b, sc, stats, stats_next, rows, inserted)
+    launch(sc.kernel(launch, "ht_ins2_write"), rt.blocks(b.n << b.gshift), rt.BLOCK, write_args)
+    sc.parity ^= 1  # ht_ins2_write cleared the other buffer
+    sc.dirty = False
+    sc.event.synchronize()  # stage and pass 0 are done; pass 1 and the writes may still run
+    return rows, inserted
+
+
+def _stage_args(
+    table: TableLayout,
+    b: _Batch,
+    sc: _Scratch,
+    stats: torch.Tensor,
+    rows: torch.Tensor,
+    inserted: torch.Tensor,
+) -> tuple[Any, ...]:
+    """The arguments of ``ht_ins2_stage_w<W>`` (SIGNATURES order)."""
+    return (
+        b.keys,
+        b.tids,
+        b.has_t,
+        b.n,
+        table._slot_fp,
+        table._slot_row,
+        table._row_key,
+        table._row_tid,
+        table._bucket_count,
+        b.nb,
+        b.bc,
+        b.cap,
+        int(b.tids is not None or table._any_tid),
+        b.S,
+        rows,
+        inserted,
+        sc.win,
+        sc.scount,
+        sc.stage,
+        stats,
+    )
+
+
+def _place_args(
+    table: TableLayout,
+    b: _Batch,
+    sc: _Scratch,
+    stats: torch.Tensor,
+    rows: torch.Tensor,
+    inserted: torch.Tensor,
+) -> tuple[Any, ...]:
+    """The arguments of ``ht_ins2_place0`` and ``ht_ins2_place1`` (SIGNATURES order)."""
+    return (
+        b.keys,
+        b.tids,
+        b.has_t,
+        b.nb,
+        b.bc,
+        b.S,
+        b.stride,
+        sc.scount,
+        sc.stage,
+        table._bucket_count,
+        table._slot_fp,
+        table._slot_row,
+        rows,
+        inserted,
+        sc.rep_of,
+        sc.nnew,
+        sc.over_list,
+        stats,
+        *b.limits,
+        b.values,
+        b.scores,
+        b.acc_in,
+        int(b.acc_in is not None),
+        table.initial_accumulator_value,
+        b.dim,
+        int(b.vec4),
+        b.gshift,
+        table._row_key,
+        table._row_tid,
+        table._row_score,
+        table._values,
+        b.acc_out,
+        int(b.acc_out is not None),
+    )
+
+
+def _write_args(
+    table: TableLayout,
+    b: _Batch,
+    sc: _Scratch,
+    stats: torch.Tensor,
+    stats_next: torch.Tensor,
+    rows: torch.Tensor,
+    inserted: torch.Tensor,
+) -> tuple[Any, ...]:
+    """The arguments of ``ht_ins2_write`` (SIGNATURES order)."""
+    return (
+        b.n,
+        b.values,
+        b.scores,
+        b.acc_in,
+        int(b.acc_in is not None),
+        b.dim,
+        int(b.vec4),
+        b.gshift,
+        rows,
+        inserted,
+        sc.win,
+        stats,
+        stats_next,
+        *b.limits,
+        b.bc,
+        table._values,
+        table._row_score,
+        b.acc_out,
+        int(b.acc_out is not None),
+    )
+
+
+def _path_of(table: TableLayout, b: _Batch, st: list[int]) -> str:
+    """The path of the call from its stats ``st``: "abort" where the kernels left the table
+    untouched (raising the torch backend's error for invalid keys), else "fast" or "slow"."""
     if st[ST_NEG_KEY] or st[ST_BAD_TID]:
-        table._prepare(keys, tids, WHAT)  # raises the torch backend's error
-        return None, "abort"
-    if st[ST_STAGED_OVER] or (may_grow and (st[ST_NEW] > new_limit or st[ST_MAX_FILL] > bc)):
-        return None, "abort"  # nothing changed: growth or a skewed batch, the torch backend's job
-    fast = not may_grow or (not st[ST_MAYBE_FULL] and st[ST_STAGED] <= new_limit)
-    path = "fast" if fast else "slow"
+        table._prepare(b.keys, b.tids, WHAT)  # raises the torch backend's error
+        return "abort"
+    if st[ST_STAGED_OVER] or (b.may_grow and (st[ST_NEW] > b.new_limit or st[ST_MAX_FILL] > b.bc)):
+        return "abort"  # nothing changed: growth or a skewed batch, the torch backend's job
+    fast = not b.may_grow or (not st[ST_MAYBE_FULL] and st[ST_STAGED] <= b.new_limit)
+    return "fast" if fast else "slow"
+
+
+def _count_new(table: TableLayout, st: list[int]) -> None:
+    """The table's size and table-id flag after the kernels stored the call (stats ``st``)."""
     table._size += st[ST_NEW] - st[ST_OVER_NEW]
     if st[ST_ANY_TID]:
         table._any_tid = True  # a superset of the torch rule (new stored pairs): always safe
-    evicted_k, evicted_t, refused = sc.empty, sc.empty, 0
-    if st[ST_N_OVER]:
-        path = "overflow"
-        over = torch.sort(sc.over_list[: st[ST_N_OVER]]).values
-        rep_rows = torch.empty(n, dtype=torch.int64, device=dev)
-        evicted_k, evicted_t, refused = _overflow(
-            table,
-            core,
-            over,
-            keys,
-            tids,
-            values,
-            scores,
-            acc_in,
-            pinned_rows,
-            sc.stage,
-            sc.nnew,
-            rep_rows,
+
+
+def _hand_over(
+    table: TableLayout,
+    core: TorchBackend,
+    b: _Batch,
+    launch: rt.Launcher,
+    sc: _Scratch,
+    n_over: int,
+    pinned_rows: torch.Tensor | None,
+    rows: torch.Tensor,
+    inserted: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The ``n_over`` buckets without room (at max capacity) through :func:`_overflow`, then
+    ``ht_ins2_gather`` fills their new pairs' ``rows`` and ``inserted``: (evicted keys, evicted
+    table ids, refused)."""
+    over = torch.sort(sc.over_list[:n_over]).values
+    rep_rows = torch.empty(b.n, dtype=torch.int64, device=b.dev)
+    evicted_k, evicted_t, refused = _overflow(
+        table,
+        core,
+        over,
+        b.keys,
+        b.tids,
+        b.values,
+        b.scores,
+        b.acc_in,
+        pinned_rows,
+        sc.stage,
+        sc.nnew,
+        rep_rows,
+    )
+    with launch:
+        launch(
+            sc.kernel(launch, "ht_ins2_gather"),
+            b.n_blocks,
+            rt.BLOCK,
+            (sc.rep_of, rep_rows, b.n, rows, inserted),
         )
-        with launch:
-            launch(
-                sc.kernel(launch, "ht_ins2_gather"),
-                n_blocks,
-                rt.BLOCK,
-                (sc.rep_of, rep_rows, n, rows, inserted),
-            )
-    return InsertResult(rows, inserted.view(torch.bool), evicted_k, evicted_t, refused), path
+    return evicted_k, evicted_t, refused
 
 
 # ---------------------------------------------------------------------------------------- erase
