@@ -51,7 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         "--fine_tune_checkpoint",
         dest="fine_tune_checkpoint",
         type=Path,
-        help="not resuming: start from these weights (checkpoint, model dir or init-ckpt dir)",
+        help="not resuming: start from these weights (checkpoint, model dir or init-ckpt dir; "
+        "also TorchEasyRec's model.ckpt-N: its dynamicemb/ tables)",
+    )
+    t.add_argument(
+        "--fine-tune-tables",
+        "--fine_tune_tables",
+        dest="fine_tune_tables",
+        type=lambda s: tuple(n.strip() for n in s.split(",") if n.strip()),
+        metavar="T1,T2",
+        help="the dynamic tables to take from --fine-tune-checkpoint (default: every dynamic "
+        "table of the config, or those an init checkpoint lists); the others start empty",
     )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--no-progress", action="store_true")
@@ -75,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--out", type=Path, required=True)
     x.add_argument("--version", help="model version string; default: step-based")
     x.add_argument("--overwrite", action="store_true")
+    x.add_argument(
+        "--naming",
+        choices=["tzrec", "dynrec"],
+        default="tzrec",
+        help="file and tensor names: tzrec = TorchEasyRec's RTP export (model-000000-of-000001, "
+        "<collection>.<table>.values/part_R_W; bundle format 2), dynrec = bundle format 1 for "
+        "servers that predate format 2 (default: tzrec)",
+    )
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -108,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     log_every=args.log_every,
                     resume=args.resume,
                     fine_tune_checkpoint=args.fine_tune_checkpoint,
+                    fine_tune_tables=args.fine_tune_tables,
                     seed=args.seed,
                     progress_bar=not args.no_progress,
                     dist=env,
@@ -142,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(result.to_dict()))
     elif args.cmd == "export":
+        from shared.bundle.naming import NAMINGS
         from train.export import export_bundle
 
         out = export_bundle(
@@ -151,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint=args.checkpoint,
             version=args.version,
             overwrite=args.overwrite,
+            naming=NAMINGS[args.naming],
         )
         print(out)
     return 0

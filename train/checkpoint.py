@@ -4,9 +4,16 @@ Layout of one checkpoint (written into a temp dir, then renamed, so a crash neve
 half-written checkpoint that looks complete)::
 
     <model_dir>/checkpoints/step_<N>/
-        dense.pt          model dense weights, num_buckets tables, optimizer states, progress
-        dynamicemb/<module>/<table>_keys.rank_R.world_size_W ...   (shared.hashtable.checkpoint)
-        DONE              written last
+        dense.pt             model dense weights, num_buckets tables, optimizer states, progress
+        dynamic_tables.json  per dynamic table: collection, dim, score strategy, capacity
+        dynamicemb/model.model.embedding_group.emb_impls.__BASE__.ebc/
+            user_id_emb_emb_keys.rank_R.world_size_W ...   dynamicemb's files exactly
+            user_id_emb_opt_args.json                      (shared.hashtable.checkpoint)
+        DONE                 written last
+
+The ``dynamicemb/`` tree is what TorchEasyRec's ``model.ckpt-N/dynamicemb/`` holds (its
+``DynamicEmbLoad`` reads it); ``dense.pt`` and ``DONE`` are ours. Checkpoints written before
+(``dynamicemb/sparse.dynamic/<table>_keys...``) still load.
 
 Distributed (``world_size > 1``, a process group initialized): rank 0 creates the temp dir and
 tells the others its name; every rank writes the dynamic-table files of the keys it owns; after
@@ -25,16 +32,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from shared.features import FeatureSet
-from shared.hashtable.checkpoint import file_name, module_dir, saved_world_size
+from shared.hashtable.checkpoint import collection_paths, open_checkpoint, select_tables
 from train.model.multi_tower_din import MultiTowerDIN
 
-DYNAMIC_MODULE = "sparse.dynamic"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TZREC_DIR = re.compile(r"^model\.ckpt-(\d+)$")
 
 
 @dataclass
@@ -82,7 +88,7 @@ def save_checkpoint(
                 "rng": torch.get_rng_state(),
             }
             torch.save(state, tmp / "dense.pt")
-        model.sparse.dynamic.save(tmp, module_name=DYNAMIC_MODULE, rank=rank, world_size=world_size)
+        model.sparse.dynamic.save(tmp, collection_paths(model.fs), rank=rank, world_size=world_size)
         if world_size > 1:
             dist.barrier()  # every rank's files are in place
         if main:
@@ -120,6 +126,15 @@ def latest_checkpoint(model_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def foreign_checkpoints(model_dir: Path) -> list[Path]:
+    """TorchEasyRec checkpoints of a model dir (``model.ckpt-N``), oldest first."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _TZREC_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
 def load_checkpoint(
     path: Path,
     model: MultiTowerDIN,
@@ -138,7 +153,10 @@ def load_checkpoint(
     state = torch.load(path / "dense.pt", map_location="cpu", weights_only=False)
     model.dense.load_state_dict(state["dense"])
     model.sparse.dense.load_state_dict(state["dense_tables"])
-    model.sparse.dynamic.load(path, module_name=DYNAMIC_MODULE, rank=rank, world_size=world_size)
+    if model.fs.dynamic_tables:  # every table must be there (a resume continues all of them)
+        model.sparse.dynamic.load(
+            path, collection_paths(model.fs), rank=rank, world_size=world_size
+        )
     if optimizers is not None:
         for name, opt in optimizers.items():
             opt.load_state_dict(state["optimizers"][name])
@@ -149,27 +167,9 @@ def load_checkpoint(
 def saved_parts(path: Path, fs: FeatureSet) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per dynamic table, the (keys [N], values [N, dim]) that each saving rank wrote, in rank
     order: the ``part_R_W`` of a serving bundle, read without building any hash table."""
-    directory = module_dir(path, DYNAMIC_MODULE)
-    out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for t in fs.dynamic_tables:
-        w = saved_world_size(directory, t.name)
-        if w is None:
-            raise FileNotFoundError(f"{directory}: no files for dynamic table {t.name!r}")
-        parts = []
-        for r in range(w):
-            keys = np.fromfile(directory / file_name(t.name, "keys", r, w), dtype="<i8")
-            values = np.fromfile(directory / file_name(t.name, "values", r, w), dtype="<f4")
-            if values.size != keys.size * t.dim:
-                raise ValueError(
-                    f"{directory}: table {t.name!r} rank {r}: {values.size} floats for "
-                    f"{keys.size} keys of dim {t.dim}; the checkpoint is damaged or for another "
-                    "config"
-                )
-            parts.append(
-                (
-                    torch.from_numpy(keys.astype(np.int64)),
-                    torch.from_numpy(values.astype(np.float32)).view(-1, t.dim),
-                )
-            )
-        out[t.name] = parts
-    return out
+    if not fs.dynamic_tables:
+        return {}
+    reader = open_checkpoint(path)
+    names = [t.name for t in fs.dynamic_tables]
+    chosen, _ = select_tables(reader, names, collection_paths(fs))
+    return {t.name: reader.parts(chosen[t.name], t.dim) for t in fs.dynamic_tables}

@@ -6,8 +6,12 @@ with jagged inputs (see :mod:`shared.bundle` for the layout, :mod:`train.model.d
 program's signature).
 
 The dynamic tables are read from the checkpoint's per-rank files as they are: a checkpoint saved
-by ``W`` ranks gives ``W`` parts per table (``<table>.keys/part_R_W``, rank ``R``'s keys), one
-saved by a single process gives ``part_0_1``; serving joins the parts either way.
+by ``W`` ranks gives ``W`` parts per table (``<collection>.<table>.keys/part_R_W``, rank ``R``'s
+keys), one saved by a single process gives ``part_0_1``; serving joins the parts either way.
+Files and tensors are named as TorchEasyRec's RTP export names them (``naming``, default
+``TZREC_NAMING``: each dynamic table under its checkpoint collection directory,
+:func:`shared.hashtable.checkpoint.collection_paths`); ``DYNREC_NAMING`` writes bundle format 1
+for servers that predate format 2.
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from shared.bundle import write_bundle
+from shared.bundle import TZREC_NAMING, BundleNaming, write_bundle
 from shared.config import config_digest, load_config
 from shared.features import build_feature_set
+from shared.hashtable.checkpoint import collection_paths
 from shared.hashtable.summary import checkpoint_summaries
 from train.checkpoint import (
-    DYNAMIC_MODULE,
     Progress,
     latest_checkpoint,
     load_checkpoint,
@@ -64,8 +68,10 @@ def export_bundle(
     checkpoint: Path | None = None,
     version: str | None = None,
     overwrite: bool = False,
+    naming: BundleNaming = TZREC_NAMING,
 ) -> Path:
-    """Write the serving bundle of a checkpoint to ``out_dir`` (atomically)."""
+    """Write the serving bundle of a checkpoint to ``out_dir`` (atomically), its files and
+    tensors named by ``naming`` (:mod:`shared.bundle.naming`)."""
     config = load_config(config_path)
     model, progress, ckpt = restore_model(
         config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu"
@@ -89,8 +95,9 @@ def export_bundle(
             config_digest=config_digest(config),
             version=version or f"step-{progress.step}",
             # scores and admission counters stay in training: serving shows this summary
-            extra={"table_summaries": checkpoint_summaries(ckpt, DYNAMIC_MODULE)},
+            extra={"table_summaries": checkpoint_summaries(ckpt)},
             overwrite=overwrite,
+            naming=naming.for_tables(collection_paths(fs)),  # tzrec: the checkpoint's dirs
         )
 
 

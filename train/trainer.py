@@ -32,7 +32,13 @@ from shared.batch import Batch
 from shared.config import load_config
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import build_feature_set
-from train.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import (
+    Progress,
+    foreign_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from train.data.loader import Loader
 from train.distributed.comm import CommStats
 from train.distributed.env import DistEnv
@@ -66,6 +72,8 @@ class TrainOptions:
     resume: bool = False
     # not resuming: start from these weights (checkpoint, model dir, init-ckpt; train.fine_tune)
     fine_tune_checkpoint: Path | None = None
+    # the dynamic tables to take from it (None: all, or an init checkpoint's; others start empty)
+    fine_tune_tables: tuple[str, ...] | None = None
     seed: int = 0
     progress_bar: bool = True
     dist: DistEnv | None = None  # set under torchrun (train.distributed.env.init_from_env)
@@ -312,6 +320,23 @@ class Trainer:
     def _resume(self, progress: Progress) -> Progress:
         ckpt = latest_checkpoint(self.model_dir)
         if ckpt is None:
+            foreign = foreign_checkpoints(self.model_dir)
+            if foreign:
+                raise ValueError(
+                    f"--resume: {self.model_dir} has no dynrec checkpoint (checkpoints/step_N "
+                    f"with DONE) but TorchEasyRec checkpoints ({', '.join(p.name for p in foreign)})"
+                    ", whose dense state (torch DCP) a resume cannot continue. Start from their "
+                    f"dynamic tables with --fine-tune-checkpoint {foreign[-1]} (without --resume) "
+                    "and a new --model-dir"
+                )
+            partial = sorted((self.model_dir / "checkpoints").glob("step_*"))
+            if partial:
+                log.warning("--resume: %s holds only incomplete checkpoints (no DONE): %s; "
+                            "training starts at step 0", self.model_dir,
+                            ", ".join(p.name for p in partial))  # fmt: skip
+            else:
+                log.info("--resume: no checkpoint in %s yet; training starts at step 0",
+                         self.model_dir)  # fmt: skip
             return progress
         progress = load_checkpoint(
             ckpt, self.model, self.optimizers, rank=self.rank, world_size=self.world_size
@@ -340,6 +365,7 @@ class Trainer:
                 self.model,
                 rank=self.rank,
                 world_size=self.world_size,
+                tables=self.options.fine_tune_tables,
             )
             return
         pending = {t.name: t.dynamic.init_table for t in self.fs.dynamic_tables if t.dynamic}

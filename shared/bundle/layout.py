@@ -6,17 +6,13 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from shared.features import FeatureSet
-
 BUNDLE_FORMAT = "dynrec-bundle"
-BUNDLE_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 FG_JSON = "fg.json"
 DENSE_PROGRAM = "dense.pt2"
@@ -24,47 +20,10 @@ DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9._:+-]{1,128}$")
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-VALUES_RE = re.compile(r"^(?P<table>.+)\.values/part_(?P<rank>\d+)_(?P<world>\d+)$")
-WEIGHT_RE = re.compile(r"^(?P<table>.+)\.weight$")
-SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.(safetensors|json)$")
 
 
 class BundleError(ValueError):
     """A bundle that cannot be written or read; the message names the file/table and the fix."""
-
-
-@dataclass
-class Bundle:
-    """A validated bundle. Dense program loading is left to :func:`load_dense_program`.
-
-    Tensors are backed by a private (copy-on-write) memory map of the safetensors files, so pages
-    are read on first touch; hash tables of several parts are concatenated copies.
-    """
-
-    path: Path
-    dense_tables: dict[str, torch.Tensor]  # table → float32 [rows, dim]
-    hash_tables: dict[str, tuple[torch.Tensor, torch.Tensor]]  # table → (int64 [N], f32 [N, dim])
-    feature_set: FeatureSet
-    manifest: dict[str, Any]
-    metadata: dict[str, dict[str, Any]]  # entries of every model-*.json, by entry name
-    dense_program_path: Path
-    version: str
-    read_seconds: float
-
-    @property
-    def config_digest(self) -> str:
-        return str(self.manifest["config_digest"])
-
-
-def shard_stem(index: int, count: int) -> str:
-    """``model-00000-of-00001``: the file stem of shard ``index`` of ``count``."""
-    return f"model-{index:05d}-of-{count:05d}"
-
-
-def table_of(entry: str) -> str:
-    m = VALUES_RE.match(entry) or WEIGHT_RE.match(entry)
-    assert m is not None, entry
-    return m["table"]
 
 
 def check_unique(table: str, keys: torch.Tensor, where: str) -> None:

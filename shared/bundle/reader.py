@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,25 +14,64 @@ from safetensors.torch import load_file
 
 from shared.bundle.layout import (
     BUNDLE_FORMAT,
-    BUNDLE_FORMAT_VERSION,
     DENSE_PROGRAM,
     FG_JSON,
     MANIFEST,
-    VALUES_RE,
-    WEIGHT_RE,
-    Bundle,
     BundleError,
     check_unique,
     read_json,
     sha256,
 )
-from shared.features import FeatureSet
+from shared.bundle.naming import BundleNaming, TensorName, naming_of
+from shared.features import FeatureSet, TableSpec
 from shared.fg_spec import FgSpecError, feature_set_from_dict
+
+Parts = dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]  # table → rank → (W, k, v)
+
+
+@dataclass
+class Bundle:
+    """A validated bundle. Dense program loading is left to :func:`load_dense_program`.
+
+    Tensors are backed by a private (copy-on-write) memory map of the safetensors files, so pages
+    are read on first touch; hash tables of several parts are concatenated copies.
+    """
+
+    path: Path
+    dense_tables: dict[str, torch.Tensor]  # table → float32 [rows, dim]
+    hash_tables: dict[str, tuple[torch.Tensor, torch.Tensor]]  # table → (int64 [N], f32 [N, dim])
+    feature_set: FeatureSet
+    manifest: dict[str, Any]
+    metadata: dict[str, dict[str, Any]]  # entries of every model-*.json, by entry name
+    dense_program_path: Path
+    version: str
+    read_seconds: float
+    naming: BundleNaming  # of the files and tensor names (shared.bundle.naming)
+    # table → what its tensor names put before the table: the collection path in TorchEasyRec
+    # naming ("model.model.embedding_group.emb_impls.__BASE__.ebc"), "" in dynrec naming
+    table_prefixes: dict[str, str]
+
+    @property
+    def config_digest(self) -> str:
+        return str(self.manifest["config_digest"])
+
+
+@dataclass
+class _Tables:
+    """What the entries of the shards have given so far, by table."""
+
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    parts: Parts = field(default_factory=dict)
+    prefixes: dict[str, str] = field(default_factory=dict)  # what precedes each table's name
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checked manifest of the bundle at ``path`` (cheap: no tensors, no checksums)."""
-    root = Path(path)
+    return _manifest(Path(path))[0]
+
+
+def _manifest(root: Path) -> tuple[dict[str, Any], BundleNaming]:
+    """The checked manifest and the naming it declares (detected here, once)."""
     if not root.is_dir():
         raise BundleError(f"{root}: no such bundle directory")
     mpath = root / MANIFEST
@@ -43,11 +83,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     m = read_json(mpath)
     if m.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"{mpath}: format is {m.get('format')!r}, expected {BUNDLE_FORMAT!r}")
-    if m.get("format_version") != BUNDLE_FORMAT_VERSION:
-        raise BundleError(
-            f"{mpath}: format_version {m.get('format_version')!r} is not supported (this "
-            f"reader knows {BUNDLE_FORMAT_VERSION}); re-export with this version of the code"
-        )
+    naming = naming_of(m, str(mpath))
     types_ = {
         "version": str,
         "created_at": str,
@@ -63,6 +99,13 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise BundleError(f"{mpath}: key {key!r} is missing or not a {tp.__name__}")
     if not m["shards"]:
         raise BundleError(f"{mpath}: 'shards' is empty")
+    for stem in m["shards"]:
+        if not isinstance(stem, str) or not naming.is_stem(stem):
+            raise BundleError(
+                f"{mpath}: shard {stem!r} is not named as {naming.id} naming (format_version "
+                f"{naming.format_version}) names shards, e.g. {naming.shard_stem(0, 1)!r}; "
+                "re-export the bundle"
+            )
     needed = [FG_JSON, DENSE_PROGRAM] + [
         f"{s}{x}" for s in m["shards"] for x in (".safetensors", ".json")
     ]
@@ -79,25 +122,25 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
         if not ok:
             raise BundleError(f"{mpath}: bad 'files' entry {name!r}: {info!r}")
-    return m
+    return m, naming
 
 
 def read_bundle(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> Bundle:
     """Read and validate the bundle at ``path``; any defect raises :class:`BundleError`.
 
     Sizes are always checked against the manifest; ``verify_checksums`` adds sha256 of every file.
+    Both namings are read (:mod:`shared.bundle.naming`); the manifest says which one it is.
     """
     t0 = time.perf_counter()
     root = Path(path)
-    manifest = read_manifest(root)
+    manifest, naming = _manifest(root)
     _check_files(root, manifest, verify_checksums)
     try:
         fs = feature_set_from_dict(read_json(root / FG_JSON), source=str(root / FG_JSON))
     except FgSpecError as err:
         raise BundleError(f"{err}; re-export the bundle") from None
     metadata: dict[str, dict[str, Any]] = {}
-    dense: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    found = _Tables()
     for stem in manifest["shards"]:
         tensors = _load_safetensors(root / f"{stem}.safetensors")
         meta = read_json(root / f"{stem}.json")
@@ -106,21 +149,22 @@ def read_bundle(path: str | os.PathLike[str], *, verify_checksums: bool = True) 
             if entry in metadata:
                 raise BundleError(f"{root / (stem + '.json')}: entry {entry!r} is in two shards")
             metadata[entry] = info
-            _read_entry(root, stem, entry, info, tensors, fs, dense, parts, used)
+            _read_entry(root / f"{stem}.json", entry, info, tensors, fs, naming, found, used)
         orphans = sorted(set(tensors) - used)
         if orphans:
             raise BundleError(
                 f"{root / (stem + '.safetensors')}: tensor {orphans[0]!r} has no entry in "
                 f"{stem}.json; re-export the bundle"
             )
-    hashes = {t: _join_parts(root, t, p) for t, p in parts.items()}
+    dense = found.dense
+    hashes = {t: _join_parts(root, t, p) for t, p in found.parts.items()}
     for t in fs.tables:
         if t not in dense and t not in hashes:
             raise BundleError(
                 f"{root}: missing table {t!r}: fg.json declares it but no model-*.json entry "
                 "holds its tensors; re-export the bundle"
             )
-    _check_summary(root, manifest, dense, hashes, parts)
+    _check_summary(root, manifest, dense, hashes, found.parts)
     return Bundle(
         path=root,
         dense_tables={t: dense[t] for t in fs.tables if t in dense},
@@ -131,6 +175,8 @@ def read_bundle(path: str | os.PathLike[str], *, verify_checksums: bool = True) 
         dense_program_path=root / DENSE_PROGRAM,
         version=manifest["version"],
         read_seconds=time.perf_counter() - t0,
+        naming=naming,
+        table_prefixes={t: found.prefixes[t] for t in fs.tables},
     )
 
 
@@ -176,18 +222,18 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_entry(
-    root: Path,
-    stem: str,
+    json_path: Path,
     entry: str,
     info: Any,
     tensors: dict[str, torch.Tensor],
     fs: FeatureSet,
-    dense: dict[str, torch.Tensor],
-    parts: dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]],
+    naming: BundleNaming,
+    found: _Tables,
     used: set[str],
 ) -> None:
     """Check one model-*.json entry against its tensors and fg.json; file it under its table."""
-    where = f"{root / (stem + '.json')}: entry {entry!r}"
+    st_path = json_path.with_suffix(".safetensors")
+    where = f"{json_path}: entry {entry!r}"
     required = ["name", "dense", "dimension", "dtype", "shape", "is_hashmap"]
     if not isinstance(info, dict) or any(k not in info for k in required):
         raise BundleError(f"{where}: needs keys {required}, got {info!r}")
@@ -196,40 +242,24 @@ def _read_entry(
             if k not in info:
                 raise BundleError(f"{where}: is_hashmap entry lacks {k!r}")
     name = info["hashmap_value"] if info["is_hashmap"] else info["name"]
-    m = (VALUES_RE if info["is_hashmap"] else WEIGHT_RE).match(name)
-    if m is None:
-        form = "<table>.values/part_R_W" if info["is_hashmap"] else "<table>.weight"
-        raise BundleError(f"{where}: tensor name {name!r} is not of the form {form}")
-    table = m["table"]
-    spec = fs.tables.get(table)
-    if spec is None:
-        raise BundleError(
-            f"{where}: tensors of unknown table {table!r}: fg.json has no such table (the "
-            "bundle mixes two exports); re-export the bundle"
-        )
-    where = f"{root / (stem + '.json')}: table {table!r} entry {entry!r}"
+    parsed = _entry_table(where, name, bool(info["is_hashmap"]), fs, naming, found)
+    table, spec = parsed.table, fs.tables[parsed.table]
+    where = f"{json_path}: table {table!r} entry {entry!r}"
     if info["is_hashmap"] != spec.is_dynamic:
         kind = "dynamic" if spec.is_dynamic else "dense"
         raise BundleError(f"{where}: is_hashmap={info['is_hashmap']} but fg.json says {kind}")
-    values = _tensor(tensors, name, root / f"{stem}.safetensors", where)
+    values = _tensor(tensors, name, st_path, where)
     used.add(name)
     rows = int(values.shape[0]) if values.dim() == 2 else -1
-    expect = [spec.num_rows if spec.num_rows is not None else rows, spec.dim]
-    problems = []
-    if values.dtype != torch.float32 or info["dtype"] != "float32":
-        problems.append(f"dtype {values.dtype} (metadata {info['dtype']!r}), expected float32")
-    if list(values.shape) != info["shape"] or list(values.shape) != expect:
-        problems.append(f"shape {list(values.shape)} (metadata {info['shape']}), expected {expect}")
-    if info["dimension"] != spec.dim:
-        problems.append(f"dimension {info['dimension']}, fg.json says {spec.dim}")
+    problems = _value_problems(values, info, spec)
     if problems:
         raise BundleError(f"{where}: metadata/shape mismatch: {'; '.join(problems)}; re-export")
     if not spec.is_dynamic:
-        if table in dense:
+        if table in found.dense:
             raise BundleError(f"{where}: a second weight for dense table {table!r}; re-export")
-        dense[table] = values
+        found.dense[table] = values
         return
-    keys = _tensor(tensors, info["hashmap_key"], root / f"{stem}.safetensors", where)
+    keys = _tensor(tensors, info["hashmap_key"], st_path, where)
     used.add(info["hashmap_key"])
     if keys.dtype != torch.int64 or info["hashmap_key_dtype"] != "int64":
         raise BundleError(
@@ -240,11 +270,56 @@ def _read_entry(
         raise BundleError(
             f"{where}: metadata/shape mismatch: keys {list(keys.shape)} for {rows} value rows"
         )
-    rank, world = int(m["rank"]), int(m["world"])
-    table_parts = parts.setdefault(table, {})
-    if rank in table_parts or rank >= world:
-        raise BundleError(f"{where}: part {rank} of {world} is repeated or out of range")
-    table_parts[rank] = (world, keys, values)
+    table_parts = found.parts.setdefault(table, {})
+    if parsed.rank in table_parts or parsed.rank >= parsed.world:
+        raise BundleError(
+            f"{where}: part {parsed.rank} of {parsed.world} is repeated or out of range"
+        )
+    table_parts[parsed.rank] = (parsed.world, keys, values)
+
+
+def _value_problems(values: torch.Tensor, info: dict[str, Any], spec: TableSpec) -> list[str]:
+    """How a values/weight tensor disagrees with its entry and fg.json (RTP: float32 only)."""
+    rows = int(values.shape[0]) if values.dim() == 2 else -1
+    expect = [spec.num_rows if spec.num_rows is not None else rows, spec.dim]
+    problems = []
+    if values.dtype != torch.float32 or info["dtype"] != "float32":
+        problems.append(f"dtype {values.dtype} (metadata {info['dtype']!r}), expected float32")
+    if list(values.shape) != info["shape"] or list(values.shape) != expect:
+        problems.append(f"shape {list(values.shape)} (metadata {info['shape']}), expected {expect}")
+    if info["dimension"] != spec.dim:
+        problems.append(f"dimension {info['dimension']}, fg.json says {spec.dim}")
+    if "memory" in info and info["memory"] != values.nbytes:
+        problems.append(f"memory {info['memory']}, the tensor has {values.nbytes} bytes")
+    return problems
+
+
+def _entry_table(
+    where: str, name: Any, hashmap: bool, fs: FeatureSet, naming: BundleNaming, found: _Tables
+) -> TensorName:
+    """The table a tensor name belongs to, by the bundle's naming; one collection per table."""
+    parsed = naming.parse(name, hashmap=hashmap) if isinstance(name, str) else None
+    if parsed is None:
+        form = naming.values_form if hashmap else naming.weight_form
+        raise BundleError(
+            f"{where}: tensor name {name!r} is not of the form {form} ({naming.id} naming, "
+            f"format_version {naming.format_version} in {MANIFEST}); re-export the bundle"
+        )
+    if parsed.table not in fs.tables:
+        raise BundleError(
+            f"{where}: tensor {name!r} is of table {parsed.table!r}, which fg.json does not "
+            f"have (tables: {', '.join(fs.tables)}): the bundle mixes two exports, or the "
+            "table has another name in the config; re-export the bundle with this config"
+        )
+    prefix = found.prefixes.setdefault(parsed.table, parsed.prefix)
+    if prefix != parsed.prefix:
+        raise BundleError(
+            f"{where}: table {parsed.table!r} is under two paths, {prefix!r} and "
+            f"{parsed.prefix!r}: serving has one table per embedding name (a TorchEasyRec "
+            "export keeps a sequence group's tables in a collection of their own); export "
+            "the table once"
+        )
+    return parsed
 
 
 def _tensor(tensors: dict[str, torch.Tensor], name: str, path: Path, where: str) -> torch.Tensor:
@@ -278,7 +353,7 @@ def _check_summary(
     manifest: dict[str, Any],
     dense: dict[str, torch.Tensor],
     hashes: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    parts: dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]],
+    parts: Parts,
 ) -> None:
     """manifest["tables"] must describe exactly the tensors read."""
     found = {

@@ -22,21 +22,18 @@ from safetensors.torch import save_file
 
 from shared.bundle.layout import (
     BUNDLE_FORMAT,
-    BUNDLE_FORMAT_VERSION,
     DEFAULT_MAX_SHARD_BYTES,
     DENSE_PROGRAM,
     DIGEST_RE,
     FG_JSON,
     MANIFEST,
-    SHARD_RE,
     VERSION_RE,
     BundleError,
     check_unique,
     sha256,
-    shard_stem,
-    table_of,
     write_json,
 )
+from shared.bundle.naming import TZREC_NAMING, BundleNaming, is_shard_file
 from shared.features import FeatureSet, TableSpec
 from shared.fg_spec import feature_set_to_dict
 
@@ -45,6 +42,7 @@ from shared.fg_spec import feature_set_to_dict
 class _Group:
     """Tensors that must share a shard (a dense weight, or one keys/values part) and their entry."""
 
+    table: str
     entry: str
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
@@ -66,20 +64,23 @@ def write_bundle(
     extra: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    naming: BundleNaming = TZREC_NAMING,
 ) -> Path:
     """Write a complete bundle to ``out_dir`` atomically and return its path.
 
     ``hash_tables[t]`` holds one ``(keys, values)`` pair per rank part (part R of W = len). Every
     table of ``feature_set`` must be given, dense ones in ``dense_tables``, dynamic ones in
     ``hash_tables``. ``version`` defaults to the UTC creation time (``20250101T120000Z``).
-    An existing bundle at ``out_dir`` is replaced only with ``overwrite=True``.
+    An existing bundle at ``out_dir`` is replaced only with ``overwrite=True``. ``naming``
+    names the files and tensors (:mod:`shared.bundle.naming`): TorchEasyRec's RTP export names
+    (format 2, the default) or ``DYNREC_NAMING`` (format 1, for servers that predate format 2).
     """
     out, program = Path(out_dir), Path(dense_program_path)
     created = time.gmtime()
     version = version if version is not None else time.strftime("%Y%m%dT%H%M%SZ", created)
     _check_arguments(version, config_digest, program, max_shard_bytes)
     extra_json = _jsonable(dict(extra or {}), "extra")
-    groups = _table_groups(feature_set, dense_tables, hash_tables)
+    groups = _table_groups(feature_set, dense_tables, hash_tables, naming)
     state = _destination_state(out)
     if state in ("bundle", "partial") and not overwrite:
         what = "a bundle" if state == "bundle" else "an incomplete bundle (no manifest.json)"
@@ -89,7 +90,7 @@ def write_bundle(
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        shards = _write_shards(tmp, _pack(groups, max_shard_bytes))
+        shards = _write_shards(tmp, _pack(groups, max_shard_bytes), naming)
         write_json(tmp / FG_JSON, feature_set_to_dict(feature_set))
         shutil.copyfile(program, tmp / DENSE_PROGRAM)
         _fsync_file(tmp / DENSE_PROGRAM)
@@ -98,7 +99,8 @@ def write_bundle(
         }
         manifest = {
             "format": BUNDLE_FORMAT,
-            "format_version": BUNDLE_FORMAT_VERSION,
+            "format_version": naming.format_version,
+            **naming.manifest_fields(),
             "version": version,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", created),
             "config_digest": config_digest,
@@ -141,6 +143,7 @@ def _table_groups(
     fs: FeatureSet,
     dense_tables: Mapping[str, torch.Tensor],
     hash_tables: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    naming: BundleNaming,
 ) -> list[_Group]:
     """Validate the inputs against ``fs`` and turn them into shard groups, in ``fs`` table order."""
     for name in [*dense_tables, *hash_tables]:
@@ -151,6 +154,7 @@ def _table_groups(
             )
     groups: list[_Group] = []
     for t in fs.tables.values():
+        naming.check_table(t.name)
         if t.is_dynamic:
             if t.name in dense_tables:
                 raise BundleError(
@@ -158,7 +162,7 @@ def _table_groups(
                 )
             if t.name not in hash_tables:
                 raise BundleError(f"dynamic table {t.name!r} is missing from hash_tables")
-            groups.extend(_hash_groups(t, hash_tables[t.name]))
+            groups.extend(_hash_groups(t, hash_tables[t.name], naming))
         else:
             if t.name in hash_tables:
                 raise BundleError(
@@ -167,22 +171,24 @@ def _table_groups(
                 )
             if t.name not in dense_tables:
                 raise BundleError(f"dense table {t.name!r} is missing from dense_tables")
-            groups.append(_dense_group(t, dense_tables[t.name]))
+            groups.append(_dense_group(t, dense_tables[t.name], naming))
     return groups
 
 
-def _dense_group(t: TableSpec, weight: torch.Tensor) -> _Group:
+def _dense_group(t: TableSpec, weight: torch.Tensor, naming: BundleNaming) -> _Group:
     w = _cpu(weight)
     if w.dtype != torch.float32 or tuple(w.shape) != (t.num_rows, t.dim):
         raise BundleError(
             f"table {t.name!r}: weight is {w.dtype} {list(w.shape)}, expected float32 "
             f"[{t.num_rows}, {t.dim}] (num_rows, embedding_dim of the config)"
         )
-    name = f"{t.name}.weight"
-    return _Group(name, {name: w}, _entry_meta(name, w, None))
+    name = naming.weight_name(t.name)
+    return _Group(t.name, name, {name: w}, _entry_meta(name, w, None))
 
 
-def _hash_groups(t: TableSpec, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[_Group]:
+def _hash_groups(
+    t: TableSpec, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], naming: BundleNaming
+) -> list[_Group]:
     if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], torch.Tensor):
         raise BundleError(
             f"table {t.name!r}: hash_tables values are a list of (keys, values) parts, one per "
@@ -208,18 +214,18 @@ def _hash_groups(t: TableSpec, parts: Sequence[tuple[torch.Tensor, torch.Tensor]
                 f"{where}: values are {values.dtype} {list(values.shape)}, expected float32 "
                 f"[{keys.numel()}, {t.dim}] (one row of embedding_dim per key)"
             )
-        kname = f"{t.name}.keys/part_{rank}_{world}"
-        vname = f"{t.name}.values/part_{rank}_{world}"
-        groups.append(
-            _Group(vname, {kname: keys, vname: values}, _entry_meta(vname, values, kname))
-        )
+        kname = naming.keys_name(t.name, rank, world)
+        vname = naming.values_name(t.name, rank, world)
+        meta = _entry_meta(vname, values, kname)
+        groups.append(_Group(t.name, vname, {kname: keys, vname: values}, meta))
         all_keys.append(keys)
     check_unique(t.name, torch.cat(all_keys), "hash_tables")
     return groups
 
 
 def _entry_meta(name: str, values: torch.Tensor, key_name: str | None) -> dict[str, Any]:
-    """One entry of model-*.json, field for field as tzrec's RTP exporter writes it."""
+    """One entry of model-*.json, field for field as tzrec's RTP exporter writes it (dense
+    weights: ``is_hashmap`` false and no ``hashmap_*`` keys)."""
     meta: dict[str, Any] = {
         "name": name,
         "dense": False,
@@ -241,9 +247,8 @@ def _table_summary(groups: list[_Group]) -> dict[str, dict[str, Any]]:
     """manifest["tables"]: per table kind, dim, total rows and part count (serving sizes by it)."""
     out: dict[str, dict[str, Any]] = {}
     for g in groups:
-        table = table_of(g.entry)
         s = out.setdefault(
-            table,
+            g.table,
             {
                 "is_hashmap": g.meta["is_hashmap"],
                 "dimension": g.meta["dimension"],
@@ -269,10 +274,10 @@ def _pack(groups: list[_Group], max_bytes: int) -> list[list[_Group]]:
     return shards
 
 
-def _write_shards(tmp: Path, shards: list[list[_Group]]) -> list[str]:
+def _write_shards(tmp: Path, shards: list[list[_Group]], naming: BundleNaming) -> list[str]:
     stems = []
     for i, groups in enumerate(shards):
-        stem = shard_stem(i, len(shards))
+        stem = naming.shard_stem(i, len(shards))
         tensors = {n: t for g in groups for n, t in g.tensors.items()}
         path = tmp / f"{stem}.safetensors"
         save_file(tensors, path, metadata={"format": "pt"})
@@ -293,7 +298,7 @@ def _destination_state(out: Path) -> str:
         return "empty"
     if MANIFEST in names:
         return "bundle"
-    foreign = [n for n in names if n not in (FG_JSON, DENSE_PROGRAM) and not SHARD_RE.match(n)]
+    foreign = [n for n in names if n not in (FG_JSON, DENSE_PROGRAM) and not is_shard_file(n)]
     if foreign:
         raise BundleError(
             f"{out} is not a bundle directory (it holds {foreign[0]!r}); refusing to replace it "

@@ -10,7 +10,9 @@
 - :class:`FrequencyCounter` (``admission.py``): bounded counters for frequency admission.
 - :class:`DynamicEmbeddingCollection` (``embedding.py``): the training module (table fusion,
   admission, scores, sparse Adagrad in backward, stats).
-- ``checkpoint.py``: :func:`save` / :func:`load` in dynamicemb's file layout.
+- ``checkpoint.py``: :func:`save` / :func:`load` in dynamicemb's file layout (TorchEasyRec's
+  directories); :func:`~shared.hashtable.checkpoint.open_checkpoint` picks the reader of a
+  checkpoint's layout (``checkpoint_dynamicemb.py``, ``checkpoint_v1.py``: our first one).
 """
 
 from shared.hashtable.admission import FrequencyCounter

@@ -1,25 +1,28 @@
-"""Dynamic-table checkpoints in dynamicemb's file layout (raw little-endian arrays, no header).
+"""Dynamic-table checkpoints: written in NVIDIA dynamicemb's layout, read in it and in our first one.
 
-For every table ``T`` of a :class:`DynamicEmbeddingCollection` saved by rank ``R`` of ``W``::
+Writing (:func:`save`): dynamicemb's files exactly (:mod:`shared.hashtable.checkpoint_dynamicemb`
+has the rules) in TorchEasyRec's directories, ``<ckpt>/dynamicemb/<collection>/``, where
+``<collection>`` is the torch module path of the torchrec collection that holds the table in a
+TorchEasyRec ``MultiTowerDIN`` (:func:`collection_paths`)::
 
-    <ckpt>/dynamicemb/<module>/T_keys.rank_R.world_size_W                 int64   [N]
-                               T_values.rank_R.world_size_W               float32 [N, dim]
-                               T_scores.rank_R.world_size_W               int64   [N]
-                               T_opt_values.rank_R.world_size_W           float32 [N, dim]  Adagrad sums
-                               T_counter_keys.rank_R.world_size_W         int64   [C]  (admission only)
-                               T_counter_frequencies.rank_R.world_size_W  int64   [C]  (admission only)
-                               T_opt_args.json                            lr, eps, dim, dtypes, ...
+    <ckpt>/dynamic_tables.json     ours (rank 0): format, and per table its collection, dim,
+                                   score strategy, max_capacity, admission threshold
+    <ckpt>/dynamicemb/model.model.embedding_group.emb_impls.__BASE__.ebc/
+        user_id_emb_emb_keys.rank_0.world_size_2   user_id_emb_emb_values...   ..._emb_scores...
+        user_id_emb_emb_opt_values...   user_id_emb_counter_keys...   ..._counter_frequencies...
+        user_id_emb_opt_args.json      (rank 0)
 
-``T`` is the full table name, which in our configs already ends in ``_emb``, so the files read
-``user_id_emb_keys.rank_0.world_size_1`` as in dynamicemb (where ``T`` would be the feature name
-plus ``_emb``); all suffixes hang off the same full name. Rows are sorted by key. A rank writes
-the keys it owns, ``key % W == R`` (round-robin, as dynamicemb shards rows), so a collection that
-holds every key can be saved as any sharding. Files are written into a temporary directory
-beside the target and then renamed (the whole directory when it does not exist yet, else file
-by file with ``os.replace``), so readers never see a half-written file.
+Nothing of ours goes into dynamicemb's files; ``dynamic_tables.json`` is optional for readers
+(TorchEasyRec's checkpoints have none). Every rank writes into a temporary directory beside the
+target and renames it into place (a collection directory as a whole when it does not exist yet,
+else file by file), so readers never see a half-written file.
 
-Loading under another world size reads every saved rank's files and keeps the keys this rank
-owns under the new world size.
+Reading (:func:`open_checkpoint`, the one place that looks at the format): a reader per layout,
+chosen once by what is on disk: dynrec's first layout (:mod:`shared.hashtable.checkpoint_v1`)
+when its ``_opt_args.json`` files say so, else dynamicemb's. :func:`load` then picks each table's
+files (:func:`select_tables`), re-shards (every saved rank is read; this rank keeps ``key %
+world_size == rank``) and refuses what would load nothing: a checkpoint with none of the
+expected tables, a table missing from it, or no rows at all.
 """
 
 from __future__ import annotations
@@ -27,36 +30,58 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
-
-from shared.features import TableSpec
+from shared.features import FeatureSet, GroupType, TableSpec
 from shared.hashtable.adagrad import AdagradConfig
+from shared.hashtable.checkpoint_dynamicemb import (
+    DynamicembReader,
+    collection_dirs,
+    opt_args,
+    step_score,
+    write_table_files,
+)
+from shared.hashtable.checkpoint_io import (
+    CheckpointError,
+    CheckpointReader,
+    ReadRequest,
+    ReadTable,
+    SavedTable,
+    TableInfo,
+)
+from shared.hashtable.checkpoint_v1 import V1Reader, v1_dirs
 from shared.hashtable.storage import TableState
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "dynrec-dynamicemb/1"
-_DTYPES = {
-    "keys": "<i8",
-    "values": "<f4",
-    "scores": "<i8",
-    "opt_values": "<f4",
-    "counter_keys": "<i8",
-    "counter_frequencies": "<i8",
-}
+FORMAT = "dynrec-ckpt/2"
+META_FILE = "dynamic_tables.json"
+DEEP_COLLECTION = "model.model.embedding_group.emb_impls.__BASE__.ebc"
+SEQUENCE_COLLECTION = "model.model.embedding_group.seq_emb_impls.__BASE__.ec_dict.{dim}"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointReader",
+    "LoadReport",
+    "SavedTable",
+    "TableInfo",
+    "collection_paths",
+    "load",
+    "open_checkpoint",
+    "read_table",
+    "save",
+    "select_tables",
+]
 
 
 class DynamicTables(Protocol):
-    """What :func:`save` and :func:`load` use of a ``DynamicEmbeddingCollection`` (which
-    imports this module for its ``save``/``load``)."""
+    """What :func:`save` and :func:`load` use of a ``DynamicEmbeddingCollection``."""
 
     @property
     def tables(self) -> Mapping[str, TableSpec]: ...
@@ -64,20 +89,47 @@ class DynamicTables(Protocol):
     @property
     def adagrad(self) -> AdagradConfig: ...
 
+    @property
+    def step(self) -> int: ...
+
+    def score_clock(self) -> int: ...
+
     def table_state(self, name: str) -> TableState: ...
 
     def load_table_state(self, name: str, state: TableState) -> None: ...
 
 
-def file_name(table: str, kind: str, rank: int, world_size: int) -> str:
-    """``file_name("user_id_emb", "keys", 0, 1) == "user_id_emb_keys.rank_0.world_size_1"``."""
-    if kind not in _DTYPES:
-        raise ValueError(f"unknown checkpoint file kind {kind!r}; one of {', '.join(_DTYPES)}")
-    return f"{table}_{kind}.rank_{rank}.world_size_{world_size}"
+def collection_paths(fs: FeatureSet) -> dict[str, str]:
+    """Table → the collection directory TorchEasyRec gives it: a table lives where the first
+    feature group using it (our fusion group) puts it in tzrec's ``EmbeddingGroup``: DEEP groups
+    in ``emb_impls.__BASE__.ebc`` (an EmbeddingBagCollection), SEQUENCE groups in
+    ``seq_emb_impls.__BASE__.ec_dict.<dim>`` (EmbeddingCollections by dim), under
+    ``model.model`` (``TrainWrapper.model``, as dynamicemb's ``find_sharded_modules`` names it).
+
+    The seed config's six dynamic tables are all in the DEEP group first, so all go to
+    ``model.model.embedding_group.emb_impls.__BASE__.ebc``. (tzrec keeps a second copy of the
+    sequence tables in the sequence collection; we have one table per embedding name.)
+    """
+    out: dict[str, str] = {}
+    for group, names in fs.fusion_groups.items():
+        kind = fs.groups[group].type
+        for name in names:
+            dim = fs.tables[name].dim
+            out[name] = (
+                DEEP_COLLECTION if kind is GroupType.DEEP else SEQUENCE_COLLECTION.format(dim=dim)
+            )
+    for t in fs.dynamic_tables:
+        out.setdefault(t.name, DEEP_COLLECTION)
+    return out
 
 
-def module_dir(ckpt_dir: str | Path, module_name: str) -> Path:
-    return Path(ckpt_dir) / "dynamicemb" / module_name
+def _collections(tables: Collection[str], collections: str | Mapping[str, str]) -> dict[str, str]:
+    if isinstance(collections, str):
+        return dict.fromkeys(tables, collections)
+    missing = [t for t in tables if t not in collections]
+    if missing:
+        raise ValueError(f"no collection directory given for tables {missing}")
+    return {t: collections[t] for t in tables}
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -85,102 +137,78 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
 
 
-def _write(path: Path, tensor: torch.Tensor, kind: str) -> None:
-    arr = np.ascontiguousarray(tensor.detach().cpu().numpy().astype(_DTYPES[kind], copy=False))
-    with open(path, "wb") as f:
-        f.write(arr.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+# --------------------------------------------------------------------------- writing
 
 
-def _read(path: Path, kind: str) -> torch.Tensor:
-    dtype = np.dtype(_DTYPES[kind])
-    size = path.stat().st_size
-    if size % dtype.itemsize:
-        raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} items; truncated?")
-    arr = np.fromfile(path, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
-    return torch.from_numpy(arr)
-
-
-def opt_args(spec: TableSpec, adagrad: AdagradConfig, world_size: int) -> dict[str, object]:
-    """The ``<table>_opt_args.json`` content of one dynamic table."""
+def table_meta(spec: TableSpec, collection: str) -> dict[str, Any]:
+    """Our facts about one table (``dynamic_tables.json``), which dynamicemb's files lack."""
     dyn = spec.dynamic
     if dyn is None:
-        raise ValueError(f"table {spec.name!r} is not dynamic; only hash tables have opt_args")
+        raise ValueError(f"table {spec.name!r} is not dynamic; only hash tables are saved here")
     return {
-        "format": FORMAT,
-        "table": spec.name,
-        "optimizer": "adagrad",
-        "lr": adagrad.lr,
-        "eps": adagrad.eps,
-        "initial_accumulator_value": adagrad.initial_accumulator_value,
+        "collection": collection,
         "dim": spec.dim,
-        "opt_values_per_row": spec.dim,
-        "key_dtype": "int64",
-        "value_dtype": "float32",
-        "score_dtype": "int64",
-        "byte_order": "little",
         "score_strategy": dyn.score_strategy.value,
         "max_capacity": dyn.max_capacity,
         "admission_threshold": None if dyn.admission is None else dyn.admission.threshold,
-        "world_size": world_size,
-        "owner": "key % world_size",
     }
 
 
-def write_table_files(
-    directory: Path,
-    state: TableState,
-    args: dict[str, object],
-    rank: int = 0,
-    world_size: int = 1,
-) -> None:
-    """Write the rows of ``state`` that ``rank`` owns (``key % world_size == rank``) as the files
-    of table ``args["table"]`` into ``directory`` (no temp dir: callers publish atomically).
-
-    :func:`save` uses it for a live collection; tools use it to write checkpoints built from
-    other sources (an init table, a converted num_buckets matrix) without a hash table.
-    """
-    _check_rank(rank, world_size)
-    name = str(args["table"])
-    own = (state.keys % world_size) == rank
-    parts = {
-        "keys": state.keys[own],
-        "values": state.values[own],
-        "scores": state.scores[own],
-        "opt_values": state.accumulators[own],
-    }
-    if state.counter_keys is not None and state.counter_counts is not None:
-        mine = (state.counter_keys % world_size) == rank
-        parts["counter_keys"] = state.counter_keys[mine]
-        parts["counter_frequencies"] = state.counter_counts[mine]
-    for kind, tensor in parts.items():
-        _write(directory / file_name(name, kind, rank, world_size), tensor, kind)
-    text = json.dumps({**args, "world_size": world_size}, indent=1, sort_keys=True)
-    (directory / f"{name}_opt_args.json").write_text(text + "\n")
+def write_meta(ckpt_dir: Path, tables: Mapping[str, dict[str, Any]]) -> None:
+    """``<ckpt>/dynamic_tables.json`` (temp file + rename)."""
+    text = json.dumps({"format": FORMAT, "layout": "dynamicemb", "tables": dict(tables)}, indent=1)
+    tmp = ckpt_dir / f".{META_FILE}.tmp"
+    tmp.write_text(text + "\n")
+    os.replace(tmp, ckpt_dir / META_FILE)
 
 
 def save(
     dec: DynamicTables,
     ckpt_dir: str | Path,
-    module_name: str,
+    collections: str | Mapping[str, str],
     rank: int = 0,
     world_size: int = 1,
 ) -> Path:
-    """Write the tables of ``dec`` owned by ``rank``; returns ``<ckpt>/dynamicemb/<module>``."""
+    """Write the rows of every table of ``dec`` that ``rank`` owns; returns ``<ckpt>/dynamicemb``.
+
+    ``collections``: table → collection directory (:func:`collection_paths`), or one name for
+    all tables. Rank 0 also writes each ``T_opt_args.json`` and ``dynamic_tables.json``.
+    """
     _check_rank(rank, world_size)
-    final = module_dir(ckpt_dir, module_name)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{module_name}.tmp-rank{rank}-", dir=final.parent))
+    ckpt_dir = Path(ckpt_dir)
+    where = _collections(dec.tables, collections)
+    base = ckpt_dir / "dynamicemb"
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-rank{rank}-", dir=base))
     try:
+        now = dec.score_clock()
         for name, spec in dec.tables.items():
-            args = opt_args(spec, dec.adagrad, world_size)
-            write_table_files(tmp, dec.table_state(name), args, rank, world_size)
-        _publish(tmp, final)
+            assert spec.dynamic is not None
+            strategy = spec.dynamic.score_strategy
+            directory = tmp / where[name]
+            directory.mkdir(exist_ok=True)
+            write_table_files(
+                directory,
+                name,
+                dec.table_state(name),
+                strategy=strategy,
+                now=now,
+                args=opt_args(dec.adagrad, strategy, step_score(strategy, dec.step))
+                if rank == 0
+                else None,
+                rank=rank,
+                world_size=world_size,
+                counter=spec.dynamic.admission is not None,
+            )
+        for directory in sorted(tmp.iterdir()):
+            _publish(directory, base / directory.name)
+        tmp.rmdir()
+        if rank == 0:
+            write_meta(ckpt_dir, {n: table_meta(s, where[n]) for n, s in dec.tables.items()})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
+    return base
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -196,139 +224,212 @@ def _publish(tmp: Path, final: Path) -> None:
     tmp.rmdir()
 
 
-_RANK_FILE = re.compile(r"\.rank_(\d+)\.world_size_(\d+)$")
+# --------------------------------------------------------------------------- reading
 
 
-def saved_world_size(directory: Path, table: str) -> int | None:
-    """The world size the table's files were written with (None: no files)."""
-    sizes: set[int] = set()
-    ranks: set[int] = set()
-    for f in directory.glob(f"{table}_keys.rank_*.world_size_*"):
-        m = _RANK_FILE.search(f.name)
-        if m and f.name == file_name(table, "keys", int(m[1]), int(m[2])):
-            ranks.add(int(m[1]))
-            sizes.add(int(m[2]))
-    if not sizes:
-        return None
-    if len(sizes) > 1:
-        raise ValueError(
-            f"{directory}: table {table!r} has files of several world sizes {sorted(sizes)}; "
-            "save each checkpoint into a fresh directory"
-        )
-    (w,) = sizes
-    missing = sorted(set(range(w)) - ranks)
-    if missing:
-        raise FileNotFoundError(
-            f"{directory}: table {table!r} was saved by {w} ranks but the files of ranks "
-            f"{missing} are missing (incomplete checkpoint)"
-        )
-    return w
+def open_checkpoint(ckpt_dir: str | Path) -> CheckpointReader:
+    """The reader of the checkpoint at ``ckpt_dir``, chosen by what is on disk (the format seam).
 
-
-def _read_table(directory: Path, table: str, dim: int, w: int) -> TableState:
-    cols: dict[str, list[torch.Tensor]] = {k: [] for k in _DTYPES}
-    for r in range(w):
-        for kind in _DTYPES:
-            path = directory / file_name(table, kind, r, w)
-            if path.exists():
-                cols[kind].append(_read(path, kind))
-            elif not kind.startswith("counter"):
-                raise FileNotFoundError(f"{path} is missing (incomplete checkpoint)")
-    state = {k: torch.cat(v) if v else None for k, v in cols.items()}
-    keys = state["keys"]
-    assert keys is not None
-    for kind in ("values", "opt_values"):
-        t = state[kind]
-        assert t is not None
-        if t.numel() != keys.numel() * dim:
-            raise ValueError(
-                f"{directory}: table {table!r}: {kind} hold {t.numel()} floats for {keys.numel()} "
-                f"keys of dim {dim}; the checkpoint was written for another dim"
-            )
-        state[kind] = t.view(-1, dim)
-    scores = state["scores"]
-    assert scores is not None and state["values"] is not None and state["opt_values"] is not None
-    if scores.numel() != keys.numel():
-        raise ValueError(
-            f"{directory}: table {table!r}: {scores.numel()} scores for {keys.numel()} keys"
-        )
-    return TableState(
-        keys,
-        state["values"],
-        scores,
-        state["opt_values"],
-        state["counter_keys"],
-        state["counter_frequencies"],
-    )
-
-
-def saved_tables(directory: Path) -> list[str]:
-    """Names of the tables saved in a module directory (those with a ``_opt_args.json``)."""
-    suffix = "_opt_args.json"
-    return sorted(p.name[: -len(suffix)] for p in Path(directory).glob(f"*{suffix}"))
-
-
-def read_table(directory: Path, table: str) -> tuple[TableState, dict[str, Any]]:
-    """Every saved rank of ``table`` in a module directory, joined: (state, opt_args).
-
-    The dim comes from ``<table>_opt_args.json``, so no config is needed (inspection tools).
+    A checkpoint without ``dynamicemb/`` gives a dynamicemb reader that finds no tables.
     """
-    directory = Path(directory)
-    args_path = directory / f"{table}_opt_args.json"
-    if not args_path.is_file():
-        raise FileNotFoundError(f"{args_path} is missing; is {directory} a dynamicemb module dir?")
-    args = json.loads(args_path.read_text())
-    w = saved_world_size(directory, table)
-    if w is None:
-        raise FileNotFoundError(f"{directory}: no key files for table {table!r}")
-    return _read_table(directory, table, int(args["dim"]), w), args
+    root = Path(ckpt_dir)
+    meta_path = root / META_FILE
+    meta: dict[str, Any] | None = None
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else meta
+            raise CheckpointError(
+                f"{meta_path}: format {got!r}; this dynrec reads {FORMAT!r} (and dynamicemb's "
+                "files without it): the checkpoint was written by a newer dynrec, upgrade"
+            )
+    old = v1_dirs(root)
+    if not old:
+        return DynamicembReader(root, meta)
+    others = [d.name for d in collection_dirs(root) if d not in old and any(d.iterdir())]
+    if others or meta is not None:
+        raise CheckpointError(
+            f"{root}: mixes dynrec's first checkpoint layout ({', '.join(d.name for d in old)}) "
+            f"with dynamicemb's ({', '.join(others) or META_FILE}); keep one per checkpoint dir"
+        )
+    return V1Reader(root)
+
+
+@dataclass
+class TableLoad:
+    """How one table was loaded."""
+
+    collection: str
+    world_size: int  # of the saved files
+    rows: int  # embedding rows in the files (every rank)
+    counter_rows: int  # admission-counter rows in the files
+    rows_loaded: int  # rows this rank kept (key % world_size == rank)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadReport:
+    checkpoint: Path
+    layout: str
+    tables: dict[str, TableLoad] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # "name (collection): why"
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows + t.counter_rows for t in self.tables.values())
+
+
+def _found(saved: list[SavedTable]) -> str:
+    return ", ".join(t.where for t in saved) or "none"
+
+
+def select_tables(
+    reader: CheckpointReader,
+    wanted: Collection[str],
+    collections: str | Mapping[str, str] | None = None,
+    *,
+    known: Collection[str] | None = None,
+) -> tuple[dict[str, SavedTable], list[str]]:
+    """Each wanted table's files, and what else the checkpoint holds (``ignored``).
+
+    A table in several collection dirs (a TorchEasyRec checkpoint keeps the sequence tables
+    twice) is read from ``collections[name]``. Raises :class:`CheckpointError` when the
+    checkpoint has no tables, lacks a wanted one, or (``known`` given) holds a table that is not
+    among ``known`` (another config's checkpoint).
+    """
+    saved = reader.tables()
+    where = {} if collections is None else _collections(wanted, collections)
+    by_name: dict[str, list[SavedTable]] = {}
+    for t in saved:
+        by_name.setdefault(t.name, []).append(t)
+    head = f"checkpoint {reader.root} ({reader.layout} layout)"
+    if not saved:
+        raise CheckpointError(
+            f"{head} holds no dynamic tables (no {reader.root}/dynamicemb/<collection>/"
+            f"<table>_emb_keys.rank_R.world_size_W files); expected {sorted(wanted)}. Pass a "
+            "checkpoint dir (step_N, model.ckpt-N or an init-ckpt output), not its parent"
+        )
+    missing = sorted(n for n in wanted if n not in by_name)
+    if missing:
+        raise CheckpointError(
+            f"{head} has no files for dynamic tables {missing}; expected {sorted(wanted)}, "
+            f"found {_found(saved)}. Use the checkpoint of this config, or (fine-tune) name the "
+            "tables to load with --fine-tune-tables; the others then start empty"
+        )
+    if known is not None:
+        unknown = sorted({t.name for t in saved} - set(known))
+        if unknown:
+            raise CheckpointError(
+                f"{head} holds tables {unknown} that this config has no dynamic table for "
+                f"(expected {sorted(wanted)}); wrong config? To load only some tables name them "
+                "with --fine-tune-tables"
+            )
+    chosen: dict[str, SavedTable] = {}
+    ignored: list[str] = []
+    for name in wanted:
+        options = by_name[name]
+        pick = [t for t in options if t.collection == where.get(name)] or options
+        if len(pick) > 1:
+            raise CheckpointError(
+                f"{head}: table {name!r} is in several collections ({_found(options)}) and "
+                f"none is the one this config maps it to ({where.get(name)!r})"
+            )
+        chosen[name] = pick[0]
+        ignored += [f"{t.where}: another copy of {name!r}" for t in options if t is not pick[0]]
+    ignored += [f"{t.where}: not asked for" for t in saved if t.name not in chosen]
+    return chosen, ignored
+
+
+def _own(state: TableState, rank: int, world_size: int) -> TableState:
+    own = (state.keys % world_size) == rank
+    out = TableState(state.keys[own], state.values[own], state.scores[own], state.accumulators[own])
+    if state.counter_keys is not None and state.counter_counts is not None:
+        mine = (state.counter_keys % world_size) == rank
+        out.counter_keys, out.counter_counts = state.counter_keys[mine], state.counter_counts[mine]
+    return out
 
 
 def load(
     dec: DynamicTables,
     ckpt_dir: str | Path,
-    module_name: str,
+    collections: str | Mapping[str, str] | None = None,
     rank: int = 0,
     world_size: int = 1,
     *,
-    strict: bool = True,
-) -> None:
-    """Replace the content of every table of ``dec`` by its saved keys owned by ``rank``.
+    tables: Collection[str] | None = None,
+) -> LoadReport:
+    """Replace the content of the tables of ``dec`` by their saved rows owned by ``rank``.
 
-    Reads all ranks of the saved world size and keeps ``key % world_size == rank``. With
-    ``strict`` every table of ``dec`` must be in the checkpoint; otherwise missing ones are
-    left as they are (with a warning).
+    ``tables``: the ones to load (default: every table of ``dec``, and then the checkpoint may
+    hold no other); the rest of ``dec`` is left as it is. ``collections``: where this config
+    puts each table (:func:`collection_paths`; picks among copies). Raises
+    :class:`CheckpointError` (see :func:`select_tables`) and when the tables hold no rows.
     """
     _check_rank(rank, world_size)
-    directory = module_dir(ckpt_dir, module_name)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"no dynamic embedding checkpoint at {directory}")
-    for name, spec in dec.tables.items():
-        w = saved_world_size(directory, name)
-        if w is None:
-            if strict:
-                raise FileNotFoundError(
-                    f"{directory}: no files for table {name!r} (expected "
-                    f"{file_name(name, 'keys', 0, 1)} or similar); pass strict=False to keep "
-                    "it as it is"
-                )
-            logger.warning("checkpoint %s has no table %r; left unchanged", directory, name)
-            continue
-        args_path = directory / f"{name}_opt_args.json"
-        if args_path.exists():
-            args = json.loads(args_path.read_text())
-            if args.get("dim") != spec.dim:
-                raise ValueError(
-                    f"{args_path}: dim {args.get('dim')} but table {name!r} has dim {spec.dim}"
-                )
-        state = _read_table(directory, name, spec.dim, w)
-        own = (state.keys % world_size) == rank
-        state.keys, state.values = state.keys[own], state.values[own]
-        state.scores, state.accumulators = state.scores[own], state.accumulators[own]
-        if state.counter_keys is not None and state.counter_counts is not None:
-            mine = (state.counter_keys % world_size) == rank
-            state.counter_keys, state.counter_counts = (
-                state.counter_keys[mine],
-                state.counter_counts[mine],
-            )
+    wanted = list(dec.tables) if tables is None else list(tables)
+    unknown = [n for n in wanted if n not in dec.tables]
+    if unknown:
+        raise CheckpointError(
+            f"tables {unknown} are not dynamic tables of this model ({', '.join(dec.tables)})"
+        )
+    reader = open_checkpoint(ckpt_dir)
+    chosen, ignored = select_tables(
+        reader, wanted, collections, known=dec.tables if tables is None else None
+    )
+    report = LoadReport(Path(ckpt_dir), reader.layout, ignored=ignored)
+    read: dict[str, ReadTable] = {}
+    now = dec.score_clock()
+    for name, saved in chosen.items():
+        spec = dec.tables[name]
+        assert spec.dynamic is not None and saved.world_size is not None
+        want = ReadRequest(
+            spec.dim, spec.dynamic.score_strategy, dec.adagrad.initial_accumulator_value, now
+        )
+        read[name] = got = reader.read(saved, want)
+        report.tables[name] = TableLoad(
+            saved.collection, saved.world_size, got.rows, got.counter_rows, 0, got.notes
+        )
+    if report.rows == 0:
+        raise CheckpointError(
+            f"checkpoint {reader.root} ({reader.layout} layout): the files of "
+            f"{', '.join(t.where for t in chosen.values())} hold no rows (0 keys, 0 admission "
+            "counters); nothing would be loaded. Is it the right checkpoint (an empty or "
+            "truncated dump)?"
+        )
+    for name, got in read.items():
+        state = _own(got.state, rank, world_size)
         dec.load_table_state(name, state)
+        report.tables[name].rows_loaded = int(state.keys.numel())
+        for note in got.notes:
+            logger.warning("checkpoint %s table %r: %s", reader.root, name, note)
+    for item in ignored:
+        logger.warning("checkpoint %s: %s (not loaded)", reader.root, item)
+    return report
+
+
+def read_table(
+    ckpt_dir: str | Path, table: str, *, spec: TableSpec | None = None, now: int | None = None
+) -> tuple[TableState, TableInfo]:
+    """Every saved rank of ``table`` joined, without a model (tools, tests): (state, info).
+
+    Without ``spec`` the dim and score strategy come from the files; ``now`` (µs, default the
+    wall clock) is what TIMESTAMP ages are restored against.
+    """
+    reader = open_checkpoint(ckpt_dir)
+    found = [t for t in reader.tables() if t.name == table]
+    if not found:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} ({reader.layout} layout) has no table {table!r}; found "
+            f"{_found(reader.tables())}"
+        )
+    saved = found[0]
+    info = reader.describe(saved)
+    dyn = spec.dynamic if spec is not None else None
+    want = ReadRequest(
+        spec.dim if spec is not None else info.dim,
+        dyn.score_strategy if dyn is not None else None,
+        0.0,
+        time.time_ns() // 1000 if now is None else now,
+    )
+    got = reader.read(saved, want)
+    return got.state, info

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,15 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         """The integer clock used as TIMESTAMP score (tests inject a fake one)."""
         self._clock = clock
 
+    @property
+    def step(self) -> int:
+        """The STEP score of this step (:meth:`set_step`)."""
+        return self._step
+
+    def score_clock(self) -> int:
+        """The TIMESTAMP clock now (µs); checkpoints store ages against it."""
+        return self._clock()
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, keys: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -249,21 +258,25 @@ class DynamicEmbeddingCollection(torch.nn.Module):
     # ------------------------------------------------------------------ checkpoints
 
     def save(
-        self, ckpt_dir: str | Path, module_name: str, rank: int = 0, world_size: int = 1
+        self,
+        ckpt_dir: str | Path,
+        collections: str | Mapping[str, str],
+        rank: int = 0,
+        world_size: int = 1,
     ) -> Path:
         """See :func:`shared.hashtable.checkpoint.save`."""
-        return checkpoint.save(self, ckpt_dir, module_name, rank=rank, world_size=world_size)
+        return checkpoint.save(self, ckpt_dir, collections, rank=rank, world_size=world_size)
 
     def load(
         self,
         ckpt_dir: str | Path,
-        module_name: str,
+        collections: str | Mapping[str, str] | None = None,
         rank: int = 0,
         world_size: int = 1,
         *,
-        strict: bool = True,
-    ) -> None:
+        tables: Collection[str] | None = None,
+    ) -> checkpoint.LoadReport:
         """See :func:`shared.hashtable.checkpoint.load`."""
-        checkpoint.load(
-            self, ckpt_dir, module_name, rank=rank, world_size=world_size, strict=strict
+        return checkpoint.load(
+            self, ckpt_dir, collections, rank=rank, world_size=world_size, tables=tables
         )

@@ -6,7 +6,7 @@ serving in the bundle manifest (``extra["table_summaries"]``) or a delta manifes
 ``python -m train.tools inspect`` shows the same columns for a checkpoint and for a running
 server. Example::
 
-    state, args = read_table(module_dir(ckpt, "sparse.dynamic"), "user_id_emb")
+    state, info = read_table(ckpt, "user_id_emb")
     table_summary(state, strategy="LFU", threshold=3, top_k=5)
     # {"size": 1834, "score_strategy": "LFU",
     #  "score_histogram": [{"lower": 3, "upper": 4, "count": 612}, ...],
@@ -20,13 +20,15 @@ Histogram bins: LFU scores (use counts) in powers of two ``[1, 2), [2, 4), [4, 8
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from shared.hashtable.checkpoint import module_dir, read_table, saved_tables
+from shared.hashtable.checkpoint import DEEP_COLLECTION, open_checkpoint
+from shared.hashtable.checkpoint_io import ReadRequest
 from shared.hashtable.storage import TableState
 
 DEFAULT_TOP_K = 20  # top keys stored in bundle / delta manifests
@@ -79,11 +81,11 @@ def table_summary(
         "score_histogram": score_histogram(scores, strategy, bins),
         "top_keys": top_keys(keys, scores, top_k),
     }
-    if threshold is not None:
+    if threshold is not None or state.counter_counts is not None:
         counts = _np(state.counter_counts) if state.counter_counts is not None else np.zeros(0)
         values, n = np.unique(counts, return_counts=True)
         out["admission"] = {
-            "threshold": int(threshold),
+            "threshold": 0 if threshold is None else int(threshold),  # 0: the files do not say
             "pending": int(counts.size),  # keys counted, not yet admitted
             "pending_by_count": {str(int(v)): int(c) for v, c in zip(values, n, strict=True)},
         }
@@ -91,25 +93,33 @@ def table_summary(
 
 
 def checkpoint_summaries(
-    ckpt_dir: str | Path, module_name: str, *, top_k: int = DEFAULT_TOP_K
+    ckpt_dir: str | Path, *, top_k: int = DEFAULT_TOP_K
 ) -> dict[str, dict[str, Any]]:
-    """Per table of ``<ckpt>/dynamicemb/<module>``: :func:`table_summary` plus ``world_size``
-    and ``max_capacity`` (per rank, from ``<table>_opt_args.json``). Reads every rank's files."""
-    directory = module_dir(ckpt_dir, module_name)
+    """Per dynamic table of the checkpoint (any layout, no config needed): :func:`table_summary`
+    plus ``dim``, ``world_size`` (of the files), ``max_capacity`` (per rank; None when the files
+    do not say, as in TorchEasyRec's), ``collection`` and ``layout``. Reads every rank's files.
+
+    Keyed by table name; a second copy of a name in another collection (TorchEasyRec keeps the
+    sequence tables twice) is keyed ``<collection>.<name>``.
+    """
+    reader = open_checkpoint(ckpt_dir)
+    saved = sorted(reader.tables(), key=lambda t: (t.collection != DEEP_COLLECTION, t.collection))
     out: dict[str, dict[str, Any]] = {}
-    for name in saved_tables(directory):
-        state, args = read_table(directory, name)
-        threshold = args.get("admission_threshold")
+    now = time.time_ns() // 1000
+    for table in saved:
+        info = reader.describe(table)
+        got = reader.read(table, ReadRequest(info.dim, info.strategy, 0.0, now))
+        strategy = info.strategy.value if info.strategy is not None else "unknown"
         summary = table_summary(
-            state,
-            strategy=str(args.get("score_strategy", "STEP")),
-            threshold=None if threshold is None else int(threshold),
-            top_k=top_k,
+            got.state, strategy=strategy, threshold=info.admission_threshold, top_k=top_k
         )
-        summary["dim"] = int(args["dim"])
-        summary["world_size"] = int(args.get("world_size", 1))
-        summary["max_capacity"] = int(args.get("max_capacity", 0))
-        out[name] = summary
+        summary["dim"] = int(info.dim or 0)
+        summary["world_size"] = int(table.world_size or 0)
+        summary["max_capacity"] = info.max_capacity
+        summary["collection"] = table.collection
+        summary["layout"] = reader.layout
+        key = table.name if table.name not in out else f"{table.collection}.{table.name}"
+        out[key] = summary
     return out
 
 

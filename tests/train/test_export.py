@@ -1,4 +1,5 @@
-"""Checkpoint → bundle → offline scorer: the bundle alone reproduces the trained model."""
+"""Checkpoint → bundle → offline scorer: the bundle alone reproduces the trained model, in
+TorchEasyRec's names (the default) and in ours of format 1 alike."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from safetensors import safe_open
 
 from serve.model import LoadedModel
 from serve.offline import score_table
-from shared.bundle import read_bundle
+from shared.bundle import DYNREC_NAMING, TZREC_COLLECTION, TZREC_NAMING, read_bundle
 from shared.fg import table_to_batch
 from tests.conftest import SEED_CONFIG
 from train.export import export_bundle, restore_model
@@ -74,10 +75,11 @@ def test_bundle_tables_through_plain_safetensors(trained: tuple[Path, Path]) -> 
     _model_dir, bundle = trained
     b = read_bundle(bundle)
     hashmaps = {k: m for k, m in b.metadata.items() if m["is_hashmap"]}
-    assert {m["hashmap_key"].split(".")[0] for m in hashmaps.values()} == {
+    assert {m["hashmap_key"].split(".")[-2] for m in hashmaps.values()} == {
         t.name for t in b.feature_set.dynamic_tables
     }
-    with safe_open(str(bundle / "model-00000-of-00001.safetensors"), framework="pt") as f:
+    assert all(m["hashmap_key"].startswith(f"{TZREC_COLLECTION}.") for m in hashmaps.values())
+    with safe_open(str(bundle / "model-000000-of-000001.safetensors"), framework="pt") as f:
         names = set(f.keys())
         for meta in hashmaps.values():
             assert meta["hashmap_key"] in names and meta["hashmap_value"] in names
@@ -97,3 +99,30 @@ def test_export_contains_only_admitted_keys(trained: tuple[Path, Path]) -> None:
         assert torch.equal(torch.sort(b.hash_tables[t.name][0]).values, torch.sort(keys).values)
         stats = model.sparse.dynamic.stats()[t.name]
         assert len(keys) == stats["size"]
+
+
+def test_tzrec_named_bundle_serves_and_scores_like_ours(
+    trained: tuple[Path, Path], tiny_samples: Path, tmp_path: Path
+) -> None:
+    """The same checkpoint exported in both namings: the serving loader gives the same tables and
+    the same scores, row for row (unseen ids and empty click sequences included)."""
+    model_dir, tzrec = trained
+    ours = export_bundle(
+        SEED_CONFIG, out_dir=tmp_path / "dynrec", model_dir=model_dir, naming=DYNREC_NAMING
+    )
+    assert (ours / "model-00000-of-00001.json").is_file()
+    assert (tzrec / "model-000000-of-000001.json").is_file()
+    a = LoadedModel.load(tzrec, device="cpu", warmup_rounds=0)
+    b = LoadedModel.load(ours, device="cpu", warmup_rounds=0)
+    assert (a.bundle.naming, b.bundle.naming) == (TZREC_NAMING, DYNREC_NAMING)
+    assert a.bundle.manifest["tables"] == b.bundle.manifest["tables"]
+    for name, (keys, values) in a.bundle.hash_tables.items():
+        assert torch.equal(keys, b.bundle.hash_tables[name][0])
+        assert torch.equal(values, b.bundle.hash_tables[name][1])
+    for name, w in a.bundle.dense_tables.items():
+        assert torch.equal(w, b.bundle.dense_tables[name])
+    rows = _eval_rows(tiny_samples)
+    for tiled in (False, True):
+        np.testing.assert_array_equal(
+            score_table(a, rows, tiled=tiled), score_table(b, rows, tiled=tiled)
+        )

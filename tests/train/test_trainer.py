@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,45 @@ def test_evaluation_reports_oracle_and_head_tail(tiny_samples: Path, tmp_path: P
     assert ev.auc_vs_oracle == pytest.approx(ev.auc / ev.oracle_auc)
     assert ev.tail_rows > 0 and ev.head_auc is not None and ev.tail_auc is not None
     assert 0 < ev.tail_rows < ev.rows
+
+
+TZREC_MODEL_DIR = Path(__file__).parents[1] / "fixtures" / "dynamicemb_ckpt"
+
+
+def test_resume_refuses_a_torcheasyrec_model_dir(tiny_samples: Path, tmp_path: Path) -> None:
+    """--resume on tzrec's model dir (model.ckpt-N, no checkpoints/step_N) never starts over."""
+    model_dir = tmp_path / "tzrec"
+    shutil.copytree(TZREC_MODEL_DIR / "model.ckpt-500", model_dir / "model.ckpt-500")
+    trainer = Trainer(_options(tiny_samples, model_dir, max_steps=1, resume=True))
+    with pytest.raises(
+        ValueError, match=r"no dynrec checkpoint .* TorchEasyRec checkpoints \(model.ckpt-500\)"
+    ) as err:
+        trainer.fit()
+    assert f"--fine-tune-checkpoint {model_dir / 'model.ckpt-500'}" in str(err.value)
+    assert not (model_dir / "checkpoints").exists()
+
+
+def test_fine_tune_from_torcheasyrec_then_resume(tiny_samples: Path, tmp_path: Path) -> None:
+    """tzrec's tables start a run; its checkpoint is in dynamicemb's layout and resumes."""
+    names = ("user_id_emb", "adgroup_id_emb")
+    first = Trainer(
+        _options(
+            tiny_samples,
+            tmp_path / "m",
+            max_steps=2,
+            fine_tune_checkpoint=TZREC_MODEL_DIR,
+            fine_tune_tables=names,
+        )
+    )
+    dyn = first.model.sparse.dynamic
+    first.fit()
+    ckpt = latest_checkpoint(tmp_path / "m")
+    coll = ckpt / "dynamicemb" / "model.model.embedding_group.emb_impls.__BASE__.ebc"
+    assert (coll / "user_id_emb_emb_keys.rank_0.world_size_1").is_file()
+    assert (coll / "user_id_emb_opt_args.json").is_file() and (
+        ckpt / "dynamic_tables.json"
+    ).is_file()
+    stored, _ = dyn.export_table("user_id_emb")
+    assert 4297926228 in stored.tolist()  # a fixture key (above 2**32) survived training
+    second = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=3, resume=True))
+    assert second.fit().progress.step == 3

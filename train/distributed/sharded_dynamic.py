@@ -29,7 +29,7 @@ one host sync for the split sizes (all-to-all needs them on the host).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from shared.features import TableSpec
+from shared.hashtable.checkpoint import LoadReport
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.hashing import check_keys, segment_sum_sorted, unique_pairs
 from shared.hashtable.storage import TableState
@@ -271,25 +272,25 @@ class ShardedDynamicEmbedding(nn.Module):
     def save(
         self,
         ckpt_dir: str | Path,
-        module_name: str,
+        collections: str | Mapping[str, str],
         rank: int | None = None,
         world_size: int | None = None,
     ) -> Path:
         """Write this rank's ``*.rank_R.world_size_W`` files (the keys it owns)."""
         self._check_rank(rank, world_size, "save")
-        return self.local.save(ckpt_dir, module_name, rank=self.rank, world_size=self.world_size)
+        return self.local.save(ckpt_dir, collections, rank=self.rank, world_size=self.world_size)
 
     def load(
         self,
         ckpt_dir: str | Path,
-        module_name: str,
+        collections: str | Mapping[str, str] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         *,
-        strict: bool = True,
-    ) -> None:
+        tables: Collection[str] | None = None,
+    ) -> LoadReport:
         """Load the keys this rank owns from a checkpoint of any world size (re-sharding)."""
         self._check_rank(rank, world_size, "load")
-        self.local.load(
-            ckpt_dir, module_name, rank=self.rank, world_size=self.world_size, strict=strict
+        return self.local.load(
+            ckpt_dir, collections, rank=self.rank, world_size=self.world_size, tables=tables
         )

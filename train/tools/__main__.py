@@ -9,6 +9,7 @@ Examples::
         --checkpoint runs/nb/checkpoints/step_500 --to-config cfg --samples data/samples/train \\
         --eval data/samples/eval --out runs/converted
     python -m train.tools inspect --checkpoint runs/dyn
+    python -m train.tools inspect --bundle runs/dyn/bundle
     python -m train.tools inspect --server unix:/run/dynrec/admin.sock --token-file token
     python -m train.tools delta-export --config cfg --base exports/v1 --model-dir runs/dyn \\
         --out /srv/deltas/step-2000
@@ -62,9 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, required=True, help="model dir of the converted model")
     c.add_argument("--no-eval", action="store_true", help="skip the AUC comparison")
 
-    s = sub.add_parser("inspect", help="table statistics of a checkpoint or a running server")
+    s = sub.add_parser("inspect", help="table statistics of a checkpoint, a bundle or a server")
     where = s.add_mutually_exclusive_group(required=True)
     where.add_argument("--checkpoint", type=Path, help="step dir, model dir or init-ckpt dir")
+    where.add_argument("--bundle", type=Path, help="an export bundle directory (either naming)")
     where.add_argument("--server", metavar="ADMIN_ADDRESS", help=SERVER_HELP)
     s.add_argument("--top-k", type=int, default=10)
     s.add_argument("--json", action="store_true")
@@ -112,11 +114,18 @@ def _admin_target(args: argparse.Namespace) -> AdminTarget:
 
 def _init_ckpt(args: argparse.Namespace) -> dict[str, Any]:
     from shared.config import load_config
-    from shared.features import build_feature_set
+    from shared.features import IdMode, build_feature_set
     from train.tools.init_table import read_init_table, resolve_tables, write_init_checkpoint
 
     config = load_config(args.config)
     fs = build_feature_set(config)
+    if fs.id_mode is not IdMode.DYNREC:
+        # init tables hold raw ids; their keys are computed as dynrec's id mode does
+        raise ValueError(
+            f"{args.config}: init-ckpt supports data_config.dynrec_id_mode DYNREC only (the "
+            f"config asks {fs.id_mode.name}); build the initial table with TorchEasyRec's "
+            "create_dynamicemb_init_ckpt and pass it to --fine-tune-checkpoint"
+        )
     paths = resolve_tables(fs, args.table)
     tables = {
         name: read_init_table(
@@ -240,13 +249,22 @@ def _text(cmd: str, out: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> str:
     """The command's output: text, or JSON with ``--json``."""
     if args.cmd == "inspect":
-        from train.tools.inspection import format_report, inspect_checkpoint, inspect_server
+        from train.tools.inspection import (
+            format_report,
+            inspect_bundle,
+            inspect_checkpoint,
+            inspect_server,
+        )
 
-        if args.checkpoint is not None:
+        if args.server is None:
             access = (args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
             if any(v is not None for v in access):
-                raise ValueError("--token-file and --tls-* are for --server, not --checkpoint")
+                what = "--checkpoint" if args.checkpoint is not None else "--bundle"
+                raise ValueError(f"--token-file and --tls-* are for --server, not {what}")
+        if args.checkpoint is not None:
             report = inspect_checkpoint(args.checkpoint, top_k=args.top_k)
+        elif args.bundle is not None:
+            report = inspect_bundle(args.bundle)
         else:
             report = inspect_server(_admin_target(args), top_k=args.top_k)
         return (

@@ -10,7 +10,8 @@ bucket with ``hash_bucket_size``), together with that row's Adagrad sum. Scores 
 target's strategy: LFU the id's count in the data set, STEP / NO_EVICTION the source step,
 TIMESTAMP the conversion time. Tables that are fixed matrices in both configs, the dense layers
 (``DenseArch``; shapes are verified) and their optimizer states are copied; the result is a normal
-checkpoint (``<out>/checkpoints/step_<N>``) that ``train``, ``evaluate`` and ``export`` use as is.
+checkpoint (``<out>/checkpoints/step_<N>``, dynamic tables in dynamicemb's layout) that ``train``,
+``evaluate`` and ``export`` use as is.
 
 Ids of the eval data missing from ``--samples`` are not converted: the source model looks them up
 in a collision row, the converted one gives them the eval initializer (zeros), which is where
@@ -31,9 +32,9 @@ import torch
 from shared.config import load_config
 from shared.features import FeatureSet, FeatureSpec, ScoreStrategy, build_feature_set
 from shared.fg import scalar_ids, sequence_ids
-from shared.hashtable.checkpoint import module_dir, read_table
+from shared.hashtable.checkpoint import read_table
 from shared.hashtable.storage import TableState
-from train.checkpoint import DYNAMIC_MODULE, Progress, save_checkpoint
+from train.checkpoint import Progress, save_checkpoint
 from train.export import evaluate_checkpoint
 from train.model.multi_tower_din import MultiTowerDIN
 from train.trainer import build_optimizers
@@ -196,7 +197,7 @@ def convert_checkpoint(
                 f"{source_config} (tables: {', '.join(src_fs.tables)})"
             )
         if src_spec.is_dynamic:  # dynamic in both: take the source checkpoint's rows as they are
-            state, _ = read_table(module_dir(source_checkpoint, DYNAMIC_MODULE), spec.name)
+            state, _ = read_table(source_checkpoint, spec.name, spec=src_spec)
             model.sparse.dynamic.load_table_state(spec.name, state)
             tables[spec.name] = {"keys": int(state.keys.numel()), "from": "dynamic"}
             continue

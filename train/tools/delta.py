@@ -26,7 +26,6 @@ from shared.config import config_digest, load_config
 from shared.delta import DeltaError, diff_tables, write_delta
 from shared.delta_reader import read_delta
 from shared.hashtable.summary import checkpoint_summaries
-from train.checkpoint import DYNAMIC_MODULE
 from train.export import restore_model
 from train.model.dense_arch import example_inputs, export_dense_arch
 from train.model.multi_tower_din import MultiTowerDIN
@@ -69,7 +68,7 @@ def export_delta(
     dense = {n: e.weight.detach().cpu() for n, e in model.sparse.dense.embeddings.items()}
     hashed = {t.name: model.sparse.dynamic.export_table(t.name) for t in model.fs.dynamic_tables}
     tables = diff_tables(base_bundle.dense_tables, base_bundle.hash_tables, dense, hashed)
-    summaries = checkpoint_summaries(ckpt, DYNAMIC_MODULE)
+    summaries = checkpoint_summaries(ckpt)
     target = f"step-{progress.step}"
     with tempfile.TemporaryDirectory() as tmp:
         program: Path | None = None

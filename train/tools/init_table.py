@@ -13,13 +13,14 @@ number of values; any problem raises :class:`InitTableError` listing the bad row
 numbers (CSV: lines of the file; Parquet: rows, 1-based), the first ``max_errors`` of them and the
 count of the rest, and nothing is written.
 
-The checkpoint (:func:`write_init_checkpoint`) holds only the dynamic tables, in the layout
-``train/checkpoint.py`` writes (``<out>/dynamicemb/sparse.dynamic/<table>_keys.rank_R.world_size_W``
-...), one set of files per rank with the keys ``key % world_size == rank``, plus
-``init_ckpt.json`` (what was written from where) and ``DONE``. Rows get score 0 (never used in
-this training: under an evicting strategy they leave before keys training has used) and the
-sparse optimizer's ``initial_accumulator_value``. Training starts from it with
-``python -m train train ... --fine_tune_checkpoint <out>``.
+The checkpoint (:func:`write_init_checkpoint`) holds only the dynamic tables, in dynamicemb's
+layout as ``train/checkpoint.py`` writes it (``<out>/dynamicemb/<collection>/<table>_emb_keys.
+rank_R.world_size_W`` ..., :mod:`shared.hashtable.checkpoint`), one set of files per rank with
+the keys ``key % world_size == rank``, plus ``dynamic_tables.json``, ``init_ckpt.json`` (what was
+written from where) and ``DONE``; TorchEasyRec's ``DynamicEmbLoad`` reads its ``dynamicemb/`` as
+well. Rows get score 0 (never used in this training: under an evicting strategy they leave
+before keys training has used) and the sparse optimizer's ``initial_accumulator_value``.
+Training starts from it with ``python -m train train ... --fine_tune_checkpoint <out>``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +45,9 @@ from protos import pipeline_pb2
 from shared.features import FeatureSet, TableSpec
 from shared.fg_text import INT64_MAX, hash_strings
 from shared.hashtable.adagrad import AdagradConfig
-from shared.hashtable.checkpoint import module_dir, opt_args, write_table_files
+from shared.hashtable.checkpoint import collection_paths, table_meta, write_meta
+from shared.hashtable.checkpoint_dynamicemb import opt_args, step_score, write_table_files
 from shared.hashtable.storage import TableState
-from train.checkpoint import DYNAMIC_MODULE
 from train.model.multi_tower_din import sparse_adagrad
 
 MANIFEST = "init_ckpt.json"
@@ -410,21 +412,12 @@ def write_init_checkpoint(
     manifest["tables"] = summary
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    collections = collection_paths(fs)
     try:
-        directory = module_dir(tmp, DYNAMIC_MODULE)
-        directory.mkdir(parents=True)
         for name, init in tables.items():
-            spec = fs.tables[name]
-            n = init.keys.numel()
-            state = TableState(
-                init.keys,
-                init.values,
-                torch.zeros(n, dtype=torch.int64),
-                torch.full((n, spec.dim), adagrad.initial_accumulator_value),
-            )
-            args = opt_args(spec, adagrad, world_size)
-            for rank in range(world_size):
-                write_table_files(directory, state, args, rank, world_size)
+            _write_table(tmp / "dynamicemb" / collections[name], fs.tables[name], init, adagrad,
+                         world_size)  # fmt: skip
+        write_meta(tmp, {n: table_meta(fs.tables[n], collections[n]) for n in tables})
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         (tmp / "DONE").write_text("ok\n")
         if out.exists():
@@ -434,6 +427,35 @@ def write_init_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _write_table(
+    directory: Path, spec: TableSpec, init: InitTable, adagrad: AdagradConfig, world_size: int
+) -> None:
+    """Every rank's files of one table (score 0, initial Adagrad sums, empty counters)."""
+    assert spec.dynamic is not None
+    directory.mkdir(parents=True, exist_ok=True)
+    n = init.keys.numel()
+    state = TableState(
+        init.keys,
+        init.values,
+        torch.zeros(n, dtype=torch.int64),
+        torch.full((n, spec.dim), adagrad.initial_accumulator_value),
+    )
+    strategy = spec.dynamic.score_strategy
+    for rank in range(world_size):
+        write_table_files(
+            directory,
+            spec.name,
+            state,
+            strategy=strategy,
+            # TIMESTAMP: score 0 is the age `now`, restored as the time since: the oldest rows
+            now=time.time_ns() // 1000,
+            args=opt_args(adagrad, strategy, step_score(strategy, 0)) if rank == 0 else None,
+            rank=rank,
+            world_size=world_size,
+            counter=spec.dynamic.admission is not None,
+        )
 
 
 def _check_capacity(spec: TableSpec, per_rank: np.ndarray) -> None:

@@ -25,6 +25,7 @@ import torch
 from shared.bundle import read_bundle
 from shared.config import load_config
 from shared.features import build_feature_set
+from shared.hashtable.checkpoint import DEEP_COLLECTION
 from tests.conftest import ROOT, SEED_CONFIG
 from train.checkpoint import load_checkpoint
 from train.export import export_bundle, restore_model
@@ -151,8 +152,9 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_on_three(
         shutil.copytree(start, runs / name / "checkpoints" / "step_2")
     _one_process(tiny_samples, runs / "resumed1", resume=True)
     _torchrun(3, _argv(tiny_samples, runs / "resumed3", GLOBAL_BATCH // 3, "--resume"))
-    files = runs / "resumed3" / "checkpoints" / "step_4" / "dynamicemb" / "sparse.dynamic"
-    assert (files / "user_id_emb_keys.rank_2.world_size_3").exists()
+    files = runs / "resumed3" / "checkpoints" / "step_4" / "dynamicemb" / DEEP_COLLECTION
+    assert (files / "user_id_emb_emb_keys.rank_2.world_size_3").exists()
+    assert not (files / "user_id_emb_emb_keys.rank_0.world_size_2").exists()
     want = runs / "one" / "checkpoints" / "step_4"
     assert_same_model(want, runs / "resumed1" / "checkpoints" / "step_4")
     assert_same_model(want, runs / "resumed3" / "checkpoints" / "step_4")

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from shared.fg import table_to_batch
-from shared.hashtable.checkpoint import module_dir, read_table
+from shared.hashtable.checkpoint import read_table
 from tests.conftest import SEED_CONFIG, write_config
-from train.checkpoint import DYNAMIC_MODULE
 from train.export import restore_model
 from train.tools.__main__ import main
 
@@ -51,13 +50,12 @@ def test_converted_rows_equal_the_old_matrix_rows(
     old = torch.load(baseline_run / "dense.pt", weights_only=False)
     order = [k.split(".")[1] for k in old["dense_tables"]]  # Adagrad param order
     train = pads.dataset(str(tiny_samples / "train"), format="parquet").to_table()
-    directory = module_dir(converted["checkpoint"], DYNAMIC_MODULE)
     collided = 0
     for table in ("user_id_emb", "adgroup_id_emb", "brand_emb", "cate_id_emb"):
         weight = old["dense_tables"][f"embeddings.{table}.weight"]
         sums = old["optimizers"]["sparse"]["state"][order.index(table)]["sum"]
         nb = weight.shape[0]
-        state, _ = read_table(directory, table)
+        state, _ = read_table(converted["checkpoint"], table)
         keys = state.keys.numpy()
         rows = torch.from_numpy(keys % nb)
         torch.testing.assert_close(state.values, weight[rows], rtol=0, atol=0)

@@ -89,3 +89,28 @@ def test_damaged_or_foreign_deltas_are_refused(
         export_delta(
             other, base=dyn_run.base_bundle, checkpoint=dyn_run.checkpoint, out=tmp_path / "x"
         )
+
+
+def test_delta_against_a_format_1_base_is_the_same(
+    dyn_run, delta_dir: Path, tmp_path: Path
+) -> None:
+    """delta-export reads its base bundle in either naming: against the same checkpoint exported
+    in ours (format 1) it finds the same changes as against TorchEasyRec's names (the default)."""
+    from shared.bundle import DYNREC_NAMING
+    from train.export import export_bundle
+
+    base = export_bundle(
+        SEED_CONFIG,
+        out_dir=tmp_path / "base-format-1",
+        checkpoint=dyn_run.base_checkpoint,
+        naming=DYNREC_NAMING,
+    )
+    assert (base / "model-00000-of-00001.json").is_file()
+    out = export_delta(SEED_CONFIG, base=base, checkpoint=dyn_run.checkpoint, out=tmp_path / "d")
+    ours, theirs = read_delta(out["path"]), read_delta(delta_dir)
+    assert ours.base_digest == manifest_digest(read_bundle(base).manifest) != theirs.base_digest
+    assert ours.manifest["tables"] == theirs.manifest["tables"]
+    for name, t in theirs.tables.items():
+        mine = ours.tables[name].tensors()
+        for key, x in t.tensors().items():
+            assert torch.equal(x, mine[key]), key

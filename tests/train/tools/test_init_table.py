@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shared.hashtable.checkpoint import file_name, module_dir
+from shared.hashtable.checkpoint import DEEP_COLLECTION
+from shared.hashtable.checkpoint_dynamicemb import counter_file, emb_file
 from tests.conftest import SEED_CONFIG, write_config
-from train.checkpoint import DYNAMIC_MODULE
 from train.tools.__main__ import main
 from train.tools.init_table import InitTableError, read_init_table
 from train.trainer import Trainer, TrainOptions
@@ -36,7 +36,7 @@ def _write_csv(path: Path, ids: np.ndarray, emb: np.ndarray, sep: str = ";") -> 
 
 
 def _read_rank(directory: Path, table: str, kind: str, rank: int, world: int, dtype: str):
-    return np.fromfile(directory / file_name(table, kind, rank, world), dtype=dtype)
+    return np.fromfile(directory / emb_file(table, kind, rank, world), dtype=dtype)
 
 
 @pytest.mark.parametrize("fmt", ["parquet_list", "csv_string"])
@@ -54,7 +54,7 @@ def test_init_ckpt_values_equal_the_table(tmp_path: Path, fmt: str, capsys) -> N
     assert main([*args, "--world_size", "2", "--out", str(out), *sep, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["tables"]["user_id_emb"]["rows"] == len(ids)
-    directory = module_dir(out, DYNAMIC_MODULE)
+    directory = out / "dynamicemb" / DEEP_COLLECTION
     got: dict[int, np.ndarray] = {}
     for rank in range(2):
         keys = _read_rank(directory, "user_id_emb", "keys", rank, 2, "<i8")
@@ -63,6 +63,15 @@ def test_init_ckpt_values_equal_the_table(tmp_path: Path, fmt: str, capsys) -> N
         accum = _read_rank(directory, "user_id_emb", "opt_values", rank, 2, "<f4")
         assert (keys % 2 == rank).all() and (scores == 0).all() and (accum == 0).all()
         got.update(zip(keys.tolist(), values, strict=True))
+        counters = directory / counter_file("user_id_emb", "keys", rank, 2)
+        assert counters.stat().st_size == 0  # admission: counter files, empty, as dynamicemb
+    args = json.loads((directory / "user_id_emb_opt_args.json").read_text())  # rank 0 wrote it
+    assert (args["opt_type"], args["evict_strategy"], args["lr"]) == (
+        "exact_adagrad",
+        "EvictStrategy.KLfu",
+        0.001,
+    )
+    assert sorted(p.name for p in directory.glob("*.json")) == ["user_id_emb_opt_args.json"]
     assert sorted(got) == sorted(ids.tolist())
     for i, e in zip(ids.tolist(), emb, strict=True):
         np.testing.assert_array_equal(got[i], e)  # bit-exact (repr round-trips float32)

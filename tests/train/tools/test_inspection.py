@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 
-from shared.hashtable.checkpoint import module_dir, read_table
+from shared.hashtable.checkpoint import DEEP_COLLECTION, read_table
 from shared.hashtable.summary import score_histogram, top_keys
-from train.checkpoint import DYNAMIC_MODULE
 from train.tools.__main__ import main
 from train.tools.inspection import format_report, inspect_checkpoint
 
@@ -17,7 +17,7 @@ from train.tools.inspection import format_report, inspect_checkpoint
 def test_checkpoint_report_matches_the_table_files(dyn_run) -> None:
     report = inspect_checkpoint(dyn_run.model_dir, top_k=5)  # a model dir: its newest checkpoint
     assert report["where"] == str(dyn_run.checkpoint)
-    directory = module_dir(dyn_run.checkpoint, DYNAMIC_MODULE)
+    assert report["layout"] == "dynamicemb"
     names = [t["name"] for t in report["tables"]]
     assert names == sorted(
         [
@@ -30,11 +30,11 @@ def test_checkpoint_report_matches_the_table_files(dyn_run) -> None:
         ]
     )
     for t in report["tables"]:
-        state, args = read_table(directory, t["name"])
+        state, info = read_table(dyn_run.checkpoint, t["name"])
         keys, scores = state.keys.numpy(), state.scores.numpy()
-        assert t["size"] == len(keys) > 0
-        assert t["capacity"] == args["max_capacity"]  # world size 1
-        assert t["load_factor"] == len(keys) / args["max_capacity"]
+        assert t["size"] == len(keys) > 0 and t["collection"] == DEEP_COLLECTION
+        assert t["capacity"] == info.max_capacity  # world size 1
+        assert t["load_factor"] == len(keys) / info.max_capacity
         assert sum(b["count"] for b in t["score_histogram"]) == len(keys)
         # LFU: power-of-two bins; every admitted key was seen >= threshold (3) times
         assert all(b["upper"] == 2 * b["lower"] for b in t["score_histogram"])
@@ -72,3 +72,79 @@ def test_cli_json(dyn_run, capsys) -> None:
     assert report["source"] == "checkpoint"
     assert all(len(t["top_keys"]) <= 3 for t in report["tables"])
     assert main(["inspect", "--checkpoint", str(Path(dyn_run.checkpoint).parent / "nope")]) == 2
+
+
+FIXTURE = Path(__file__).parents[2] / "fixtures" / "dynamicemb_ckpt"
+
+
+def test_foreign_checkpoint_is_listed(tmp_path: Path, capsys) -> None:
+    """TorchEasyRec's checkpoint (and its model dir): the tables, their collection, no capacity."""
+    want = json.loads((FIXTURE / "expected.json").read_text())["tables"]
+    for where in (FIXTURE / "model.ckpt-500", FIXTURE):  # the checkpoint, or the model dir
+        report = inspect_checkpoint(where, top_k=3)
+        assert report["where"] == str(FIXTURE / "model.ckpt-500")
+        assert report["layout"] == "dynamicemb"
+        got = {t["name"]: t for t in report["tables"]}
+        assert sorted(got) == sorted(want)
+        for name, t in got.items():
+            assert (t["size"], t["dim"], t["world_size"]) == (want[name]["rows"], 16, 2)
+            assert t["collection"] == DEEP_COLLECTION and t["score_strategy"] == "LFU"
+            assert t["capacity"] is None and t["load_factor"] is None  # the files do not say
+            assert t["admission_pending"] == len(want[name]["counter_keys"])
+            assert sum(b["count"] for b in t["score_histogram"]) == want[name]["rows"]
+    assert main(["inspect", "--checkpoint", str(FIXTURE), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tables"]) == 2
+    assert main(["inspect", "--checkpoint", str(FIXTURE)]) == 0
+    text = capsys.readouterr().out
+    assert "(dynamicemb layout)" in text
+    assert re.search(r"user_id_emb +hash +16 +120 +- +- +- +25\n", text)  # capacity unknown
+
+
+def test_empty_checkpoint_gives_no_rows_and_a_note(tmp_path: Path, capsys) -> None:
+    (tmp_path / "dynamicemb").mkdir()
+    assert main(["inspect", "--checkpoint", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tables"] == [] and "no dynamic tables" in report["note"]
+    assert main(["inspect", "--checkpoint", str(tmp_path)]) == 0  # no crash on zero rows
+    text = capsys.readouterr().out
+    assert "table  kind  dim  size" in text and "no dynamic tables" in text
+
+
+def test_bundle_report_in_both_namings(dyn_run, tmp_path: Path, capsys) -> None:
+    """inspect --bundle: the same tables from a bundle in TorchEasyRec's names (the default)
+    and from the same checkpoint exported in ours (format 1); only the name prefixes differ."""
+    from shared.bundle import DYNREC_NAMING, TZREC_COLLECTION, read_bundle
+    from tests.conftest import SEED_CONFIG
+    from train.export import export_bundle
+    from train.tools.inspection import inspect_bundle
+
+    ours = export_bundle(
+        SEED_CONFIG, out_dir=tmp_path / "ours", checkpoint=dyn_run.checkpoint, naming=DYNREC_NAMING
+    )
+    tz, dy = inspect_bundle(dyn_run.full_bundle), inspect_bundle(ours)
+    assert (tz["naming"], tz["format_version"], dy["naming"], dy["format_version"]) == (
+        "tzrec",
+        2,
+        "dynrec",
+        1,
+    )
+
+    def without_prefix(report: dict) -> list[dict]:
+        return [{k: v for k, v in t.items() if k != "prefix"} for t in report["tables"]]
+
+    assert without_prefix(tz) == without_prefix(dy)
+    b = read_bundle(dyn_run.full_bundle)
+    for t in tz["tables"]:
+        if t["is_hashmap"]:
+            assert t["prefix"] == TZREC_COLLECTION
+            assert t["size"] == len(b.hash_tables[t["name"]][0]) > 0
+            assert sum(c["count"] for c in t["score_histogram"]) == t["size"]
+        else:
+            assert t["prefix"] == f"{TZREC_COLLECTION}.embedding_bags"
+            assert t["size"] == t["capacity"] == b.dense_tables[t["name"]].shape[0]
+    assert {t["prefix"] for t in dy["tables"]} == {""}
+    assert f"tzrec naming, format_version 2; under {TZREC_COLLECTION}" in format_report(tz)
+    assert main(["inspect", "--bundle", str(ours), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == dy
+    assert main(["inspect", "--bundle", str(tmp_path / "nope")]) == 2
+    assert "no such bundle directory" in capsys.readouterr().err
