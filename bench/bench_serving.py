@@ -578,7 +578,7 @@ def _fn(name: str, path: str = "") -> re.Pattern[str]:
 _CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("batch: concat", _fn("(concat_batches|_concat_kjt)", r"serve/batcher\.py")),
     ("batch: h2d", _fn("(batch_to_device|to_device)", r"serve/model\.py")),
-    ("batch: lookups", _fn("embed", r"serve/(fused|sparse)\.py")),
+    ("batch: lookups", _fn("embed", r"serve/lookup\.py")),
     ("batch: dense program", _fn("(_logits|logits)", r"serve/model\.py")),
     ("batch: other", _fn("(_run_batch|_run|_take)", r"serve/batcher\.py")),
     ("rpc: validate", _fn("request_inputs", r"serve/validation\.py")),

@@ -88,7 +88,7 @@ def measure(
 
 def measure_build_only(bundle: Path, device: str, repeats: int) -> dict[str, Any]:
     """The dynamic tables' build alone, keys and values already on the device: the serving
-    structure (one fused StaticLookupTable, :mod:`serve.fused`) and, for comparison, one
+    structure (one fused StaticLookupTable, :mod:`serve.lookup`) and, for comparison, one
     ``HashTable.from_keys_values`` per table; plus the host-to-device copy of the tensors."""
     b = read_bundle(bundle, verify_checksums=False)
     dev = torch.device(device)

@@ -18,15 +18,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from serve.fused import FusedTables, NotFusableError
+from serve.lookup import EmbeddingTables, TableStats
 from serve.program_cache import ProgramCache
-from serve.sparse import SparseTables, TableStats
 from shared.batch import Batch
 from shared.bundle import Bundle, BundleError, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
@@ -53,25 +51,9 @@ class StartupTimes:
         return {s: float(getattr(self, s)) for s in STAGES}
 
 
-class EmbeddingTables(Protocol):
-    """What a loaded model looks ids up with: :class:`FusedTables` or :class:`SparseTables`."""
-
-    build_seconds: dict[str, float]
-
-    def embed(self, batch: Batch) -> dict[str, torch.Tensor]: ...
-
-    def stats(self) -> list[TableStats]: ...
-
-    def reset_stats(self) -> None: ...
-
-
 def build_tables(bundle: Bundle, device: torch.device) -> EmbeddingTables:
-    """The fused tables when the feature set allows (one dim everywhere), else per table."""
-    try:
-        return FusedTables(bundle.feature_set, bundle, device)
-    except NotFusableError as err:
-        log.info("per-table lookups: %s", err)
-        return SparseTables.from_bundle(bundle, device=device)
+    """Every table of ``bundle`` on ``device``, fused by dim (:mod:`serve.lookup`)."""
+    return EmbeddingTables.from_bundle(bundle, device=device)
 
 
 def default_device() -> str:

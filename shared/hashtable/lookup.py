@@ -78,14 +78,21 @@ class StaticLookupTable:
     def device(self) -> torch.device:
         return self.keys.device
 
-    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index into :attr:`values` [N] int64, -1 where missing; found [N] bool)."""
-        keys = check_keys(keys.to(self.device), "StaticLookupTable.find")
+    def find(
+        self, keys: torch.Tensor, *, check_sign: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index into :attr:`values` [N] int64, -1 where missing; found [N] bool).
+
+        ``check_sign=False`` skips the test for negative keys, which reads a flag back from the
+        device (a host sync): for hot paths whose keys are non-negative by construction (feature
+        generation's ids); a negative key then simply misses.
+        """
+        keys = check_keys(keys.to(self.device), "StaticLookupTable.find", check_sign=check_sign)
         if self.size == 0:
             return torch.full_like(keys, -1), torch.zeros_like(keys, dtype=torch.bool)
         pos = torch.searchsorted(self.keys, keys).clamp_(max=self.size - 1)
-        found = self.keys[pos] == keys
-        return torch.where(found, pos, torch.full_like(pos, -1)), found
+        found = self.keys.index_select(0, pos) == keys
+        return torch.where(found, pos, -1), found
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """keys [N] → rows [N, dim] float32; ``fill_value`` rows for missing keys."""

@@ -8,6 +8,7 @@ everything else only needs a bundle directory and rows whose columns carry the f
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,10 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from bench.synthetic_bundle import seed_feature_set, write_synthetic_bundle
+from bench.synthetic_bundle import SEED_CONFIG, seed_feature_set, write_synthetic_bundle
 from protos import predict_pb2
 from shared.dense_inputs import INPUT_NAMES, dense_layout
-from shared.features import FeatureSet, IdTransform, Side
+from shared.features import FeatureSet, IdTransform, Side, feature_set_from_text
 
 KEYS_PER_TABLE = 64  # ids are drawn below 2x this: about half of the lookups hit
 
@@ -107,6 +108,34 @@ def bundle_v1(fs: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def bundle_v2(fs: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_bundle(tmp_path_factory.mktemp("v2"), fs, "2", seed=2)
+
+
+# other dims than the seed config's 16: a dynamic user table, a dynamic item table that the click
+# sequence shares, dense user, item and context tables (the context one pooled by mean)
+MIXED_DIMS = {"user_id": 8, "adgroup_id": 32, "cms_segid": 4, "price": 32, "pid": 8}
+
+
+def mixed_dim_feature_set() -> FeatureSet:
+    """The seed config with the dims of :data:`MIXED_DIMS` (the same features and requests)."""
+    text = SEED_CONFIG.read_text()
+    for name, dim in MIXED_DIMS.items():  # every block of the feature (sequence ones too)
+        text = re.sub(
+            rf'(feature_name: "{name}"\n[^}}]*?)embedding_dim: 16',
+            rf"\g<1>embedding_dim: {dim}",
+            text,
+        )
+    text = text.replace('feature_name: "pid"\n', 'feature_name: "pid"\npooling: "mean"\n')
+    return feature_set_from_text(text, str(SEED_CONFIG))
+
+
+@pytest.fixture(scope="session")
+def fs_mixed() -> FeatureSet:
+    return mixed_dim_feature_set()
+
+
+@pytest.fixture(scope="session")
+def bundle_mixed(fs_mixed: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_bundle(tmp_path_factory.mktemp("mixed"), fs_mixed, "m1", seed=3)
 
 
 # --------------------------------------------------------------------------- sample rows

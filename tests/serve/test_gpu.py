@@ -21,9 +21,13 @@ pytestmark = [
 ]
 
 
-def test_cuda_scores_and_lookups_match_cpu(bundle_v1: Path, table: pa.Table) -> None:
-    cpu = LoadedModel.load(bundle_v1, device="cpu")
-    gpu = LoadedModel.load(bundle_v1, device="cuda")
+@pytest.mark.parametrize("which", ["seed", "mixed dims"])
+def test_cuda_scores_and_lookups_match_cpu(
+    which: str, bundle_v1: Path, bundle_mixed: Path, table: pa.Table
+) -> None:
+    bundle = bundle_v1 if which == "seed" else bundle_mixed
+    cpu = LoadedModel.load(bundle, device="cpu")
+    gpu = LoadedModel.load(bundle, device="cuda")
     assert gpu.device.type == "cuda"
     want = score_table(cpu, table, tiled=False)
     np.testing.assert_allclose(score_table(gpu, table, tiled=False), want, rtol=1e-5, atol=1e-6)
@@ -65,3 +69,25 @@ def test_packed_transfer_to_cuda_keeps_every_tensor(bundle_v1: Path, table: pa.T
         )
         assert x.lengths().dtype == y.lengths().dtype
     assert torch.equal(batch.user_index, moved.user_index.cpu())
+
+
+@pytest.mark.parametrize("which", ["seed", "mixed dims"])
+def test_lookups_read_nothing_back_to_the_host(
+    which: str, bundle_v1: Path, bundle_mixed: Path, table: pa.Table
+) -> None:
+    """One batch's lookups and input assembly on CUDA without a synchronizing call."""
+    from shared.fg import table_to_batch
+
+    model = LoadedModel.load(bundle_v1 if which == "seed" else bundle_mixed, device="cuda")
+    batch = table_to_batch(model.fs, table)
+    batch = type(batch)(batch.user, batch.item, batch.sequence, batch.user_index)  # no labels
+    on_device = model.to_device(batch)
+    with torch.inference_mode():
+        model.tables.embed(on_device)  # this key order's plan made (host tensors copied over)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            inputs = model.tables.embed(on_device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(t.is_cuda for t in inputs.values())

@@ -83,6 +83,30 @@ def test_predictions_equal_offline_scorer(stub, requests, expected_v1) -> None:
         np.testing.assert_allclose(resp.probabilities, want, rtol=1e-5, atol=1e-6)
 
 
+def test_mixed_dim_predictions_equal_offline_scorer(
+    bundle_mixed: Path, fs_mixed: FeatureSet, table: pa.Table, groups, requests
+) -> None:
+    """Tables of dims 4, 8, 16 and 32 (a dim-8 one pooled by mean): gRPC answers, rows and
+    columnar, equal the offline scorer, tiled or not."""
+    assert len({t.dim for t in fs_mixed.tables.values()}) == 4
+    expected = _expected(bundle_mixed, table, groups)
+    np.testing.assert_allclose(
+        score_rows(bundle_mixed, table, tiled=True), np.concatenate(expected), atol=1e-6
+    )
+    srv = PredictionServer(_config(bundle=bundle_mixed)).start()
+    try:
+        assert srv.wait_ready(60), srv.load_error
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = predict_pb2_grpc.PredictionServiceStub(channel)
+            for req, want in zip(requests, expected, strict=True):
+                for sent in (req, to_columnar(fs_mixed, req)):
+                    resp = stub.Predict(sent, timeout=10)
+                    assert resp.model_version == "m1"
+                    np.testing.assert_allclose(resp.probabilities, want, rtol=1e-5, atol=1e-6)
+    finally:
+        srv.stop(grace=0)
+
+
 def test_tiled_offline_equals_untiled(bundle_v1: Path, table: pa.Table) -> None:
     np.testing.assert_allclose(
         score_rows(bundle_v1, table, tiled=True),
@@ -465,6 +489,23 @@ def test_undecodable_bytes_are_invalid_argument(server, requests) -> None:
             assert info.value.code() == INVALID, info.value.details()
             assert info.value.details().startswith("request: not a valid"), info.value.details()
         assert raw(requests[0].SerializeToString(), timeout=10).probabilities
+
+
+def test_undecodable_bytes_to_health_and_reflection_are_invalid_argument(server) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            check(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == INVALID, info.value.details()
+        ok = health_pb2.HealthCheckRequest(service="").SerializeToString()
+        answer = health_pb2.HealthCheckResponse.FromString(check(ok, timeout=10))
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        info_call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", request_serializer=None
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(info_call(iter([b"\xff\xff"]), timeout=10))
+        assert info.value.code() == INVALID, info.value.details()
 
 
 def test_predict_without_a_deadline(stub, requests, expected_v1) -> None:

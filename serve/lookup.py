@@ -1,0 +1,307 @@
+"""The bundle's embedding tables on the serving device, and Batch → the dense program's inputs.
+
+Looking each table up on its own launches a handful of small kernels per table and per feature
+(~500 launches and a dozen host syncs per batch on a GPU: launch bound). Instead the tables are
+fused by embedding dim, each group of equal dim holding
+
+- its dynamic (``is_hashmap``) tables in **one** :class:`~shared.hashtable.lookup.StaticLookupTable`
+  (the shared core's read-only table: sorted keys, one ``searchsorted`` per lookup), each table
+  its own key space: key' = (table << shift) | key, where ``shift`` = 63 - bit_length(tables),
+  60 for up to 7 tables; a table with a key at or above 2**shift gets a group of its own (shift
+  63: its keys as they are), and
+- its dense (``num_buckets``) tables stacked into **one** [Σrows + 1, dim] matrix (row offsets
+  per table; the last row is zeros).
+
+A batch is then, per group (the seed config has one dim: one group): the ids of the user, item
+and sequence KJTs whose tables the group holds, each id's table (one ``repeat_interleave`` of a
+per-key code), one ``searchsorted``, two gathers, a ``where``, and one
+:func:`~shared.dense_inputs.pool_bags` (one index_add) per pooled KJT; the program's inputs are
+put together by :func:`~shared.dense_inputs.assemble_dense_inputs`, as in training. A key that is
+not in its dynamic table (never seen, or never admitted in training) gets zeros, i.e. the eval
+initializer (CONSTANT 0), and counts as a miss. On CUDA nothing is read back to the host::
+
+    tables = EmbeddingTables.from_bundle(bundle, device="cuda")
+    inputs = tables.embed(batch)            # batch on the device → the 6 inputs of dense.pt2
+    logits = program(**inputs)              # [B]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from shared.batch import Batch
+from shared.bundle import Bundle
+from shared.dense_inputs import assemble_dense_inputs, dense_layout, pool_bags
+from shared.features import FeatureSet, TableSpec
+from shared.hashtable.lookup import StaticLookupTable
+
+WHOLE_KEY = 63  # the shift of a group of one dynamic table: keys as they are, no table bits
+SEQUENCE = 2  # the sequence KJT's position in (user, item, sequence)
+
+
+@dataclass(frozen=True)
+class TableStats:
+    name: str
+    is_hashmap: bool
+    dim: int
+    rows: int
+    capacity: int
+    hits: int  # dynamic tables: keys found (admitted ids)
+    misses: int  # dynamic tables: keys not found (zeros returned)
+
+
+class _Group:
+    """Tables of one embedding dim as one lookup: ids [N] with their table codes [N] (each
+    id's table as a position in :attr:`names`) → [N, dim]."""
+
+    def __init__(
+        self,
+        dim: int,
+        tables: list[TableSpec],
+        shift: int,
+        bundle: Bundle,
+        device: torch.device,
+        seconds: dict[str, float],
+    ) -> None:
+        self.dim = dim
+        self.shift = shift
+        self.names = [t.name for t in tables]
+        self.dynamic = [t.name for t in tables if t.is_dynamic]
+        dense = [t.name for t in tables if not t.is_dynamic]
+        assert shift < WHOLE_KEY or (len(self.dynamic) == 1 and not dense), self.names
+
+        t0 = time.perf_counter()
+        offsets, weights, start = {}, [], 0
+        for name in dense:
+            w = bundle.dense_tables[name]
+            offsets[name] = start
+            weights.append(w)
+            start += int(w.shape[0])
+        weights.append(torch.zeros(1, dim))
+        self._zero_row = start
+        self.weight = torch.cat(weights).to(device, torch.float32)  # [Σrows + 1, dim]
+        seconds["dense_tables"] = seconds.get("dense_tables", 0.0) + time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self.rows = {name: int(bundle.dense_tables[name].shape[0]) for name in dense}
+        self.hash: StaticLookupTable | None = None
+        if self.dynamic:  # one sorted key array: key' = (table << shift) | key
+            keys = [bundle.hash_tables[n][0] for n in self.dynamic]
+            # copy each table over, concatenate on the device (no host-side copy of the values)
+            fused = torch.cat([((i << shift) | k).to(device) for i, k in enumerate(keys)])
+            values = torch.cat([bundle.hash_tables[n][1].to(device) for n in self.dynamic])
+            self.hash = StaticLookupTable.from_keys_values(fused, values, device=device)
+            self.rows.update({n: int(k.numel()) for n, k in zip(self.dynamic, keys, strict=True)})
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        seconds["hash_tables"] = seconds.get("hash_tables", 0.0) + time.perf_counter() - t0
+
+        # per table code: key space (dense tables: n_dyn, which holds no keys), row offset, dense?
+        n_dyn = len(self.dynamic)
+        tid = [self.dynamic.index(n) if n in self.dynamic else n_dyn for n in self.names]
+        self._n_dyn = n_dyn
+        self._tid = torch.tensor(tid, dtype=torch.int64, device=device)
+        self._off = torch.tensor([offsets.get(n, 0) for n in self.names], device=device)
+        self._is_dense = torch.tensor([n in offsets for n in self.names], device=device)
+        self.counts = torch.zeros(n_dyn + 1, 2, dtype=torch.int64, device=device)  # hits, lookups
+
+    def lookup(self, ids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """[N] ids of the tables ``codes`` → [N, dim]; missing dynamic keys give zeros."""
+        is_dense = self._is_dense[codes]  # [N]
+        dense_idx = torch.where(is_dense, ids + self._off[codes], self._zero_row)
+        emb = self.weight.index_select(0, dense_idx)  # [N, dim]
+        if self.hash is None:
+            return emb
+        tid = self._tid[codes]  # [N]; dense ids get the key space with no keys
+        space = tid
+        if self.shift < WHOLE_KEY:  # an id >= 2**shift cannot be in a table: send it there too
+            space = torch.where(ids < (1 << self.shift), tid, self._n_dyn)
+        idx, found = self.hash.find((space << self.shift) | ids, check_sign=False)  # [N], [N]
+        if self.hash.size:
+            dyn = self.hash.values.index_select(0, idx.clamp(min=0))  # [N, dim]
+            emb = torch.where(found.unsqueeze(1), dyn, emb)
+        self.counts.index_add_(0, tid, torch.stack([found.long(), torch.ones_like(tid)], 1))
+        return emb
+
+
+def _groups(fs: FeatureSet, bundle: Bundle) -> list[tuple[int, list[TableSpec], int]]:
+    """(dim, tables, shift) of each group: the tables of one dim share one, except dynamic
+    tables with keys beyond the shared key space, which get one each."""
+    out = []
+    for dim in dict.fromkeys(t.dim for t in fs.tables.values()):
+        tables = [t for t in fs.tables.values() if t.dim == dim]
+        shared = [t for t in tables if t.is_dynamic]
+        while True:  # fewer tables leave more bits for the keys
+            shift = WHOLE_KEY - max(len(shared), 1).bit_length()
+            wide = [t for t in shared if _max_key(bundle, t.name) >= 1 << shift]
+            if not wide:
+                break
+            shared = [t for t in shared if t not in wide]
+        alone = [t for t in tables if t.is_dynamic and t not in shared]
+        rest = [t for t in tables if t not in alone]
+        out += [(dim, rest, shift)] if rest else []
+        out += [(dim, [t], WHOLE_KEY) for t in alone]
+    return out
+
+
+def _max_key(bundle: Bundle, table: str) -> int:
+    keys = bundle.hash_tables[table][0]
+    return int(keys.max()) if keys.numel() else -1
+
+
+# --------------------------------------------------------------------------- one KJT, one group
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The keys of one KJT (0 user, 1 item, 2 sequence) whose tables one group holds."""
+
+    kjt: int
+    names: tuple[str, ...]  # their features, in KJT key order
+    keys: tuple[int, ...]  # their positions among the KJT's keys
+    whole: bool  # every key of the KJT, in order: the KJT's values as they are
+    index: torch.Tensor  # [Kg] int64 positions (device)
+    code: torch.Tensor  # [Kg] int64 table code within the group (device)
+    mean: torch.Tensor | None  # [Kg] bool, keys whose table pools by mean (device); None: all sum
+
+    def size(self, kjt: KeyedJaggedTensor) -> int:
+        """How many ids the keys have (host-side lengths: no sync)."""
+        if self.whole:
+            return kjt.values().numel()
+        lens = kjt.length_per_key()
+        return sum(lens[k] for k in self.keys)
+
+    def ids(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
+        """The ids of the keys, as slices of the KJT's values (host offsets: no sync)."""
+        if self.whole:
+            return [kjt.values()]
+        offsets = kjt.offset_per_key()
+        return [kjt.values()[offsets[k] : offsets[k + 1]] for k in self.keys]
+
+    def lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """The KJT's bag lengths [K, S] → the keys' [Kg, S]."""
+        return lengths if self.whole else lengths.index_select(0, self.index)
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+class EmbeddingTables:
+    """All tables of a bundle on one device, fused by dim, and :meth:`embed`: Batch → the dense
+    program's inputs; hit and miss counts per dynamic table in :meth:`stats`."""
+
+    def __init__(self, bundle: Bundle, device: torch.device) -> None:
+        self.fs = bundle.feature_set
+        self.device = device
+        self.layout = dense_layout(self.fs)
+        self.build_seconds: dict[str, float] = {}  # dense_tables, hash_tables
+        self._groups = [
+            _Group(dim, tables, shift, bundle, device, self.build_seconds)
+            for dim, tables, shift in _groups(self.fs, bundle)
+        ]
+        # table → (its group, its code there)
+        self._place = {
+            n: (g, i) for g, grp in enumerate(self._groups) for i, n in enumerate(grp.names)
+        }
+        self._counts_base = [torch.zeros_like(g.counts) for g in self._groups]
+        self._plans: dict[tuple[tuple[str, ...], ...], list[tuple[_Group, list[_Part]]]] = {}
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, *, device: torch.device | str) -> EmbeddingTables:
+        """Every table of ``bundle`` on ``device``; build times in :attr:`build_seconds`."""
+        return cls(bundle, torch.device(device))
+
+    # ----------------------------------------------------------------------- lookups
+
+    def _plan(self, keys: tuple[tuple[str, ...], ...]) -> list[tuple[_Group, list[_Part]]]:
+        """Per group, the keys of the user, item and sequence KJTs (``keys``) whose tables it
+        holds (groups with none left out; cached per key order)."""
+        plan = self._plans.get(keys)
+        if plan is None:
+            parts: list[list[_Part]] = [[] for _ in self._groups]
+            for j, kjt_keys in enumerate(keys):
+                tables = [self.fs.tables[self.fs.features[k].table] for k in kjt_keys]
+                by_group: dict[int, list[int]] = {}
+                for k, t in enumerate(tables):
+                    by_group.setdefault(self._place[t.name][0], []).append(k)
+                for g, positions in by_group.items():
+                    parts[g].append(self._part(j, kjt_keys, tables, positions))
+            plan = [(group, p) for group, p in zip(self._groups, parts, strict=True) if p]
+            self._plans[keys] = plan
+        return plan
+
+    def _part(
+        self, kjt: int, keys: tuple[str, ...], tables: list[TableSpec], positions: list[int]
+    ) -> _Part:
+        mean = [tables[k].pooling == "mean" for k in positions]
+        code = [self._place[tables[k].name][1] for k in positions]
+        return _Part(
+            kjt=kjt,
+            names=tuple(keys[k] for k in positions),
+            keys=tuple(positions),
+            whole=len(positions) == len(keys),
+            index=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            code=torch.tensor(code, dtype=torch.int64, device=self.device),
+            mean=torch.tensor(mean, device=self.device) if any(mean) else None,
+        )
+
+    def embed(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The dense program's inputs for ``batch`` (on :attr:`device`; KJTs with cached
+        ``length_per_key``, as feature generation and :func:`concat_batches` make them)."""
+        kjts = (batch.user, batch.item, batch.sequence)
+        plan = self._plan(tuple(tuple(kjt.keys()) for kjt in kjts))
+        strides = [kjt.stride() for kjt in kjts]  # U, B, U
+        lengths = [
+            kjt.lengths().view(len(kjt.keys()), s) for kjt, s in zip(kjts, strides, strict=True)
+        ]  # [K, S] per KJT
+        pooled: dict[str, torch.Tensor] = {}  # [S, dim] per feature
+        sequences: dict[str, torch.Tensor] = {}  # [T, dim] per sequence feature
+        for group, parts in plan:
+            sizes = [p.size(kjts[p.kjt]) for p in parts]
+            bags = [p.lengths(lengths[p.kjt]) for p in parts]  # [Kg, S] per part
+            ids = torch.cat([x for p in parts for x in p.ids(kjts[p.kjt])])  # [N]
+            codes = torch.cat(
+                [
+                    torch.repeat_interleave(p.code, b.sum(1), output_size=n)
+                    for p, b, n in zip(parts, bags, sizes, strict=True)
+                ]
+            )  # [N] table code of each id
+            emb = group.lookup(ids, codes)  # [N, dim]
+            for p, b, rows in zip(parts, bags, torch.split(emb, sizes), strict=True):
+                if p.kjt == SEQUENCE:  # jagged: each feature's [T, dim] as it is
+                    lens = batch.sequence.length_per_key()
+                    seq = torch.split(rows, [lens[k] for k in p.keys])
+                    sequences.update(zip(p.names, seq, strict=True))
+                else:  # one bag per row: [Kg, S, dim]
+                    s = strides[p.kjt]
+                    mean = None if p.mean is None else p.mean.repeat_interleave(s)  # [Kg * S]
+                    out = pool_bags(rows, b.reshape(-1), mean).view(len(p.keys), s, group.dim)
+                    pooled.update(zip(p.names, out.unbind(0), strict=True))
+        return assemble_dense_inputs(self.fs, batch, pooled, sequences, layout=self.layout)
+
+    # ----------------------------------------------------------------------- stats
+
+    def reset_stats(self) -> None:
+        """Count hits and misses from now on (e.g. after warm-up, whose ids are synthetic)."""
+        self._counts_base = [g.counts.clone() for g in self._groups]
+
+    def stats(self) -> list[TableStats]:
+        """Per table in FeatureSet order: rows, and for dynamic tables hits and misses."""
+        since = [g.counts - base for g, base in zip(self._groups, self._counts_base, strict=True)]
+        counts = torch.cat(since).tolist()  # one host read: (hits, lookups) per key space
+        first = [sum(len(c) for c in since[:g]) for g in range(len(since))]
+        out = []
+        for name, t in self.fs.tables.items():
+            g, _ = self._place[name]
+            group = self._groups[g]
+            rows = group.rows[name]  # a static table holds exactly its keys
+            hits, misses = 0, 0
+            if t.is_dynamic:
+                hits, lookups = counts[first[g] + group.dynamic.index(name)]
+                misses = lookups - hits
+            out.append(TableStats(name, t.is_dynamic, t.dim, rows, rows, hits, misses))
+        return out
