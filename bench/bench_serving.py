@@ -934,12 +934,13 @@ def _machine() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _work_dir(path: Path | None) -> Iterator[Path]:
+def work_dir(path: Path | None, prefix: str = "bench_serving-") -> Iterator[Path]:
+    """``path`` (created), or a temporary directory removed afterwards."""
     if path is not None:
         path.mkdir(parents=True, exist_ok=True)
         yield path.resolve()
     else:
-        with tempfile.TemporaryDirectory(prefix="bench_serving-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             yield Path(tmp)
 
 
@@ -981,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         out_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
-    with _work_dir(a.work) as work, open(a.out / "pyspy_raw.txt", "w") as spy_out:
+    with work_dir(a.work) as work, open(a.out / "pyspy_raw.txt", "w") as spy_out:
         t0 = time.perf_counter()
         if a.bundle is None:
             bundle, report["bundle"] = make_bundle(work, a.keys)

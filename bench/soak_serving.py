@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import datetime
 import json
 import os
@@ -35,10 +34,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -402,16 +399,6 @@ def _machine() -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _work_dir(path: Path | None) -> Iterator[Path]:
-    if path is not None:
-        path.mkdir(parents=True, exist_ok=True)
-        yield path.resolve()
-    else:
-        with tempfile.TemporaryDirectory(prefix="soak_serving-") as tmp:
-            yield Path(tmp)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.soak_serving", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -455,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         "goal": {"rejected_p99_ms": GOAL_REJECT_P99_MS, "good_errors": 0, "internal": 0},
     }
     failures: list[str] = []
-    with _work_dir(a.work) as work:
+    from bench.bench_serving import work_dir
+
+    with work_dir(a.work, prefix="soak_serving-") as work:
         if a.bundle is None:
             from bench.bench_serving import make_bundle
 
