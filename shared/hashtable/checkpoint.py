@@ -5,8 +5,9 @@ has the rules) in TorchEasyRec's directories, ``<ckpt>/dynamicemb/<collection>/`
 ``<collection>`` is the torch module path of the torchrec collection that holds the table in a
 TorchEasyRec ``MultiTowerDIN`` (:func:`collection_paths`)::
 
-    <ckpt>/dynamic_tables.json     ours (rank 0): format, and per table its collection, dim,
-                                   score strategy, max_capacity, admission threshold
+    <ckpt>/dynamic_tables.json     ours (rank 0): format, the id mode of the keys, and per
+                                   table its collection, dim, score strategy, max_capacity,
+                                   admission threshold
     <ckpt>/dynamicemb/model.model.embedding_group.emb_impls.__BASE__.ebc/
         user_id_emb_emb_keys.rank_0.world_size_2   user_id_emb_emb_values...   ..._emb_scores...
         user_id_emb_emb_opt_values...   user_id_emb_counter_keys...   ..._counter_frequencies...
@@ -22,7 +23,9 @@ chosen once by what is on disk: dynrec's first layout (:mod:`shared.hashtable.ch
 when its ``_opt_args.json`` files say so, else dynamicemb's. :func:`load` then picks each table's
 files (:func:`select_tables`), re-shards (every saved rank is read; this rank keeps ``key %
 world_size == rank``) and refuses what would load nothing: a checkpoint with none of the
-expected tables, a table missing from it, or no rows at all.
+expected tables, a table missing from it, no rows at all, or keys made in another id mode
+(``data_config.dynrec_id_mode``; a meta without ``id_mode`` is ``"dynrec"``, a checkpoint
+without meta is not checked).
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ class DynamicTables(Protocol):
     def adagrad(self) -> AdagradConfig: ...
 
     @property
+    def id_mode(self) -> str: ...  # the IdMode value its keys are made in
+
+    @property
     def step(self) -> int: ...
 
     def score_clock(self) -> int: ...
@@ -154,9 +160,11 @@ def table_meta(spec: TableSpec, collection: str) -> dict[str, Any]:
     }
 
 
-def write_meta(ckpt_dir: Path, tables: Mapping[str, dict[str, Any]]) -> None:
-    """``<ckpt>/dynamic_tables.json`` (temp file + rename)."""
-    text = json.dumps({"format": FORMAT, "layout": "dynamicemb", "tables": dict(tables)}, indent=1)
+def write_meta(ckpt_dir: Path, tables: Mapping[str, dict[str, Any]], *, id_mode: str) -> None:
+    """``<ckpt>/dynamic_tables.json`` (temp file + rename); ``id_mode``: the ``IdMode`` value
+    the keys were made in, which :func:`load` checks."""
+    meta = {"format": FORMAT, "layout": "dynamicemb", "id_mode": id_mode, "tables": dict(tables)}
+    text = json.dumps(meta, indent=1)
     tmp = ckpt_dir / f".{META_FILE}.tmp"
     tmp.write_text(text + "\n")
     os.replace(tmp, ckpt_dir / META_FILE)
@@ -204,7 +212,8 @@ def save(
             _publish(directory, base / directory.name)
         tmp.rmdir()
         if rank == 0:
-            write_meta(ckpt_dir, {n: table_meta(s, where[n]) for n, s in dec.tables.items()})
+            tables = {n: table_meta(s, where[n]) for n, s in dec.tables.items()}
+            write_meta(ckpt_dir, tables, id_mode=dec.id_mode)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -349,6 +358,18 @@ def _own(state: TableState, rank: int, world_size: int) -> TableState:
     return out
 
 
+def _check_id_mode(reader: CheckpointReader, id_mode: str) -> None:
+    """Refuse keys made in another id mode: none of them would be found (see ``IdMode``)."""
+    saved = reader.id_mode
+    if saved is not None and saved != id_mode:
+        raise CheckpointError(
+            f"checkpoint {reader.root}: its keys were made in id mode {saved.upper()} "
+            f"({META_FILE} id_mode {saved!r}; absent: 'dynrec'), this config's are made in "
+            f"{id_mode.upper()}; no key would be found. Set data_config.dynrec_id_mode: "
+            f"{saved.upper()} to use it, or use a checkpoint of this id mode"
+        )
+
+
 def load(
     dec: DynamicTables,
     ckpt_dir: str | Path,
@@ -363,7 +384,8 @@ def load(
     ``tables``: the ones to load (default: every table of ``dec``, and then the checkpoint may
     hold no other); the rest of ``dec`` is left as it is. ``collections``: where this config
     puts each table (:func:`collection_paths`; picks among copies). Raises
-    :class:`CheckpointError` (see :func:`select_tables`) and when the tables hold no rows.
+    :class:`CheckpointError` (see :func:`select_tables`), when the tables hold no rows and
+    when the checkpoint's keys were made in another id mode than ``dec.id_mode``.
     """
     _check_rank(rank, world_size)
     wanted = list(dec.tables) if tables is None else list(tables)
@@ -373,9 +395,19 @@ def load(
             f"tables {unknown} are not dynamic tables of this model ({', '.join(dec.tables)})"
         )
     reader = open_checkpoint(ckpt_dir)
+    _check_id_mode(reader, dec.id_mode)
     chosen, ignored = select_tables(
         reader, wanted, collections, known=dec.tables if tables is None else None
     )
+    if reader.id_mode is None and dec.id_mode == "dynrec":
+        logger.warning(
+            "checkpoint %s has no %s (TorchEasyRec's or dynamicemb's own): its keys are not "
+            "checked against this config's id mode; TorchEasyRec makes them as the TZREC id mode "
+            "does, and this config has DYNREC: if the ids come from TorchEasyRec set "
+            "data_config.dynrec_id_mode: TZREC",
+            reader.root,
+            META_FILE,
+        )
     report = LoadReport(Path(ckpt_dir), reader.layout, ignored=ignored)
     read: dict[str, ReadTable] = {}
     now = dec.score_clock()

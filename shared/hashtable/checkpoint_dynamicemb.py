@@ -188,7 +188,9 @@ class DynamicembReader:
     """Reads dynamicemb's layout: theirs (TorchEasyRec, dynamicemb) and ours since format 2.
 
     ``meta``: our ``dynamic_tables.json`` beside ``dynamicemb/`` when the checkpoint is ours
-    (dims, score strategies, capacities for tools that run without a config); never required.
+    (dims, score strategies, capacities for tools that run without a config, the id mode of the
+    keys); never required. ``id_mode``: the meta's, ``"dynrec"`` when it predates the key, None
+    without meta (TorchEasyRec's checkpoints: their keys are made as the TZREC id mode does).
     """
 
     layout = LAYOUT
@@ -196,6 +198,7 @@ class DynamicembReader:
     def __init__(self, root: Path, meta: dict[str, Any] | None = None) -> None:
         self.root = Path(root)
         self.meta_tables: dict[str, dict[str, Any]] = dict((meta or {}).get("tables", {}))
+        self.id_mode: str | None = None if meta is None else str(meta.get("id_mode", "dynrec"))
 
     def tables(self) -> list[SavedTable]:
         out = []

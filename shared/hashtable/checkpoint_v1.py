@@ -67,6 +67,7 @@ def v1_dirs(root: Path) -> list[Path]:
 
 class V1Reader:
     layout = LAYOUT
+    id_mode = "dynrec"  # the layout predates the TZREC id mode
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shared.features import ScoreStrategy, TableSpec
+from shared.features import IdMode, ScoreStrategy, TableSpec
 from shared.hashtable import checkpoint
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.backend import Backend
@@ -134,10 +134,16 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         clock: Callable[[], int] | None = None,
         max_load_factor: float = 0.5,
         backend: Backend | None = None,
+        id_mode: str = IdMode.DYNREC.value,
     ) -> None:
         """``backend``: every storage's hash-table backend (default: ``backend_for`` the
-        device; e.g. ``TorchBackend()`` for the torch code on a GPU)."""
+        device; e.g. ``TorchBackend()`` for the torch code on a GPU). ``id_mode``: the
+        :class:`~shared.features.IdMode` value the keys are made in (``fs.id_mode.value``);
+        checkpoints record it and a load refuses another."""
         super().__init__()
+        modes = [m.value for m in IdMode]
+        if id_mode not in modes:
+            raise ValueError(f"id_mode {id_mode!r} is not one of {modes} (IdMode values)")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"DynamicEmbeddingCollection: duplicate table names in {names}")
@@ -149,6 +155,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 )
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
         self.adagrad = AdagradConfig(lr, eps, initial_accumulator_value)
+        self.id_mode = id_mode
         self.device = torch.device(device)
         self.seed = seed
         self._clock = clock or default_clock

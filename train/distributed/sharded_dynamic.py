@@ -232,6 +232,11 @@ class ShardedDynamicEmbedding(nn.Module):
     def storages(self) -> dict[str, list[str]]:
         return self.local.storages
 
+    @property
+    def id_mode(self) -> str:
+        """The local collection's (the FeatureSet's ``id_mode.value``)."""
+        return self.local.id_mode
+
     def set_step(self, step: int) -> None:
         self.local.set_step(step)
 

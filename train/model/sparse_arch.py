@@ -93,6 +93,7 @@ class SparseArch(nn.Module):
             initial_accumulator_value=initial_accumulator_value,
             device=device,
             seed=seed,
+            id_mode=fs.id_mode.value,
         )
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:

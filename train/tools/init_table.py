@@ -417,7 +417,8 @@ def write_init_checkpoint(
         for name, init in tables.items():
             _write_table(tmp / "dynamicemb" / collections[name], fs.tables[name], init, adagrad,
                          world_size)  # fmt: skip
-        write_meta(tmp, {n: table_meta(fs.tables[n], collections[n]) for n in tables})
+        meta = {n: table_meta(fs.tables[n], collections[n]) for n in tables}
+        write_meta(tmp, meta, id_mode=fs.id_mode.value)  # DYNREC: init tables hold raw ids
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         (tmp / "DONE").write_text("ok\n")
         if out.exists():

@@ -8,6 +8,7 @@ The golden dump of the real dynamicemb code (``tests/fixtures/dynamicemb_ckpt``)
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -49,6 +50,12 @@ def _trained(steps: int = 3, tables=TABLES, clock=None) -> DynamicEmbeddingColle
 def _fresh(tables=TABLES, clock=None) -> DynamicEmbeddingCollection:
     return DynamicEmbeddingCollection(
         tables, GROUPS, lr=0.1, initial_accumulator_value=0.01, clock=clock
+    )
+
+
+def _tzrec() -> DynamicEmbeddingCollection:
+    return DynamicEmbeddingCollection(
+        TABLES, GROUPS, lr=0.1, initial_accumulator_value=0.01, id_mode="tzrec"
     )
 
 
@@ -145,6 +152,7 @@ def test_golden_byte_layout(tmp_path):
     ]
     meta = json.loads((tmp_path / META_FILE).read_text())
     assert meta["format"] == "dynrec-ckpt/2"
+    assert meta["id_mode"] == "dynrec"  # the collection's default
     assert meta["tables"]["user_id_emb"] == {
         "collection": DEEP_COLLECTION,
         "dim": 4,
@@ -322,6 +330,57 @@ def test_refusals_name_what_was_expected_and_found(tmp_path):
     args.unlink()
     with pytest.raises(CheckpointError, match=r"brand_emb_opt_args.json is missing.*rank 0"):
         _fresh().load(tmp_path / "b", "sparse")
+
+
+def test_id_mode_is_saved_and_another_refused(tmp_path):
+    dec = _trained()
+    tz = _tzrec()
+    tz.load_table_state("user_id_emb", dec.table_state("user_id_emb"))
+    tz.load_table_state("brand_emb", dec.table_state("brand_emb"))
+    tz.save(tmp_path / "tz", "sparse")
+    assert json.loads((tmp_path / "tz" / META_FILE).read_text())["id_mode"] == "tzrec"
+    with pytest.raises(
+        CheckpointError,
+        match=r"keys were made in id mode TZREC \(dynamic_tables.json id_mode 'tzrec'; absent: 'dynrec'\), this "
+        r"config's are made in DYNREC; no key would be found\. Set "
+        r"data_config.dynrec_id_mode: TZREC",
+    ):
+        _fresh().load(tmp_path / "tz", "sparse")
+    _tzrec().load(tmp_path / "tz", "sparse")
+    dec.save(tmp_path / "dyn", "sparse")
+    with pytest.raises(CheckpointError, match=r"id mode DYNREC.*dynrec_id_mode: DYNREC"):
+        _tzrec().load(tmp_path / "dyn", "sparse")
+    with pytest.raises(ValueError, match=r"id_mode 'TZREC' is not one of \['dynrec', 'tzrec'\]"):
+        DynamicEmbeddingCollection(TABLES, GROUPS, lr=0.1, id_mode="TZREC")
+
+
+def test_meta_without_id_mode_is_dynrec(tmp_path):
+    dec = _trained()
+    dec.save(tmp_path, "sparse")
+    path = tmp_path / META_FILE
+    meta = json.loads(path.read_text())
+    del meta["id_mode"]  # written before the id mode was recorded
+    path.write_text(json.dumps(meta))
+    other = _fresh()
+    other.load(tmp_path, "sparse")
+    _assert_same(dec, other)
+    with pytest.raises(CheckpointError, match=r"id mode DYNREC \(dynamic_tables.json id_mode"):
+        _tzrec().load(tmp_path, "sparse")
+
+
+def test_checkpoint_without_meta_is_not_checked_but_dynrec_warned(tmp_path, caplog):
+    dec = _trained()
+    dec.save(tmp_path, "sparse")
+    (tmp_path / META_FILE).unlink()  # as TorchEasyRec's / dynamicemb's own checkpoints
+    with caplog.at_level(logging.WARNING, logger="shared.hashtable.checkpoint"):
+        _fresh().load(tmp_path, "sparse")
+    warned = [r.getMessage() for r in caplog.records if "id mode" in r.getMessage()]
+    assert len(warned) == 1  # once per load, not per table
+    assert "TZREC id mode" in warned[0] and "data_config.dynrec_id_mode: TZREC" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shared.hashtable.checkpoint"):
+        _tzrec().load(tmp_path, "sparse")
+    assert not [r for r in caplog.records if "id mode" in r.getMessage()]
 
 
 def test_read_table_without_a_config(tmp_path):
