@@ -151,6 +151,7 @@ def offline_profile(
 
     from loadtest.requests import (
         build_request_pool,
+        sequence_formats_from_metadata,
         sides_from_metadata,
         value_types_from_metadata,
     )
@@ -182,8 +183,8 @@ def offline_profile(
     for fmt in REQUEST_FORMATS:  # the same requests (same seed), candidates encoded two ways
         pool = build_request_pool(
             samples, sides_from_metadata(md), value_types=value_types_from_metadata(md),
-            num_requests=64, num_candidates=candidates, max_sequence_length=md.max_sequence_length,
-            columnar=fmt == "columnar",
+            num_requests=64, num_candidates=candidates,
+            sequence_formats=sequence_formats_from_metadata(md), columnar=fmt == "columnar",
         )  # fmt: skip
         per_request: dict[str, list[float]] = collections.defaultdict(list)
         for payload in itertools.islice(itertools.cycle(pool.payloads), max(iters, 64)):

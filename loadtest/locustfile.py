@@ -158,6 +158,8 @@ class PredictUser(User):
         self._pool = _State.pool
         self._timeout = self.environment.parsed_options.rpc_timeout_s
         self._next = random.randrange(len(self._pool))  # users start at different requests
+        if self.host is None:
+            raise RuntimeError("no PredictionService address; pass --host ip:port")
         self._channel = grpc.insecure_channel(
             self.host,
             options=[
@@ -170,7 +172,9 @@ class PredictUser(User):
             ],
         )
         # no (de)serializers: the pool holds wire bytes and the response size is its byte length
-        self._predict = self._channel.unary_unary(PREDICT_METHOD)
+        self._predict: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
+            PREDICT_METHOD
+        )
 
     def on_stop(self) -> None:
         self._channel.close()

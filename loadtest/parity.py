@@ -10,6 +10,7 @@ and ``candidate_columns``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from loadtest.requests import columnar_request, sides_from_metadata, value_types_from_metadata
+from loadtest.requests import (
+    SequenceFormat,
+    columnar_request,
+    sequence_formats_from_metadata,
+    sides_from_metadata,
+    value_types_from_metadata,
+)
 from loadtest.run import fetch_metadata
 from protos import predict_pb2, predict_pb2_grpc
 
@@ -35,7 +42,7 @@ class ParityResult:
         return self.__dict__.copy()
 
 
-def _value(v: object, value_type: str) -> predict_pb2.Value:
+def _value(v: int | float | str | None, value_type: str) -> predict_pb2.Value:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return predict_pb2.Value()  # explicit missing
     if value_type == "int64":
@@ -45,18 +52,34 @@ def _value(v: object, value_type: str) -> predict_pb2.Value:
     return predict_pb2.Value(string_value=str(v))
 
 
-def _ids(seq: object) -> list[int]:
+def _ids(
+    name: str, seq: str | Sequence[int | None] | None, fmt: SequenceFormat | None
+) -> list[int]:
     if seq is None or seq == "":
         return []
     if isinstance(seq, str):
-        return [int(t) if t else 0 for t in seq.split("|")]
+        if fmt is None or not fmt.delimiter:
+            raise ValueError(
+                f"sequence column {name!r} holds joined strings, but the model metadata gives no "
+                "delimiter for it (ModelMetadata.sequences); serve the model with this version "
+                "of serve"
+            )
+        return [int(t) if t.strip() else 0 for t in seq.split(fmt.delimiter)]
     return [0 if t is None else int(t) for t in seq]  # list column
 
 
 def request_for_rows(
-    table: pa.Table, sides: dict[str, str], types: dict[str, str], request_id: str
+    table: pa.Table,
+    sides: dict[str, str],
+    types: dict[str, str],
+    request_id: str,
+    *,
+    sequence_formats: Mapping[str, SequenceFormat],
 ) -> predict_pb2.PredictRequest:
-    """A request whose user/sequence/context come from row 0 and candidates from every row."""
+    """A request whose user/sequence/context come from row 0 and candidates from every row.
+
+    String sequence columns are split on their ``sequence_formats`` delimiter (from
+    :func:`~loadtest.requests.sequence_formats_from_metadata`)."""
     rows = table.to_pylist()
     req = predict_pb2.PredictRequest(request_id=request_id)
     for name, side in sides.items():
@@ -65,7 +88,7 @@ def request_for_rows(
         elif side == "context":
             req.context.values[name].CopyFrom(_value(rows[0][name], types[name]))
         elif side == "sequence":
-            req.sequences[name].ids.extend(_ids(rows[0][name]))
+            req.sequences[name].ids.extend(_ids(name, rows[0][name], sequence_formats.get(name)))
     longest = max((len(s.ids) for s in req.sequences.values()), default=0)
     for seq in req.sequences.values():
         if longest == 1 and len(seq.ids) == 0:  # "" beside one-click rows: one missing id
@@ -95,6 +118,7 @@ def check_parity(
     metadata = fetch_metadata(host)
     sides = sides_from_metadata(metadata)
     types = value_types_from_metadata(metadata)
+    formats = sequence_formats_from_metadata(metadata)
     dataset = ds.dataset(str(samples), format="parquet")
     labels = [c for c in ("clk",) if c in dataset.schema.names]  # the offline batch wants labels
     table = dataset.head(20_000, columns=[*sides, *labels])
@@ -113,7 +137,7 @@ def check_parity(
                     rows = rows.set_column(
                         rows.schema.get_field_index(name), name, user_part.column(name)
                     )
-            req = request_for_rows(rows, sides, types, f"parity-{i}")
+            req = request_for_rows(rows, sides, types, f"parity-{i}", sequence_formats=formats)
             offline = score_table(model, rows, tiled=True).astype(np.float64)
             for fmt, sent in (("rows", req), ("columnar", columnar_request(req, types))):
                 response = stub.Predict(sent, timeout=30)

@@ -19,13 +19,21 @@ are numpy gathers of the candidates' rows. Example::
 
     md = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest())
     pool = build_request_pool(
-        "data/samples/eval", sides_from_metadata(md), value_types=value_types_from_metadata(md)
+        "data/samples/eval",
+        sides_from_metadata(md),
+        value_types=value_types_from_metadata(md),
+        sequence_formats=sequence_formats_from_metadata(md),
     )
+
+How a sequence column is written (its ``sequence_delim``) and how many ids the server takes come
+from the metadata too (:func:`sequence_formats_from_metadata`, i.e. the bundle's fg.json), so a
+config with another delimiter or sequence length needs nothing here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +78,31 @@ def value_types_from_metadata(metadata: predict_pb2.ModelMetadata) -> dict[str, 
     }
 
 
+@dataclass(frozen=True)
+class SequenceFormat:
+    """One sequence sub-feature's sample encoding and server limit, from the model metadata.
+
+    ``delimiter`` joins the ids of a string column (the config's ``sequence_delim``; "" when the
+    server does not say), ``max_length`` is the most ids the server accepts (0: no limit), and
+    ``sequence`` names the sequence in messages.
+    """
+
+    sequence: str
+    delimiter: str
+    max_length: int
+
+
+def sequence_formats_from_metadata(
+    metadata: predict_pb2.ModelMetadata,
+) -> dict[str, SequenceFormat]:
+    """Sequence sub-feature name → its :class:`SequenceFormat` (``ModelMetadata.sequences``)."""
+    return {
+        name: SequenceFormat(s.name, s.delimiter, s.max_length)
+        for s in metadata.sequences
+        for name in s.features
+    }
+
+
 def build_request_pool(
     samples: str | Path,
     feature_sides: Mapping[str, str],
@@ -79,8 +112,7 @@ def build_request_pool(
     num_candidates: int = 100,
     seed: int = 0,
     max_rows: int = 100_000,
-    sequence_delim: str = "|",
-    max_sequence_length: int = 0,
+    sequence_formats: Mapping[str, SequenceFormat] | None = None,
     columnar: bool = True,
 ) -> RequestPool:
     """Serialize ``num_requests`` PredictRequests from the first ``max_rows`` rows of ``samples``.
@@ -89,13 +121,15 @@ def build_request_pool(
     feature names (others, like ``clk``, are ignored). ``value_types`` (from the metadata) casts
     columns to what the server expects; without it the Parquet type decides (int → int64_value,
     float → double_value, string → string_value). Nulls (and NaN) become an unset ``Value``, an
-    explicit missing value. Sequence columns are ``sequence_delim``-joined ids or list columns; an
-    empty token is a missing id and is sent as 0. ``max_sequence_length`` > 0 keeps the most recent
-    ids only (the server rejects longer sequences). ``columnar``: candidates as
+    explicit missing value. Sequence columns are list columns or strings of ids joined by their
+    ``sequence_formats`` delimiter (needed for every sequence feature); an empty token is a missing
+    id and is sent as 0, and only the most recent ``max_length`` ids are kept (the server rejects
+    longer sequences). ``columnar``: candidates as
     ``candidate_columns`` (a null is a ``missing`` row) instead of ``candidates``; the same seed
     draws the same candidates either way.
     """
     _check_pool_args(feature_sides, num_requests, num_candidates)
+    formats = _sequence_formats(feature_sides, sequence_formats or {})
     table = _read_rows(Path(samples), list(feature_sides), max_rows)
     by_side = {s: [n for n, side in feature_sides.items() if side == s] for s in SIDES}
     entries = {
@@ -108,10 +142,7 @@ def build_request_pool(
     users = _join_rows([entries[n] for n in by_side["user"]], rows)
     contexts = _join_rows([entries[n] for n in by_side["context"]], rows)
     sequences = _align(
-        {
-            n: _jagged_ids(n, table.column(n), sequence_delim, max_sequence_length)
-            for n in by_side["sequence"]
-        }
+        {n: _jagged_ids(n, table.column(n), formats[n]) for n in by_side["sequence"]}
     )
     item_features = [entries[n] for n in by_side["item"]]
     first, item_of_row = _item_tuples(item_features)
@@ -134,6 +165,10 @@ def build_request_pool(
         "rows_read": table.num_rows,
         "seed": seed,
         "format": "columnar" if columnar else "rows",
+        "sequences": {
+            f.sequence: {"delimiter": f.delimiter, "max_length": f.max_length}
+            for f in formats.values()
+        },
     }
     return RequestPool(payloads, num_candidates, info)
 
@@ -148,6 +183,21 @@ def _check_pool_args(
         raise ValueError(
             f"num_candidates ({num_candidates}) and num_requests ({num_requests}) must be >= 1"
         )
+
+
+def _sequence_formats(
+    feature_sides: Mapping[str, str], formats: Mapping[str, SequenceFormat]
+) -> dict[str, SequenceFormat]:
+    """The format of each sequence feature; ValueError naming those without one."""
+    names = [n for n, side in feature_sides.items() if side == "sequence"]
+    missing = [n for n in names if n not in formats]
+    if missing:
+        raise ValueError(
+            f"sequence features {missing} have no delimiter and length limit; pass "
+            "sequence_formats=sequence_formats_from_metadata(metadata) (the server's "
+            "ModelMetadata.sequences lists each sequence's features)"
+        )
+    return {n: formats[n] for n in names}
 
 
 def _request_head(
@@ -368,11 +418,19 @@ def _fill_column(
 
 
 def _jagged_ids(
-    name: str, column: pa.ChunkedArray, delim: str, keep_last: int
+    name: str, column: pa.ChunkedArray, fmt: SequenceFormat
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(values int64, offsets [rows + 1]) of a sequence column; empty tokens are 0."""
+    """(values int64, offsets [rows + 1]) of a sequence column, the most recent
+    ``fmt.max_length`` ids of each row (all when 0); empty tokens are 0."""
     arr = column.combine_chunks()
+    delim, keep_last = fmt.delimiter, fmt.max_length
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        if not delim:
+            raise ValueError(
+                f"sequence column {name!r} holds joined strings, but the model metadata gives no "
+                f"delimiter for sequence {fmt.sequence!r} (SequenceInfo.delimiter); serve the "
+                "model with this version of serve, or write the column as a list"
+            )
         arr = pc.if_else(pc.equal(pc.utf8_trim_whitespace(arr), ""), pa.scalar(None, arr.type), arr)
         lists = pc.split_pattern(arr, delim)
         tokens = pc.utf8_trim_whitespace(lists.flatten())
@@ -381,12 +439,16 @@ def _jagged_ids(
         lists, tokens = arr, arr.flatten()
     else:
         raise ValueError(
-            f"sequence column {name!r} has type {arr.type}; expected '{delim}'-joined strings or a list"
+            f"sequence column {name!r} has type {arr.type}; expected {delim!r}-joined strings "
+            "or a list"
         )
     try:
         values = tokens.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
     except pa.ArrowInvalid as e:
-        raise ValueError(f"sequence column {name!r} has a non-integer id: {e}") from e
+        raise ValueError(
+            f"sequence column {name!r} has a non-integer id after splitting on {delim!r} (the "
+            f"model's sequence_delim): {e}; are these the samples of the served model?"
+        ) from e
     lengths = pc.list_value_length(lists).fill_null(0).to_numpy(zero_copy_only=False)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     if keep_last > 0:  # keep the most recent ids: re-slice values to the kept tails

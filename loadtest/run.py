@@ -27,8 +27,14 @@ import grpc
 from loadtest import report
 from loadtest.latency import RawLatencies, read_raw_latencies
 from loadtest.pool import RequestPool, write_pool
-from loadtest.requests import build_request_pool, sides_from_metadata, value_types_from_metadata
+from loadtest.requests import (
+    build_request_pool,
+    sequence_formats_from_metadata,
+    sides_from_metadata,
+    value_types_from_metadata,
+)
 from protos import predict_pb2, predict_pb2_grpc
+from shared.cli import Parser, plain, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -44,7 +50,9 @@ def wait_until_serving(host: str, timeout_s: float = 120.0, service: str = "") -
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                # types-grpcio-health-checking's HealthStub lacks the Check set in its __init__
+                check = stub.Check  # type: ignore[attr-defined]
+                reply = check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return time.perf_counter() - start
             except grpc.RpcError:
@@ -57,7 +65,9 @@ def wait_until_serving(host: str, timeout_s: float = 120.0, service: str = "") -
 
 
 def fetch_metadata(host: str, timeout_s: float = 30.0) -> predict_pb2.ModelMetadata:
-    """The served model's metadata; waits up to ``timeout_s`` for the server to accept calls."""
+    """The served model's metadata; waits up to ``timeout_s`` for the server to accept calls.
+
+    ConnectionError (an OSError) when it does not answer: a user's mistake, not a bug."""
     with grpc.insecure_channel(host) as channel:
         stub = predict_pb2_grpc.PredictionServiceStub(channel)
         try:
@@ -65,9 +75,9 @@ def fetch_metadata(host: str, timeout_s: float = 30.0) -> predict_pb2.ModelMetad
                 predict_pb2.ModelMetadataRequest(), timeout=timeout_s, wait_for_ready=True
             )
         except grpc.RpcError as e:
-            raise RuntimeError(
+            raise ConnectionError(
                 f"GetModelMetadata on {host} failed ({e.code().name}: {e.details()}); is the "
-                "server running and listening there?"
+                "server running and listening there? (--host HOST:PORT)"
             ) from e
 
 
@@ -86,19 +96,21 @@ def run_load_test(
     rpc_timeout_s: float = 10.0,
     processes: int = 1,
     columnar: bool = True,
+    connect_timeout_s: float = 30.0,
 ) -> dict[str, object]:
     """Run one headless locust test against ``host`` (``ip:port``) and return the summary.
 
     The summary (also ``<out>/summary.json``) holds exact percentiles from the raw latencies;
-    locust's own numbers (whole ms below 100 ms) are under ``"locust"``.
+    locust's own numbers (whole ms below 100 ms) are under ``"locust"``. ``connect_timeout_s``:
+    how long to wait for the server to answer its first call.
     """
     if int(duration_s) != duration_s or duration_s < 1:
         raise ValueError(
-            f"duration_s must be a whole number of seconds >= 1 (locust's -t), got {duration_s}"
+            f"--duration {duration_s}: must be a whole number of seconds >= 1 (locust's -t)"
         )
     out = Path(out)
     raw_dir = _clear_outputs(out)
-    metadata = _served_metadata(host, num_candidates)
+    metadata = _served_metadata(host, num_candidates, connect_timeout_s)
     pool, pool_file, build_s = _write_request_pool(
         samples,
         metadata,
@@ -161,9 +173,11 @@ def _clear_outputs(out: Path) -> Path:
     return raw_dir
 
 
-def _served_metadata(host: str, num_candidates: int) -> predict_pb2.ModelMetadata:
+def _served_metadata(
+    host: str, num_candidates: int, timeout_s: float = 30.0
+) -> predict_pb2.ModelMetadata:
     """The served model's metadata, refusing more candidates per request than it accepts."""
-    metadata = fetch_metadata(host)
+    metadata = fetch_metadata(host, timeout_s)
     if metadata.max_candidates and num_candidates > metadata.max_candidates:
         raise ValueError(
             f"num_candidates {num_candidates} exceeds the server's max_candidates "
@@ -182,7 +196,8 @@ def _write_request_pool(
     seed: int,
     columnar: bool,
 ) -> tuple[RequestPool, Path, float]:
-    """(pool, its file, seconds to build and write it): requests laid out as ``metadata`` says."""
+    """(pool, its file, seconds to build and write it): requests laid out as ``metadata`` says
+    (sides, value types, each sequence's delimiter and length limit)."""
     t0 = time.perf_counter()
     pool = build_request_pool(
         samples,
@@ -191,7 +206,7 @@ def _write_request_pool(
         num_requests=num_requests,
         num_candidates=num_candidates,
         seed=seed,
-        max_sequence_length=metadata.max_sequence_length,
+        sequence_formats=sequence_formats_from_metadata(metadata),
         columnar=columnar,
     )
     pool.info["model_version"] = metadata.model_version
@@ -250,16 +265,25 @@ def _run_locust(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.split("\n\n")[0])
+    return run_cli(_main, argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    doc = plain(__doc__).split("\n\n")
+    p = Parser(
+        prog="python -m loadtest",
+        description="\n\n".join([doc[0], *doc[2:]]),
+        epilog="example:\n" + doc[1],
+    )
     p.add_argument("--host", required=True, help="PredictionService address, e.g. 127.0.0.1:50051")
     p.add_argument("--samples", required=True, help="eval samples: Parquet file or directory")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--users", type=int, default=8, help="concurrent locust users")
     p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
     p.add_argument("--duration", type=int, default=30, help="seconds")
     p.add_argument("--candidates", type=int, default=100, help="candidates per request")
     p.add_argument("--requests", type=int, default=2000, help="distinct requests in the pool")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the request sampling")
     p.add_argument("--wait-ms", type=float, default=0.0, help="per-user pause between requests")
     p.add_argument("--rpc-timeout", type=float, default=10.0, help="deadline of one call, seconds")
     p.add_argument(
@@ -269,10 +293,25 @@ def main(argv: list[str] | None = None) -> int:
         "--columnar",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="send candidates as candidate_columns (default) or, with --no-columnar, as one "
+        help="send candidates as candidate_columns or, with --no-columnar, as one "
         "Features map per candidate (the row format)",
     )
-    a = p.parse_args(argv)
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the server to answer its first call",
+    )
+    return p
+
+
+def _main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    if not Path(a.samples).exists():
+        raise FileNotFoundError(
+            f"--samples {a.samples}: no such file or directory; pass the eval samples "
+            "(python -m train.data build writes OUT/eval)"
+        )
     s = run_load_test(
         a.host,
         a.samples,
@@ -287,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         rpc_timeout_s=a.rpc_timeout,
         processes=a.processes,
         columnar=a.columnar,
+        connect_timeout_s=a.connect_timeout,
     )
     lat = s["latency_ms"]
     assert isinstance(lat, dict)

@@ -134,14 +134,16 @@ class FeatureInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., side: _Optional[str] = ..., kind: _Optional[str] = ..., table: _Optional[str] = ..., value_type: _Optional[str] = ..., max_length: _Optional[int] = ...) -> None: ...
 
 class SequenceInfo(_message.Message):
-    __slots__ = ("name", "features", "max_length")
+    __slots__ = ("name", "features", "max_length", "delimiter")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DELIMITER_FIELD_NUMBER: _ClassVar[int]
     name: str
     features: _containers.RepeatedScalarFieldContainer[str]
     max_length: int
-    def __init__(self, name: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., max_length: _Optional[int] = ...) -> None: ...
+    delimiter: str
+    def __init__(self, name: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., max_length: _Optional[int] = ..., delimiter: _Optional[str] = ...) -> None: ...
 
 class ServingLimits(_message.Message):
     __slots__ = ("max_candidates", "max_string_bytes", "max_request_bytes", "max_message_bytes", "max_detail_bytes", "max_pending")

@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shared.cli import Parser, check_device, plain, run_cli  # noqa: E402 (needs ROOT on the path)
+
 STAGES = ("data", "train", "export", "serve")
 log = logging.getLogger("pipeline")
 
@@ -44,9 +46,11 @@ def _run(cmd: list[str], log_file: Path) -> None:
             if "\r" not in line:
                 sys.stderr.write(line)
         rc = proc.wait()
-    if rc != 0:
-        tail = log_file.read_text()[-3000:]
-        raise RuntimeError(f"stage command failed ({rc}): {' '.join(cmd)}\n{tail}")
+    if rc != 0:  # its output is already on stderr: name the command and the log
+        raise ChildProcessError(
+            f"stage command failed (exit code {rc}): {' '.join(cmd)}; its output is above and "
+            f"in {log_file}"
+        )
 
 
 def _free_port() -> int:
@@ -265,23 +269,47 @@ def render(r: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--config", type=Path, default=ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
+def _parser() -> argparse.ArgumentParser:
+    doc = plain(__doc__).split("\n\n")
+    p = Parser(
+        prog="scripts/pipeline.py", description="\n\n".join(doc[:2]), epilog="examples:\n" + doc[2]
     )
-    p.add_argument("--size", choices=["tiny", "small", "full"], default="small")
-    p.add_argument("--raw-dir", type=Path, help="directory with the real dataset's four CSV files")
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config",
+        help="pipeline config (text proto)",
+    )
+    p.add_argument(
+        "--size", choices=["tiny", "small", "full"], default="small", help="synthetic data size"
+    )
+    p.add_argument(
+        "--raw-dir",
+        type=Path,
+        help="directory with the real dataset's four CSV files (instead of synthetic data)",
+    )
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline", help="stage outputs")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="train and serve on")
+    p.add_argument("--batch-size", type=int, default=1024, help="training rows per batch")
+    p.add_argument("--num-workers", type=int, default=1, help="data loader processes")
     p.add_argument("--eval-every", type=int, default=64, help="training steps between evaluations")
-    p.add_argument("--candidates", type=int, default=100)
-    p.add_argument("--load-users", type=int, default=4)
-    p.add_argument("--load-seconds", type=int, default=20)
+    p.add_argument("--candidates", type=int, default=100, help="candidates per load-test request")
+    p.add_argument("--load-users", type=int, default=4, help="concurrent load-test users")
+    p.add_argument("--load-seconds", type=int, default=20, help="load-test duration")
     p.add_argument("--redo", choices=STAGES, help="rerun this stage and every later one")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    check_device(args.device)
+    for flag, path in (("--config", args.config), ("--raw-dir", args.raw_dir)):
+        if path is not None and not path.exists():
+            raise FileNotFoundError(f"{flag} {path}: no such file or directory; check the path")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = Pipeline(args).run()
     print(report.read_text())

@@ -19,13 +19,22 @@ from serve.limits import Limits
 from serve.model import default_device
 from serve.security import TlsConfig
 from serve.server import PredictionServer, ServerConfig
+from shared.cli import Parser, check_device, check_port, plain, run_cli
+
+EXAMPLE = """examples:
+  python -m serve --bundle runs/dyn/bundle --port 8500 --metrics-port 9100
+  python -m serve --model-dir /srv/models --port 8500 --device cuda   # hot-swaps new versions"""
 
 # one request of 500-1000 candidates fills a CPU batch; a GPU runs 8K rows in about the time of 1K
 DEFAULT_BATCH_ROWS = {"cpu": 1024, "cuda": 8192}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
+    return parser().parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m serve", description=plain(__doc__), epilog=EXAMPLE)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", type=Path, help="serve this bundle directory")
     src.add_argument("--model-dir", type=Path, help="watch <dir>/<version>/ bundles, hot-swap")
@@ -33,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine)"
     )
     p.add_argument("--port", type=int, default=8500, help="gRPC port (0: any free one)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off)"
+    )
     p.add_argument(
         "--poll-interval-s",
         type=float,
@@ -51,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _process_args(p.add_argument_group("process"))
     _tls_args(p.add_argument_group("TLS for the public port (and a TCP admin address)"))
     _admin_args(p.add_argument_group("admin service (off unless --admin-address)"))
-    return p.parse_args(argv)
+    return p
 
 
 def _batching_args(g: argparse._ArgumentGroup) -> None:
@@ -193,7 +204,7 @@ def _tls(a: argparse.Namespace) -> TlsConfig | None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         return None
     if a.tls_cert is None or a.tls_key is None:
-        raise ValueError("TLS needs both --tls-cert and --tls-key")
+        raise ValueError("TLS needs both --tls-cert and --tls-key; pass both, or neither")
     return TlsConfig(a.tls_cert, a.tls_key, a.tls_client_ca)
 
 
@@ -219,21 +230,30 @@ def _admin(a: argparse.Namespace) -> AdminConfig | None:
     )
 
 
+def _check_machine(config: ServerConfig) -> None:
+    """What the flags ask of this machine (a device, a bundle, free ports), before starting."""
+    check_device(config.device)
+    if config.bundle is not None and not config.bundle.is_dir():
+        raise FileNotFoundError(
+            f"--bundle {config.bundle}: no such directory; pass a bundle written by "
+            "python -m train export (or --model-dir DIR for DIR/<version>/ bundles)"
+        )
+    check_port(config.host, config.port, "--port", reuse_port=config.reuse_port)
+    check_port(config.host, config.metrics_port, "--metrics-port")
+
+
 def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     # force: importing torchrec installs a root handler first, which would make this a no-op
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-    try:
-        config = config_from_args(parse_args(argv))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        server = PredictionServer(config).start()
-    except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = config_from_args(parse_args(argv))  # ValueError, OSError: run_cli's error line
+    _check_machine(config)
+    server = PredictionServer(config).start()
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=5.0))
     if not server.wait_ready():
         logging.error("no model could be loaded: %s", server.load_error)

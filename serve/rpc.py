@@ -169,7 +169,7 @@ def unary_service(
     limits: Limits,
 ) -> grpc.GenericRpcHandler:
     """The generic handler of ``service`` (full name) serving ``methods`` from raw bytes."""
-    handlers = {
+    handlers: dict[str, grpc.RpcMethodHandler[bytes, Message]] = {
         m.name: grpc.unary_unary_rpc_method_handler(
             _Handler(m, metrics=metrics, status_of=status_of, limits=limits),
             request_deserializer=None,  # the raw bytes: parsed (and refused) by the handler

@@ -103,7 +103,11 @@ class PredictionServicer:
         t2, c2 = time.perf_counter(), time.thread_time()
         check_deadline(deadline, "before batching (validation and feature generation)")
         future = self._batcher.submit(model, batch, deadline=deadline)
-        context.add_callback(future.cancel)  # client gone: drop it if not started
+
+        def drop() -> None:  # client gone: drop it if not started
+            future.cancel()
+
+        context.add_callback(drop)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         probs = future.result(timeout=timeout)
         t3, c3 = time.perf_counter(), time.thread_time()
@@ -146,6 +150,7 @@ def model_metadata(
             name=name,
             features=[f.name for f in specs],
             max_length=limits.sequence_cap(specs[0].sequence_length),
+            delimiter=specs[0].sequence_delim or "",
         )
         for name, specs in groups.items()
     ]

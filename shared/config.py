@@ -77,7 +77,9 @@ def parse_config(text: str, name: str = "<config>") -> pipeline_pb2.EasyRecConfi
         text_format.Parse(_split_adjacent_feature_names(text), msg)
     except text_format.ParseError as err:
         line = err.GetLine() if hasattr(err, "GetLine") else None
-        raise ConfigError(name, line, "text_format", str(err)) from None
+        what = re.sub(r"^\d+:\d+ : ", "", str(err)).rstrip(".")  # line: in the prefix
+        fix = "fix that line (the fields are protos/pipeline.proto's)"
+        raise ConfigError(name, line, "text_format", f"{what}; {fix}") from None
     return msg
 
 
@@ -85,7 +87,7 @@ def load_config(path: str | Path) -> pipeline_pb2.EasyRecConfig:
     """Parse the config file at ``path``."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(str(path), None, "path", "config file not found")
+        raise ConfigError(str(path), None, "path", "config file not found; check the path")
     return parse_config(path.read_text(), str(path))
 
 

@@ -242,7 +242,7 @@ def write_delta(
     if not DELTA_ID_RE.match(delta_id):
         raise DeltaError(f"delta id {delta_id!r} must be 1-64 characters of A-Z a-z 0-9 . _ : -")
     if out.exists() and not overwrite:
-        raise DeltaError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        raise DeltaError(f"{out} exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 
 
 def test_pipeline_on_tiny(tmp_path: Path) -> None:
@@ -46,3 +48,63 @@ def test_pipeline_on_tiny(tmp_path: Path) -> None:
         "stage command" not in again.stderr
         and "$ " + sys.executable + " -m train train" not in again.stderr
     )
+
+
+def _second_config(path: Path) -> Path:
+    """The seed config with other dims, another sequence name, ``;`` and sequence_length 20.
+
+    Dims: the dynamic ad and category tables (shared with the sequence) 32 and 24, every other
+    table 8 (training keeps the num_buckets tables in one torchrec EmbeddingCollection, which
+    needs one dim for all of them)."""
+    text = SEED_CONFIG.read_text()
+    for name, dim in {"adgroup_id": 32, "cate_id": 24}.items():
+        text = re.sub(  # every block of the feature (the sequence's sub-feature too)
+            rf'(feature_name: "{name}"\n[^}}]*?)embedding_dim: 16',
+            rf"\g<1>embedding_dim: {dim}",
+            text,
+        )
+    for old, new in (("embedding_dim: 16", "embedding_dim: 8"),
+                     ('sequence_delim: "|"', 'sequence_delim: ";"'),
+                     ("sequence_length: 100", "sequence_length: 20"),
+                     ("click_50_seq", "click_seq")):  # fmt: skip
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
+def test_pipeline_runs_a_config_with_another_delimiter_and_length(tmp_path: Path) -> None:
+    """Every fg setting (delimiter, length, names, dims) reaches data, parity and the load test
+    from the config, the bundle's fg.json and the server's metadata: nothing assumes ``|``."""
+    import pyarrow.dataset as ds
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, str(ROOT / "scripts" / "pipeline.py"), "--size", "tiny", "--out", str(out),
+        "--config", str(_second_config(tmp_path / "second.config")), "--batch-size", "512",
+        "--num-workers", "0", "--eval-every", "1000", "--candidates", "10", "--load-users", "1",
+        "--load-seconds", "2",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # the samples are written with the config's delimiter and length
+    seq = ds.dataset(str(out / "data" / "samples" / "eval"), format="parquet").to_table(
+        columns=["click_seq__adgroup_id"]
+    )
+    rows = [s for s in seq.column(0).to_pylist() if s]
+    assert rows and any(";" in s for s in rows) and not any("|" in s for s in rows)
+    assert max(len(s.split(";")) for s in rows) == 20  # the cap binds (and the load test's too)
+    fg = json.loads((out / "bundle" / "fg.json").read_text())
+    seq_spec = fg["features"]["click_seq__adgroup_id"]
+    assert (seq_spec["sequence_delim"], seq_spec["sequence_length"]) == (";", 20)
+    dims = {n: fg["tables"][fg["features"][n]["table"]]["dim"] for n in ("user_id", "cate_id")}
+    assert dims == {"user_id": 8, "cate_id": 24}
+    report = json.loads((out / "report.json").read_text())
+    assert report["parity"]["max_abs_diff"] <= 1e-5 and report["parity"]["requests"] > 0
+    load = report["loadtest"]
+    assert load["requests"] > 0 and load["failures"] == 0
+    summary = json.loads((out / "loadtest" / "summary.json").read_text())
+    assert summary["request_pool"]["sequences"] == {
+        "click_seq": {"delimiter": ";", "max_length": 20}
+    }

@@ -147,8 +147,8 @@ def load_checkpoint(
     path = Path(path)
     if not (path / "DONE").exists():
         raise FileNotFoundError(
-            f"{path} is not a complete checkpoint (no DONE marker); pick one listed by "
-            "`list_checkpoints`"
+            f"{path} is not a complete checkpoint (no DONE marker); pass a step_N directory "
+            "that holds DONE, or leave --checkpoint out for the newest complete one"
         )
     state = torch.load(path / "dense.pt", map_location="cpu", weights_only=False)
     model.dense.load_state_dict(state["dense"])

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from shared.bundle import TZREC_NAMING, BundleNaming, write_bundle
+from shared.bundle.writer import check_destination
 from shared.config import config_digest, load_config
 from shared.features import build_feature_set
 from shared.hashtable.checkpoint import collection_paths
@@ -73,6 +74,7 @@ def export_bundle(
     """Write the serving bundle of a checkpoint to ``out_dir`` (atomically), its files and
     tensors named by ``naming`` (:mod:`shared.bundle.naming`)."""
     config = load_config(config_path)
+    check_destination(out_dir, overwrite=overwrite)  # before the minutes of restore and export
     model, progress, ckpt = restore_model(
         config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu"
     )

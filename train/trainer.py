@@ -179,6 +179,11 @@ def train_step(
     ``graphs`` (built on ``model.dense``; ignored with ``sync``) runs the dense forward+backward
     through CUDA graphs where it can (:mod:`train.model.graphed`), else eagerly.
     """
+    labels = batch.labels
+    if labels is None:
+        raise ValueError(
+            "train_step needs a labelled batch (batch.labels is None): train on data with labels"
+        )
     device = batch.user_index.device
     model.sparse.dynamic.set_step(step)
     for opt in optimizers.values():
@@ -195,9 +200,9 @@ def train_step(
     with _amp_context(amp, device):
         logits = dense(**inputs)  # [B]
     if sync is None:
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), labels)
     else:
-        loss = sync.loss(logits.float(), batch.labels, global_rows or batch.batch_size)
+        loss = sync.loss(logits.float(), labels, global_rows or batch.batch_size)
     loss.backward()  # dynamic tables: fused Adagrad happens here
     if sync is not None:
         sync.all_reduce_table_grads()

@@ -81,10 +81,7 @@ def write_bundle(
     _check_arguments(version, config_digest, program, max_shard_bytes)
     extra_json = _jsonable(dict(extra or {}), "extra")
     groups = _table_groups(feature_set, dense_tables, hash_tables, naming)
-    state = _destination_state(out)
-    if state in ("bundle", "partial") and not overwrite:
-        what = "a bundle" if state == "bundle" else "an incomplete bundle (no manifest.json)"
-        raise BundleError(f"{out} already holds {what}; pass overwrite=True to replace it")
+    check_destination(out, overwrite=overwrite)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
@@ -292,7 +289,7 @@ def _destination_state(out: Path) -> str:
     if not out.exists():
         return "absent"
     if not out.is_dir():
-        raise BundleError(f"{out} exists and is not a directory; choose another out_dir")
+        raise BundleError(f"{out} exists and is not a directory; choose another --out")
     names = [p.name for p in out.iterdir()]
     if not names:
         return "empty"
@@ -302,9 +299,22 @@ def _destination_state(out: Path) -> str:
     if foreign:
         raise BundleError(
             f"{out} is not a bundle directory (it holds {foreign[0]!r}); refusing to replace it "
-            "even with overwrite=True: choose another out_dir or remove it yourself"
+            "even with --overwrite: choose another --out or remove it yourself"
         )
     return "partial"
+
+
+def check_destination(out_dir: str | os.PathLike[str], *, overwrite: bool) -> None:
+    """Raise BundleError if :func:`write_bundle` to ``out_dir`` would refuse it: a bundle (or
+    an incomplete one) there without ``overwrite``, or a directory that is not a bundle's.
+    Cheap, so exporters call it before the expensive part."""
+    out = Path(out_dir)
+    state = _destination_state(out)
+    if state in ("bundle", "partial") and not overwrite:
+        what = "a bundle" if state == "bundle" else "an incomplete bundle (no manifest.json)"
+        raise BundleError(
+            f"{out} already holds {what}; pass --overwrite to replace it, or choose another --out"
+        )
 
 
 def _swap_in(tmp: Path, out: Path, *, overwrite: bool) -> None:
@@ -317,7 +327,9 @@ def _swap_in(tmp: Path, out: Path, *, overwrite: bool) -> None:
         if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
     if not overwrite:  # checked before writing; something else wrote there meanwhile
-        raise BundleError(f"{out} was filled while this bundle was written; pass overwrite=True")
+        raise BundleError(
+            f"{out} was filled while this bundle was written; pass --overwrite to replace it"
+        )
     if not _exchange(tmp, out):  # no renameat2: two renames, `out` briefly absent, never half
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
         os.rename(out, old)

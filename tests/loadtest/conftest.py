@@ -19,7 +19,7 @@ SEQUENCE = ["click_50_seq__adgroup_id", "click_50_seq__cate_id", "click_50_seq__
 
 
 def model_metadata(
-    max_candidates: int = 1000, max_sequence_length: int = 100
+    max_candidates: int = 1000, max_sequence_length: int = 100, delimiter: str = "|"
 ) -> predict_pb2.ModelMetadata:
     md = predict_pb2.ModelMetadata(
         model_version="test-1",
@@ -35,7 +35,16 @@ def model_metadata(
             vtype = "string"
         md.features.add(name=name, side=side, kind=kind, value_type=vtype)
     for name in SEQUENCE:  # sequence sub-features are item-side expressions in the config
-        md.features.add(name=name, side="item", kind="sequence_id", value_type="int64")
+        md.features.add(
+            name=name,
+            side="item",
+            kind="sequence_id",
+            value_type="int64",
+            max_length=max_sequence_length,
+        )
+    md.sequences.add(
+        name="click_50_seq", features=SEQUENCE, max_length=max_sequence_length, delimiter=delimiter
+    )
     return md
 
 

@@ -121,7 +121,7 @@ def test_load_test_reports_exact_percentiles(
     assert lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
 
     raw = read_raw_latencies(out / "raw")
-    assert summary["requests"] == len(raw) > 20
+    assert summary["requests"] == len(raw) > 0  # how many fit in 3 s depends on the machine
     assert raw.ok.all()
     locust_row = summary["locust"]["stats"]["Predict"]
     assert locust_row["Request Count"] == len(raw)
@@ -130,7 +130,11 @@ def test_load_test_reports_exact_percentiles(
     assert len(raw) <= servicer.received <= len(raw) + 2
     assert summary["qps"] > 0
     assert summary["candidates_per_s"] == pytest.approx(summary["qps"] * 20)
-    assert 1.0 < summary["window_s"] < 6.0  # -t 3s, less locust start-up
+    # the rate is the calls over the measured window (how long it is depends on the machine)
+    assert summary["qps"] == pytest.approx(len(raw) / summary["window_s"])
+    assert summary["request_pool"]["sequences"] == {
+        "click_50_seq": {"delimiter": "|", "max_length": 100}
+    }
     assert sum(r["requests"] for r in summary["timeline"]) == len(raw)
     assert (out / "latency.png").stat().st_size > 10_000
     assert (out / "locust_stats.csv").exists()

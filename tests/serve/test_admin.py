@@ -301,7 +301,7 @@ def test_unix_socket_and_cli_with_token(
     assert srv.port == 0 and srv.target == f"unix:{sock}"
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
     server = ["--server", srv.target]
-    assert main(["inspect", *server, "--json"]) == 1  # no token
+    assert main(["inspect", *server, "--json"]) == 2  # no token
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert main(["inspect", *server, "--token-file", str(env.token_file), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

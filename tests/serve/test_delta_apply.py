@@ -16,7 +16,11 @@ import pyarrow.dataset as pads
 import pytest
 
 from loadtest.parity import check_parity, request_for_rows
-from loadtest.requests import sides_from_metadata, value_types_from_metadata
+from loadtest.requests import (
+    sequence_formats_from_metadata,
+    sides_from_metadata,
+    value_types_from_metadata,
+)
 from protos import predict_pb2, predict_pb2_grpc
 from serve.admin import AdminConfig
 from serve.batcher import BatcherConfig
@@ -100,7 +104,13 @@ def test_delta_applied_live_scores_like_a_full_export(
         )
     assert md.model_version == "step-4" and md.base_version == "step-4" and not md.deltas
     rows = pads.dataset(str(eval_rows), format="parquet").head(8)
-    request = request_for_rows(rows, sides_from_metadata(md), value_types_from_metadata(md), "x")
+    request = request_for_rows(
+        rows,
+        sides_from_metadata(md),
+        value_types_from_metadata(md),
+        "x",
+        sequence_formats=sequence_formats_from_metadata(md),
+    )
     stop, seen, errors = threading.Event(), [], []
     loop = threading.Thread(target=_predict_loop, args=(host, request, stop, seen, errors))
     loop.start()

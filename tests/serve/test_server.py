@@ -135,14 +135,15 @@ def test_metadata(stub, fs: FeatureSet) -> None:
     assert {t.name for t in md.tables} == set(fs.tables)
     assert set(md.startup_seconds) == {"read", "table_build", "program_load", "warmup", "total"}
     assert md.max_candidates == LIMITS.max_candidates and md.device == "cpu"
-    # sequences: where they go in a request, and the length the server enforces (the flag's
-    # 20 caps the config's 50)
+    # sequences: where they go in a request, the length the server enforces (the flag's
+    # 20 caps the config's 50) and the config's sequence_delim (how sample rows join the ids)
     sides = {f.name: f.side for f in md.features}
     seq = [n for n, spec in fs.features.items() if spec.is_sequence]
     assert {sides[n] for n in seq} == {"sequence"} and sides["adgroup_id"] == "item"
-    assert [(s.name, list(s.features), s.max_length) for s in md.sequences] == [
-        ("click_50_seq", seq, 20)
+    assert [(s.name, list(s.features), s.max_length, s.delimiter) for s in md.sequences] == [
+        ("click_50_seq", seq, 20, fs.features[seq[0]].sequence_delim)
     ]
+    assert md.sequences[0].delimiter == "|"
     assert md.max_sequence_length == 20
     assert {f.max_length for f in md.features if f.name in seq} == {20}
     assert md.limits.max_candidates == 8 and md.limits.max_request_bytes == 64 << 10

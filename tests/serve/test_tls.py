@@ -174,7 +174,7 @@ def test_admin_port_with_tls_and_token(
         access = ["--server", target, "--token-file", str(token), "--json"]
         assert main(["inspect", *access, "--tls-ca", str(certs.ca.cert)]) == 0
         assert '"model_version": "1"' in capsys.readouterr().out
-        assert main(["inspect", *access]) == 1  # plaintext client
+        assert main(["inspect", *access]) == 2  # plaintext client
         assert "UNAVAILABLE" in capsys.readouterr().err
     finally:
         srv.stop(grace=0)

@@ -898,7 +898,7 @@ def test_missing_listed_file(bundle: Path) -> None:
 
 def test_overwrite_protection(tmp_path: Path, program: Path) -> None:
     out = _write(tmp_path / "b", program, version="v1")
-    with pytest.raises(BundleError, match=r"already holds a bundle; pass overwrite=True"):
+    with pytest.raises(BundleError, match=r"already holds a bundle; pass --overwrite"):
         _write(out, program, version="v2")
     assert read_bundle(out).version == "v1"  # untouched
     _write(out, program, version="v2", overwrite=True)
@@ -910,7 +910,7 @@ def test_partial_and_foreign_destinations(tmp_path: Path, program: Path) -> None
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / f"{SHARD}.safetensors").write_bytes(b"half")
-    with pytest.raises(BundleError, match="incomplete bundle .*pass overwrite=True"):
+    with pytest.raises(BundleError, match=r"incomplete bundle .*pass --overwrite"):
         _write(partial, program)
     _write(partial, program, overwrite=True)
     read_bundle(partial)

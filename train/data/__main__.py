@@ -1,10 +1,11 @@
-"""``python -m train.data``: generate synthetic raw files, build sample Parquet, print the oracle AUC.
+"""python -m train.data: generate synthetic raw files, build sample Parquet, print the oracle AUC.
 
-    python -m train.data generate --size small --out data/small --seed 0   # data/small/raw/*.csv
-    python -m train.data build --raw data/small/raw --out data/small/samples \\
-        --config configs/multi_tower_din_taobao_dynamicemb.config
-    python -m train.data oracle-auc --samples data/small/samples
-    python -m train.data all --size small --out data/small                 # the three above
+examples:
+  python -m train.data generate --size small --out data/small --seed 0   # data/small/raw/*.csv
+  python -m train.data build --raw data/small/raw --out data/small/samples \\
+      --config configs/multi_tower_din_taobao_dynamicemb.config
+  python -m train.data oracle-auc --samples data/small/samples
+  python -m train.data all --size small --out data/small                 # the three above
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from shared.cli import Parser, run_cli
 from shared.config import load_config
 from shared.features import build_feature_set
 from train.data import synthetic, taobao
@@ -53,42 +55,56 @@ def _oracle(samples: Path, split: str) -> None:
     print(f"oracle AUC ({split}, {rows} rows, CTR {ctr:.4f}): {auc:.4f}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m train.data", description=__doc__.split("\n")[0]
+def _parser() -> argparse.ArgumentParser:
+    examples = __doc__.split("\n\n", 1)[1].splitlines()
+    parser = Parser(
+        prog="python -m train.data",
+        description=__doc__.split("\n")[0],
+        epilog="\n".join(examples),
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="write synthetic raw CSV files + the oracle side file")
-    g.add_argument("--size", choices=sorted(synthetic.SIZES), default="small")
+
+    def command(name: str, what: str, *example_lines: int) -> argparse.ArgumentParser:
+        epilog = "example:\n" + "\n".join(examples[i] for i in example_lines)
+        return sub.add_parser(name, help=what, description=what, epilog=epilog)
+
+    size_help = "synthetic data size (rows, users, ads)"
+    config_help = "pipeline config: the features to build"
+    g = command("generate", "write synthetic raw CSV files + the oracle side file", 1)
+    g.add_argument("--size", choices=sorted(synthetic.SIZES), default="small", help=size_help)
     g.add_argument("--out", type=Path, required=True, help="writes OUT/raw/*.csv")
-    g.add_argument("--seed", type=int, default=0)
-    b = sub.add_parser("build", help="join raw CSV files into sample Parquet (train/ and eval/)")
-    b.add_argument("--raw", type=Path, required=True)
-    b.add_argument("--out", type=Path, required=True)
-    b.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    o = sub.add_parser("oracle-auc", help="AUC of the true click probabilities")
-    o.add_argument("--samples", type=Path, required=True)
-    o.add_argument("--split", choices=["train", "eval"], default="eval")
-    a = sub.add_parser("all", help="generate, build and print the oracle AUC")
-    a.add_argument("--size", choices=sorted(synthetic.SIZES), default="small")
-    a.add_argument("--out", type=Path, required=True)
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    args = parser.parse_args(argv)
-    try:
-        if args.cmd in ("generate", "all"):
-            _generate(args.size, args.out, args.seed)
-        if args.cmd == "build":
-            _build(args.raw, args.out, args.config)
-        if args.cmd == "all":
-            _build(args.out / "raw", args.out / "samples", args.config)
-        if args.cmd == "oracle-auc":
-            _oracle(args.samples, args.split)
-        if args.cmd == "all":
-            _oracle(args.out / "samples", "eval")
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    g.add_argument("--seed", type=int, default=0, help="random seed of the generator")
+    b = command("build", "join raw CSV files into sample Parquet (train/ and eval/)", 2, 3)
+    b.add_argument("--raw", type=Path, required=True, help="directory of the raw CSV files")
+    b.add_argument("--out", type=Path, required=True, help="writes OUT/train/ and OUT/eval/")
+    b.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=config_help)
+    o = command("oracle-auc", "AUC of the true click probabilities", 4)
+    o.add_argument("--samples", type=Path, required=True, help="samples dir (with train/, eval/)")
+    o.add_argument("--split", choices=["train", "eval"], default="eval", help="which split")
+    a = command("all", "generate, build and print the oracle AUC", 5)
+    a.add_argument("--size", choices=sorted(synthetic.SIZES), default="small", help=size_help)
+    a.add_argument("--out", type=Path, required=True, help="writes OUT/raw/ and OUT/samples/")
+    a.add_argument("--seed", type=int, default=0, help="random seed of the generator")
+    a.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=config_help)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd in ("generate", "all"):
+        _generate(args.size, args.out, args.seed)
+    if args.cmd == "build":
+        _build(args.raw, args.out, args.config)
+    if args.cmd == "all":
+        _build(args.out / "raw", args.out / "samples", args.config)
+    if args.cmd == "oracle-auc":
+        _oracle(args.samples, args.split)
+    if args.cmd == "all":
+        _oracle(args.out / "samples", "eval")
     return 0
 
 

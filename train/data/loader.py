@@ -66,6 +66,11 @@ class Window:
 def list_row_groups(path: str | Path) -> list[RowGroup]:
     """Row groups of ``path`` (a Parquet file, or a directory of ``*.parquet``), in name order."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: no such samples file or directory; build it with python -m train.data "
+            "build, or point --train/--eval (or the config's *_input_path) at it"
+        )
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"{path}: no Parquet files (expected part-*.parquet)")

@@ -128,7 +128,7 @@ def _read_small_csv(path: Path, header: tuple[str, ...], types: dict[str, pa.Dat
     """Read a whole CSV with names stripped of spaces and typed columns; nulls per NULL_VALUES."""
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: missing; raw_dir must hold {RAW_SAMPLE}, {AD_FEATURE}, ..."
+            f"{path}: missing; the --raw directory must hold {RAW_SAMPLE}, {AD_FEATURE}, ..."
         )
     _check_header(path, header)
     names = [h.strip() for h in header]

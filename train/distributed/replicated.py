@@ -44,7 +44,7 @@ from train.model.multi_tower_din import MultiTowerDIN
 log = logging.getLogger(__name__)
 
 
-def _sum_hook(state, bucket):  # type: ignore[no-untyped-def]
+def _sum_hook(state, bucket):
     """DDP comm hook: all-reduce SUM (the losses are already shares of the global mean).
 
     Unannotated on purpose: DDP checks the annotations at runtime and rejects the strings that

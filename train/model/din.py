@@ -128,7 +128,7 @@ class SortedPairFeatures(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         query: torch.Tensor,
         values: torch.Tensor,
@@ -141,7 +141,7 @@ class SortedPairFeatures(torch.autograd.Function):
         return torch.cat([q, values, q - values, q * values], dim=1)  # [T, 4D]
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         # grad: [T, 4D]
@@ -178,7 +178,7 @@ class SortedSegmentSoftmaxPool(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         scores: torch.Tensor,
         values: torch.Tensor,
@@ -198,7 +198,7 @@ class SortedSegmentSoftmaxPool(torch.autograd.Function):
         return torch.segment_reduce(weighted, "sum", offsets=offsets, unsafe=True)  # [B, D]
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         # grad: [B, D]

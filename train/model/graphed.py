@@ -264,7 +264,7 @@ class _Entry:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         entry: _Entry,
         n_rows: int,

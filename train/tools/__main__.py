@@ -1,4 +1,4 @@
-"""``python -m train.tools {init-ckpt,convert,inspect,delta-export,delta-apply}``: thin CLI.
+"""``python -m train.tools {init-ckpt,convert,inspect,delta-export,delta-apply}``: checkpoint tools.
 
 Examples::
 
@@ -29,16 +29,35 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.cli import Parser, plain, run_cli
+
 if TYPE_CHECKING:
     from train.tools.admin_client import AdminTarget
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.tools", description=__doc__.splitlines()[0])
+    doc = plain(__doc__)
+    p = Parser(
+        prog="python -m train.tools",
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n\n", 1)[1],
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    i = sub.add_parser("init-ckpt", help="init_table(s) -> initial dynamicemb checkpoint")
-    i.add_argument("--config", "--pipeline_config_path", type=Path, required=True)
+    def add_command(name: str, what: str) -> argparse.ArgumentParser:
+        mine, keep = [], False
+        for line in doc.split("\n\n")[2].splitlines():  # the examples, 4 spaces in
+            if line.startswith("    python"):
+                keep = line.startswith(f"    python -m train.tools {name} ")
+            if keep:
+                mine.append(line[2:])
+        epilog = "example:\n" + "\n".join(mine)
+        return sub.add_parser(name, help=what, description=what, epilog=epilog)
+
+    i = add_command("init-ckpt", "init_table(s) -> initial dynamicemb checkpoint")
+    i.add_argument(
+        "--config", "--pipeline_config_path", type=Path, required=True, help="pipeline config"
+    )
     i.add_argument(
         "--table",
         action="append",
@@ -47,14 +66,23 @@ def _parser() -> argparse.ArgumentParser:
         help="init table of a dynamic table or feature (repeatable); default: the config's "
         "dynamicemb.init_table of every table",
     )
-    i.add_argument("--world_size", "--world-size", dest="world_size", type=int, default=1)
-    i.add_argument("--out", "--save_dir", dest="out", type=Path, required=True)
+    i.add_argument(
+        "--world_size",
+        "--world-size",
+        dest="world_size",
+        type=int,
+        default=1,
+        help="ranks of the training that will load it",
+    )
+    i.add_argument(
+        "--out", "--save_dir", dest="out", type=Path, required=True, help="checkpoint dir to write"
+    )
     i.add_argument("--separator", default=",", help="between the values of a string embedding")
     i.add_argument("--delimiter", default=",", help="CSV field delimiter")
     i.add_argument("--max-errors", type=int, default=20, help="bad rows listed before a count")
-    i.add_argument("--overwrite", action="store_true")
+    i.add_argument("--overwrite", action="store_true", help="replace a checkpoint at --out")
 
-    c = sub.add_parser("convert", help="num_buckets checkpoint -> dynamic checkpoint")
+    c = add_command("convert", "num_buckets checkpoint -> dynamic checkpoint")
     c.add_argument("--from-config", type=Path, required=True, help="config of the checkpoint")
     c.add_argument("--checkpoint", type=Path, required=True, help="step dir or model dir")
     c.add_argument("--to-config", type=Path, required=True, help="config with dynamicemb tables")
@@ -63,31 +91,31 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, required=True, help="model dir of the converted model")
     c.add_argument("--no-eval", action="store_true", help="skip the AUC comparison")
 
-    s = sub.add_parser("inspect", help="table statistics of a checkpoint, a bundle or a server")
+    s = add_command("inspect", "table statistics of a checkpoint, a bundle or a server")
     where = s.add_mutually_exclusive_group(required=True)
     where.add_argument("--checkpoint", type=Path, help="step dir, model dir or init-ckpt dir")
     where.add_argument("--bundle", type=Path, help="an export bundle directory (either naming)")
     where.add_argument("--server", metavar="ADMIN_ADDRESS", help=SERVER_HELP)
-    s.add_argument("--top-k", type=int, default=10)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--top-k", type=int, default=10, help="rows listed per table")
+    s.add_argument("--json", action="store_true", help="JSON instead of text")
 
-    d = sub.add_parser("delta-export", help="rows changed since a bundle -> delta dir")
-    d.add_argument("--config", type=Path, required=True)
+    d = add_command("delta-export", "rows changed since a bundle -> delta dir")
+    d.add_argument("--config", type=Path, required=True, help="pipeline config")
     d.add_argument("--base", type=Path, required=True, help="the bundle the server runs")
     d.add_argument("--checkpoint", type=Path, help="default: newest in --model-dir")
-    d.add_argument("--model-dir", type=Path)
-    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--model-dir", type=Path, help="default: the config's model_dir")
+    d.add_argument("--out", type=Path, required=True, help="the delta directory to write")
     d.add_argument("--id", help="delta id; default: step-<N> of the checkpoint")
-    d.add_argument("--overwrite", action="store_true")
+    d.add_argument("--overwrite", action="store_true", help="replace a delta at --out")
 
-    a = sub.add_parser("delta-apply", help="apply a delta dir to a running server")
+    a = add_command("delta-apply", "apply a delta dir to a running server")
     a.add_argument("--server", metavar="ADMIN_ADDRESS", required=True, help=SERVER_HELP)
     a.add_argument(
         "--delta",
         required=True,
         help="the delta directory relative to the server's --delta-root, e.g. step-2000",
     )
-    a.add_argument("--timeout", type=float, default=300.0)
+    a.add_argument("--timeout", type=float, default=300.0, help="seconds the call may take")
     for command in (i, c, d, a):
         command.add_argument("--json", action="store_true", help="JSON instead of text")
     for command in (s, a):
@@ -152,6 +180,12 @@ def _convert(args: argparse.Namespace) -> dict[str, Any]:
     from train.fine_tune import resolve_checkpoint
     from train.tools.convert import convert_checkpoint
 
+    for flag, path in (("--samples", args.samples), ("--eval", args.eval)):
+        if path is not None and not path.exists():
+            raise FileNotFoundError(
+                f"{flag} {path}: no such file or directory; pass a Parquet file or a directory "
+                "of them (python -m train.data build writes train/ and eval/)"
+            )
     result = convert_checkpoint(
         source_config=args.from_config,
         source_checkpoint=resolve_checkpoint(args.checkpoint),
@@ -294,20 +328,15 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    import grpc
-
-    try:
-        print(run(args))
-    except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
-        return 1
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    print(run(args))
     return 0
 
 

@@ -190,8 +190,14 @@ def prepared(
 
 # ------------------------------------------------------------------------------ launches
 
-_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
-_NUMPY = {"q": np.int64, "i": np.int32, "f": np.float32}
+_CTYPES: dict[str, type[ctypes._SimpleCData[Any]]] = {
+    "p": ctypes.c_uint64,
+    "q": ctypes.c_int64,
+    "i": ctypes.c_int32,
+    "f": ctypes.c_float,
+}
+# Any: arg_values gives ints for q/i and floats for f, which the union type cannot say
+_NUMPY: dict[str, Callable[[Any], np.generic]] = {"q": np.int64, "i": np.int32, "f": np.float32}
 
 
 def _cupy_stream(index: int, ptr: int) -> Any:
