@@ -17,6 +17,8 @@ gRPC is made gevent-cooperative (``init_gevent``) before any channel exists.
 from __future__ import annotations
 
 import csv
+import json
+import os
 import random
 import sys
 import time
@@ -68,6 +70,12 @@ def _add_options(parser) -> None:
         default="",
         help="write locust's CSV statistics (<prefix>_stats.csv, _failures.csv, _exceptions.csv) "
         "once, after the last request; --csv rewrites them every second and can miss the last one",
+    )
+    parser.add_argument(
+        "--progress-file",
+        default="",
+        help="rewrite this JSON file every second with the requests and failures so far "
+        "(python -m loadtest prints them while the test runs)",
     )
     parser.add_argument(
         "--wait-ms", type=float, default=0.0, help="pause per user between requests"
@@ -135,6 +143,45 @@ def _write_final_csv(**_kwargs) -> None:
     ]:
         with open(f"{prefix}_{suffix}.csv", "w", newline="") as f:
             write(csv.writer(f))
+
+
+def _progress_file(environment: Environment) -> Path | None:
+    """``--progress-file``, on the process that holds the totals (local runner or master)."""
+    opts, runner = environment.parsed_options, environment.runner
+    if opts is None or not opts.progress_file or isinstance(runner, WorkerRunner):
+        return None
+    return Path(opts.progress_file)
+
+
+@events.test_start.add_listener
+def _start_progress(environment: Environment, **_kwargs) -> None:
+    path = _progress_file(environment)
+    if path is not None and environment.runner is not None:
+        # a greenlet of the runner's group (killed when it quits); time.sleep is gevent's here
+        environment.runner.greenlet.spawn(_write_progress_every, environment, path)
+
+
+@events.test_stop.add_listener
+def _final_progress(environment: Environment, **_kwargs) -> None:
+    path = _progress_file(environment)
+    if path is not None:
+        _write_progress(environment, path)
+
+
+def _write_progress_every(environment: Environment, path: Path, every_s: float = 1.0) -> None:
+    while True:
+        _write_progress(environment, path)
+        time.sleep(every_s)
+
+
+def _write_progress(environment: Environment, path: Path) -> None:
+    """``{"requests": N, "failures": F}`` of this run so far, replaced atomically
+    (``--processes``: the master's totals as the workers last reported them)."""
+    total = environment.stats.total
+    counts = {"requests": total.num_requests, "failures": total.num_failures}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(counts))
+    os.replace(tmp, path)
 
 
 class PredictUser(User):

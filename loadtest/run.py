@@ -9,6 +9,11 @@ for the server) or as one ``Features`` per candidate (``--no-columnar``); same c
 Writes into ``--out``: ``requests.pool`` (the serialized requests), ``raw/latency-<pid>.bin``
 (exact latencies), ``locust_stats.csv`` & co. (locust's CSV, final numbers), ``locust.log``, ``summary.json`` and
 ``latency.png``. Locust runs in a subprocess because importing it gevent-patches the caller.
+
+While it runs, stderr shows elapsed seconds, requests and failures (from ``progress.json``,
+which the locust process rewrites each second): a bar on a terminal, else a line every 5 s::
+
+    loadtest: 10/20 s (50%) 8,301 requests, 0 failures, eta 10 s
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ from loadtest.requests import (
 )
 from protos import predict_pb2, predict_pb2_grpc
 from shared.cli import Parser, plain, run_cli
+from shared.progress import ProgressLine
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+PROGRESS_EVERY_S = 5.0  # between plain progress lines (stderr not a terminal)
 
 
 def wait_until_serving(host: str, timeout_s: float = 120.0, service: str = "") -> float:
@@ -120,12 +127,13 @@ def run_load_test(
         seed=seed,
         columnar=columnar,
     )
-    log_file = out / "locust.log"
+    log_file, progress_file = out / "locust.log", out / "progress.json"
     cmd = _locust_command(
         host,
         pool_file,
         raw_dir,
         out / "locust",
+        progress_file,
         users=users,
         spawn_rate=spawn_rate,
         duration_s=duration_s,
@@ -133,10 +141,11 @@ def run_load_test(
         rpc_timeout_s=rpc_timeout_s,
         processes=processes,
     )
-    exit_code, raw = _run_locust(cmd, log_file, raw_dir, timeout_s=duration_s + 120)
+    exit_code, raw = _run_locust(
+        cmd, log_file, raw_dir, progress_file, duration_s=duration_s, timeout_s=duration_s + 120
+    )
 
-    rows = report.timeline(raw, num_candidates)
-    summary: dict[str, object] = {
+    run = {
         "host": host,
         "model_version": metadata.model_version,
         "users": users,
@@ -146,11 +155,25 @@ def run_load_test(
         "candidates_per_request": num_candidates,
         "request_format": "columnar" if columnar else "rows",
         "request_pool": {"requests": len(pool), "build_s": build_s, **pool.info},
+    }
+    return _write_summary(out, run, raw, exit_code, log_file)
+
+
+def _write_summary(
+    out: Path, run: dict[str, object], raw: RawLatencies, exit_code: int, log_file: Path
+) -> dict[str, object]:
+    """``run`` plus exact latency percentiles, locust's own stats and the plot, as
+    ``<out>/summary.json``."""
+    num_candidates = run["candidates_per_request"]
+    assert isinstance(num_candidates, int)
+    rows = report.timeline(raw, num_candidates)
+    summary: dict[str, object] = {
+        **run,
         **report.latency_stats(raw, num_candidates),
         "timeline": rows,
         "locust": {"exit_code": exit_code, **report.read_locust_csv(out / "locust")},
     }
-    title = f"{host}: {users} users, {num_candidates} candidates/request"
+    title = f"{run['host']}: {run['users']} users, {num_candidates} candidates/request"
     summary["files"] = {
         "summary": str(out / "summary.json"),
         "plot": str(report.plot(rows, out / "latency.png", title, num_candidates)),
@@ -168,6 +191,7 @@ def _clear_outputs(out: Path) -> Path:
     raw_dir = out / "raw"
     shutil.rmtree(raw_dir, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "progress.json").unlink(missing_ok=True)
     for stale in out.glob("locust_*.csv"):
         stale.unlink()
     return raw_dir
@@ -219,6 +243,7 @@ def _locust_command(
     pool_file: Path,
     raw_dir: Path,
     csv_prefix: Path,
+    progress_file: Path,
     *,
     users: int,
     spawn_rate: float,
@@ -234,6 +259,7 @@ def _locust_command(
         "--final-csv", str(csv_prefix), "--only-summary", "--loglevel", "WARNING",
         "--request-pool", str(pool_file), "--raw-latency-dir", str(raw_dir),
         "--wait-ms", str(wait_ms), "--rpc-timeout-s", str(rpc_timeout_s),
+        "--progress-file", str(progress_file),
     ]  # fmt: skip
     if processes > 1:
         cmd += ["--processes", str(processes)]
@@ -241,27 +267,77 @@ def _locust_command(
 
 
 def _run_locust(
-    cmd: list[str], log_file: Path, raw_dir: Path, *, timeout_s: float
+    cmd: list[str],
+    log_file: Path,
+    raw_dir: Path,
+    progress_file: Path,
+    *,
+    duration_s: int,
+    timeout_s: float,
 ) -> tuple[int, RawLatencies]:
-    """Run ``cmd`` from the repo root, output to ``log_file``; (exit code, raw latencies).
+    """Run ``cmd`` from the repo root, output to ``log_file``, its progress on stderr;
+    (exit code, raw latencies).
 
     Exit code 1 is a run with failed requests; any other failure, or no latencies at all, is
-    a RuntimeError quoting the log's tail."""
+    a RuntimeError quoting the log's tail; past ``timeout_s``, subprocess.TimeoutExpired."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     with open(log_file, "w") as log:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
-        )
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = _wait_showing_progress(proc, progress_file, duration_s, timeout_s)
+        finally:
+            if proc.poll() is None:  # timed out or interrupted
+                proc.kill()
+                proc.wait()
     raw = read_raw_latencies(raw_dir)
-    if proc.returncode not in (0, 1) or len(raw) == 0:  # 1 = the run had failures
+    if returncode not in (0, 1) or len(raw) == 0:  # 1 = the run had failures
         tail = log_file.read_text()[-3000:]
         raise RuntimeError(
-            f"locust exited with {proc.returncode} and {len(raw)} requests; {log_file}:\n{tail}"
+            f"locust exited with {returncode} and {len(raw)} requests; {log_file}:\n{tail}"
         )
-    return proc.returncode, raw
+    return returncode, raw
+
+
+def _wait_showing_progress(
+    proc: subprocess.Popen, progress_file: Path, duration_s: int, timeout_s: float
+) -> int:
+    """``proc``'s exit code; meanwhile, each second, the seconds since it started (up to
+    ``duration_s``) and the counts of ``progress_file`` (written by the locustfile) on a
+    :class:`~shared.progress.ProgressLine`."""
+    progress = ProgressLine(
+        "loadtest", total=duration_s, unit="s", label="", every_s=PROGRESS_EVERY_S
+    )
+    start = time.perf_counter()
+    try:
+        while True:
+            try:
+                code: int | None = proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                if time.perf_counter() - start > timeout_s:
+                    raise subprocess.TimeoutExpired(proc.args, timeout_s) from None
+                code = None
+            counts = _read_progress(progress_file)  # the last one also after the exit
+            if counts is not None:
+                progress.set_status(
+                    f"{counts['requests']:,} requests, {counts['failures']:,} failures"
+                )
+            seconds = duration_s if code in (0, 1) else int(time.perf_counter() - start)
+            progress.update(min(seconds, duration_s) - progress.n)
+            if code is not None:
+                return code
+    finally:
+        progress.close()
+
+
+def _read_progress(path: Path) -> dict[str, int] | None:
+    """The locustfile's ``--progress-file`` (None before it wrote one)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,8 @@ class Pipeline:
         self.model_dir = self.out / "model"
         self.bundle = self.out / "bundle"
         self.report: dict[str, object] = {"config": str(args.config), "size": args.size}
+        if args.raw_dir:  # --size is not used then
+            self.report["raw_dir"] = str(args.raw_dir)
         redo = STAGES.index(args.redo) if args.redo else len(STAGES)
         self.redo = set(STAGES[redo:])
 
@@ -200,14 +202,20 @@ def _fmt(v: object, spec: str = ".4f") -> str:
     return "n/a" if v is None else format(v, spec)  # type: ignore[arg-type]
 
 
+def _data_source(r: dict) -> str:
+    """``raw: <dir>`` for a --raw-dir run, else the synthetic --size."""
+    return f"raw: {r['raw_dir']}" if r.get("raw_dir") else str(r["size"])
+
+
 def render(r: dict, out: Path) -> str:
     """The Markdown report of one pipeline run."""
     d, t, b = r["data"], r["train"], r["bundle"]
     ev = t.get("eval") or {}
+    source = _data_source(r)
     lines = [
         "# Pipeline report",
         "",
-        f"config `{Path(r['config']).name}`, data `{r['size']}`, total {r['total_seconds']} s "
+        f"config `{Path(r['config']).name}`, data `{source}`, total {r['total_seconds']} s "
         f"(stages: {', '.join(f'{k} {v} s' for k, v in r['stage_seconds'].items())})",
         "",
         "| data | rows |",

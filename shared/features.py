@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum, unique
 
 from protos import pipeline_pb2
-from shared.config import ConfigError, ConfigSource, parse_config
+from shared.config import ConfigError, ConfigSource, FieldPath, parse_config, source_of
 
 
 @unique
@@ -220,21 +220,24 @@ def build_feature_set(
 ) -> FeatureSet:
     """Derive and validate the feature definitions of ``config``.
 
-    ``source`` (the config text) lets errors point at a line; without it they name the field only.
+    ``source`` (the config text) lets errors point at a line; it defaults to the text
+    :func:`~shared.config.parse_config` read ``config`` from. Without either, errors name the
+    field only.
     """
-    src = source or ConfigSource("", "<config>")
+    src = source or source_of(config) or ConfigSource("", "<config>")
     tables: dict[str, TableSpec] = {}
     features: dict[str, FeatureSpec] = {}
-    for fc in config.feature_configs:
+    for i, fc in enumerate(config.feature_configs):
         which = fc.WhichOneof("feature")
+        at: FieldPath = ("feature_configs", i, str(which))
         if which == "id_feature":
-            _add_id_feature(fc.id_feature, src, tables, features)
+            _add_id_feature(fc.id_feature, src, tables, features, at)
         elif which == "raw_feature":
-            _add_raw_feature(fc.raw_feature, src, tables, features)
+            _add_raw_feature(fc.raw_feature, src, tables, features, at)
         elif which == "sequence_feature":
-            _add_sequence_feature(fc.sequence_feature, src, tables, features)
+            _add_sequence_feature(fc.sequence_feature, src, tables, features, at)
         else:
-            raise src.error("feature_configs", "empty feature_configs entry")
+            raise src.error("feature_configs", "empty feature_configs entry", at=at[:2])
     mode = IdMode[pipeline_pb2.IdMode.Name(config.data_config.dynrec_id_mode)]
     features = {name: replace(f, id_mode=mode) for name, f in features.items()}
     groups = _build_groups(config.model_config, features, src)
@@ -248,15 +251,17 @@ def feature_set_from_text(text: str, name: str = "<config>") -> FeatureSet:
     return build_feature_set(parse_config(text, name), ConfigSource(text, name))
 
 
-def _split_expression(expr: str, field_name: str, src: ConfigSource) -> tuple[Side, str]:
+def _split_expression(
+    expr: str, field_name: str, src: ConfigSource, at: FieldPath
+) -> tuple[Side, str]:
     side, sep, name = expr.partition(":")
     if not sep or not name:
-        raise src.error(field_name, f"expression {expr!r} must look like 'user:user_id'", near=expr)
+        raise src.error(field_name, f"expression {expr!r} must look like 'user:user_id'", at=at)
     try:
         return Side(side), name
     except ValueError:
         sides = ", ".join(s.value for s in Side)
-        raise src.error(field_name, f"side {side!r} is not one of {sides}", near=expr) from None
+        raise src.error(field_name, f"side {side!r} is not one of {sides}", at=at) from None
 
 
 def _initializer(
@@ -267,7 +272,7 @@ def _initializer(
     max_capacity: int,
     field_name: str,
     src: ConfigSource,
-    near: str,
+    at: FieldPath,
 ) -> InitializerSpec:
     """tzrec defaults: mode UNIFORM, std_dev sqrt(1/dim), bounds ±sqrt(1/max_capacity), value 0."""
     mode = default_mode
@@ -277,7 +282,7 @@ def _initializer(
         except ValueError:
             modes = ", ".join(m.value for m in InitMode)
             raise src.error(
-                f"{field_name}.mode", f"{msg.mode!r} is not one of {modes}", near=near
+                f"{field_name}.mode", f"{msg.mode!r} is not one of {modes}", at=(*at, "mode")
             ) from None
     bound = math.sqrt(1.0 / max_capacity)
 
@@ -293,23 +298,24 @@ def _initializer(
         value=get("value", 0.0),
     )
     if spec.std_dev < 0:
-        raise src.error(f"{field_name}.std_dev", f"must be >= 0, got {spec.std_dev}", near=near)
+        raise src.error(
+            f"{field_name}.std_dev", f"must be >= 0, got {spec.std_dev}", at=(*at, "std_dev")
+        )
     if spec.lower > spec.upper:
         raise src.error(
-            f"{field_name}.lower", f"lower {spec.lower} > upper {spec.upper}", near=near
+            f"{field_name}.lower", f"lower {spec.lower} > upper {spec.upper}", at=(*at, "lower")
         )
     return spec
 
 
 def _dynamic_spec(
-    de: pipeline_pb2.DynamicEmbedding, dim: int, fname: str, src: ConfigSource
+    de: pipeline_pb2.DynamicEmbedding, dim: int, fname: str, src: ConfigSource, at: FieldPath
 ) -> DynamicTableSpec:
+    """``at``: the path of the ``dynamicemb`` message."""
     path = f"feature_configs.id_feature({fname}).dynamicemb"
-    near = f'feature_name: "{fname}"'
-    after = src.line_of(near) or 0
 
     def err(sub: str, message: str) -> ConfigError:
-        return src.error(f"{path}.{sub}", message, near=sub.split(".")[-1], after=after)
+        return src.error(f"{path}.{sub}", message, at=(*at, *sub.split(".")))
 
     if not de.HasField("max_capacity") or de.max_capacity < 1:
         raise err("max_capacity", "required and must be >= 1 (rows per rank)")
@@ -342,7 +348,7 @@ def _dynamic_spec(
             max_capacity=de.max_capacity,
             field_name=f"{path}.{sub}",
             src=src,
-            near=near,
+            at=(*at, *sub.split(".")),
         )
 
     admission = None
@@ -382,20 +388,19 @@ def _dynamic_spec(
 
 
 def _register_table(
-    tables: dict[str, TableSpec], table: TableSpec, fname: str, src: ConfigSource
+    tables: dict[str, TableSpec], table: TableSpec, fname: str, src: ConfigSource, at: FieldPath
 ) -> None:
     """Add ``table`` or check it agrees with the table of the same name already registered."""
     old = tables.get(table.name)
     if old is None:
         tables[table.name] = table
         return
-    near = f'feature_name: "{fname}"'
     if old.dim != table.dim:
         raise src.error(
             f"feature({fname}).embedding_dim",
             f"table {table.name!r} is shared and already has embedding_dim {old.dim}, "
             f"got {table.dim}; use the same dim or another embedding_name",
-            near=near,
+            at=(*at, "embedding_dim"),
         )
     if (old.num_rows, old.dynamic) != (
         table.num_rows,
@@ -404,16 +409,18 @@ def _register_table(
         raise src.error(
             f"feature({fname})",
             f"table {table.name!r} is shared but declared with different rows/dynamicemb options",
-            near=near,
+            at=at,
         )
 
 
 def _id_table_and_transform(
-    f: pipeline_pb2.IdFeature, src: ConfigSource, tables: dict[str, TableSpec], path: str
+    f: pipeline_pb2.IdFeature,
+    src: ConfigSource,
+    tables: dict[str, TableSpec],
+    path: str,
+    at: FieldPath,
 ) -> tuple[TableSpec | None, IdTransform, int | None, int | None]:
     """Table declared by an id_feature (None when it only refers to a shared table)."""
-    near = f'feature_name: "{f.feature_name}"'
-    after = src.line_of(near) or 0
     name = f.embedding_name or f"{f.feature_name}_emb"
     has_nb, has_hb, has_de = (
         f.HasField("num_buckets"),
@@ -426,19 +433,20 @@ def _id_table_and_transform(
             f"{path}.dynamicemb",
             f"dynamicemb and {other} are exclusive on one feature: a dynamic table has no fixed "
             f"row count; remove {other}",
-            near="dynamicemb",
-            after=after,
+            at=(*at, "dynamicemb"),
         )
     if has_nb and has_hb:
         raise src.error(
-            f"{path}.num_buckets", "num_buckets and hash_bucket_size are exclusive", near=near
+            f"{path}.num_buckets",
+            "num_buckets and hash_bucket_size are exclusive; keep one",
+            at=(*at, "hash_bucket_size"),
         )
     if f.embedding_dim < 1:
-        raise src.error(f"{path}.embedding_dim", "must be >= 1", near=near)
+        raise src.error(f"{path}.embedding_dim", "must be >= 1", at=(*at, "embedding_dim"))
     if f.pooling not in ("sum", "mean"):
-        raise src.error(f"{path}.pooling", f"{f.pooling!r} is not sum or mean", near=near)
+        raise src.error(f"{path}.pooling", f"{f.pooling!r} is not sum or mean", at=(*at, "pooling"))
     if has_de:
-        dyn = _dynamic_spec(f.dynamicemb, f.embedding_dim, f.feature_name, src)
+        dyn = _dynamic_spec(f.dynamicemb, f.embedding_dim, f.feature_name, src, (*at, "dynamicemb"))
         return (
             TableSpec(name, f.embedding_dim, None, dyn, f.pooling),
             IdTransform.DYNAMIC,
@@ -447,12 +455,14 @@ def _id_table_and_transform(
         )
     if has_nb:
         if f.num_buckets < 1:
-            raise src.error(f"{path}.num_buckets", "must be >= 1", near=near)
+            raise src.error(f"{path}.num_buckets", "must be >= 1", at=(*at, "num_buckets"))
         table = TableSpec(name, f.embedding_dim, int(f.num_buckets), None, f.pooling)
         return table, IdTransform.MOD, int(f.num_buckets), None
     if has_hb:
         if f.hash_bucket_size < 1:
-            raise src.error(f"{path}.hash_bucket_size", "must be >= 1", near=near)
+            raise src.error(
+                f"{path}.hash_bucket_size", "must be >= 1", at=(*at, "hash_bucket_size")
+            )
         table = TableSpec(name, f.embedding_dim, int(f.hash_bucket_size), None, f.pooling)
         return table, IdTransform.HASH, None, int(f.hash_bucket_size)
     return None, IdTransform.DYNAMIC, None, None  # resolved against a shared table later
@@ -463,19 +473,16 @@ def _add_id_feature(
     src: ConfigSource,
     tables: dict[str, TableSpec],
     features: dict[str, FeatureSpec],
+    at: FieldPath,
 ) -> None:
     path = f"feature_configs.id_feature({f.feature_name})"
     if f.feature_name in features:
-        raise src.error(path, "duplicate feature_name", near=f'feature_name: "{f.feature_name}"')
-    side, source = _split_expression(f.expression, f"{path}.expression", src)
-    table, transform, nb, hb = _id_table_and_transform(f, src, tables, path)
+        raise src.error(path, "duplicate feature_name", at=(*at, "feature_name"))
+    side, source = _split_expression(f.expression, f"{path}.expression", src, (*at, "expression"))
+    table, transform, nb, hb = _id_table_and_transform(f, src, tables, path, at)
     if table is None:
-        raise src.error(
-            path,
-            "needs one of num_buckets, hash_bucket_size or dynamicemb {}",
-            near=f'feature_name: "{f.feature_name}"',
-        )
-    _register_table(tables, table, f.feature_name, src)
+        raise src.error(path, "needs one of num_buckets, hash_bucket_size or dynamicemb {}", at=at)
+    _register_table(tables, table, f.feature_name, src, at)
     features[f.feature_name] = FeatureSpec(
         f.feature_name, FeatureKind.ID, side, source, table.name, transform, nb, hb
     )
@@ -486,16 +493,16 @@ def _add_raw_feature(
     src: ConfigSource,
     tables: dict[str, TableSpec],
     features: dict[str, FeatureSpec],
+    at: FieldPath,
 ) -> None:
     path = f"feature_configs.raw_feature({f.feature_name})"
-    near = f'feature_name: "{f.feature_name}"'
-    side, source = _split_expression(f.expression, f"{path}.expression", src)
+    side, source = _split_expression(f.expression, f"{path}.expression", src, (*at, "expression"))
     bounds = tuple(float(b) for b in f.boundaries)
     if not bounds:
         raise src.error(
             f"{path}.boundaries",
             "raw features without boundaries (dense values) are not supported; add boundaries",
-            near=near,
+            at=at,
         )
     for i in range(1, len(bounds)):
         if not bounds[i] > bounds[i - 1]:
@@ -503,11 +510,12 @@ def _add_raw_feature(
                 f"{path}.boundaries",
                 f"must be strictly increasing: boundaries[{i - 1}]={bounds[i - 1]} >= "
                 f"boundaries[{i}]={bounds[i]}",
-                near="boundaries",
-                after=src.line_of(near) or 0,
+                at=(*at, "boundaries", i),
             )
     if not f.HasField("embedding_dim") or f.embedding_dim < 1:
-        raise src.error(f"{path}.embedding_dim", "required (>= 1) with boundaries", near=near)
+        raise src.error(
+            f"{path}.embedding_dim", "required (>= 1) with boundaries", at=(*at, "embedding_dim")
+        )
     table = TableSpec(
         f.embedding_name or f"{f.feature_name}_emb",
         f.embedding_dim,
@@ -515,7 +523,7 @@ def _add_raw_feature(
         None,
         f.pooling,
     )
-    _register_table(tables, table, f.feature_name, src)
+    _register_table(tables, table, f.feature_name, src, at)
     features[f.feature_name] = FeatureSpec(
         f.feature_name,
         FeatureKind.RAW_BUCKETIZED,
@@ -532,22 +540,26 @@ def _add_sequence_feature(
     src: ConfigSource,
     tables: dict[str, TableSpec],
     features: dict[str, FeatureSpec],
+    at: FieldPath,
 ) -> None:
     spath = f"feature_configs.sequence_feature({seq.sequence_name})"
     if seq.sequence_length < 1:
-        raise src.error(f"{spath}.sequence_length", "must be >= 1", near=seq.sequence_name)
+        raise src.error(f"{spath}.sequence_length", "must be >= 1", at=(*at, "sequence_length"))
     if not seq.sequence_delim:
-        raise src.error(f"{spath}.sequence_delim", "must not be empty", near=seq.sequence_name)
-    for sub in seq.features:
+        raise src.error(f"{spath}.sequence_delim", "must not be empty", at=(*at, "sequence_delim"))
+    for j, sub in enumerate(seq.features):
+        sub_at: FieldPath = (*at, "features", j, "id_feature")
         if sub.WhichOneof("feature") != "id_feature":
             raise src.error(
-                spath, "only id_feature sub-features are supported", near=seq.sequence_name
+                spath, "only id_feature sub-features are supported", at=(*at, "features", j)
             )
         f = sub.id_feature
         name = f"{seq.sequence_name}__{f.feature_name}"
         path = f"{spath}.id_feature({f.feature_name})"
-        side, source = _split_expression(f.expression, f"{path}.expression", src)
-        table, transform, nb, hb = _id_table_and_transform(f, src, tables, path)
+        side, source = _split_expression(
+            f.expression, f"{path}.expression", src, (*sub_at, "expression")
+        )
+        table, transform, nb, hb = _id_table_and_transform(f, src, tables, path, sub_at)
         table_name = f.embedding_name or f"{f.feature_name}_emb"
         if table is None:
             shared = tables.get(table_name)
@@ -556,19 +568,19 @@ def _add_sequence_feature(
                     path,
                     f"declares no table and no earlier feature owns {table_name!r}; put the "
                     "top-level feature first or give num_buckets/dynamicemb here",
-                    near=seq.sequence_name,
+                    at=sub_at,
                 )
             if shared.dim != f.embedding_dim:
                 raise src.error(
                     f"{path}.embedding_dim",
                     f"table {table_name!r} is shared and has embedding_dim {shared.dim}, got "
                     f"{f.embedding_dim}",
-                    near=seq.sequence_name,
+                    at=(*sub_at, "embedding_dim"),
                 )
             owner = next(x for x in features.values() if x.table == table_name)
             transform, nb, hb = owner.transform, owner.num_buckets, owner.hash_bucket_size
         else:
-            _register_table(tables, table, f.feature_name, src)
+            _register_table(tables, table, f.feature_name, src, sub_at)
         features[name] = FeatureSpec(
             name,
             FeatureKind.SEQUENCE_ID,
@@ -588,20 +600,21 @@ def _build_groups(
     model: pipeline_pb2.ModelConfig, features: dict[str, FeatureSpec], src: ConfigSource
 ) -> dict[str, GroupSpec]:
     groups: dict[str, GroupSpec] = {}
-    for g in model.feature_groups:
+    for gi, g in enumerate(model.feature_groups):
         path = f"model_config.feature_groups({g.group_name})"
-        near = f'group_name: "{g.group_name}"'
-        for name in g.feature_names:
+        at: FieldPath = ("model_config", "feature_groups", gi)
+        for k, name in enumerate(g.feature_names):
             if name not in features:
                 raise src.error(
                     f"{path}.feature_names",
                     f"unknown feature {name!r}; known: {', '.join(features)}",
-                    near=f'"{name}"',
-                    after=src.line_of(near) or 0,
+                    at=(*at, "feature_names", k),
                 )
         gtype = pipeline_pb2.FeatureGroupType.Name(g.group_type)
         if gtype not in GroupType.__members__:
-            raise src.error(f"{path}.group_type", f"{gtype} groups are not supported", near=near)
+            raise src.error(
+                f"{path}.group_type", f"{gtype} groups are not supported", at=(*at, "group_type")
+            )
         names = tuple(g.feature_names)
         if GroupType[gtype] is GroupType.DEEP:
             bad = [n for n in names if features[n].is_sequence]
@@ -609,7 +622,7 @@ def _build_groups(
                 raise src.error(
                     f"{path}.feature_names",
                     f"sequence features {bad} cannot be pooled in DEEP",
-                    near=near,
+                    at=(*at, "feature_names", names.index(bad[0])),
                 )
             groups[g.group_name] = GroupSpec(g.group_name, GroupType.DEEP, names)
             continue
@@ -620,7 +633,7 @@ def _build_groups(
                 f"{path}.feature_names",
                 f"a SEQUENCE group needs one sequence feature per query feature; got query "
                 f"{list(query)} and sequence {list(sequence)}",
-                near=near,
+                at=at,
             )
         groups[g.group_name] = GroupSpec(g.group_name, GroupType.SEQUENCE, names, query, sequence)
     return groups

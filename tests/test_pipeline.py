@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 
@@ -108,3 +110,32 @@ def test_pipeline_runs_a_config_with_another_delimiter_and_length(tmp_path: Path
     assert summary["request_pool"]["sequences"] == {
         "click_seq": {"delimiter": ";", "max_length": 20}
     }
+
+
+def _render_module():  # scripts/ is not a package
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pipeline", ROOT / "scripts" / "pipeline.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("raw_dir", [None, "/data/taobao"])
+def test_report_names_the_data_source(tmp_path: Path, raw_dir: str | None) -> None:
+    """`data small` for synthetic data, `data raw: <dir>` for a --raw-dir run (not --size)."""
+    report = {
+        "config": "x.config",
+        "size": "small",
+        **({"raw_dir": raw_dir} if raw_dir else {}),
+        "total_seconds": 1.0,
+        "stage_seconds": {"data": 1.0},
+        "data": {"train_rows": 10, "eval_rows": 5},
+        "train": {"step": 2, "train_seconds": 1.0, "samples_per_s": 10.0},
+        "bundle": {"bytes": 1e6, "dir": str(tmp_path / "bundle")},
+    }
+    first = _render_module().render(report, tmp_path).splitlines()[2]
+    assert first.startswith(
+        f"config `x.config`, data `{f'raw: {raw_dir}' if raw_dir else 'small'}`"
+    )

@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         "table of the config, or those an init checkpoint lists); the others start empty",
     )
     t.add_argument("--seed", type=int, default=0, help="seed of the initial weights and shuffling")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     t.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

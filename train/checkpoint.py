@@ -37,10 +37,13 @@ import torch.distributed as dist
 
 from shared.features import FeatureSet
 from shared.hashtable.checkpoint import collection_paths, open_checkpoint, select_tables
+from shared.stale_dirs import remove_stale_dirs
 from train.model.multi_tower_din import MultiTowerDIN
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TZREC_DIR = re.compile(r"^model\.ckpt-(\d+)$")
+# save_checkpoint's temp dirs: tempfile.mkdtemp(prefix=".step_N.") adds 8 of [a-z0-9_]
+_TEMP_DIR = re.compile(r"^\.step_\d+\.[a-z0-9_]+$")
 
 
 @dataclass
@@ -106,6 +109,12 @@ def save_checkpoint(
     if world_size > 1:
         dist.barrier()  # nobody reads or prunes before the rename
     return final
+
+
+def remove_stale_temp_checkpoints(model_dir: Path) -> list[Path]:
+    """Remove the ``checkpoints/.step_N.*`` temp dirs that killed runs left (older than this
+    process; :mod:`shared.stale_dirs`); call it once at the start of training, on rank 0."""
+    return remove_stale_dirs(Path(model_dir) / "checkpoints", _TEMP_DIR)
 
 
 def list_checkpoints(model_dir: Path) -> list[Path]:

@@ -1,5 +1,6 @@
 """The training loop: sparse Adagrad for every embedding, Adam for dense layers, periodic eval,
-atomic checkpoints, resume to the same result, a progress bar, JSON-lines metrics and a plot.
+atomic checkpoints, resume to the same result, a progress bar (plain lines in a log,
+:mod:`shared.progress`), JSON-lines metrics and a plot.
 
 With ``TrainOptions.dist`` (a ``torchrun`` launch, see :mod:`train.distributed`) the same loop runs
 on every rank: each reads its part of every global batch, the dynamic tables are sharded ROW_WISE
@@ -25,18 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.config import load_config
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import build_feature_set
+from shared.progress import ProgressLine
 from train.checkpoint import (
     Progress,
     foreign_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    remove_stale_temp_checkpoints,
     save_checkpoint,
 )
 from train.data.loader import Loader
@@ -397,14 +399,14 @@ class Trainer:
         start = time.perf_counter()
         start_samples = progress.samples
         window = _LossWindow.open(progress.samples, self.device)
-        bar = tqdm(
-            desc="train",
-            unit="batch",
-            disable=not opts.progress_bar or self.rank != 0,
+        bar = ProgressLine(
+            "train",
+            total=self._total_steps(progress, max_steps),
+            unit="step",
             initial=progress.step,
-            total=max_steps,
+            disable=not opts.progress_bar or self.rank != 0,
         )
-        for batch, global_rows in self._batches(progress):
+        for batch, global_rows in self._batches(progress, max_steps):
             window.add(self._step(batch, global_rows, progress))
             bar.update(1)
             if progress.step % self.log_every == 0:
@@ -429,6 +431,8 @@ class Trainer:
         """Where this run starts: the latest checkpoint (``resume``) or step 0 from the start
         weights (:meth:`_start_weights`)."""
         progress = Progress()
+        if self.rank == 0:  # the .step_N.* temp dirs of killed runs
+            remove_stale_temp_checkpoints(self.model_dir)
         if self.options.resume:
             progress = self._resume(progress)
         if progress.step == 0:  # not resumed
@@ -436,13 +440,26 @@ class Trainer:
         progress.global_batch_size = self.loader.global_batch_size
         return progress
 
-    def _batches(self, progress: Progress) -> Iterator[tuple[Batch, int]]:
-        """(batch on the device, global rows of its step) from ``progress`` to the last epoch.
+    def _total_steps(self, progress: Progress, max_steps: int | None) -> int:
+        """The step this run ends at: ``max_steps`` or the end of the last epoch, whichever
+        comes first (each epoch's batch count follows from Parquet metadata, see Loader)."""
+        num_epochs = self.config.train_config.num_epochs or 1
+        left = sum(self.loader.num_batches(e) for e in range(progress.epoch, num_epochs))
+        end = progress.step + left - progress.batch_in_epoch
+        return max(min(end, max_steps), progress.step) if max_steps else end
+
+    def _batches(
+        self, progress: Progress, max_steps: int | None = None
+    ) -> Iterator[tuple[Batch, int]]:
+        """(batch on the device, global rows of its step) from ``progress`` to the last epoch,
+        none once ``progress.step`` reached ``max_steps`` (a resume of a finished run trains 0).
 
         An epoch read to its end advances ``progress`` to the next; a caller that stops early
         (``max_steps``) leaves it inside the epoch, where a resume continues."""
         num_epochs = self.config.train_config.num_epochs or 1
         while progress.epoch < num_epochs:
+            if max_steps and progress.step >= max_steps:
+                return
             rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
             for batch in self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch):
                 yield batch.to(self.device, non_blocking=True), rows[progress.batch_in_epoch]
@@ -466,16 +483,16 @@ class Trainer:
         progress.samples += global_rows
         return loss
 
-    def _log_train(self, progress: Progress, window: _LossWindow, bar: tqdm) -> None:
-        """A ``train`` record (mean loss and throughput since the last one) and the bar's
-        postfix; starts the next window."""
+    def _log_train(self, progress: Progress, window: _LossWindow, bar: ProgressLine) -> None:
+        """A ``train`` record (mean loss and throughput since the last one) and the progress
+        line's status; starts the next window."""
         now = time.perf_counter()
         rate = (progress.samples - window.samples) / max(now - window.since, 1e-9)
         loss_sum = float(window.loss_sum)  # one host sync per log interval
         if self.dist is not None:  # the ranks' shares add up to the global mean
             loss_sum = self.dist.all_reduce_sum([loss_sum])[0]
         loss = loss_sum / window.steps
-        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+        bar.set_status(f"{rate:,.0f} samples/s, loss {loss:.4f}")
         record = {
             "kind": "train",
             "step": progress.step,

@@ -6,6 +6,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -36,6 +37,11 @@ from shared.bundle.layout import (
 from shared.bundle.naming import TZREC_NAMING, BundleNaming, is_shard_file
 from shared.features import FeatureSet, TableSpec
 from shared.fg_spec import feature_set_to_dict
+from shared.stale_dirs import remove_stale_dirs
+
+# write_bundle's temp dirs (".<out name>.tmp-<12 hex>"); never ".old-" ones, which may hold the
+# only copy of a bundle when a swap was killed between its two renames
+_TEMP_DIR = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")
 
 
 @dataclass
@@ -84,6 +90,7 @@ def write_bundle(
     check_destination(out, overwrite=overwrite)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_dirs(out.parent, _TEMP_DIR)  # temp dirs of killed writes (older than us)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:

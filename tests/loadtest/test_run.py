@@ -141,7 +141,10 @@ def test_load_test_reports_exact_percentiles(
 
 
 def test_failures_are_counted_and_named(
-    prediction_server: tuple[str, _LayoutCheckingServicer], sample_dir: Path, tmp_path: Path
+    prediction_server: tuple[str, _LayoutCheckingServicer],
+    sample_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     address, servicer = prediction_server
     servicer.fail_every = 4
@@ -162,3 +165,8 @@ def test_failures_are_counted_and_named(
     assert failure["Error"] == "RpcFailure('RESOURCE_EXHAUSTED: planted failure')"
     assert failure["Occurrences"] == summary["failures"]
     assert summary["latency_ms"]["p50"] > 0  # percentiles are of the successful calls
+    # stderr is not a terminal: plain progress lines (how many depends on the machine), the
+    # last one written when locust exited
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("loadtest: ")]
+    assert lines, "no progress line on stderr"
+    assert "/2 s (" in lines[-1] and " requests, " in lines[-1] and " failures, in " in lines[-1]

@@ -5,6 +5,7 @@ import calendar
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import shutil
 import time
@@ -1027,3 +1028,17 @@ def test_destination_filled_while_writing(
         _write(out, program, version="v2")
     assert read_bundle(out).version == "v1"
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
+
+
+def test_stale_temp_dirs_of_killed_writes_are_removed(tmp_path: Path, program: Path) -> None:
+    """Old hidden .<name>.tmp-<hex> dirs beside the bundle go; fresh ones, .old- ones (they may
+    hold the only copy of a bundle) and other names stay."""
+    old = time.time() - 3600
+    names = (".1.tmp-0123456789ab", ".2.tmp-ba9876543210", ".b.old-0123456789ab", ".x", "y")
+    for name in names:
+        (tmp_path / name).mkdir()
+        if name != ".2.tmp-ba9876543210":  # that one is fresh (a write still running)
+            os.utime(tmp_path / name, (old, old))
+    _write(tmp_path / "b", program)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".2.tmp-ba9876543210", ".b.old-0123456789ab", ".x", "b", "y"]

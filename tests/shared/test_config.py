@@ -3,7 +3,15 @@ from pathlib import Path
 import pytest
 
 from protos import pipeline_pb2
-from shared.config import ConfigError, config_digest, load_config, parse_config
+from shared.config import (
+    ConfigError,
+    ConfigSource,
+    config_digest,
+    load_config,
+    parse_config,
+    source_of,
+)
+from shared.features import build_feature_set
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
@@ -63,3 +71,52 @@ def test_digest_ignores_layout() -> None:
     b = parse_config("# comment\ndata_config {\n  batch_size: 4\n}\n")
     c = parse_config("data_config { batch_size: 5 }")
     assert config_digest(a) == config_digest(b) != config_digest(c)
+
+
+def test_value_errors_of_a_loaded_file_name_its_line(tmp_path: Path) -> None:
+    # build_feature_set(load_config(path)), as the CLIs call it, finds the text by itself
+    text = SEED.read_text().replace('score_strategy: "LFU"', 'score_strategy: "LRU"', 1)
+    path = tmp_path / "x.config"
+    path.write_text(text)
+    line = text.splitlines().index('score_strategy: "LRU"') + 1
+    with pytest.raises(ConfigError, match=rf"^{path}:{line}: .*score_strategy: 'LRU'"):
+        build_feature_set(load_config(path))
+    assert source_of(load_config(SEED)) is not None
+    assert source_of(pipeline_pb2.EasyRecConfig()) is None  # built in code: field names only
+
+
+def test_source_indexes_fields_by_path() -> None:
+    src = ConfigSource(
+        '# a comment with a brace { and a quote "\n'
+        "data_config {\n"
+        "  batch_size: 4  # trailing\n"
+        "  label_fields: ['clk',\n"
+        "    'buy']\n"
+        "}\n"
+        "model_config {\n"
+        "  feature_groups { group_name: 'deep' }\n"
+        "  feature_groups <\n"
+        '    feature_names: "a" "b"\n'
+        '    feature_names: "c"\n'
+        "  >\n"
+        "}\n",
+        "cfg",
+    )
+    assert src.line_at(("data_config", "batch_size")) == 3
+    assert src.line_at(("data_config", "label_fields", 1)) == 5
+    assert src.line_at(("model_config", "feature_groups", 1)) == 9
+    assert src.line_at(("model_config", "feature_groups", 1, "feature_names", 1)) == 10
+    assert src.line_at(("model_config", "feature_groups", 1, "feature_names", 2)) == 11
+    assert src.line_at(("data_config", "num_workers")) == 2  # absent: its message
+    assert ConfigSource("", "cfg").line_at(("data_config",)) is None
+    err = src.error("data_config.batch_size", "too small", at=("data_config", "batch_size"))
+    assert str(err) == "cfg:3: data_config.batch_size: too small"
+
+
+def test_adjacent_feature_names_are_entries_but_literals_elsewhere_concatenate() -> None:
+    cfg = parse_config(
+        'train_input_path: "a" "b"\nmodel_config {\n feature_groups {\n'
+        '  feature_names: "x" "y"\n  feature_names: "z"\n }\n}\n'
+    )
+    assert cfg.train_input_path == "ab"  # protobuf text format, as tzrec reads it
+    assert list(cfg.model_config.feature_groups[0].feature_names) == ["x", "y", "z"]  # ours

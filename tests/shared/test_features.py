@@ -196,3 +196,53 @@ def test_id_mode_defaults_to_dynrec_and_reaches_every_feature() -> None:
     assert fs.id_mode is IdMode.TZREC
     assert {f.id_mode for f in fs.features.values()} == {IdMode.TZREC}  # sequences too
     assert fs.features["click_50_seq__brand"].id_mode is IdMode.TZREC
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line_has"),
+    [
+        ('score_strategy: "LFU"', 'score_strategy: "LRU"', 'score_strategy: "LRU"'),
+        ('mode: "NORMAL"', 'mode: "GAUSS"', 'mode: "GAUSS"'),  # bad enum-like value
+        ("std_dev: 0.05", "std_dev: -1", "std_dev: -1"),  # out of range
+        ("threshold: 3 }", "threshold: 0 }", "threshold: 0"),
+        ("max_capacity: 300000\n", "max_capacity: 512\n", "max_capacity: 512"),
+        ("max_capacity: 300000\n", "", "dynamicemb {"),  # absent: its message's line
+        (  # contradictory options
+            'expression: "user:user_id"\nembedding_dim: 16\ndynamicemb {',
+            'expression: "user:user_id"\nnum_buckets: 9\nembedding_dim: 16\ndynamicemb {',
+            "dynamicemb {",
+        ),
+        ('expression: "user:user_id"', 'expression: "usr:user_id"', '"usr:user_id"'),
+        ("boundaries: [1.1, 2.2, 3.6,", "boundaries: [1.1, 3.6, 2.2,", "boundaries: [1.1, 3.6"),
+        (  # unknown name in a group: the line of that name, not of the first "nope" elsewhere
+            'feature_names: "price" "pid"',
+            'feature_names: "price" "nope"',
+            'feature_names: "price" "nope"',
+        ),
+        (  # a sequence sub-feature's shared table
+            'feature_name: "brand"\nexpression: "item:brand"\nembedding_dim: 16\n}\n}\n}',
+            'feature_name: "brand"\nexpression: "item:brand"\nembedding_dim: 8\n}\n}\n}',
+            "embedding_dim: 8",
+        ),
+    ],
+    ids=[
+        "score",
+        "init-mode",
+        "std-dev",
+        "threshold",
+        "capacity",
+        "absent",
+        "exclusive",
+        "side",
+        "boundaries",
+        "unknown-feature",
+        "shared-dim",
+    ],
+)
+def test_value_errors_name_file_and_line_of_the_field(old: str, new: str, line_has: str) -> None:
+    text = _mutate(old, new)
+    with pytest.raises(ConfigError) as info:
+        feature_set_from_text(text, "cfg")
+    line = info.value.line
+    assert line is not None and str(info.value).startswith(f"cfg:{line}: ")
+    assert line_has in text.splitlines()[line - 1]

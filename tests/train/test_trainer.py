@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import BASELINE_CONFIG, SEED_CONFIG
-from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.checkpoint import Progress, latest_checkpoint, list_checkpoints
 from train.trainer import Trainer, TrainOptions, train_step
 
 
@@ -160,3 +162,52 @@ def test_fine_tune_from_torcheasyrec_then_resume(tiny_samples: Path, tmp_path: P
     assert 4297926228 in stored.tolist()  # a fixture key (above 2**32) survived training
     second = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=3, resume=True))
     assert second.fit().progress.step == 3
+
+
+def test_resume_respects_max_steps(tiny_samples: Path, tmp_path: Path) -> None:
+    """A resume of a run that reached --max-steps N trains 0 steps with N, exactly 5 with N+5."""
+    first = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=3)).fit()
+    again = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=3, resume=True)).fit()
+    assert again.progress.step == 3 and again.progress.samples == first.progress.samples
+    more = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=8, resume=True)).fit()
+    assert more.progress.step == 8
+    assert latest_checkpoint(tmp_path / "m").name == "step_8"
+
+
+def test_stale_checkpoint_temp_dirs_are_removed_at_start(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """Only hidden .step_N.* temp dirs older than this process go; fresh and other names stay."""
+    root = tmp_path / "m" / "checkpoints"
+    old = time.time() - 3600
+    paths = {}
+    for name in (".step_4.ab_c1234", ".step_9.zz9_abcd", ".other.ab12cd34", "step_2", "keep"):
+        (root / name).mkdir(parents=True)
+        (root / name / "dense.pt").write_bytes(b"x")
+        paths[name] = root / name
+    (root / ".step_6.file1234").write_bytes(b"not a dir")
+    for name in (".step_4.ab_c1234", ".other.ab12cd34", "step_2", "keep"):
+        os.utime(paths[name] / "dense.pt", (old, old))
+        os.utime(paths[name], (old, old))
+    os.utime(root / ".step_6.file1234", (old, old))
+    # .step_9.zz9_abcd is fresh (written after this process started): a live run's, kept
+    Trainer(_options(tiny_samples, tmp_path / "m", max_steps=1))._start_progress()
+    left = sorted(p.name for p in root.iterdir())
+    assert left == [".other.ab12cd34", ".step_6.file1234", ".step_9.zz9_abcd", "keep", "step_2"]
+
+
+def test_progress_total_is_the_run_and_a_log_gets_plain_lines(
+    tiny_samples: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Total = min(max_steps, epochs x batches per epoch); stderr (not a TTY) gets 'step N/M'."""
+    trainer = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=3, progress_bar=True))
+    epoch = trainer.loader.num_batches(0)
+    assert epoch > 3
+    assert trainer._total_steps(Progress(), None) == epoch  # the seed config: one epoch
+    assert trainer._total_steps(Progress(), 3) == 3
+    resumed = Progress(step=epoch - 2, epoch=0, batch_in_epoch=epoch - 2)
+    assert trainer._total_steps(resumed, None) == epoch
+    trainer.fit()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: ")]
+    assert lines and lines[-1].startswith("train: step 3/3 (100%) ")
+    assert "samples/s, loss " in lines[-1]

@@ -13,7 +13,9 @@ shuffle_rows), computed from Parquet metadata alone:
 Because every stream's batch count follows from metadata, :meth:`Loader.epoch` can start at batch
 ``k`` cheaply (resume): each stream skips whole windows without reading them, reads the window it
 resumes in, and the streams are rotated so that the interleaving continues where it stopped.
-Changing ``num_workers`` changes the order, so resume with the same value.
+Changing ``num_workers`` changes the order, so resume with the same value. A ``num_workers``
+above the CPU cores this process may use is lowered to them (:func:`usable_workers`, one log line),
+so resume on a machine with as many cores, or pass a value it has.
 
 Distributed training (``rank``/``world_size``): every rank plays the same sequence of *global*
 batches of ``batch_size × world_size`` rows and keeps the contiguous part ``rank`` of each (parts
@@ -28,6 +30,8 @@ short global batch of fewer than ``world_size`` rows is dropped.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +46,30 @@ from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.features import FeatureSet
 from shared.fg import ORACLE_COLUMN, FgStats, table_to_batch
+
+log = logging.getLogger(__name__)
+_CLAMPS_SAID: set[tuple[int, int]] = set()  # (asked, cores) already logged in this process
+
+
+def usable_workers(requested: int, cores: int | None = None) -> int:
+    """``requested`` worker processes, lowered to the CPU cores this process may use
+    (``cores``, default: its affinity), saying so once per process and value: more processes
+    than cores only compete (torch warns about it) and the seed config asks for 8."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(cores or 1, 1)
+    if requested <= cores:
+        return requested
+    if (requested, cores) not in _CLAMPS_SAID:
+        _CLAMPS_SAID.add((requested, cores))
+        log.info(
+            "num_workers %d is more than the %d CPU cores here; using %d loader workers "
+            "(the batch order follows this number: resume with as many)",
+            requested,
+            cores,
+            cores,
+        )
+    return cores
 
 
 @dataclass(frozen=True)
@@ -243,6 +271,7 @@ class Loader:
             )
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        num_workers = usable_workers(num_workers)
         self.fs = fs
         self.groups = list_row_groups(path)
         schema = pq.read_schema(self.groups[0].path)

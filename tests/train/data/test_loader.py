@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 from shared.batch import Batch
 from shared.features import FeatureSet, feature_set_from_text
 from train.data import synthetic, taobao
-from train.data.loader import Loader, resume_point
+from train.data.loader import Loader, resume_point, usable_workers
 
 ROOT = Path(__file__).resolve().parents[3]
 SEED_TEXT = (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
@@ -126,3 +128,21 @@ def test_from_config_and_bad_inputs(samples: Path, fs: FeatureSet, tmp_path: Pat
         Loader(samples / "train", other, batch_size=8)
     with pytest.raises(ValueError, match="batch_size"):
         Loader(samples / "train", fs, batch_size=0)
+
+
+def test_workers_are_clamped_to_the_cores_saying_so_once(
+    samples: Path, fs: FeatureSet, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="train.data.loader")
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "train.data.loader"]
+
+    # values no other test asks for: each (asked, cores) is said once per process
+    assert usable_workers(3, cores=4) == 3
+    assert usable_workers(38, cores=2) == usable_workers(38, cores=2) == 2
+    assert len(said()) == 1 and "num_workers 38" in said()[0] and "2 CPU cores" in said()[0]
+    cores = len(os.sched_getaffinity(0))
+    loader = Loader(samples / "train", fs, batch_size=256, num_workers=cores + 41)
+    assert loader.num_workers == cores
+    assert len(said()) == 2 and f"num_workers {cores + 41}" in said()[1]
