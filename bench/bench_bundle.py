@@ -8,7 +8,6 @@ write; ``touch`` adds summing every tensor, which faults in the memory-mapped pa
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -20,6 +19,8 @@ from pathlib import Path
 import torch
 
 from shared.bundle import write_bundle
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.config import config_digest, load_config
 from shared.features import build_feature_set
 
@@ -45,12 +46,12 @@ class _Toy(torch.nn.Module):
         return x * 2.0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--keys", type=int, default=300_000, help="keys per big dynamic table")
     p.add_argument("--world", type=int, default=1, help="parts per dynamic table")
     p.add_argument("--out", type=Path, default=None, help="bundle dir (default: a temp dir)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     config = load_config(CONFIG)
     fs = build_feature_set(config)
@@ -106,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -44,6 +44,8 @@ from protos import predict_pb2, predict_pb2_grpc
 from serve.admin import AdminConfig
 from serve.model import default_device
 from shared.bundle import read_bundle, write_bundle
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.delta import diff_tables, write_delta
 
 
@@ -78,7 +80,7 @@ def _target_tables(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_delta", description=__doc__)
+    p = Parser(prog="python -m bench.bench_delta", description=__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
     p.add_argument("--keys", type=int, default=1_500_000)
@@ -172,4 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

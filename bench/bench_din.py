@@ -32,16 +32,18 @@ the device kernels launched.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from train.model.dense_arch import DenseArch
 from train.model.din import JaggedDIN, PaddedDIN
 from train.model.graphed import DenseArchGraphs, DINGraphs, bucket_rows
@@ -373,7 +375,7 @@ def bench_dense_arch(
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="results JSON path")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--batch", type=int, default=8192)
@@ -443,4 +445,4 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 
@@ -93,7 +96,7 @@ def run_world(procs: int, args: argparse.Namespace, data: Path, out: Path) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     p.add_argument("--data", type=Path, help="samples dir with train/ and eval/; default: tiny")
@@ -161,4 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import FeatureSet, Side, build_feature_set
 from shared.fg import FgStats, request_to_batch, table_to_batch
@@ -59,15 +62,15 @@ def _request(fs: FeatureSet, row: dict, n: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--size", default="small", choices=sorted(synthetic.SIZES))
     parser.add_argument("--samples", help="an existing samples dir (skips generate + build)")
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--config", type=Path, default=CONFIG)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pa.set_cpu_count(1)
     fs = build_feature_set(load_config(args.config))
@@ -122,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

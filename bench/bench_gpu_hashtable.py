@@ -32,17 +32,19 @@ insert and build. ``--sections`` and ``--load-factors`` select parts of the run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.features import ScoreStrategy
 from shared.hashtable import cuda
 from shared.hashtable.backend import Backend
@@ -427,7 +429,7 @@ def profile(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--keys", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=16)
@@ -515,4 +517,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -21,11 +21,11 @@ the device, torch version and CPU thread count beside them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.features import (
     CONSTANT_ZERO,
     DynamicTableSpec,
@@ -176,7 +178,7 @@ def bench_train_step(device: torch.device, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--keys", type=int, default=1_000_000)
@@ -221,4 +223,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from train.data import synthetic
 
 CONFIG = (
@@ -79,15 +81,15 @@ def scaled(spec: synthetic.SizeSpec, k: int) -> synthetic.SizeSpec:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", type=int, default=4, help="second size: small x SCALE")
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--full-raw", type=Path, help="also build these full-size raw files once")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         child(*args.child)
         return
@@ -147,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

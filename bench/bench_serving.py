@@ -62,6 +62,9 @@ from typing import Any
 
 import numpy as np
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
+
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = {"candidates_per_s": 500_000, "p99_ms": 10.0}
 REQUEST_FORMATS = ("rows", "columnar")  # PredictRequest.candidates / .candidate_columns
@@ -865,7 +868,7 @@ def _offline_table(profiles: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_serving", description=__doc__.split("\n\n")[0])  # fmt: skip
+    p = Parser(prog="python -m bench.bench_serving", description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="bench_serving.json and pyspy_raw.txt")
     p.add_argument("--work", type=Path, default=None, help="scratch (default: a temporary dir)")
     p.add_argument("--bundle", type=Path, default=None, help="default: a synthetic bundle")
@@ -1037,4 +1040,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -16,7 +16,6 @@ launches happen before the timed loads (one untimed load first)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -32,6 +31,8 @@ from bench.synthetic_bundle import keys_per_table, seed_feature_set, write_synth
 from serve.model import STAGES, LoadedModel, default_device
 from serve.program_cache import ProgramCache
 from shared.bundle import read_bundle
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import FeatureSet
 from shared.hashtable.lookup import StaticLookupTable
@@ -125,7 +126,7 @@ def measure_build_only(bundle: Path, device: str, repeats: int) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_startup", description=__doc__)
+    p = Parser(prog="python -m bench.bench_startup", description=__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
     p.add_argument("--keys", type=int, default=1_500_000, help="keys over the dynamic tables")
@@ -187,4 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -12,7 +12,6 @@ seen::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -35,10 +34,12 @@ from bench.traffic import (
     start_model_dir_server,
 )
 from serve.model import default_device
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_swap", description=__doc__)
+    p = Parser(prog="python -m bench.bench_swap", description=__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
     p.add_argument("--keys", type=int, default=1_500_000)
@@ -102,4 +103,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

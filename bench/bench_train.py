@@ -18,7 +18,6 @@ Two measurements, both at ``--batch`` (default 8192, the config's):
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
 from train.data.loader import Loader
@@ -60,7 +61,7 @@ def time_steps(model, optimizers, batches, device, amp: str, graphs=None) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--config", type=Path, default=ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
     )
@@ -210,4 +211,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

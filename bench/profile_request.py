@@ -5,7 +5,6 @@ python -m bench.profile_request --device cuda --keys 300000
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import statistics
@@ -28,11 +27,13 @@ from serve.batcher import concat_batches
 from serve.limits import Limits
 from serve.model import LoadedModel, default_device
 from serve.validation import request_inputs
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.fg import request_columns_to_batch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.profile_request")
+    p = Parser(prog="python -m bench.profile_request")
     p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
     p.add_argument("--keys", type=int, default=300_000)
     p.add_argument("--candidates", type=int, default=100)
@@ -80,4 +81,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -15,7 +15,6 @@ Three views of the seed config's step at ``--batch`` (8192) on batches already o
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import build_feature_set
@@ -105,7 +106,7 @@ def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--config", type=Path, default=ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
     )
@@ -214,4 +215,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -45,6 +45,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import predict_pb2, predict_pb2_grpc
+from shared.cli import Parser, run_cli
+from shared.cli import exit_code as _exit_code
 from tests.serve.hostile import PREDICT_METHOD, HostileCase, HostileGenerator, check_answer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -400,7 +402,7 @@ def _machine() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.soak_serving", description=__doc__)
+    p = Parser(prog="python -m bench.soak_serving", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--duration-s", type=float, default=600.0, help="soak phase, warm-up included")
     p.add_argument("--overload-s", type=float, default=None, help="default: min(60, duration/10)")
@@ -615,4 +617,4 @@ def _print_summary(report: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -186,3 +186,9 @@ def quiet_third_party() -> None:
         logger = logging.getLogger(None if name == "root" else name)
         if _is_signal not in logger.filters:
             logger.addFilter(_is_signal)
+
+
+def exit_code(result: object) -> int:
+    """A ``main``'s result as an exit code: ints as they are, anything else (a benchmark's
+    result dict, None) 0."""
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0

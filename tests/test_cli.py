@@ -123,6 +123,10 @@ CASES: dict[str, Case] = {
         ["-m", "loadtest", "--host", d, "--samples", str(t / "eval"), "--out", str(t / "lt")],
         [f"--samples {t / 'eval'}"],
     ),
+    "bench bad flag value": lambda t, p, d: (
+        ["-m", "bench.bench_hashtable", "--out", str(t / "b.json"), "--keys", "many"],
+        ["--keys", "'many'"],
+    ),
     "pipeline missing raw dir": lambda t, p, d: (
         ["scripts/pipeline.py", "--raw-dir", str(t / "raw"), "--out", str(t / "run")],
         [f"--raw-dir {t / 'raw'}"],
