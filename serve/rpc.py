@@ -92,12 +92,17 @@ def _parse(method: Method, raw: bytes, limits: Limits) -> Message:
             "(serve --max-request-bytes); send fewer candidates per request",
             reason="request_too_large",
         )
+    return _decode(method.request_type, raw)
+
+
+def _decode(request_type: type[Message], raw: bytes) -> Message:
+    """``raw`` as a ``request_type``; bytes that do not decode are INVALID_ARGUMENT."""
     try:
-        return method.request_type.FromString(raw)
+        return request_type.FromString(raw)
     except (DecodeError, RecursionError, ValueError) as err:
         raise RpcError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"request: not a valid {method.request_type.DESCRIPTOR.full_name} message "
+            f"request: not a valid {request_type.DESCRIPTOR.full_name} message "
             f"({truncate(str(err), 200)}); check the client's proto against GetModelMetadata's "
             "service (server reflection serves it)",
             reason="undecodable",
@@ -184,13 +189,9 @@ def _parse_or_abort(
     request_type: type[Message], raw: bytes, context: grpc.ServicerContext
 ) -> Message:
     try:
-        return request_type.FromString(raw)
-    except (DecodeError, RecursionError, ValueError) as err:
-        context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"request: not a valid {request_type.DESCRIPTOR.full_name} message "
-            f"({truncate(str(err), 200)})",
-        )
+        return _decode(request_type, raw)
+    except RpcError as err:
+        context.abort(err.code, err.details)
         raise  # not reached: abort raises
 
 
