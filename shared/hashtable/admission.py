@@ -11,12 +11,25 @@ spaces through table ids), as dynamicemb's fused tables share their admission co
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shared.features import ScoreStrategy
 from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import split_mask
 from shared.hashtable.table import ExportedRows, HashTable
+
+
+@dataclass
+class PendingCounts:
+    """An :meth:`FrequencyCounter.add` between its two halves."""
+
+    keys: torch.Tensor  # [n] int64, distinct
+    table_ids: torch.Tensor | None
+    rows: torch.Tensor  # [n] counter row of each key, -1 if not counted yet
+    found: torch.Tensor  # [n] bool
+    totals: torch.Tensor  # [n] int64: the counts after this add
 
 
 class FrequencyCounter:
@@ -69,24 +82,43 @@ class FrequencyCounter:
         A key that cannot be remembered (its bucket is full of higher counts) still gets its
         total for this call, so a key seen ``threshold`` times in one batch is admitted.
         """
+        pending = self.totals(keys, counts, table_ids, validate=validate)
+        self.remember(pending, int(pending.found.sum()))
+        return pending.totals
+
+    def totals(
+        self,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+        table_ids: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
+    ) -> PendingCounts:
+        """The first half of :meth:`add`, without a host sync: the totals [n] the keys reach.
+        Nothing is stored until :meth:`remember` (which needs ``found``'s count)."""
         device = self.table.device
         keys, counts = keys.to(device), counts.to(device, torch.int64)
         table_ids = None if table_ids is None else table_ids.to(device)
         rows, found = self.table.find(keys, table_ids, validate=validate)
-        totals = counts.clone()
-        hit, new = split_mask(found)
+        old = self.table.scores_of(rows.clamp(min=0))
+        totals = torch.where(found, counts + old, counts)
+        return PendingCounts(keys, table_ids, rows, found, totals)
+
+    def remember(self, pending: PendingCounts, n_found: int) -> None:
+        """The second half of :meth:`add`: store the totals (``n_found``: ``found``'s count)."""
+        hit, new = split_mask(pending.found, n_found)
+        rows, totals = pending.rows, pending.totals
         if hit.numel():
-            totals[hit] += self.table.scores_of(rows[hit])
             self.table.set_scores(rows[hit], totals[hit])
         if new.numel():
+            tids = pending.table_ids
             self.table.insert_or_assign(
-                keys[new],
+                pending.keys[new],
                 torch.zeros(new.numel(), 0, device=self.table.device),
                 totals[new],
-                table_ids=None if table_ids is None else table_ids[new],
+                table_ids=None if tids is None else tids[new],
                 pinned_rows=rows[hit],
             )
-        return totals
 
     def erase(self, keys: torch.Tensor, table_ids: torch.Tensor | None = None) -> int:
         return self.table.erase(keys, table_ids)

@@ -54,14 +54,16 @@ def default_clock() -> int:
 
 
 def _checked_keys(
-    keys: Mapping[str, torch.Tensor], device: torch.device
+    keys: Mapping[str, torch.Tensor], device: torch.device, *, check_sign: bool
 ) -> dict[str, torch.Tensor]:
-    """Every table's keys on ``device`` as int64, refused if negative, with one host sync for
-    all tables (the lookups below skip their own checks)."""
+    """Every table's keys on ``device`` as int64; with ``check_sign``, refused if negative,
+    with one host sync for all tables. Without it the storage refuses them in its first host
+    sync (``FusedStorage.lookup``), which is enough when one storage takes every key: no
+    storage has changed anything before the refusal."""
     out = {
         n: check_keys(k.to(device), f"lookup of {n!r}", check_sign=False) for n, k in keys.items()
     }
-    negative = [(k < 0).any() for k in out.values() if k.numel()]
+    negative = [(k < 0).any() for k in out.values() if k.numel()] if check_sign else []
     if negative and bool(torch.stack(negative).any()):
         for n, k in out.items():
             check_keys(k, f"lookup of {n!r}")  # raises, naming the table, key and position
@@ -218,12 +220,11 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         if train and self._auto_step:
             self._step += 1
         now = self._clock() if train else 0
-        checked = _checked_keys(keys, self.device)
+        used = [s for s in self._storages if any(self._where[n][0] is s for n in keys)]
+        checked = _checked_keys(keys, self.device, check_sign=len(used) > 1)
         out: dict[str, torch.Tensor] = {}
-        for storage in self._storages:
+        for storage in used:
             names = [n for n in keys if self._where[n][0] is storage]
-            if not names:
-                continue
             parts = [(self._where[n][1], checked[n]) for n in names]
             score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
             plan = storage.lookup(parts, train=train, score_now=score)

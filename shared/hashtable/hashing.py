@@ -118,8 +118,26 @@ def check_keys(keys: torch.Tensor, what: str, *, check_sign: bool = True) -> tor
     return keys
 
 
+class NegativeKeyError(ValueError):
+    """A lookup got a negative key (:func:`unique_pairs` with ``reject_negative``); the caller,
+    which knows the tables, re-checks its parts with :func:`check_keys` to name the key."""
+
+
+def compact_positions(mask: torch.Tensor, n_true: int) -> torch.Tensor:
+    """[n_true] int64: the ascending positions where the 1-D bool ``mask`` is true, for a
+    caller that already read their number (``nonzero`` would read it again: a host sync)."""
+    n = mask.numel()
+    if n_true == n:
+        return torch.arange(n, device=mask.device)
+    slot = torch.cumsum(mask, 0) - 1  # output slot of each true entry
+    slot = torch.where(mask, slot, n_true)  # false entries go to one spare slot
+    out = torch.empty(n_true + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, slot, torch.arange(n, device=mask.device))  # real slots: one writer each
+    return out[:n_true]
+
+
 def unique_pairs(
-    keys: torch.Tensor, table_ids: torch.Tensor | None
+    keys: torch.Tensor, table_ids: torch.Tensor | None, *, reject_negative: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Deterministic unique of (table id, key) pairs by stable sorting.
 
@@ -128,6 +146,9 @@ def unique_pairs(
     run in that order (``order[starts]`` is its first occurrence, ``order[starts + counts - 1]``
     its last); ``inverse`` [N] maps each input position to its unique index; ``group`` [N] is the
     unique index of each sorted position.
+
+    One host synchronisation (the number of unique pairs). ``reject_negative`` reads, in the
+    same synchronisation, whether any key is negative and raises :class:`NegativeKeyError`.
     """
     n = keys.numel()
     order = torch.sort(keys, stable=True).indices
@@ -141,7 +162,13 @@ def unique_pairs(
             t = table_ids[order]
             change[1:] |= t[1:] != t[:-1]
     group = torch.cumsum(change, 0) - 1
-    starts = torch.nonzero(change).squeeze(1)  # the one host sync: the number of unique pairs
+    if reject_negative and n:
+        n_unique, negative = torch.stack([group[-1] + 1, (keys < 0).any().long()]).tolist()
+        if negative:
+            raise NegativeKeyError("negative key")
+    else:
+        n_unique = int(group[-1]) + 1 if n else 0  # the one host sync
+    starts = compact_positions(change, n_unique)
     ends = torch.cat([starts[1:], starts.new_full((1,), n)])
     counts = ends - starts
     inverse = torch.empty_like(order)
@@ -150,16 +177,22 @@ def unique_pairs(
 
 
 def segment_sum_sorted(
-    x: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, group: torch.Tensor
+    x: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    group: torch.Tensor,
+    max_count: int | None = None,
 ) -> torch.Tensor:
     """Sum the rows of ``x`` [M, D] within runs (``x`` already sorted by run) → [U, D].
 
     A pairwise tree in ceil(log2(max run)) rounds where each addition has fixed operands, so
     the float result is the same on every device and every run (unlike index_add_ on CUDA).
+    ``max_count``: the longest run, if the caller read it already (else one host sync).
     """
     if x.shape[0] == 0:
         return x.new_zeros((0, *x.shape[1:]))
-    max_count = int(counts.max())  # the one host sync: the number of rounds
+    if max_count is None:
+        max_count = int(counts.max())  # the one host sync: the number of rounds
     if max_count == 1:
         return x[starts]
     rank = torch.arange(x.shape[0], device=x.device) - starts[group]
@@ -174,11 +207,13 @@ def segment_sum_sorted(
     return x[starts]
 
 
-def split_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_mask(mask: torch.Tensor, n_true: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions where ``mask`` is true, positions where it is false), each ascending, with
-    one host synchronisation (the number of true entries) instead of two ``nonzero`` calls."""
+    one host synchronisation (the number of true entries; none if ``n_true`` is given)
+    instead of two ``nonzero`` calls."""
     order = torch.argsort((~mask).to(torch.uint8), stable=True)
-    n_true = int(mask.sum())
+    if n_true is None:
+        n_true = int(mask.sum())
     return order[:n_true], order[n_true:]
 
 

@@ -21,7 +21,14 @@ from shared.features import InitializerSpec, ScoreStrategy, TableSpec
 from shared.hashtable.adagrad import AdagradConfig, adagrad_update
 from shared.hashtable.admission import FrequencyCounter
 from shared.hashtable.backend import Backend
-from shared.hashtable.hashing import check_keys, segment_sum_sorted, split_mask, unique_pairs
+from shared.hashtable.hashing import (
+    NegativeKeyError,
+    check_keys,
+    compact_positions,
+    segment_sum_sorted,
+    split_mask,
+    unique_pairs,
+)
 from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.table import HashTable
 
@@ -66,6 +73,17 @@ class LookupPlan:
     generation: int
     mutations: int  # FusedStorage.mutations when the plan was made
     out: torch.Tensor = field(repr=False)  # [U, dim] forward values of the distinct keys
+    updated: int = -1  # distinct keys with a row (rows >= 0); -1: not read
+    max_count: int | None = None  # the longest run of duplicates (None: not read)
+
+
+@dataclass
+class _PendingErase:
+    """Admission-counter keys to erase once their number is read (keys now in the table)."""
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    mask: torch.Tensor  # [n] bool: erase keys[i]
 
 
 def compatibility_key(spec: TableSpec) -> tuple[int, ScoreStrategy, int]:
@@ -162,20 +180,42 @@ class FusedStorage:
     def lookup(
         self, parts: list[tuple[int, torch.Tensor]], *, train: bool, score_now: int
     ) -> LookupPlan:
-        """Look up the keys of several member tables at once (``parts``: (table id, keys))."""
+        """Look up the keys of several member tables at once (``parts``: (table id, keys)).
+
+        Negative keys are refused here (:class:`NegativeKeyError`, read in the same host sync
+        as the number of distinct keys); the caller names the table. In training the host
+        syncs are: distinct keys, hits, the admission counter's hits, admitted keys, and one
+        read after the insert (misses to fill, counter keys to erase, the longest run of
+        duplicates for backward's segment sum), so that backward needs none.
+        """
         keys = torch.cat([k for _, k in parts])
         tids = torch.cat([torch.full_like(k, t) for t, k in parts])
-        order, starts, counts, inverse, group = unique_pairs(keys, tids)
+        try:
+            order, starts, counts, inverse, group = unique_pairs(keys, tids, reject_negative=True)
+        except NegativeKeyError:
+            for t, k in parts:
+                check_keys(k, f"lookup of {self.names[t]!r}")  # raises, naming key and position
+            raise
         first = order[starts]
         uk, ut = keys[first], tids[first]
-        # keys were checked by the caller (DynamicEmbeddingCollection.forward): no host sync here
-        rows, valid = self.table.find(uk, self._tids(ut), validate=False)
+        rows, valid = self.table.find(uk, self._tids(ut), validate=False)  # keys checked above
         not_admitted = torch.zeros_like(valid)
+        erase: _PendingErase | None = None
         if train:
-            rows, valid, not_admitted = self._train_step(uk, ut, counts, rows, valid, score_now)
+            rows, valid, not_admitted, erase = self._train_step(
+                uk, ut, counts, rows, valid, score_now
+            )
+        reads = [(~valid).sum(), counts.max() if counts.numel() else counts.new_zeros(())]
+        if erase is not None:
+            reads.append(erase.mask.sum())
+        n_miss, max_count, *n_erase = torch.stack(reads).tolist()  # the one read after insert
+        if erase is not None and n_erase[0]:
+            done = compact_positions(erase.mask, n_erase[0])
+            assert self.counter is not None
+            self.counter.erase(erase.keys[done], self._tids(erase.table_ids[done]))
         out = self.table.values[rows.clamp(min=0)]  # [U, dim]
-        miss = torch.nonzero(~valid).squeeze(1)
-        if miss.numel():  # not stored: admission value (train), fresh init (refused), eval value
+        if n_miss:  # not stored: admission value (train), fresh init (refused), eval value
+            miss = compact_positions(~valid, n_miss)
             if train:
                 which = ut[miss] + len(self.specs) * not_admitted[miss].to(torch.int64)
                 out[miss] = self._train_rows(uk[miss], which, self.dim)
@@ -194,6 +234,8 @@ class FusedStorage:
             self.table.generation,
             self.mutations,
             out,
+            updated=uk.numel() - n_miss,
+            max_count=max_count,
         )
 
     def _train_step(
@@ -204,10 +246,11 @@ class FusedStorage:
         rows: torch.Tensor,
         found: torch.Tensor,
         score_now: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _PendingErase | None]:
         """Scores, admission and insertion for one training batch of distinct keys.
 
-        Returns (rows, valid: stored after the step, not_admitted: below the threshold).
+        Returns (rows, valid: stored after the step, not_admitted: below the threshold, the
+        admission-counter keys to erase: those now stored, for the caller's next host read).
         """
         lfu = self.strategy is ScoreStrategy.LFU
         hit, new = split_mask(found)
@@ -218,7 +261,7 @@ class FusedStorage:
             )
         not_admitted = torch.zeros_like(found)
         if new.numel() == 0:
-            return rows, found, not_admitted
+            return rows, found, not_admitted, None
         nk, nt, totals = uk[new], ut[new], counts[new]
         admitted = torch.ones_like(nk, dtype=torch.bool)
         with_adm = self.has_admission[nt]
@@ -229,16 +272,21 @@ class FusedStorage:
                 else torch.nonzero(with_adm).squeeze(1)
             )
             totals = totals.clone()
-            totals[sel] = self.counter.add(
+            pending = self.counter.totals(
                 nk[sel], counts[new][sel], self._tids(nt[sel]), validate=False
             )
+            totals[sel] = pending.totals
             admitted = totals >= self.thresholds[nt]
             waiting = (~admitted).to(torch.int64)  # lookups of keys still below threshold
             self._counts[:, _REJECTIONS].index_add_(0, nt, counts[new] * waiting)
+            n_counted, n_admitted = torch.stack([pending.found.sum(), admitted.sum()]).tolist()
+            self.counter.remember(pending, n_counted)
+        else:
+            n_admitted = new.numel()
         not_admitted[new] = ~admitted
-        ins = torch.nonzero(admitted).squeeze(1)
-        if ins.numel() == 0:
-            return rows, found, not_admitted
+        if n_admitted == 0:
+            return rows, found, not_admitted, None
+        ins = compact_positions(admitted, n_admitted)
         ik, it = nk[ins], nt[ins]
         scores = totals[ins] if lfu else torch.full_like(ik, score_now)
         generation = self.table.generation
@@ -251,16 +299,15 @@ class FusedStorage:
             pinned_rows=rows[hit],
         )
         self._account(it, result.inserted, result.evicted_table_ids)
+        erase = None
         if self.counter is not None:
-            done = torch.nonzero(result.inserted & with_adm[ins]).squeeze(1)
-            if done.numel():
-                self.counter.erase(ik[done], self._tids(it[done]))
+            erase = _PendingErase(ik, it, result.inserted & with_adm[ins])
         if self.table.generation != generation:  # the table grew: every row moved
             rows, found = self.table.find(uk, self._tids(ut), validate=False)
-            return rows, found, not_admitted
+            return rows, found, not_admitted, erase
         rows = rows.clone()
         rows[new[ins]] = result.rows
-        return rows, rows >= 0, not_admitted
+        return rows, rows >= 0, not_admitted, erase
 
     def _account(
         self,
@@ -300,12 +347,17 @@ class FusedStorage:
 
     def apply_gradients(self, plan: LookupPlan, grad: torch.Tensor) -> None:
         """Sum the gradients [N, dim] of duplicate keys, then Adagrad the rows in place."""
-        g = segment_sum_sorted(
-            grad.to(torch.float32)[plan.order], plan.starts, plan.counts, plan.group
-        )
-        upd = torch.nonzero(plan.rows >= 0).squeeze(1)
-        if upd.numel() == 0:
+        if plan.updated == 0:
             return
+        g = segment_sum_sorted(
+            grad.to(torch.float32)[plan.order], plan.starts, plan.counts, plan.group,
+            plan.max_count,
+        )  # fmt: skip
+        upd = (
+            torch.nonzero(plan.rows >= 0).squeeze(1)
+            if plan.updated < 0
+            else compact_positions(plan.rows >= 0, plan.updated)
+        )
         rows, g = plan.rows[upd], g[upd]
         keys, tids = plan.keys[upd], plan.table_ids[upd]
         same = self.table.generation == plan.generation
