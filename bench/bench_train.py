@@ -1,19 +1,21 @@
-"""Training throughput of the seed config: jagged DIN beside the padded reference, same run.
+"""Training throughput: the seed (dynamic) config against the all-num_buckets config, one run.
 
-Two measurements, both at ``--batch`` (default 8192, the config's):
+For each config of ``--configs`` (default: the seed config ``dynamic`` and the all-num_buckets
+baseline ``buckets``), on the same samples and device:
 
-- ``step``: the training step alone (lookups + admission + forward + backward + fused Adagrad +
-  Adam) on batches already on the device, median over ``--steps`` steps after ``--warmup``
-  steps, for the jagged DIN eagerly (``jagged_*``), the jagged DIN with the dense
-  forward+backward replayed from CUDA graphs (``jagged_graphed_*``, CUDA only, see
-  :mod:`train.model.graphed`; a timed step that had to capture a new T bucket is left out of the
-  median and counted in ``graphed_capture_steps``) and tzrec's padded DIN (pad to
-  sequence_length 100) with the same weights;
-- ``end_to_end``: samples/s of the real loop over the Parquet loader (jagged; with CUDA graphs
-  when they are on, as the trainer runs by default).
+- ``step``: the training step on batches already on the device
+  (:func:`bench.profile_train.profile_model`): median step ms as the trainer runs it, phases,
+  host syncs per step, GPU launches per step (by phase) and the GPU-busy fraction;
+- ``end_to_end``: the trainer's own loop (:class:`train.trainer.Trainer`: the Parquet loader
+  with ``--num-workers`` workers, the device prefetch, CUDA graphs on CUDA) over one epoch, or
+  ``--e2e-max-steps`` steps: samples/s, seconds, and the eval AUC (overall, head, tail) after it;
 
-    python -m bench.bench_train --samples data/small/samples --out out/bench_train.json
-    python -m bench.bench_train --size full --device cuda --out $OUT/bench_train.json
+then the ratios between the configs and the goals of issue #18 (end-to-end samples/s of the seed
+config, its step against the baseline's, GPU busy). ``--padded-steps N`` also times the seed
+config's step with tzrec's padded DIN (pad to 100) for N steps, as a reference.
+
+    python -m bench.bench_train --size small --out out/bench_train.json
+    python -m bench.bench_train --size full --device cuda --num-workers 12 --out $OUT/bench_train.json
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from bench.profile_train import profile_model
 from shared.cli import Parser, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -36,9 +40,21 @@ from train.data.loader import Loader
 from train.model.din import PaddedDIN
 from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
-from train.trainer import build_optimizers, train_step
+from train.trainer import Trainer, TrainOptions, build_optimizers, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "dynamic": ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config",
+    "buckets": ROOT / "configs" / "multi_tower_din_taobao.config",
+}
+GOALS = {  # issue #18
+    "end_to_end_samples_per_s": 1.5e6,  # the seed config, one epoch of full data
+    "dynamic_step_over_buckets": 1.15,
+    "device_busy_fraction": 0.6,
+}
+EXAMPLE = """examples:
+  python -m bench.bench_train --size small --out out/bench_train.json
+  python -m bench.bench_train --size full --device cuda --num-workers 12 --out out/train.json"""
 
 
 def _sync(device: torch.device) -> None:
@@ -46,167 +62,185 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(model, optimizers, batches, device, amp: str, graphs=None) -> list[float]:
-    """Seconds per step; with ``graphs``, NaN for a step that captured a new graph."""
+def device_batches(samples: Path, config_path: Path, batch: int, n: int, device: torch.device):
+    """``n`` training batches of ``samples`` on ``device`` (the first of epoch 0)."""
+    fs = build_feature_set(load_config(config_path))
+    loader = Loader(samples / "train", fs, batch_size=batch, num_workers=1, shuffle=True,
+                    seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
+    out = []
+    for b in loader.epoch(0):
+        out.append(b.to(device, non_blocking=True))
+        if len(out) == n:
+            return out
+    raise SystemExit(
+        f"error: {samples}/train has {len(out)} batches of {batch} rows; this benchmark needs "
+        f"{n}: pass a larger --size or fewer --steps"
+    )
+
+
+def step_figures(config_path: Path, batches, args, device: torch.device) -> dict[str, Any]:
+    """:func:`profile_model` of a fresh model of ``config_path`` (graphs as the trainer)."""
+    config = load_config(config_path)
+    model = MultiTowerDIN.from_config(config, build_feature_set(config), device=device, seed=0)
+    optimizers = build_optimizers(model, config.train_config)
+    graphs = DenseArchGraphs(model.dense) if device.type == "cuda" else None
+    found, _ = profile_model(model, optimizers, batches, warmup=args.warmup, steps=args.steps,
+                             graphs=graphs)  # fmt: skip
+    if graphs is not None:
+        found["cuda_graphs"] = dict(graphs.stats)
+    return found
+
+
+def padded_step_ms(config_path: Path, batches, steps: int, device: torch.device) -> float:
+    """Median step ms of ``config_path`` with tzrec's padded DIN (pad to 100), eagerly."""
+    config = load_config(config_path)
+    model = MultiTowerDIN.from_config(config, build_feature_set(config), device=device, seed=0)
+    ref = PaddedDIN(model.dense.din.dim, model.dense.config.attn, max_length=100).to(device)
+    ref.load_state_dict(model.dense.din.state_dict())
+    model.dense.din = ref
+    optimizers = build_optimizers(model, config.train_config)
+    model.train()
     times = []
-    for i, batch in enumerate(batches):
-        captures = graphs.stats["captures"] if graphs is not None else 0
+    for i, batch in enumerate(batches[: steps + 2]):
         _sync(device)
         t0 = time.perf_counter()
-        train_step(model, optimizers, batch, i, amp, graphs=graphs)
+        train_step(model, optimizers, batch, i)
         _sync(device)
-        captured = graphs is not None and graphs.stats["captures"] != captures
-        times.append(float("nan") if captured else time.perf_counter() - t0)
-    return times
+        if i >= 2:  # two warm-up steps
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def end_to_end(config_path: Path, samples: Path, args, device: torch.device) -> dict[str, Any]:
+    """The trainer's loop over one epoch (or ``--e2e-max-steps``), then its final eval."""
+    with tempfile.TemporaryDirectory(prefix="bench_train_run_") as model_dir:
+        trainer = Trainer(
+            TrainOptions(
+                config_path=config_path, model_dir=Path(model_dir), train_path=samples / "train",
+                eval_path=samples / "eval", device=str(device), batch_size=args.batch,
+                num_workers=args.num_workers, max_steps=args.e2e_max_steps,
+                eval_max_batches=args.eval_max_batches, progress_bar=False,
+            )
+        )  # fmt: skip
+        result = trainer.fit()
+    ev = result.final_eval
+    return {
+        "samples_per_s": result.samples_per_second,
+        "train_seconds": result.train_seconds,
+        "steps": result.progress.step,
+        "samples": result.progress.samples,
+        "num_workers": trainer.num_workers,
+        "eval": ev.to_dict() if ev is not None else None,
+    }
+
+
+def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The comparisons and goals of the module docstring (where both configs ran)."""
+    out: dict[str, Any] = {}
+    dyn, base = configs.get("dynamic"), configs.get("buckets")
+    if dyn and base:
+        out["dynamic_step_over_buckets"] = (
+            dyn["step"]["step_ms_median"] / base["step"]["step_ms_median"]
+        )
+        if "end_to_end" in dyn and "end_to_end" in base:
+            out["buckets_e2e_over_dynamic"] = (
+                base["end_to_end"]["samples_per_s"] / dyn["end_to_end"]["samples_per_s"]
+            )
+    if dyn:
+        busy = dyn["step"].get("profile", {}).get("device_busy_fraction")
+        got = {
+            "end_to_end_samples_per_s": dyn.get("end_to_end", {}).get("samples_per_s"),
+            "dynamic_step_over_buckets": out.get("dynamic_step_over_buckets"),
+            "device_busy_fraction": busy,
+        }
+        out["goals"] = {
+            k: {"goal": g, "got": got[k], "met": None if got[k] is None
+                else (got[k] <= g if k == "dynamic_step_over_buckets" else got[k] >= g)}
+            for k, g in GOALS.items()
+        }  # fmt: skip
+    return out
+
+
+def _parser() -> Parser:
+    p = Parser(description=__doc__.splitlines()[0], epilog=EXAMPLE)
+    p.add_argument("--configs", default="dynamic,buckets",
+                   help=f"comma-separated NAME or NAME=PATH (known: {', '.join(CONFIGS)})")  # fmt: skip
+    p.add_argument("--samples", type=Path, help="samples dir with train/ and eval/; default: "
+                   "generate --size into a temp dir")  # fmt: skip
+    p.add_argument("--size", default="small", choices=["tiny", "small", "full"],
+                   help="synthetic data size to generate when --samples is not given")  # fmt: skip
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device to train on")  # fmt: skip
+    p.add_argument("--batch", type=int, default=8192, help="rows per training batch")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per step measurement")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    p.add_argument("--padded-steps", type=int, default=0,
+                   help="also time the seed config with the padded DIN for N steps (0: skip)")  # fmt: skip
+    p.add_argument("--num-workers", type=int, default=8, help="loader workers of end_to_end")
+    p.add_argument("--e2e-max-steps", type=int, default=None,
+                   help="end_to_end: stop after N steps (default: one epoch)")  # fmt: skip
+    p.add_argument("--eval-max-batches", type=int, default=None,
+                   help="end_to_end: evaluate at most N batches (default: the eval set)")  # fmt: skip
+    p.add_argument("--no-end-to-end", action="store_true", help="skip the end_to_end runs")
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    return p
+
+
+def _config_paths(spec: str) -> dict[str, Path]:
+    out = {}
+    for item in spec.split(","):
+        name, _, path = item.partition("=")
+        if not path and name not in CONFIGS:
+            raise SystemExit(
+                f"error: --configs: {name!r} is not one of {', '.join(CONFIGS)}; "
+                "give NAME=PATH for another config"
+            )
+        out[name] = Path(path) if path else CONFIGS[name]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--config", type=Path, default=ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
-    )
-    p.add_argument("--samples", type=Path, help="samples dir with train/; default: generate --size")
-    p.add_argument("--size", default="small", choices=["tiny", "small", "full"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument(
-        "--padded-steps",
-        type=int,
-        default=None,
-        help="default: --steps on CUDA, 3 on CPU (the padded reference is slow there)",
-    )
-    p.add_argument(
-        "--cuda-graphs",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="auto: on CUDA, time the step with the dense part through CUDA graphs too and run "
-        "end_to_end with them (the trainer's default); on: also elsewhere (the wrapper then runs "
-        "eagerly; checks the bench itself)",
-    )
-    p.add_argument("--end-to-end-steps", type=int, default=20)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--amp", default="", choices=["", "BF16", "FP16"])
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+    args = _parser().parse_args(argv)
     device = torch.device(args.device)
-    graphs_on = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
-    if args.padded_steps is None:
-        args.padded_steps = args.steps if device.type == "cuda" else 3
-    config = load_config(args.config)
-    fs = build_feature_set(config)
-    tmp = None
+    paths = _config_paths(args.configs)
     samples = args.samples
+    tmp = None
     if samples is None:
-        tmp = tempfile.mkdtemp(prefix="bench_train_")
+        tmp = tempfile.TemporaryDirectory(prefix="bench_train_")
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "train.data", "all", "--size", args.size, "--out", tmp,
-             "--config", str(args.config)], check=True, cwd=ROOT,
+            [sys.executable, "-m", "train.data", "all", "--size", args.size, "--out", tmp.name,
+             "--config", str(next(iter(paths.values())))], check=True, cwd=ROOT,
         )  # fmt: skip
         print(f"generated {args.size} in {time.perf_counter() - t0:.1f}s", flush=True)
-        samples = Path(tmp) / "samples"
-
-    loader = Loader(samples / "train", fs, batch_size=args.batch, num_workers=args.num_workers,
-                    shuffle=True, seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
-    need = args.warmup + max(args.steps, args.padded_steps)
-    batches = []
-    for b in loader.epoch(0):
-        batches.append(b.to(device, non_blocking=True))
-        if len(batches) == need:
-            break
-    seq_len = batches[0].sequence.lengths().float()
-    result: dict[str, object] = {
-        "device": str(device),
-        "torch": torch.__version__,
-        "batch": args.batch,
-        "amp": args.amp,
-        "cuda_graphs": graphs_on,
-        "mean_sequence_length": float(seq_len.mean()),
-        "train_rows": loader.rows,
-    }
-
-    graph_stats: dict[str, int] = {}
-
-    def run(padded: bool, steps: int, graphed: bool = False) -> list[float]:
-        model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
-        if padded:
-            ref = PaddedDIN(model.dense.din.dim, model.dense.config.attn, max_length=100).to(device)
-            ref.load_state_dict(model.dense.din.state_dict())
-            model.dense.din = ref
-        optimizers = build_optimizers(model, config.train_config)
-        model.train()
-        graphs = DenseArchGraphs(model.dense) if graphed else None
-        time_steps(model, optimizers, batches[: args.warmup], device, args.amp, graphs)
-        times = time_steps(
-            model, optimizers, batches[args.warmup : args.warmup + steps], device, args.amp, graphs
-        )
-        if graphs is not None:
-            graph_stats.update(graphs.stats)
-        return times
-
-    def median(times: list[float]) -> float:
-        kept = [t for t in times if t == t]  # NaN: a step that captured a graph
-        return statistics.median(kept) if kept else float("nan")
-
-    jagged = run(False, args.steps)
-    graphed = run(False, args.steps, graphed=True) if graphs_on else None
-    padded = run(True, args.padded_steps)
-    mj, mp = median(jagged), median(padded)
-    step: dict[str, object] = {
-        "jagged_ms_median": mj * 1e3,
-        "padded_ms_median": mp * 1e3,
-        "jagged_samples_per_s": args.batch / mj,
-        "padded_samples_per_s": args.batch / mp,
-        "padded_over_jagged": mp / mj,
-    }
-    if graphed is not None:
-        mg = median(graphed)
-        step.update(
-            {
-                "jagged_graphed_ms_median": mg * 1e3,
-                "jagged_graphed_samples_per_s": args.batch / mg,
-                "padded_over_jagged_graphed": mp / mg,
-                "graphs_saved_ms": (mj - mg) * 1e3,
-                "graphed_capture_steps": sum(1 for t in graphed if t != t),
-                "graphs": graph_stats,
-                "jagged_graphed_ms_all": [None if t != t else t * 1e3 for t in graphed],
-            }
-        )
-    step["jagged_ms_all"] = [t * 1e3 for t in jagged]
-    step["padded_ms_all"] = [t * 1e3 for t in padded]
-    result["step"] = step
-    print(json.dumps(result["step"]), flush=True)
-
-    # end to end over the loader (includes feature generation in the workers)
-    model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
-    optimizers = build_optimizers(model, config.train_config)
-    model.train()
-    e2e_graphs = DenseArchGraphs(model.dense) if graphs_on else None
-    n = 0
-    t0 = None
-    for i, batch in enumerate(loader.epoch(1)):
-        batch = batch.to(device, non_blocking=True)
-        if i == args.warmup:
-            _sync(device)
-            t0, n = time.perf_counter(), 0
-        loss = train_step(model, optimizers, batch, i, args.amp, graphs=e2e_graphs)
-        n += batch.batch_size
-        if i >= args.warmup + args.end_to_end_steps:
-            break
-    _sync(device)
-    float(loss)
-    if t0 is not None:
-        seconds = time.perf_counter() - t0
-        result["end_to_end"] = {"samples_per_s": n / seconds, "steps": args.end_to_end_steps,
-                                "num_workers": args.num_workers, "cuda_graphs": graphs_on}  # fmt: skip
-    if device.type == "cuda":
-        result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    result["tables"] = model.sparse.dynamic.stats()
+        samples = Path(tmp.name) / "samples"
+    n = args.warmup + 4 * args.steps + 1
+    result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
+                              "batch": args.batch, "samples": str(samples), "configs": {}}  # fmt: skip
+    for name, path in paths.items():
+        batches = device_batches(samples, path, args.batch, max(n, args.padded_steps + 2), device)
+        entry: dict[str, Any] = {
+            "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+        }
+        entry["step"] = step_figures(path, batches, args, device)
+        if args.padded_steps and name == "dynamic":
+            entry["padded_step_ms_median"] = padded_step_ms(
+                path, batches, args.padded_steps, device
+            )
+        del batches
+        if not args.no_end_to_end:
+            entry["end_to_end"] = end_to_end(path, samples, args, device)
+        result["configs"][name] = entry
+        print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),
+              flush=True)  # fmt: skip
+    result.update(ratios(result["configs"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k != "tables"}, indent=2))
+    tmp_out = args.out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(result, indent=2))
+    tmp_out.replace(args.out)
+    print(json.dumps({k: v for k, v in result.items() if k != "configs"}, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
     return 0
 
 

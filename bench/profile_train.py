@@ -1,14 +1,16 @@
-"""Where the time of one training step goes: phases, host syncs and a torch.profiler table.
+"""Where the time of one training step goes: step time, phases, host syncs, launches, profile.
 
-Three views of the seed config's step at ``--batch`` (8192) on batches already on the device:
+The views of a config's step at ``--batch`` (8192) on batches already on the device
+(:func:`profile_model`, which ``bench.bench_train`` runs for each config it compares):
 
+- ``step_ms_median``: the step as the trainer runs it (no syncs inside);
 - ``phases``: median milliseconds of each phase (lookups, dense forward, backward with the fused
-  hash-table Adagrad, optimizer steps), each bracketed by a device synchronize;
+  hash-table Adagrad, optimizer steps), each ended by a device synchronize;
 - ``syncs`` (CUDA only): every host synchronization in one step, counted by the line of this
   repository that caused it (``torch.cuda.set_sync_debug_mode``);
-- ``profile``: torch.profiler over ``--steps`` steps: GPU busy time against wall time (how much of
-  the step the GPU idles, i.e. host bound) and the top operators by self CPU and self device time,
-  written as text beside the JSON.
+- ``profile``: torch.profiler over ``--steps`` steps: GPU launches per step and per phase, GPU
+  busy time against the unprofiled step (below 1: the GPU idles, the step is host bound) and
+  the top operators by self CPU and self device time, written as text beside the JSON.
 
     python -m bench.profile_train --samples DIR/samples --out out/profile_train.json [--device cuda]
 """
@@ -22,10 +24,13 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from shared.batch import Batch
 from shared.cli import Parser, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -39,37 +44,59 @@ from train.trainer import _amp_context, build_optimizers, train_step
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PHASES = ("zero_grad", "sparse_forward", "dense_forward", "backward", "optimizer")
+# host calls that start work on the GPU (a graph replay counts once)
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
 def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> dict[str, float]:
-    """One train_step split into phases, each timed between device synchronizations."""
+    """One train_step split into :data:`PHASES`, each timed up to a device synchronization
+    and marked ``record_function("phase:<name>")`` for :func:`launches_by_phase`."""
     times: dict[str, float] = {}
-    t = time.perf_counter()
 
-    def mark(name: str) -> None:
-        nonlocal t
-        sync()
-        now = time.perf_counter()
-        times[name] = (now - t) * 1e3
-        t = now
+    def phase(name: str, body: Callable[[], Any]) -> Any:
+        with torch.profiler.record_function(f"phase:{name}"):
+            t0 = time.perf_counter()
+            out = body()
+            sync()
+            times[name] = (time.perf_counter() - t0) * 1e3
+        return out
 
-    model.sparse.dynamic.set_step(step)
-    for opt in optimizers.values():
-        opt.zero_grad(set_to_none=True)
-    mark("zero_grad")
-    pooled, sequences = model.sparse(batch)
-    mark("sparse_forward")
-    inputs = dict(assemble_dense_inputs(model.fs, batch, pooled, sequences))
-    if batch.rows_are_users:
-        inputs["user_index"] = None
-    with _amp_context(amp, batch.user_index.device):
-        logits = (graphs or model.dense)(**inputs)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-    mark("dense_forward")
-    loss.backward()
-    mark("backward")
-    for opt in optimizers.values():
-        opt.step()
-    mark("optimizer")
+    def zero_grad() -> None:
+        model.sparse.dynamic.set_step(step)
+        for opt in optimizers.values():
+            opt.zero_grad(set_to_none=True)
+
+    def dense_forward() -> torch.Tensor:
+        inputs = dict(assemble_dense_inputs(model.fs, batch, pooled, sequences))
+        if batch.rows_are_users:
+            inputs["user_index"] = None
+        with _amp_context(amp, batch.user_index.device):
+            logits = (graphs or model.dense)(**inputs)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+
+    phase("zero_grad", zero_grad)
+    pooled, sequences = phase("sparse_forward", lambda: model.sparse(batch))
+    loss = phase("dense_forward", dense_forward)
+    phase("backward", loss.backward)
+    phase("optimizer", lambda: [opt.step() for opt in optimizers.values()])
     return times
+
+
+def launches_by_phase(events: Sequence[Any]) -> dict[str, int]:
+    """GPU launches (:data:`LAUNCHES`) inside each ``phase:`` range of a profile's events,
+    summed over the profiled steps (a launch outside every range counts as ``other``)."""
+    ranges = [
+        (e.name.removeprefix("phase:"), e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name.startswith("phase:")
+    ]
+    out: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if e.name in LAUNCHES:
+            t = e.time_range.start
+            out[next((n for n, a, b in ranges if a <= t <= b), "other")] += 1
+    return dict(out)
 
 
 def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[str, int]:
@@ -78,6 +105,8 @@ def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[st
     root = str(ROOT)
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
+        if "synchronizing" not in str(message):
+            return  # e.g. torch's "debug mode is a prototype" notice, not a sync
         frames = [
             f
             for f in traceback.extract_stack()[:-1]
@@ -105,6 +134,88 @@ def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[st
     return dict(sites.most_common())
 
 
+def profile_model(
+    model: MultiTowerDIN,
+    optimizers: dict[str, torch.optim.Optimizer],
+    batches: Sequence[Batch],
+    *,
+    warmup: int,
+    steps: int,
+    amp: str = "",
+    graphs: DenseArchGraphs | None = None,
+) -> tuple[dict[str, object], list[str]]:
+    """The figures of ``model``'s training step on ``batches`` (on its device, at least
+    ``warmup + 4 * steps + 1``): median step ms without and with phase syncs, the phases,
+    the host syncs of one step (CUDA), and a profile of ``steps`` steps (GPU launches per step
+    and per phase, device-busy time; the busy fraction is against the unprofiled step, as the
+    profiler slows the host). Returns (figures, the profile's tables as text lines)."""
+    device = batches[0].user_index.device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    model.train()
+    it = iter(enumerate(batches))
+    for _ in range(warmup):
+        i, b = next(it)
+        train_step(model, optimizers, b, i, amp, graphs=graphs)
+    sync()
+    walls, phases = [], collections.defaultdict(list)
+    for _ in range(steps):
+        i, b = next(it)
+        t0 = time.perf_counter()
+        train_step(model, optimizers, b, i, amp, graphs=graphs)
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    for _ in range(steps):
+        i, b = next(it)
+        for k, v in phased_step(model, optimizers, b, i, amp, sync, graphs).items():
+            phases[k].append(v)
+    step_ms = statistics.median(walls)
+    result: dict[str, object] = {
+        "step_ms_median": step_ms,
+        "phases_ms_median": {k: statistics.median(v) for k, v in phases.items()},
+    }
+    if device.type == "cuda":
+        i, b = next(it)
+        result["syncs"] = sites = sync_sites(model, optimizers, b, i, amp, graphs)
+        result["syncs_per_step"] = sum(sites.values())
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            i, b = next(it)
+            phased_step(model, optimizers, b, i, amp, sync, graphs)
+        sync()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    device_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
+    by_phase = launches_by_phase(prof.events())
+    result["profile"] = {
+        "profiled_wall_ms_per_step": wall,
+        "device_busy_ms_per_step": device_ms,
+        "device_busy_fraction": device_ms / step_ms,
+        "launches_per_step": sum(by_phase.values()) / steps,
+        "launches_per_step_by_phase": {k: v / steps for k, v in by_phase.items()},
+    }
+    text = [
+        f"== {steps} steps on {device}",
+        json.dumps(result["profile"]),
+        "== by self CPU time",
+        events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=70),
+    ]
+    if device.type == "cuda":
+        text += [
+            "== by self device time",
+            events.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70),
+        ]
+    return result, text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -129,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     fs = build_feature_set(config)
     loader = Loader(args.samples / "train", fs, batch_size=args.batch, num_workers=1,
                     shuffle=True, seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
-    need = args.warmup + 3 * args.steps + 1
+    need = args.warmup + 4 * args.steps + 1
     batches = []
     for b in loader.epoch(0):
         batches.append(b.to(device, non_blocking=True))
@@ -138,77 +249,24 @@ def main(argv: list[str] | None = None) -> int:
     if len(batches) < need:
         raise SystemExit(f"--samples has {len(batches)} batches of {args.batch}; need {need}")
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
-    model.train()
     use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
     graphs = DenseArchGraphs(model.dense) if use_graphs else None
-    it = iter(enumerate(batches))
-    for _ in range(args.warmup):
-        i, b = next(it)
-        train_step(model, optimizers, b, i, args.amp, graphs=graphs)
-    sync()
-
     result: dict[str, object] = {"device": str(device), "torch": torch.__version__,
                                  "batch": args.batch, "amp": args.amp,
                                  "cuda_graphs": use_graphs}  # fmt: skip
-    phases: dict[str, list[float]] = collections.defaultdict(list)
-    walls = []
-    for _ in range(args.steps):
-        i, b = next(it)
-        t0 = time.perf_counter()
-        for k, v in phased_step(model, optimizers, b, i, args.amp, sync, graphs).items():
-            phases[k].append(v)
-        walls.append((time.perf_counter() - t0) * 1e3)
-    result["phases_ms_median"] = {k: statistics.median(v) for k, v in phases.items()}
-    result["phased_step_ms_median"] = statistics.median(walls)
-
-    if device.type == "cuda":
-        i, b = next(it)
-        result["syncs"] = sites = sync_sites(model, optimizers, b, i, args.amp, graphs)
-        result["sync_count"] = sum(sites.values())
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    sync()
-    t0 = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            i, b = next(it)
-            train_step(model, optimizers, b, i, args.amp, graphs=graphs)
-        sync()
-    wall = (time.perf_counter() - t0) * 1e3 / args.steps
-    events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) / args.steps
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
-    result["profile"] = {
-        "wall_ms_per_step": wall,
-        "device_busy_ms_per_step": device_us / 1e3,
-        "device_busy_fraction": device_us / 1e3 / wall,
-        "kernel_launches_per_step": launches / args.steps,
-    }
-    text = [
-        f"== {args.steps} steps, batch {args.batch}, {device}",
-        json.dumps(result["profile"]),
-        "== by self CPU time",
-        events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=70),
-    ]
-    if device.type == "cuda":
-        text += [
-            "== by self device time",
-            events.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70),
-        ]
+    found, text = profile_model(
+        model, optimizers, batches, warmup=args.warmup, steps=args.steps, amp=args.amp,
+        graphs=graphs,
+    )  # fmt: skip
+    result.update(found)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".txt").write_text("\n".join(text))
+    args.out.with_suffix(".txt").write_text("\n".join([f"== batch {args.batch}", *text]))
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "syncs"}, indent=2))
     if "syncs" in result:
-        print(f"host syncs per step: {result['sync_count']}")
+        print(f"host syncs per step: {result['syncs_per_step']}")
         for site, n in list(result["syncs"].items())[:25]:  # type: ignore[union-attr]
             print(f"  {n:3d}  {site}")
     return 0
