@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shared.bundle import write_bundle
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import config_digest, load_config
 from shared.features import build_feature_set
@@ -46,17 +46,29 @@ class _Toy(torch.nn.Module):
         return x * 2.0
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--keys", type=int, default=300_000, help="keys per big dynamic table")
-    p.add_argument("--world", type=int, default=1, help="parts per dynamic table")
-    p.add_argument("--out", type=Path, default=None, help="bundle dir (default: a temp dir)")
-    args = p.parse_args(argv)
+EXAMPLE = """example:
+  python -m bench.bench_bundle --keys 300000 --world 2 --out /tmp/bundle-bench"""
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_bundle", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument(
+        "--keys", type=int, default=300_000, help="keys per big dynamic table (cate_id: at most 5K)"
+    )
+    p.add_argument("--world", type=int, default=1, help="parts (ranks) per dynamic table")
+    p.add_argument(
+        "--out", type=Path, default=None, help="bundle dir, kept (default: a temp dir, removed)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     config = load_config(CONFIG)
     fs = build_feature_set(config)
     g = torch.Generator().manual_seed(0)
-    dense = {t.name: torch.randn(t.num_rows, t.dim, generator=g) for t in fs.dense_tables}
+    dense = {t.name: torch.randn(t.num_rows or 0, t.dim, generator=g) for t in fs.dense_tables}
     hashes = {}
     for t in fs.dynamic_tables:
         cap = t.dynamic.max_capacity if t.dynamic else 0
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(result))
     if args.out is None:
         shutil.rmtree(work)
+    return 0
 
 
 if __name__ == "__main__":

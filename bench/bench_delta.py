@@ -44,7 +44,7 @@ from protos import predict_pb2, predict_pb2_grpc
 from serve.admin import AdminConfig
 from serve.model import default_device
 from shared.bundle import read_bundle, write_bundle
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.delta import diff_tables, write_delta
 
@@ -79,18 +79,36 @@ def _target_tables(
     return dense, hashed
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.bench_delta", description=__doc__)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
-    p.add_argument("--keys", type=int, default=1_500_000)
-    p.add_argument("--updated", type=float, default=0.02)
-    p.add_argument("--new", type=float, default=0.005)
-    p.add_argument("--evicted", type=float, default=0.005)
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--candidates", type=int, default=100)
+EXAMPLE = """examples:
+  python -m bench.bench_delta --out bench/results/delta_cpu.json --device cpu --keys 300000
+  python -m bench.bench_delta --out bench/results/delta_gpu.json --device cuda --clients 8"""
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_delta", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=default_device(),
+        help="where the server runs (default: cuda if this machine has one)",
+    )
+    p.add_argument("--keys", type=int, default=1_500_000, help="keys over the dynamic tables")
+    for flag, default, what in (
+        ("--updated", 0.02, "fraction of the keys the delta updates"),
+        ("--new", 0.005, "fraction of the keys the delta adds (new keys)"),
+        ("--evicted", 0.005, "fraction of the keys the delta evicts"),
+    ):
+        p.add_argument(flag, type=float, default=default, help=what)
+    p.add_argument("--clients", type=int, default=4, help="closed-loop gRPC clients")
+    p.add_argument("--candidates", type=int, default=100, help="candidate ads per request")
     p.add_argument("--phase-s", type=float, default=3.0, help="seconds of each measured phase")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    check_device(a.device)
 
     fs = seed_feature_set()
     keys = keys_per_table(fs, a.keys)
@@ -135,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(a.phase_s)
         t1 = time.perf_counter()
         with grpc.insecure_channel(f"127.0.0.1:{server.admin_port}") as channel:
-            admin = predict_pb2_grpc.ModelAdminServiceStub(channel)
-            applied = admin.ApplyDelta(predict_pb2.ApplyDeltaRequest(path=delta.name), timeout=300)
+            stub = predict_pb2_grpc.ModelAdminServiceStub(channel)
+            applied = stub.ApplyDelta(predict_pb2.ApplyDeltaRequest(path=delta.name), timeout=300)
         t_applied = time.perf_counter()
         time.sleep(a.phase_s)
         t2 = time.perf_counter()

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from train.model.dense_arch import DenseArch
 from train.model.din import JaggedDIN, PaddedDIN
@@ -249,7 +249,7 @@ def bench_din(
         step_of(name, keep=True)()
 
     def ms(name: str, key: str) -> float:
-        return result[name][key]  # type: ignore[index,no-any-return]
+        return result[name][key]  # type: ignore[index]
 
     for name in variants:
         if name.startswith("jagged"):
@@ -374,16 +374,33 @@ def bench_dense_arch(
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = Parser(description=__doc__.split("\n")[0])
+EXAMPLE = """examples:
+  python -m bench.bench_din --out results/bench_din_cpu.json --batch 2048
+  python -m bench.bench_din --out results/bench_din_gpu.json --device cuda --graphs on"""
+
+
+def _parser() -> Parser:
+    parser = Parser(
+        prog="python -m bench.bench_din",
+        description=plain(__doc__.split("\n")[0]),
+        epilog=EXAMPLE,
+    )
     parser.add_argument("--out", type=Path, required=True, help="results JSON path")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--batch", type=int, default=8192)
-    parser.add_argument("--mean-len", type=float, default=3.8)
-    parser.add_argument("--max-len", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=None, help="default: 20 on cuda, 5 on cpu")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--batch", type=int, default=8192, help="samples (user rows) per step")
+    parser.add_argument(
+        "--mean-len", type=float, default=3.8, help="mean click-sequence length of the samples"
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=100, help="longest sequence; the padded DIN pads to it"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs (default: 30 on cuda, 5 on cpu)"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the lengths and weights (default: 0)"
+    )
     parser.add_argument(
         "--compile",
         choices=("auto", "on", "off"),
@@ -397,7 +414,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         help="time the fast path through CUDA graphs too (auto: on CUDA only; elsewhere the "
         "wrapper runs eagerly)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    args = _parser().parse_args(argv)
+    check_device(args.device)
     device = torch.device(args.device)
     repeats = args.repeats or (30 if device.type == "cuda" else 5)
     compile_din = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,18 +95,46 @@ def run_world(procs: int, args: argparse.Namespace, data: Path, out: Path) -> di
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--procs", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--data", type=Path, help="samples dir with train/ and eval/; default: tiny")
-    p.add_argument("--config", type=Path, default=CONFIG)
-    p.add_argument("--batch-size", type=int, default=128, help="per rank")
-    p.add_argument("--max-steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the rate")
-    p.add_argument("--num-workers", type=int, default=0)
+EXAMPLE = """examples:
+  python -m bench.bench_distributed --procs 1 2 --out bench/results/bench_distributed_cpu.json
+  python -m bench.bench_distributed --device cuda --procs 1 2 8 --data data/full/samples \\
+      --batch-size 8192 --max-steps 400 --num-workers 4 \\
+      --out bench/results/bench_distributed_gpu.json"""
+
+
+def _parser() -> Parser:
+    p = Parser(
+        prog="python -m bench.bench_distributed",
+        description=plain(__doc__.split("\n\n")[0]),
+        epilog=EXAMPLE,
+    )
     p.add_argument(
-        "--eval-max-batches", type=int, help="eval on this many batches of one rank's size"
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)"
+    )
+    p.add_argument(
+        "--procs", type=int, nargs="+", default=[1, 2], help="world sizes, one torchrun each"
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="samples dir with train/ and eval/ (default: tiny data, generated)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=CONFIG,
+        help="training config (default: configs/multi_tower_din_taobao_dynamicemb.config)",
+    )
+    p.add_argument("--batch-size", type=int, default=128, help="data_config.batch_size, per rank")
+    p.add_argument("--max-steps", type=int, default=30, help="training steps of each run")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the rate")
+    p.add_argument(
+        "--num-workers", type=int, default=0, help="data loader workers per rank (default: 0)"
+    )
+    p.add_argument(
+        "--eval-max-batches",
+        type=int,
+        help="eval on this many batches of one rank's size (default: all of eval/)",
     )
     p.add_argument(
         "--threads",
@@ -115,10 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU: torch threads per process (OpenMP spin-waits badly on shared cores)",
     )
     p.add_argument("--work", type=Path, help="run directories (default: a temp dir)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.device == "cuda" and max(args.procs) > torch.cuda.device_count():
-        p.error(f"--procs {max(args.procs)} but {torch.cuda.device_count()} GPUs are visible")
+        gpus = torch.cuda.device_count()
+        p.error(f"--procs {max(args.procs)} but {gpus} GPUs are visible; give --procs up to {gpus}")
     with tempfile.TemporaryDirectory(prefix="bench_distributed.") as tmp:
         work = args.work or Path(tmp)
         data = args.data

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.features import ScoreStrategy
 from shared.hashtable import cuda
@@ -170,7 +170,7 @@ def bench_insert(
     table = state["t"]
     out["kernel_table_equals_core_table"] = _same_table(table, core_table)
     out["size"], out["evictions"] = table.size, table.evictions
-    k = _time(lambda t=table: t.insert_or_assign(q, qv, qs), repeats)
+    k = _time(lambda t=table: t.insert_or_assign(q, qv, qs), repeats)  # type: ignore[misc]
     out["assign_all"] = {"kernel_keys_per_s": n / k, "core_keys_per_s": n / core_assign}
     out["kernel_paths"] = dict(kernels.paths - before)  # what the CUDA backend's calls did
     out["erase_all"] = _bench_erase(state, fresh, insert_all, q, repeats, kernels)
@@ -297,7 +297,10 @@ def bench_find(
     find: dict[str, Any] = {"keys": n, "size": table.size, "load_factor": table.load_factor}
     for w in FIND_WINDOWS:
         find[f"kernel_window_{w}"] = _rate(
-            n, lambda w=w: kernel_find(table, q, None, probe_window=w), repeats, pipeline
+            n,
+            lambda w=w: kernel_find(table, q, None, probe_window=w),  # type: ignore[misc]
+            repeats,
+            pipeline,
         )
         run, _, _ = prepared_find(table, q, probe_window=w)
         find[f"kernel_only_window_{w}"] = _rate(n, run, repeats, pipeline)
@@ -360,6 +363,14 @@ def bench_build(
         "speedup": c / k,
         "kernel_table_equals_core_table": _same_table(kernel(), core()),
     }
+
+
+def _profiled(
+    path: Path, keys: torch.Tensor, dim: int, build_keys: int, kernels: CudaBackend
+) -> dict[str, Any]:
+    """:func:`profile` as a section of the run (it records nothing in the JSON)."""
+    profile(path, keys, dim, build_keys, kernels)
+    return {}
 
 
 def profile(
@@ -428,29 +439,47 @@ def profile(
     path.write_text("\n".join(text))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = Parser(description=__doc__.split("\n\n")[0])
+EXAMPLE = """examples:
+  python -m bench.bench_gpu_hashtable --out bench/results/bench_gpu_hashtable.json
+  python -m bench.bench_gpu_hashtable --out /tmp/find.json --sections find --load-factors 0.9"""
+
+
+def _parser() -> Parser:
+    p = Parser(
+        prog="python -m bench.bench_gpu_hashtable",
+        description=plain(__doc__.split("\n\n")[0]),
+        epilog=EXAMPLE,
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    p.add_argument("--keys", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--keys", type=int, default=1_000_000, help="random keys in each table")
+    p.add_argument("--dim", type=int, default=16, help="embedding dim of the tables")
     p.add_argument("--batch", type=int, default=65_536, help="keys per call of batched runs")
-    p.add_argument("--build-keys", type=int, default=1_500_000)
+    p.add_argument(
+        "--build-keys", type=int, default=1_500_000, help="keys of the bulk build (serving startup)"
+    )
     p.add_argument(
         "--counter-keys", type=int, default=200_000, help="keys of the counter part of insert"
     )
-    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--repeats", type=int, default=11, help="runs per figure (the median is kept)")
     p.add_argument("--pipeline", type=int, default=20, help="calls back to back per timing")
-    p.add_argument("--profile", type=Path, help="also write torch.profiler tables here")
+    p.add_argument("--profile", type=Path, help="also write torch.profiler tables to this file")
     p.add_argument(
         "--load-factors", default="0.5,0.9", help="comma-separated load factors (find, insert)"
     )
     p.add_argument(
         "--sections", default="find,insert,build", help="comma-separated: find, insert, build"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
     sections = set(args.sections.split(","))
     if cuda.unavailable_reason() is not None:
-        raise SystemExit(f"bench_gpu_hashtable: {cuda.unavailable_reason()}")
+        raise ValueError(
+            f"bench_gpu_hashtable needs the CUDA backend: {cuda.unavailable_reason()}; run it "
+            "on a machine with a CUDA GPU and CuPy, or run bench.bench_hashtable on the CPU"
+        )
     import cupy
 
     kernels = CudaBackend()
@@ -484,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "find" in sections:
             section(
                 "find",
-                lambda lf=lf: bench_find(
+                lambda lf=lf: bench_find(  # type: ignore[misc]
                     keys, lf, args.dim, args.batch, args.repeats, args.pipeline, kernels
                 ),
                 into,
@@ -492,7 +521,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "insert" in sections:
             section(
                 "insert",
-                lambda lf=lf: bench_insert(keys, lf, args.dim, args.batch, args.repeats, kernels),
+                lambda lf=lf: bench_insert(  # type: ignore[misc]
+                    keys, lf, args.dim, args.batch, args.repeats, kernels
+                ),
                 into,
             )
     if "insert" in sections:
@@ -510,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile is not None:
         section(
             "profile",
-            lambda: profile(args.profile, keys, args.dim, args.build_keys, kernels) or {},
+            lambda: _profiled(args.profile, keys, args.dim, args.build_keys, kernels),
             {},
         )
     return result

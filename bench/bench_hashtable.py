@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.features import (
     CONSTANT_ZERO,
@@ -177,23 +177,39 @@ def bench_train_step(device: torch.device, repeats: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = Parser(description=__doc__.split("\n\n")[0])
+EXAMPLE = """examples:
+  python -m bench.bench_hashtable --out out/bench_hashtable.json --threads 1
+  python -m bench.bench_hashtable --out out/bench_hashtable_gpu.json --device cuda"""
+
+
+def _parser() -> Parser:
+    p = Parser(
+        prog="python -m bench.bench_hashtable",
+        description=plain(__doc__.split("\n\n")[0]),
+        epilog=EXAMPLE,
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--keys", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--keys", type=int, default=1_000_000, help="random keys in each table")
+    p.add_argument("--dim", type=int, default=16, help="embedding dim of the tables")
     p.add_argument("--batch", type=int, default=65_536, help="keys per insert/assign call")
-    p.add_argument("--build-keys", type=int, default=1_500_000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--build-keys", type=int, default=1_500_000, help="keys of the startup build (serving)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="runs per figure (the median is kept)")
     p.add_argument(
         "--threads",
         type=int,
         default=0,
-        help="torch CPU threads (0: torch's default). On a busy machine 1 is steadier: "
-        "with 2 threads, waits at each op's thread barrier dominate small ops",
+        help="torch CPU threads (0, the default: torch's default). On a busy machine 1 is "
+        "steadier: with 2 threads, waits at each op's thread barrier dominate small ops",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from train.data import synthetic
 
@@ -81,18 +81,38 @@ def scaled(spec: synthetic.SizeSpec, k: int) -> synthetic.SizeSpec:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = Parser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--repeats", type=int, default=3)
+EXAMPLE = """examples:
+  python -m bench.bench_reader --out out/bench/bench_reader.json
+  python -m bench.bench_reader --out out/bench/bench_reader.json --full-raw data/full/raw"""
+
+
+def _parser() -> Parser:
+    parser = Parser(
+        prog="python -m bench.bench_reader",
+        description=plain(__doc__.split("\n\n")[0]),
+        epilog=EXAMPLE,
+    )
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--repeats", type=int, default=3, help="builds of the small size")
     parser.add_argument("--scale", type=int, default=4, help="second size: small x SCALE")
-    parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--full-raw", type=Path, help="also build these full-size raw files once")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=CONFIG,
+        help="config of the build (default: configs/multi_tower_din_taobao_dynamicemb.config)",
+    )
+    parser.add_argument(
+        "--full-raw", type=Path, help="also build these full-size raw files once (a raw/ dir)"
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.child:
         child(*args.child)
-        return
+        return 0
     small = synthetic.SIZES["small"]
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -146,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from bench.synthetic_bundle import keys_per_table, seed_feature_set, write_synth
 from serve.model import STAGES, LoadedModel, default_device
 from serve.program_cache import ProgramCache
 from shared.bundle import read_bundle
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import FeatureSet
@@ -125,14 +125,36 @@ def measure_build_only(bundle: Path, device: str, repeats: int) -> dict[str, Any
     return {f"median_{k}_seconds": statistics.median(v[1:]) for k, v in runs.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.bench_startup", description=__doc__)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
+EXAMPLE = """examples:
+  python -m bench.bench_startup --out results/startup_cpu.json --device cpu
+  python -m bench.bench_startup --out results/startup_gpu.json --device cuda --keys 1500000"""
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_startup", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=default_device(),
+        help="where the model is loaded (default: cuda if this machine has one)",
+    )
     p.add_argument("--keys", type=int, default=1_500_000, help="keys over the dynamic tables")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--workdir", type=Path, default=None, help="where to write the bundle")
-    a = p.parse_args(argv)
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed loads of each kind (the median is kept)"
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where to write the bundle, in a temp dir removed after (default: the system's)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    check_device(a.device)
 
     fs = seed_feature_set()
     keys = keys_per_table(fs, a.keys)

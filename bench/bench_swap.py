@@ -34,21 +34,44 @@ from bench.traffic import (
     start_model_dir_server,
 )
 from serve.model import default_device
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
+
+EXAMPLE = """examples:
+  python -m bench.bench_swap --out results/swap_gpu.json --device cuda
+  python -m bench.bench_swap --out results/swap_cpu.json --device cpu --keys 300000"""
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_swap", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=default_device(),
+        help="where the server runs (default: cuda if this machine has one)",
+    )
+    p.add_argument("--keys", type=int, default=1_500_000, help="keys over the dynamic tables")
+    p.add_argument("--clients", type=int, default=4, help="closed-loop gRPC clients")
+    p.add_argument("--candidates", type=int, default=100, help="candidate ads per request")
+    p.add_argument(
+        "--before-s", type=float, default=3.0, help="seconds of steady state before the install"
+    )
+    p.add_argument(
+        "--after-s", type=float, default=2.0, help="seconds measured after the swap happened"
+    )
+    p.add_argument(
+        "--switch-interval-s",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval of this process, server and clients (default: Python's, 0.005)",
+    )
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.bench_swap", description=__doc__)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
-    p.add_argument("--keys", type=int, default=1_500_000)
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--candidates", type=int, default=100)
-    p.add_argument("--before-s", type=float, default=3.0)
-    p.add_argument("--after-s", type=float, default=2.0)
-    p.add_argument("--switch-interval-s", type=float, default=None, help="sys.setswitchinterval")
-    a = p.parse_args(argv)
+    a = _parser().parse_args(argv)
+    check_device(a.device)
     if a.switch_interval_s is not None:
         sys.setswitchinterval(a.switch_interval_s)
 

@@ -45,7 +45,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import predict_pb2, predict_pb2_grpc
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from tests.serve.hostile import PREDICT_METHOD, HostileCase, HostileGenerator, check_answer
 
@@ -234,6 +234,7 @@ def _client(
     overload: bool = False,
 ) -> None:
     with grpc.insecure_channel(address) as channel:
+        predict: grpc.UnaryUnaryMultiCallable[bytes, predict_pb2.PredictResponse]
         predict = channel.unary_unary(
             PREDICT_METHOD,
             request_serializer=None,
@@ -360,7 +361,8 @@ def _poll_health(address: str, seconds: float) -> dict[str, Any]:
             for service in ("", SERVICE):
                 t0 = time.perf_counter()
                 try:
-                    resp = health.Check(
+                    # types-grpcio-health-checking's HealthStub lacks the Check set in __init__
+                    resp = health.Check(  # type: ignore[attr-defined]
                         health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT_S
                     )
                     statuses[health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)] += 1
@@ -401,27 +403,56 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = Parser(prog="python -m bench.soak_serving", description=__doc__)
+EXAMPLE = """examples:
+  python -m bench.soak_serving --duration-s 600 --out bench/results/soak_serving_cpu.json
+  python -m bench.soak_serving --duration-s 60 --keys 5000 --out /tmp/soak.json   # a short one"""
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.soak_serving", description=plain(__doc__), epilog=EXAMPLE)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--duration-s", type=float, default=600.0, help="soak phase, warm-up included")
-    p.add_argument("--overload-s", type=float, default=None, help="default: min(60, duration/10)")
+    p.add_argument(
+        "--overload-s",
+        type=float,
+        default=None,
+        help="overload phase (default: min(60, duration/10))",
+    )
     p.add_argument("--clients", type=int, default=3, help="soak clients (below --max-queue)")
-    p.add_argument("--overload-clients", type=int, default=16)
+    p.add_argument(
+        "--overload-clients", type=int, default=16, help="overload clients (above --max-queue)"
+    )
     p.add_argument("--max-queue", type=int, default=4, help="the server's admission bound")
-    p.add_argument("--max-candidates", type=int, default=64)
-    p.add_argument("--good-fraction", type=float, default=0.5)
+    p.add_argument("--max-candidates", type=int, default=64, help="the server's --max-candidates")
+    p.add_argument(
+        "--good-fraction", type=float, default=0.5, help="share of good requests in the soak"
+    )
     p.add_argument("--pool", type=int, default=3000, help="distinct hostile requests, cycled")
     p.add_argument("--keys", type=int, default=20_000, help="keys over the dynamic tables")
-    p.add_argument("--rss-interval-s", type=float, default=5.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bundle", type=Path, default=None, help="serve this bundle instead")
+    p.add_argument("--rss-interval-s", type=float, default=5.0, help="seconds between RSS samples")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the bundle and of the requests (default: 0)"
+    )
+    p.add_argument(
+        "--bundle", type=Path, default=None, help="serve this bundle (default: a synthetic one)"
+    )
     p.add_argument("--work", type=Path, default=None, help="bundle and server log (default: tmp)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
     a = p.parse_args(argv)
     if a.clients >= a.max_queue:
-        p.error("--clients must be below --max-queue (the soak must not overload the server)")
+        p.error(
+            f"--clients {a.clients} must be below --max-queue {a.max_queue} (the soak must not "
+            "overload the server); lower --clients or raise --max-queue"
+        )
     if a.overload_clients <= a.max_queue:
-        p.error("--overload-clients must be above --max-queue")
+        p.error(
+            f"--overload-clients {a.overload_clients} must be above --max-queue "
+            f"{a.max_queue}; raise --overload-clients"
+        )
     return a
 
 

@@ -10,6 +10,11 @@ import json
 import sys
 from pathlib import Path
 
+from shared.cli import Parser, plain, run_cli
+
+EXAMPLE = """example:
+  python -m bench.summarize_gpu_suite /tmp/gpu_suite   # the OUT_DIR of run_gpu_suite.sh"""
+
 
 def _load(out: Path, name: str) -> dict | None:
     path = out / name
@@ -44,19 +49,52 @@ def summarize(out: Path) -> list[str]:
         lines.append("DIN padded/jagged: " + ", ".join(ratios))
     train = _load(out, "bench_train.json")
     if train:
-        lines.append(
-            "train: "
-            + json.dumps({k: v for k, v in train.items() if k in ("step", "end_to_end", "graphs")})[
-                :900
-            ]
-        )
+        lines += _train_lines(train)
     prof = _load(out, "profile_train.json")
     if prof:
         lines.append(
-            f"profile: {json.dumps(prof.get('phases_ms_median'))} syncs {prof.get('sync_count')} {json.dumps(prof.get('profile'))}"
+            f"profile: step {prof.get('step_ms_median', 0):.2f} ms, "
+            f"phases {json.dumps(prof.get('phases_ms_median'))}, "
+            f"syncs {prof.get('syncs_per_step')}, {json.dumps(prof.get('profile'))}"
         )
     return lines
 
 
+def _train_lines(train: dict) -> list[str]:
+    """One line per config of ``bench_train.json`` and one with its ratios and goals."""
+    lines = []
+    for name, entry in train.get("configs", {}).items():
+        step, e2e = entry.get("step", {}), entry.get("end_to_end") or {}
+        prof = step.get("profile", {})
+        auc = (e2e.get("eval") or {}).get("auc")
+        lines.append(
+            f"train {name}: step {step.get('step_ms_median', 0):.2f} ms, "
+            f"{prof.get('launches_per_step')} launches, {step.get('syncs_per_step')} syncs, "
+            f"busy {prof.get('device_busy_fraction')}, end to end "
+            f"{e2e.get('samples_per_s', 0) / 1e3:.0f}K samples/s, auc {auc}"
+        )
+    rest = {k: v for k, v in train.items() if k not in ("configs", "samples")}
+    lines.append("train: " + json.dumps(rest)[:900])
+    return lines
+
+
+def _parser() -> Parser:
+    p = Parser(
+        prog="python -m bench.summarize_gpu_suite", description=plain(__doc__), epilog=EXAMPLE
+    )
+    p.add_argument("out_dir", type=Path, help="the directory run_gpu_suite.sh wrote its JSON to")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.out_dir.is_dir():
+        raise NotADirectoryError(
+            f"{args.out_dir} is not a directory; give the OUT_DIR of bench/run_gpu_suite.sh"
+        )
+    print("\n".join(summarize(args.out_dir)))
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(summarize(Path(sys.argv[1]))))
+    sys.exit(run_cli(main))

@@ -69,7 +69,10 @@ def read_raw_latencies(directory: str | Path) -> RawLatencies:
     chunks = [np.fromfile(f, dtype="<i8") for f in files]
     data = np.concatenate(chunks) if chunks else np.zeros(0, dtype="<i8")
     if data.size % _FIELDS:
-        raise ValueError(f"raw latency files in {directory} are truncated ({data.size} int64s)")
+        raise ValueError(
+            f"raw latency files in {directory} are truncated ({data.size} int64s); run the load "
+            "test again"
+        )
     data = data.reshape(-1, _FIELDS)
     data = data[np.argsort(data[:, 0], kind="stable")]
     return RawLatencies(data[:, 0].copy(), data[:, 1].copy(), data[:, 2] == 1, files)

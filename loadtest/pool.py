@@ -51,8 +51,8 @@ def read_pool(path: str | Path) -> RequestPool:
     data = Path(path).read_bytes()
     if not data.startswith(MAGIC):
         raise ValueError(
-            f"{path} is not a request pool file (missing {MAGIC!r} header); build one with "
-            "loadtest.requests.build_request_pool + loadtest.pool.write_pool"
+            f"{path} is not a request pool file (missing {MAGIC!r} header); pass the pool "
+            "python -m loadtest writes into its --out directory"
         )
     end = data.index(b"\n", len(MAGIC))
     header = json.loads(data[len(MAGIC) : end])
@@ -65,5 +65,8 @@ def read_pool(path: str | Path) -> RequestPool:
         payloads.append(bytes(view[pos + 4 : pos + 4 + n]))
         pos += 4 + n
     if pos != len(data) or len(payloads) != count or not payloads:
-        raise ValueError(f"{path}: truncated or empty request pool ({len(payloads)}/{count})")
+        raise ValueError(
+            f"{path}: truncated or empty request pool ({len(payloads)}/{count}); run python -m "
+            "loadtest again to rebuild it"
+        )
     return RequestPool(payloads, num_candidates, header)

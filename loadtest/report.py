@@ -21,7 +21,10 @@ def latency_stats(raw: RawLatencies, num_candidates: int) -> dict[str, object]:
     """
     n, ok = len(raw), int(raw.ok.sum())
     if n == 0:
-        raise ValueError(f"no raw latencies recorded in {raw.files or 'the raw latency directory'}")
+        raise ValueError(
+            f"no raw latencies recorded in {raw.files or 'the raw latency directory'}; run the "
+            "load test (longer --duration) and check its locust log"
+        )
     end_ns = raw.start_unix_ns + raw.latency_ns
     window_s = max(float(end_ns.max() - raw.start_unix_ns.min()) / 1e9, 1e-9)
     ms = raw.latency_ns[raw.ok] / 1e6

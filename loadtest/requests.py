@@ -63,11 +63,15 @@ def sides_from_metadata(metadata: predict_pb2.ModelMetadata) -> dict[str, str]:
         if side not in SIDES:
             raise ValueError(
                 f"model metadata: feature {f.name!r} has side {f.side!r} kind {f.kind!r}; "
-                f"expected side one of {', '.join(SIDES[:3])} or kind sequence_id"
+                f"expected side one of {', '.join(SIDES[:3])} or kind sequence_id; load-test a "
+                "server of this dynrec version"
             )
         sides[f.name] = side
     if not sides:
-        raise ValueError("model metadata lists no features; is the server's model loaded?")
+        raise ValueError(
+            "model metadata lists no features; check that the server at --host has loaded its "
+            "model (see its log)"
+        )
     return sides
 
 
@@ -181,7 +185,8 @@ def _check_pool_args(
         raise ValueError(f"feature_sides: {bad} not in {SIDES}")
     if num_candidates < 1 or num_requests < 1:
         raise ValueError(
-            f"num_candidates ({num_candidates}) and num_requests ({num_requests}) must be >= 1"
+            f"num_candidates ({num_candidates}) and num_requests ({num_requests}) must be >= 1; "
+            "pass --candidates and --requests of 1 or more"
         )
 
 
@@ -301,16 +306,19 @@ def _read_rows(samples: Path, columns: list[str], max_rows: int) -> pa.Table:
     elif samples.is_file():
         dataset = ds.dataset(str(samples), format="parquet")
     else:
-        raise FileNotFoundError(f"samples path {samples} does not exist")
+        raise FileNotFoundError(
+            f"samples path {samples} does not exist; check --samples (the eval samples directory)"
+        )
     missing = [c for c in columns if c not in dataset.schema.names]
     if missing:
         raise ValueError(
             f"{samples}: the model needs columns {missing} that the Parquet files lack "
-            f"(they have {dataset.schema.names}); are these the samples of this model?"
+            f"(they have {dataset.schema.names}); pass the eval samples of the served model "
+            "(--samples)"
         )
     table = dataset.head(max_rows, columns=columns)
     if table.num_rows == 0:
-        raise ValueError(f"{samples}: no rows")
+        raise ValueError(f"{samples}: no rows; pass samples with rows (--samples)")
     return table
 
 
@@ -351,19 +359,22 @@ def _coerce(name: str, arr: pa.Array, value_type: str | None) -> pa.Array:
             target = pa.string()
         else:
             raise ValueError(
-                f"column {name!r} has type {arr.type}; expected an integer, float or string"
+                f"column {name!r} has type {arr.type}; expected an integer, float or string: "
+                "pass the eval samples of the served model (--samples)"
             )
     elif value_type in VALUE_TYPES:
         target = VALUE_TYPES[value_type]
     else:
         raise ValueError(
-            f"feature {name!r}: value_type {value_type!r} is not one of {list(VALUE_TYPES)}"
+            f"feature {name!r}: value_type {value_type!r} is not one of {list(VALUE_TYPES)}; "
+            "load-test a server of this dynrec version"
         )
     try:
         return arr.cast(target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise ValueError(
-            f"column {name!r} ({arr.type}) cannot be sent as {target} the model expects: {e}"
+            f"column {name!r} ({arr.type}) cannot be sent as {target} the model expects: {e}; "
+            "pass the eval samples of the served model (--samples)"
         ) from e
 
 
@@ -377,7 +388,10 @@ def _item_tuples(features: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndar
     """(first, item_of_row): a sample row of each distinct item-feature tuple, and the tuple
     of each row (an index into ``first``)."""
     if not features:
-        raise ValueError("the model has no item-side features, so there are no candidates to send")
+        raise ValueError(
+            "the model has no item-side features, so there are no candidates to send; load-test "
+            "a model whose config has item features (expression: 'item:...')"
+        )
     codes = np.stack([c for _, c in features], axis=1)  # (rows, item features)
     _, first, item_of_row = np.unique(codes, axis=0, return_index=True, return_inverse=True)
     return first, item_of_row.reshape(-1)
@@ -440,14 +454,14 @@ def _jagged_ids(
     else:
         raise ValueError(
             f"sequence column {name!r} has type {arr.type}; expected {delim!r}-joined strings "
-            "or a list"
+            "or a list: pass the eval samples of the served model (--samples)"
         )
     try:
         values = tokens.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
     except pa.ArrowInvalid as e:
         raise ValueError(
             f"sequence column {name!r} has a non-integer id after splitting on {delim!r} (the "
-            f"model's sequence_delim): {e}; are these the samples of the served model?"
+            f"model's sequence_delim): {e}; pass the eval samples of the served model (--samples)"
         ) from e
     lengths = pc.list_value_length(lists).fill_null(0).to_numpy(zero_copy_only=False)
     offsets = np.concatenate(([0], np.cumsum(lengths)))

@@ -113,7 +113,8 @@ def run_load_test(
     """
     if int(duration_s) != duration_s or duration_s < 1:
         raise ValueError(
-            f"--duration {duration_s}: must be a whole number of seconds >= 1 (locust's -t)"
+            f"--duration {duration_s}: must be a whole number of seconds >= 1 (locust's -t); "
+            "pass --duration 1 or more"
         )
     out = Path(out)
     raw_dir = _clear_outputs(out)
@@ -204,7 +205,7 @@ def _served_metadata(
     metadata = fetch_metadata(host, timeout_s)
     if metadata.max_candidates and num_candidates > metadata.max_candidates:
         raise ValueError(
-            f"num_candidates {num_candidates} exceeds the server's max_candidates "
+            f"--candidates {num_candidates} exceeds the server's max_candidates "
             f"{metadata.max_candidates}; lower --candidates"
         )
     return metadata

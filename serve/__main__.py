@@ -201,7 +201,9 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
 def _tls(a: argparse.Namespace) -> TlsConfig | None:
     if a.tls_cert is None and a.tls_key is None:
         if a.tls_client_ca is not None:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            raise ValueError(
+                "--tls-client-ca needs --tls-cert and --tls-key; pass both, or drop --tls-client-ca"
+            )
         return None
     if a.tls_cert is None or a.tls_key is None:
         raise ValueError("TLS needs both --tls-cert and --tls-key; pass both, or neither")
@@ -220,7 +222,10 @@ def _admin(a: argparse.Namespace) -> AdminConfig | None:
             if value is not None
         ]
         if given:
-            raise ValueError(f"{', '.join(given)} need --admin-address (the admin service is off)")
+            raise ValueError(
+                f"{', '.join(given)} need --admin-address (the admin service is off); pass "
+                "--admin-address or drop them"
+            )
         return None
     return AdminConfig(
         address=a.admin_address,

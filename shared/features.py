@@ -15,6 +15,7 @@ embedding name. Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum, unique
 
@@ -189,7 +190,7 @@ class FeatureSet:
         if len(modes) > 1:
             raise ValueError(
                 f"features disagree on id_mode ({', '.join(sorted(m.value for m in modes))}); "
-                "one FeatureSet has one mode"
+                "one FeatureSet has one mode; build it from one config (data_config.dynrec_id_mode)"
             )
         return modes.pop() if modes else IdMode.DYNREC
 
@@ -208,7 +209,10 @@ class FeatureSet:
     def group(self, type_: GroupType) -> GroupSpec:
         found = [g for g in self.groups.values() if g.type is type_]
         if len(found) != 1:
-            raise ValueError(f"expected one {type_.value} group, found {len(found)}")
+            raise ValueError(
+                f"expected one {type_.value} group, found {len(found)}; give "
+                f"model_config.feature_groups exactly one group_type: {type_.value}"
+            )
         return found[0]
 
 
@@ -237,7 +241,12 @@ def build_feature_set(
         elif which == "sequence_feature":
             _add_sequence_feature(fc.sequence_feature, src, tables, features, at)
         else:
-            raise src.error("feature_configs", "empty feature_configs entry", at=at[:2])
+            raise src.error(
+                "feature_configs",
+                "empty feature_configs entry; give it an id_feature, raw_feature or "
+                "sequence_feature, or remove it",
+                at=at[:2],
+            )
     mode = IdMode[pipeline_pb2.IdMode.Name(config.data_config.dynrec_id_mode)]
     features = {name: replace(f, id_mode=mode) for name, f in features.items()}
     groups = _build_groups(config.model_config, features, src)
@@ -256,12 +265,18 @@ def _split_expression(
 ) -> tuple[Side, str]:
     side, sep, name = expr.partition(":")
     if not sep or not name:
-        raise src.error(field_name, f"expression {expr!r} must look like 'user:user_id'", at=at)
+        raise src.error(
+            field_name,
+            f"expression {expr!r} must look like 'user:user_id'; write <side>:<input column>",
+            at=at,
+        )
     try:
         return Side(side), name
     except ValueError:
         sides = ", ".join(s.value for s in Side)
-        raise src.error(field_name, f"side {side!r} is not one of {sides}", at=at) from None
+        raise src.error(
+            field_name, f"side {side!r} is not one of {sides}; write one of them before ':'", at=at
+        ) from None
 
 
 def _initializer(
@@ -282,7 +297,9 @@ def _initializer(
         except ValueError:
             modes = ", ".join(m.value for m in InitMode)
             raise src.error(
-                f"{field_name}.mode", f"{msg.mode!r} is not one of {modes}", at=(*at, "mode")
+                f"{field_name}.mode",
+                f"{msg.mode!r} is not one of {modes}; set mode to one of them",
+                at=(*at, "mode"),
             ) from None
     bound = math.sqrt(1.0 / max_capacity)
 
@@ -299,13 +316,54 @@ def _initializer(
     )
     if spec.std_dev < 0:
         raise src.error(
-            f"{field_name}.std_dev", f"must be >= 0, got {spec.std_dev}", at=(*at, "std_dev")
+            f"{field_name}.std_dev",
+            f"must be >= 0, got {spec.std_dev}; set std_dev >= 0 or remove it (sqrt(1/dim))",
+            at=(*at, "std_dev"),
         )
     if spec.lower > spec.upper:
         raise src.error(
-            f"{field_name}.lower", f"lower {spec.lower} > upper {spec.upper}", at=(*at, "lower")
+            f"{field_name}.lower",
+            f"lower {spec.lower} > upper {spec.upper}; set lower <= upper",
+            at=(*at, "lower"),
         )
     return spec
+
+
+def _capacities_and_strategy(
+    de: pipeline_pb2.DynamicEmbedding, err: Callable[[str, str], ConfigError]
+) -> tuple[int, ScoreStrategy]:
+    """(init_capacity_per_rank, score_strategy) of a ``dynamicemb`` message, checked."""
+    if not de.HasField("max_capacity") or de.max_capacity < 1:
+        raise err("max_capacity", "required and must be >= 1; set it to the rows per rank")
+    init_cap = (
+        de.init_capacity_per_rank if de.HasField("init_capacity_per_rank") else de.max_capacity
+    )
+    if init_cap < 1:
+        raise err(
+            "init_capacity_per_rank",
+            f"must be >= 1, got {init_cap}; raise it or remove it (default: max_capacity)",
+        )
+    if de.max_capacity < init_cap:
+        raise err(
+            "max_capacity",
+            f"max_capacity {de.max_capacity} < init_capacity_per_rank {init_cap}; raise "
+            "max_capacity or lower init_capacity_per_rank",
+        )
+    if de.bucket_capacity < 1:
+        raise err(
+            "bucket_capacity",
+            f"must be >= 1, got {de.bucket_capacity}; raise it or remove it (default: 128)",
+        )
+    try:
+        strategy = ScoreStrategy(de.score_strategy)
+    except ValueError:
+        names = ", ".join(s.value for s in ScoreStrategy)
+        raise err(
+            "score_strategy",
+            f"{de.score_strategy!r} is not one of {names}; set score_strategy to one of them "
+            "(TIMESTAMP evicts the least recently used rows)",
+        ) from None
+    return int(init_cap), strategy
 
 
 def _dynamic_spec(
@@ -317,26 +375,7 @@ def _dynamic_spec(
     def err(sub: str, message: str) -> ConfigError:
         return src.error(f"{path}.{sub}", message, at=(*at, *sub.split(".")))
 
-    if not de.HasField("max_capacity") or de.max_capacity < 1:
-        raise err("max_capacity", "required and must be >= 1 (rows per rank)")
-    init_cap = (
-        de.init_capacity_per_rank if de.HasField("init_capacity_per_rank") else de.max_capacity
-    )
-    if init_cap < 1:
-        raise err("init_capacity_per_rank", f"must be >= 1, got {init_cap}")
-    if de.max_capacity < init_cap:
-        raise err(
-            "max_capacity",
-            f"max_capacity {de.max_capacity} < init_capacity_per_rank {init_cap}; raise "
-            "max_capacity or lower init_capacity_per_rank",
-        )
-    if de.bucket_capacity < 1:
-        raise err("bucket_capacity", f"must be >= 1, got {de.bucket_capacity}")
-    try:
-        strategy = ScoreStrategy(de.score_strategy)
-    except ValueError:
-        names = ", ".join(s.value for s in ScoreStrategy)
-        raise err("score_strategy", f"{de.score_strategy!r} is not one of {names}") from None
+    init_cap, strategy = _capacities_and_strategy(de, err)
 
     def init(msg_field: str, default_mode: InitMode, sub: str) -> InitializerSpec:
         holder = de if "." not in sub else de.frequency_admission_strategy
@@ -357,13 +396,14 @@ def _dynamic_spec(
         if fa.threshold < 1:
             raise err(
                 "frequency_admission_strategy.threshold",
-                f"must be >= 1 (1 admits every key), got {fa.threshold}",
+                f"must be >= 1, got {fa.threshold}; set threshold >= 1 (1 admits every key)",
             )
         counter_cap = fa.counter_capacity if fa.HasField("counter_capacity") else de.max_capacity
         if counter_cap < 1 or fa.counter_bucket_capacity < 1:
             raise err(
                 "frequency_admission_strategy.counter_capacity",
-                "counter_capacity and counter_bucket_capacity must be >= 1",
+                "counter_capacity and counter_bucket_capacity must be >= 1; raise them or remove "
+                "them (defaults: max_capacity, 1024)",
             )
         admission = AdmissionSpec(
             threshold=int(fa.threshold),
@@ -408,7 +448,8 @@ def _register_table(
     ) and table.num_rows is not None:
         raise src.error(
             f"feature({fname})",
-            f"table {table.name!r} is shared but declared with different rows/dynamicemb options",
+            f"table {table.name!r} is shared but declared with different rows/dynamicemb options; "
+            "declare it alike in each feature or give this one another embedding_name",
             at=at,
         )
 
@@ -442,9 +483,15 @@ def _id_table_and_transform(
             at=(*at, "hash_bucket_size"),
         )
     if f.embedding_dim < 1:
-        raise src.error(f"{path}.embedding_dim", "must be >= 1", at=(*at, "embedding_dim"))
+        raise src.error(
+            f"{path}.embedding_dim", "must be >= 1; set embedding_dim", at=(*at, "embedding_dim")
+        )
     if f.pooling not in ("sum", "mean"):
-        raise src.error(f"{path}.pooling", f"{f.pooling!r} is not sum or mean", at=(*at, "pooling"))
+        raise src.error(
+            f"{path}.pooling",
+            f"{f.pooling!r} is not sum or mean; set pooling to one of them",
+            at=(*at, "pooling"),
+        )
     if has_de:
         dyn = _dynamic_spec(f.dynamicemb, f.embedding_dim, f.feature_name, src, (*at, "dynamicemb"))
         return (
@@ -455,13 +502,17 @@ def _id_table_and_transform(
         )
     if has_nb:
         if f.num_buckets < 1:
-            raise src.error(f"{path}.num_buckets", "must be >= 1", at=(*at, "num_buckets"))
+            raise src.error(
+                f"{path}.num_buckets", "must be >= 1; set num_buckets", at=(*at, "num_buckets")
+            )
         table = TableSpec(name, f.embedding_dim, int(f.num_buckets), None, f.pooling)
         return table, IdTransform.MOD, int(f.num_buckets), None
     if has_hb:
         if f.hash_bucket_size < 1:
             raise src.error(
-                f"{path}.hash_bucket_size", "must be >= 1", at=(*at, "hash_bucket_size")
+                f"{path}.hash_bucket_size",
+                "must be >= 1; set hash_bucket_size",
+                at=(*at, "hash_bucket_size"),
             )
         table = TableSpec(name, f.embedding_dim, int(f.hash_bucket_size), None, f.pooling)
         return table, IdTransform.HASH, None, int(f.hash_bucket_size)
@@ -477,11 +528,15 @@ def _add_id_feature(
 ) -> None:
     path = f"feature_configs.id_feature({f.feature_name})"
     if f.feature_name in features:
-        raise src.error(path, "duplicate feature_name", at=(*at, "feature_name"))
+        raise src.error(
+            path, "duplicate feature_name; rename one of them", at=(*at, "feature_name")
+        )
     side, source = _split_expression(f.expression, f"{path}.expression", src, (*at, "expression"))
     table, transform, nb, hb = _id_table_and_transform(f, src, tables, path, at)
     if table is None:
-        raise src.error(path, "needs one of num_buckets, hash_bucket_size or dynamicemb {}", at=at)
+        raise src.error(
+            path, "needs a table; add one of num_buckets, hash_bucket_size or dynamicemb {}", at=at
+        )
     _register_table(tables, table, f.feature_name, src, at)
     features[f.feature_name] = FeatureSpec(
         f.feature_name, FeatureKind.ID, side, source, table.name, transform, nb, hb
@@ -509,12 +564,14 @@ def _add_raw_feature(
             raise src.error(
                 f"{path}.boundaries",
                 f"must be strictly increasing: boundaries[{i - 1}]={bounds[i - 1]} >= "
-                f"boundaries[{i}]={bounds[i]}",
+                f"boundaries[{i}]={bounds[i]}; sort them and drop duplicates",
                 at=(*at, "boundaries", i),
             )
     if not f.HasField("embedding_dim") or f.embedding_dim < 1:
         raise src.error(
-            f"{path}.embedding_dim", "required (>= 1) with boundaries", at=(*at, "embedding_dim")
+            f"{path}.embedding_dim",
+            "required (>= 1) with boundaries; set embedding_dim",
+            at=(*at, "embedding_dim"),
         )
     table = TableSpec(
         f.embedding_name or f"{f.feature_name}_emb",
@@ -544,14 +601,24 @@ def _add_sequence_feature(
 ) -> None:
     spath = f"feature_configs.sequence_feature({seq.sequence_name})"
     if seq.sequence_length < 1:
-        raise src.error(f"{spath}.sequence_length", "must be >= 1", at=(*at, "sequence_length"))
+        raise src.error(
+            f"{spath}.sequence_length",
+            "must be >= 1; set sequence_length to the longest history kept",
+            at=(*at, "sequence_length"),
+        )
     if not seq.sequence_delim:
-        raise src.error(f"{spath}.sequence_delim", "must not be empty", at=(*at, "sequence_delim"))
+        raise src.error(
+            f"{spath}.sequence_delim",
+            "must not be empty; set it to the separator of the sequence column, e.g. ';'",
+            at=(*at, "sequence_delim"),
+        )
     for j, sub in enumerate(seq.features):
         sub_at: FieldPath = (*at, "features", j, "id_feature")
         if sub.WhichOneof("feature") != "id_feature":
             raise src.error(
-                spath, "only id_feature sub-features are supported", at=(*at, "features", j)
+                spath,
+                "only id_feature sub-features are supported; write each one as id_feature { }",
+                at=(*at, "features", j),
             )
         f = sub.id_feature
         name = f"{seq.sequence_name}__{f.feature_name}"
@@ -574,7 +641,7 @@ def _add_sequence_feature(
                 raise src.error(
                     f"{path}.embedding_dim",
                     f"table {table_name!r} is shared and has embedding_dim {shared.dim}, got "
-                    f"{f.embedding_dim}",
+                    f"{f.embedding_dim}; use the same dim or another embedding_name",
                     at=(*sub_at, "embedding_dim"),
                 )
             owner = next(x for x in features.values() if x.table == table_name)
@@ -607,13 +674,16 @@ def _build_groups(
             if name not in features:
                 raise src.error(
                     f"{path}.feature_names",
-                    f"unknown feature {name!r}; known: {', '.join(features)}",
+                    f"unknown feature {name!r}; use one of {', '.join(features)} or declare it in "
+                    "feature_configs",
                     at=(*at, "feature_names", k),
                 )
         gtype = pipeline_pb2.FeatureGroupType.Name(g.group_type)
         if gtype not in GroupType.__members__:
             raise src.error(
-                f"{path}.group_type", f"{gtype} groups are not supported", at=(*at, "group_type")
+                f"{path}.group_type",
+                f"{gtype} groups are not supported; use DEEP or SEQUENCE",
+                at=(*at, "group_type"),
             )
         names = tuple(g.feature_names)
         if GroupType[gtype] is GroupType.DEEP:
@@ -621,7 +691,8 @@ def _build_groups(
             if bad:
                 raise src.error(
                     f"{path}.feature_names",
-                    f"sequence features {bad} cannot be pooled in DEEP",
+                    f"sequence features {bad} cannot be pooled in DEEP; move them to a SEQUENCE "
+                    "group",
                     at=(*at, "feature_names", names.index(bad[0])),
                 )
             groups[g.group_name] = GroupSpec(g.group_name, GroupType.DEEP, names)
@@ -632,7 +703,8 @@ def _build_groups(
             raise src.error(
                 f"{path}.feature_names",
                 f"a SEQUENCE group needs one sequence feature per query feature; got query "
-                f"{list(query)} and sequence {list(sequence)}",
+                f"{list(query)} and sequence {list(sequence)}; list the query feature of "
+                "each sequence feature (adgroup_id for click_seq__adgroup_id)",
                 at=at,
             )
         groups[g.group_name] = GroupSpec(g.group_name, GroupType.SEQUENCE, names, query, sequence)

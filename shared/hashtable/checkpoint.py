@@ -140,7 +140,10 @@ def _collections(tables: Collection[str], collections: str | Mapping[str, str]) 
 
 def _check_rank(rank: int, world_size: int) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+        raise ValueError(
+            f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}; check the "
+            "launcher's RANK and WORLD_SIZE (torchrun --nproc-per-node)"
+        )
 
 
 # --------------------------------------------------------------------------- writing
@@ -341,7 +344,8 @@ def select_tables(
         if len(pick) > 1:
             raise CheckpointError(
                 f"{head}: table {name!r} is in several collections ({_found(options)}) and "
-                f"none is the one this config maps it to ({where.get(name)!r})"
+                f"none is the one this config maps it to ({where.get(name)!r}); keep one copy "
+                "in the checkpoint dir"
             )
         chosen[name] = pick[0]
         ignored += [f"{t.where}: another copy of {name!r}" for t in options if t is not pick[0]]
@@ -392,7 +396,8 @@ def load(
     unknown = [n for n in wanted if n not in dec.tables]
     if unknown:
         raise CheckpointError(
-            f"tables {unknown} are not dynamic tables of this model ({', '.join(dec.tables)})"
+            f"tables {unknown} are not dynamic tables of this model ({', '.join(dec.tables)}); "
+            "name only these in --fine-tune-tables"
         )
     reader = open_checkpoint(ckpt_dir)
     _check_id_mode(reader, dec.id_mode)
@@ -425,8 +430,8 @@ def load(
         raise CheckpointError(
             f"checkpoint {reader.root} ({reader.layout} layout): the files of "
             f"{', '.join(t.where for t in chosen.values())} hold no rows (0 keys, 0 admission "
-            "counters); nothing would be loaded. Is it the right checkpoint (an empty or "
-            "truncated dump)?"
+            "counters); nothing would be loaded; check that it is the right checkpoint "
+            "(--fine-tune-checkpoint, --checkpoint), not an empty or truncated dump"
         )
     for name, got in read.items():
         state = _own(got.state, rank, world_size)
@@ -452,7 +457,7 @@ def read_table(
     if not found:
         raise CheckpointError(
             f"checkpoint {ckpt_dir} ({reader.layout} layout) has no table {table!r}; found "
-            f"{_found(reader.tables())}"
+            f"{_found(reader.tables())}; use the checkpoint of this config (its embedding_name)"
         )
     saved = found[0]
     info = reader.describe(saved)

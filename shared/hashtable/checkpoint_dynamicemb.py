@@ -255,7 +255,8 @@ class DynamicembReader:
         if table.world_size is None:
             raise CheckpointError(
                 f"{table.directory}: table {table.name!r} has {opt_args_file(table.name)} but no "
-                f"key files ({emb_file(table.name, 'keys', 0, 1)} ...): an incomplete dump"
+                f"key files ({emb_file(table.name, 'keys', 0, 1)} ...): an incomplete dump; "
+                "copy the checkpoint again or dump the table again"
             )
         return table.world_size
 
@@ -310,7 +311,9 @@ class DynamicembReader:
         out = []
         for p, n in zip(paths, counts, strict=True):
             if not p.is_file():
-                raise CheckpointError(f"{p} is missing (incomplete checkpoint)")
+                raise CheckpointError(
+                    f"{p} is missing (incomplete checkpoint); copy every rank's files again"
+                )
             s = read_array(p, KEY)
             check_rows(p, table.name, s.numel(), n, 1, "scores")
             out.append(s)

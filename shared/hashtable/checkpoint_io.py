@@ -178,7 +178,9 @@ def read_parts(
         keys = read_array(table.directory / name(table.name, "keys", r, w), KEY)
         path = table.directory / name(table.name, "values", r, w)
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing (incomplete checkpoint)")
+            raise CheckpointError(
+                f"{path} is missing (incomplete checkpoint); copy every rank's files again"
+            )
         values = read_array(path, FLOAT)
         check_rows(path, table.name, values.numel(), keys.numel(), dim, "floats")
         out.append((keys, values.view(-1, dim)))
@@ -189,5 +191,6 @@ def check_rows(path: Path, table: str, got: int, rows: int, per_row: int, what: 
     if got != rows * per_row:
         raise CheckpointError(
             f"{path}: table {table!r}: {got} {what} for {rows} keys, expected {per_row} per key; "
-            "the checkpoint is damaged or was written for another embedding_dim"
+            "the checkpoint is damaged or was written for another embedding_dim: copy it again "
+            "or use the config it was trained with"
         )

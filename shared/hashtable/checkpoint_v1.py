@@ -101,7 +101,10 @@ class V1Reader:
 
     def _world_size(self, table: SavedTable) -> int:
         if table.world_size is None:
-            raise CheckpointError(f"{table.directory}: no key files for table {table.name!r}")
+            raise CheckpointError(
+                f"{table.directory}: no key files for table {table.name!r}; the checkpoint is "
+                "incomplete: copy it again"
+            )
         return table.world_size
 
     def _check_dim(self, table: SavedTable, dim: int | None) -> int:
@@ -109,7 +112,8 @@ class V1Reader:
         if dim is not None and dim != saved:
             raise CheckpointError(
                 f"{table.directory / (table.name + '_opt_args.json')}: dim {saved} but table "
-                f"{table.name!r} has dim {dim}; the checkpoint was written for another config"
+                f"{table.name!r} has dim {dim}; the checkpoint was written for another config: use "
+                f"the config it was trained with (embedding_dim {saved})"
             )
         return saved
 
@@ -129,7 +133,9 @@ class V1Reader:
             for kind, per_row in (("scores", 1), ("opt_values", dim)):
                 path = table.directory / file_name(table.name, kind, r, w)
                 if not path.is_file():
-                    raise CheckpointError(f"{path} is missing (incomplete checkpoint)")
+                    raise CheckpointError(
+                        f"{path} is missing (incomplete checkpoint); copy every rank's files again"
+                    )
                 t = read_array(path, KEY if kind == "scores" else FLOAT)
                 check_rows(path, table.name, t.numel(), k.numel(), per_row, kind)
                 cols[kind].append(t)
@@ -143,7 +149,8 @@ class V1Reader:
             ck is not None and cc is not None and ck.numel() != cc.numel()
         ):
             raise CheckpointError(
-                f"{table.directory}: table {table.name!r}: counter files do not pair up"
+                f"{table.directory}: table {table.name!r}: counter files do not pair up; copy "
+                "them again or delete all counter files of the table"
             )
         state = TableState(
             keys,
