@@ -195,11 +195,12 @@ def profile_model(
     events = prof.key_averages()
     device_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
     by_phase = launches_by_phase(prof.events())
+    cuda = device.type == "cuda"  # no GPU work to count elsewhere
     result["profile"] = {
         "profiled_wall_ms_per_step": wall,
-        "device_busy_ms_per_step": device_ms,
-        "device_busy_fraction": device_ms / step_ms,
-        "launches_per_step": sum(by_phase.values()) / steps,
+        "device_busy_ms_per_step": device_ms if cuda else None,
+        "device_busy_fraction": device_ms / step_ms if cuda else None,
+        "launches_per_step": sum(by_phase.values()) / steps if cuda else None,
         "launches_per_step_by_phase": {k: v / steps for k, v in by_phase.items()},
     }
     text = [

@@ -19,8 +19,8 @@ echo "hashtable rc=$?"
 timeout 90 python3 -m bench.bench_din --device cuda --compile off --out "$OUT/bench_din.json" \
   >> "$OUT/suite.log" 2>&1
 echo "din rc=$?"
-timeout 140 python3 -m bench.bench_train --samples /tmp/small/samples --device cuda --batch 8192 \
-  --steps 10 --padded-steps 3 --warmup 3 --end-to-end-steps 25 --num-workers 8 \
+timeout 200 python3 -m bench.bench_train --samples /tmp/small/samples --device cuda --batch 8192 \
+  --steps 10 --warmup 3 --padded-steps 3 --num-workers 8 --e2e-max-steps 25 --eval-max-batches 4 \
   --out "$OUT/bench_train.json" >> "$OUT/suite.log" 2>&1
 echo "train rc=$?"
 timeout 60 python3 -m bench.profile_train --samples /tmp/small/samples --device cuda \
