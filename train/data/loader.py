@@ -10,6 +10,12 @@ shuffle_rows), computed from Parquet metadata alone:
    cuts its row sequence into batches (a batch may span two windows; the last may be short);
 4. the torch DataLoader interleaves the streams round-robin (in order; exhausted streams drop out).
 
+A worker sends its batches in messages of a few consecutive ones (:data:`MESSAGE_ROWS`), their
+tensors packed into one shared-memory buffer (:func:`shared.batch.pack`): one file descriptor per
+message instead of one per tensor (the descriptor handshake was the main process's largest cost),
+and one copy to pin it. :func:`interleave` turns the round-robin over messages back into the
+round-robin over batches of step 4, so the order does not depend on the message size.
+
 Because every stream's batch count follows from metadata, :meth:`Loader.epoch` can start at batch
 ``k`` cheaply (resume): each stream skips whole windows without reading them, reads the window it
 resumes in, and the streams are rotated so that the interleaving continues where it stopped.
@@ -30,9 +36,11 @@ short global batch of fewer than ``world_size`` rows is dropped.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,12 +51,15 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from protos import pipeline_pb2
-from shared.batch import Batch
+from shared.batch import Batch, byte_span, pack, rebase
 from shared.features import FeatureSet
 from shared.fg import ORACLE_COLUMN, FgStats, table_to_batch
 
 log = logging.getLogger(__name__)
 _CLAMPS_SAID: set[tuple[int, int]] = set()  # (asked, cores) already logged in this process
+# rows of the batches a worker sends in one message (whole batches, at least one): bigger
+# messages spread the per-message cost over more rows, and hold more memory in flight
+MESSAGE_ROWS = 32_768
 
 
 def usable_workers(requested: int, cores: int | None = None) -> int:
@@ -166,6 +177,67 @@ def resume_point(counts: list[int], skip: int) -> tuple[list[int], list[int]]:
         rnd, left = rnd + full, left - full * len(active)
 
 
+def interleave(messages: Iterator[list[Batch]], counts: list[int]) -> Iterator[Batch]:
+    """The batches of a round-robin over streams (step 4 of the module doc), from the
+    round-robin over their messages: ``counts[i]`` messages from DataLoader slot ``i``, each of
+    consecutive batches of its stream, all of the same length but a stream's last one.
+
+    Message round ``j`` holds message ``j`` of every slot with ``counts > j``, in slot order; batch
+    ``r`` of those messages is batch round ``j·k + r``, which takes one batch from each stream
+    whose message has more than ``r``.
+    """
+    for j in range(max(counts, default=0)):
+        group = [next(messages, None) for c in counts if c > j]
+        if any(g is None for g in group):
+            raise RuntimeError(
+                f"loader: the workers sent fewer messages than the epoch plan's {sum(counts)}; "
+                "were the Parquet files changed during the epoch?"
+            )
+        msgs: list[list[Batch]] = [g for g in group if g is not None]
+        for r in range(max(map(len, msgs))):
+            yield from (m[r] for m in msgs if r < len(m))
+
+
+@dataclass
+class _Message:
+    """Consecutive batches of one stream, as a worker sends them, and their fg defaults."""
+
+    batches: list[Batch]
+    stats: FgStats
+
+    def pin_memory(self) -> _Message:
+        """Pinned copy (called by the DataLoader's pin-memory thread): one copy of the buffer
+        the batches were packed into, the batches as views of it."""
+        spans = [byte_span(b) for b in self.batches]
+        storages = {s[0].data_ptr() if s is not None else None for s in spans}
+        if None in storages or len(storages) != 1 or spans[0] is None:  # not packed
+            return _Message([b.pin_memory() for b in self.batches], self.stats)
+        whole = torch.empty(0, dtype=torch.uint8).set_(spans[0][0])
+        pinned = whole.pin_memory()
+        return _Message([rebase(b, pinned, 0) for b in self.batches], self.stats)
+
+
+def _worker_init(_worker_id: int) -> None:
+    """Leave the objects inherited from the main process out of the worker's garbage collection:
+    a full collection over them (~340K objects) took ~350 ms and copied their pages."""
+    gc.freeze()
+
+
+def _shared_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer in shared memory (the file-descriptor kind the DataLoader's queues pass),
+    allocated there directly: ``share_memory_()`` would allocate, then copy."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+
+
+def _pinned_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def message_batches(batch_size: int, message_rows: int = MESSAGE_ROWS) -> int:
+    """Batches of ``batch_size`` rows in one worker message of about ``message_rows`` rows."""
+    return max(1, message_rows // batch_size)
+
+
 class _Batches(IterableDataset):
     """One DataLoader worker slot: plays the stream that ``assignment`` gives it."""
 
@@ -184,16 +256,30 @@ class _Batches(IterableDataset):
         columns: list[str],
         rank: int = 0,
         world_size: int = 1,
+        pin_memory: bool = False,
+        message_batches: int = 1,
     ) -> None:
+        self.message_batches = message_batches
         self.fs, self.streams, self.assignment, self.skips = fs, streams, assignment, skips
         self.batch_size, self.shuffle, self.seed, self.epoch = batch_size, shuffle, seed, epoch
         self.drop_last, self.columns = drop_last, columns
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.pin_memory = rank, world_size, pin_memory
 
-    def __iter__(self) -> Iterator[tuple[Batch, FgStats]]:
+    def __iter__(self) -> Iterator[_Message]:
+        """Messages of ``message_batches`` batches: packed into shared memory in a worker,
+        into pinned memory in the main process when pinning, else as they are."""
         info = get_worker_info()
         stream = self.assignment[info.id if info is not None else 0]
-        yield from self._play(self.streams[stream], self.skips[stream] * self.batch_size)
+        alloc: Callable[[int], torch.Tensor] | None = (
+            _shared_buffer if info is not None else _pinned_buffer if self.pin_memory else None
+        )
+        played = self._play(self.streams[stream], self.skips[stream] * self.batch_size)
+        while chunk := list(itertools.islice(played, self.message_batches)):
+            stats = FgStats()
+            for _, s in chunk:
+                stats.merge(s)
+            batches = [b for b, _ in chunk]
+            yield _Message(pack(batches, alloc) if alloc is not None else batches, stats)
 
     def _read(self, window: Window) -> pa.Table:
         tables = [
@@ -239,6 +325,7 @@ class Loader:
     """Batches of one split for training or evaluation.
 
     ``shuffle_rows``: rows shuffled together (a window of whole row groups; see the module doc).
+    ``message_rows``: rows of the whole batches a worker sends at once (no effect on the order).
     ``stats`` accumulates the feature-generation defaults of all batches (workers included).
     Example::
 
@@ -262,6 +349,7 @@ class Loader:
         pin_memory: bool | None = None,
         rank: int = 0,
         world_size: int = 1,
+        message_rows: int = MESSAGE_ROWS,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -271,6 +359,10 @@ class Loader:
             )
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if message_rows < 1:
+            raise ValueError(
+                f"message_rows must be >= 1 (rows a worker sends at once), got {message_rows}"
+            )
         num_workers = usable_workers(num_workers)
         self.fs = fs
         self.groups = list_row_groups(path)
@@ -288,7 +380,7 @@ class Loader:
             seed,
         )
         self.shuffle_rows, self.drop_last = shuffle_rows, drop_last
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.message_rows = rank, world_size, message_rows
         self.global_batch_size = batch_size * world_size  # rows of one step over all ranks
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.stats = FgStats()
@@ -348,6 +440,8 @@ class Loader:
             for s in streams
         ]
         taken, order = resume_point(counts, skip_batches)
+        k = message_batches(self.global_batch_size, self.message_rows)
+        messages = [-(-(counts[s] - taken[s]) // k) for s in order]  # per DataLoader slot
         dataset = _Batches(
             self.fs,
             streams,
@@ -361,21 +455,32 @@ class Loader:
             columns=self.columns,
             rank=self.rank,
             world_size=self.world_size,
+            pin_memory=self.pin_memory,
+            message_batches=k,
         )
         if self.num_workers == 0:
-            batches: Iterator = iter(dataset)
+            received: Iterator[_Message] = iter(dataset)
         else:
-            batches = iter(
+            received = iter(
                 DataLoader(
                     dataset,
                     batch_size=None,
                     num_workers=self.num_workers,
                     collate_fn=_identity,
+                    worker_init_fn=_worker_init,
                     pin_memory=self.pin_memory,
                 )
             )
-        for batch, stats in batches:
-            self.stats.merge(stats)
-            if self.pin_memory and self.num_workers == 0:
-                batch = batch.pin_memory()
-            yield batch
+
+        def unpacked() -> Iterator[list[Batch]]:
+            for message in received:
+                self.stats.merge(message.stats)
+                yield message.batches
+
+        batches = unpacked()
+        yield from interleave(batches, messages)
+        for _ in batches:  # runs the DataLoader to its end (and its workers to their exit)
+            raise RuntimeError(
+                "loader: the workers sent more messages than the epoch plan's; were the Parquet "
+                "files changed during the epoch?"
+            )

@@ -6,13 +6,15 @@ import logging
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from shared.batch import Batch
 from shared.features import FeatureSet, feature_set_from_text
 from train.data import synthetic, taobao
-from train.data.loader import Loader, resume_point, usable_workers
+from train.data.loader import Loader, interleave, resume_point, usable_workers
 
 ROOT = Path(__file__).resolve().parents[3]
 SEED_TEXT = (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
@@ -34,7 +36,7 @@ def samples(tmp_path_factory: pytest.TempPathFactory, fs: FeatureSet) -> Path:
 
 def fingerprint(batches: list[Batch]) -> list[tuple[int, ...]]:
     """(user_id, adgroup_id) of every row, in order: identifies rows and their order."""
-    out = []
+    out: list[tuple[int, ...]] = []
     for b in batches:
         users = b.user["user_id"].values().tolist()
         ads = b.item["adgroup_id"].values().tolist()
@@ -146,3 +148,45 @@ def test_workers_are_clamped_to_the_cores_saying_so_once(
     loader = Loader(samples / "train", fs, batch_size=256, num_workers=cores + 41)
     assert loader.num_workers == cores
     assert len(said()) == 2 and f"num_workers {cores + 41}" in said()[1]
+
+
+def test_interleave_gives_the_round_robin_over_batches_for_any_message_size() -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        counts = [rng.randint(0, 9) for _ in range(rng.randint(1, 5))]  # batches per slot
+        k = rng.randint(1, 4)
+        batches = [[(s, r) for r in range(c)] for s, c in enumerate(counts)]
+        chunks = [[b[i : i + k] for i in range(0, len(b), k)] for b in batches]
+        sent = [  # the DataLoader's round-robin over messages
+            chunks[s][j] for j in range(max(map(len, chunks))) for s in range(len(counts))
+            if j < len(chunks[s])
+        ]  # fmt: skip
+        want = [(s, r) for r in range(max(counts)) for s, c in enumerate(counts) if c > r]
+        got: list[Any] = list(interleave(iter(sent), [len(c) for c in chunks]))  # type: ignore[arg-type]
+        assert got == want, (counts, k)
+    with pytest.raises(RuntimeError, match="fewer messages"):
+        list(interleave(iter([[1]]), [2]))  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("message_rows", [1, 3 * 256])
+def test_message_size_changes_nothing_but_the_messages(
+    samples: Path, fs: FeatureSet, message_rows: int
+) -> None:
+    def load(rows: int, skip: int = 0) -> list[Batch]:
+        loader = Loader(
+            samples / "train", fs, batch_size=256, num_workers=2, seed=3, shuffle_rows=600,
+            message_rows=rows,
+        )  # fmt: skip
+        return list(loader.epoch(1, skip_batches=skip))
+
+    want, got = load(10**9), load(message_rows)  # one message per stream, and several
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert len(a.tensors()) == len(b.tensors())
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        assert a.user.keys() == b.user.keys() and a.sequence.stride() == b.sequence.stride()
+        assert a.user.length_per_key() == b.user.length_per_key()
+    assert fingerprint(load(message_rows, skip=5)) == fingerprint(want[5:])
+    with pytest.raises(ValueError, match="message_rows"):
+        Loader(samples / "train", fs, batch_size=8, message_rows=0)
