@@ -10,8 +10,10 @@ by ``W`` ranks gives ``W`` parts per table (``<collection>.<table>.keys/part_R_W
 keys), one saved by a single process gives ``part_0_1``; serving joins the parts either way.
 Files and tensors are named as TorchEasyRec's RTP export names them (``naming``, default
 ``TZREC_NAMING``: each dynamic table under its checkpoint collection directory,
-:func:`shared.hashtable.checkpoint.collection_paths`); ``DYNREC_NAMING`` writes bundle format 1
-for servers that predate format 2.
+:func:`shared.hashtable.checkpoint.collection_paths`), with a dense program that takes the
+(candidate, element) pairs as inputs: bundle format 3 (:mod:`shared.bundle.naming`);
+``DYNREC_NAMING`` writes bundle format 1, program without the pairs, for servers that predate
+format 2.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from shared.bundle import TZREC_NAMING, BundleNaming, write_bundle
+from shared.bundle import DYNREC_NAMING, TZREC_NAMING, BundleNaming, write_bundle
 from shared.bundle.writer import check_destination
 from shared.config import config_digest, load_config
 from shared.features import build_feature_set
@@ -80,11 +82,13 @@ def export_bundle(
     )
     fs = model.fs
     dense_tables = {
-        name: emb.weight.detach().cpu().contiguous()
-        for name, emb in model.sparse.dense.embeddings.items()
+        name: w.detach().cpu().contiguous()
+        for name, w in model.sparse.dense_table_weights().items()
     }
     hash_tables = saved_parts(ckpt, fs)  # one (keys, values) part per saving rank
-    program = export_dense_arch(model.dense, example_inputs(model.dense))
+    # format 1 servers predate the pair inputs: their program sizes the pairs itself
+    pairs = naming.format_version != DYNREC_NAMING.format_version
+    program = export_dense_arch(model.dense, example_inputs(model.dense, pairs=pairs))
     with tempfile.TemporaryDirectory() as tmp:
         program_path = Path(tmp) / "dense.pt2"
         torch.export.save(program, program_path)

@@ -42,6 +42,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.data.loader import Loader
+from train.data.prefetch import prefetch_to_device
 from train.distributed.comm import CommStats
 from train.distributed.env import DistEnv
 from train.distributed.replicated import GradSync
@@ -49,6 +50,7 @@ from train.distributed.sharded_dynamic import ShardedDynamicEmbedding
 from train.evaluate import EvalResult, UserCounts, evaluate
 from train.fine_tune import load_weights
 from train.metrics_log import MetricsLog
+from train.model.fused_tables import keep_per_table_state
 from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN, sparse_adagrad
 
@@ -135,7 +137,8 @@ def _amp_context(mode: str, device: torch.device) -> contextlib.AbstractContextM
 def build_optimizers(
     model: MultiTowerDIN, config: pipeline_pb2.TrainConfig
 ) -> dict[str, torch.optim.Optimizer]:
-    """Adam (dense layers) and Adagrad (num_buckets tables, row-sparse gradients). Dynamic tables
+    """Adam (dense layers) and Adagrad (num_buckets tables: one parameter per fused dim, one per
+    large table; its saved state stays one entry per table). Dynamic tables
     are updated inside their backward by the hash-table core with the same Adagrad settings."""
     dense_cfg = config.dense_optimizer
     if dense_cfg.WhichOneof("optimizer") not in (None, "adam_optimizer"):
@@ -145,6 +148,13 @@ def build_optimizers(
     params = list(model.dense.parameters())
     # on CUDA one fused kernel updates every dense parameter (foreach: several per tensor list)
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    sparse = torch.optim.Adagrad(
+        list(model.sparse.dense_parameters()),
+        lr=ada.lr,
+        eps=ada.eps,
+        initial_accumulator_value=ada.initial_accumulator_value,
+    )
+    keep_per_table_state(sparse, model.sparse.dense)  # saved state: one entry per table
     return {
         "dense": torch.optim.Adam(
             params,
@@ -154,12 +164,7 @@ def build_optimizers(
             weight_decay=adam.weight_decay,
             fused=fused or None,
         ),
-        "sparse": torch.optim.Adagrad(
-            list(model.sparse.dense_parameters()),
-            lr=ada.lr,
-            eps=ada.eps,
-            initial_accumulator_value=ada.initial_accumulator_value,
-        ),
+        "sparse": sparse,
     }
 
 
@@ -461,8 +466,10 @@ class Trainer:
             if max_steps and progress.step >= max_steps:
                 return
             rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
-            for batch in self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch):
-                yield batch.to(self.device, non_blocking=True), rows[progress.batch_in_epoch]
+            batches = self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch)
+            # on CUDA the next batch's copy overlaps this step (train.data.prefetch)
+            for batch in prefetch_to_device(batches, self.device):
+                yield batch, rows[progress.batch_in_epoch]
             progress.epoch += 1
             progress.batch_in_epoch = 0
 

@@ -34,12 +34,12 @@ def test_loss_decreases_and_tables_update(tiny_samples: Path, tmp_path: Path) ->
     trainer = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=1))
     model, opts = trainer.model, trainer.optimizers
     batches = list(trainer.loader.epoch(0))[:3]
-    dense_before = model.sparse.dense.embeddings["age_level_emb"].weight.detach().clone()
+    dense_before = model.sparse.dense_table_weights()["age_level_emb"].detach().clone()
     losses = []
     for step in range(12):  # a few passes over the same three batches: loss must fall
         losses.append(float(train_step(model, opts, batches[step % 3], step)))
     assert sum(losses[-3:]) < sum(losses[:3])
-    assert not torch.equal(dense_before, model.sparse.dense.embeddings["age_level_emb"].weight)
+    assert not torch.equal(dense_before, model.sparse.dense_table_weights()["age_level_emb"])
     stats = model.sparse.dynamic.stats()
     assert stats["user_id_emb"]["size"] > 0 and stats["adgroup_id_emb"]["size"] > 0
 

@@ -7,11 +7,12 @@ gradient is *summed* over ranks (never averaged):
 - dense layers: :class:`~torch.nn.parallel.DistributedDataParallel` with a comm hook that sums
   (DDP's default divides by ``W``, which would scale the dense gradients but not the embedding
   gradients that reach the owners through the all-to-all);
-- num_buckets tables (torchrec ``EmbeddingCollection`` with row-sparse gradients), summed by
-  :func:`all_reduce_row_sparse` after backward, two ways by size:
+- num_buckets tables (:class:`~train.model.fused_tables.DenseTables`: small tables fused per dim
+  into one parameter, large ones a parameter each), summed by :func:`all_reduce_row_sparse`
+  after backward, two ways by the parameter's rows:
 
-  * small tables (at most ``DENSE_MAX_ROWS`` rows; every table of the seed config, whose largest
-    has 99 rows, all ten 16 K floats together): gradients densified, flattened into one buffer,
+  * small ones (at most ``DENSE_MAX_ROWS`` rows; the seed config's ten tables are one fused
+    parameter of 261 rows, 4 K floats): gradients densified, flattened into one buffer,
     one all-reduce. It costs rows × dim floats whatever the batch touched, which for these
     tables is less than the (index, value) pairs would be, and it is one collective;
   * large tables (the all-num_buckets baseline config: 1.1 M user rows, 200 MB of floats a step
@@ -76,7 +77,8 @@ class GradSync:
             output_device=env.device.index if cuda else None,
         )
         self.dense.register_comm_hook(None, _sum_hook)
-        self.tables = [emb.weight for emb in model.sparse.dense.embeddings.values()]
+        # one parameter per fused dim (all its tables' gradients in one tensor), one per large table
+        self.tables: list[torch.Tensor] = list(model.sparse.dense_parameters())
         with torch.no_grad():
             for w in self.tables:
                 dist.broadcast(w, src=0)

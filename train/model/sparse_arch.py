@@ -1,12 +1,12 @@
 """Embedding lookups of MultiTowerDIN: ids of a :class:`Batch` → pooled and jagged embeddings.
 
 Mixed embeddings, as the config says: tables with ``dynamicemb {}`` live in the shared hash-table
-core (:class:`DynamicEmbeddingCollection`, fused sparse Adagrad in its backward); the others are a
-torchrec :class:`EmbeddingCollection` with sparse gradients (updated by ``torch.optim.Adagrad``).
+core (:class:`DynamicEmbeddingCollection`, fused sparse Adagrad in its backward); the others are
+:class:`~train.model.fused_tables.DenseTables` (small tables fused per dim into one matrix with a
+dense gradient, large ones with row-sparse gradients; updated by ``torch.optim.Adagrad``).
 Every lookup of a table in one step goes through one call, so a sequence feature and its top-level
 feature (``click_50_seq__adgroup_id`` and ``adgroup_id``) update the same rows, with the gradients
-of duplicate ids summed before the optimizer step.
-"""
+of duplicate ids summed before the optimizer step."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from shared.batch import Batch
 from shared.dense_inputs import FeaturePart, feature_parts, parts_by_table, pool_features
 from shared.features import FeatureSet
 from shared.hashtable.embedding import DynamicEmbeddingCollection
+from train.model.fused_tables import DenseTables
 
 # Tables up to this many elements get dense gradients; larger ones row-sparse gradients.
 DENSE_GRAD_MAX_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
@@ -64,27 +63,15 @@ class SparseArch(nn.Module):
         for f in fs.features.values():
             if f.table in users:
                 users[f.table].append(f.name)
-        generator = torch.Generator().manual_seed(seed)
-        self.dense = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(
-                    name=t.name,
-                    embedding_dim=t.dim,
-                    num_embeddings=int(t.num_rows or 0),
-                    feature_names=users[t.name],
-                )
-                for t in dense
-                if users[t.name]
-            ],
-            device=torch.device(device),
+        used = [t for t in dense if users[t.name]]
+        self.dense = DenseTables(
+            used,
+            sparse_grad={
+                t.name for t in used if uses_sparse_grad(int(t.num_rows or 0), t.dim, device)
+            },
+            device=device,
         )
-        for emb in self.dense.embeddings.values():
-            emb.sparse = uses_sparse_grad(emb.num_embeddings, emb.embedding_dim, device)
-            dim = emb.embedding_dim
-            bound = (1.0 / dim) ** 0.5  # tzrec's default init: uniform ±sqrt(1/dim)
-            with torch.no_grad():
-                w = torch.empty(emb.weight.shape).uniform_(-bound, bound, generator=generator)
-                emb.weight.copy_(w.to(emb.weight.device))
+        _init_tables(self.dense, seed)
         self.dynamic = DynamicEmbeddingCollection(
             fs.dynamic_tables,
             fs.fusion_groups,
@@ -97,8 +84,16 @@ class SparseArch(nn.Module):
         )
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters of the dense (num_buckets) tables, for the sparse Adagrad optimizer."""
+        """Parameters of the dense (num_buckets) tables, for the sparse Adagrad optimizer: one
+        per fused dim, one per row-sparse table. Pass the optimizer to
+        :func:`~train.model.fused_tables.keep_per_table_state` so that its saved state stays
+        per table."""
         return self.dense.parameters()
+
+    def dense_table_weights(self) -> dict[str, torch.Tensor]:
+        """Table name → weight [rows, dim] of every dense (num_buckets) table, in table order (a
+        fused table's is a view of its rows): what exports and deltas read."""
+        return self.dense.weights()
 
     def forward(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         # 1. every (feature, ids) of the batch, looked up once per table
@@ -112,13 +107,17 @@ class SparseArch(nn.Module):
         by_table = parts_by_table(self.fs, parts)
         out: list[torch.Tensor | None] = [None] * len(parts)
         dyn_keys: dict[str, torch.Tensor] = {}
+        fixed: list[int] = []  # positions in parts of the dense tables' lookups
         for table, idx in by_table.items():
             if self.fs.tables[table].is_dynamic:
                 dyn_keys[table] = torch.cat([parts[i][2] for i in idx])
             else:
-                weight = self.dense.embeddings[table]
-                for i in idx:
-                    out[i] = weight(parts[i][2])  # [n_i, dim]
+                fixed.extend(idx)
+        found_fixed = self.dense(
+            [(parts[i][1], self.fs.features[parts[i][1]].table, parts[i][2]) for i in fixed]
+        )
+        for i, rows in zip(fixed, found_fixed, strict=True):
+            out[i] = rows  # [n_i, dim]
         if dyn_keys:
             found = self.dynamic(dyn_keys)
             for table, rows in found.items():
@@ -128,3 +127,20 @@ class SparseArch(nn.Module):
                     out[i] = chunk
         assert all(o is not None for o in out)
         return out  # type: ignore[return-value]
+
+
+def _init_tables(tables: DenseTables, seed: int) -> None:
+    """tzrec's default init, uniform ±sqrt(1/dim), drawn per table in table order from a
+    generator seeded with ``seed``, as when every table was an ``nn.Embedding`` of a torchrec
+    ``EmbeddingCollection``. That collection also initialised each table twice from the global
+    generator before we overwrote it (``nn.Embedding``'s ``normal_``, then its uniform
+    ``init_fn``); the dense layers built after this module draw from the global generator, so
+    the same draws are made here, in the same order, to keep every seeded result as it was."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in tables.weights().values():  # [rows, dim], a view for a fused table
+            bound = (1.0 / weight.shape[1]) ** 0.5
+            nn.init.normal_(weight)
+            nn.init.uniform_(weight, -bound, bound)
+            w = torch.empty(weight.shape).uniform_(-bound, bound, generator=generator)
+            weight.copy_(w.to(weight.device))

@@ -65,7 +65,7 @@ def export_delta(
     model, progress, ckpt = restore_model(
         config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu"
     )
-    dense = {n: e.weight.detach().cpu() for n, e in model.sparse.dense.embeddings.items()}
+    dense = {n: w.detach().cpu() for n, w in model.sparse.dense_table_weights().items()}
     hashed = {t.name: model.sparse.dynamic.export_table(t.name) for t in model.fs.dynamic_tables}
     tables = diff_tables(base_bundle.dense_tables, base_bundle.hash_tables, dense, hashed)
     summaries = checkpoint_summaries(ckpt)
