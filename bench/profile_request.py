@@ -1,16 +1,23 @@
-"""Where one request's time goes (validate, feature generation, predict), single-threaded.
+"""Where one request's time goes (parse, validate, feature generation, predict), single-threaded.
 
-python -m bench.profile_request --device cuda --keys 300000
+For each request format (``columnar``: ``candidate_columns``; ``rows``: one ``Features`` per
+candidate) and candidate count, the same random request is parsed from its wire bytes, checked
+(:func:`serve.validation.request_inputs`) and turned into a Batch
+(:func:`shared.fg.request_columns_to_batch`) ``--iters`` times; the medians per stage (wall and
+thread CPU time, ms) are printed and written as JSON to ``--out``. ``--predict`` adds the model's
+``predict`` of that batch (and of 8 of them) and a profile of it.
 """
 
 from __future__ import annotations
 
 import cProfile
+import json
 import pstats
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,60 +30,130 @@ from bench.synthetic_bundle import (
     synthetic_request,
     write_synthetic_bundle,
 )
+from loadtest.requests import columnar_request
+from protos import predict_pb2
 from serve.batcher import concat_batches
 from serve.limits import Limits
 from serve.model import LoadedModel, default_device
-from serve.validation import request_inputs
-from shared.cli import Parser, run_cli
+from serve.validation import request_inputs, value_type
+from shared.batch import Batch
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
+from shared.features import FeatureSet
 from shared.fg import request_columns_to_batch
 
+EXAMPLE = """examples:
+  python -m bench.profile_request --candidates 100 500 --out /tmp/profile.json
+  python -m bench.profile_request --device cuda --keys 300000 --predict"""
+FORMATS = ("columnar", "rows")
+_Stage = Callable[[], object]
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m bench.profile_request")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
-    p.add_argument("--keys", type=int, default=300_000)
-    p.add_argument("--candidates", type=int, default=100)
-    p.add_argument("--iters", type=int, default=50)
-    a = p.parse_args(argv)
-    fs = seed_feature_set()
-    rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        program, _ = export_program(fs, Path(tmp) / "dense.pt2")
-        bundle = write_synthetic_bundle(
-            Path(tmp) / "b", fs, keys=keys_per_table(fs, a.keys), program_path=program, version="1"
-        )
-        model = LoadedModel.load(bundle, device=a.device)
-    req = synthetic_request(fs, rng, candidates=a.candidates)
-    times: dict[str, list[float]] = {"validate": [], "fg": [], "predict": [], "predict_x8": []}
-    batch = None
-    for _ in range(a.iters):
-        t0 = time.perf_counter()
-        inputs = request_inputs(req, fs, Limits())
-        t1 = time.perf_counter()
-        batch = request_columns_to_batch(fs, **vars(inputs))
-        t2 = time.perf_counter()
-        model.predict(batch)
-        t3 = time.perf_counter()
-        model.predict(concat_batches([batch] * 8))
-        t4 = time.perf_counter()
-        for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-            times[k].append(dt)
-    for k, v in times.items():
-        print(f"{k}: median {statistics.median(v) * 1e3:.2f} ms")
-    assert batch is not None
+
+def _request(fs: FeatureSet, fmt: str, candidates: int) -> predict_pb2.PredictRequest:
+    """The same random request (seed 0) in format ``fmt``."""
+    req = synthetic_request(fs, np.random.default_rng(0), candidates=candidates)
+    if fmt == "rows":
+        return req
+    return columnar_request(req, {f.name: value_type(f) for f in fs.features.values()})
+
+
+def _timed(stages: dict[str, _Stage], iters: int) -> dict[str, dict[str, float]]:
+    """Median wall and thread-CPU milliseconds of each stage, run in order ``iters`` times."""
+    wall: dict[str, list[float]] = {k: [] for k in stages}
+    cpu: dict[str, list[float]] = {k: [] for k in stages}
+    for _ in range(iters):
+        for name, stage in stages.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            stage()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            wall[name].append((t1 - t0) * 1e3)
+            cpu[name].append((c1 - c0) * 1e3)
+    return {
+        k: {"wall_ms": statistics.median(wall[k]), "cpu_ms": statistics.median(cpu[k])}
+        for k in stages
+    }
+
+
+def profile_host(
+    fs: FeatureSet, fmt: str, candidates: int, iters: int, model: LoadedModel | None
+) -> tuple[dict[str, dict[str, float]], Batch]:
+    """Per-stage medians of one request of ``fmt`` with ``candidates`` candidates (and the batch)."""
+    wire = _request(fs, fmt, candidates).SerializeToString()
+    limits = Limits()
+    request = predict_pb2.PredictRequest.FromString(wire)
+    inputs = request_inputs(request, fs, limits)
+    batch = request_columns_to_batch(fs, **vars(inputs))
+    stages: dict[str, _Stage] = {
+        "parse": lambda: predict_pb2.PredictRequest.FromString(wire),
+        "validate": lambda: request_inputs(request, fs, limits),
+        "fg": lambda: request_columns_to_batch(fs, **vars(inputs)),
+    }
+    if model is not None:
+        x8 = concat_batches([batch] * 8)
+        stages["predict"] = lambda: model.predict(batch)
+        stages["predict_x8"] = lambda: model.predict(x8)
+    return _timed(stages, iters), batch
+
+
+def _load_model(fs: FeatureSet, device: str, keys: int, tmp: Path) -> LoadedModel:
+    program, _ = export_program(fs, tmp / "dense.pt2")
+    bundle = write_synthetic_bundle(
+        tmp / "b", fs, keys=keys_per_table(fs, keys), program_path=program, version="1"
+    )
+    return LoadedModel.load(bundle, device=device)
+
+
+def _profile_predict(model: LoadedModel, batch: Batch, device: str) -> None:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(10):
         model.predict(batch)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-    if a.device == "cuda":
+    if device == "cuda":
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as tp:
             model.predict(batch)
         print(tp.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.profile_request", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device(), help="of predict")
+    p.add_argument("--keys", type=int, default=300_000, help="keys of the bundle (--predict)")
+    p.add_argument(
+        "--candidates", type=int, nargs="+", default=[100, 500], help="candidates per request"
+    )
+    p.add_argument(
+        "--formats", choices=FORMATS, nargs="+", default=list(FORMATS), help="request formats"
+    )
+    p.add_argument("--iters", type=int, default=200, help="runs of each stage (medians)")
+    p.add_argument("--predict", action="store_true", help="also time and profile predict()")
+    p.add_argument("--out", type=Path, help="write the medians here as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    fs = seed_feature_set()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _load_model(fs, a.device, a.keys, Path(tmp)) if a.predict else None
+        batch = None
+        for fmt in a.formats:
+            for n in a.candidates:
+                results[f"{fmt}/{n}"], batch = profile_host(fs, fmt, n, a.iters, model)
+                line = ", ".join(
+                    f"{k} {v['wall_ms']:.3f} ms (cpu {v['cpu_ms']:.3f})"
+                    for k, v in results[f"{fmt}/{n}"].items()
+                )
+                print(f"{fmt:8} {n:5} candidates: {line}")
+        if model is not None and batch is not None:
+            _profile_predict(model, batch, a.device)
+    if a.out is not None:
+        meta = {"device": a.device, "iters": a.iters, "predict": a.predict}
+        a.out.write_text(json.dumps({"config": meta, "medians": results}, indent=2) + "\n")
     return 0
 
 

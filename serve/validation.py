@@ -11,7 +11,8 @@ Candidates come in one of two encodings, checked by the same column checks (:fun
 :func:`_check_kind`, :func:`_check_finite`) and giving the same feature-generation inputs:
 ``candidates`` (one ``Features`` map per candidate; the common case is checked a column at a time
 by :func:`_item_columns`) and ``candidate_columns`` (one typed, packed column per feature,
-converted to Arrow with one call per column by :func:`_candidate_columns`). Field names in
+converted with one call per column by :func:`_candidate_columns`: to numpy for numbers without
+missing values, which feature generation takes without Arrow, else to Arrow). Field names in
 errors::
 
     candidates                                  empty or too many
@@ -25,6 +26,7 @@ errors::
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ import pyarrow as pa
 from protos import predict_pb2
 from serve.limits import Limits, shown
 from shared.features import FeatureSet, FeatureSpec, IdTransform, Side
-from shared.fg import FeatureError, scalar_ids
+from shared.fg import FeatureError, per_feature_set, scalar_ids
 
 
 class RequestError(ValueError):
@@ -52,22 +54,49 @@ class FgInputs:
     """Keyword arguments of ``shared.fg.request_columns_to_batch`` (None = explicit missing value).
 
     ``items`` holds one column per ITEM-side feature (the value of each candidate, in order): a
-    list (None = missing) from ``candidates``, an Arrow array (null = missing) from
-    ``candidate_columns``.
+    list (None = missing) from ``candidates``; from ``candidate_columns``, a numpy array
+    (int64, float64) for a number column without missing values, else an Arrow array (null =
+    missing).
     """
 
     user: dict[str, object]
     sequences: dict[str, list[int]]
     context: dict[str, object]
-    items: dict[str, list[object] | pa.Array]
+    items: dict[str, list[object] | pa.Array | np.ndarray]
     num_candidates: int
+
+
+@dataclass(frozen=True)
+class _Specs:
+    """The features a request carries, by where it carries them (worked out once per
+    FeatureSet, :data:`_specs`)."""
+
+    user: dict[str, FeatureSpec]
+    context: dict[str, FeatureSpec]
+    items: dict[str, FeatureSpec]
+    sequences: dict[str, FeatureSpec]
+
+    @classmethod
+    def of(cls, fs: FeatureSet) -> _Specs:
+        def side(side: Side) -> dict[str, FeatureSpec]:
+            return {f.name: f for f in fs.features.values() if not f.is_sequence and f.side is side}
+
+        sequences = {f.name: f for f in fs.features.values() if f.is_sequence}
+        return cls(side(Side.USER), side(Side.CONTEXT), side(Side.ITEM), sequences)
+
+
+_specs = per_feature_set(_Specs.of)
 
 
 def value_type(spec: FeatureSpec) -> str:
     """The wire type a feature expects: ``int64``, ``double`` or ``string`` (model metadata)."""
-    if spec.transform is IdTransform.BUCKETIZE:
+    return _wire_type(spec.transform)
+
+
+def _wire_type(transform: IdTransform) -> str:
+    if transform is IdTransform.BUCKETIZE:
         return "double"
-    if spec.transform is IdTransform.HASH:
+    if transform is IdTransform.HASH:
         return "string"
     return "int64"
 
@@ -84,10 +113,14 @@ _VALUE_KINDS = {c: v for v, c in _COLUMN_KINDS.items()}
 _COLUMN_DTYPES = {"int64s": np.int64, "doubles": np.float64}
 
 
+_ACCEPTED_BY_TRANSFORM = {  # string DYNAMIC ids are hashed to int64
+    t: ("int64_value", "string_value") if t is IdTransform.DYNAMIC else _ACCEPTED[_wire_type(t)]
+    for t in IdTransform
+}
+
+
 def _accepted(spec: FeatureSpec) -> tuple[str, ...]:
-    if spec.transform is IdTransform.DYNAMIC:
-        return ("int64_value", "string_value")  # string ids are hashed to int64
-    return _ACCEPTED[value_type(spec)]
+    return _ACCEPTED_BY_TRANSFORM[spec.transform]
 
 
 # --------------------------------------------------------------------------- shared checks
@@ -170,7 +203,7 @@ def _value(v: predict_pb2.Value, spec: FeatureSpec, field: str, limits: Limits) 
         return None  # explicit missing value → zero embedding
     raw = getattr(v, kind)
     _check_kind(spec, kind, field, raw)
-    if kind == "double_value":
+    if kind == "double_value" and not math.isfinite(raw):
         _check_finite(field, np.array((raw,)))
     elif kind == "string_value":
         _check_strings(field, (raw,), limits.max_string_bytes)
@@ -251,9 +284,10 @@ def column_field(name: str) -> str:
 
 def _column_array(
     col: predict_pb2.Column, spec: FeatureSpec, n: int, field: str, limits: Limits
-) -> pa.Array:
-    """One column → an Arrow array of its ``n`` values (null where ``missing``), with one
-    conversion call (packed numbers via numpy, strings via a list)."""
+) -> pa.Array | np.ndarray:
+    """One column → its ``n`` values with one conversion call: numbers without missing values
+    as a numpy array (feature generation takes it as it is), others as an Arrow array (null
+    where ``missing``; strings via a list)."""
     kind = col.WhichOneof("kind")
     if kind is None:
         wanted = " or ".join(_COLUMN_KINDS[k] for k in _accepted(spec))
@@ -283,13 +317,13 @@ def _column_array(
     arr = np.array(values, dtype=_COLUMN_DTYPES[kind])
     if kind == "doubles":
         _check_finite(field, arr, missing)
-    return pa.array(arr, mask=missing)
+    return arr if missing is None else pa.array(arr, mask=missing)
 
 
 def _candidate_columns(
     cc: predict_pb2.CandidateColumns, specs: Mapping[str, FeatureSpec], limits: Limits
-) -> dict[str, pa.Array]:
-    """``candidate_columns`` → one Arrow array per ITEM-side feature (count checked before)."""
+) -> dict[str, pa.Array | np.ndarray]:
+    """``candidate_columns`` → one column per ITEM-side feature (count checked before)."""
     n = cc.num_candidates
     columns = cc.columns
     _check_names(
@@ -329,9 +363,8 @@ def _num_candidates(request: predict_pb2.PredictRequest, limits: Limits) -> int:
 
 
 def _sequences(
-    request: predict_pb2.PredictRequest, fs: FeatureSet, limits: Limits
+    request: predict_pb2.PredictRequest, specs: Mapping[str, FeatureSpec], limits: Limits
 ) -> dict[str, list[int]]:
-    specs = {f.name: f for f in fs.features.values() if f.is_sequence}
     for name in request.sequences:
         if name not in specs:
             raise RequestError(
@@ -367,25 +400,21 @@ def _sequences(
 def request_inputs(request: predict_pb2.PredictRequest, fs: FeatureSet, limits: Limits) -> FgInputs:
     """Check ``request`` against the model's features and the limits; raises :class:`RequestError`."""
     n = _num_candidates(request, limits)
-    scalar = [f for f in fs.features.values() if not f.is_sequence]
-    by_side = {
-        side: {f.name: f for f in scalar if f.side is side}
-        for side in (Side.USER, Side.ITEM, Side.CONTEXT)
-    }
-    user = _features(request.user, by_side[Side.USER], "user", "the user", limits)
-    sequences = _sequences(request, fs, limits)
-    context = _features(request.context, by_side[Side.CONTEXT], "context", "the context", limits)
-    items: dict[str, list[object] | pa.Array]
+    specs = _specs(fs)
+    user = _features(request.user, specs.user, "user", "the user", limits)
+    sequences = _sequences(request, specs.sequences, limits)
+    context = _features(request.context, specs.context, "context", "the context", limits)
+    items: dict[str, list[object] | pa.Array | np.ndarray]
     if request.HasField("candidate_columns"):
-        items = dict(_candidate_columns(request.candidate_columns, by_side[Side.ITEM], limits))
-    elif (columns := _item_columns(request.candidates, by_side[Side.ITEM], limits)) is not None:
+        items = dict(_candidate_columns(request.candidate_columns, specs.items, limits))
+    elif (columns := _item_columns(request.candidates, specs.items, limits)) is not None:
         items = dict(columns)
     else:
         rows = [
-            _features(c, by_side[Side.ITEM], f"candidates[{i}]", "a candidate", limits)
+            _features(c, specs.items, f"candidates[{i}]", "a candidate", limits)
             for i, c in enumerate(request.candidates)
         ]
-        items = {name: [row[name] for row in rows] for name in by_side[Side.ITEM]}
+        items = {name: [row[name] for row in rows] for name in specs.items}
     return FgInputs(user, sequences, context, items, n)
 
 
@@ -413,7 +442,7 @@ def feature_error(
     return RequestError(f"{where}.{spec.name}", err.message)
 
 
-def _first_bad_value(spec: FeatureSpec, values: list[object] | pa.Array) -> int | None:
+def _first_bad_value(spec: FeatureSpec, values: list[object] | pa.Array | np.ndarray) -> int | None:
     for i in range(len(values)):
         try:
             one = values[i : i + 1]

@@ -1,9 +1,11 @@
 """Feature generation: raw column values → the id tensors of a :class:`~shared.batch.Batch`.
 
 One set of column functions serves training (:func:`table_to_batch`, a Parquet record batch of B
-rows) and serving (:func:`request_to_batch`, one user with N candidates): the request is first
-turned into small Arrow columns and then goes through exactly the same code, so a row gives
-bit-identical ids on both sides. Everything is vectorized over rows (pyarrow / numpy); the only
+rows) and serving (:func:`request_to_batch`, one user with N candidates): the request's columns
+go through the same transform functions, so a row gives bit-identical ids on both sides. A
+request's null-free number columns, integer/float user and context values and integer sequences
+skip Arrow (numpy straight into those functions, with a plan of the FeatureSet built once,
+:func:`per_feature_set`); everything else is first turned into small Arrow columns. Everything is vectorized over rows (pyarrow / numpy); the only
 Python loops run over features, over the distinct lengths of long tokens, over the byte positions
 of distinct hashed strings (and the rest of a few long ones, see :func:`~shared.fg_text.hash64`),
 or, for a serving column that mixes kinds, over its values once.
@@ -54,10 +56,13 @@ Missing values and bad data (every default is counted in :class:`FgStats`):
 from __future__ import annotations
 
 import functools
+import itertools
 import reprlib
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -84,6 +89,7 @@ __all__ = [
     "FeatureError",
     "FgStats",
     "hash64",
+    "per_feature_set",
     "request_columns_to_batch",
     "request_to_batch",
     "scalar_ids",
@@ -229,20 +235,47 @@ def _int_hashes(ints: np.ndarray, hashes: _IdHashes) -> np.ndarray:
     return hashes.string_hash(pc.cast(pa.array(uniq), pa.string()))[inv]
 
 
-def _ints_to_ids(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
-    """Transform integer ids (int64 ndarray) of ``spec``; raises on negative MOD/raw DYNAMIC ids."""
+@dataclass(frozen=True)
+class _IntIds:
+    """How the integer ids of one feature become ids, decided once (:func:`_int_ids`).
+
+    ``array``: int64 ndarray → ids (raises on negative MOD/raw DYNAMIC ids); ``one``: the same
+    for one Python int in ``[0, 2**63)``, without numpy, or None where the ids are hashed.
+    """
+
+    array: Callable[[np.ndarray], np.ndarray]
+    one: Callable[[int], int] | None = None
+
+
+def _int_ids(spec: FeatureSpec) -> _IntIds:
     hashes = _ID_HASHES[spec.id_mode]
     if spec.transform is IdTransform.HASH:
-        return (_int_hashes(ints, hashes) % _hash_size(spec)).astype(np.int64)
+        return _IntIds(lambda ints: (_int_hashes(ints, hashes) % _hash_size(spec)).astype(np.int64))
     if spec.transform is IdTransform.DYNAMIC and hashes.hash_dynamic_ints:
-        return hashes.dynamic_key(_int_hashes(ints, hashes))
+        return _IntIds(lambda ints: hashes.dynamic_key(_int_hashes(ints, hashes)))
+    if spec.transform is IdTransform.MOD:
+        size = spec.num_buckets
+        one = (lambda v: v % size) if size else None
+        return _IntIds(lambda ints: _non_negative(spec, ints) % size, one)
+    if spec.transform is IdTransform.DYNAMIC:
+        return _IntIds(lambda ints: _non_negative(spec, ints), lambda v: v)
+
+    def refuse(ints: np.ndarray) -> np.ndarray:
+        _non_negative(spec, ints)
+        raise FeatureError(spec.name, f"transform {spec.transform.value} does not apply to ids")
+
+    return _IntIds(refuse)
+
+
+def _non_negative(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
     if len(ints) and int(ints.min()) < 0:
         raise FeatureError(spec.name, f"negative id {int(ints.min())}; ids must be >= 0")
-    if spec.transform is IdTransform.MOD:
-        return ints % spec.num_buckets
-    if spec.transform is IdTransform.DYNAMIC:
-        return ints
-    raise FeatureError(spec.name, f"transform {spec.transform.value} does not apply to ids")
+    return ints
+
+
+def _ints_to_ids(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
+    """Transform integer ids (int64 ndarray) of ``spec``; raises on negative MOD/raw DYNAMIC ids."""
+    return _int_ids(spec).array(ints)
 
 
 def _strings_to_ids(spec: FeatureSpec, strings: pa.Array) -> np.ndarray:
@@ -268,10 +301,17 @@ def _bucketize(spec: FeatureSpec, arr: pa.Array) -> np.ndarray:
     else:
         raise FeatureError(spec.name, f"has type {t}; expected a number")
     x = np.asarray(floats)
-    bad = ~(np.isfinite(x) & (x >= 0))
-    if bad.any():
-        value = arr[int(np.argmax(bad))].as_py()
+    ids = _bucket_ids(spec, x)
+    if ids is None:
+        value = arr[int(np.argmax(~(np.isfinite(x) & (x >= 0))))].as_py()
         raise FeatureError(spec.name, f"value {value!r} is NaN, infinite or negative")
+    return ids
+
+
+def _bucket_ids(spec: FeatureSpec, x: np.ndarray) -> np.ndarray | None:
+    """The buckets of float64 prices ``x``; None if one is NaN, infinite or negative."""
+    if not (np.isfinite(x) & (x >= 0)).all():
+        return None
     return np.searchsorted(_decimal_boundaries(spec.boundaries), x, side="right").astype(np.int64)
 
 
@@ -467,36 +507,97 @@ def _kjt(
         lengths=torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int32)),
         stride=stride,
         length_per_key=per_key,
-        offset_per_key=[0, *np.cumsum(per_key).tolist()],
+        offset_per_key=list(itertools.accumulate(per_key, initial=0)),
     )
 
 
-def _sequences(fs: FeatureSet) -> dict[str, list[FeatureSpec]]:
-    groups: dict[str, list[FeatureSpec]] = {}
-    for spec in fs.features.values():
-        if spec.kind is FeatureKind.SEQUENCE_ID:
-            groups.setdefault(spec.sequence_name or spec.name, []).append(spec)
-    return groups
+_Ids: TypeAlias = tuple[np.ndarray, np.ndarray]  # (ids int64 [present rows], lengths [rows])
+_STRING_CACHE = 4096  # distinct USER/CONTEXT strings whose ids a plan keeps, per feature
+_CACHED_CHARS = 256  # longer strings are hashed every time
 
 
-def _scalars(fs: FeatureSet, sides: tuple[Side, ...]) -> list[FeatureSpec]:
-    return [s for s in fs.features.values() if not s.is_sequence and s.side in sides]
+@dataclass(frozen=True)
+class _Plan:
+    """Where each feature of a FeatureSet goes in a Batch, worked out once (:func:`_plan`).
+
+    ``strings`` holds, per USER/CONTEXT feature, the ids of string values seen (a request's
+    ``pid`` is hashed once, not once per request); ids depend on the value and the spec alone.
+    """
+
+    user: tuple[FeatureSpec, ...]  # USER scalars in config order: the keys of Batch.user
+    context: tuple[FeatureSpec, ...]
+    items: tuple[FeatureSpec, ...]  # ITEM scalars
+    item_kjt: tuple[FeatureSpec, ...]  # ITEM and CONTEXT scalars in config order: Batch.item
+    sequences: tuple[tuple[FeatureSpec, ...], ...]  # sub-features of each sequence
+    sequence_keys: tuple[str, ...]  # the keys of Batch.sequence (config order)
+    sequence_order: tuple[int, ...]  # position in the flattened groups of each key
+    ints: dict[str, _IntIds]  # every feature's integer transform
+    strings: dict[str, dict[str, np.ndarray]]
+
+    @classmethod
+    def of(cls, fs: FeatureSet) -> _Plan:
+        groups: dict[str, list[FeatureSpec]] = {}
+        for spec in fs.features.values():
+            if spec.kind is FeatureKind.SEQUENCE_ID:
+                groups.setdefault(spec.sequence_name or spec.name, []).append(spec)
+        flat = [s.name for specs in groups.values() for s in specs]
+        position = {name: i for i, name in enumerate(fs.features)}
+        order = sorted(range(len(flat)), key=lambda i: position[flat[i]])
+        scalars = [s for s in fs.features.values() if not s.is_sequence]
+
+        def side(*sides: Side) -> tuple[FeatureSpec, ...]:
+            return tuple(s for s in scalars if s.side in sides)
+
+        return cls(
+            user=side(Side.USER),
+            context=side(Side.CONTEXT),
+            items=side(Side.ITEM),
+            item_kjt=side(Side.ITEM, Side.CONTEXT),
+            sequences=tuple(tuple(specs) for specs in groups.values()),
+            sequence_keys=tuple(flat[i] for i in order),
+            sequence_order=tuple(order),
+            ints={s.name: _int_ids(s) for s in fs.features.values()},
+            strings={s.name: {} for s in side(Side.USER, Side.CONTEXT)},
+        )
+
+
+_T = TypeVar("_T")
+
+
+def per_feature_set(build: Callable[[FeatureSet], _T]) -> Callable[[FeatureSet], _T]:
+    """``build(fs)`` once per FeatureSet object (a bundle's: at its first request), for what
+    every request needs of ``fs``: a FeatureSet is not changed once built.
+
+    A FeatureSet holds dicts (not hashable), so entries are kept by ``id(fs)`` and dropped when
+    their FeatureSet is collected. Example: ``_plan = per_feature_set(_Plan.of)``.
+    """
+    cache: dict[int, tuple[weakref.ref[FeatureSet], _T]] = {}
+
+    def cached(fs: FeatureSet) -> _T:
+        key = id(fs)
+        entry = cache.get(key)
+        if entry is not None and entry[0]() is fs:
+            return entry[1]
+        value = build(fs)
+        cache[key] = (weakref.ref(fs, lambda _: cache.pop(key, None)), value)
+        return value
+
+    return cached
+
+
+_plan = per_feature_set(_Plan.of)
 
 
 def _sequence_kjt(
-    fs: FeatureSet, get: dict[str, pa.Array], stride: int, *, truncate: bool, stats: FgStats | None
+    plan: _Plan, ids_of: Callable[[tuple[FeatureSpec, ...]], list[_Ids]], stride: int
 ) -> KeyedJaggedTensor:
-    keys, parts = [], []
-    for specs in _sequences(fs).values():
-        keys += [s.name for s in specs]
-        parts += sequence_ids(specs, [get[s.name] for s in specs], truncate=truncate, stats=stats)
-    order = {name: i for i, name in enumerate(fs.features)}
-    idx = sorted(range(len(keys)), key=lambda i: order[keys[i]])
-    return _kjt([keys[i] for i in idx], [parts[i] for i in idx], stride)
+    """Batch.sequence from ``ids_of(sub-features)`` of each sequence."""
+    parts = [part for specs in plan.sequences for part in ids_of(specs)]
+    return _kjt(list(plan.sequence_keys), [parts[i] for i in plan.sequence_order], stride)
 
 
 def _scalar_kjt(
-    specs: list[FeatureSpec], get: dict[str, pa.Array], stride: int, stats: FgStats | None
+    specs: tuple[FeatureSpec, ...], get: dict[str, pa.Array], stride: int, stats: FgStats | None
 ) -> KeyedJaggedTensor:
     return _kjt([s.name for s in specs], [scalar_ids(s, get[s.name], stats) for s in specs], stride)
 
@@ -538,10 +639,15 @@ def table_to_batch(
         raise FeatureError(",".join(fs.label_fields), "exactly one label field is supported")
     labels = _float_column(table, fs.label_fields[0])
     oracle = _float_column(table, ORACLE_COLUMN) if ORACLE_COLUMN in table.schema.names else None
+    plan = _plan(fs)
+
+    def seq_ids(specs: tuple[FeatureSpec, ...]) -> list[_Ids]:
+        return sequence_ids(specs, [cols[s.name] for s in specs], truncate=True, stats=stats)
+
     batch = Batch(
-        user=_scalar_kjt(_scalars(fs, (Side.USER,)), cols, n, stats),
-        item=_scalar_kjt(_scalars(fs, (Side.ITEM, Side.CONTEXT)), cols, n, stats),
-        sequence=_sequence_kjt(fs, cols, n, truncate=True, stats=stats),
+        user=_scalar_kjt(plan.user, cols, n, stats),
+        item=_scalar_kjt(plan.item_kjt, cols, n, stats),
+        sequence=_sequence_kjt(plan, seq_ids, n),
         user_index=torch.arange(n, dtype=torch.int64),
         labels=labels,
         oracle=oracle,
@@ -621,8 +727,72 @@ def _request_array(name: str, values: list[object] | np.ndarray) -> pa.Array:
     )
 
 
-def _item_array(name: str, values: object, n: int) -> pa.Array:
-    """The ITEM-side column ``values`` of :func:`request_columns_to_batch` → an Arrow array."""
+# A request column before its ids: a null-free int64/float64 ndarray (the numeric fast path,
+# no Arrow), an Arrow array (through scalar_ids), the ids already known (a cached string), or
+# the id of a USER integer.
+_Column: TypeAlias = np.ndarray | pa.Array | _Ids | int
+_NUMERIC = (np.dtype(np.int64), np.dtype(np.float64))
+_INT64, _FLOAT64 = pa.int64(), pa.float64()
+_INT64_MIN = -INT64_MAX - 1
+
+
+def _numeric(arr: pa.Array) -> np.ndarray | pa.Array:
+    """A null-free int64/float64 Arrow array as a zero-copy ndarray; any other as it is."""
+    if arr.null_count == 0 and (arr.type == _INT64 or arr.type == _FLOAT64):
+        return _values_ignoring_nulls(arr)
+    return arr
+
+
+def _numeric_ids(plan: _Plan, spec: FeatureSpec, values: np.ndarray) -> np.ndarray | None:
+    """What :func:`scalar_ids` gives a null-free int64/float64 column (the same functions, no
+    Arrow); None where the column needs :func:`scalar_ids` (float ids, a bad price)."""
+    if spec.transform is IdTransform.BUCKETIZE:  # ints: their nearest double, as Arrow casts
+        return _bucket_ids(spec, values.astype(np.float64, copy=False))
+    if values.dtype == np.int64:
+        return plan.ints[spec.name].array(values)
+    return None
+
+
+def _column_ids(plan: _Plan, spec: FeatureSpec, col: _Column, stats: FgStats | None) -> _Ids:
+    """:func:`scalar_ids` of a request column (numeric columns without Arrow)."""
+    if isinstance(col, int):
+        return np.array([col], np.int64), np.ones(1, np.int32)
+    if isinstance(col, tuple):
+        return col
+    if isinstance(col, np.ndarray):
+        ids = _numeric_ids(plan, spec, col)
+        if ids is not None:
+            return ids, np.ones(len(col), np.int32)
+        col = pa.array(col)  # its error, as scalar_ids raises it
+    return scalar_ids(spec, col, stats)
+
+
+def _scalar_column(plan: _Plan, spec: FeatureSpec, value: object, rows: int) -> _Column:
+    """A USER (``rows`` 1) or CONTEXT (``rows`` N) value as the column of ``rows`` copies."""
+    if type(value) is int and _INT64_MIN <= value <= INT64_MAX:
+        one = plan.ints[spec.name].one
+        if rows == 1 and one is not None and value >= 0:
+            return one(value)
+        return np.full(rows, value, np.int64)
+    if type(value) is float:
+        return np.full(rows, value, np.float64)
+    if type(value) is not str:
+        return _arrow(spec.name, [value] * rows)
+    cache = plan.strings[spec.name]
+    if (ids := cache.get(value)) is None:
+        try:
+            ids, _ = scalar_ids(spec, _arrow(spec.name, [value]))
+        except FeatureError:  # raised again in its turn, by the column of ``rows`` copies
+            return _arrow(spec.name, [value] * rows)
+        if len(value) <= _CACHED_CHARS:
+            if len(cache) >= _STRING_CACHE:
+                cache.clear()
+            cache[value] = ids
+    return np.full(rows, ids[0], np.int64), np.ones(rows, np.int32)
+
+
+def _item_column(name: str, values: object, n: int) -> _Column:
+    """The ITEM-side column ``values`` of :func:`request_columns_to_batch`."""
     if values is None:
         raise FeatureError(name, "missing from the request's candidates")
     column: pa.Array | pa.ChunkedArray | np.ndarray | list[object]
@@ -640,9 +810,11 @@ def _item_array(name: str, values: object, n: int) -> pa.Array:
         )
     if len(column) != n:
         raise FeatureError(name, f"{len(column)} values for {n} candidates")
+    if isinstance(column, np.ndarray) and column.dtype in _NUMERIC:
+        return column
     if isinstance(column, pa.Array | pa.ChunkedArray):
-        return _combine(column)  # used as it is
-    return _request_array(name, column)
+        return _numeric(_combine(column))  # used as it is
+    return _numeric(_request_array(name, column))
 
 
 def _need(mapping: Mapping[str, object], name: str, where: str) -> object:
@@ -651,6 +823,53 @@ def _need(mapping: Mapping[str, object], name: str, where: str) -> object:
             name, f"missing from the request's {where} (send None for a missing value)"
         )
     return mapping[name]
+
+
+def _sequence_column(name: str, seq: object) -> np.ndarray | pa.Array:
+    """One sequence sub-feature (a list of ids) → int64 ndarray, or a one-row list array."""
+    if isinstance(seq, str | bytes) or not isinstance(seq, Sequence | np.ndarray):
+        raise FeatureError(name, f"expected a list of ids, got {type(seq).__name__}")
+    if isinstance(seq, np.ndarray) and seq.dtype == np.int64 and seq.ndim == 1:
+        return seq
+    if isinstance(seq, list | tuple) and set(map(type, seq)) <= {int}:
+        try:
+            return np.array(seq, np.int64)
+        except OverflowError:
+            pass  # refused below, as an id outside int64
+    vals = _request_array(name, list(seq))
+    if pa.types.is_union(vals.type):
+        kinds = [vals.type.field(i).name for i in range(vals.type.num_fields)]
+        raise FeatureError(
+            name,
+            f"values of several kinds ({', '.join(k for k in kinds if k != 'missing')}); "
+            "send a list of integer ids",
+        )
+    return pa.ListArray.from_arrays(pa.array([0, len(vals)], pa.int32()), vals)
+
+
+def _request_sequence_ids(
+    plan: _Plan,
+    specs: tuple[FeatureSpec, ...],
+    cols: list[np.ndarray | pa.Array],
+    stats: FgStats | None,
+) -> list[_Ids]:
+    """:func:`sequence_ids` of one request sequence (``truncate`` off); int64 ndarrays of equal
+    lengths within ``sequence_length`` and without negative ids go without Arrow."""
+    size = len(cols[0])
+    cap = specs[0].sequence_length or 0
+    if all(
+        isinstance(c, np.ndarray) and len(c) == size and not (size and c.min() < 0) for c in cols
+    ) and not (cap and size > cap):
+        lengths = np.array([size], np.int32)
+        ints = [plan.ints[spec.name].array for spec in specs]
+        return [(f(c), lengths) for f, c in zip(ints, cols, strict=True)]
+    lists = [
+        pa.ListArray.from_arrays(pa.array([0, len(c)], pa.int32()), pa.array(c))
+        if isinstance(c, np.ndarray)
+        else c
+        for c in cols
+    ]
+    return sequence_ids(specs, lists, truncate=False, stats=stats)
 
 
 def request_to_batch(
@@ -674,7 +893,7 @@ def request_to_batch(
         raise FeatureError("candidates", "at least one candidate is needed")
     items = {
         spec.name: [_need(c, spec.name, f"candidate {i}") for i, c in enumerate(candidates)]
-        for spec in _scalars(fs, (Side.ITEM,))
+        for spec in _plan(fs).items
     }
     return request_columns_to_batch(
         fs,
@@ -704,35 +923,42 @@ def request_columns_to_batch(
 
     Example: two candidates ``items={"adgroup_id": [7, 9], "price": [1.5, None], ...}``,
     ``num_candidates=2``; ``items={"adgroup_id": pa.array([7, 9]), ...}`` gives the same batch.
+
+    Null-free int64/float64 columns (numpy, or Arrow viewed as numpy), integer and float user
+    and context values, and integer sequences skip Arrow: they go straight to the functions
+    :func:`scalar_ids` and :func:`sequence_ids` would call, so the ids are the same; every
+    other column, and every value that would raise, goes through those two as before. Values
+    are converted first and turned into ids second (USER, then ITEM and CONTEXT in config
+    order, then sequences), so the first bad value raises, whichever path it takes.
     """
     n = num_candidates
     if n < 1:
         raise FeatureError("candidates", "at least one candidate is needed")
-    cols: dict[str, pa.Array] = {}
-    for spec in _scalars(fs, (Side.USER,)):
-        cols[spec.name] = _arrow(spec.name, [_need(user, spec.name, "user")])  # one kind
-    for spec in _scalars(fs, (Side.CONTEXT,)):
-        cols[spec.name] = _arrow(spec.name, [_need(context, spec.name, "context")] * n)
-    for spec in _scalars(fs, (Side.ITEM,)):
-        cols[spec.name] = _item_array(spec.name, items.get(spec.name), n)
-    for specs in _sequences(fs).values():
-        for spec in specs:
-            seq = _need(sequences, spec.name, "sequences")
-            if isinstance(seq, str | bytes) or not isinstance(seq, Sequence | np.ndarray):
-                raise FeatureError(spec.name, f"expected a list of ids, got {type(seq).__name__}")
-            vals = _request_array(spec.name, list(seq))
-            if pa.types.is_union(vals.type):
-                kinds = [vals.type.field(i).name for i in range(vals.type.num_fields)]
-                raise FeatureError(
-                    spec.name,
-                    f"values of several kinds ({', '.join(k for k in kinds if k != 'missing')}); "
-                    "send a list of integer ids",
-                )
-            cols[spec.name] = pa.ListArray.from_arrays(pa.array([0, len(vals)], pa.int32()), vals)
+    plan = _plan(fs)
+    cols: dict[str, _Column] = {}
+    for spec in plan.user:
+        cols[spec.name] = _scalar_column(plan, spec, _need(user, spec.name, "user"), 1)
+    for spec in plan.context:
+        cols[spec.name] = _scalar_column(plan, spec, _need(context, spec.name, "context"), n)
+    for spec in plan.items:
+        cols[spec.name] = _item_column(spec.name, items.get(spec.name), n)
+    seqs = {
+        spec.name: _sequence_column(spec.name, _need(sequences, spec.name, "sequences"))
+        for specs in plan.sequences
+        for spec in specs
+    }
+
+    def seq_ids(specs: tuple[FeatureSpec, ...]) -> list[_Ids]:
+        return _request_sequence_ids(plan, specs, [seqs[s.name] for s in specs], stats)
+
+    def kjt(specs: tuple[FeatureSpec, ...], stride: int) -> KeyedJaggedTensor:
+        parts = [_column_ids(plan, s, cols[s.name], stats) for s in specs]
+        return _kjt([s.name for s in specs], parts, stride)
+
     batch = Batch(
-        user=_scalar_kjt(_scalars(fs, (Side.USER,)), cols, 1, stats),
-        item=_scalar_kjt(_scalars(fs, (Side.ITEM, Side.CONTEXT)), cols, n, stats),
-        sequence=_sequence_kjt(fs, cols, 1, truncate=False, stats=stats),
+        user=kjt(plan.user, 1),
+        item=kjt(plan.item_kjt, n),
+        sequence=_sequence_kjt(plan, seq_ids, 1),
         user_index=torch.zeros(n, dtype=torch.int64),
     )
     if stats is not None:

@@ -10,9 +10,9 @@ import torch
 
 from protos import predict_pb2
 from serve.limits import Limits
-from serve.validation import RequestError, _features, request_inputs
+from serve.validation import RequestError, _features, feature_error, request_inputs
 from shared.features import FeatureSet, Side
-from shared.fg import request_columns_to_batch
+from shared.fg import FeatureError, request_columns_to_batch
 
 from .conftest import candidate_variants, to_columnar
 
@@ -80,7 +80,7 @@ def test_columnar_candidates_give_the_batch_of_their_rows(fs: FeatureSet, reques
     for name, rows in cases.items():
         columns = to_columnar(fs, rows)
         items = request_inputs(columns, fs, Limits()).items
-        assert all(isinstance(v, pa.Array) for v in items.values())
+        assert all(isinstance(v, pa.Array | np.ndarray) for v in items.values())
         for side in ("user", "item", "sequence"):
             want, got = getattr(_batch(rows, fs), side), getattr(_batch(columns, fs), side)
             assert got.keys() == want.keys(), name
@@ -88,7 +88,7 @@ def test_columnar_candidates_give_the_batch_of_their_rows(fs: FeatureSet, reques
             assert torch.equal(got.lengths(), want.lengths()), (name, side)
         by_row = request_inputs(rows, fs, Limits()).items
         for feature, arr in items.items():
-            assert arr.to_pylist() == by_row[feature], (name, feature)
+            assert arr.tolist() == by_row[feature], (name, feature)
 
 
 def test_columnar_missing_rows_are_nulls(fs: FeatureSet, requests) -> None:
@@ -96,5 +96,27 @@ def test_columnar_missing_rows_are_nulls(fs: FeatureSet, requests) -> None:
     items = request_inputs(to_columnar(fs, rows), fs, Limits()).items
     assert items["brand"].null_count == 1 and not items["brand"].is_valid()[0].as_py()
     assert items["price"].null_count == 1 and items["price"].type == pa.float64()
-    assert items["adgroup_id"].null_count == 0
-    assert np.asarray(items["adgroup_id"]).dtype == np.int64
+    assert isinstance(items["adgroup_id"], np.ndarray)  # no missing values: numpy, no Arrow
+    assert items["adgroup_id"].dtype == np.int64
+
+
+@pytest.mark.parametrize("columnar", [True, False])
+def test_a_bad_id_is_named_by_its_candidate_in_either_encoding(
+    fs: FeatureSet, requests, columnar: bool
+) -> None:
+    # a numpy column (columnar, nothing missing) and a list (rows) name the same candidate
+    req = _copy(requests[0])
+    last = len(req.candidates) - 1
+    req.candidates[last].values["adgroup_id"].CopyFrom(predict_pb2.Value(int64_value=-7))
+    if columnar:
+        req = to_columnar(fs, req)
+    inputs = request_inputs(req, fs, Limits())
+    assert isinstance(inputs.items["adgroup_id"], np.ndarray if columnar else list)
+    with pytest.raises(FeatureError) as info:
+        request_columns_to_batch(fs, **vars(inputs))
+    err = feature_error(fs, inputs, info.value, columnar=columnar)
+    if columnar:
+        assert err.field == 'candidate_columns.columns["adgroup_id"]'
+        assert str(err).endswith(f"negative id -7; ids must be >= 0 (candidate {last})")
+    else:
+        assert err.field == f"candidates[{last}].adgroup_id"

@@ -17,6 +17,7 @@ from shared.fg import (
     FeatureError,
     FgStats,
     hash64,
+    per_feature_set,
     request_columns_to_batch,
     request_to_batch,
     scalar_ids,
@@ -771,3 +772,157 @@ def test_request_errors_name_the_field(fs: FeatureSet) -> None:
     # None is a missing value, not an error
     batch = request_to_batch(fs, **(good | {"user": good["user"] | {"age_level": None}}))
     assert jagged(batch.user, "age_level") == [[]]
+
+
+# --------------------------------------------------------------------------- request fast path
+
+
+def _as_form(values: np.ndarray, form: str) -> object:
+    return {"numpy": values, "arrow": pa.array(values), "list": values.tolist()}[form]
+
+
+def _random_request(fs: FeatureSet, n: int, **user: object) -> dict[str, object]:
+    """A request of ``n`` candidates with random ids (up to 2**63 - 1) and prices (some on a
+    boundary, some beyond the last)."""
+    rng = np.random.default_rng(7)
+    req = _request_from_row(fs, base_row())
+    items = {name: rng.integers(0, 2**63 - 1, n) for name in req["candidates"][0]}
+    items["adgroup_id"][:3] = [0, 2**63 - 1, 12]  # the ends of the id range
+    bounds = np.array(fs.features["price"].boundaries)
+    items["price"] = np.concatenate([bounds[:5].round(1), rng.uniform(0, 2e4, n - 5)])
+    seqs = {name: rng.integers(0, 10**12, 7).tolist() for name in SEQ}
+    return {
+        "user": req["user"] | user,
+        "context": req["context"],
+        "items": items,
+        "sequences": seqs,
+        "num_candidates": n,
+    }
+
+
+def _training_table(fs: FeatureSet, req: dict[str, object]) -> pa.Table:
+    """The rows of ``req`` as training samples: user, context and sequences repeated per row."""
+    n = req["num_candidates"]
+    cols = {name: pa.array(list(v)) for name, v in req["items"].items()}
+    for where in ("user", "context"):
+        cols |= {name: pa.array([v] * n) for name, v in req[where].items()}
+    cols |= {name: pa.array(["|".join(map(str, v))] * n) for name, v in req["sequences"].items()}
+    cols["clk"] = pa.array([0] * n, pa.int8())
+    return pa.table(cols)
+
+
+def _assert_same_ids(got, want, rows: int | None = None) -> None:
+    assert got.keys() == want.keys()
+    for key in want.keys():  # noqa: SIM118 (a KJT is not a dict)
+        expected = jagged(want, key) if rows is None else jagged(want, key)[:rows]
+        assert jagged(got, key) == expected, key
+
+
+@pytest.mark.parametrize("form", ["numpy", "arrow", "list"])
+@pytest.mark.parametrize("mode", list(IdMode))
+@pytest.mark.parametrize(
+    "user", [{}, {"user_id": "u-17", "cms_segid": "130", "age_level": None}], ids=["ints", "other"]
+)
+def test_request_columns_of_any_form_give_the_ids_of_training(
+    fs: FeatureSet, fs_tzrec: FeatureSet, form: str, mode: IdMode, user: dict[str, object]
+) -> None:
+    # numpy and null-free Arrow columns and integer user values skip Arrow (lists do not):
+    # every form gives the ids table_to_batch gives the same rows, twice (cached strings)
+    fs = {IdMode.DYNREC: fs, IdMode.TZREC: fs_tzrec}[mode]
+    req = _random_request(fs, 40, **user)
+    trained = table_to_batch(fs, _training_table(fs, req))
+    items = {name: _as_form(v, form) for name, v in req["items"].items()}
+    for _ in range(2):
+        served = request_columns_to_batch(fs, **(req | {"items": items}))
+        _assert_same_ids(served.item, trained.item)
+        _assert_same_ids(served.user, trained.user, rows=1)
+        _assert_same_ids(served.sequence, trained.sequence, rows=1)
+
+
+def test_request_columns_with_missing_values_give_the_ids_of_training(fs: FeatureSet) -> None:
+    req = _random_request(fs, 12)
+    items: dict[str, object] = {name: v.tolist() for name, v in req["items"].items()}
+    items["brand"][3] = items["price"][0] = None  # type: ignore[index]
+    req["context"] = {"pid": None}
+    trained = table_to_batch(fs, _training_table(fs, req | {"items": items}))
+    served = request_columns_to_batch(
+        fs, **(req | {"items": {name: pa.array(v) for name, v in items.items()}})
+    )
+    _assert_same_ids(served.item, trained.item)
+
+
+@pytest.mark.parametrize(
+    ("name", "values"),
+    [
+        ("adgroup_id", np.array([3, -4, 5])),  # negative id
+        ("adgroup_id", np.array([3.0, 4.0, 5.0])),  # float ids
+        ("price", np.array([1.0, math.nan, 2.0])),
+        ("price", np.array([1.0, -2.0, math.inf])),
+        ("price", np.array([1, -2, 3])),  # an int price: quoted as an int
+    ],
+)
+def test_numpy_columns_raise_the_errors_of_lists(
+    fs: FeatureSet, name: str, values: np.ndarray
+) -> None:
+    errors = []
+    for column in (values, pa.array(values), values.tolist()):
+        with pytest.raises(FeatureError) as info:
+            _item_ids(fs, name, column)
+        errors.append(str(info.value))
+    assert info.value.field == name
+    assert errors[0] == errors[1] == errors[2]
+
+
+@pytest.mark.parametrize(
+    ("where", "name", "value"),
+    [
+        ("user", "cms_segid", -1),
+        ("user", "user_id", -(2**63)),
+        ("user", "cms_segid", "x"),  # a cached-string feature whose string fails
+        ("context", "pid", -5.0),
+        ("sequences", SEQ[1], [1, -2, 3]),
+        ("sequences", SEQ[1], [1, 2]),  # unaligned
+        ("sequences", SEQ[1], np.arange(3) - 1),
+    ],
+)
+def test_fast_user_and_sequence_values_raise_the_errors_of_arrow(
+    fs: FeatureSet, where: str, name: str, value: object
+) -> None:
+    # the same error whether the value takes the fast path (Python ints and floats) or, as numpy
+    # scalars, the general one through Arrow
+    req = _request_from_row(fs, base_row())
+    errors = []
+    general = np.asarray(value).tolist()
+    general = [np.int64(v) for v in general] if isinstance(general, list) else np.array(general)[()]
+    for v in (value, general):
+        for _ in range(2):  # a failing string is not cached
+            with pytest.raises(FeatureError) as info:
+                request_to_batch(fs, **(req | {where: req[where] | {name: v}}))
+            errors.append(str(info.value))
+    assert info.value.field == name
+    assert len(set(errors)) == 1, errors
+
+
+def test_conversion_errors_come_before_value_errors(fs: FeatureSet) -> None:
+    # values are converted first (a brand of the wrong type), then turned into ids (a negative
+    # user id): the conversion error is raised, whichever feature comes first
+    req = _request_from_row(fs, base_row())
+    cands = [req["candidates"][0] | {"brand": object()}]
+    with pytest.raises(FeatureError) as info:
+        request_to_batch(
+            fs, **(req | {"user": req["user"] | {"cms_segid": -1}, "candidates": cands})
+        )
+    assert info.value.field == "brand"
+
+
+def test_per_feature_set_builds_once_per_feature_set_object() -> None:
+    built: list[FeatureSet] = []
+
+    def build(fs: FeatureSet) -> int:
+        built.append(fs)
+        return len(built)
+
+    cached = per_feature_set(build)
+    a, b = feature_set_from_text(SEED_TEXT, "a"), feature_set_from_text(SEED_TEXT, "b")
+    assert a == b and a is not b
+    assert [cached(a), cached(a), cached(b), cached(a)] == [1, 1, 2, 1]
