@@ -1,6 +1,8 @@
 """Training throughput: the seed (dynamic) config against the all-num_buckets config, one run.
 
-For each config of ``--configs`` (default: the seed config ``dynamic`` and the all-num_buckets
+First ``loader``: the Parquet loader alone (:func:`bench.bench_loader.measure`, batches pinned
+and copied to the device, no model) at ``--num-workers`` and at one worker per core. Then for
+each config of ``--configs`` (default: the seed config ``dynamic`` and the all-num_buckets
 baseline ``buckets``), on the same samples and device:
 
 - ``step``: the training step on batches already on the device
@@ -21,16 +23,19 @@ config's step with tzrec's padded DIN (pad to 100) for N steps, as a reference.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from bench.bench_loader import measure as measure_loader
 from bench.profile_train import profile_model
 from shared.cli import Parser, run_cli
 from shared.cli import exit_code as _exit_code
@@ -76,6 +81,20 @@ def device_batches(samples: Path, config_path: Path, batch: int, n: int, device:
         f"error: {samples}/train has {len(out)} batches of {batch} rows; this benchmark needs "
         f"{n}: pass a larger --size or fewer --steps"
     )
+
+
+def loader_figures(samples: Path, config_path: Path, args, device: torch.device) -> list[dict]:
+    """The loader alone at ``--num-workers`` and at one worker per core (epoch 0, shuffled)."""
+    fs = build_feature_set(load_config(config_path))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    timing = SimpleNamespace(warmup=10, window=20, windows=5, copy="one")
+    out = []
+    for workers in sorted({args.num_workers, cores or 1}):
+        loader = Loader(samples / "train", fs, batch_size=args.batch, num_workers=workers,
+                        shuffle=True, seed=0, drop_last=True,
+                        pin_memory=device.type == "cuda")  # fmt: skip
+        out.append(measure_loader(loader, timing, device))
+    return out
 
 
 def step_figures(config_path: Path, batches, args, device: torch.device) -> dict[str, Any]:
@@ -217,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     n = args.warmup + 4 * args.steps + 1
     result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
                               "batch": args.batch, "samples": str(samples), "configs": {}}  # fmt: skip
+    result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
+    print(json.dumps({"loader": result["loader"]}), flush=True)
     for name, path in paths.items():
         batches = device_batches(samples, path, args.batch, max(n, args.padded_steps + 2), device)
         entry: dict[str, Any] = {
