@@ -398,9 +398,7 @@ def _parser() -> Parser:
         "--repeats", type=int, default=None, help="timed runs (default: 30 on cuda, 5 on cpu)"
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the lengths and weights (default: 0)"
-    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and weights")
     parser.add_argument(
         "--compile",
         choices=("auto", "on", "off"),

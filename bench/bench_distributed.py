@@ -128,9 +128,7 @@ def _parser() -> Parser:
     p.add_argument("--batch-size", type=int, default=128, help="data_config.batch_size, per rank")
     p.add_argument("--max-steps", type=int, default=30, help="training steps of each run")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the rate")
-    p.add_argument(
-        "--num-workers", type=int, default=0, help="data loader workers per rank (default: 0)"
-    )
+    p.add_argument("--num-workers", type=int, default=0, help="data loader workers per rank")
     p.add_argument(
         "--eval-max-batches",
         type=int,

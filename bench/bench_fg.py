@@ -1,10 +1,10 @@
 """Feature-generation throughput per core: sample Parquet rows → Batch (sequence splitting included).
 
 Generates and builds the ``small`` synthetic data (or reads ``--samples``), loads the train split
-into memory, and times :func:`shared.fg.table_to_batch` over all of it in ``--batch-size`` slices,
-single process with numpy/pyarrow/torch limited to one thread (= per core); ``--repeats`` passes,
-median reported. Also times :func:`shared.fg.request_to_batch` for one user with 100 candidates
-(the serving path). Goal: >= 1M rows/s per core::
+into memory, and times :func:`shared.fg.table_to_batch` over all of it in ``--batch-size``
+slices, single process with numpy/pyarrow/torch limited to one thread (= per core); ``--repeats``
+passes, median reported. Also times :func:`shared.fg_request.request_to_batch` for one user with
+100 candidates (the serving path). Goal: >= 1M rows/s per core::
 
     python -m bench.bench_fg --out out/bench/bench_fg.json
 """
@@ -24,17 +24,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import FeatureSet, Side, build_feature_set
-from shared.fg import FgStats, request_to_batch, table_to_batch
+from shared.fg import FgStats, table_to_batch
+from shared.fg_request import request_to_batch
 from train.data import synthetic, taobao
 
 CONFIG = (
     Path(__file__).resolve().parents[1] / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 )
 GOAL = 1_000_000
+EXAMPLE = """examples:
+  python -m bench.bench_fg --out out/bench/bench_fg.json
+  python -m bench.bench_fg --samples out/small/samples --repeats 3 --out out/bench/bench_fg.json"""
 
 
 def _samples(args: argparse.Namespace, fs: FeatureSet, tmp: Path) -> Path:
@@ -62,15 +66,24 @@ def _request(fs: FeatureSet, row: dict, n: int) -> dict:
     }
 
 
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_fg", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument(
+        "--size",
+        default="small",
+        choices=sorted(synthetic.SIZES),
+        help="synthetic data size to generate when --samples is not given",
+    )
+    p.add_argument("--samples", help="an existing samples dir (skips generate + build)")
+    p.add_argument("--batch-size", type=int, default=8192, help="rows per table_to_batch call")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes (median reported)")
+    p.add_argument("--config", type=Path, default=CONFIG, help="pipeline config (features)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = Parser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--size", default="small", choices=sorted(synthetic.SIZES))
-    parser.add_argument("--samples", help="an existing samples dir (skips generate + build)")
-    parser.add_argument("--batch-size", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--config", type=Path, default=CONFIG)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     torch.set_num_threads(1)
     pa.set_cpu_count(1)
     fs = build_feature_set(load_config(args.config))

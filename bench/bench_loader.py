@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from shared.batch import Batch
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
@@ -42,6 +42,9 @@ from train.data.prefetch import prefetch_to_device
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
+EXAMPLE = """examples:
+  python -m bench.bench_loader --size small --num-workers 1,2 --out out/bench_loader.json
+  python -m bench.bench_loader --samples data/full/samples --to-device --out out/loader.json"""
 
 
 def _children_cpu() -> float:
@@ -101,7 +104,7 @@ def estimate(row: dict[str, object], batch: int, cores: int) -> float | None:
 
 
 def _parser() -> Parser:
-    p = Parser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.bench_loader", description=plain(__doc__), epilog=EXAMPLE)
     p.add_argument("--config", type=Path, default=CONFIG, help="pipeline config (features)")
     p.add_argument("--samples", type=Path, help="samples dir with train/; default: generate --size")
     p.add_argument(
@@ -151,7 +154,7 @@ def _parser() -> Parser:
     p.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
-        help="device of --to-device",
+        help="device of --to-device (default: cuda if this machine has one)",
     )
     p.add_argument(
         "--estimate-cores",

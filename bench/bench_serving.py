@@ -62,12 +62,16 @@ from typing import Any
 
 import numpy as np
 
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = {"candidates_per_s": 500_000, "p99_ms": 10.0}
 REQUEST_FORMATS = ("rows", "columnar")  # PredictRequest.candidates / .candidate_columns
+EXAMPLE = """examples:
+  python -m bench.bench_serving --out results/serving --devices cuda cpu --candidates 500 \\
+      --users 32 --workers 1 4 --duration 20 --processes 4
+  python -m bench.bench_serving --out results/serving --run cuda:1:500:32:rows --run cuda:1:500:32"""
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p99.9": 99.9}
 
 
@@ -164,7 +168,7 @@ def offline_profile(
     from serve.model import LoadedModel
     from serve.servicer import model_metadata
     from serve.validation import request_inputs
-    from shared.fg import request_columns_to_batch
+    from shared.fg_request import request_columns_to_batch
 
     torch.set_num_threads(torch_threads)
     limits = Limits(max_candidates=max(candidates, 1000))
@@ -586,7 +590,7 @@ _CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("batch: dense program", _fn("(_logits|logits)", r"serve/model\.py")),
     ("batch: other", _fn("(_run_batch|_run|_take)", r"serve/batcher\.py")),
     ("rpc: validate", _fn("request_inputs", r"serve/validation\.py")),
-    ("rpc: fg", _fn("request_columns_to_batch", r"shared/fg\.py")),
+    ("rpc: fg", _fn("request_columns_to_batch", r"shared/fg_request\.py")),
     ("rpc: metrics", re.compile(r"prometheus_client|serve/metrics\.py")),
     ("rpc: servicer", re.compile(r"serve/servicer\.py")),
     ("grpc: (de)serialize, dispatch", re.compile(r"grpc/")),
@@ -867,17 +871,33 @@ def _offline_table(profiles: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = Parser(prog="python -m bench.bench_serving", description=__doc__.split("\n\n")[0])  # fmt: skip
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_serving", description=plain(__doc__), epilog=EXAMPLE)
     p.add_argument("--out", type=Path, required=True, help="bench_serving.json and pyspy_raw.txt")
     p.add_argument("--work", type=Path, default=None, help="scratch (default: a temporary dir)")
-    p.add_argument("--bundle", type=Path, default=None, help="default: a synthetic bundle")
+    p.add_argument(
+        "--bundle",
+        type=Path,
+        default=None,
+        help="bundle to serve (default: a synthetic one of --keys keys)",
+    )
     p.add_argument(
         "--keys", type=int, default=1_500_000, help="dynamic keys of the synthetic bundle"
     )
     p.add_argument("--samples", type=Path, default=None, help="eval samples (default: generated)")
-    p.add_argument("--data-size", default="small", choices=["tiny", "small"])
-    p.add_argument("--devices", nargs="+", default=["cuda", "cpu"], choices=["cuda", "cpu"])
+    p.add_argument(
+        "--data-size",
+        default="small",
+        choices=["tiny", "small"],
+        help="synthetic data to generate for the requests when --samples is not given",
+    )
+    p.add_argument(
+        "--devices",
+        nargs="+",
+        default=["cuda", "cpu"],
+        choices=["cuda", "cpu"],
+        help="devices of the cross product (and of the offline profile)",
+    )
     p.add_argument("--workers", type=int, nargs="+", default=[1], help="server processes per run")
     p.add_argument("--candidates", type=int, nargs="+", default=[500], help="per request")
     p.add_argument("--users", type=int, nargs="+", default=[32], help="locust users (closed loop)")
@@ -903,19 +923,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=int, default=20, help="seconds of load per run")
     p.add_argument("--warmup-s", type=float, default=3.0, help="excluded from steady-state stats")
     p.add_argument("--requests", type=int, default=1000, help="distinct requests in the pool")
-    p.add_argument("--rpc-timeout", type=float, default=10.0)
+    p.add_argument("--rpc-timeout", type=float, default=10.0, help="seconds per Predict call")
     p.add_argument("--torch-threads", type=int, default=1, help="CUDA servers' torch threads")
     p.add_argument("--cpu-torch-threads", type=int, default=1, help="CPU servers' torch threads")
-    p.add_argument("--max-batch-rows", type=int, default=None, help="default: the server's")
-    p.add_argument("--max-wait-us", type=int, default=None, help="default: the server's")
+    p.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=None,
+        help="server batch bound in rows (default: the server's)",
+    )
+    p.add_argument(
+        "--max-wait-us",
+        type=int,
+        default=None,
+        help="server batching wait in microseconds (default: the server's)",
+    )
     p.add_argument(
         "--max-queue", type=int, default=None, help="server admission bound (default: the server's)"
     )
     p.add_argument("--no-offline", action="store_true", help="skip the offline profile")
     p.add_argument("--py-spy", default=None, help="py-spy executable (default: found on PATH)")
-    p.add_argument("--no-py-spy", action="store_true")
-    p.add_argument("--py-spy-rate", type=int, default=200)
-    return p.parse_args(argv)
+    p.add_argument("--no-py-spy", action="store_true", help="skip the py-spy GIL profile")
+    p.add_argument("--py-spy-rate", type=int, default=200, help="py-spy samples per second")
+    return p
 
 
 def _machine() -> dict[str, Any]:
@@ -949,7 +979,7 @@ def work_dir(path: Path | None, prefix: str = "bench_serving-") -> Iterator[Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    a = _parser().parse_args(argv)
     # a timeout's SIGTERM unwinds (finally: servers stopped, locust killed); JSON is saved per run
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch

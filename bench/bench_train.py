@@ -37,7 +37,7 @@ import torch
 
 from bench.bench_loader import measure as measure_loader
 from bench.profile_train import profile_model
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
@@ -181,7 +181,7 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _parser() -> Parser:
-    p = Parser(description=__doc__.splitlines()[0], epilog=EXAMPLE)
+    p = Parser(prog="python -m bench.bench_train", description=plain(__doc__), epilog=EXAMPLE)
     p.add_argument("--configs", default="dynamic,buckets",
                    help=f"comma-separated NAME or NAME=PATH (known: {', '.join(CONFIGS)})")  # fmt: skip
     p.add_argument("--samples", type=Path, help="samples dir with train/ and eval/; default: "
@@ -189,7 +189,7 @@ def _parser() -> Parser:
     p.add_argument("--size", default="small", choices=["tiny", "small", "full"],
                    help="synthetic data size to generate when --samples is not given")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device to train on")  # fmt: skip
+                   help="torch device to train on (default: cuda if this machine has one)")  # fmt: skip
     p.add_argument("--batch", type=int, default=8192, help="rows per training batch")
     p.add_argument("--steps", type=int, default=10, help="timed steps per step measurement")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         print(f"generated {args.size} in {time.perf_counter() - t0:.1f}s", flush=True)
         samples = Path(tmp.name) / "samples"
-    n = args.warmup + 4 * args.steps + 1
+    n = args.warmup + 5 * args.steps + 1
     result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
                               "batch": args.batch, "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)

@@ -3,8 +3,8 @@
 For each request format (``columnar``: ``candidate_columns``; ``rows``: one ``Features`` per
 candidate) and candidate count, the same random request is parsed from its wire bytes, checked
 (:func:`serve.validation.request_inputs`) and turned into a Batch
-(:func:`shared.fg.request_columns_to_batch`) ``--iters`` times; the medians per stage (wall and
-thread CPU time, ms) are printed and written as JSON to ``--out``. ``--predict`` adds the model's
+(:func:`shared.fg_request.request_columns_to_batch`) ``--iters`` times; the medians per stage
+(wall and thread CPU time, ms) are printed and written as JSON to ``--out``. ``--predict`` adds the model's
 ``predict`` of that batch (and of 8 of them) and a profile of it.
 """
 
@@ -40,7 +40,7 @@ from shared.batch import Batch
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.features import FeatureSet
-from shared.fg import request_columns_to_batch
+from shared.fg_request import request_columns_to_batch
 
 EXAMPLE = """examples:
   python -m bench.profile_request --candidates 100 500 --out /tmp/profile.json
@@ -120,7 +120,12 @@ def _profile_predict(model: LoadedModel, batch: Batch, device: str) -> None:
 
 def _parser() -> Parser:
     p = Parser(prog="python -m bench.profile_request", description=plain(__doc__), epilog=EXAMPLE)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=default_device(), help="of predict")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=default_device(),
+        help="where predict runs (default: cuda if this machine has one)",
+    )
     p.add_argument("--keys", type=int, default=300_000, help="keys of the bundle (--predict)")
     p.add_argument(
         "--candidates", type=int, nargs="+", default=[100, 500], help="candidates per request"

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from shared.batch import Batch
-from shared.cli import Parser, run_cli
+from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.dense_inputs import assemble_dense_inputs
@@ -42,7 +42,11 @@ from train.model.multi_tower_din import MultiTowerDIN
 from train.trainer import _amp_context, build_optimizers, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
-
+CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
+EXAMPLE = """examples:
+  python -m bench.profile_train --samples out/small/samples --out out/profile_train.json
+  python -m bench.profile_train --samples out/small/samples --device cuda --amp BF16 \\
+    --out out/profile_train_bf16.json"""
 
 PHASES = ("zero_grad", "sparse_forward", "dense_forward", "backward", "optimizer")
 # host calls that start work on the GPU (a graph replay counts once)
@@ -83,6 +87,54 @@ def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> 
     return times
 
 
+def device_busy_us(events: Sequence[Any]) -> float:
+    """Microseconds in which at least one kernel or copy ran on the GPU: the union of the
+    device events' intervals (summing the operators' device times would count a kernel under
+    its operator and again on its own)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    return busy
+
+
+def launch_sites(
+    model, optimizers, batches, steps: int, amp: str, graphs, sync
+) -> dict[str, float]:
+    """GPU launches per step by the line of this repository that made them (the innermost
+    frame under ``shared/`` or ``train/`` of the launching operator's Python stack), the 40
+    largest: where the host time of a launch-bound step goes."""
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python frames in stacks
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        with_stack=True,
+        experimental_config=verbose,
+    ) as prof:
+        for _ in range(steps):
+            i, b = next(batches)
+            train_step(model, optimizers, b, i, amp, graphs=graphs)
+        sync()
+    sites: collections.Counter[str] = collections.Counter()
+    root = str(ROOT) + "/"
+    for e in prof.events():
+        if e.name not in LAUNCHES:
+            continue
+        op = e.cpu_parent
+        while op is not None and not op.stack:
+            op = op.cpu_parent
+        frames = [f.removeprefix(root) for f in (op.stack if op is not None else [])]
+        mine = [f for f in frames if f.startswith(("shared/", "train/", "bench/"))]
+        sites[mine[0] if mine else "(no frame of this repository)"] += 1
+    return {site: n / steps for site, n in sites.most_common(40)}
+
+
 def launches_by_phase(events: Sequence[Any]) -> dict[str, int]:
     """GPU launches (:data:`LAUNCHES`) inside each ``phase:`` range of a profile's events,
     summed over the profiled steps (a launch outside every range counts as ``other``)."""
@@ -105,7 +157,7 @@ def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[st
     root = str(ROOT)
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
-        if "synchronizing" not in str(message):
+        if "called a synchronizing" not in str(message):
             return  # e.g. torch's "debug mode is a prototype" notice, not a sync
         frames = [
             f
@@ -145,7 +197,7 @@ def profile_model(
     graphs: DenseArchGraphs | None = None,
 ) -> tuple[dict[str, object], list[str]]:
     """The figures of ``model``'s training step on ``batches`` (on its device, at least
-    ``warmup + 4 * steps + 1``): median step ms without and with phase syncs, the phases,
+    ``warmup + 5 * steps + 1``): median step ms without and with phase syncs, the phases,
     the host syncs of one step (CUDA), and a profile of ``steps`` steps (GPU launches per step
     and per phase, device-busy time; the busy fraction is against the unprofiled step, as the
     profiler slows the host). Returns (figures, the profile's tables as text lines)."""
@@ -193,7 +245,7 @@ def profile_model(
         sync()
     wall = (time.perf_counter() - t0) * 1e3 / steps
     events = prof.key_averages()
-    device_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
+    device_ms = device_busy_us(prof.events()) / steps / 1e3
     by_phase = launches_by_phase(prof.events())
     cuda = device.type == "cuda"  # no GPU work to count elsewhere
     result["profile"] = {
@@ -203,6 +255,8 @@ def profile_model(
         "launches_per_step": sum(by_phase.values()) / steps if cuda else None,
         "launches_per_step_by_phase": {k: v / steps for k, v in by_phase.items()},
     }
+    if cuda:
+        result["launches_by_site"] = launch_sites(model, optimizers, it, steps, amp, graphs, sync)
     text = [
         f"== {steps} steps on {device}",
         json.dumps(result["profile"]),
@@ -217,31 +271,44 @@ def profile_model(
     return result, text
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--config", type=Path, default=ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
-    )
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.profile_train", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--config", type=Path, default=CONFIG, help="pipeline config (model, features)")
     p.add_argument("--samples", type=Path, required=True, help="samples dir with train/")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--amp", default="", choices=["", "BF16", "FP16"])
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device to train on (default: cuda if this machine has one)",
+    )
+    p.add_argument("--batch", type=int, default=8192, help="rows per training batch")
+    p.add_argument("--steps", type=int, default=5, help="timed (and profiled) steps")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps before them")
+    p.add_argument(
+        "--amp",
+        default="",
+        choices=["", "BF16", "FP16"],
+        help="autocast of the dense MLPs on CUDA, as train_config.mixed_precision (default: '', fp32)",
+    )
     p.add_argument(
         "--cuda-graphs",
         default="auto",
         choices=["auto", "on", "off"],
         help="dense part through CUDA graphs, as the trainer runs it (auto: on CUDA)",
     )
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--out", type=Path, required=True, help="JSON file to write (the tables: beside it, .txt)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     device = torch.device(args.device)
     config = load_config(args.config)
     fs = build_feature_set(config)
     loader = Loader(args.samples / "train", fs, batch_size=args.batch, num_workers=1,
                     shuffle=True, seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
-    need = args.warmup + 4 * args.steps + 1
+    need = args.warmup + 5 * args.steps + 1
     batches = []
     for b in loader.epoch(0):
         batches.append(b.to(device, non_blocking=True))

@@ -430,9 +430,7 @@ def _parser() -> Parser:
     p.add_argument("--pool", type=int, default=3000, help="distinct hostile requests, cycled")
     p.add_argument("--keys", type=int, default=20_000, help="keys over the dynamic tables")
     p.add_argument("--rss-interval-s", type=float, default=5.0, help="seconds between RSS samples")
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the bundle and of the requests (default: 0)"
-    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the bundle and of the requests")
     p.add_argument(
         "--bundle", type=Path, default=None, help="serve this bundle (default: a synthetic one)"
     )
