@@ -1,8 +1,8 @@
 """The PredictionService servicer: protos ↔ the pure functions of serve/, nothing else.
 
-Predict: validate (:mod:`serve.validation`; candidates as rows or as columns) → feature generation
-(:func:`shared.fg.request_columns_to_batch`) → the batcher (lookups + dense program of the model
-version current when the request arrived) → probabilities. The methods are served from raw
+Predict: validate (:mod:`serve.validation`; candidates as rows or as columns) → feature
+generation (:func:`shared.fg_request.request_columns_to_batch`) → the batcher (lookups + dense
+program of the model version current when the request arrived) → probabilities. The methods are served from raw
 bytes by :func:`serve.rpc.unary_service` (parsing, admission, limits, metrics, INTERNAL with a
 request id); :func:`status_of` maps this service's expected failures:
 
@@ -33,7 +33,8 @@ from serve.rpc import Method, RpcError, check_deadline, deadline_of, unary_servi
 from serve.validation import RequestError, feature_error, request_inputs, value_type
 from serve.versions import Refusal
 from shared.features import FeatureSpec
-from shared.fg import FeatureError, request_columns_to_batch
+from shared.fg import FeatureError
+from shared.fg_request import request_columns_to_batch
 
 SERVICE_NAME = predict_pb2.DESCRIPTOR.services_by_name["PredictionService"].full_name
 

@@ -38,7 +38,8 @@ import pyarrow as pa
 from protos import predict_pb2
 from serve.limits import Limits, shown
 from shared.features import FeatureSet, FeatureSpec, IdTransform, Side
-from shared.fg import FeatureError, per_feature_set, scalar_ids
+from shared.fg import FeatureError, scalar_ids
+from shared.fg_plan import per_feature_set
 
 
 class RequestError(ValueError):
@@ -51,7 +52,7 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class FgInputs:
-    """Keyword arguments of ``shared.fg.request_columns_to_batch`` (None = explicit missing value).
+    """Keyword arguments of ``shared.fg_request.request_columns_to_batch`` (None = explicit missing value).
 
     ``items`` holds one column per ITEM-side feature (the value of each candidate, in order): a
     list (None = missing) from ``candidates``; from ``candidate_columns``, a numpy array

@@ -41,14 +41,18 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``(default: X)`` after an option's help unless the help gives it or there is none to
-    give (no default, a plain on/off flag); descriptions and epilogs printed as written."""
+    give (no default, a plain on/off flag); descriptions and epilogs printed as written.
+
+    The check is by identity, so that a default of 0 (== False) or 0.0 is shown."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
         if (
             "default" in text
-            or default in (None, False, argparse.SUPPRESS)
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
             or not action.option_strings
             or (isinstance(default, list) and not default)
         ):

@@ -1,14 +1,12 @@
 """Feature generation: raw column values → the id tensors of a :class:`~shared.batch.Batch`.
 
-One set of column functions serves training (:func:`table_to_batch`, a Parquet record batch of B
-rows) and serving (:func:`request_to_batch`, one user with N candidates): the request's columns
-go through the same transform functions, so a row gives bit-identical ids on both sides. A
-request's null-free number columns, integer/float user and context values and integer sequences
-skip Arrow (numpy straight into those functions, with a plan of the FeatureSet built once,
-:func:`per_feature_set`); everything else is first turned into small Arrow columns. Everything is vectorized over rows (pyarrow / numpy); the only
-Python loops run over features, over the distinct lengths of long tokens, over the byte positions
-of distinct hashed strings (and the rest of a few long ones, see :func:`~shared.fg_text.hash64`),
-or, for a serving column that mixes kinds, over its values once.
+The column functions here (:func:`scalar_ids`, :func:`sequence_ids`) are the one place raw values
+become ids: training (:func:`table_to_batch`, a Parquet record batch of B rows) calls them, and so
+does serving (:func:`shared.fg_request.request_to_batch`, one user with N candidates), so a row
+gives bit-identical ids on both sides. Where each feature goes in a Batch is :mod:`shared.fg_plan`.
+Everything is vectorized over rows (pyarrow / numpy); the only Python loops run over features, over
+the distinct lengths of long tokens, or over the byte positions of distinct hashed strings (and the
+rest of a few long ones, see :func:`~shared.fg_text.hash64`).
 
 Transforms (``FeatureSpec.transform``), with the hash functions of the feature's id mode
 (``FeatureSpec.id_mode``, :class:`~shared.features.IdMode`; chosen once, in :data:`_ID_HASHES`):
@@ -27,13 +25,6 @@ Transforms (``FeatureSpec.transform``), with the hash functions of the feature's
   bucket above it. Boundaries are compared as written in the config (the proto's float32 1.1 is
   read back as the decimal 1.1). Integer and numeric-string columns are accepted; an integer
   (any int64 or uint64) is compared as its nearest double.
-
-Serving values (:func:`request_columns_to_batch`) are Python lists (None = missing), numpy or
-Arrow arrays. A list may mix kinds, as the protocol allows (a DYNAMIC id as int64 or string, a
-HASH value as string or int64, a price as double or int64): each value gets exactly the ids it
-would get in a column of its own kind (the list becomes an Arrow union, one child per kind, and
-each child goes through the column functions on its own). Integers beyond int64 become uint64
-(a price gets its bucket, an id is refused).
 
 Missing values and bad data (every default is counted in :class:`FgStats`):
 
@@ -56,13 +47,9 @@ Missing values and bad data (every default is counted in :class:`FgStats`):
 from __future__ import annotations
 
 import functools
-import itertools
-import reprlib
-import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -71,7 +58,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shared.batch import Batch
-from shared.features import FeatureKind, FeatureSet, FeatureSpec, IdMode, IdTransform, Side
+from shared.features import FeatureSet, FeatureSpec, IdMode, IdTransform
+from shared.fg_plan import Ids, feature_plan, kjt, sequence_kjt
 from shared.fg_text import (
     INT64_MAX,
     TokenError,
@@ -88,13 +76,15 @@ __all__ = [
     "ORACLE_COLUMN",
     "FeatureError",
     "FgStats",
+    "IntIds",
+    "bucket_ids",
     "hash64",
-    "per_feature_set",
-    "request_columns_to_batch",
-    "request_to_batch",
+    "int_ids",
+    "plain_array",
     "scalar_ids",
     "sequence_ids",
     "table_to_batch",
+    "values_ignoring_nulls",
 ]
 
 
@@ -154,7 +144,7 @@ class FgStats:
 # --------------------------------------------------------------------------- column helpers
 
 
-def _combine(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+def plain_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
     """One contiguous plain array: chunks combined, dictionaries decoded, views made plain."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
@@ -180,7 +170,7 @@ def _valid_mask(arr: pa.Array) -> np.ndarray | None:
     return np.unpackbits(bits, bitorder="little")[first % 8 : first % 8 + n].view(bool)
 
 
-def _values_ignoring_nulls(arr: pa.Array) -> np.ndarray:
+def values_ignoring_nulls(arr: pa.Array) -> np.ndarray:
     """The value buffer of a fixed-width numeric array, zero-copy (null slots hold garbage)."""
     dtype = np.dtype(arr.type.to_pandas_dtype())
     return np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset : arr.offset + len(arr)]
@@ -236,7 +226,7 @@ def _int_hashes(ints: np.ndarray, hashes: _IdHashes) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _IntIds:
+class IntIds:
     """How the integer ids of one feature become ids, decided once (:func:`_int_ids`).
 
     ``array``: int64 ndarray → ids (raises on negative MOD/raw DYNAMIC ids); ``one``: the same
@@ -247,24 +237,24 @@ class _IntIds:
     one: Callable[[int], int] | None = None
 
 
-def _int_ids(spec: FeatureSpec) -> _IntIds:
+def int_ids(spec: FeatureSpec) -> IntIds:
     hashes = _ID_HASHES[spec.id_mode]
     if spec.transform is IdTransform.HASH:
-        return _IntIds(lambda ints: (_int_hashes(ints, hashes) % _hash_size(spec)).astype(np.int64))
+        return IntIds(lambda ints: (_int_hashes(ints, hashes) % _hash_size(spec)).astype(np.int64))
     if spec.transform is IdTransform.DYNAMIC and hashes.hash_dynamic_ints:
-        return _IntIds(lambda ints: hashes.dynamic_key(_int_hashes(ints, hashes)))
+        return IntIds(lambda ints: hashes.dynamic_key(_int_hashes(ints, hashes)))
     if spec.transform is IdTransform.MOD:
         size = spec.num_buckets
         one = (lambda v: v % size) if size else None
-        return _IntIds(lambda ints: _non_negative(spec, ints) % size, one)
+        return IntIds(lambda ints: _non_negative(spec, ints) % size, one)
     if spec.transform is IdTransform.DYNAMIC:
-        return _IntIds(lambda ints: _non_negative(spec, ints), lambda v: v)
+        return IntIds(lambda ints: _non_negative(spec, ints), lambda v: v)
 
     def refuse(ints: np.ndarray) -> np.ndarray:
         _non_negative(spec, ints)
         raise FeatureError(spec.name, f"transform {spec.transform.value} does not apply to ids")
 
-    return _IntIds(refuse)
+    return IntIds(refuse)
 
 
 def _non_negative(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
@@ -275,7 +265,7 @@ def _non_negative(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
 
 def _ints_to_ids(spec: FeatureSpec, ints: np.ndarray) -> np.ndarray:
     """Transform integer ids (int64 ndarray) of ``spec``; raises on negative MOD/raw DYNAMIC ids."""
-    return _int_ids(spec).array(ints)
+    return int_ids(spec).array(ints)
 
 
 def _strings_to_ids(spec: FeatureSpec, strings: pa.Array) -> np.ndarray:
@@ -301,14 +291,14 @@ def _bucketize(spec: FeatureSpec, arr: pa.Array) -> np.ndarray:
     else:
         raise FeatureError(spec.name, f"has type {t}; expected a number")
     x = np.asarray(floats)
-    ids = _bucket_ids(spec, x)
+    ids = bucket_ids(spec, x)
     if ids is None:
         value = arr[int(np.argmax(~(np.isfinite(x) & (x >= 0))))].as_py()
         raise FeatureError(spec.name, f"value {value!r} is NaN, infinite or negative")
     return ids
 
 
-def _bucket_ids(spec: FeatureSpec, x: np.ndarray) -> np.ndarray | None:
+def bucket_ids(spec: FeatureSpec, x: np.ndarray) -> np.ndarray | None:
     """The buckets of float64 prices ``x``; None if one is NaN, infinite or negative."""
     if not (np.isfinite(x) & (x >= 0)).all():
         return None
@@ -330,10 +320,10 @@ def scalar_ids(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One scalar column → (ids int64 [present rows], lengths int32 [rows]); null → length 0.
 
-    A union column (values of several kinds, see :func:`_request_array`) gives each value the
-    ids of its own kind: every child goes through this function on its own.
+    A union column (a serving column of values of several kinds, see :mod:`shared.fg_request`)
+    gives each value the ids of its own kind: every child goes through this function on its own.
     """
-    arr = _combine(col)
+    arr = plain_array(col)
     if pa.types.is_union(arr.type):
         return _union_ids(spec, arr, stats)
     n = len(arr)
@@ -341,7 +331,7 @@ def scalar_ids(
     if valid is not None and stats is not None:
         stats.missing[spec.name] += arr.null_count
     if valid is not None and (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
-        arr = pa.array(_values_ignoring_nulls(arr)[valid])  # cheaper than Array.filter
+        arr = pa.array(values_ignoring_nulls(arr)[valid])  # cheaper than Array.filter
     elif valid is not None:
         arr = arr.filter(pa.array(valid))
     if spec.transform is IdTransform.BUCKETIZE:
@@ -461,7 +451,7 @@ def sequence_ids(
 
     ``truncate``: keep the last ``sequence_length`` elements (training) instead of raising.
     """
-    arrs = [_combine(c) for c in cols]
+    arrs = [plain_array(c) for c in cols]
     arrs = [pc.fill_null(a, "") if _is_string(a.type) and a.null_count else a for a in arrs]
     tokens = _sequence_tokens(specs, arrs)
     lengths = tokens[0].lengths
@@ -494,112 +484,10 @@ def sequence_ids(
 # --------------------------------------------------------------------------- batches
 
 
-def _kjt(
-    keys: list[str], parts: list[tuple[np.ndarray, np.ndarray]], stride: int
-) -> KeyedJaggedTensor:
-    """KJT from per-key (values, lengths [stride]); values key-major, as torchrec expects."""
-    values = np.concatenate([v for v, _ in parts]) if parts else np.zeros(0, np.int64)
-    lengths = np.concatenate([ln for _, ln in parts]) if parts else np.zeros(0, np.int32)
-    per_key = [len(v) for v, _ in parts]
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
-        lengths=torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int32)),
-        stride=stride,
-        length_per_key=per_key,
-        offset_per_key=list(itertools.accumulate(per_key, initial=0)),
-    )
-
-
-_Ids: TypeAlias = tuple[np.ndarray, np.ndarray]  # (ids int64 [present rows], lengths [rows])
-_STRING_CACHE = 4096  # distinct USER/CONTEXT strings whose ids a plan keeps, per feature
-_CACHED_CHARS = 256  # longer strings are hashed every time
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Where each feature of a FeatureSet goes in a Batch, worked out once (:func:`_plan`).
-
-    ``strings`` holds, per USER/CONTEXT feature, the ids of string values seen (a request's
-    ``pid`` is hashed once, not once per request); ids depend on the value and the spec alone.
-    """
-
-    user: tuple[FeatureSpec, ...]  # USER scalars in config order: the keys of Batch.user
-    context: tuple[FeatureSpec, ...]
-    items: tuple[FeatureSpec, ...]  # ITEM scalars
-    item_kjt: tuple[FeatureSpec, ...]  # ITEM and CONTEXT scalars in config order: Batch.item
-    sequences: tuple[tuple[FeatureSpec, ...], ...]  # sub-features of each sequence
-    sequence_keys: tuple[str, ...]  # the keys of Batch.sequence (config order)
-    sequence_order: tuple[int, ...]  # position in the flattened groups of each key
-    ints: dict[str, _IntIds]  # every feature's integer transform
-    strings: dict[str, dict[str, np.ndarray]]
-
-    @classmethod
-    def of(cls, fs: FeatureSet) -> _Plan:
-        groups: dict[str, list[FeatureSpec]] = {}
-        for spec in fs.features.values():
-            if spec.kind is FeatureKind.SEQUENCE_ID:
-                groups.setdefault(spec.sequence_name or spec.name, []).append(spec)
-        flat = [s.name for specs in groups.values() for s in specs]
-        position = {name: i for i, name in enumerate(fs.features)}
-        order = sorted(range(len(flat)), key=lambda i: position[flat[i]])
-        scalars = [s for s in fs.features.values() if not s.is_sequence]
-
-        def side(*sides: Side) -> tuple[FeatureSpec, ...]:
-            return tuple(s for s in scalars if s.side in sides)
-
-        return cls(
-            user=side(Side.USER),
-            context=side(Side.CONTEXT),
-            items=side(Side.ITEM),
-            item_kjt=side(Side.ITEM, Side.CONTEXT),
-            sequences=tuple(tuple(specs) for specs in groups.values()),
-            sequence_keys=tuple(flat[i] for i in order),
-            sequence_order=tuple(order),
-            ints={s.name: _int_ids(s) for s in fs.features.values()},
-            strings={s.name: {} for s in side(Side.USER, Side.CONTEXT)},
-        )
-
-
-_T = TypeVar("_T")
-
-
-def per_feature_set(build: Callable[[FeatureSet], _T]) -> Callable[[FeatureSet], _T]:
-    """``build(fs)`` once per FeatureSet object (a bundle's: at its first request), for what
-    every request needs of ``fs``: a FeatureSet is not changed once built.
-
-    A FeatureSet holds dicts (not hashable), so entries are kept by ``id(fs)`` and dropped when
-    their FeatureSet is collected. Example: ``_plan = per_feature_set(_Plan.of)``.
-    """
-    cache: dict[int, tuple[weakref.ref[FeatureSet], _T]] = {}
-
-    def cached(fs: FeatureSet) -> _T:
-        key = id(fs)
-        entry = cache.get(key)
-        if entry is not None and entry[0]() is fs:
-            return entry[1]
-        value = build(fs)
-        cache[key] = (weakref.ref(fs, lambda _: cache.pop(key, None)), value)
-        return value
-
-    return cached
-
-
-_plan = per_feature_set(_Plan.of)
-
-
-def _sequence_kjt(
-    plan: _Plan, ids_of: Callable[[tuple[FeatureSpec, ...]], list[_Ids]], stride: int
-) -> KeyedJaggedTensor:
-    """Batch.sequence from ``ids_of(sub-features)`` of each sequence."""
-    parts = [part for specs in plan.sequences for part in ids_of(specs)]
-    return _kjt(list(plan.sequence_keys), [parts[i] for i in plan.sequence_order], stride)
-
-
 def _scalar_kjt(
     specs: tuple[FeatureSpec, ...], get: dict[str, pa.Array], stride: int, stats: FgStats | None
 ) -> KeyedJaggedTensor:
-    return _kjt([s.name for s in specs], [scalar_ids(s, get[s.name], stats) for s in specs], stride)
+    return kjt([s.name for s in specs], [scalar_ids(s, get[s.name], stats) for s in specs], stride)
 
 
 def _column(table: pa.Table | pa.RecordBatch, name: str) -> pa.Array:
@@ -607,7 +495,7 @@ def _column(table: pa.Table | pa.RecordBatch, name: str) -> pa.Array:
         raise FeatureError(
             name, f"column missing from the input (it has: {', '.join(table.schema.names)})"
         )
-    return _combine(table.column(name))
+    return plain_array(table.column(name))
 
 
 def _float_column(table: pa.Table | pa.RecordBatch, name: str) -> torch.Tensor:
@@ -639,327 +527,19 @@ def table_to_batch(
         raise FeatureError(",".join(fs.label_fields), "exactly one label field is supported")
     labels = _float_column(table, fs.label_fields[0])
     oracle = _float_column(table, ORACLE_COLUMN) if ORACLE_COLUMN in table.schema.names else None
-    plan = _plan(fs)
+    plan = feature_plan(fs)
 
-    def seq_ids(specs: tuple[FeatureSpec, ...]) -> list[_Ids]:
+    def seq_ids(specs: tuple[FeatureSpec, ...]) -> list[Ids]:
         return sequence_ids(specs, [cols[s.name] for s in specs], truncate=True, stats=stats)
 
     batch = Batch(
         user=_scalar_kjt(plan.user, cols, n, stats),
         item=_scalar_kjt(plan.item_kjt, cols, n, stats),
-        sequence=_sequence_kjt(plan, seq_ids, n),
+        sequence=sequence_kjt(plan, seq_ids, n),
         user_index=torch.arange(n, dtype=torch.int64),
         labels=labels,
         oracle=oracle,
         rows_are_users=True,
-    )
-    if stats is not None:
-        stats.rows += n
-    return batch
-
-
-_SHORT_REPR = reprlib.Repr()  # quotes request values in messages: 3 items, 40 characters
-_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = 3
-_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 40
-
-
-_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
-    ("missing", type(None)),
-    ("bool", (bool, np.bool_)),  # before int: bool is an int
-    ("int", (int, np.integer)),
-    ("float", (float, np.floating)),
-    ("str", str),
-    ("bytes", bytes),
-)
-
-
-def _kind(t: type) -> str:
-    """The kind of a request value's Python type (numpy scalars are their Python kind)."""
-    for kind, types in _KINDS:
-        if issubclass(t, types):
-            return kind
-    return "other"
-
-
-def _arrow(name: str, values: list[object] | np.ndarray) -> pa.Array:
-    """``pa.array(values)``; ints beyond int64 give uint64 (refused as ids, bucketized as
-    prices); anything pyarrow cannot convert is a :class:`FeatureError`."""
-    try:
-        return pa.array(values)
-    except OverflowError:
-        pass
-    except (pa.ArrowException, TypeError, ValueError) as e:
-        raise FeatureError(name, f"cannot convert {_SHORT_REPR.repr(values)}: {e}") from None
-    try:
-        return pa.array(values, pa.uint64())
-    except (pa.ArrowException, OverflowError, TypeError, ValueError):
-        raise FeatureError(
-            name, f"an integer of {_SHORT_REPR.repr(values)} is outside int64 and uint64"
-        ) from None
-
-
-def _request_array(name: str, values: list[object] | np.ndarray) -> pa.Array:
-    """Request values (a list, None = missing, or a numpy array) → one Arrow array.
-
-    Values of one kind (ints, floats, strings...) give a plain array. Several kinds in one list
-    (a DYNAMIC id sent as 7 by one candidate and as "ad-3" by another, or a price as 3 and 2.5)
-    give a dense union with one child per kind (and one for the missing values):
-    :func:`scalar_ids` turns each child into ids on its own, so every value gets exactly the
-    ids it would get in a column of its own kind.
-    """
-    if isinstance(values, np.ndarray) and values.dtype != object:
-        return _arrow(name, values)
-    kind_of = {t: _kind(t) for t in set(map(type, values))}
-    kinds = sorted(set(kind_of.values()) - {"missing"})
-    if len(kinds) <= 1:
-        return _arrow(name, values)
-    code = {kind: i for i, kind in enumerate([*kinds, "missing"])}
-    codes = np.array([code[kind_of[type(v)]] for v in values], np.int8)
-    slots = np.zeros(len(codes), np.int32)
-    children = []
-    for kind, i in code.items():
-        rows = np.flatnonzero(codes == i)
-        slots[rows] = np.arange(len(rows))
-        members = [values[r] for r in rows.tolist()]
-        children.append(pa.nulls(len(rows)) if kind == "missing" else _arrow(name, members))
-    return pa.UnionArray.from_dense(
-        pa.array(codes, pa.int8()), pa.array(slots, pa.int32()), children, [*kinds, "missing"]
-    )
-
-
-# A request column before its ids: a null-free int64/float64 ndarray (the numeric fast path,
-# no Arrow), an Arrow array (through scalar_ids), the ids already known (a cached string), or
-# the id of a USER integer.
-_Column: TypeAlias = np.ndarray | pa.Array | _Ids | int
-_NUMERIC = (np.dtype(np.int64), np.dtype(np.float64))
-_INT64, _FLOAT64 = pa.int64(), pa.float64()
-_INT64_MIN = -INT64_MAX - 1
-
-
-def _numeric(arr: pa.Array) -> np.ndarray | pa.Array:
-    """A null-free int64/float64 Arrow array as a zero-copy ndarray; any other as it is."""
-    if arr.null_count == 0 and (arr.type == _INT64 or arr.type == _FLOAT64):
-        return _values_ignoring_nulls(arr)
-    return arr
-
-
-def _numeric_ids(plan: _Plan, spec: FeatureSpec, values: np.ndarray) -> np.ndarray | None:
-    """What :func:`scalar_ids` gives a null-free int64/float64 column (the same functions, no
-    Arrow); None where the column needs :func:`scalar_ids` (float ids, a bad price)."""
-    if spec.transform is IdTransform.BUCKETIZE:  # ints: their nearest double, as Arrow casts
-        return _bucket_ids(spec, values.astype(np.float64, copy=False))
-    if values.dtype == np.int64:
-        return plan.ints[spec.name].array(values)
-    return None
-
-
-def _column_ids(plan: _Plan, spec: FeatureSpec, col: _Column, stats: FgStats | None) -> _Ids:
-    """:func:`scalar_ids` of a request column (numeric columns without Arrow)."""
-    if isinstance(col, int):
-        return np.array([col], np.int64), np.ones(1, np.int32)
-    if isinstance(col, tuple):
-        return col
-    if isinstance(col, np.ndarray):
-        ids = _numeric_ids(plan, spec, col)
-        if ids is not None:
-            return ids, np.ones(len(col), np.int32)
-        col = pa.array(col)  # its error, as scalar_ids raises it
-    return scalar_ids(spec, col, stats)
-
-
-def _scalar_column(plan: _Plan, spec: FeatureSpec, value: object, rows: int) -> _Column:
-    """A USER (``rows`` 1) or CONTEXT (``rows`` N) value as the column of ``rows`` copies."""
-    if type(value) is int and _INT64_MIN <= value <= INT64_MAX:
-        one = plan.ints[spec.name].one
-        if rows == 1 and one is not None and value >= 0:
-            return one(value)
-        return np.full(rows, value, np.int64)
-    if type(value) is float:
-        return np.full(rows, value, np.float64)
-    if type(value) is not str:
-        return _arrow(spec.name, [value] * rows)
-    cache = plan.strings[spec.name]
-    if (ids := cache.get(value)) is None:
-        try:
-            ids, _ = scalar_ids(spec, _arrow(spec.name, [value]))
-        except FeatureError:  # raised again in its turn, by the column of ``rows`` copies
-            return _arrow(spec.name, [value] * rows)
-        if len(value) <= _CACHED_CHARS:
-            if len(cache) >= _STRING_CACHE:
-                cache.clear()
-            cache[value] = ids
-    return np.full(rows, ids[0], np.int64), np.ones(rows, np.int32)
-
-
-def _item_column(name: str, values: object, n: int) -> _Column:
-    """The ITEM-side column ``values`` of :func:`request_columns_to_batch`."""
-    if values is None:
-        raise FeatureError(name, "missing from the request's candidates")
-    column: pa.Array | pa.ChunkedArray | np.ndarray | list[object]
-    if isinstance(values, pa.Array | pa.ChunkedArray) or (
-        isinstance(values, np.ndarray) and values.ndim == 1
-    ):
-        column = values
-    elif isinstance(values, Sequence) and not isinstance(values, str | bytes):
-        column = list(values)
-    else:
-        raise FeatureError(
-            name,
-            f"expected a list or array of {n} values (one per candidate), got "
-            f"{type(values).__name__} {_SHORT_REPR.repr(values)}",
-        )
-    if len(column) != n:
-        raise FeatureError(name, f"{len(column)} values for {n} candidates")
-    if isinstance(column, np.ndarray) and column.dtype in _NUMERIC:
-        return column
-    if isinstance(column, pa.Array | pa.ChunkedArray):
-        return _numeric(_combine(column))  # used as it is
-    return _numeric(_request_array(name, column))
-
-
-def _need(mapping: Mapping[str, object], name: str, where: str) -> object:
-    if name not in mapping:
-        raise FeatureError(
-            name, f"missing from the request's {where} (send None for a missing value)"
-        )
-    return mapping[name]
-
-
-def _sequence_column(name: str, seq: object) -> np.ndarray | pa.Array:
-    """One sequence sub-feature (a list of ids) → int64 ndarray, or a one-row list array."""
-    if isinstance(seq, str | bytes) or not isinstance(seq, Sequence | np.ndarray):
-        raise FeatureError(name, f"expected a list of ids, got {type(seq).__name__}")
-    if isinstance(seq, np.ndarray) and seq.dtype == np.int64 and seq.ndim == 1:
-        return seq
-    if isinstance(seq, list | tuple) and set(map(type, seq)) <= {int}:
-        try:
-            return np.array(seq, np.int64)
-        except OverflowError:
-            pass  # refused below, as an id outside int64
-    vals = _request_array(name, list(seq))
-    if pa.types.is_union(vals.type):
-        kinds = [vals.type.field(i).name for i in range(vals.type.num_fields)]
-        raise FeatureError(
-            name,
-            f"values of several kinds ({', '.join(k for k in kinds if k != 'missing')}); "
-            "send a list of integer ids",
-        )
-    return pa.ListArray.from_arrays(pa.array([0, len(vals)], pa.int32()), vals)
-
-
-def _request_sequence_ids(
-    plan: _Plan,
-    specs: tuple[FeatureSpec, ...],
-    cols: list[np.ndarray | pa.Array],
-    stats: FgStats | None,
-) -> list[_Ids]:
-    """:func:`sequence_ids` of one request sequence (``truncate`` off); int64 ndarrays of equal
-    lengths within ``sequence_length`` and without negative ids go without Arrow."""
-    size = len(cols[0])
-    cap = specs[0].sequence_length or 0
-    if all(
-        isinstance(c, np.ndarray) and len(c) == size and not (size and c.min() < 0) for c in cols
-    ) and not (cap and size > cap):
-        lengths = np.array([size], np.int32)
-        ints = [plan.ints[spec.name].array for spec in specs]
-        return [(f(c), lengths) for f, c in zip(ints, cols, strict=True)]
-    lists = [
-        pa.ListArray.from_arrays(pa.array([0, len(c)], pa.int32()), pa.array(c))
-        if isinstance(c, np.ndarray)
-        else c
-        for c in cols
-    ]
-    return sequence_ids(specs, lists, truncate=False, stats=stats)
-
-
-def request_to_batch(
-    fs: FeatureSet,
-    *,
-    user: Mapping[str, object],
-    sequences: Mapping[str, Sequence[int | None]],
-    context: Mapping[str, object],
-    candidates: Sequence[Mapping[str, object]],
-    stats: FgStats | None = None,
-) -> Batch:
-    """One serving request (one user, N candidate ads) → Batch with U = 1, B = N.
-
-    ``user``: the USER-side features; ``sequences``: each sequence sub-feature as a list of ids
-    (most recent last, None = missing element); ``context``: CONTEXT-side features (shared by
-    all candidates); ``candidates``: per ad, the ITEM-side features. Keys are feature names, None
-    is a missing value. Goes through the same column functions as :func:`table_to_batch`.
-    """
-    n = len(candidates)
-    if n == 0:
-        raise FeatureError("candidates", "at least one candidate is needed")
-    items = {
-        spec.name: [_need(c, spec.name, f"candidate {i}") for i, c in enumerate(candidates)]
-        for spec in _plan(fs).items
-    }
-    return request_columns_to_batch(
-        fs,
-        user=user,
-        sequences=sequences,
-        context=context,
-        items=items,
-        num_candidates=n,
-        stats=stats,
-    )
-
-
-def request_columns_to_batch(
-    fs: FeatureSet,
-    *,
-    user: Mapping[str, object],
-    sequences: Mapping[str, Sequence[int | None]],
-    context: Mapping[str, object],
-    items: Mapping[str, Sequence[object] | pa.Array | np.ndarray],
-    num_candidates: int,
-    stats: FgStats | None = None,
-) -> Batch:
-    """:func:`request_to_batch` with the candidates given column by column (what the server's
-    validation builds): ``items[name]`` holds ITEM-side feature ``name`` of every candidate, as
-    a list (None = missing), or as an Arrow array (null = missing) or numpy array, which are
-    used as they are (no per-value conversion; the server's columnar requests come this way).
-
-    Example: two candidates ``items={"adgroup_id": [7, 9], "price": [1.5, None], ...}``,
-    ``num_candidates=2``; ``items={"adgroup_id": pa.array([7, 9]), ...}`` gives the same batch.
-
-    Null-free int64/float64 columns (numpy, or Arrow viewed as numpy), integer and float user
-    and context values, and integer sequences skip Arrow: they go straight to the functions
-    :func:`scalar_ids` and :func:`sequence_ids` would call, so the ids are the same; every
-    other column, and every value that would raise, goes through those two as before. Values
-    are converted first and turned into ids second (USER, then ITEM and CONTEXT in config
-    order, then sequences), so the first bad value raises, whichever path it takes.
-    """
-    n = num_candidates
-    if n < 1:
-        raise FeatureError("candidates", "at least one candidate is needed")
-    plan = _plan(fs)
-    cols: dict[str, _Column] = {}
-    for spec in plan.user:
-        cols[spec.name] = _scalar_column(plan, spec, _need(user, spec.name, "user"), 1)
-    for spec in plan.context:
-        cols[spec.name] = _scalar_column(plan, spec, _need(context, spec.name, "context"), n)
-    for spec in plan.items:
-        cols[spec.name] = _item_column(spec.name, items.get(spec.name), n)
-    seqs = {
-        spec.name: _sequence_column(spec.name, _need(sequences, spec.name, "sequences"))
-        for specs in plan.sequences
-        for spec in specs
-    }
-
-    def seq_ids(specs: tuple[FeatureSpec, ...]) -> list[_Ids]:
-        return _request_sequence_ids(plan, specs, [seqs[s.name] for s in specs], stats)
-
-    def kjt(specs: tuple[FeatureSpec, ...], stride: int) -> KeyedJaggedTensor:
-        parts = [_column_ids(plan, s, cols[s.name], stats) for s in specs]
-        return _kjt([s.name for s in specs], parts, stride)
-
-    batch = Batch(
-        user=kjt(plan.user, 1),
-        item=kjt(plan.item_kjt, n),
-        sequence=_sequence_kjt(plan, seq_ids, 1),
-        user_index=torch.zeros(n, dtype=torch.int64),
     )
     if stats is not None:
         stats.rows += n

@@ -31,7 +31,7 @@ def test_py_spy_summary_categories_and_gil_share() -> None:
     raw = "\n".join(
         [
             f"{rpc};request_inputs (serve/validation.py:200);_item_columns (serve/validation.py:141) 30",
-            f"{rpc};request_columns_to_batch (shared/fg.py:540);_request_array (shared/fg.py:465) 20",
+            f"{rpc};request_columns_to_batch (shared/fg_request.py:340);_request_array (shared/fg_request.py:120) 20",
             "Batcher._run_batch (serve/batcher.py:190);LoadedModel.predict (serve/model.py:250);"
             "LoadedModel._logits (serve/model.py:230);forward (<eval_with_key>.5:12) 40",
             f"{grpc} 10",

@@ -19,7 +19,7 @@ from serve.model import synthetic_batch
 from serve.offline import select_rows, tile_users
 from serve.validation import request_inputs
 from shared.batch import Batch
-from shared.fg import request_columns_to_batch
+from shared.fg_request import request_columns_to_batch
 
 
 def _request_batches(fs, requests) -> list[Batch]:

@@ -18,7 +18,7 @@ from serve.validation import request_inputs
 from shared.batch import Batch
 from shared.bundle import Bundle, read_bundle
 from shared.dense_inputs import assemble_dense_inputs, feature_parts, parts_by_table, pool_features
-from shared.fg import request_columns_to_batch
+from shared.fg_request import request_columns_to_batch
 from shared.hashtable.lookup import StaticLookupTable
 
 from .conftest import KEYS_PER_TABLE

@@ -14,7 +14,7 @@ from serve.model import LoadedModel, batch_to_device
 from serve.validation import request_inputs
 from shared.batch import Batch
 from shared.features import FeatureSet
-from shared.fg import request_columns_to_batch
+from shared.fg_request import request_columns_to_batch
 
 
 def _batches(fs: FeatureSet) -> list[Batch]:

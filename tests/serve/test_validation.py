@@ -12,7 +12,8 @@ from protos import predict_pb2
 from serve.limits import Limits
 from serve.validation import RequestError, _features, feature_error, request_inputs
 from shared.features import FeatureSet, Side
-from shared.fg import FeatureError, request_columns_to_batch
+from shared.fg import FeatureError
+from shared.fg_request import request_columns_to_batch
 
 from .conftest import candidate_variants, to_columnar
 

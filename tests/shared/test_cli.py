@@ -49,8 +49,11 @@ def test_parser_usage_error_and_defaults(capsys: pytest.CaptureFixture[str]) -> 
     p.add_argument("--n", type=int, default=3, help="how many")
     p.add_argument("--name", help="no default to show")
     p.add_argument("--flag", action="store_true", help="on/off")
+    p.add_argument("--seed", type=int, default=0, help="seed")  # 0 == False, yet shown
+    p.add_argument("--rate", type=float, default=0.0, help="rate")
     text = p.format_help()
     assert "how many (default: 3)" in text and "(default: None)" not in text
+    assert "seed (default: 0)" in text and "rate (default: 0.0)" in text
     assert "(default: False)" not in text and "--debug" in text
     with pytest.raises(SystemExit) as stop:
         p.parse_args(["--n", "x"])
