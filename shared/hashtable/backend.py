@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.cuda import runtime as cuda_kernels
 from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.initializers import KeyedInitializer, NewRows
@@ -59,6 +60,28 @@ class Backend(Protocol):
     def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
         """The new-row function of table ids ``0 .. len(inits) - 1`` on ``device`` (make it
         once per list: it may copy parameters to the device)."""
+        ...
+
+    def segment_sum_sorted(
+        self,
+        x: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        group: torch.Tensor,
+        max_count: int | None = None,
+    ) -> torch.Tensor:
+        """:func:`shared.hashtable.hashing.segment_sum_sorted` (the same bits)."""
+        ...
+
+    def adagrad_update(
+        self,
+        values: torch.Tensor,
+        accumulators: torch.Tensor,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        config: AdagradConfig,
+    ) -> None:
+        """:func:`shared.hashtable.adagrad.adagrad_update` in place (the same bits)."""
         ...
 
     def find(

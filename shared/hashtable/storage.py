@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.features import InitializerSpec, ScoreStrategy, TableSpec
-from shared.hashtable.adagrad import AdagradConfig, adagrad_update
+from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.admission import FrequencyCounter
 from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import (
     NegativeKeyError,
     check_keys,
     compact_positions,
-    segment_sum_sorted,
     split_mask,
     unique_pairs,
 )
@@ -349,7 +348,7 @@ class FusedStorage:
         """Sum the gradients [N, dim] of duplicate keys, then Adagrad the rows in place."""
         if plan.updated == 0:
             return
-        g = segment_sum_sorted(
+        g = self.backend.segment_sum_sorted(
             grad.to(torch.float32)[plan.order], plan.starts, plan.counts, plan.group,
             plan.max_count,
         )  # fmt: skip
@@ -369,7 +368,7 @@ class FusedStorage:
             rows, g = rows[ok], g[ok]
         accum = self.table.accumulators
         assert accum is not None
-        adagrad_update(self.table.values, accum, rows, g, self.adagrad)
+        self.backend.adagrad_update(self.table.values, accum, rows, g, self.adagrad)
 
     def _rows_hold(
         self, rows: torch.Tensor, keys: torch.Tensor, tids: torch.Tensor

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import torch
 
 from shared.features import ScoreStrategy
+from shared.hashtable import hashing
+from shared.hashtable.adagrad import AdagradConfig, adagrad_update
 from shared.hashtable.buckets import group_runs, keep_best, merge_full_buckets
 from shared.hashtable.hashing import (
     bucket_of,
@@ -99,6 +101,30 @@ class TorchBackend:
     def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
         """The new-row function of table ids ``0 .. len(inits) - 1``, made once per list."""
         return TorchRows(inits, device)
+
+    # ------------------------------------------------------------------ sparse update
+
+    def segment_sum_sorted(
+        self,
+        x: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        group: torch.Tensor,
+        max_count: int | None = None,
+    ) -> torch.Tensor:
+        """:func:`shared.hashtable.hashing.segment_sum_sorted`: duplicate keys' gradients."""
+        return hashing.segment_sum_sorted(x, starts, counts, group, max_count)
+
+    def adagrad_update(
+        self,
+        values: torch.Tensor,
+        accumulators: torch.Tensor,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        config: AdagradConfig,
+    ) -> None:
+        """:func:`shared.hashtable.adagrad.adagrad_update`, in place."""
+        adagrad_update(values, accumulators, rows, grads, config)
 
     # ------------------------------------------------------------------ operations
 

@@ -22,6 +22,8 @@ not cover. Those cases are decided here, and nowhere else:
 - ``fingerprint``: ``keyed.cu``'s kernel for int64 keys on CUDA (with table ids of the same
   shape); the inherited algorithms hash with it too (growth, eviction).
 - ``keyed_rows``: ``keyed.cu``'s initializer kernel, all the tables of a list in one launch.
+- ``segment_sum_sorted`` and ``adagrad_update`` (training's sparse update): ``sparse_update.cu``
+  for float32 tensors on CUDA, one launch per round of the tree and one for Adagrad.
 
 :attr:`CudaBackend.paths` counts what the calls did (``insert.fast``, ``insert.slow``,
 ``insert.overflow``: the kernels stored the call; ``insert.abort``, ``insert.unsupported``: the
@@ -41,13 +43,14 @@ import torch
 from shared.hashtable.cuda import build as cuda_build
 from shared.hashtable.cuda import find as cuda_find
 from shared.hashtable.cuda import insert as cuda_insert
-from shared.hashtable.cuda import keyed
+from shared.hashtable.cuda import keyed, sparse_update
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.hashing import fingerprint
 from shared.hashtable.layout import InsertResult, TableLayout
 from shared.hashtable.torch_backend import TorchBackend
 
 if TYPE_CHECKING:
+    from shared.hashtable.adagrad import AdagradConfig
     from shared.hashtable.initializers import KeyedInitializer, NewRows
 
 L = TypeVar("L", bound=TableLayout)
@@ -88,6 +91,35 @@ class CudaBackend(TorchBackend):
 
     def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
         return keyed.KernelRows(inits, device)
+
+    # ------------------------------------------------------------------ sparse update
+
+    def segment_sum_sorted(
+        self,
+        x: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        group: torch.Tensor,
+        max_count: int | None = None,
+    ) -> torch.Tensor:
+        if x.is_cuda and x.dtype == torch.float32 and x.dim() == 2:
+            return sparse_update.segment_sum_sorted(x, starts, counts, group, max_count)
+        return super().segment_sum_sorted(x, starts, counts, group, max_count)
+
+    def adagrad_update(
+        self,
+        values: torch.Tensor,
+        accumulators: torch.Tensor,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        config: AdagradConfig,
+    ) -> None:
+        fast = all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()
+                   for t in (values, accumulators))  # fmt: skip
+        if fast and values.dim() == 2:
+            sparse_update.adagrad_update(values, accumulators, rows, grads, config)
+        else:
+            super().adagrad_update(values, accumulators, rows, grads, config)
 
     # ------------------------------------------------------------------ operations
 
