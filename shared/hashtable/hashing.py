@@ -152,8 +152,8 @@ def unique_pairs(
     """
     n = keys.numel()
     order = torch.sort(keys, stable=True).indices
-    if table_ids is not None:
-        order = order[torch.sort(table_ids[order], stable=True).indices]
+    if table_ids is not None:  # ids fit int32 (the tables store them so): half the passes
+        order = order[torch.sort(table_ids[order].to(torch.int32), stable=True).indices]
     k = keys[order]
     change = torch.ones(n, dtype=torch.bool, device=keys.device)
     if n > 1:
