@@ -199,8 +199,7 @@ def profile_model(
     """The figures of ``model``'s training step on ``batches`` (on its device, at least
     ``warmup + 5 * steps + 1``): median step ms without and with phase syncs, the phases,
     the host syncs of one step (CUDA), and a profile of ``steps`` steps (GPU launches per step
-    and per phase, device-busy time; the busy fraction is against the unprofiled step, as the
-    profiler slows the host). Returns (figures, the profile's tables as text lines)."""
+    and per phase, device-busy time and its fraction of the profiled wall time). Returns (figures, the profile's tables as text lines)."""
     device = batches[0].user_index.device
 
     def sync() -> None:
@@ -251,7 +250,10 @@ def profile_model(
     result["profile"] = {
         "profiled_wall_ms_per_step": wall,
         "device_busy_ms_per_step": device_ms if cuda else None,
-        "device_busy_fraction": device_ms / step_ms if cuda else None,
+        # against the profiled wall (same conditions; the profiler's host overhead makes it a
+        # lower bound): the unprofiled step can be shorter than the GPU work CUPTI measures
+        "device_busy_fraction": device_ms / wall if cuda else None,
+        "device_ms_over_step_ms": device_ms / step_ms if cuda else None,
         "launches_per_step": sum(by_phase.values()) / steps if cuda else None,
         "launches_per_step_by_phase": {k: v / steps for k, v in by_phase.items()},
     }
