@@ -199,7 +199,8 @@ def profile_model(
     """The figures of ``model``'s training step on ``batches`` (on its device, at least
     ``warmup + 5 * steps + 1``): median step ms without and with phase syncs, the phases,
     the host syncs of one step (CUDA), and a profile of ``steps`` steps (GPU launches per step
-    and per phase, device-busy time and its fraction of the profiled wall time). Returns (figures, the profile's tables as text lines)."""
+    and per phase, device-busy time and its fraction of the profiled wall time). Returns
+    (figures, the profile's tables as text lines)."""
     device = batches[0].user_index.device
 
     def sync() -> None:
