@@ -53,6 +53,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     p.add_argument(
+        "--cuda-graphs",
+        choices=["on", "off"],
+        default="on",
+        help="CUDA: replay each batch as a captured CUDA graph per shape bucket, captured at "
+        "model load (bundles of format 3; others run eagerly) (default %(default)s)",
+    )
+    p.add_argument(
         "--no-verify-checksums",
         action="store_true",
         help="skip the sha256 of the bundle files at load (faster startup)",
@@ -178,6 +185,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         port=a.port,
         metrics_port=a.metrics_port,
         device=a.device,
+        cuda_graphs=a.cuda_graphs == "on",
         limits=Limits(
             max_candidates=a.max_candidates,
             max_sequence_length=a.max_sequence_length,

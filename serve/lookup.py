@@ -21,7 +21,7 @@ not in its dynamic table (never seen, or never admitted in training) gets zeros,
 initializer (CONSTANT 0), and counts as a miss. On CUDA nothing is read back to the host::
 
     tables = EmbeddingTables.from_bundle(bundle, device="cuda")
-    inputs = tables.embed(batch)            # batch on the device → the 6 inputs of dense.pt2
+    inputs = tables.embed(batch, pairs)     # batch on the device → the inputs of dense.pt2
     logits = program(**inputs)              # [B]
 """
 
@@ -35,11 +35,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shared.batch import Batch
 from shared.bundle import Bundle
-from shared.dense_inputs import assemble_dense_inputs, dense_layout, pool_bags
+from shared.dense_inputs import Pairs, assemble_dense_inputs, dense_layout, pool_bags
 from shared.features import FeatureSet, TableSpec
 from shared.hashtable.lookup import StaticLookupTable
 
 WHOLE_KEY = 63  # the shift of a group of one dynamic table: keys as they are, no table bits
+PAD_ID = 0  # the id of padding values (serve.graphs): a valid row of every table
 SEQUENCE = 2  # the sequence KJT's position in (user, item, sequence)
 
 
@@ -208,6 +209,12 @@ class EmbeddingTables:
             n: (g, i) for g, grp in enumerate(self._groups) for i, n in enumerate(grp.names)
         }
         self._counts_base = [torch.zeros_like(g.counts) for g in self._groups]
+        # lookups of padding (serve.graphs pads batches with id 0): left out of the stats
+        self._zero_hits = {  # whether id 0 is a key of each dynamic table (padding hits)
+            t.name: bool((bundle.hash_tables[t.name][0] == PAD_ID).any())
+            for t in self.fs.dynamic_tables
+        }
+        self._padding = dict.fromkeys(self._zero_hits, 0)
         self._plans: dict[tuple[tuple[str, ...], ...], list[tuple[_Group, list[_Part]]]] = {}
 
     @classmethod
@@ -249,9 +256,10 @@ class EmbeddingTables:
             mean=torch.tensor(mean, device=self.device) if any(mean) else None,
         )
 
-    def embed(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def embed(self, batch: Batch, pairs: Pairs | None = None) -> dict[str, torch.Tensor]:
         """The dense program's inputs for ``batch`` (on :attr:`device`; KJTs with cached
-        ``length_per_key``, as feature generation and :func:`concat_batches` make them)."""
+        ``length_per_key``, as feature generation and :func:`concat_batches` make them), with
+        ``pairs`` (on :attr:`device`) as ``pair_segment``/``pair_element`` if given."""
         kjts = (batch.user, batch.item, batch.sequence)
         plan = self._plan(tuple(tuple(kjt.keys()) for kjt in kjts))
         strides = [kjt.stride() for kjt in kjts]  # U, B, U
@@ -281,13 +289,24 @@ class EmbeddingTables:
                     mean = None if p.mean is None else p.mean.repeat_interleave(s)  # [Kg * S]
                     out = pool_bags(rows, b.reshape(-1), mean).view(len(p.keys), s, group.dim)
                     pooled.update(zip(p.names, out.unbind(0), strict=True))
-        return assemble_dense_inputs(self.fs, batch, pooled, sequences, layout=self.layout)
+        return assemble_dense_inputs(
+            self.fs, batch, pooled, sequences, layout=self.layout, pairs=pairs
+        )
 
     # ----------------------------------------------------------------------- stats
 
     def reset_stats(self) -> None:
         """Count hits and misses from now on (e.g. after warm-up, whose ids are synthetic)."""
         self._counts_base = [g.counts.clone() for g in self._groups]
+        self._padding = dict.fromkeys(self._padding, 0)
+
+    def discount_padding(self, lookups: dict[str, int]) -> None:
+        """Leave ``lookups[table]`` lookups of :data:`PAD_ID` out of the stats: ids that a padded
+        batch (:mod:`serve.graphs`) added, counted on the device with the real ones. Host-side
+        integers only; tables without stats (dense ones) are ignored."""
+        for name, n in lookups.items():
+            if name in self._padding:
+                self._padding[name] += n
 
     def stats(self) -> list[TableStats]:
         """Per table in FeatureSet order: rows, and for dynamic tables hits and misses."""
@@ -302,6 +321,8 @@ class EmbeddingTables:
             hits, misses = 0, 0
             if t.is_dynamic:
                 hits, lookups = counts[first[g] + group.dynamic.index(name)]
+                pad = self._padding[name]
+                hits, lookups = hits - pad * self._zero_hits[name], lookups - pad
                 misses = lookups - hits
             out.append(TableStats(name, t.is_dynamic, t.dim, rows, rows, hits, misses))
         return out

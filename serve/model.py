@@ -6,6 +6,13 @@ the metrics). :meth:`LoadedModel.predict` is the whole request path after featur
 
     model = LoadedModel.load("exports/v3", device="cuda")
     probs = model.predict(batch)         # Batch from shared.fg → [B] float32 on the CPU
+
+A dense program that takes the (candidate, element) pairs (bundle format 3, told by its input
+names: :class:`DenseProgram`) gets them computed on the host and moved with the batch's one copy;
+one without them (formats 1 and 2) computes them itself, reading their count back. On CUDA,
+``graph_buckets`` (``LoadedModel.load(..., graph_buckets=default_buckets(1024))``) makes the
+warm-up capture a CUDA graph per bucket, and :meth:`LoadedModel.predict` replays the batches
+that fit one (:mod:`serve.graphs`); the others run eagerly.
 """
 
 from __future__ import annotations
@@ -23,12 +30,22 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from serve.graphs import Bucket, CudaGraphs, GraphStats
 from serve.lookup import EmbeddingTables, TableStats
 from serve.program_cache import ProgramCache
 from shared.batch import Batch
 from shared.bundle import Bundle, BundleError, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
-from shared.dense_inputs import INPUT_NAMES
+from shared.dense_inputs import (
+    INPUT_NAMES,
+    PAIR_INPUT_NAMES,
+    Pairs,
+    batch_pairs,
+    pair_index_torch,
+    program_input_names,
+    sequence_lengths,
+    takes_pairs,
+)
 from shared.features import FeatureSet, Side
 
 log = logging.getLogger(__name__)
@@ -92,12 +109,35 @@ def _full_load(path: Path, device: torch.device) -> tuple[torch.nn.Module, bool]
     return program.module(), _keyword_inputs(program)
 
 
+@dataclass(frozen=True)
+class DenseProgram:
+    """A loaded ``dense.pt2`` as ``f(**inputs) -> logits`` [B], and which inputs it takes:
+    :data:`~shared.dense_inputs.PAIR_INPUT_NAMES` (bundle format 3, :attr:`takes_pairs`) or
+    :data:`~shared.dense_inputs.INPUT_NAMES` (formats 1 and 2, keywords or positional). It is
+    called with the inputs it takes from whatever it is given (the pairs are ignored by a
+    program without them)."""
+
+    module: Callable[..., torch.Tensor]
+    keyword: bool  # keyword inputs (else the six of INPUT_NAMES, positionally)
+    takes_pairs: bool
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return PAIR_INPUT_NAMES if self.takes_pairs else INPUT_NAMES
+
+    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        if self.keyword:
+            return self.module(**{name: inputs[name] for name in self.input_names})
+        return self.module(*(inputs[name] for name in INPUT_NAMES))
+
+
 def load_program(
     path: Path, device: torch.device, cache: ProgramCache | None = PROGRAMS
-) -> Callable[..., torch.Tensor]:
-    """``dense.pt2`` on ``device`` (constants and parameters moved there too), as a callable
-    ``f(**inputs) -> logits``, whether it was exported with keyword or positional inputs.
-    With ``cache``, a program whose graph equals the last one loaded only gets new weights."""
+) -> DenseProgram:
+    """``dense.pt2`` on ``device`` (constants and parameters moved there too), whether it was
+    exported with keyword or positional inputs, with or without the pairs (told by its input
+    names). With ``cache``, a program whose graph equals the last one loaded only gets new
+    weights."""
     try:
         if cache is None:
             module, keyword = _full_load(path, device)
@@ -108,14 +148,16 @@ def load_program(
             f"{path}: cannot load the dense program on {device} ({type(err).__name__}: {err}); "
             f"re-export it with torch {torch.__version__.split('+')[0]} or check the bundle"
         ) from err
-    if keyword:
-        return module
-    return lambda **inputs: module(*(inputs[name] for name in INPUT_NAMES))
+    try:
+        pairs = keyword and takes_pairs(program_input_names(module))
+    except ValueError as err:
+        raise BundleError(f"{path}: {err}") from None
+    return DenseProgram(module, keyword, pairs)
 
 
 def _timed_program(
     path: Path, device: torch.device, cache: ProgramCache | None
-) -> tuple[Callable[..., torch.Tensor], float]:
+) -> tuple[DenseProgram, float]:
     t0 = time.perf_counter()
     program = load_program(path, device, cache)
     return program, time.perf_counter() - t0
@@ -137,9 +179,11 @@ class LoadedModel:
         self,
         bundle: Bundle,
         tables: EmbeddingTables,
-        program: Callable[..., torch.Tensor],
+        program: DenseProgram,
         device: torch.device,
         startup: StartupTimes,
+        *,
+        graph_buckets: Sequence[Bucket] = (),
     ) -> None:
         self.bundle = bundle
         self.tables = tables
@@ -150,8 +194,11 @@ class LoadedModel:
         self._lock = threading.Lock()  # predict may also be called directly (offline, tests)
         # delta updates (serve.delta): the bundle as read from disk, its program, deltas applied
         self.base_bundle: Bundle = bundle
-        self.base_program: Callable[..., torch.Tensor] = program
+        self.base_program: DenseProgram = program
         self.deltas: tuple[str, ...] = ()
+        # CUDA graphs (serve.graphs): captured by warmup() for these buckets, if any
+        self.graph_buckets = tuple(graph_buckets)
+        self.graphs: CudaGraphs | None = None
 
     @property
     def version(self) -> str:
@@ -175,6 +222,7 @@ class LoadedModel:
         warmup_rounds: int = 2,
         warmup_candidates: int = 100,
         program_cache: ProgramCache | None = PROGRAMS,
+        graph_buckets: Sequence[Bucket] = (),
     ) -> LoadedModel:
         """Read, build, load and warm up the bundle at ``path``; :class:`BundleError` if bad.
 
@@ -182,6 +230,8 @@ class LoadedModel:
         ``warmup_candidates`` candidates, and a few users) and checks the scores are finite, so
         a bundle whose program does not fit its tables is refused here, not on live traffic.
         ``program_cache=None`` always deserializes ``dense.pt2`` (see :mod:`serve.program_cache`).
+        ``graph_buckets`` (CUDA, a program that takes the pairs): the warm-up also captures a
+        CUDA graph per bucket, which :meth:`predict` replays (:mod:`serve.graphs`).
         """
         dev = torch.device(device or default_device())
         t0 = time.perf_counter()
@@ -198,7 +248,12 @@ class LoadedModel:
             program, program_s = pending.result()
             t3 = time.perf_counter()
             model = cls(
-                bundle, tables, program, dev, StartupTimes(t1 - t0, t2 - t1, program_s, 0, 0)
+                bundle,
+                tables,
+                program,
+                dev,
+                StartupTimes(t1 - t0, t2 - t1, program_s, 0, 0),
+                graph_buckets=graph_buckets,
             )
             model.warmup(rounds=warmup_rounds, candidates=warmup_candidates)
             _sync(dev)
@@ -226,23 +281,70 @@ class LoadedModel:
                         f"(finite: {bool(torch.isfinite(probs).all())}) for {cands} candidates; "
                         "the dense program does not match the tables"
                     )
+        self._capture_graphs()
         self.tables.reset_stats()
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of :attr:`graph_buckets`, where they can be had (else eager, logged)."""
+        if not self.graph_buckets or self.graphs is not None:
+            return
+        if self.device.type != "cuda":
+            log.info("model %s: no CUDA graphs on %s", self.version, self.device)
+            return
+        if not self.program.takes_pairs:
+            log.info(
+                "model %s: no CUDA graphs: its dense program (bundle format %d) reads the pair "
+                "count back to the host; re-export the bundle (format 3) to replay graphs",
+                self.version,
+                self.bundle.format_version,
+            )
+            return
+        self.graphs = CudaGraphs.capture(self, self.graph_buckets)
+        log.info(
+            "model %s: %d CUDA graphs captured (%d failed)",
+            self.version,
+            self.graphs.stats.captures,
+            len(self.graphs.stats.failures),
+        )
+
+    def graph_stats(self) -> GraphStats | None:
+        """Captures, replays and eager batches by reason; None without graphs."""
+        return None if self.graphs is None else self.graphs.stats
 
     def to_device(self, batch: Batch) -> Batch:
         """``batch`` on :attr:`device`: one pinned host buffer and one host-to-device copy on
         CUDA (see :func:`batch_to_device`), the batch itself on the CPU."""
+        return self._inputs_to_device(batch)[0]
+
+    def _inputs_to_device(self, batch: Batch) -> tuple[Batch, Pairs | None]:
+        """:meth:`to_device`, and the pairs if the program takes them: computed on the host
+        (:func:`~shared.dense_inputs.batch_pairs`) and moved in the batch's one copy."""
         for kjt in (batch.user, batch.item, batch.sequence):
             kjt.length_per_key()  # computed (and kept) on the host: no device sync later
-        return batch_to_device(batch, self.device)
+        on_host = batch.user_index.device.type == "cpu"
+        if not self.program.takes_pairs or not on_host:
+            return batch_to_device(batch, self.device), None
+        seg, elem = batch_pairs(batch, self.tables.layout)
+        moved, (seg_t, elem_t) = move_to_device(
+            batch, self.device, extra=[torch.from_numpy(seg), torch.from_numpy(elem)]
+        )
+        return moved, (seg_t, elem_t)
 
     @torch.inference_mode()
     def logits(self, batch: Batch) -> torch.Tensor:
         """[B] logits on the device."""
-        return self._logits(self.to_device(batch))
+        return self._logits(*self._inputs_to_device(batch))
 
     @torch.inference_mode()
-    def _logits(self, batch: Batch) -> torch.Tensor:
-        return self.program(**self.tables.embed(batch))
+    def _logits(self, batch: Batch, pairs: Pairs | None = None) -> torch.Tensor:
+        """[B] logits of ``batch`` on the device; a program that takes the pairs gets
+        ``pairs``, or computes them on the device if not given (one host sync)."""
+        if self.program.takes_pairs and pairs is None:
+            lengths = sequence_lengths(batch, self.tables.layout)
+            if lengths is None:
+                lengths = torch.zeros(batch.num_users, dtype=torch.int64, device=self.device)
+            pairs = pair_index_torch(lengths.to(torch.int64), batch.user_index.to(torch.int64))
+        return self.program(**self.tables.embed(batch, pairs=pairs))
 
     def predict(self, batch: Batch, timings: dict[str, float] | None = None) -> torch.Tensor:
         """[B] click probabilities, float32, on the CPU, in candidate order.
@@ -252,13 +354,17 @@ class LoadedModel:
         asynchronously) and ``sync`` (waiting for the device and copying the scores back).
         """
         with self._lock:
+            if self.graphs is not None:
+                replayed = self.graphs.predict(batch, timings)
+                if replayed is not None:
+                    return replayed
             if timings is None:
                 return torch.sigmoid(self.logits(batch).float()).cpu()
             t0 = time.perf_counter()
-            on_device = self.to_device(batch)
+            on_device, pairs = self._inputs_to_device(batch)
             t1 = time.perf_counter()
             with torch.inference_mode():
-                probs = torch.sigmoid(self._logits(on_device).float())
+                probs = torch.sigmoid(self._logits(on_device, pairs).float())
             t2 = time.perf_counter()
             out = probs.cpu()
             t3 = time.perf_counter()
@@ -292,9 +398,21 @@ def batch_to_device(batch: Batch, device: torch.device, *, packed: bool | None =
     their host-side ``length_per_key``. Batches with labels, weights or tensors already off the
     CPU take ``Batch.to``. ``packed=True`` on the CPU (no pinning, no copy) is for tests.
     """
+    return move_to_device(batch, device, packed=packed)[0]
+
+
+def move_to_device(
+    batch: Batch,
+    device: torch.device,
+    *,
+    extra: Sequence[torch.Tensor] = (),
+    packed: bool | None = None,
+) -> tuple[Batch, list[torch.Tensor]]:
+    """:func:`batch_to_device`, and the CPU tensors ``extra`` (e.g. the pairs) in the same copy."""
     packed = device.type == "cuda" if packed is None else packed
     kjts = (batch.user, batch.item, batch.sequence)
     parts = [t for k in kjts for t in (k.values(), k.lengths())] + [batch.user_index]
+    parts += list(extra)
     if (
         not packed
         or batch.labels is not None
@@ -302,7 +420,20 @@ def batch_to_device(batch: Batch, device: torch.device, *, packed: bool | None =
         or any(k.weights_or_none() is not None for k in kjts)
         or any(t.device.type != "cpu" for t in parts)
     ):
-        return batch.to(device, non_blocking=True)
+        moved_extra = [t.to(device, non_blocking=True) for t in extra]
+        return batch.to(device, non_blocking=True), moved_extra
+    moved = _packed_copy(parts, device)
+    out = Batch(
+        user=_device_kjt(batch.user, moved[0], moved[1]),
+        item=_device_kjt(batch.item, moved[2], moved[3]),
+        sequence=_device_kjt(batch.sequence, moved[4], moved[5]),
+        user_index=moved[6],
+    )
+    return out, moved[7:]
+
+
+def _packed_copy(parts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """CPU tensors → views of one buffer copied to ``device`` at once (pinned on CUDA)."""
     arrays = [t.detach().contiguous().view(-1).numpy().view(np.uint8) for t in parts]
     sizes = [(a.nbytes + 7) // 8 * 8 for a in arrays]  # 8-byte aligned: views of any dtype
     host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -312,16 +443,10 @@ def batch_to_device(batch: Batch, device: torch.device, *, packed: bool | None =
         buf[offset : offset + a.nbytes] = a
         offset += size
     chunks = host.to(device, non_blocking=True).split(sizes)
-    moved = [
+    return [
         c[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         for c, t in zip(chunks, parts, strict=True)
     ]
-    return Batch(
-        user=_device_kjt(batch.user, moved[0], moved[1]),
-        item=_device_kjt(batch.item, moved[2], moved[3]),
-        sequence=_device_kjt(batch.sequence, moved[4], moved[5]),
-        user_index=moved[6],
-    )
 
 
 def synthetic_batch(

@@ -35,6 +35,7 @@ from grpc_health.v1 import health
 from serve.admin import AdminConfig, AdminServer
 from serve.admission import Admission
 from serve.batcher import Batcher, BatcherConfig
+from serve.graphs import Bucket, default_buckets
 from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
@@ -57,6 +58,9 @@ class ServerConfig:
     port: int = 0  # 0: ephemeral (see PredictionServer.port)
     metrics_port: int | None = None  # None: no HTTP endpoint; 0: ephemeral
     device: str | None = None  # None: cuda when available, else cpu
+    # CUDA: capture a CUDA graph per shape bucket at model load and replay batches through them
+    # (serve.graphs; buckets up to the larger of max_batch_rows and max_candidates)
+    cuda_graphs: bool = True
     limits: Limits = field(default_factory=Limits)
     batching: BatcherConfig = field(default_factory=BatcherConfig)
     # threads beyond the admission bound (limits.max_pending): health, metadata, refusals
@@ -119,7 +123,15 @@ class PredictionServer:
             device=self.device,
             verify_checksums=self.config.verify_checksums,
             warmup_candidates=min(self.config.limits.max_candidates, 100),
+            graph_buckets=self.graph_buckets(),
         )
+
+    def graph_buckets(self) -> tuple[Bucket, ...]:
+        """The CUDA graph buckets of loaded models (none on the CPU or with graphs off)."""
+        cfg = self.config
+        if not cfg.cuda_graphs or torch.device(self.device).type != "cuda":
+            return ()
+        return default_buckets(max(cfg.batching.max_batch_rows, cfg.limits.max_candidates))
 
     def _on_loaded(self, model: LoadedModel) -> None:
         self.metrics.on_model(model)

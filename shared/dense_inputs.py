@@ -1,4 +1,4 @@
-"""Looked-up embeddings → the six inputs of the exported dense program; shared by train/ and serve/.
+"""Looked-up embeddings → the inputs of the exported dense program; shared by train/ and serve/.
 
 Training (``train/model``) and serving (``serve/lookup.py``) both look ids up in their own way
 (trainable tables vs. read-only hash tables), then pool bags with :func:`pool_bags` and call
@@ -11,6 +11,19 @@ between the two sides::
     seq_values  [T, Dq]   concat of the sequence sub-feature embeddings (GroupSpec.sequence order)
     seq_lengths [U] int64 elements per user (sum = T)
     user_index  [B] int64 user row of each candidate row
+    pair_segment [N] int64 candidate row of each (candidate, element) pair   } programs of bundle
+    pair_element [N] int64 row in seq_values of each pair                    } format 3 only
+
+The DIN attends over the N = sum(seq_lengths[user_index]) (candidate, element) pairs, ordered by
+candidate, then element. Sizing them on the device needs a host sync (``.item()``), which also
+keeps a program out of a CUDA graph; the host that built the batch knows the lengths, so
+:func:`pair_index` computes the pairs there (numpy, before the batch's one host-to-device copy)
+and programs that take :data:`PAIR_NAMES` get them as inputs. :func:`pair_index_torch` is the
+same definition on the device (with the sync), for programs and callers without them::
+
+    seg, elem = pair_index(np.array([2, 0, 1]), np.array([0, 0, 2, 1]))
+    seg   # [0, 0, 1, 1, 2]         candidate 3 (user 1) has no elements
+    elem  # [0, 1, 0, 1, 2]         user 0's rows 0-1 for candidates 0 and 1, user 2's row 2
 
 Pure torch, no torchrec kernels beyond KJT accessors, so it runs on CUDA without fbgemm.
 """
@@ -19,13 +32,74 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
+import numpy as np
 import torch
 
 from shared.batch import Batch
 from shared.features import FeatureSet, GroupType, Side
 
 INPUT_NAMES = ("user_deep", "item_deep", "query", "seq_values", "seq_lengths", "user_index")
+PAIR_NAMES = ("pair_segment", "pair_element")  # the pairs, inputs of bundle format 3 programs
+PAIR_INPUT_NAMES = (*INPUT_NAMES, *PAIR_NAMES)
+
+Pairs = tuple[torch.Tensor, torch.Tensor]  # (pair_segment [N], pair_element [N]) int64
+
+
+def program_input_names(program: torch.export.ExportedProgram | torch.nn.Module) -> tuple[str, ...]:
+    """The keyword input names of a dense program: an ``ExportedProgram`` or its ``.module()``
+    (which keeps the program's input spec); ``()`` for a program called positionally (early
+    exports: :data:`INPUT_NAMES` in order). :data:`PAIR_INPUT_NAMES` if it takes the pairs."""
+    if isinstance(program, torch.export.ExportedProgram):
+        spec = program.call_spec.in_spec
+    else:
+        spec = getattr(program, "_in_spec", None)  # set by ExportedProgram.module()
+    if spec is None:
+        return ()
+    kwargs = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
+    return tuple(kwargs.context or ())
+
+
+def takes_pairs(input_names: Sequence[str]) -> bool:
+    """Whether a program with these keyword inputs (:func:`program_input_names`) takes the pairs
+    (bundle format 3); ValueError for inputs that are neither of the two signatures."""
+    names = tuple(input_names)
+    if names not in ((), INPUT_NAMES, PAIR_INPUT_NAMES):
+        raise ValueError(
+            f"dense program inputs {list(names)} are neither {list(INPUT_NAMES)} nor "
+            f"{list(PAIR_INPUT_NAMES)}; export it with train.model.dense_arch.export_dense_arch"
+        )
+    return names == PAIR_INPUT_NAMES
+
+
+def pair_index(seq_lengths: np.ndarray, user_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (candidate, element) pairs on the host: ``seq_lengths`` [U] and ``user_index`` [B]
+    → (pair_segment [N], pair_element [N]) int64, ordered by candidate, then element (see the
+    module docstring). Raises IndexError for a user index outside [0, U)."""
+    lengths = np.asarray(seq_lengths, dtype=np.int64)  # [U]
+    users = np.asarray(user_index, dtype=np.int64)  # [B]
+    cand_len = lengths[users]  # [B] elements of each candidate's user
+    n = int(cand_len.sum())
+    seg = np.repeat(np.arange(users.shape[0], dtype=np.int64), cand_len)  # [N]
+    # element of pair j: user_start[u] + (j - first pair of its candidate)
+    shift = (np.cumsum(lengths) - lengths)[users] - (np.cumsum(cand_len) - cand_len)  # [B]
+    return seg, np.arange(n, dtype=np.int64) + shift[seg]  # [N], [N]
+
+
+def pair_index_torch(seq_lengths: torch.Tensor, user_index: torch.Tensor) -> Pairs:
+    """:func:`pair_index` on the device; one host sync (the pair count). Under torch.export the
+    count is an unbacked symbol, checked to be a valid size."""
+    # seq_lengths: [U] int64; user_index: [B] int64
+    cand_len = seq_lengths[user_index]  # [B]
+    # output_size lets repeat_interleave build [N] without a second pass over cand_len
+    n = cast(int, cand_len.sum().item())
+    torch._check(n >= 0)
+    cand = torch.arange(user_index.shape[0], device=user_index.device)  # [B]
+    seg = torch.repeat_interleave(cand, cand_len, output_size=n)  # [N]
+    user_start = torch.cumsum(seq_lengths, dim=0) - seq_lengths  # [U]
+    shift = user_start[user_index] - (torch.cumsum(cand_len, dim=0) - cand_len)  # [B]
+    return seg, torch.arange(n, device=user_index.device) + shift[seg]  # [N], [N]
 
 
 @dataclass(frozen=True)
@@ -175,6 +249,22 @@ def _concat(parts: list[torch.Tensor], rows: int, like: torch.Tensor) -> torch.T
     return torch.cat(parts, dim=1) if parts else like.new_zeros(rows, 0)
 
 
+def sequence_lengths(batch: Batch, lay: DenseLayout) -> torch.Tensor | None:
+    """[U] elements per user: the first sequence feature's lengths (None: no sequence features).
+    A slice of the lengths, where ``KJT.__getitem__`` costs ~20 µs of host."""
+    if not lay.sequence:
+        return None
+    first, rows = batch.sequence.keys().index(lay.sequence[0]), batch.sequence.stride()
+    return batch.sequence.lengths()[first * rows : (first + 1) * rows]  # [U]
+
+
+def batch_pairs(batch: Batch, lay: DenseLayout) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pair_index` of a batch on the host (CPU tensors), as the program's inputs want it."""
+    lengths = sequence_lengths(batch, lay)
+    seq = np.zeros(batch.num_users, np.int64) if lengths is None else lengths.numpy()
+    return pair_index(seq, batch.user_index.numpy())
+
+
 def assemble_dense_inputs(
     fs: FeatureSet,
     batch: Batch,
@@ -182,13 +272,16 @@ def assemble_dense_inputs(
     sequences: Mapping[str, torch.Tensor],
     *,
     layout: DenseLayout | None = None,
+    pairs: Pairs | None = None,
 ) -> dict[str, torch.Tensor]:
     """The dense program's keyword inputs (see the module docstring) from looked-up embeddings.
 
     ``pooled[name]`` is [rows, dim] for every DEEP and query feature (rows = U for user-side
     features, B for item/context ones); ``sequences[name]`` is [T, dim] for every sequence
     feature, jagged with ``batch.sequence``'s lengths (equal across a sequence's sub-features).
-    ``layout`` may be passed to skip recomputing :func:`dense_layout` on a hot path.
+    ``layout`` may be passed to skip recomputing :func:`dense_layout` on a hot path. ``pairs``
+    (:func:`batch_pairs` of the batch, on its device) adds :data:`PAIR_NAMES`, for programs
+    that take them.
     """
     lay = layout or dense_layout(fs)
     u, b = batch.num_users, batch.batch_size
@@ -197,15 +290,13 @@ def assemble_dense_inputs(
     missing += [n for n in lay.sequence if n not in sequences]
     if missing:
         raise KeyError(f"no embeddings for features {missing}; every feature must be looked up")
-    if lay.sequence:  # no host sync: T comes from the tensors, not from lengths.sum()
-        # the first sequence feature's lengths (a slice: KJT.__getitem__ costs ~20 µs of host)
-        first, rows = batch.sequence.keys().index(lay.sequence[0]), batch.sequence.stride()
-        seq_lengths = batch.sequence.lengths()[first * rows : (first + 1) * rows]  # [U]
+    seq_lengths = sequence_lengths(batch, lay)  # no host sync: T comes from the tensors
+    if seq_lengths is not None:
         seq_values = torch.cat([sequences[n] for n in lay.sequence], dim=1)  # [T, Dq]
     else:  # no sequence features: T = 0
         seq_lengths = torch.zeros(u, dtype=torch.int64, device=like.device)
         seq_values = like.new_zeros(0, 0)
-    return {
+    inputs = {
         "user_deep": _concat([pooled[n] for n in lay.user_deep], u, like),  # [U, Du]
         "item_deep": _concat([pooled[n] for n in lay.item_deep], b, like),  # [B, Di]
         "query": _concat([pooled[n] for n in lay.query], b, like),  # [B, Dq]
@@ -213,3 +304,6 @@ def assemble_dense_inputs(
         "seq_lengths": seq_lengths.to(torch.int64),  # [U]
         "user_index": batch.user_index.to(torch.int64),  # [B]
     }
+    if pairs is not None:
+        inputs.update(zip(PAIR_NAMES, pairs, strict=True))  # [N], [N]
+    return inputs

@@ -51,7 +51,9 @@ def read_json(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BundleError(f"{path}: unreadable JSON ({err}); re-export the bundle") from None
     if not isinstance(obj, dict):
-        raise BundleError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+        raise BundleError(
+            f"{path}: expected a JSON object, got {type(obj).__name__}; re-export the bundle"
+        )
     return obj
 
 

@@ -25,6 +25,17 @@ written on request for servers that predate format 2. Example::
     # 'model.model.embedding_group.emb_impls.__BASE__.ebc.user_id_emb.values/part_0_2'
     TZREC_NAMING.parse(that, hashmap=True)
     # TensorName(table='user_id_emb', rank=0, world=2, prefix='model.model.embedding_group...')
+
+Format 3 (:data:`PAIR_PROGRAM_FORMAT`) is format 2 (tzrec naming, ``"naming": "tzrec"``) whose
+dense program takes the (candidate, element) pairs as inputs (``pair_segment``,
+``pair_element``: :mod:`shared.dense_inputs`), so that it has no host sync and can be replayed as
+a CUDA graph. The program signature is versioned by the format number, not by a field of its own,
+because only a number that old readers refuse keeps a server that predates the pair inputs from
+loading such a program (it would fail in warm-up at best); this reader knows formats 1-3, and the
+server tells the signature by the program's input names, so it also runs format 1 and 2
+programs. The writer picks the number from the naming and the program it is given
+(:func:`format_version`); format 1 has no pair variant: its readers predate format 2, let alone
+the pairs, so a pair program needs tzrec naming (or export one without the pairs).
 """
 
 from __future__ import annotations
@@ -179,23 +190,40 @@ class DynrecNaming(BundleNaming):
 TZREC_NAMING: BundleNaming = TzrecNaming()
 DYNREC_NAMING: BundleNaming = DynrecNaming()
 NAMINGS: dict[str, BundleNaming] = {n.id: n for n in (TZREC_NAMING, DYNREC_NAMING)}
+PAIR_PROGRAM_FORMAT = 3  # format 2 whose dense program takes the pairs (module docstring)
+FORMAT_VERSIONS = (DYNREC_NAMING.format_version, TZREC_NAMING.format_version, PAIR_PROGRAM_FORMAT)
+
+
+def format_version(naming: BundleNaming, *, pair_inputs: bool) -> int:
+    """The manifest's ``format_version`` for a bundle of ``naming`` whose dense program takes
+    the pairs (``pair_inputs``) or not; BundleError for a pair program in dynrec naming."""
+    if not pair_inputs:
+        return naming.format_version
+    if naming.format_version != TZREC_NAMING.format_version:
+        raise BundleError(
+            f"the dense program takes the pair inputs (bundle format {PAIR_PROGRAM_FORMAT}, "
+            f"tzrec naming), but {naming.id} naming writes format {naming.format_version} for "
+            "servers that predate them; use tzrec naming, or export the program without the "
+            "pairs (train.model.dense_arch.example_inputs(..., pairs=False))"
+        )
+    return PAIR_PROGRAM_FORMAT
 
 
 def naming_of(manifest: dict[str, Any], where: str) -> BundleNaming:
-    """The naming of a bundle from its manifest (format 1: dynrec; 2: its ``"naming"``);
-    BundleError naming ``where`` and the fix otherwise."""
+    """The naming of a bundle from its manifest (format 1: dynrec; 2 and 3: its ``"naming"``,
+    tzrec); BundleError naming ``where`` and the fix otherwise."""
     version = manifest.get("format_version")
     if type(version) is int and version == DYNREC_NAMING.format_version:
         return DYNREC_NAMING
-    if type(version) is not int or version != TZREC_NAMING.format_version:
-        known = sorted({n.format_version for n in NAMINGS.values()})
+    if type(version) is not int or version not in FORMAT_VERSIONS:
+        known = list(FORMAT_VERSIONS)
         raise BundleError(
             f"{where}: format_version {version!r} is not supported (this reader knows {known}); "
             "re-export with this version of the code"
         )
     raw = manifest.get("naming")
     naming = NAMINGS.get(raw) if isinstance(raw, str) else None
-    if naming is None or naming.format_version != version:
+    if naming is None or naming.format_version != TZREC_NAMING.format_version:
         raise BundleError(
             f"{where}: format_version {version} needs 'naming': {TZREC_NAMING.id!r}, got "
             f"{raw!r}; re-export the bundle"

@@ -55,6 +55,11 @@ class Bundle:
     def config_digest(self) -> str:
         return str(self.manifest["config_digest"])
 
+    @property
+    def format_version(self) -> int:
+        """1-3 (:mod:`shared.bundle.naming`); 3: the dense program takes the pair inputs."""
+        return int(self.manifest["format_version"])
+
 
 @dataclass
 class _Tables:
@@ -73,7 +78,10 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _manifest(root: Path) -> tuple[dict[str, Any], BundleNaming]:
     """The checked manifest and the naming it declares (detected here, once)."""
     if not root.is_dir():
-        raise BundleError(f"{root}: no such bundle directory")
+        raise BundleError(
+            f"{root}: no such bundle directory; check the path (the --out of python -m train "
+            "export)"
+        )
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise BundleError(
@@ -82,7 +90,10 @@ def _manifest(root: Path) -> tuple[dict[str, Any], BundleNaming]:
         )
     m = read_json(mpath)
     if m.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{mpath}: format is {m.get('format')!r}, expected {BUNDLE_FORMAT!r}")
+        raise BundleError(
+            f"{mpath}: format is {m.get('format')!r}, expected {BUNDLE_FORMAT!r}; this is not a "
+            "dynrec bundle: write one with python -m train export"
+        )
     naming = naming_of(m, str(mpath))
     types_ = {
         "version": str,
@@ -96,9 +107,11 @@ def _manifest(root: Path) -> tuple[dict[str, Any], BundleNaming]:
     }
     for key, tp in types_.items():
         if not isinstance(m.get(key), tp):
-            raise BundleError(f"{mpath}: key {key!r} is missing or not a {tp.__name__}")
+            raise BundleError(
+                f"{mpath}: key {key!r} is missing or not a {tp.__name__}; re-export the bundle"
+            )
     if not m["shards"]:
-        raise BundleError(f"{mpath}: 'shards' is empty")
+        raise BundleError(f"{mpath}: 'shards' is empty; re-export the bundle")
     for stem in m["shards"]:
         if not isinstance(stem, str) or not naming.is_stem(stem):
             raise BundleError(
@@ -121,7 +134,9 @@ def _manifest(root: Path) -> tuple[dict[str, Any], BundleNaming]:
             and isinstance(info.get("sha256"), str)
         )
         if not ok:
-            raise BundleError(f"{mpath}: bad 'files' entry {name!r}: {info!r}")
+            raise BundleError(
+                f"{mpath}: bad 'files' entry {name!r}: {info!r}; re-export the bundle"
+            )
     return m, naming
 
 
@@ -147,7 +162,10 @@ def read_bundle(path: str | os.PathLike[str], *, verify_checksums: bool = True) 
         used: set[str] = set()
         for entry, info in meta.items():
             if entry in metadata:
-                raise BundleError(f"{root / (stem + '.json')}: entry {entry!r} is in two shards")
+                raise BundleError(
+                    f"{root / (stem + '.json')}: entry {entry!r} is in two shards; re-export the "
+                    "bundle"
+                )
             metadata[entry] = info
             _read_entry(root / f"{stem}.json", entry, info, tensors, fs, naming, found, used)
         orphans = sorted(set(tensors) - used)
@@ -187,8 +205,8 @@ def load_dense_program(bundle: Bundle) -> torch.nn.Module:
     except Exception as err:  # any load failure: name the file
         raise BundleError(
             f"{bundle.dense_program_path}: torch.export.load failed ({type(err).__name__}: "
-            f"{err}); a program with fbgemm ops needs `import fbgemm_gpu` first, and torch "
-            f"{bundle.manifest['producer'].get('torch')} wrote it"
+            f"{err}); torch {bundle.manifest['producer'].get('torch')} wrote it: load it with "
+            "that torch (and fbgemm_gpu installed), or re-export the bundle with this one"
         ) from err
     return program.module()
 
@@ -236,18 +254,21 @@ def _read_entry(
     where = f"{json_path}: entry {entry!r}"
     required = ["name", "dense", "dimension", "dtype", "shape", "is_hashmap"]
     if not isinstance(info, dict) or any(k not in info for k in required):
-        raise BundleError(f"{where}: needs keys {required}, got {info!r}")
+        raise BundleError(f"{where}: needs keys {required}, got {info!r}; re-export the bundle")
     if info["is_hashmap"]:
         for k in ("hashmap_key", "hashmap_value", "hashmap_key_dtype"):
             if k not in info:
-                raise BundleError(f"{where}: is_hashmap entry lacks {k!r}")
+                raise BundleError(f"{where}: is_hashmap entry lacks {k!r}; re-export the bundle")
     name = info["hashmap_value"] if info["is_hashmap"] else info["name"]
     parsed = _entry_table(where, name, bool(info["is_hashmap"]), fs, naming, found)
     table, spec = parsed.table, fs.tables[parsed.table]
     where = f"{json_path}: table {table!r} entry {entry!r}"
     if info["is_hashmap"] != spec.is_dynamic:
         kind = "dynamic" if spec.is_dynamic else "dense"
-        raise BundleError(f"{where}: is_hashmap={info['is_hashmap']} but fg.json says {kind}")
+        raise BundleError(
+            f"{where}: is_hashmap={info['is_hashmap']} but fg.json says {kind}; re-export the "
+            "bundle"
+        )
     values = _tensor(tensors, name, st_path, where)
     used.add(name)
     rows = int(values.shape[0]) if values.dim() == 2 else -1
@@ -268,12 +289,14 @@ def _read_entry(
         )
     if list(keys.shape) != [rows]:
         raise BundleError(
-            f"{where}: metadata/shape mismatch: keys {list(keys.shape)} for {rows} value rows"
+            f"{where}: metadata/shape mismatch: keys {list(keys.shape)} for {rows} value rows; "
+            "re-export the bundle"
         )
     table_parts = found.parts.setdefault(table, {})
     if parsed.rank in table_parts or parsed.rank >= parsed.world:
         raise BundleError(
-            f"{where}: part {parsed.rank} of {parsed.world} is repeated or out of range"
+            f"{where}: part {parsed.rank} of {parsed.world} is repeated or out of range; "
+            "re-export the bundle"
         )
     table_parts[parsed.rank] = (parsed.world, keys, values)
 

@@ -34,7 +34,8 @@ from shared.bundle.layout import (
     sha256,
     write_json,
 )
-from shared.bundle.naming import TZREC_NAMING, BundleNaming, is_shard_file
+from shared.bundle.naming import TZREC_NAMING, BundleNaming, format_version, is_shard_file
+from shared.dense_inputs import PAIR_NAMES, program_input_names
 from shared.features import FeatureSet, TableSpec
 from shared.fg_spec import feature_set_to_dict
 from shared.stale_dirs import remove_stale_dirs
@@ -79,13 +80,16 @@ def write_bundle(
     ``hash_tables``. ``version`` defaults to the UTC creation time (``20250101T120000Z``).
     An existing bundle at ``out_dir`` is replaced only with ``overwrite=True``. ``naming``
     names the files and tensors (:mod:`shared.bundle.naming`): TorchEasyRec's RTP export names
-    (format 2, the default) or ``DYNREC_NAMING`` (format 1, for servers that predate format 2).
+    (format 2, the default) or ``DYNREC_NAMING`` (format 1, for servers that predate format 2);
+    a dense program that takes the pair inputs makes a format 2 bundle format 3
+    (:func:`shared.bundle.naming.format_version`).
     """
     out, program = Path(out_dir), Path(dense_program_path)
     created = time.gmtime()
     version = version if version is not None else time.strftime("%Y%m%dT%H%M%SZ", created)
     _check_arguments(version, config_digest, program, max_shard_bytes)
     extra_json = _jsonable(dict(extra or {}), "extra")
+    fmt = format_version(naming, pair_inputs=program_takes_pairs(program))
     groups = _table_groups(feature_set, dense_tables, hash_tables, naming)
     check_destination(out, overwrite=overwrite)
 
@@ -103,7 +107,7 @@ def write_bundle(
         }
         manifest = {
             "format": BUNDLE_FORMAT,
-            "format_version": naming.format_version,
+            "format_version": fmt,
             **naming.manifest_fields(),
             "version": version,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", created),
@@ -127,7 +131,8 @@ def _check_arguments(version: str, digest: str, program: Path, max_shard_bytes: 
     if not VERSION_RE.match(version):
         raise BundleError(
             f"version {version!r} must be 1-128 characters of A-Z a-z 0-9 . _ : + - "
-            "(it names the model in serving metrics and file names)"
+            "(it names the model in serving metrics and file names); choose another "
+            "(export --version)"
         )
     if not DIGEST_RE.match(digest):
         raise BundleError(
@@ -141,6 +146,18 @@ def _check_arguments(version: str, digest: str, program: Path, max_shard_bytes: 
         )
     if max_shard_bytes < 1:
         raise BundleError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+
+
+def program_takes_pairs(program: Path) -> bool:
+    """Whether the torch.export archive ``program`` takes the pair inputs (bundle format 3)."""
+    try:
+        names = program_input_names(torch.export.load(program))
+    except Exception as err:  # any load failure: name the file
+        raise BundleError(
+            f"dense_program_path {program}: torch.export.load failed ({type(err).__name__}: "
+            f"{err}); write it with torch.export.save(program, path) with this torch"
+        ) from err
+    return set(PAIR_NAMES) <= set(names)
 
 
 def _table_groups(
@@ -184,7 +201,8 @@ def _dense_group(t: TableSpec, weight: torch.Tensor, naming: BundleNaming) -> _G
     if w.dtype != torch.float32 or tuple(w.shape) != (t.num_rows, t.dim):
         raise BundleError(
             f"table {t.name!r}: weight is {w.dtype} {list(w.shape)}, expected float32 "
-            f"[{t.num_rows}, {t.dim}] (num_rows, embedding_dim of the config)"
+            f"[{t.num_rows}, {t.dim}] (num_rows, embedding_dim of the config); export with "
+            "the config the model was trained with"
         )
     name = naming.weight_name(t.name)
     return _Group(t.name, name, {name: w}, _entry_meta(name, w, None))
@@ -216,7 +234,8 @@ def _hash_groups(
         if values.dtype != torch.float32 or tuple(values.shape) != (keys.numel(), t.dim):
             raise BundleError(
                 f"{where}: values are {values.dtype} {list(values.shape)}, expected float32 "
-                f"[{keys.numel()}, {t.dim}] (one row of embedding_dim per key)"
+                f"[{keys.numel()}, {t.dim}] (one row of embedding_dim per key); export with the "
+                "config the model was trained with"
             )
         kname = naming.keys_name(t.name, rank, world)
         vname = naming.values_name(t.name, rank, world)

@@ -311,3 +311,42 @@ def candidate_variants(
         "no clicks": variant(with_clicks, no_clicks),
         "one candidate": variant(many, one_candidate),
     }
+
+
+# --------------------------------------------------------------------------- real dense programs
+
+
+def export_din_program(fs: FeatureSet, path: Path, *, pairs: bool, seed: int = 0) -> Path:
+    """The model's real dense part (:class:`train.model.dense_arch.DenseArch`, small units),
+    exported with the pair inputs (bundle format 3) or without (format 2), same weights."""
+    from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
+
+    torch.manual_seed(seed)
+    lay = dense_layout(fs)
+    arch = DenseArch(lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim, [32, 16], [16, 8], [8])
+    with torch.no_grad():
+        for p in arch.parameters():
+            p.mul_(4.0)  # embeddings are small: spread the logits
+    program = export_dense_arch(arch.eval(), example_inputs(arch, pairs=pairs))
+    torch.export.save(program, path)
+    return path
+
+
+def make_din_bundle(root: Path, fs: FeatureSet, version: str, *, pairs: bool) -> Path:
+    """A bundle with :func:`export_din_program`'s program; the tables depend on ``fs`` only,
+    so the bundles with and without the pairs hold the same model."""
+    program = export_din_program(fs, root / f"dense-{version}.pt2", pairs=pairs)
+    keys = {t.name: KEYS_PER_TABLE for t in fs.dynamic_tables}
+    return write_synthetic_bundle(
+        root / "bundles" / version, fs, keys=keys, program_path=program, version=version, seed=5
+    )
+
+
+@pytest.fixture(scope="session")
+def din_bundles(fs: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(format 2 bundle, format 3 bundle) of the same DenseArch model and tables."""
+    root = tmp_path_factory.mktemp("din")
+    return (
+        make_din_bundle(root, fs, "din-f2", pairs=False),
+        make_din_bundle(root, fs, "din-f3", pairs=True),
+    )

@@ -66,6 +66,22 @@ def test_batch_rows_default_by_device_and_process_flags(tmp_path: Path) -> None:
     assert cfg.reuse_port and cfg.switch_interval_s == 0.0005
 
 
+def test_cuda_graphs_flag(tmp_path: Path) -> None:
+    from serve.graphs import default_buckets
+    from serve.server import PredictionServer
+
+    base = ["--model-dir", str(tmp_path)]
+    cuda = config_from_args(parse_args([*base, "--device", "cuda", "--max-candidates", "500"]))
+    off = config_from_args(parse_args([*base, "--device", "cuda", "--cuda-graphs", "off"]))
+    cpu = config_from_args(parse_args([*base, "--device", "cpu"]))
+    assert (cuda.cuda_graphs, off.cuda_graphs, cpu.cuda_graphs) == (True, False, True)
+    assert PredictionServer(cuda).graph_buckets() == default_buckets(DEFAULT_BATCH_ROWS["cuda"])
+    assert PredictionServer(off).graph_buckets() == ()
+    assert PredictionServer(cpu).graph_buckets() == ()  # graphs are for CUDA only
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--cuda-graphs", "maybe"])
+
+
 def test_cli_serves_then_stops_on_sigterm(bundle_v1: Path) -> None:
     cmd = [sys.executable, "-m", "serve", "--bundle", str(bundle_v1), "--port", "0"]
     proc = subprocess.Popen(

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ from shared.bundle import (
     read_manifest,
     write_bundle,
 )
+from shared.bundle.naming import PAIR_PROGRAM_FORMAT
 from shared.config import config_digest, parse_config
+from shared.dense_inputs import PAIR_INPUT_NAMES
 from shared.features import (
     CONSTANT_ZERO,
     DynamicTableSpec,
@@ -83,6 +86,33 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny torch.export program standing in for the dense part."""
     path = tmp_path_factory.mktemp("program") / "dense.pt2"
     torch.export.save(torch.export.export(Toy(), (torch.ones(3, 4),)), path)
+    return path
+
+
+class PairToy(torch.nn.Module):
+    """Takes the inputs of a format 3 dense program (shared.dense_inputs.PAIR_INPUT_NAMES)."""
+
+    def forward(
+        self,
+        user_deep: torch.Tensor,
+        item_deep: torch.Tensor,
+        query: torch.Tensor,
+        seq_values: torch.Tensor,
+        seq_lengths: torch.Tensor,
+        user_index: torch.Tensor,
+        pair_segment: torch.Tensor,
+        pair_element: torch.Tensor,
+    ) -> torch.Tensor:  # [B]
+        return item_deep.sum(1) + user_deep[user_index].sum(1) + query.sum(1)
+
+
+@pytest.fixture(scope="module")
+def pair_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny program with the pair inputs: it makes a tzrec bundle format 3."""
+    path = tmp_path_factory.mktemp("pair_program") / "dense.pt2"
+    kwargs = {n: torch.ones(3, 2) for n in PAIR_INPUT_NAMES}
+    kwargs.update({n: torch.zeros(3, dtype=torch.int64) for n in PAIR_INPUT_NAMES[4:]})
+    torch.export.save(torch.export.export(PairToy(), (), kwargs=kwargs), path)
     return path
 
 
@@ -303,9 +333,26 @@ GOLDEN_TABLES = {
     "user_id_emb": {"is_hashmap": True, "dimension": 2, "rows": 3, "parts": 2},
     "pid_emb": {"is_hashmap": False, "dimension": 2, "rows": 3, "parts": 1},
 }
+# which: (naming, shard stem, shard metadata, manifest naming fields, format_version, pairs)
 GOLDEN_NAMINGS = {
-    "tzrec": (TZREC_NAMING, "model-000000-of-000001", GOLDEN_TZREC_METADATA, {"naming": "tzrec"}),
-    "dynrec": (DYNREC_NAMING, "model-00000-of-00001", GOLDEN_FORMAT_1_METADATA, {}),
+    "tzrec": (
+        TZREC_NAMING,
+        "model-000000-of-000001",
+        GOLDEN_TZREC_METADATA,
+        {"naming": "tzrec"},
+        2,
+        False,
+    ),
+    # format 3 = format 2 with a dense program that takes the pair inputs: the same files
+    "tzrec+pairs": (
+        TZREC_NAMING,
+        "model-000000-of-000001",
+        GOLDEN_TZREC_METADATA,
+        {"naming": "tzrec"},
+        3,
+        True,
+    ),
+    "dynrec": (DYNREC_NAMING, "model-00000-of-00001", GOLDEN_FORMAT_1_METADATA, {}, 1, False),
 }
 
 
@@ -320,8 +367,10 @@ def _golden_tensors() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("which", list(GOLDEN_NAMINGS))
-def test_golden_metadata_and_manifest(tmp_path: Path, program: Path, which: str) -> None:
-    naming, shard, golden, naming_fields = GOLDEN_NAMINGS[which]
+def test_golden_metadata_and_manifest(
+    tmp_path: Path, program: Path, pair_program: Path, which: str
+) -> None:
+    naming, shard, golden, naming_fields, version, pairs = GOLDEN_NAMINGS[which]
     fs = _golden_fs()
     g = _golden_tensors()
     before = time.time()
@@ -330,7 +379,7 @@ def test_golden_metadata_and_manifest(tmp_path: Path, program: Path, which: str)
         dense_tables={"pid_emb": g["pid"]},
         hash_tables={"user_id_emb": [(g["keys0"], g["vals0"]), (g["keys1"], g["vals1"])]},
         feature_set=fs,
-        dense_program_path=program,
+        dense_program_path=pair_program if pairs else program,
         config_digest="ab" * 32,
         version="v1",
         extra={"step": 7},
@@ -353,7 +402,7 @@ def test_golden_metadata_and_manifest(tmp_path: Path, program: Path, which: str)
     created = manifest.pop("created_at")
     assert manifest == {
         "format": "dynrec-bundle",
-        "format_version": naming.format_version,
+        "format_version": version,
         **naming_fields,  # format 1 has no "naming": its manifest is as it always was
         "version": "v1",
         "config_digest": "ab" * 32,
@@ -389,6 +438,7 @@ def test_golden_metadata_and_manifest(tmp_path: Path, program: Path, which: str)
         assert torch.equal(f.get_tensor(weight), g["pid"])
     b = read_bundle(out)
     assert b.naming == naming
+    assert b.format_version == version
     assert torch.equal(b.hash_tables["user_id_emb"][0], torch.tensor([4, 8, 5]))
     prefix = C if naming == TZREC_NAMING else ""
     dense_prefix = f"{C}.embedding_bags" if naming == TZREC_NAMING else ""
@@ -624,7 +674,9 @@ def test_names_must_follow_the_declared_naming(tmp_path: Path, program: Path) ->
 @pytest.mark.parametrize(
     ("head", "match"),
     [
-        ({"format_version": 3}, "format_version 3 is not supported (this reader knows [1, 2])"),
+        ({"format_version": 4}, "format_version 4 is not supported (this reader knows [1, 2, 3])"),
+        ({"format_version": 3}, "format_version 3 needs 'naming': 'tzrec', got None"),
+        ({"format_version": 3, "naming": "dynrec"}, "needs 'naming': 'tzrec', got 'dynrec'"),
         ({"format_version": True}, "format_version True is not supported"),
         ({"format_version": 2}, "format_version 2 needs 'naming': 'tzrec', got None"),
         ({"format_version": 2, "naming": "dynrec"}, "needs 'naming': 'tzrec', got 'dynrec'"),
@@ -642,6 +694,24 @@ def test_format_version_and_naming_are_checked(
         read_manifest(root)
     with pytest.raises(BundleError, match=re.escape(match)):
         read_bundle(root)
+
+
+def test_pair_program_needs_tzrec_naming(tmp_path: Path, pair_program: Path) -> None:
+    """Format 1 readers predate the pair inputs: a pair program is refused in dynrec naming."""
+    with pytest.raises(BundleError, match="use tzrec naming, or export the program without"):
+        _write(tmp_path / "v1", pair_program, naming=DYNREC_NAMING)
+    assert not (tmp_path / "v1").exists()
+    out = _write(tmp_path / "v3", pair_program)
+    assert read_manifest(out)["format_version"] == PAIR_PROGRAM_FORMAT
+    assert read_bundle(out).naming == TZREC_NAMING
+
+
+def test_program_must_load(tmp_path: Path) -> None:
+    not_a_program = tmp_path / "dense.pt2"
+    with zipfile.ZipFile(not_a_program, "w") as z:
+        z.writestr("x/readme.txt", "not a program")
+    with pytest.raises(BundleError, match="torch.export.load failed"):
+        _write(tmp_path / "b", not_a_program)
 
 
 def test_naming_object() -> None:

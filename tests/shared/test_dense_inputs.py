@@ -1,9 +1,23 @@
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 from serve.model import synthetic_batch
-from shared.dense_inputs import assemble_dense_inputs, dense_layout, pool, pool_many
+from shared.dense_inputs import (
+    INPUT_NAMES,
+    PAIR_INPUT_NAMES,
+    assemble_dense_inputs,
+    batch_pairs,
+    dense_layout,
+    pair_index,
+    pair_index_torch,
+    pool,
+    pool_many,
+    program_input_names,
+    takes_pairs,
+)
 from shared.features import feature_set_from_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +67,90 @@ def test_assemble_concatenates_in_layout_order() -> None:
     assert x["seq_lengths"].tolist() == [2, 1] and x["user_index"].tolist() == [0, 1, 0]
     assert x["user_deep"][0, ::16].tolist() == [pooled[n][0, 0].item() for n in lay.user_deep]
     assert x["seq_values"][0, ::16].tolist() == [100.0, 101.0, 102.0]
+
+
+# --------------------------------------------------------------------------- the pairs
+
+PAIR_CASES = [
+    ([2, 0, 1], [0, 0, 2, 1]),  # the module docstring's example
+    ([5], [0] * 7),  # one user, many candidates (U != B)
+    ([0, 0], [1, 0, 1]),  # only empty sequences: N = 0
+    ([3, 0, 4], [1]),  # B = 1, an empty sequence
+    ([4, 1], []),  # B = 0
+    ([], []),  # U = B = 0
+]
+
+
+def _loop_pairs(lengths: list[int], user_index: list[int]) -> tuple[list[int], list[int]]:
+    """The definition spelt out: by candidate, then by element of its user's sequence."""
+    start = [sum(lengths[:u]) for u in range(len(lengths))]
+    seg, elem = [], []
+    for b, u in enumerate(user_index):
+        for i in range(lengths[u]):
+            seg.append(b)
+            elem.append(start[u] + i)
+    return seg, elem
+
+
+@pytest.mark.parametrize(("lengths", "user_index"), PAIR_CASES)
+def test_pair_index_numpy_and_torch_follow_the_definition(
+    lengths: list[int], user_index: list[int]
+) -> None:
+    want = _loop_pairs(lengths, user_index)
+    seg, elem = pair_index(np.array(lengths, np.int64), np.array(user_index, np.int64))
+    assert (seg.dtype, elem.dtype) == (np.int64, np.int64)
+    assert (seg.tolist(), elem.tolist()) == want
+    tseg, telem = pair_index_torch(
+        torch.tensor(lengths, dtype=torch.int64), torch.tensor(user_index, dtype=torch.int64)
+    )
+    assert (tseg.dtype, telem.dtype) == (torch.int64, torch.int64)
+    assert (tseg.tolist(), telem.tolist()) == want
+
+
+def test_pair_index_on_random_jagged_batches() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        u = int(rng.integers(1, 9))
+        lengths = rng.integers(0, 6, size=u) * (rng.random(u) < 0.7)  # about 30 % empty
+        user_index = rng.integers(0, u, size=int(rng.integers(1, 20)))
+        want = _loop_pairs(lengths.tolist(), user_index.tolist())
+        seg, elem = pair_index(lengths, user_index)
+        assert (seg.tolist(), elem.tolist()) == want
+
+
+def test_pair_index_refuses_a_user_index_out_of_range() -> None:
+    with pytest.raises(IndexError):
+        pair_index(np.array([1, 2]), np.array([0, 2]))
+
+
+def test_batch_pairs_and_assembled_inputs() -> None:
+    batch = synthetic_batch(FS, 3, 7, [2, 0, 3])
+    lay = dense_layout(FS)
+    seg, elem = batch_pairs(batch, lay)
+    lengths = [2, 0, 3]
+    assert (seg.tolist(), elem.tolist()) == _loop_pairs(lengths, batch.user_index.tolist())
+    pooled = {n: torch.zeros(3 if n in lay.user_deep else 7, 16) for n in FS.features}
+    sequences = {n: torch.zeros(5, 16) for n in lay.sequence}
+    pairs = (torch.from_numpy(seg), torch.from_numpy(elem))
+    inputs = assemble_dense_inputs(FS, batch, pooled, sequences, layout=lay, pairs=pairs)
+    assert tuple(inputs) == PAIR_INPUT_NAMES
+    assert inputs["pair_segment"] is pairs[0] and inputs["pair_element"] is pairs[1]
+    assert tuple(assemble_dense_inputs(FS, batch, pooled, sequences)) == INPUT_NAMES
+
+
+class _Six(torch.nn.Module):
+    def forward(self, user_deep: torch.Tensor, item_deep: torch.Tensor) -> torch.Tensor:
+        return item_deep.sum(1) + user_deep.sum()
+
+
+def test_program_input_names_of_keyword_and_positional_programs() -> None:
+    x = {"user_deep": torch.ones(2, 3), "item_deep": torch.ones(3, 2)}
+    keyword = torch.export.export(_Six(), (), kwargs=x)
+    positional = torch.export.export(_Six(), (x["user_deep"], x["item_deep"]))
+    assert program_input_names(keyword) == ("user_deep", "item_deep")
+    assert program_input_names(keyword.module()) == ("user_deep", "item_deep")
+    assert program_input_names(positional) == ()
+    assert program_input_names(torch.nn.Linear(2, 2)) == ()
+    assert takes_pairs(PAIR_INPUT_NAMES) and not takes_pairs(INPUT_NAMES) and not takes_pairs(())
+    with pytest.raises(ValueError, match="neither"):
+        takes_pairs(("user_deep", "item_deep"))

@@ -1,5 +1,6 @@
 """Checkpoint → bundle → offline scorer: the bundle alone reproduces the trained model, in
-TorchEasyRec's names (the default) and in ours of format 1 alike."""
+TorchEasyRec's names with a program taking the pairs (format 3, the default) and in ours of
+format 1 (program without them) alike."""
 
 from __future__ import annotations
 
@@ -115,6 +116,9 @@ def test_tzrec_named_bundle_serves_and_scores_like_ours(
     a = LoadedModel.load(tzrec, device="cpu", warmup_rounds=0)
     b = LoadedModel.load(ours, device="cpu", warmup_rounds=0)
     assert (a.bundle.naming, b.bundle.naming) == (TZREC_NAMING, DYNREC_NAMING)
+    # format 3: the program takes the pairs; format 1 servers predate them, so no pairs there
+    assert (a.bundle.format_version, b.bundle.format_version) == (3, 1)
+    assert (a.program.takes_pairs, b.program.takes_pairs) == (True, False)
     assert a.bundle.manifest["tables"] == b.bundle.manifest["tables"]
     for name, (keys, values) in a.bundle.hash_tables.items():
         assert torch.equal(keys, b.bundle.hash_tables[name][0])

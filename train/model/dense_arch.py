@@ -9,16 +9,24 @@ once for all of its candidate rows (user tiling; in training U == B and user_ind
     seq_values  [T, Dq]   concat of the sequence sub-feature embeddings (group order), jagged
     seq_lengths [U] int64 elements per user (sum = T)
     user_index  [B] int64 user row of each candidate row
+    pair_segment [N] int64 candidate row of each (candidate, element) pair   (optional, both
+    pair_element [N] int64 its row in seq_values                              or neither)
     -> logits   [B]
 
 Training may pass ``user_index=None`` to the module (not to the exported program) to say that
 every candidate row is its own user (U == B, ``user_index = arange(B)``): the same function,
 computed without the DIN's host sync and pair expansion (:meth:`JaggedDIN.forward_own_users`).
+Given the pairs (:func:`shared.dense_inputs.pair_index` of seq_lengths and user_index, which
+the serving host computes), the module has no host sync and no data-dependent shape either.
 
 :func:`shared.dense_inputs.dense_layout` says which features go where and their widths, and
 :func:`shared.dense_inputs.assemble_dense_inputs` builds these inputs from looked-up embeddings.
-:func:`export_dense_arch` turns the module into a ``torch.export`` program with dynamic U, B and
-T (pure torch ops, so it loads without fbgemm), called with the inputs as keywords::
+:func:`export_dense_arch` turns the module into a ``torch.export`` program with dynamic U, B, T
+and N (pure torch ops, so it loads without fbgemm), called with the inputs as keywords;
+its example says whether it takes the pairs (``example_inputs(arch, pairs=True)``:
+:data:`~shared.dense_inputs.PAIR_INPUT_NAMES`, bundle format 3, capturable in a CUDA graph) or
+has the six inputs of format 1 and 2 programs (the default; the DIN then reads the pair count
+back inside the program)::
 
     program = load_dense_program(bundle_dir, device="cuda").module()
     logits = program(**inputs)                                   # [B]
@@ -41,7 +49,7 @@ from torch.export import Dim, ExportedProgram
 
 from protos import pipeline_pb2
 from shared.config import ConfigError
-from shared.dense_inputs import INPUT_NAMES, dense_layout
+from shared.dense_inputs import INPUT_NAMES, PAIR_INPUT_NAMES, dense_layout, pair_index
 from shared.features import FeatureSet, GroupType
 from train.model.din import JaggedDIN
 from train.model.mlp import MLP, MLPConfig
@@ -200,10 +208,21 @@ class DenseArch(nn.Module):
         seq_values: torch.Tensor,
         seq_lengths: torch.Tensor,
         user_index: torch.Tensor | None,
+        pair_segment: torch.Tensor | None = None,
+        pair_element: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # user_deep: [U, Du]; item_deep: [B, Di]; query: [B, Dq]; seq_values: [T, Dq]
         # seq_lengths: [U] int64; user_index: [B] int64, or None for arange(B) (training,
         # U == B: the DIN's fast path, no host sync; see JaggedDIN.forward_own_users)
+        # pair_segment, pair_element: [N] int64, both or neither (see the module docstring)
+        if (pair_segment is None) != (pair_element is None):
+            raise ValueError(
+                "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
+                "neither"
+            )
+        pairs = (
+            None if pair_segment is None or pair_element is None else (pair_segment, pair_element)
+        )
         if user_index is None:
             if user_deep.shape[0] != item_deep.shape[0]:
                 raise ValueError(
@@ -214,7 +233,7 @@ class DenseArch(nn.Module):
         else:
             deep_in = torch.cat([user_deep[user_index], item_deep], dim=1)  # [B, Du + Di]
         deep = self.tower(deep_in)  # [B, tower_out]
-        din = self.din(query, seq_values, seq_lengths, user_index)  # [B, Dq]
+        din = self.din(query, seq_values, seq_lengths, user_index, pairs)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]
         return self.output(h).squeeze(1)  # [B]
 
@@ -223,28 +242,44 @@ class DenseArch(nn.Module):
 
 
 def example_inputs(
-    arch: DenseArch, lengths: Sequence[int] = (3, 0, 5), user_index: Sequence[int] = (0, 1, 2, 2)
+    arch: DenseArch,
+    lengths: Sequence[int] = (3, 0, 5),
+    user_index: Sequence[int] = (0, 1, 2, 2),
+    *,
+    pairs: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Random inputs of the right widths; the defaults suit :func:`export_dense_arch`."""
+    """Random inputs of the right widths; the defaults suit :func:`export_dense_arch`.
+    ``pairs``: with the pair inputs (:data:`~shared.dense_inputs.PAIR_INPUT_NAMES`, what
+    :func:`train.export.export_bundle` exports), else the six inputs of programs of bundle
+    formats 1 and 2."""
     c = arch.config
     lens = torch.tensor(list(lengths), dtype=torch.int64)
-    u, b, t = len(lens), len(user_index), int(lens.sum())
-    return {
+    users = torch.tensor(list(user_index), dtype=torch.int64)
+    u, b, t = len(lens), len(users), int(lens.sum())
+    example = {
         "user_deep": torch.randn(u, c.user_deep_dim),
         "item_deep": torch.randn(b, c.item_deep_dim),
         "query": torch.randn(b, c.seq_dim),
         "seq_values": torch.randn(t, c.seq_dim),
         "seq_lengths": lens,
-        "user_index": torch.tensor(list(user_index), dtype=torch.int64),
+        "user_index": users,
     }
+    if pairs:
+        seg, elem = pair_index(lens.numpy(), users.numpy())
+        example["pair_segment"] = torch.from_numpy(seg)
+        example["pair_element"] = torch.from_numpy(elem)
+    return example
 
 
-def _check_example(example: dict[str, torch.Tensor]) -> None:
-    if set(example) != set(INPUT_NAMES):
+def _check_example(example: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The example's input names (in program order) after checking its keys, dtypes and sizes."""
+    names = tuple(n for n in PAIR_INPUT_NAMES if n in example)
+    if set(example) != set(names) or names not in (INPUT_NAMES, PAIR_INPUT_NAMES):
         raise ValueError(
-            f"example has keys {sorted(example)}, expected exactly {list(INPUT_NAMES)}"
+            f"example has keys {sorted(example)}, expected exactly {list(INPUT_NAMES)} or, "
+            f"with the pairs, {list(PAIR_INPUT_NAMES)} (example_inputs() gives one)"
         )
-    for key in ("seq_lengths", "user_index"):
+    for key in names[INPUT_NAMES.index("seq_lengths") :]:
         if example[key].dtype != torch.int64:
             raise ValueError(f"example[{key!r}] must be int64, got {example[key].dtype}")
     sizes = {
@@ -252,28 +287,33 @@ def _check_example(example: dict[str, torch.Tensor]) -> None:
         "B": example["item_deep"].shape[0],
         "T": example["seq_values"].shape[0],
     }
+    if "pair_segment" in example:
+        sizes["N"] = example["pair_segment"].shape[0]
     small = {k: v for k, v in sizes.items() if v < 2}
     if small:
         raise ValueError(
             f"example sizes {small} are < 2: torch.export would specialise the program to them; "
-            "use an example with at least 2 users, 2 candidates and 2 sequence elements "
-            "(example_inputs() gives one)"
+            "use an example with at least 2 users, 2 candidates, 2 sequence elements and 2 "
+            "pairs (example_inputs() gives one)"
         )
+    return names
 
 
 def export_dense_arch(module: DenseArch, example: dict[str, torch.Tensor]) -> ExportedProgram:
-    """Export in eval mode with dynamic U (users), B (candidates) and T (sequence elements).
+    """Export in eval mode with dynamic U (users), B (candidates), T (sequence elements) and,
+    with the pairs, N (pairs).
 
-    ``example`` maps :data:`INPUT_NAMES` to tensors with U, B, T >= 2. The program takes the
-    inputs as keywords (``program.module()(**inputs)``; positional calls are refused) and
-    accepts any U, B, T >= 0,
-    including one user with many candidates and empty sequences. The number of
-    (candidate, element) pairs inside the DIN is data dependent; it is carried as an unbacked
-    symbol guarded by a runtime assertion (see :class:`~train.model.din.JaggedDIN`).
+    ``example`` maps :data:`~shared.dense_inputs.PAIR_INPUT_NAMES` (or, for a program of bundle
+    formats 1 and 2, :data:`~shared.dense_inputs.INPUT_NAMES`) to tensors with U, B, T, N >= 2.
+    The program takes the inputs as keywords (``program.module()(**inputs)``; positional calls
+    are refused) and accepts any U, B, T, N >= 0, including one user with many candidates and
+    empty sequences. With the pairs it has no data-dependent shape and no host sync; without,
+    the pair count inside the DIN is data dependent, carried as an unbacked symbol guarded by
+    a runtime assertion (see :class:`~train.model.din.JaggedDIN`).
     """
-    _check_example(example)
+    names = _check_example(example)
     users, batch, total = Dim("U", min=0), Dim("B", min=0), Dim("T", min=0)
-    dynamic_shapes = {
+    dynamic_shapes: dict[str, dict[int, Any]] = {
         "user_deep": {0: users},
         "item_deep": {0: batch},
         "query": {0: batch},
@@ -281,7 +321,10 @@ def export_dense_arch(module: DenseArch, example: dict[str, torch.Tensor]) -> Ex
         "seq_lengths": {0: users},
         "user_index": {0: batch},
     }
-    kwargs = {name: example[name] for name in INPUT_NAMES}
+    if names == PAIR_INPUT_NAMES:
+        pairs = Dim("N", min=0)
+        dynamic_shapes.update(pair_segment={0: pairs}, pair_element={0: pairs})
+    kwargs = {name: example[name] for name in names}
     was_training = module.training
     module.eval()
     try:

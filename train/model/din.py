@@ -10,9 +10,11 @@ For every candidate row b with query q_b and the elements s_1..s_L of its user's
 100 it does ~4 % of the padded work. Sequences are given once per *user* (``seq_lengths`` [U])
 and ``user_index`` [B] maps each candidate row to its user, so serving one user with N candidate
 ads stores the sequence once (user tiling). Everything is plain torch (no fbgemm), and the module
-exports with :func:`torch.export.export` with dynamic B, U and T: the element count of the
-candidate/element expansion is data dependent and is carried as an unbacked symbol (see
-:meth:`JaggedDIN.forward`).
+exports with :func:`torch.export.export` with dynamic B, U and T. The (candidate, element) pairs
+(:func:`shared.dense_inputs.pair_index`) are either given (``pairs=``, N a dynamic input dim: no
+host sync and no data-dependent shape, so the program can be captured in a CUDA graph; what
+serving passes, which knows the lengths on the host) or computed here, their count read back
+from the device (under export an unbacked symbol; see :meth:`JaggedDIN.forward`).
 
 Training fast path: in training every candidate row is its own user (``U == B``,
 ``user_index = arange(B)``). Passing ``user_index=None`` says so, and the forward then needs no
@@ -38,6 +40,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from shared.dense_inputs import Pairs, pair_index_torch
 from train.model.mlp import MLP, MLPConfig
 
 # tzrec masks padded positions with a large negative score before the softmax.
@@ -243,25 +246,22 @@ class JaggedDIN(DINAttention):
         seq_values: torch.Tensor,
         seq_lengths: torch.Tensor,
         user_index: torch.Tensor | None,
+        pairs: Pairs | None = None,
     ) -> torch.Tensor:
         # query: [B, D]; seq_values: [T, D]; seq_lengths: [U] int64, sum = T
         # user_index: [B] int64, or None for arange(B) (training: U == B)
+        # pairs: (pair_segment [N], pair_element [N]) int64, pair_index of seq_lengths and
+        # user_index; None: computed here (one host sync, an unbacked N under torch.export)
         if user_index is None:
+            if pairs is not None:
+                raise ValueError(
+                    "pairs are for user_index given; with user_index=None (one user per "
+                    "candidate row) the pairs are the sequence elements: pass pairs=None"
+                )
             return self.forward_own_users(query, seq_values, seq_lengths)
         self._check(query, seq_values)
-        b = query.shape[0]
-        user_start = _exclusive_cumsum(seq_lengths)  # [U] first element of each user
-        cand_len = seq_lengths[user_index]  # [B] elements of each candidate's user
-        # N = total (candidate, element) pairs: data dependent. Under torch.export this is an
-        # unbacked symbol; the check records that it is a valid size, and output_size lets
-        # repeat_interleave build [N] without a second pass over cand_len.
-        n = cast(int, cand_len.sum().item())
-        torch._check(n >= 0)
-        cand = torch.arange(b, device=query.device)  # [B]
-        seg = torch.repeat_interleave(cand, cand_len, output_size=n)  # [N] candidate of each pair
-        # element of pair j: user_start[u] + (j - first pair of its candidate)
-        shift = user_start[user_index] - _exclusive_cumsum(cand_len)  # [B]
-        elem = torch.arange(n, device=query.device) + shift[seg]  # [N] row in seq_values
+        seg, elem = pair_index_torch(seq_lengths, user_index) if pairs is None else pairs
+        b, n = query.shape[0], seg.shape[0]
 
         s = seq_values[elem]  # [N, D]
         # Split first layer when pairs outnumber candidates + elements (serving: one user's

@@ -1,0 +1,424 @@
+"""Replay a batch's lookups + dense program + sigmoid as one CUDA graph per shape bucket.
+
+Run eagerly, one batch is ~120 kernel launches: 2.4 ms of host launching for 0.66 ms of GPU work.
+A CUDA graph launches them all at once, but it replays fixed shapes from fixed buffers. So the
+host pads each batch up to a *bucket*, copies it into the bucket's input buffer and replays the
+bucket's graph, whose output holds a score for each padded row; the real rows' scores are kept.
+
+A :class:`Bucket` holds up to ``candidates`` real candidate rows (and as many users), each KJT key
+up to one id per row (``elements`` per sequence feature) and ``pairs`` (candidate, element) pairs
+(:func:`shared.dense_inputs.pair_index`). Padding never changes a real score::
+
+    rows    real candidates 0..B-1, then dummies; every dummy candidate's user is the dummy user U
+    users   real users 0..U-1, then the dummy user U (and rows with no bags after it)
+    values  each key's real ids, then PAD_ID (0, a valid row of every table) up to the key's
+            capacity, all in a bag of the first dummy row (user U, candidate B)
+    pairs   the real pairs (pair_segment < B, pair_element < T), then pairs of the dummy
+            candidate B with element 0
+
+Real bags, real sequence rows (first in each key) and real pairs are where they were, so the
+pooled embeddings, the DIN's softmax over each real candidate's pairs and every real score are
+the eager ones (up to float reassociation in kernels of other sizes). The padding ids' lookups are
+left out of the table statistics (:meth:`serve.lookup.EmbeddingTables.discount_padding`).
+
+Graphs are captured off the serving path, when a model is loaded (:meth:`CudaGraphs.capture`, for
+the buckets of :func:`default_buckets` or a configured list), each checked against the eager
+result of its capture batch. A batch runs eagerly when no captured bucket fits it, when its keys
+or tensors are not those the graphs were captured for, or when a bucket's capture failed; each
+reason is counted in :attr:`CudaGraphs.stats` and logged once::
+
+    graphs = CudaGraphs.capture(model, default_buckets(1024))
+    probs = graphs.predict(batch)        # [B] float32 on the CPU, or None: run it eagerly
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from serve.lookup import PAD_ID
+from shared.batch import Batch
+from shared.dense_inputs import batch_pairs
+
+if TYPE_CHECKING:
+    from serve.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# pairs per candidate of the default buckets (about the mean sequence length of its users):
+# a few clicks, tens, up to 100-click sequences; a batch pays for at most 4x its pairs
+DEFAULT_PAIR_RATIOS = (4, 16, 32, 64, 128)
+MAX_DEFAULT_PAIRS = 1 << 20  # no default bucket beyond (its graph would hold GBs of activations)
+CHECK_ATOL = 1e-5  # a captured graph whose replay differs more from eager is not used
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """Capacities of one graph (ordered by cost: pairs, then elements, then candidates)."""
+
+    pairs: int  # (candidate, element) pairs
+    elements: int  # sequence elements (ids per sequence feature)
+    candidates: int  # candidate rows, and users; the graph has one more of each (dummies)
+
+    def __post_init__(self) -> None:
+        if self.candidates < 1 or self.elements < 1 or self.pairs < 1:
+            raise ValueError(f"bucket {self}: candidates, elements and pairs must be >= 1")
+
+
+def default_buckets(
+    max_candidates: int, ratios: Sequence[int] = DEFAULT_PAIR_RATIOS
+) -> tuple[Bucket, ...]:
+    """Candidates 1, 2, 4, ... up to the first power of two >= ``max_candidates``, each with
+    ``pairs = elements = candidates * r`` for r in ``ratios`` (a user's elements each make at
+    least one pair, so elements <= pairs), at most :data:`MAX_DEFAULT_PAIRS` pairs."""
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
+    top = math.ceil(math.log2(max_candidates))
+    out = {
+        Bucket(c * r, c * r, c)
+        for c in (1 << k for k in range(top + 1))
+        for r in ratios
+        if c * r <= MAX_DEFAULT_PAIRS
+    }
+    return tuple(sorted(out))
+
+
+@dataclass
+class GraphStats:
+    """What :class:`CudaGraphs` did: graphs captured, batches replayed, batches run eagerly by
+    reason, and the buckets whose capture failed with why."""
+
+    captures: int = 0
+    replays: int = 0
+    eager: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "eager": dict(self.eager),
+            "failures": dict(self.failures),
+        }
+
+
+def scores(
+    model: LoadedModel, batch: Batch, pairs: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """What a graph holds: lookups + dense program + sigmoid of a batch on the model's device
+    → [B] float32 probabilities there (eager; no host sync for a program taking the pairs)."""
+    return torch.sigmoid(model.program(**model.tables.embed(batch, pairs=pairs)).float())
+
+
+# --------------------------------------------------------------------------- one bucket's buffers
+
+
+@dataclass(frozen=True)
+class _KjtShape:
+    """One KJT of a bucket: its keys, rows (real capacity + 1 dummy) and ids per key."""
+
+    keys: tuple[str, ...]
+    rows: int
+    per_key: int  # id capacity of each key
+
+    @property
+    def offsets(self) -> list[int]:
+        return [k * self.per_key for k in range(len(self.keys) + 1)]
+
+
+class _Buffers:
+    """A bucket's inputs as int64 slots of one pinned host buffer and one device buffer of the
+    same layout: the host fills the slots (numpy), one copy moves them, the graph reads them.
+    On the CPU (tests of the padding) both are one buffer."""
+
+    def __init__(self, shapes: Sequence[_KjtShape], pairs: int, device: torch.device) -> None:
+        sizes = [n for s in shapes for n in (len(s.keys) * s.per_key, len(s.keys) * s.rows)]
+        sizes += [shapes[1].rows, pairs, pairs]  # user_index, pair_segment, pair_element
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=cuda)
+        self.device = self.host.to(device) if cuda else self.host
+        starts = np.cumsum([0, *sizes])
+        flat = self.host.numpy()
+        self.views = [flat[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        self.on_device = list(self.device.split(sizes))
+
+    def copy(self) -> None:
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+
+
+def _fill_kjt(
+    kjt: KeyedJaggedTensor, shape: _KjtShape, values: np.ndarray, lengths: np.ndarray
+) -> list[int]:
+    """Write ``kjt`` padded to ``shape`` into the slots; returns each key's padding ids."""
+    k, rows, real = len(shape.keys), shape.rows, kjt.stride()
+    lens = lengths.reshape(k, rows)
+    lens[:, :real] = kjt.lengths().numpy().reshape(k, real)
+    per_key = kjt.length_per_key()
+    pad = [shape.per_key - n for n in per_key]
+    lens[:, real] = pad  # every padding id in a bag of the first dummy row
+    lens[:, real + 1 :] = 0
+    ids = values.reshape(k, shape.per_key)
+    src, start = kjt.values().numpy(), 0
+    for key, n in enumerate(per_key):
+        ids[key, :n] = src[start : start + n]
+        ids[key, n:] = PAD_ID
+        start += n
+    return pad
+
+
+# --------------------------------------------------------------------------- one bucket's graph
+
+_CAPTURE_STREAMS: dict[str, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One capture stream per device (a stream per capture would strand allocator blocks)."""
+    if str(device) not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[str(device)] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[str(device)]
+
+
+class BucketGraph:
+    """One bucket: its input buffers, the padding of a batch into them (:meth:`fill`, on any
+    device) and, on CUDA, its captured graph and output [candidates + 1]."""
+
+    def __init__(self, model: LoadedModel, bucket: Bucket, keys: Sequence[tuple[str, ...]]):
+        rows = bucket.candidates + 1
+        self.bucket = bucket
+        self.shapes = [
+            _KjtShape(keys[0], rows, rows),
+            _KjtShape(keys[1], rows, rows),
+            _KjtShape(keys[2], rows, bucket.elements),
+        ]
+        self.buffers = _Buffers(self.shapes, bucket.pairs, model.device)
+        fs = model.fs
+        # per KJT key: its table, for the padding left out of the statistics
+        self.tables = [[fs.features[k].table for k in s.keys] for s in self.shapes]
+        self.batch = self._device_batch()
+        self.pairs = (self.buffers.on_device[7], self.buffers.on_device[8])
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def _device_batch(self) -> Batch:
+        slots = self.buffers.on_device
+        kjts = [
+            KeyedJaggedTensor(
+                keys=list(s.keys),
+                values=slots[2 * j],
+                lengths=slots[2 * j + 1],
+                stride=s.rows,
+                length_per_key=[s.per_key] * len(s.keys),
+                offset_per_key=s.offsets,
+            )
+            for j, s in enumerate(self.shapes)
+        ]
+        return Batch(user=kjts[0], item=kjts[1], sequence=kjts[2], user_index=slots[6])
+
+    def fits(self, b: int, u: int, t: int, n: int, per_key: Sequence[Sequence[int]]) -> bool:
+        c = self.bucket.candidates
+        caps = (s.per_key for s in self.shapes)
+        return (
+            b <= c
+            and u <= c
+            and t <= self.bucket.elements
+            and n <= self.bucket.pairs
+            and all(max(lens, default=0) <= cap for lens, cap in zip(per_key, caps, strict=True))
+        )
+
+    def fill(self, batch: Batch, seg: np.ndarray, elem: np.ndarray) -> dict[str, int]:
+        """Pad ``batch`` (host) into the host slots; returns the padding ids per table."""
+        views, padding = self.buffers.views, dict[str, int]()
+        kjts = (batch.user, batch.item, batch.sequence)
+        for j, (kjt, shape) in enumerate(zip(kjts, self.shapes, strict=True)):
+            pad = _fill_kjt(kjt, shape, views[2 * j], views[2 * j + 1])
+            for table, p in zip(self.tables[j], pad, strict=True):
+                padding[table] = padding.get(table, 0) + p
+        b, u, n = batch.batch_size, batch.num_users, seg.shape[0]
+        views[6][:b] = batch.user_index.numpy()
+        views[6][b:] = u  # dummy candidates belong to the dummy user
+        views[7][:n], views[7][n:] = seg, b  # padded pairs: the dummy candidate's
+        views[8][:n], views[8][n:] = elem, 0
+        return padding
+
+    def capture(
+        self, run: Callable[[Batch, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+    ) -> float:
+        """Warm up, capture, replay once: max |replay - eager| (a float).
+
+        The warm-up runs on the current stream (the model's load stream: not the one requests
+        are served on); ``thread_local`` capture lets other threads (the version being served
+        while this one loads) use CUDA meanwhile."""
+        self.buffers.copy()
+        for _ in range(2):  # lookup plans and allocator blocks made before the capture
+            want = run(self.batch, self.pairs)
+        device = self.buffers.device.device
+        stream = _capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end, not torch.cuda.graph(): that one also synchronizes the device,
+        # collects garbage and empties the allocator's cache, which the served version feels
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.out = run(self.batch, self.pairs)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph.replay()
+        self.graph = graph
+        return float((self.out - want).abs().max())
+
+    @torch.inference_mode()  # the buffers were made in inference mode (an in-place copy)
+    def launch(self) -> None:
+        """Copy the filled host slots over and replay the graph (asynchronously)."""
+        assert self.graph is not None, "launch before capture"
+        self.buffers.copy()
+        self.graph.replay()
+
+    def read(self, b: int) -> torch.Tensor:
+        """The scores of the first ``b`` rows, on the CPU (waits for the device)."""
+        assert self.out is not None, "read before capture"
+        return self.out[:b].cpu()
+
+
+# --------------------------------------------------------------------------- the buckets
+
+
+class CudaGraphs:
+    """The captured graphs of one CUDA model and :meth:`predict` through them."""
+
+    def __init__(self, model: LoadedModel, keys: Sequence[tuple[str, ...]]) -> None:
+        self.model = model
+        self.keys = tuple(tuple(k) for k in keys)
+        self.graphs: list[BucketGraph] = []  # sorted by bucket (cost)
+        self.stats = GraphStats()
+        self._logged: set[str] = set()
+
+    @classmethod
+    def capture(cls, model: LoadedModel, buckets: Iterable[Bucket]) -> CudaGraphs:
+        """Capture a graph per bucket for ``model`` (CUDA, a program that takes the pairs),
+        the KJT key orders taken from feature generation's (:func:`serve.model.synthetic_batch`
+        orders keys as :func:`shared.fg.table_to_batch` does). A failed capture leaves its
+        bucket out, with the reason in :attr:`stats` and the log."""
+        from serve.model import synthetic_batch
+
+        if model.device.type != "cuda" or not model.program.takes_pairs:
+            raise ValueError(
+                f"CUDA graphs need a CUDA model whose dense program takes the pairs (bundle "
+                f"format 3); this one is on {model.device}, pairs: {model.program.takes_pairs}"
+            )
+        probe = synthetic_batch(model.fs, 1, 1, (0,))
+        graphs = cls(model, [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)])
+        seg, elem = batch_pairs(probe, model.tables.layout)
+        with torch.inference_mode():
+            for bucket in sorted(set(buckets)):
+                graphs._capture_one(bucket, probe, seg, elem)
+        model.tables.reset_stats()
+        return graphs
+
+    def _capture_one(self, bucket: Bucket, probe: Batch, seg: np.ndarray, elem: np.ndarray) -> None:
+        try:
+            graph = BucketGraph(self.model, bucket, self.keys)
+            graph.fill(probe, seg, elem)
+            diff = graph.capture(self._run)
+            if not diff <= CHECK_ATOL:  # also NaN
+                raise RuntimeError(f"replay differs from eager by {diff} (> {CHECK_ATOL})")
+        except Exception as err:  # noqa: BLE001 - any failure: that bucket runs eagerly
+            reason = f"{type(err).__name__}: {str(err)[:300]}"
+            self.stats.failures[str(bucket)] = reason
+            log.warning(
+                "CUDA graph of %s not captured (%s); its batches run eagerly", bucket, reason
+            )
+            torch.cuda.synchronize(self.model.device)
+            return
+        self.graphs.append(graph)
+        self.stats.captures += 1
+
+    def _run(self, batch: Batch, pairs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return scores(self.model, batch, pairs)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [g.bucket for g in self.graphs]
+
+    def predict(self, batch: Batch, timings: dict[str, float] | None = None) -> torch.Tensor | None:
+        """[B] probabilities on the CPU through the smallest bucket that fits ``batch`` (host
+        tensors, no labels or weights), or None (counted by reason): run it eagerly."""
+        t0 = time.perf_counter()
+        reason = self._refusal(batch)
+        if reason is not None:
+            self._eager(reason)
+            return None
+        seg, elem = batch_pairs(batch, self.model.tables.layout)
+        graph = self._fit(batch, seg.shape[0])
+        if graph is None:
+            self._eager("no bucket fits")
+            return None
+        padding = graph.fill(batch, seg, elem)
+        self.model.tables.discount_padding(padding)
+        t1 = time.perf_counter()
+        graph.launch()
+        t2 = time.perf_counter()
+        out = graph.read(batch.batch_size)
+        t3 = time.perf_counter()
+        self.stats.replays += 1
+        if timings is not None:  # as LoadedModel.predict splits them; h2d: padding + pairs
+            timings.update(h2d=t1 - t0, compute=t2 - t1, sync=t3 - t2)
+        return out
+
+    def _refusal(self, batch: Batch) -> str | None:
+        kjts = (batch.user, batch.item, batch.sequence)
+        if tuple(tuple(k.keys()) for k in kjts) != self.keys:
+            return "key order"
+        if batch.labels is not None or any(k.weights_or_none() is not None for k in kjts):
+            return "labels or weights"
+        if any(t.device.type != "cpu" for k in kjts for t in (k.values(), k.lengths())):
+            return "not on the host"
+        if batch.user_index.device.type != "cpu":
+            return "not on the host"
+        return None
+
+    def bucket_for(self, batch: Batch) -> Bucket | None:
+        """The bucket :meth:`predict` replays ``batch`` in (None: it runs eagerly)."""
+        if self._refusal(batch) is not None:
+            return None
+        graph = self._fit(batch, batch_pairs(batch, self.model.tables.layout)[0].shape[0])
+        return None if graph is None else graph.bucket
+
+    def _fit(self, batch: Batch, pairs: int) -> BucketGraph | None:
+        per_key = [k.length_per_key() for k in (batch.user, batch.item, batch.sequence)]
+        t = max(per_key[2], default=0)  # elements: every sequence feature has T
+        return self._smallest_fit(batch.batch_size, batch.num_users, t, pairs, per_key)
+
+    def _smallest_fit(
+        self, b: int, u: int, t: int, n: int, per_key: Sequence[Sequence[int]]
+    ) -> BucketGraph | None:
+        # graphs are sorted by pairs: skip those with too few, then take the first that fits
+        start = bisect.bisect_left([g.bucket.pairs for g in self.graphs], n)
+        for graph in self.graphs[start:]:
+            if graph.fits(b, u, t, n, per_key):
+                return graph
+        return None
+
+    def _eager(self, reason: str) -> None:
+        """Count (and the first time, log) a batch that runs eagerly."""
+        self.stats.eager[reason] = self.stats.eager.get(reason, 0) + 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info(
+                "a batch runs eagerly (%s); later ones for this reason are only counted", reason
+            )

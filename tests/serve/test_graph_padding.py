@@ -1,0 +1,170 @@
+"""The padding of serve.graphs on the CPU: a batch padded into a bucket's buffers scores its real
+rows as the batch itself does, and the padding ids stay out of the table statistics. (Capture
+and replay need CUDA: tests/serve/test_graphs.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from serve.graphs import Bucket, BucketGraph, CudaGraphs, default_buckets, scores
+from serve.model import LoadedModel, synthetic_batch
+from shared.batch import Batch
+from shared.dense_inputs import batch_pairs
+from shared.features import FeatureSet
+from shared.fg import table_to_batch
+
+
+@pytest.fixture(scope="module")
+def model(din_bundles: tuple[Path, Path]) -> LoadedModel:
+    return LoadedModel.load(din_bundles[1], device="cpu", warmup_rounds=0)
+
+
+def _keys(batch: Batch) -> list[tuple[str, ...]]:
+    return [tuple(k.keys()) for k in (batch.user, batch.item, batch.sequence)]
+
+
+def _padded_scores(model: LoadedModel, batch: Batch, bucket: Bucket) -> torch.Tensor:
+    graph = BucketGraph(model, bucket, _keys(batch))
+    seg, elem = batch_pairs(batch, model.tables.layout)
+    graph.fill(batch, seg, elem)
+    with torch.inference_mode():
+        out = scores(model, graph.batch, graph.pairs)
+    assert out.shape == (bucket.candidates + 1,)
+    return out[: batch.batch_size]
+
+
+def _no_labels(batch: Batch) -> Batch:
+    return Batch(batch.user, batch.item, batch.sequence, batch.user_index)
+
+
+@pytest.mark.parametrize(
+    ("users", "candidates", "lengths", "bucket"),
+    [
+        (1, 1, (0,), Bucket(4, 4, 1)),  # B=1, empty sequence, the smallest bucket
+        (1, 1, (3,), Bucket(64, 64, 8)),  # much padding everywhere
+        (1, 9, (7,), Bucket(64, 64, 16)),  # one user, many candidates: N = 63
+        (3, 5, (0, 4, 1), Bucket(16, 8, 5)),  # B = capacity, T = 5
+        (4, 4, (0, 0, 0, 0), Bucket(4, 4, 4)),  # only empty sequences: N = 0
+    ],
+)
+def test_padded_batch_scores_its_rows_unchanged(
+    model: LoadedModel,
+    fs: FeatureSet,
+    users: int,
+    candidates: int,
+    lengths: tuple[int, ...],
+    bucket: Bucket,
+) -> None:
+    batch = synthetic_batch(fs, users, candidates, lengths)
+    got = _padded_scores(model, batch, bucket)
+    torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
+
+
+def test_padded_request_rows_and_statistics(model: LoadedModel, table: pa.Table) -> None:
+    """Real rows (missing values, empty sequences, hits and misses): the same scores, and after
+    discounting the padding, the same hit and miss counts as the batch run as it is."""
+    batch = _no_labels(table_to_batch(model.fs, table))
+    model.tables.reset_stats()
+    want = model.predict(batch)
+    eager = model.table_stats()
+    model.tables.reset_stats()
+    graph = BucketGraph(model, Bucket(2048, 2048, 64), _keys(batch))
+    seg, elem = batch_pairs(batch, model.tables.layout)
+    padding = graph.fill(batch, seg, elem)
+    assert sum(padding.values()) > 0
+    with torch.inference_mode():
+        got = scores(model, graph.batch, graph.pairs)[: batch.batch_size]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert model.table_stats() != eager  # the padding ids were looked up ...
+    model.tables.discount_padding(padding)
+    assert model.table_stats() == eager  # ... and are left out
+
+
+def test_a_bucket_is_reused_for_smaller_batches(model: LoadedModel, fs: FeatureSet) -> None:
+    """Stale data of a larger batch in the buffers does not leak into a smaller one."""
+    big, small = synthetic_batch(fs, 4, 12, (5, 0, 9, 2)), synthetic_batch(fs, 1, 2, (3,))
+    bucket = Bucket(256, 64, 16)
+    graph = BucketGraph(model, bucket, _keys(big))
+    for batch in (big, small, big):
+        seg, elem = batch_pairs(batch, model.tables.layout)
+        graph.fill(batch, seg, elem)
+        with torch.inference_mode():
+            got = scores(model, graph.batch, graph.pairs)[: batch.batch_size]
+        torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
+
+
+def test_bucket_fit_and_choice(model: LoadedModel, fs: FeatureSet) -> None:
+    keys = _keys(synthetic_batch(fs, 1, 1, (0,)))
+    graphs = CudaGraphs(model, keys)  # on the CPU: its buckets, without captures
+    graphs.graphs = [BucketGraph(model, b, keys) for b in sorted(default_buckets(8, (4, 16)))]
+    small = graphs._smallest_fit(1, 1, 3, 3, [[1], [1], [3]])
+    assert small is not None and small.bucket == Bucket(4, 4, 1)
+    one_user = graphs._smallest_fit(8, 1, 10, 80, [[1], [8], [10]])
+    assert one_user is not None and one_user.bucket == Bucket(128, 128, 8)
+    assert graphs._smallest_fit(9, 1, 1, 9, [[1], [9], [1]]) is None  # more candidates
+    assert graphs._smallest_fit(8, 8, 200, 200, [[1], [8], [25]]) is None  # more pairs
+    assert graphs._smallest_fit(2, 1, 1, 2, [[10], [1], [1]]) is None  # 10 ids of a user key
+    assert graphs.bucket_for(synthetic_batch(fs, 1, 8, (10,))) == Bucket(128, 128, 8)
+    assert graphs.bucket_for(synthetic_batch(fs, 1, 8, (20,))) is None  # 160 pairs
+
+
+def test_batches_that_run_eagerly_are_counted(model: LoadedModel, table: pa.Table) -> None:
+    graphs = CudaGraphs(model, [("x",), ("y",), ("z",)])
+    batch = table_to_batch(model.fs, table)
+    assert graphs.predict(batch) is None
+    assert graphs.stats.eager == {"key order": 1}
+    graphs = CudaGraphs(model, _keys(batch))
+    assert graphs.predict(batch) is None  # labels
+    assert graphs.predict(_no_labels(batch)) is None  # no buckets
+    assert graphs.stats.eager == {"labels or weights": 1, "no bucket fits": 1}
+    assert graphs.stats.as_dict()["replays"] == 0
+
+
+def test_default_buckets() -> None:
+    buckets = default_buckets(1000)
+    assert buckets == tuple(sorted(buckets))
+    assert Bucket(4, 4, 1) in buckets and Bucket(1024 * 128, 1024 * 128, 1024) in buckets
+    assert max(b.candidates for b in buckets) == 1024
+    assert all(b.pairs <= 1 << 20 for b in default_buckets(1 << 14))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Bucket(0, 1, 1)
+
+
+def test_graphs_need_cuda_and_the_pairs(model: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        CudaGraphs.capture(model, [Bucket(4, 4, 1)])
+
+
+def test_graph_buckets_on_the_cpu_mean_eager(din_bundles: tuple[Path, Path], fs) -> None:
+    model = LoadedModel.load(din_bundles[1], device="cpu", graph_buckets=[Bucket(4, 4, 1)])
+    assert model.graphs is None and model.graph_stats() is None
+    assert model.predict(synthetic_batch(fs, 1, 1, (2,))).shape == (1,)
+
+
+def test_serving_path_batches_fit_and_score_unchanged(
+    model: LoadedModel, fs: FeatureSet, requests: list
+) -> None:
+    """Batches as the server makes them (requests, row and columnar, concatenated by the
+    batcher) have the key order the graphs are captured for, and pad without a change."""
+    from serve.batcher import concat_batches
+    from serve.limits import Limits
+    from serve.validation import request_inputs
+    from shared.fg_request import request_columns_to_batch
+    from tests.serve.conftest import to_columnar
+
+    parts = [
+        request_columns_to_batch(fs, **vars(request_inputs(r, fs, Limits())))
+        for r in [*requests, *(to_columnar(fs, r) for r in requests)]
+    ]
+    batch = concat_batches(parts)
+    keys = _keys(synthetic_batch(fs, 1, 1, (0,)))
+    graphs = CudaGraphs(model, keys)
+    bucket = Bucket(4096, 4096, 256)
+    graphs.graphs = [BucketGraph(model, bucket, keys)]
+    assert graphs.bucket_for(batch) == bucket
+    got = _padded_scores(model, batch, bucket)
+    torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
