@@ -143,12 +143,22 @@ def end_to_end(config_path: Path, samples: Path, args, device: torch.device) -> 
         )  # fmt: skip
         result = trainer.fit()
     ev = result.final_eval
+    loop = result.loop_times.seconds
+    stepping = result.train_seconds - loop["checkpoint"] - loop["eval"]
+    records = [r for r in result.history if r.get("kind") == "train"]
+    summary = next((r for r in result.history if r.get("kind") == "summary"), {})
     return {
         "samples_per_s": result.samples_per_second,
         "train_seconds": result.train_seconds,
+        # the loop without its checkpoints (save_checkpoints_steps) and evaluations
+        "samples_per_s_without_checkpoints": result.progress.samples / max(stepping, 1e-9),
+        "loop_seconds": loop,
         "steps": result.progress.step,
         "samples": result.progress.samples,
         "num_workers": trainer.num_workers,
+        # the trainer's log windows: does the step slow down as the tables fill?
+        "windows": [{"step": r["step"], "samples_per_s": r["samples_per_s"]} for r in records],
+        "tables": summary.get("tables"),
         "eval": ev.to_dict() if ev is not None else None,
     }
 

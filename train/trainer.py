@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -55,6 +56,7 @@ from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN, sparse_adagrad
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -91,6 +93,24 @@ CUDA_GRAPHS_DEFAULT = True
 
 
 @dataclass
+class LoopTimes:
+    """Seconds of the training loop spent outside the steps: ``input_wait`` (blocked on the
+    next batch: the loader is the bound when this is a large share), ``checkpoint`` and
+    ``eval`` (on their cadences, inside the loop)."""
+
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"input_wait": 0.0, "checkpoint": 0.0, "eval": 0.0}
+    )
+
+    def timed(self, what: str, call: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.seconds[what] += time.perf_counter() - t0
+
+
+@dataclass
 class TrainResult:
     progress: Progress
     final_eval: EvalResult | None
@@ -98,6 +118,7 @@ class TrainResult:
     samples_per_second: float
     checkpoint: Path
     history: list[dict] = field(default_factory=list)
+    loop_times: LoopTimes = field(default_factory=LoopTimes)
 
 
 @dataclass
@@ -411,15 +432,18 @@ class Trainer:
             initial=progress.step,
             disable=not opts.progress_bar or self.rank != 0,
         )
-        for batch, global_rows in self._batches(progress, max_steps):
+        times = LoopTimes()
+        batches = self._batches(progress, max_steps)
+        while (item := times.timed("input_wait", lambda: next(batches, None))) is not None:
+            batch, global_rows = item
             window.add(self._step(batch, global_rows, progress))
             bar.update(1)
             if progress.step % self.log_every == 0:
                 self._log_train(progress, window, bar)
             if self.checkpoint_every and progress.step % self.checkpoint_every == 0:
-                self._save(progress)
+                times.timed("checkpoint", lambda: self._save(progress))
             if opts.eval_every and progress.step % opts.eval_every == 0:
-                self.run_eval(user_counts, progress.step)
+                times.timed("eval", lambda: self.run_eval(user_counts, progress.step))
             if max_steps and progress.step >= max_steps:
                 break
         bar.close()
@@ -427,10 +451,10 @@ class Trainer:
         ckpt = self._save(progress)
         final = self.run_eval(user_counts, progress.step)
         rate = (progress.samples - start_samples) / max(seconds, 1e-9)
-        self._write_summary(progress, seconds, rate)
+        self._write_summary(progress, seconds, rate, times)
         if self.rank == 0:
             self.metrics.plot(self.model_dir / "curves.png")
-        return TrainResult(progress, final, seconds, rate, ckpt, self.metrics.records)
+        return TrainResult(progress, final, seconds, rate, ckpt, self.metrics.records, times)
 
     def _start_progress(self) -> Progress:
         """Where this run starts: the latest checkpoint (``resume``) or step 0 from the start
@@ -516,13 +540,17 @@ class Trainer:
         self.metrics.write(record)
         window.restart(now, progress.samples)
 
-    def _write_summary(self, progress: Progress, seconds: float, rate: float) -> None:
-        """The run's last record: time, throughput, peak memory, tables, CUDA-graph counts."""
+    def _write_summary(
+        self, progress: Progress, seconds: float, rate: float, times: LoopTimes
+    ) -> None:
+        """The run's last record: time (and how much of it the loop spent waiting for input,
+        checkpointing and evaluating), throughput, peak memory, tables, CUDA-graph counts."""
         self.metrics.write(
             {
                 "kind": "summary",
                 "step": progress.step,
                 "train_seconds": seconds,
+                **{f"{k}_seconds": v for k, v in times.seconds.items()},
                 "samples_per_s": rate,
                 "world_size": self.world_size,
                 "samples_per_s_per_rank": rate / self.world_size,
