@@ -142,6 +142,8 @@ def end_to_end(config_path: Path, samples: Path, args, device: torch.device) -> 
             )
         )  # fmt: skip
         result = trainer.fit()
+    backends = {s.backend for s in trainer.model.sparse.dynamic._storages}
+    paths = {k: v for b in backends for k, v in getattr(b, "paths", {}).items()}
     ev = result.final_eval
     loop = result.loop_times.seconds
     stepping = result.train_seconds - loop["checkpoint"] - loop["eval"]
@@ -159,6 +161,7 @@ def end_to_end(config_path: Path, samples: Path, args, device: torch.device) -> 
         # the trainer's log windows: does the step slow down as the tables fill?
         "windows": [{"step": r["step"], "samples_per_s": r["samples_per_s"]} for r in records],
         "tables": summary.get("tables"),
+        "hash_table_paths": paths,  # CudaBackend: which insert/erase paths ran, how often
         "eval": ev.to_dict() if ev is not None else None,
     }
 
