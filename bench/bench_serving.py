@@ -8,8 +8,10 @@ in the same run, with a profile of where the server's time goes.
 Steps (one call, everything under ``--work`` except what lands in ``--out``):
 
 1. A bundle: ``--bundle``, or a synthetic one with ``--keys`` keys over the six dynamic tables
-   (split like the full Taobao vocabularies, dim 16) and the real MultiTowerDIN dense part
-   (untrained: cost does not depend on the weights), as ``bench.bench_startup`` makes it.
+   (split like the full Taobao vocabularies, dim 16) and the seed config's real MultiTowerDIN
+   dense part (random weights: cost does not depend on them) exported with the pair inputs
+   (bundle format 3, :func:`bench.synthetic_bundle.export_seed_program`), so that CUDA servers
+   can replay their batches from CUDA graphs (:mod:`serve.graphs`).
 2. Eval samples for the requests: ``--samples``, or ``python -m train.data all --size small``.
    Requests are real eval rows (user, click sequences, context) with ``--candidates`` ads each
    (``loadtest.requests``), their candidates as ``candidate_columns`` (format ``columnar``) or
@@ -18,16 +20,21 @@ Steps (one call, everything under ``--work`` except what lands in ``--out``):
    request format (rows and columnar, the same requests) the wire parse, validation, feature
    generation and response building; per batch of k requests the
    concatenation, host-to-device copy, lookups + dense program and the copy back, each timed
-   with the device synchronized, and on CUDA a torch.profiler table of one batch (kernel time,
-   launches, host syncs).
+   with the device synchronized, and on CUDA a torch.profiler table of ``predict`` of one batch (one
+   request of ``--candidates``: kernel time, kernel and graph launches, host syncs). On CUDA the
+   profile is made once per ``--cuda-graphs`` value (the same bundle, the model loaded with the
+   server's default graph buckets or none), with the graph stats (captures, replays, batches run
+   eagerly by reason, capture seconds and memory).
 4. Per run (device x workers x candidates x users x switch interval x request format,
    ``--run DEVICE:WORKERS:CANDIDATES:USERS[:SWITCH_MS][:FORMAT]``): ``workers`` server
    processes ``python -m serve --reuse-port`` on one port, then locust (``loadtest.run``, its
-   ``--processes`` load-generator processes, closed loop) for ``--duration`` s. Measured: exact
+   ``--processes`` load-generator processes, closed loop) for ``--duration`` s; a CUDA run is
+   made once per ``--cuda-graphs`` value (``serve --cuda-graphs on|off``). Measured: exact
    percentiles of the raw latencies (whole run and steady state after ``--warmup-s``),
    candidates/s, the server's own stage times (``dynrec_serving_stage_seconds``: validate, fg,
    queue wait, concat, h2d, compute, sync, respond; wall and thread-CPU), batch sizes, CPU cores
-   used by the servers and by the whole machine, GPU utilization (nvidia-smi), and a py-spy
+   used by the servers and by the whole machine, GPU utilization (nvidia-smi), the servers'
+   graph stats (``dynrec_serving_graph_*``: replays, eager batches by reason), and a py-spy
    ``--gil`` profile of the first server process (what holds the GIL, and how often anything
    does), when py-spy is installed. Servers are always stopped (SIGTERM, then SIGKILL).
 
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -83,14 +91,20 @@ def log(msg: str) -> None:
 
 
 def make_bundle(work: Path, keys: int, seed: int = 0) -> tuple[Path, dict[str, Any]]:
-    """A synthetic bundle of the seed config with ``keys`` dynamic keys and the real dense part."""
-    from bench.bench_startup import export_program
-    from bench.synthetic_bundle import keys_per_table, seed_feature_set, write_synthetic_bundle
+    """A synthetic bundle (format 3) of the seed config with ``keys`` dynamic keys and the real
+    dense part taking the pair inputs."""
+    from bench.synthetic_bundle import (
+        export_seed_program,
+        keys_per_table,
+        seed_feature_set,
+        write_synthetic_bundle,
+    )
+    from shared.bundle import read_bundle
 
     fs = seed_feature_set()
     per_table = keys_per_table(fs, keys)
     t0 = time.perf_counter()
-    program, program_kind = export_program(fs, work / "dense.pt2")
+    program = export_seed_program(fs, work / "dense.pt2", pairs=True, seed=seed)
     path = write_synthetic_bundle(
         work / "bundle", fs, keys=per_table, program_path=program, version="bench", seed=seed,
         overwrite=True,
@@ -100,7 +114,8 @@ def make_bundle(work: Path, keys: int, seed: int = 0) -> tuple[Path, dict[str, A
         "synthetic": True,
         "keys_total": sum(per_table.values()),
         "keys_per_table": per_table,
-        "dense_program": program_kind,
+        "dense_program": "MultiTowerDIN dense part (seed config, random weights, pair inputs)",
+        "format_version": read_bundle(path, verify_checksums=False).format_version,
         "build_s": time.perf_counter() - t0,
     }
     return path, info
@@ -150,10 +165,14 @@ def offline_profile(
     candidates: int,
     *,
     torch_threads: int,
+    graph_buckets: Sequence[Any] = (),
     batch_requests: Sequence[int] = (1, 4, 16),
     iters: int = 30,
 ) -> dict[str, Any]:
-    """Per-stage medians of the request path on ``device`` in this process, device synced."""
+    """Per-stage medians of the request path on ``device`` in this process, device synced.
+    ``graph_buckets`` (CUDA): the model replays its batches from CUDA graphs, as a server with
+    ``--cuda-graphs on`` (``predict_unsynced`` and the profile; the other per-batch times are
+    the eager path's pieces, timed one by one)."""
     import torch
 
     from loadtest.requests import (
@@ -172,7 +191,7 @@ def offline_profile(
 
     torch.set_num_threads(torch_threads)
     limits = Limits(max_candidates=max(candidates, 1000))
-    model = LoadedModel.load(bundle, device=device)
+    model = LoadedModel.load(bundle, device=device, graph_buckets=graph_buckets)
     dev = model.device
 
     def sync() -> None:
@@ -183,6 +202,8 @@ def offline_profile(
     out: dict[str, Any] = {
         "device": str(dev),
         "candidates": candidates,
+        "cuda_graphs": model.graphs is not None,
+        "startup_seconds": model.startup.as_dict(),
         "request_bytes_mean": {},
         "per_request_ms": {},  # per request format: parse, validate, fg, respond, host_total
     }
@@ -255,7 +276,9 @@ def offline_profile(
         per_batch[str(k)] = row
     out["per_batch_ms"] = per_batch
     if dev.type == "cuda":
-        out["torch_profiler"] = _torch_profile(model, concat_batches(batches[:4]))
+        out["torch_profiler"] = _torch_profile(model, batches[0])  # one request's batch
+    stats = model.graph_stats()
+    out["graph_stats"] = None if stats is None else stats.as_dict()
     del model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -263,7 +286,8 @@ def offline_profile(
 
 
 def _torch_profile(model: Any, batch: Any) -> dict[str, Any]:
-    """Kernel time vs host time of one predict() (4 requests), launches and host syncs."""
+    """Kernel time vs host time of one predict() of ``batch``, launches and host syncs: a graph
+    replay is one ``cudaGraphLaunch`` for all its kernels (``launches`` counts both kinds)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -296,7 +320,9 @@ def _torch_profile(model: Any, batch: Any) -> dict[str, Any]:
         "batch_rows": int(batch.batch_size),
         "wall_ms": wall * 1e3,
         "device_kernel_ms": kernel_us / 1e3,
-        "kernel_launches": total(lambda k: k in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")),
+        "kernel_launches": (kernels := total(lambda k: k in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))),
+        "graph_launches": (graphs := total(lambda k: k in ("cudaGraphLaunch", "cuGraphLaunch"))),
+        "launches": kernels + graphs,
         "memcpy_calls": total(lambda k: k.startswith("cudaMemcpy")),
         "stream_syncs": total(lambda k: k in ("cudaStreamSynchronize", "cudaDeviceSynchronize")),
         "item_calls": total(lambda k: k in ("aten::item", "aten::_local_scalar_dense")),
@@ -640,6 +666,7 @@ class RunSpec:
     users: int
     switch_interval_ms: float | None
     request_format: str = "columnar"  # candidates as candidate_columns, or "rows" (candidates)
+    cuda_graphs: str | None = None  # CUDA servers: "on" or "off" (serve --cuda-graphs)
 
     @classmethod
     def parse(cls, text: str, default_format: str = "columnar") -> RunSpec:
@@ -666,7 +693,14 @@ class RunSpec:
         s = f"{self.device}-w{self.workers}-c{self.candidates}-u{self.users}"
         if self.switch_interval_ms is not None:
             s += f"-si{self.switch_interval_ms:g}"
-        return f"{s}-{self.request_format}"
+        s += f"-{self.request_format}"
+        return s if self.cuda_graphs is None else f"{s}-graphs-{self.cuda_graphs}"
+
+    def with_graphs(self, choices: Sequence[str]) -> list[RunSpec]:
+        """This run once per ``--cuda-graphs`` choice on CUDA; as it is on the CPU."""
+        if self.device != "cuda":
+            return [self]
+        return [dataclasses.replace(self, cuda_graphs=g) for g in choices]
 
 
 def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, work: Path,
@@ -684,6 +718,8 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         extra += ["--switch-interval-ms", str(spec.switch_interval_ms)]
     if a.max_queue:
         extra += ["--max-queue", str(a.max_queue)]
+    if spec.cuda_graphs is not None:
+        extra += ["--cuda-graphs", spec.cuda_graphs]
     result: dict[str, Any] = {"run": spec.name, **vars(spec), "server_args": extra}
     group = ServerGroup(bundle, spec.device, spec.workers, work, extra)
     cpu = gpu = None
@@ -738,6 +774,7 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         # the load window (first request to last answer): the servers idle outside it
         window = t_last - t_first
         result["server"] = server_profile(_sum(before), _sum(after), window, spec.workers)
+        result["graphs"] = graph_profile(_sum(before), _sum(after))
         result["server"]["requests_per_worker"] = [
             server_profile(b, x)["requests"] for b, x in zip(before, after, strict=True)
         ]
@@ -774,6 +811,36 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
                 sampler.stop()
         result["server_exit_codes"] = group.stop()
     return result
+
+
+def graph_profile(before: dict[Any, float], after: dict[Any, float]) -> dict[str, Any] | None:
+    """The servers' CUDA graph stats over the run (summed over workers): batches replayed and
+    run eagerly (by reason) between two scrapes, graphs captured and their memory; None when
+    the servers have no graphs (CPU, ``--cuda-graphs off``, a program without the pairs)."""
+    p = "dynrec_serving_graph_"
+    if not any(name.startswith(p) for name, _ in after):
+        return None
+
+    def delta(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    eager = {
+        dict(labels)["reason"]: delta(name, labels)
+        for name, labels in after
+        if name == f"{p}eager_batches_total"
+    }
+    replays = delta(f"{p}replays_total")
+    batches = replays + sum(eager.values())
+    return {
+        "replays": replays,
+        "eager": eager,
+        "replayed_fraction": replays / batches if batches else None,
+        "captures": after.get((f"{p}captures", ()), 0.0),
+        "memory_bytes": {
+            kind: after.get((f"{p}memory_bytes", (("kind", kind),)), 0.0)
+            for kind in ("allocated", "reserved")
+        },
+    }
 
 
 def verdict(r: dict[str, Any]) -> str:
@@ -864,9 +931,17 @@ def _offline_table(profiles: dict[str, Any]) -> str:
         if tp:
             lines.append(
                 f"  torch.profiler, one predict of {tp['batch_rows']} rows: wall {tp['wall_ms']:.2f} "
-                f"ms, kernels {tp['device_kernel_ms']:.2f} ms, {tp['kernel_launches']:.0f} launches, "
+                f"ms, kernels {tp['device_kernel_ms']:.2f} ms, {tp['kernel_launches']:.0f} kernel + "
+                f"{tp['graph_launches']:.0f} graph launches, "
                 f"{tp['stream_syncs']:.0f} stream syncs, {tp['memcpy_calls']:.0f} memcpy calls, "
                 f"{tp['item_calls']:.0f} item()"
+            )
+        gs = prof.get("graph_stats")
+        if gs:
+            lines.append(
+                f"  CUDA graphs: {gs['captures']} captured in {gs['capture_seconds']:.2f}s "
+                f"(+{gs['memory_reserved_bytes'] / 2**20:.0f} MiB reserved), {gs['replays']} "
+                f"replays, eager {gs['eager']}, failures {len(gs['failures'])}"
             )
     return "\n".join(lines)
 
@@ -941,6 +1016,14 @@ def _parser() -> Parser:
     p.add_argument(
         "--max-queue", type=int, default=None, help="server admission bound (default: the server's)"
     )
+    p.add_argument(
+        "--cuda-graphs",
+        nargs="+",
+        default=["on", "off"],
+        choices=["on", "off"],
+        help="CUDA runs and offline profiles are made once per value: batches replayed from CUDA "
+        "graphs (serve --cuda-graphs on) or run eagerly (off); default both, to compare",
+    )
     p.add_argument("--no-offline", action="store_true", help="skip the offline profile")
     p.add_argument("--py-spy", default=None, help="py-spy executable (default: found on PATH)")
     p.add_argument("--no-py-spy", action="store_true", help="skip the py-spy GIL profile")
@@ -965,6 +1048,29 @@ def _machine() -> dict[str, Any]:
         out = subprocess.run([sys.executable, "-m", "locust", "--version"], capture_output=True, text=True, timeout=60, env=_env())  # fmt: skip
         info["locust"] = out.stdout.strip().split(" from ")[0]
     return info
+
+
+def _offline_cases(
+    a: argparse.Namespace, devices: Sequence[str]
+) -> list[tuple[str, dict[str, Any]]]:
+    """(name, offline_profile keywords) per device x candidates, CUDA once per --cuda-graphs
+    value with the buckets a server of these settings captures (serve.server's choice)."""
+    from serve.__main__ import DEFAULT_BATCH_ROWS
+    from serve.graphs import default_buckets
+
+    out = []
+    for device, c in itertools.product(devices, a.candidates):
+        threads = a.torch_threads if device == "cuda" else a.cpu_torch_threads
+        base = {"device": device, "candidates": c, "torch_threads": threads}
+        if device != "cuda":
+            out.append((f"{device}-c{c}", base))
+            continue
+        rows = a.max_batch_rows or DEFAULT_BATCH_ROWS["cuda"]
+        buckets = default_buckets(max(rows, c, 1000))  # the servers' --max-candidates
+        for g in a.cuda_graphs:
+            graphs = {"graph_buckets": buckets if g == "on" else ()}
+            out.append((f"{device}-c{c}-graphs-{g}", {**base, **graphs}))
+    return out
 
 
 @contextlib.contextmanager
@@ -993,6 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
         for si in a.switch_interval_ms
         for f in a.formats
     ]
+    specs = [g for s in specs for g in s.with_graphs(a.cuda_graphs)]
     wanted = list(dict.fromkeys(s.device for s in specs))
     devices = [d for d in wanted if d != "cuda" or torch.cuda.is_available()]
     skipped = sorted(set(wanted) - set(devices))
@@ -1031,21 +1138,19 @@ def main(argv: list[str] | None = None) -> int:
         save()
         if not a.no_offline:
             report["offline_profile"] = {}
-            for device in devices:
-                for c in a.candidates:
-                    t = time.perf_counter()
-                    threads = a.torch_threads if device == "cuda" else a.cpu_torch_threads
-                    report["offline_profile"][f"{device}-c{c}"] = prof = offline_profile(
-                        bundle, device, samples, c, torch_threads=threads
-                    )
-                    host = prof["per_request_ms"]
-                    log(
-                        f"offline {device} c{c}: host {host['rows']['host_total']:.2f} ms/request "
-                        f"as rows, {host['columnar']['host_total']:.2f} as columns, "
-                        f"batch x16 {prof['per_batch_ms']['16']['predict_unsynced']:.2f} ms "
-                        f"[{time.perf_counter() - t:.1f}s]"
-                    )
-                    save()
+            for name, kwargs in _offline_cases(a, devices):
+                t = time.perf_counter()
+                report["offline_profile"][name] = prof = offline_profile(
+                    bundle, samples=samples, **kwargs
+                )
+                host = prof["per_request_ms"]
+                log(
+                    f"offline {name}: host {host['rows']['host_total']:.2f} ms/request "
+                    f"as rows, {host['columnar']['host_total']:.2f} as columns, "
+                    f"batch x16 {prof['per_batch_ms']['16']['predict_unsynced']:.2f} ms "
+                    f"[{time.perf_counter() - t:.1f}s]"
+                )
+                save()
         report["runs"] = []
         specs = [s for s in specs if s.device in devices]
         for spec in specs:

@@ -9,7 +9,7 @@
 #     brotli==1.2.1 python-engineio==4.15.1 python-socketio==5.18.1 bidict==0.24.1 \
 #     simple-websocket==1.1.0 wsproto==1.3.2 websocket-client==1.9.2 py-spy==0.4.3
 # (plus grpcio==1.85.3 grpcio-health-checking grpcio-reflection prometheus-client, already in .whl:
-# the generated stubs want grpcio >= 1.85.1). About 6-7 minutes; writes under $OUT:
+# the generated stubs want grpcio >= 1.85.1). About 7-8 minutes; writes under $OUT:
 # bench_serving.json, pyspy_raw.txt, bench_serving.log.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
@@ -17,13 +17,14 @@ export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc
 .site/bin/py-spy --version
-# runs (500 candidates per request; candidates as candidate_columns unless the run says :rows):
-# one GPU server process at 32 closed-loop users with row and with columnar requests (the
-# request format's cost where one process's GIL is the limit), the CPU baseline, GPU with four
-# processes (SO_REUSEPORT), and GPU with eight processes at 64 users (throughput; rows and
-# columnar) and at 8 users (latency). The offline profile compares parse/validate/fg per request
-# of both formats on the same requests.
-timeout "${BENCH_TIMEOUT:-500}" python3 -m bench.bench_serving --out "$OUT" --work /tmp/bench_serving \
-  --run cuda:1:500:32:rows --run cuda:1:500:32 --run cpu:1:500:32 --run cuda:4:500:32 \
-  --run cuda:8:500:64:rows --run cuda:8:500:64 --run cuda:8:500:8 \
-  --duration "${BENCH_DURATION:-20}" --processes 4 "$@" 2>&1 | tee "$OUT/bench_serving.log"
+# runs (500 candidates per request, candidate_columns; a synthetic format 3 bundle of 1.5M keys
+# with the seed config's dense part taking the pairs, so CUDA servers can replay CUDA graphs):
+# each CUDA run twice, --cuda-graphs on and off (the same bundle): one GPU server process at 32
+# closed-loop users, eight processes at 64 users (throughput) and at 8 users (latency); the CPU
+# baseline at 32 users. The offline profile (CUDA graphs on and off, and CPU) gives the kernel
+# and graph launches of predict() of one 500-candidate batch and the graph stats (captures,
+# capture seconds and memory, replays, eager by reason).
+timeout "${BENCH_TIMEOUT:-480}" python3 -m bench.bench_serving --out "$OUT" --work /tmp/bench_serving \
+  --run cuda:1:500:32 --run cuda:8:500:64 --run cuda:8:500:8 --run cpu:1:500:32 \
+  --cuda-graphs on off --duration "${BENCH_DURATION:-15}" --warmup-s 3 --processes 4 "$@" \
+  2>&1 | tee "$OUT/bench_serving.log"

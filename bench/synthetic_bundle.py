@@ -2,10 +2,12 @@
 
 The tables follow a FeatureSet (dense tables with their configured rows, dynamic tables with a
 chosen number of keys each); the dense program is passed in, so tests use a tiny exported
-module and the startup benchmark the real MultiTowerDIN dense part. Example::
+module and the benchmarks the real MultiTowerDIN dense part (:func:`export_seed_program`).
+Example::
 
     fs = seed_feature_set()
     keys = keys_per_table(fs, total=1_500_000)   # split like the full Taobao vocabularies
+    p = export_seed_program(fs, work / "dense.pt2", pairs=True)   # format 3: CUDA graphs
     write_synthetic_bundle(out, fs, keys=keys, program_path=p, version="1", seed=0)
 """
 
@@ -92,6 +94,21 @@ def write_synthetic_bundle(
         version=version,
         overwrite=overwrite,
     )
+
+
+def export_seed_program(fs: FeatureSet, path: Path, *, pairs: bool = True, seed: int = 0) -> Path:
+    """The seed config's real dense part (MultiTowerDIN's :class:`DenseArch`, its configured
+    units) with random weights, exported to ``path``: with the pair inputs (``pairs``, what a
+    format 3 bundle holds and CUDA graphs need) or without (format 2). Cost does not depend on
+    the weights, so benchmarks need no training."""
+    from shared.config import load_config
+    from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
+
+    torch.manual_seed(seed)
+    arch = DenseArch.from_config(fs, load_config(SEED_CONFIG).model_config).eval()
+    program = export_dense_arch(arch, example_inputs(arch, pairs=pairs))
+    torch.export.save(program, path)
+    return path
 
 
 def synthetic_request(

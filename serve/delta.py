@@ -20,6 +20,16 @@ the same checkpoint (tests check it over gRPC). Example::
     path = resolve_delta(Path("/srv/deltas").resolve(), "step-2000")   # DeltaPathError if not
     model, delta = build_with_delta(current, path, label="delta 'step-2000'")
 
+CUDA graphs (:mod:`serve.graphs`): the new model gets the serving model's graph buckets, and its
+warm-up captures its own graphs, over its own tables and program, on the loader thread and
+before the swap. A delta never writes into the served model's tensors (its tables are built anew
+from base + delta, and a same-graph program is a copy with new weights), so the served model's
+graphs keep reading valid tensors until it is dropped, and none is ever replayed over tensors
+its model no longer holds (:class:`serve.graphs.CudaGraphs` refuses to). A future in-place
+delta that writes rows into the live tensors between batches would keep the graphs valid; one
+that replaces a tensor (e.g. a table that grew) must capture the graphs again off the serving
+path before its swap.
+
 The new model's version is ``"<base version>+<delta id>"`` and it remembers every delta applied
 since the base was loaded (``LoadedModel.deltas``; GetModelMetadata and InspectTables return
 them). Because deltas are relative to the base, applying one replaces the previous one's rows.
@@ -35,7 +45,15 @@ from typing import Any
 
 import torch
 
-from serve.model import LoadedModel, StartupTimes, _side_stream, _sync, build_tables, load_program
+from serve.model import (
+    DenseProgram,
+    LoadedModel,
+    StartupTimes,
+    _side_stream,
+    _sync,
+    build_tables,
+    load_program,
+)
 from shared.bundle import BundleError
 from shared.delta import (
     DELTA_MANIFEST,
@@ -134,27 +152,43 @@ def build_with_delta(
         else:
             program = current.base_program
         t3 = time.perf_counter()
-        model = LoadedModel(patched, tables, program, dev, StartupTimes(t1 - t0, 0, 0, 0, 0))
-        _warmup(model, delta, warmup_candidates)
+        model = LoadedModel(
+            patched,
+            tables,
+            program,
+            dev,
+            StartupTimes(t1 - t0, 0, 0, 0, 0, 0),
+            graph_buckets=current.graph_buckets,
+        )
+        _warmup(model, delta, warmup_candidates)  # and the CUDA graphs over the new tables
         _sync(dev)
     t4 = time.perf_counter()
-    model.startup = StartupTimes(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
+    model.startup = StartupTimes.split(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, model=model)
     model.base_bundle = base
     model.base_program = current.base_program
     model.deltas = (*current.deltas, delta.delta_id)
     return model, delta
 
 
-def _delta_program(delta: Delta, dev: torch.device) -> Any:
+def _delta_program(delta: Delta, dev: torch.device) -> DenseProgram:
+    """The delta's program; a DeltaError if it does not load or its inputs are not those its
+    format version says (version 2: the pair inputs, :mod:`shared.delta`)."""
     assert delta.dense_program_path is not None
     try:
-        return load_program(delta.dense_program_path, dev)
+        program = load_program(delta.dense_program_path, dev)
     except BundleError as err:
         cause = err.__cause__ or err
         raise DeltaError(
             f"{delta.where}: {DELTA_PROGRAM}: not a loadable dense program "
             f"({type(cause).__name__}: {str(cause)[:300]}); re-export the delta"
         ) from None
+    if program.takes_pairs != delta.pair_program:
+        raise DeltaError(
+            f"{delta.where}: {DELTA_PROGRAM} takes the pair inputs: {program.takes_pairs}, but "
+            f"the manifest's format_version {delta.format_version} says {delta.pair_program}; "
+            "re-export the delta (delta-export writes both)"
+        )
+    return program
 
 
 def _warmup(model: LoadedModel, delta: Delta, candidates: int) -> None:

@@ -29,6 +29,25 @@ reason is counted in :attr:`CudaGraphs.stats` and logged once::
 
     graphs = CudaGraphs.capture(model, default_buckets(1024))
     probs = graphs.predict(batch)        # [B] float32 on the CPU, or None: run it eagerly
+
+Memory: all graphs of one model are captured into **one** memory pool
+(``torch.cuda.graph_pool_handle()``), so their intermediates share blocks and the pool is about
+the largest graph's activations, not the sum over the buckets. Sharing is safe because no two of
+them ever run at once: replays are issued on one stream, by one thread at a time (under the
+model's lock, :meth:`serve.model.LoadedModel.predict`), and each replay recomputes every
+intermediate from its input buffers before reading it; what outlives a replay is only its
+output, which stays allocated (a block in use is never handed to another capture) and is copied
+to the host right after the replay. Another model version (the next one, loading while this one
+serves) captures into a pool of its own, so the two never share memory. The capture time and
+the memory the graphs took (allocated and reserved, around the captures) are in
+:attr:`CudaGraphs.stats`, the log and the model's startup stage ``graphs``.
+
+Graphs read the tensors they were captured with: the model's tables and dense program. They
+are only valid for the :class:`~serve.lookup.EmbeddingTables` and program object they were
+captured on; a model whose tables or program was replaced runs eagerly (counted as
+``"tables or program replaced"``) until its graphs are captured again. Deltas
+(:mod:`serve.delta`) build a new model with new tables and capture its own graphs before the
+swap, so this never happens on the serving path.
 """
 
 from __future__ import annotations
@@ -55,9 +74,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# pairs per candidate of the default buckets (about the mean sequence length of its users):
-# a few clicks, tens, up to 100-click sequences; a batch pays for at most 4x its pairs
-DEFAULT_PAIR_RATIOS = (4, 16, 32, 64, 128)
+# The default buckets, in one place. Pairs per candidate (the mean sequence length of the batch's
+# users) of 8, 32 and 128 (sequences of the seed config are at most 100 clicks): each step is
+# x4, so a batch pays for at most 4x its pairs (padding), and 3 ratios x 14 candidate sizes (1 to
+# 8192, x2 steps: at most 2x its rows) make 42 graphs. (4, 16, 32, 64, 128) made 70: 2/3 more
+# capture time at load for less padding, while a batch is bound by launches, not by its pairs.
+DEFAULT_PAIR_RATIOS = (8, 32, 128)
 MAX_DEFAULT_PAIRS = 1 << 20  # no default bucket beyond (its graph would hold GBs of activations)
 CHECK_ATOL = 1e-5  # a captured graph whose replay differs more from eager is not used
 
@@ -102,6 +124,9 @@ class GraphStats:
     replays: int = 0
     eager: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    capture_seconds: float = 0.0  # wall time of all captures (and their checks)
+    memory_allocated_bytes: int = 0  # torch.cuda.memory_allocated after - before the captures
+    memory_reserved_bytes: int = 0  # ... memory_reserved: the pool's segments (what it costs)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -109,6 +134,9 @@ class GraphStats:
             "replays": self.replays,
             "eager": dict(self.eager),
             "failures": dict(self.failures),
+            "capture_seconds": self.capture_seconds,
+            "memory_allocated_bytes": self.memory_allocated_bytes,
+            "memory_reserved_bytes": self.memory_reserved_bytes,
         }
 
 
@@ -252,9 +280,12 @@ class BucketGraph:
         return padding
 
     def capture(
-        self, run: Callable[[Batch, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+        self,
+        run: Callable[[Batch, tuple[torch.Tensor, torch.Tensor]], torch.Tensor],
+        pool: torch.cuda._POOL_HANDLE | None = None,
     ) -> float:
-        """Warm up, capture, replay once: max |replay - eager| (a float).
+        """Warm up, capture (into the memory ``pool``, shared by the model's graphs: see the
+        module docstring), replay once: max |replay - eager| (a float).
 
         The warm-up runs on the current stream (the model's load stream: not the one requests
         are served on); ``thread_local`` capture lets other threads (the version being served
@@ -269,7 +300,7 @@ class BucketGraph:
         # capture_begin/end, not torch.cuda.graph(): that one also synchronizes the device,
         # collects garbage and empties the allocator's cache, which the served version feels
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 self.out = run(self.batch, self.pairs)
             except BaseException:
@@ -307,6 +338,11 @@ class CudaGraphs:
         self.graphs: list[BucketGraph] = []  # sorted by bucket (cost)
         self.stats = GraphStats()
         self._logged: set[str] = set()
+        # what the graphs read (module docstring): replays only while the model still has them
+        self._tables, self._program = model.tables, model.program
+        self._pool: torch.cuda._POOL_HANDLE | None = (
+            None  # one memory pool for every capture (CUDA)
+        )
 
     @classmethod
     def capture(cls, model: LoadedModel, buckets: Iterable[Bucket]) -> CudaGraphs:
@@ -323,10 +359,20 @@ class CudaGraphs:
             )
         probe = synthetic_batch(model.fs, 1, 1, (0,))
         graphs = cls(model, [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)])
+        graphs._pool = torch.cuda.graph_pool_handle()
         seg, elem = batch_pairs(probe, model.tables.layout)
+        torch.cuda.current_stream(model.device).synchronize()
+        t0 = time.perf_counter()
+        allocated = torch.cuda.memory_allocated(model.device)
+        reserved = torch.cuda.memory_reserved(model.device)
         with torch.inference_mode():
             for bucket in sorted(set(buckets)):
                 graphs._capture_one(bucket, probe, seg, elem)
+        torch.cuda.current_stream(model.device).synchronize()
+        stats = graphs.stats
+        stats.capture_seconds = time.perf_counter() - t0
+        stats.memory_allocated_bytes = torch.cuda.memory_allocated(model.device) - allocated
+        stats.memory_reserved_bytes = torch.cuda.memory_reserved(model.device) - reserved
         model.tables.reset_stats()
         return graphs
 
@@ -334,7 +380,7 @@ class CudaGraphs:
         try:
             graph = BucketGraph(self.model, bucket, self.keys)
             graph.fill(probe, seg, elem)
-            diff = graph.capture(self._run)
+            diff = graph.capture(self._run, self._pool)
             if not diff <= CHECK_ATOL:  # also NaN
                 raise RuntimeError(f"replay differs from eager by {diff} (> {CHECK_ATOL})")
         except Exception as err:  # noqa: BLE001 - any failure: that bucket runs eagerly
@@ -381,6 +427,8 @@ class CudaGraphs:
         return out
 
     def _refusal(self, batch: Batch) -> str | None:
+        if self.model.tables is not self._tables or self.model.program is not self._program:
+            return "tables or program replaced"
         kjts = (batch.user, batch.item, batch.sequence)
         if tuple(tuple(k.keys()) for k in kjts) != self.keys:
             return "key order"

@@ -8,7 +8,9 @@ not yet answered; the admission bound is ``serve --max-queue``),
 ``queue_depth``, ``expired_requests_total``, ``table_lookups_total{table,result=hit|miss}``,
 ``model_loads_total{result=ok|refused}``, ``model_last_refusal_timestamp_seconds{version}`` (the
 last version refused, and when), ``model_info{version,device}``,
-``startup_seconds{stage}``, and ``stage_seconds{stage,clock}`` (histogram), where serving time
+``startup_seconds{stage}`` (read, table_build, program_load, warmup, graphs, total), the
+current model's CUDA graphs (``graph_replays_total``, ``graph_eager_batches_total{reason}``,
+``graph_captures``, ``graph_memory_bytes{kind=allocated|reserved}``; none without graphs), and ``stage_seconds{stage,clock}`` (histogram), where serving time
 goes: per request in its RPC thread (``validate``, ``fg``, ``wait`` = queue + batch,
 ``respond``), per batch in the batcher thread (``queue_wait`` of its oldest request,
 ``concat``, the model's ``h2d``, ``compute``, ``sync``, and ``batch`` = all of it), each as
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from serve.batcher import BatchStats
@@ -70,6 +72,36 @@ class _TableCollector(Collector):
                     fam.add_metric([s.name, "hit"], s.hits)
                     fam.add_metric([s.name, "miss"], s.misses)
         yield fam
+
+
+class _GraphCollector(Collector):
+    """The current model's CUDA graph stats at scrape time (:class:`serve.graphs.GraphStats`;
+    nothing without graphs). The counters are the model's: they restart at a new version."""
+
+    def __init__(self, current: Callable[[], LoadedModel | None]) -> None:
+        self._current = current
+
+    def collect(self) -> Any:
+        model = self._current()
+        stats = None if model is None else model.graph_stats()
+        if stats is None:
+            return
+        p = "dynrec_serving_graph_"
+        replays = CounterMetricFamily(f"{p}replays", "Batches replayed from a CUDA graph")
+        replays.add_metric([], stats.replays)
+        eager = CounterMetricFamily(
+            f"{p}eager_batches", "Batches run eagerly, by reason", labels=["reason"]
+        )
+        for reason, n in stats.eager.items():
+            eager.add_metric([reason], n)
+        captures = GaugeMetricFamily(f"{p}captures", "CUDA graphs captured (buckets)")
+        captures.add_metric([], stats.captures)
+        memory = GaugeMetricFamily(
+            f"{p}memory_bytes", "Device memory the graphs took at capture", labels=["kind"]
+        )
+        memory.add_metric(["allocated"], stats.memory_allocated_bytes)
+        memory.add_metric(["reserved"], stats.memory_reserved_bytes)
+        yield from (replays, eager, captures, memory)
 
 
 class ServingMetrics:
@@ -140,6 +172,7 @@ class ServingMetrics:
         )
         self._stages: dict[tuple[str, str], Any] = {}
         r.register(_TableCollector(current_model))
+        r.register(_GraphCollector(current_model))
         self._http: Any = None
 
     def _stage(self, stage: str, clock: str) -> Any:

@@ -1,7 +1,7 @@
 """A loaded model version: bundle → device tables + dense program, warmed up, ready to predict.
 
 :meth:`LoadedModel.load` times each startup stage (read, table_build, program_load, warmup,
-total), logs the split and keeps it in :attr:`LoadedModel.startup` (served by GetModelMetadata and
+graphs, total), logs the split and keeps it in :attr:`LoadedModel.startup` (served by GetModelMetadata and
 the metrics). :meth:`LoadedModel.predict` is the whole request path after feature generation::
 
     model = LoadedModel.load("exports/v3", device="cuda")
@@ -11,7 +11,7 @@ A dense program that takes the (candidate, element) pairs (bundle format 3, told
 names: :class:`DenseProgram`) gets them computed on the host and moved with the batch's one copy;
 one without them (formats 1 and 2) computes them itself, reading their count back. On CUDA,
 ``graph_buckets`` (``LoadedModel.load(..., graph_buckets=default_buckets(1024))``) makes the
-warm-up capture a CUDA graph per bucket, and :meth:`LoadedModel.predict` replays the batches
+warm-up capture a CUDA graph per bucket (startup stage ``graphs``), and :meth:`LoadedModel.predict` replays the batches
 that fit one (:mod:`serve.graphs`); the others run eagerly.
 """
 
@@ -50,19 +50,39 @@ from shared.features import FeatureSet, Side
 
 log = logging.getLogger(__name__)
 
-STAGES = ("read", "table_build", "program_load", "warmup", "total")
+STAGES = ("read", "table_build", "program_load", "warmup", "graphs", "total")
 
 
 @dataclass(frozen=True)
 class StartupTimes:
     """Seconds per startup stage. The program loads while the bundle is read and the tables are
-    built (a thread of its own), so ``total`` (wall time to ready) is less than the sum."""
+    built (a thread of its own), so ``total`` (wall time to ready) is less than the sum.
+    ``warmup`` is the eager warm-up, ``graphs`` the capture of the CUDA graphs after it (0
+    without graphs)."""
 
     read: float
     table_build: float
     program_load: float
     warmup: float
+    graphs: float
     total: float
+
+    @classmethod
+    def split(
+        cls,
+        read: float,
+        table_build: float,
+        program_load: float,
+        warmup: float,
+        total: float,
+        *,
+        model: LoadedModel,
+    ) -> StartupTimes:
+        """The stages, with ``warmup`` (eager warm-up + captures) split into warm-up and the
+        graphs' capture time (:attr:`~serve.graphs.GraphStats.capture_seconds`)."""
+        stats = model.graph_stats()
+        graphs = 0.0 if stats is None else stats.capture_seconds
+        return cls(read, table_build, program_load, max(warmup - graphs, 0.0), graphs, total)
 
     def as_dict(self) -> dict[str, float]:
         return {s: float(getattr(self, s)) for s in STAGES}
@@ -252,13 +272,15 @@ class LoadedModel:
                 tables,
                 program,
                 dev,
-                StartupTimes(t1 - t0, t2 - t1, program_s, 0, 0),
+                StartupTimes(t1 - t0, t2 - t1, program_s, 0, 0, 0),
                 graph_buckets=graph_buckets,
             )
             model.warmup(rounds=warmup_rounds, candidates=warmup_candidates)
             _sync(dev)
         t4 = time.perf_counter()
-        model.startup = StartupTimes(t1 - t0, t2 - t1, program_s, t4 - t3, t4 - t0)
+        model.startup = StartupTimes.split(
+            t1 - t0, t2 - t1, program_s, t4 - t3, t4 - t0, model=model
+        )
         model.loaded_at = time.time()
         log.info(
             "model %s loaded from %s on %s in %.3fs (%s)",
@@ -300,11 +322,16 @@ class LoadedModel:
             )
             return
         self.graphs = CudaGraphs.capture(self, self.graph_buckets)
+        stats = self.graphs.stats
         log.info(
-            "model %s: %d CUDA graphs captured (%d failed)",
+            "model %s: %d CUDA graphs captured (%d failed) in %.2fs, one memory pool: "
+            "%+.1f MiB allocated, %+.1f MiB reserved",
             self.version,
-            self.graphs.stats.captures,
-            len(self.graphs.stats.failures),
+            stats.captures,
+            len(stats.failures),
+            stats.capture_seconds,
+            stats.memory_allocated_bytes / 2**20,
+            stats.memory_reserved_bytes / 2**20,
         )
 
     def graph_stats(self) -> GraphStats | None:

@@ -11,10 +11,17 @@ directory (the manifest's ``files`` names the other two; a reader opens no other
                         base no longer in the table); per dense table T: "T.rows" int64 [r]
                         (changed row indices), "T.row_values" float32 [r, dim]
     dense.pt2           the dense program, only when its weights changed
-    manifest.json       format, delta id, base (version, manifest digest, config digest), target
+    manifest.json       format and format_version, delta id, base (version, manifest digest, config digest), target
                         version, per-table counts (new, updated, evicted, rows; base and target
                         row counts), table summaries, size + sha256 of every other file;
                         written last
+
+``format_version`` is 1, or :data:`PAIR_PROGRAM_DELTA_FORMAT` (2) when the delta's ``dense.pt2``
+takes the (candidate, element) pairs as inputs (as a bundle of format 3 does,
+:mod:`shared.bundle.naming`): a server that predates pair programs knows only version 1, so it
+refuses such a delta instead of failing in warm-up; a delta without a program, or with one
+without the pairs, stays version 1 (any server applies it). :func:`write_delta` tells the
+version from the program it is given.
 
 A delta is always relative to its **base bundle** (not to an earlier delta): applying delta 3 to a
 server that runs base + delta 2 rebuilds from base + delta 3. So deltas need not be applied in
@@ -47,10 +54,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from shared.bundle.layout import sha256, write_json
+from shared.bundle.layout import BundleError, sha256, write_json
+from shared.bundle.writer import program_takes_pairs
 
 DELTA_FORMAT = "dynrec-delta"
-DELTA_FORMAT_VERSION = 1
+DELTA_FORMAT_VERSION = 1  # no dense program, or one without the pair inputs
+PAIR_PROGRAM_DELTA_FORMAT = 2  # its dense.pt2 takes the pairs (a format 3 bundle's program)
+DELTA_FORMAT_VERSIONS = (DELTA_FORMAT_VERSION, PAIR_PROGRAM_DELTA_FORMAT)
 DELTA_TENSORS = "delta.safetensors"
 DELTA_PROGRAM = "dense.pt2"
 DELTA_MANIFEST = "manifest.json"
@@ -127,7 +137,13 @@ class Delta:
     tables: dict[str, TableDelta]
     dense_program_path: Path | None
     manifest: dict[str, Any] = field(repr=False)
+    format_version: int = DELTA_FORMAT_VERSION  # PAIR_PROGRAM_DELTA_FORMAT: a pair program
     label: str = ""  # how messages name the delta ("": by its path); the server: request path
+
+    @property
+    def pair_program(self) -> bool:
+        """Whether the delta's dense program takes the pair inputs (its format version says)."""
+        return self.format_version == PAIR_PROGRAM_DELTA_FORMAT
 
     @property
     def where(self) -> str:
@@ -237,12 +253,15 @@ def write_delta(
     table_summaries: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a delta directory atomically (see the module docstring); returns its path."""
+    """Write a delta directory atomically (see the module docstring); returns its path. Its
+    ``format_version`` is :data:`PAIR_PROGRAM_DELTA_FORMAT` when ``dense_program_path`` takes
+    the pair inputs, else :data:`DELTA_FORMAT_VERSION`."""
     out = Path(out_dir)
     if not DELTA_ID_RE.match(delta_id):
         raise DeltaError(f"delta id {delta_id!r} must be 1-64 characters of A-Z a-z 0-9 . _ : -")
     if out.exists() and not overwrite:
         raise DeltaError(f"{out} exists; pass --overwrite to replace it")
+    version = delta_format_version(dense_program_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
@@ -258,7 +277,7 @@ def write_delta(
         }
         manifest = {
             "format": DELTA_FORMAT,
-            "format_version": DELTA_FORMAT_VERSION,
+            "format_version": version,
             "delta_id": delta_id,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "base": {
@@ -285,6 +304,17 @@ def write_delta(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def delta_format_version(program: str | os.PathLike[str] | None) -> int:
+    """The ``format_version`` of a delta carrying ``program`` (None: no program)."""
+    if program is None:
+        return DELTA_FORMAT_VERSION
+    try:
+        pairs = program_takes_pairs(Path(program))
+    except BundleError as err:
+        raise DeltaError(str(err)) from err.__cause__
+    return PAIR_PROGRAM_DELTA_FORMAT if pairs else DELTA_FORMAT_VERSION
 
 
 # --------------------------------------------------------------------------- apply

@@ -28,11 +28,12 @@ from safetensors.torch import load_file
 from shared.bundle.layout import DIGEST_RE, sha256
 from shared.delta import (
     DELTA_FORMAT,
-    DELTA_FORMAT_VERSION,
+    DELTA_FORMAT_VERSIONS,
     DELTA_ID_RE,
     DELTA_MANIFEST,
     DELTA_PROGRAM,
     DELTA_TENSORS,
+    PAIR_PROGRAM_DELTA_FORMAT,
     Delta,
     DeltaError,
     TableDelta,
@@ -121,10 +122,11 @@ def _manifest(root: Path, where: str) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise DeltaError(f"{where}: {_show(m)} is not a JSON object; re-export the delta")
     fmt, version = m.get("format"), m.get("format_version")
-    if fmt != DELTA_FORMAT or type(version) is not int or version != DELTA_FORMAT_VERSION:
+    if fmt != DELTA_FORMAT or type(version) is not int or version not in DELTA_FORMAT_VERSIONS:
         raise DeltaError(
             f"{where}: format {_show(fmt)} version {_show(version)}; expected {DELTA_FORMAT!r} "
-            f"{DELTA_FORMAT_VERSION}: not a delta of this format (re-export it)"
+            f"version {' or '.join(map(str, DELTA_FORMAT_VERSIONS))}: not a delta of a format "
+            "this server knows (re-export it, or update the server)"
         )
     if not DELTA_ID_RE.match(_get(m, "delta_id", str, where)):
         raise DeltaError(
@@ -143,6 +145,11 @@ def _manifest(root: Path, where: str) -> dict[str, Any]:
                 f"{w}: {key!r} is {_show(obj[key])}, not a sha256 hex digest; re-export the delta"
             )
     _get(m, "target_version", str, where)
+    if version == PAIR_PROGRAM_DELTA_FORMAT and not _get(m, "dense_program", bool, where):
+        raise DeltaError(
+            f"{where}: format_version {version} (a dense program taking the pairs) but "
+            "'dense_program' is false; re-export the delta"
+        )
     _get(m, "dense_program", bool, where)
     _get(m, "tables", dict, where)
     _get(m, "files", dict, where)
@@ -297,5 +304,6 @@ def read_delta(
         tables=tables,
         dense_program_path=root / DELTA_PROGRAM if m["dense_program"] else None,
         manifest=m,
+        format_version=m["format_version"],
         label=label,
     )

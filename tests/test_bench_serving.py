@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_serving import RunSpec, server_profile, summarize_py_spy, verdict
+from bench.bench_serving import RunSpec, graph_profile, server_profile, summarize_py_spy, verdict
 
 P = "dynrec_serving_"
 
@@ -87,3 +87,29 @@ def test_verdict_names_the_limit_from_the_profile() -> None:
     assert verdict(run).startswith("not saturated")
     run["server"] = {"stages": {}, "batcher_busy_fraction": 0.95, "batcher_cpu_fraction": 0.475}
     assert verdict(run).startswith("the batcher thread (95% busy running batches, 50% of that")
+
+
+def test_cuda_runs_are_made_with_graphs_on_and_off() -> None:
+    cuda, cpu = RunSpec.parse("cuda:8:500:64"), RunSpec.parse("cpu:1:500:32")
+    on, off = cuda.with_graphs(["on", "off"])
+    assert (on.cuda_graphs, off.cuda_graphs) == ("on", "off")
+    assert on.name == "cuda-w8-c500-u64-columnar-graphs-on"
+    assert cpu.with_graphs(["on", "off"]) == [cpu] and cpu.name == "cpu-w1-c500-u32-columnar"
+
+
+def test_graph_profile_is_the_difference_of_two_scrapes() -> None:
+    g = f"{P}graph_"
+
+    def scrape(replays: float, eager: float) -> dict:
+        return {
+            (f"{g}replays_total", ()): replays,
+            (f"{g}eager_batches_total", (("reason", "no bucket fits"),)): eager,
+            (f"{g}captures", ()): 84.0,  # two workers of 42
+            (f"{g}memory_bytes", (("kind", "reserved"),)): 2.0**30,
+        }
+
+    prof = graph_profile(scrape(10, 2), scrape(100, 12))
+    assert prof is not None and prof["replays"] == 90 and prof["eager"] == {"no bucket fits": 10}
+    assert prof["replayed_fraction"] == 0.9 and prof["captures"] == 84
+    assert prof["memory_bytes"] == {"allocated": 0.0, "reserved": 2.0**30}
+    assert graph_profile({}, {(f"{P}requests_total", ()): 1.0}) is None  # no graphs

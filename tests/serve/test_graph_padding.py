@@ -10,7 +10,14 @@ import pyarrow as pa
 import pytest
 import torch
 
-from serve.graphs import Bucket, BucketGraph, CudaGraphs, default_buckets, scores
+from serve.graphs import (
+    DEFAULT_PAIR_RATIOS,
+    Bucket,
+    BucketGraph,
+    CudaGraphs,
+    default_buckets,
+    scores,
+)
 from serve.model import LoadedModel, synthetic_batch
 from shared.batch import Batch
 from shared.dense_inputs import batch_pairs
@@ -127,8 +134,10 @@ def test_batches_that_run_eagerly_are_counted(model: LoadedModel, table: pa.Tabl
 def test_default_buckets() -> None:
     buckets = default_buckets(1000)
     assert buckets == tuple(sorted(buckets))
-    assert Bucket(4, 4, 1) in buckets and Bucket(1024 * 128, 1024 * 128, 1024) in buckets
+    assert Bucket(8, 8, 1) in buckets and Bucket(1024 * 128, 1024 * 128, 1024) in buckets
     assert max(b.candidates for b in buckets) == 1024
+    assert len(buckets) == 11 * len(DEFAULT_PAIR_RATIOS)  # 1 to 1024 candidates
+    assert len(default_buckets(8192)) == 42  # the server's default on CUDA (--max-batch-rows)
     assert all(b.pairs <= 1 << 20 for b in default_buckets(1 << 14))
     with pytest.raises(ValueError, match="must be >= 1"):
         Bucket(0, 1, 1)

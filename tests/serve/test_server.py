@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from protos import predict_pb2, predict_pb2_grpc
 from serve.batcher import BatcherConfig
 from serve.limits import Limits
+from serve.model import STAGES
 from serve.offline import score_rows
 from serve.server import PredictionServer, ServerConfig
 from serve.servicer import SERVICE_NAME
@@ -133,7 +134,7 @@ def test_metadata(stub, fs: FeatureSet) -> None:
     types = {f.name: f.value_type for f in md.features}
     assert types["price"] == "double" and types["pid"] == "string" and types["user_id"] == "int64"
     assert {t.name for t in md.tables} == set(fs.tables)
-    assert set(md.startup_seconds) == {"read", "table_build", "program_load", "warmup", "total"}
+    assert set(md.startup_seconds) == set(STAGES)  # read, ..., warmup, graphs, total
     assert md.max_candidates == LIMITS.max_candidates and md.device == "cpu"
     # sequences: where they go in a request, the length the server enforces (the flag's
     # 20 caps the config's 50) and the config's sequence_delim (how sample rows join the ids)

@@ -3,7 +3,9 @@
 The delta (:mod:`shared.delta` for the format) holds what a full export of the checkpoint would
 hold minus what the base bundle already has: for dynamic tables the new keys, the keys whose row
 changed and the keys evicted since; for num_buckets tables the changed rows; the dense program
-only when its weights changed. Deltas are relative to their base bundle, so a server applies any
+only when its weights changed, with the pair inputs when the base bundle's program takes them
+(format 3: the delta is then of format version 2, which servers that predate pair programs
+refuse, :mod:`shared.delta`). Deltas are relative to their base bundle, so a server applies any
 of them to its base in any order (:mod:`serve.admin`); publish a new full bundle when a
 delta gets close to its size. The config must be the one the base was exported with (checked by
 digest): a changed config (features, dims, towers) needs a full bundle. Example::
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from shared.bundle import read_bundle
+from shared.bundle.naming import PAIR_PROGRAM_FORMAT
 from shared.config import config_digest, load_config
 from shared.delta import DeltaError, diff_tables, write_delta
 from shared.delta_reader import read_delta
@@ -74,7 +77,10 @@ def export_delta(
         program: Path | None = None
         if program_changed(base_bundle.dense_program_path, model):
             program = Path(tmp) / "dense.pt2"
-            torch.export.save(export_dense_arch(model.dense, example_inputs(model.dense)), program)
+            # the base's program signature: a server runs either, but graphs need the pairs
+            pairs = base_bundle.format_version == PAIR_PROGRAM_FORMAT
+            example = example_inputs(model.dense, pairs=pairs)
+            torch.export.save(export_dense_arch(model.dense, example), program)
         path = write_delta(
             out,
             tables=tables,

@@ -110,7 +110,7 @@ def inspect_bundle(path: str | Path) -> dict[str, Any]:
         "where": str(bundle.path),
         "version": bundle.version,
         "naming": bundle.naming.id,
-        "format_version": bundle.naming.format_version,
+        "format_version": bundle.format_version,
         "tables": tables,
     }
 

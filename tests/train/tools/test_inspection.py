@@ -112,7 +112,8 @@ def test_empty_checkpoint_gives_no_rows_and_a_note(tmp_path: Path, capsys) -> No
 
 def test_bundle_report_in_both_namings(dyn_run, tmp_path: Path, capsys) -> None:
     """inspect --bundle: the same tables from a bundle in TorchEasyRec's names (the default)
-    and from the same checkpoint exported in ours (format 1); only the name prefixes differ."""
+    and from the same checkpoint exported in ours (format 1); only the name prefixes differ.
+    The default export's program takes the pairs: format 3, what its manifest says."""
     from shared.bundle import DYNREC_NAMING, TZREC_COLLECTION, read_bundle
     from tests.conftest import SEED_CONFIG
     from train.export import export_bundle
@@ -124,7 +125,7 @@ def test_bundle_report_in_both_namings(dyn_run, tmp_path: Path, capsys) -> None:
     tz, dy = inspect_bundle(dyn_run.full_bundle), inspect_bundle(ours)
     assert (tz["naming"], tz["format_version"], dy["naming"], dy["format_version"]) == (
         "tzrec",
-        2,
+        3,
         "dynrec",
         1,
     )
@@ -143,7 +144,7 @@ def test_bundle_report_in_both_namings(dyn_run, tmp_path: Path, capsys) -> None:
             assert t["prefix"] == f"{TZREC_COLLECTION}.embedding_bags"
             assert t["size"] == t["capacity"] == b.dense_tables[t["name"]].shape[0]
     assert {t["prefix"] for t in dy["tables"]} == {""}
-    assert f"tzrec naming, format_version 2; under {TZREC_COLLECTION}" in format_report(tz)
+    assert f"tzrec naming, format_version 3; under {TZREC_COLLECTION}" in format_report(tz)
     assert main(["inspect", "--bundle", str(ours), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == dy
     assert main(["inspect", "--bundle", str(tmp_path / "nope")]) == 2
