@@ -43,6 +43,16 @@ COUNTERS = (
     "admitted",  # keys inserted into the table
 )
 _EVICTIONS, _REJECTIONS, _REFUSALS, _ADMITTED = range(len(COUNTERS))
+# Why a full bucket refuses a new key, and what to do, by score strategy (refusal warnings)
+_REFUSAL_REASONS: dict[ScoreStrategy | None, str] = {
+    ScoreStrategy.NO_EVICTION: "NO_EVICTION never evicts: raise max_capacity, or choose an "
+    "evicting score_strategy (LFU, STEP, TIMESTAMP)",
+    ScoreStrategy.LFU: "under LFU a new key whose count is below every stored key of its bucket "
+    "is refused by design (as in HierarchicalKV): raise max_capacity to keep more keys, or use "
+    "STEP or TIMESTAMP if recent keys should displace old frequent ones",
+    None: "a new key whose score is below every stored key of its bucket is refused (the rows "
+    "the batch uses are pinned): raise max_capacity to keep more keys",
+}
 
 
 @dataclass
@@ -331,15 +341,15 @@ class FusedStorage:
                 self._refusals_logged[t] = total
                 logger.warning(
                     "dynamic table %r has refused %d new keys so far: its storage %r (capacity "
-                    "%d, max %d, %s) has full buckets. Raise max_capacity, or use an evicting "
-                    "score_strategy. (Checked when stats are read, logged when the total reaches "
-                    "a power of two; see stats()['refusals'].)",
+                    "%d, max %d, %s) has full buckets, and %s. (Checked when stats are read, "
+                    "logged when the total reaches a power of two; see stats()['refusals'].)",
                     self.names[t],
                     total,
                     self.name,
                     self.table.capacity,
                     self.table.max_capacity,
                     self.strategy.value,
+                    _REFUSAL_REASONS.get(self.strategy, _REFUSAL_REASONS[None]),
                 )
 
     # ------------------------------------------------------------------ backward
