@@ -132,8 +132,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=["tzrec", "dynrec"],
         default="tzrec",
         help="file and tensor names: tzrec = TorchEasyRec's RTP export (model-000000-of-000001, "
-        "<collection>.<table>.values/part_R_W; bundle format 2), dynrec = bundle format 1 for "
-        "servers that predate format 2 (default: %(default)s)",
+        "<collection>.<table>.values/part_R_W) with a dense program that takes the DIN's pairs "
+        "as inputs (bundle format 3, CUDA-graph ready), dynrec = bundle format 1 for servers "
+        "that predate formats 2 and 3 (default: %(default)s)",
     )
     return parser
 
