@@ -9,7 +9,10 @@ dense part), drives it with ``--clients`` closed-loop gRPC clients on 127.0.0.1,
    watcher's hot swap.
 
 Reports p50/p99/max latency of the steady state before, during/after the delta, and during/after
-the full swap, the time each took, the bytes of the delta vs the bundle, and errors (must be 0)::
+the full swap, the time each took, the path the delta took (in place or rebuild), the bytes of
+the delta vs the bundle, and errors (must be 0). Then, in this process and on the same device,
+``--repeats`` applies of the delta written in place (each followed by an untimed no-op delta
+that takes the tables back to the base) beside as many rebuilds of base + delta, median ms::
 
     python -m bench.bench_delta --out bench/results/delta_cpu.json --device cpu --keys 300000
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -42,7 +46,8 @@ from bench.traffic import (
 )
 from protos import predict_pb2, predict_pb2_grpc
 from serve.admin import AdminConfig
-from serve.model import default_device
+from serve.delta import ApplyPath, apply_delta, build_with_delta
+from serve.model import LoadedModel, default_device
 from shared.bundle import read_bundle, write_bundle
 from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
@@ -79,6 +84,54 @@ def _target_tables(
     return dense, hashed
 
 
+def _in_place_vs_rebuild(
+    bundle: Path, delta: Path, noop: Path, device: str, repeats: int
+) -> dict[str, object]:
+    """Median ms of applying ``delta`` to a model of ``bundle`` in place and by a rebuild."""
+    model = LoadedModel.load(bundle, device=device)
+    in_place, rebuild, pauses, stages = [], [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        applied = apply_delta(model, delta)
+        in_place.append(time.perf_counter() - t0)
+        if applied.path is not ApplyPath.IN_PLACE:
+            raise RuntimeError(f"the delta was not written in place: {applied.reason}")
+        stages.append(applied.model.startup.as_dict())
+        pauses.append(applied.pause_seconds)
+        model = apply_delta(applied.model, noop).model  # back to the base's rows, untimed
+        t0 = time.perf_counter()
+        build_with_delta(model, delta)
+        rebuild.append(time.perf_counter() - t0)
+
+    def median_ms(xs: list[float]) -> float:
+        return statistics.median(xs) * 1e3
+
+    return {
+        "repeats": repeats,
+        "in_place_median_ms": median_ms(in_place),
+        "rebuild_median_ms": median_ms(rebuild),
+        "in_place_pause_median_ms": median_ms(pauses),
+        "in_place_stages_median_ms": {
+            k: median_ms([s[k] for s in stages]) for k in stages[0] if k != "graphs"
+        },
+    }
+
+
+def _noop_delta(root: Path, bundle: Path) -> Path:
+    """A delta that changes nothing: applied after another, it takes the tables back to base."""
+    base = read_bundle(bundle)
+    return write_delta(
+        root / "noop",
+        tables=diff_tables(
+            base.dense_tables, base.hash_tables, base.dense_tables, base.hash_tables
+        ),
+        base_manifest=base.manifest,
+        delta_id="noop",
+        target_version="1",
+        config_digest=base.config_digest,
+    )
+
+
 EXAMPLE = """examples:
   python -m bench.bench_delta --out bench/results/delta_cpu.json --device cpu --keys 300000
   python -m bench.bench_delta --out bench/results/delta_gpu.json --device cuda --clients 8"""
@@ -103,6 +156,9 @@ def _parser() -> Parser:
     p.add_argument("--clients", type=int, default=4, help="closed-loop gRPC clients")
     p.add_argument("--candidates", type=int, default=100, help="candidate ads per request")
     p.add_argument("--phase-s", type=float, default=3.0, help="seconds of each measured phase")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="in-place applies and rebuilds timed offline"
+    )
     return p
 
 
@@ -164,7 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(a.phase_s)
         traffic.stop()
         full_load = server.manager.current.startup.as_dict() if server.manager.current else {}
+        paths = {
+            p.value: server.metrics.registry.get_sample_value(
+                "dynrec_serving_delta_applies_total", {"path": p.value}
+            )
+            or 0
+            for p in ApplyPath
+        }
         server.stop(grace=0)
+        offline = _in_place_vs_rebuild(v1, delta, _noop_delta(root, v1), a.device, a.repeats)
 
     report = {
         "benchmark": "Predict latency while a delta is applied vs a full hot swap (serve.delta)",
@@ -178,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         "full_swap_and_after": latency_stats(traffic.latencies(t2)),
         "delta_apply_seconds": t_applied - t1,
         "delta_apply_server_seconds": applied.apply_seconds,
+        "delta_apply_paths": paths,
+        "in_place_vs_rebuild": offline,
         "full_swap_seconds_after_install": t_swapped - t2,
         "full_load_startup_seconds": full_load,
         "errors": len(traffic.errors),
@@ -186,7 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
-    keys_shown = ("before", "delta_apply_and_after", "full_swap_and_after", "errors")
+    keys_shown = (
+        "before",
+        "delta_apply_and_after",
+        "full_swap_and_after",
+        "delta_apply_paths",
+        "in_place_vs_rebuild",
+        "errors",
+    )
     print(json.dumps({k: report[k] for k in keys_shown}))
     return 0
 

@@ -20,7 +20,9 @@ The admin RPCs are off unless the server is started with an admin address (``pyt
 - ``ApplyDelta``: the request's ``path`` is a delta directory relative to the delta root
   (``--delta-root``); the server reads it there (:func:`serve.delta.resolve_delta`) and
   replaces the serving model by base + delta (:mod:`serve.delta`, built off the request path by
-  :meth:`serve.versions.ModelManager.replace`).
+  :meth:`serve.versions.ModelManager.replace`): written into the live tables between batches
+  where they have room, else rebuilt; which path ran is logged and counted
+  (``delta_applies_total{path}``; the response has no field for it yet).
 
 Status codes, every one deliberate: writes off (``--no-admin-writes``) or no delta root →
 PERMISSION_DENIED; no model yet → UNAVAILABLE; a path that is no delta under the root (absolute,
@@ -51,7 +53,7 @@ import grpc
 from grpc_health.v1 import health
 
 from protos import predict_pb2
-from serve.delta import DeltaError, DeltaMismatchError, build_with_delta, resolve_delta
+from serve.delta import Applied, DeltaError, DeltaMismatchError, apply_delta, resolve_delta
 from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
@@ -252,21 +254,22 @@ class AdminServicer:
         self._model()  # UNAVAILABLE before any model serves
         path = resolve_delta(self._root, request.path)
         start = time.perf_counter()
-        applied: list[Delta] = []
+        applied: list[Applied] = []
 
         def build(current: LoadedModel) -> LoadedModel:
-            model, delta = build_with_delta(
+            result = apply_delta(
                 current,
                 path,
                 verify_checksums=self._verify,
                 warmup_candidates=self._warmup,
                 label=f"delta {request.path!r}",
             )
-            applied.append(delta)
-            return model
+            applied.append(result)
+            return result.model
 
         model = self._manager.replace(build)
-        return apply_response(model, applied[0], time.perf_counter() - start)
+        self._metrics.on_delta(applied[0].path.value)
+        return apply_response(model, applied[0].delta, time.perf_counter() - start)
 
 
 class AdminServer:

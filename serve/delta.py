@@ -20,15 +20,30 @@ the same checkpoint (tests check it over gRPC). Example::
     path = resolve_delta(Path("/srv/deltas").resolve(), "step-2000")   # DeltaPathError if not
     model, delta = build_with_delta(current, path, label="delta 'step-2000'")
 
-CUDA graphs (:mod:`serve.graphs`): the new model gets the serving model's graph buckets, and its
-warm-up captures its own graphs, over its own tables and program, on the loader thread and
-before the swap. A delta never writes into the served model's tensors (its tables are built anew
-from base + delta, and a same-graph program is a copy with new weights), so the served model's
-graphs keep reading valid tensors until it is dropped, and none is ever replayed over tensors
-its model no longer holds (:class:`serve.graphs.CudaGraphs` refuses to). A future in-place
-delta that writes rows into the live tensors between batches would keep the graphs valid; one
-that replaces a tensor (e.g. a table that grew) must capture the graphs again off the serving
-path before its swap.
+In place (:func:`apply_delta`, what ApplyDelta runs): the merged tables are written into the
+serving model's own tensors instead (:meth:`serve.lookup.EmbeddingTables.prepare_update`: the
+comparisons and sorts off the serving path, then only the writes, between batches under the
+predict lock, :meth:`serve.model.LoadedModel.between_batches`): dense rows that changed,
+dynamic rows that changed, and when keys come or go the group's sorted keys rewritten in the
+free slots the tables are built with (:data:`serve.lookup.HEADROOM`). The target is always
+base + this delta, so the previous delta's rows (and keys it added) are replaced as by a
+rebuild. The new model (:meth:`~serve.model.LoadedModel.successor`) shares the tables, and the
+old one is superseded inside the same lock, so a batch sees either the old tables and program
+or the new ones. A delta with a dense program (or back to the base's) gets it loaded as a
+rebuild does, and warmed up (CUDA: its graphs captured over the live tensors) before the
+writes. Where in place is impossible (no room for the new keys, a key beyond a shared key
+space, a table of another shape) :func:`apply_delta` falls back to the rebuild below and says
+so (:class:`Applied`, the log, ``dynrec_serving_delta_applies_total{path}``).
+One difference from the rebuild: a request accepted before the swap and scored after the writes
+gets the new scores but names the old version (the servicer reads the version from the model it
+validated the request against); no request gets a mix of the two.
+
+CUDA graphs (:mod:`serve.graphs`): the rebuilt model gets the serving model's graph buckets,
+and its warm-up captures its own graphs, over its own tables and program, on the loader thread
+and before the swap; the served model's graphs keep reading valid tensors until it is dropped,
+and none is ever replayed over tensors its model no longer holds
+(:class:`serve.graphs.CudaGraphs` refuses to). In place, rows are written into the tensors the
+graphs read (and a table's key count into a tensor of its own), so they stay valid.
 
 The new model's version is ``"<base version>+<delta id>"`` and it remembers every delta applied
 since the base was loaded (``LoadedModel.deltas``; GetModelMetadata and InspectTables return
@@ -38,13 +53,17 @@ them). Because deltas are relative to the base, applying one replaces the previo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
+from dataclasses import dataclass
+from enum import Enum, unique
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
+from serve.lookup import InPlaceUnavailableError
 from serve.model import (
     DenseProgram,
     LoadedModel,
@@ -54,7 +73,7 @@ from serve.model import (
     build_tables,
     load_program,
 )
-from shared.bundle import BundleError
+from shared.bundle import Bundle, BundleError
 from shared.delta import (
     DELTA_MANIFEST,
     DELTA_PROGRAM,
@@ -65,7 +84,29 @@ from shared.delta import (
 )
 from shared.delta_reader import read_delta
 
+log = logging.getLogger(__name__)
+
 MAX_PATH_CHARS = 1024
+
+
+@unique
+class ApplyPath(Enum):
+    """How a delta reached the serving tables."""
+
+    IN_PLACE = "in_place"  # written into the live tensors between batches
+    REBUILD = "rebuild"  # new tables built, the model swapped
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A delta applied: the model now serving, the delta, the path taken, why not in place
+    (the fallback's reason; "" in place), and how long batches waited for the writes."""
+
+    model: LoadedModel
+    delta: Delta
+    path: ApplyPath
+    reason: str = ""
+    pause_seconds: float = 0.0  # in place: the predict lock held for the writes
 
 
 class DeltaMismatchError(DeltaError):
@@ -113,6 +154,25 @@ def check_base(model: LoadedModel, delta: Delta) -> None:
         )
 
 
+def _patched_bundle(current: LoadedModel, delta: Delta) -> Bundle:
+    """The base bundle of ``current`` with ``delta``'s rows merged in (its tables, manifest,
+    version and dense program)."""
+    base = current.base_bundle
+    dense, hashed = apply_delta_tables(base.dense_tables, base.hash_tables, delta)
+    version = f"{base.version}+{delta.delta_id}"
+    extra: dict[str, Any] = dict(base.manifest.get("extra", {}))
+    extra["table_summaries"] = delta.summaries
+    manifest = {**base.manifest, "version": version, "extra": extra, "delta": delta.manifest}
+    return dataclasses.replace(
+        base,
+        dense_tables=dense,
+        hash_tables=hashed,
+        manifest=manifest,
+        version=version,
+        dense_program_path=delta.dense_program_path or base.dense_program_path,
+    )
+
+
 def build_with_delta(
     current: LoadedModel,
     path: str | Path,
@@ -121,36 +181,103 @@ def build_with_delta(
     warmup_candidates: int = 100,
     label: str = "",
 ) -> tuple[LoadedModel, Delta]:
-    """The model of ``current``'s base bundle plus the delta at ``path`` (see module doc);
-    ``label`` names the delta in error messages (default: its path)."""
+    """The model of ``current``'s base bundle plus the delta at ``path``, with tables of its
+    own (the rebuild, see module doc); ``label`` names the delta in error messages (default:
+    its path)."""
+    applied = apply_delta(
+        current,
+        path,
+        verify_checksums=verify_checksums,
+        warmup_candidates=warmup_candidates,
+        label=label,
+        in_place=False,
+    )
+    return applied.model, applied.delta
+
+
+def apply_delta(
+    current: LoadedModel,
+    path: str | Path,
+    *,
+    verify_checksums: bool = True,
+    warmup_candidates: int = 100,
+    label: str = "",
+    in_place: bool = True,
+) -> Applied:
+    """Base + the delta at ``path``, written into ``current``'s tables in place where it can
+    be, else rebuilt (``in_place=False``: always rebuilt); the returned model is to be swapped
+    in for ``current`` (:meth:`serve.versions.ModelManager.replace`)."""
     t0 = time.perf_counter()
     delta = read_delta(path, verify_checksums=verify_checksums, label=label)
     check_base(current, delta)
-    base = current.base_bundle
-    dense, hashed = apply_delta_tables(base.dense_tables, base.hash_tables, delta)
-    version = f"{base.version}+{delta.delta_id}"
-    extra: dict[str, Any] = dict(base.manifest.get("extra", {}))
-    extra["table_summaries"] = delta.summaries
-    manifest = {**base.manifest, "version": version, "extra": extra, "delta": delta.manifest}
-    program_path = delta.dense_program_path or base.dense_program_path
-    patched = dataclasses.replace(
-        base,
-        dense_tables=dense,
-        hash_tables=hashed,
-        manifest=manifest,
-        version=version,
-        dense_program_path=program_path,
-    )
+    patched = _patched_bundle(current, delta)
+    reason = "in place switched off"
+    if in_place:
+        try:
+            model, pause = _write_in_place(current, delta, patched, warmup_candidates, t0)
+        except InPlaceUnavailableError as err:
+            reason = str(err)
+        else:
+            log.info(
+                "delta %s written in place into model %s (batches paused %.2f ms)",
+                delta.delta_id,
+                current.version,
+                pause * 1e3,
+            )
+            return Applied(model, delta, ApplyPath.IN_PLACE, pause_seconds=pause)
+    log.info("delta %s: new tables built (%s)", delta.delta_id, reason)
+    model = _rebuild(current, delta, patched, warmup_candidates, t0)
+    return Applied(model, delta, ApplyPath.REBUILD, reason)
+
+
+def _write_in_place(
+    current: LoadedModel, delta: Delta, patched: Bundle, warmup_candidates: int, t0: float
+) -> tuple[LoadedModel, float]:
+    """``current``'s successor over its own tables, rewritten to ``patched``'s (module doc),
+    and the seconds batches waited for the writes; :class:`InPlaceUnavailableError` before
+    anything is written if they do not fit."""
+    dev = current.device
+    t1 = time.perf_counter()
+    with _side_stream(dev):
+        write = current.tables.prepare_update(patched)
+        _sync(dev)
+        t2 = time.perf_counter()
+        program = _program(current, delta, dev)
+        t3 = time.perf_counter()
+        model = current.successor(patched, program)
+        if program is not current.program:  # checked, and graphs captured, before the writes
+            _warmup(model, delta, warmup_candidates)
+        _sync(dev)
+    t4 = time.perf_counter()
+    with current.between_batches():
+        t_lock = time.perf_counter()
+        write()
+        current.supersede(model)
+    t5 = time.perf_counter()
+    table_s = t2 - t1 + t5 - t4
+    model.startup = StartupTimes.split(t1 - t0, table_s, t3 - t2, t4 - t3, t5 - t0, model=model)
+    model.deltas = (*current.deltas, delta.delta_id)
+    return model, t5 - t_lock
+
+
+def _program(current: LoadedModel, delta: Delta, dev: torch.device) -> DenseProgram:
+    """The delta's program, or the base's (which the serving one may already be)."""
+    if delta.dense_program_path is not None:
+        return _delta_program(delta, dev)
+    return current.base_program
+
+
+def _rebuild(
+    current: LoadedModel, delta: Delta, patched: Bundle, warmup_candidates: int, t0: float
+) -> LoadedModel:
+    """A model of its own for ``patched``: tables built anew, program loaded or reused."""
     dev = current.device
     t1 = time.perf_counter()
     with _side_stream(dev):
         tables = build_tables(patched, dev)
         _sync(dev)
         t2 = time.perf_counter()
-        if delta.dense_program_path is not None:
-            program = _delta_program(delta, dev)
-        else:
-            program = current.base_program
+        program = _program(current, delta, dev)
         t3 = time.perf_counter()
         model = LoadedModel(
             patched,
@@ -164,10 +291,10 @@ def build_with_delta(
         _sync(dev)
     t4 = time.perf_counter()
     model.startup = StartupTimes.split(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, model=model)
-    model.base_bundle = base
+    model.base_bundle = current.base_bundle
     model.base_program = current.base_program
     model.deltas = (*current.deltas, delta.delta_id)
-    return model, delta
+    return model
 
 
 def _delta_program(delta: Delta, dev: torch.device) -> DenseProgram:
@@ -208,9 +335,12 @@ def _warmup(model: LoadedModel, delta: Delta, candidates: int) -> None:
 
 
 __all__ = [
+    "Applied",
+    "ApplyPath",
     "DeltaError",
     "DeltaMismatchError",
     "DeltaPathError",
+    "apply_delta",
     "build_with_delta",
     "check_base",
     "resolve_delta",

@@ -46,8 +46,10 @@ Graphs read the tensors they were captured with: the model's tables and dense pr
 are only valid for the :class:`~serve.lookup.EmbeddingTables` and program object they were
 captured on; a model whose tables or program was replaced runs eagerly (counted as
 ``"tables or program replaced"``) until its graphs are captured again. Deltas
-(:mod:`serve.delta`) build a new model with new tables and capture its own graphs before the
-swap, so this never happens on the serving path.
+(:mod:`serve.delta`) either write their rows into the live tables in place, between batches
+(the tensors, and so the graphs, stay; a device count tensor carries a table's new size), or,
+where that cannot be done, build a new model whose warm-up captures its own graphs before the
+swap; so this never happens on the serving path.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Looking each table up on its own launches a handful of small kernels per table a
 fused by embedding dim, each group of equal dim holding
 
 - its dynamic (``is_hashmap``) tables in **one** :class:`~shared.hashtable.lookup.StaticLookupTable`
-  (the shared core's read-only table: sorted keys, one ``searchsorted`` per lookup), each table
-  its own key space: key' = (table << shift) | key, where ``shift`` = 63 - bit_length(tables),
+  (the shared core's read-only table: sorted keys, one ``searchsorted`` per lookup; with
+  :data:`HEADROOM` free slots, for deltas written in place:
+  :meth:`EmbeddingTables.prepare_update`), each table its own key space: key' = (table << shift) | key, where ``shift`` = 63 - bit_length(tables),
   60 for up to 7 tables; a table with a key at or above 2**shift gets a group of its own (shift
   63: its keys as they are), and
 - its dense (``num_buckets``) tables stacked into **one** [Σrows + 1, dim] matrix (row offsets
@@ -27,7 +28,9 @@ initializer (CONSTANT 0), and counts as a miss. On CUDA nothing is read back to 
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +40,27 @@ from shared.batch import Batch
 from shared.bundle import Bundle
 from shared.dense_inputs import Pairs, assemble_dense_inputs, dense_layout, pool_bags
 from shared.features import FeatureSet, TableSpec
-from shared.hashtable.lookup import StaticLookupTable
+from shared.hashtable.lookup import StaticLookupTable, TableWrite
 
 WHOLE_KEY = 63  # the shift of a group of one dynamic table: keys as they are, no table bits
 PAD_ID = 0  # the id of padding values (serve.graphs): a valid row of every table
 SEQUENCE = 2  # the sequence KJT's position in (user, item, sequence)
+# free slots of each group's dynamic table, for deltas written in place (serve.delta): 10% of
+# its keys, at least 1024. A delta is relative to the base, so its new keys are those since the
+# base, less the evicted ones (the bench's deltas add 0.5% and evict 0.5%: net 0); 10% lasts
+# for many deltas at +10% of the hash tables' memory (and one mask op per lookup). A delta that
+# needs more takes the rebuild, which makes new tables with new free slots.
+HEADROOM = 0.10
+MIN_SPARE_ROWS = 1024
+
+
+def spare_rows(keys: int, headroom: float) -> int:
+    """Free slots of a group's dynamic table of ``keys`` keys (0 with ``headroom`` 0)."""
+    return max(math.ceil(keys * headroom), MIN_SPARE_ROWS) if headroom > 0 else 0
+
+
+class InPlaceUnavailableError(Exception):
+    """A delta cannot be written into the live tables (the reason says why): rebuild them."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,7 @@ class _Group:
         bundle: Bundle,
         device: torch.device,
         seconds: dict[str, float],
+        headroom: float = 0.0,
     ) -> None:
         self.dim = dim
         self.shift = shift
@@ -95,7 +115,10 @@ class _Group:
             # copy each table over, concatenate on the device (no host-side copy of the values)
             fused = torch.cat([((i << shift) | k).to(device) for i, k in enumerate(keys)])
             values = torch.cat([bundle.hash_tables[n][1].to(device) for n in self.dynamic])
-            self.hash = StaticLookupTable.from_keys_values(fused, values, device=device)
+            spare = spare_rows(fused.numel(), headroom)
+            self.hash = StaticLookupTable.from_keys_values(
+                fused, values, device=device, spare=spare
+            )
             self.rows.update({n: int(k.numel()) for n, k in zip(self.dynamic, keys, strict=True)})
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
@@ -122,11 +145,63 @@ class _Group:
         if self.shift < WHOLE_KEY:  # an id >= 2**shift cannot be in a table: send it there too
             space = torch.where(ids < (1 << self.shift), tid, self._n_dyn)
         idx, found = self.hash.find((space << self.shift) | ids, check_sign=False)  # [N], [N]
-        if self.hash.size:
+        if self.hash.capacity:
             dyn = self.hash.values.index_select(0, idx.clamp(min=0))  # [N, dim]
             emb = torch.where(found.unsqueeze(1), dyn, emb)
         self.counts.index_add_(0, tid, torch.stack([found.long(), torch.ones_like(tid)], 1))
         return emb
+
+    def prepare(self, bundle: Bundle) -> list[Callable[[], None]]:
+        """Writes that make this group hold ``bundle``'s tables, in its own tensors (computed
+        here, off the serving path; each callable writes, between batches), or
+        :class:`InPlaceUnavailableError` when they do not fit."""
+        writes: list[Callable[[], None]] = []
+        for name, rows in self.rows.items():
+            if name in self.dynamic:
+                continue
+            w = bundle.dense_tables[name].to(self.weight.device, torch.float32)  # [rows, dim]
+            if tuple(w.shape) != (rows, self.dim):
+                raise InPlaceUnavailableError(f"table {name!r}: {list(w.shape)}, was {rows} rows")
+            start = int(self._off[self.names.index(name)])
+            changed = torch.nonzero((self.weight[start : start + rows] != w).any(1)).squeeze(1)
+            values = w.index_select(0, changed)
+            writes.append(_RowWrite(self.weight, changed + start, values).apply)
+        if self.hash is not None:
+            writes.append(self._prepare_hash(bundle).apply)
+        return writes
+
+    def _prepare_hash(self, bundle: Bundle) -> TableWrite:
+        assert self.hash is not None
+        device = self.hash.device
+        keys = [bundle.hash_tables[n][0] for n in self.dynamic]
+        for name, k in zip(self.dynamic, keys, strict=True):
+            if self.shift < WHOLE_KEY and k.numel() and int(k.max()) >= 1 << self.shift:
+                raise InPlaceUnavailableError(
+                    f"table {name!r}: key {int(k.max())} is beyond the {self.shift}-bit key space "
+                    "it shares with other tables (the rebuild gives it a table of its own)"
+                )
+        fused = torch.cat([((i << self.shift) | k).to(device) for i, k in enumerate(keys)])
+        values = torch.cat([bundle.hash_tables[n][1].to(device) for n in self.dynamic])
+        write = self.hash.prepare(fused, values)
+        if write is None:
+            raise InPlaceUnavailableError(
+                f"tables {', '.join(self.dynamic)}: {fused.numel()} keys after the delta, room "
+                f"for {self.hash.capacity}"
+                + ("" if self.hash.capacity > self.hash.size else " (built without free slots)")
+            )
+        return write
+
+
+@dataclass(frozen=True)
+class _RowWrite:
+    """Rows [M] of a tensor [R, dim] to overwrite with values [M, dim]."""
+
+    tensor: torch.Tensor
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def apply(self) -> None:
+        self.tensor.index_copy_(0, self.rows, self.values)
 
 
 def _groups(fs: FeatureSet, bundle: Bundle) -> list[tuple[int, list[TableSpec], int]]:
@@ -147,6 +222,12 @@ def _groups(fs: FeatureSet, bundle: Bundle) -> list[tuple[int, list[TableSpec], 
         out += [(dim, rest, shift)] if rest else []
         out += [(dim, [t], WHOLE_KEY) for t in alone]
     return out
+
+
+def _rows(bundle: Bundle, table: str) -> int:
+    if table in bundle.hash_tables:
+        return int(bundle.hash_tables[table][0].numel())
+    return int(bundle.dense_tables[table].shape[0])
 
 
 def _max_key(bundle: Bundle, table: str) -> int:
@@ -195,13 +276,16 @@ class EmbeddingTables:
     """All tables of a bundle on one device, fused by dim, and :meth:`embed`: Batch → the dense
     program's inputs; hit and miss counts per dynamic table in :meth:`stats`."""
 
-    def __init__(self, bundle: Bundle, device: torch.device) -> None:
+    def __init__(self, bundle: Bundle, device: torch.device, *, headroom: float = HEADROOM) -> None:
+        """``headroom``: free slots of the dynamic tables, a fraction of their keys
+        (:func:`spare_rows`; 0: none, a delta is then written in place only if its key count
+        is the same)."""
         self.fs = bundle.feature_set
         self.device = device
         self.layout = dense_layout(self.fs)
         self.build_seconds: dict[str, float] = {}  # dense_tables, hash_tables
         self._groups = [
-            _Group(dim, tables, shift, bundle, device, self.build_seconds)
+            _Group(dim, tables, shift, bundle, device, self.build_seconds, headroom)
             for dim, tables, shift in _groups(self.fs, bundle)
         ]
         # table → (its group, its code there)
@@ -218,9 +302,32 @@ class EmbeddingTables:
         self._plans: dict[tuple[tuple[str, ...], ...], list[tuple[_Group, list[_Part]]]] = {}
 
     @classmethod
-    def from_bundle(cls, bundle: Bundle, *, device: torch.device | str) -> EmbeddingTables:
+    def from_bundle(
+        cls, bundle: Bundle, *, device: torch.device | str, headroom: float = HEADROOM
+    ) -> EmbeddingTables:
         """Every table of ``bundle`` on ``device``; build times in :attr:`build_seconds`."""
-        return cls(bundle, torch.device(device))
+        return cls(bundle, torch.device(device), headroom=headroom)
+
+    def prepare_update(self, bundle: Bundle) -> Callable[[], None]:
+        """A function that makes these tables hold ``bundle``'s (the same feature set: a base
+        bundle with a delta merged in) in their own tensors, to call between batches (it only
+        writes: every comparison and sort is done here, off the serving path). Raises
+        :class:`InPlaceUnavailableError` (with the reason) when that is impossible: a dynamic
+        group without room for its new keys, a key beyond its shared key space."""
+        if bundle.feature_set.tables.keys() != self.fs.tables.keys():
+            raise InPlaceUnavailableError("the bundle has other tables than the serving one")
+        writes = [w for group in self._groups for w in group.prepare(bundle)]
+        rows = [{n: _rows(bundle, n) for n in group.rows} for group in self._groups]
+        zero_hits = {n: bool((bundle.hash_tables[n][0] == PAD_ID).any()) for n in self._zero_hits}
+
+        def apply() -> None:
+            for write in writes:
+                write()
+            for group, counts in zip(self._groups, rows, strict=True):
+                group.rows = counts
+            self._zero_hits = zero_hits
+
+        return apply
 
     # ----------------------------------------------------------------------- lookups
 

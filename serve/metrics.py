@@ -6,7 +6,8 @@ work: ``overloaded``, ``request_too_large``, ``undecodable``), ``pending_request
 not yet answered; the admission bound is ``serve --max-queue``),
 ``request_latency_seconds{method}`` (histogram), ``batch_rows`` / ``batch_requests`` (histograms),
 ``queue_depth``, ``expired_requests_total``, ``table_lookups_total{table,result=hit|miss}``,
-``model_loads_total{result=ok|refused}``, ``model_last_refusal_timestamp_seconds{version}`` (the
+``model_loads_total{result=ok|refused}``, ``delta_applies_total{path=in_place|rebuild}`` (how
+each delta reached the tables, :mod:`serve.delta`), ``model_last_refusal_timestamp_seconds{version}`` (the
 last version refused, and when), ``model_info{version,device}``,
 ``startup_seconds{stage}`` (read, table_build, program_load, warmup, graphs, total), the
 current model's CUDA graphs (``graph_replays_total``, ``graph_eager_batches_total{reason}``,
@@ -144,6 +145,12 @@ class ServingMetrics:
         self.model_loads = Counter(
             f"{p}model_loads", "Model version loads, ok or refused", ["result"], registry=r
         )
+        self.delta_applies = Counter(
+            f"{p}delta_applies",
+            "Deltas applied, by path: in_place (written into the live tables) or rebuild",
+            ["path"],
+            registry=r,
+        )
         self.last_refusal = Gauge(
             f"{p}model_last_refusal_timestamp_seconds",
             "Unix time of the last refused model version (its name in the label)",
@@ -208,6 +215,10 @@ class ServingMetrics:
         self.model_info.labels(model.version, str(model.device)).set(1)
         for stage, seconds in model.startup.as_dict().items():
             self.startup.labels(stage).set(seconds)
+
+    def on_delta(self, path: str) -> None:
+        """A delta applied by ``path`` (serve.delta.ApplyPath: in_place or rebuild)."""
+        self.delta_applies.labels(path).inc()
 
     def on_refused(self, version: str, at_unix: float) -> None:
         self.model_loads.labels("refused").inc()

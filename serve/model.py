@@ -18,10 +18,11 @@ that fit one (:mod:`serve.graphs`); the others run eagerly.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +220,8 @@ class LoadedModel:
         # CUDA graphs (serve.graphs): captured by warmup() for these buckets, if any
         self.graph_buckets = tuple(graph_buckets)
         self.graphs: CudaGraphs | None = None
+        # a delta written in place (serve.delta): the model that now serves with these tables
+        self._superseded_by: LoadedModel | None = None
 
     @property
     def version(self) -> str:
@@ -373,30 +376,71 @@ class LoadedModel:
             pairs = pair_index_torch(lengths.to(torch.int64), batch.user_index.to(torch.int64))
         return self.program(**self.tables.embed(batch, pairs=pairs))
 
+    def successor(self, bundle: Bundle, program: DenseProgram) -> LoadedModel:
+        """A model over these same tables (and lock) with ``bundle`` and ``program``: for a
+        delta written into the tables in place (:mod:`serve.delta`). Its graphs are this
+        model's if the program is the same, else none (captured by its :meth:`warmup`).
+        :meth:`supersede` then makes this model's predictions its successor's."""
+        model = copy.copy(self)
+        model.bundle, model.program, model.loaded_at = bundle, program, time.time()
+        model._superseded_by = None
+        if program is not self.program:
+            model.graphs = None
+        return model
+
+    @contextlib.contextmanager
+    def between_batches(self) -> Iterator[None]:
+        """Hold the predict lock (shared by a model and its successors): no batch runs inside,
+        and the device is idle (synchronized on entry and exit)."""
+        with self._lock:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    def supersede(self, successor: LoadedModel) -> None:
+        """From now on :meth:`predict` of this model (requests accepted before the swap) runs
+        ``successor``'s: call inside :meth:`between_batches`, with the tables' writes, so that
+        no batch mixes this model's program with the successor's tables."""
+        assert successor._lock is self._lock, "a successor shares its predecessor's lock"
+        self._superseded_by = successor
+
+    def _serving(self) -> LoadedModel:
+        model = self
+        while model._superseded_by is not None:
+            model = model._superseded_by
+        return model
+
     def predict(self, batch: Batch, timings: dict[str, float] | None = None) -> torch.Tensor:
         """[B] click probabilities, float32, on the CPU, in candidate order.
 
         ``timings`` (optional) receives wall seconds of ``h2d`` (packing and the copy),
         ``compute`` (lookups and dense program: launch time on CUDA, where kernels run
         asynchronously) and ``sync`` (waiting for the device and copying the scores back).
+        A model superseded by an in-place delta predicts with its successor.
         """
         with self._lock:
-            if self.graphs is not None:
-                replayed = self.graphs.predict(batch, timings)
-                if replayed is not None:
-                    return replayed
-            if timings is None:
-                return torch.sigmoid(self.logits(batch).float()).cpu()
-            t0 = time.perf_counter()
-            on_device, pairs = self._inputs_to_device(batch)
-            t1 = time.perf_counter()
-            with torch.inference_mode():
-                probs = torch.sigmoid(self._logits(on_device, pairs).float())
-            t2 = time.perf_counter()
-            out = probs.cpu()
-            t3 = time.perf_counter()
-            timings.update(h2d=t1 - t0, compute=t2 - t1, sync=t3 - t2)
-            return out
+            return self._serving()._predict(batch, timings)
+
+    def _predict(self, batch: Batch, timings: dict[str, float] | None) -> torch.Tensor:
+        """:meth:`predict`, the lock held."""
+        if self.graphs is not None:
+            replayed = self.graphs.predict(batch, timings)
+            if replayed is not None:
+                return replayed
+        if timings is None:
+            return torch.sigmoid(self.logits(batch).float()).cpu()
+        t0 = time.perf_counter()
+        on_device, pairs = self._inputs_to_device(batch)
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            probs = torch.sigmoid(self._logits(on_device, pairs).float())
+        t2 = time.perf_counter()
+        out = probs.cpu()
+        t3 = time.perf_counter()
+        timings.update(h2d=t1 - t0, compute=t2 - t1, sync=t3 - t2)
+        return out
 
     def table_stats(self) -> list[TableStats]:
         return self.tables.stats()
