@@ -27,13 +27,17 @@ from typing import Any
 
 import torch
 
-from bench.synthetic_bundle import keys_per_table, seed_feature_set, write_synthetic_bundle
+from bench.synthetic_bundle import (
+    export_seed_program,
+    keys_per_table,
+    seed_feature_set,
+    write_synthetic_bundle,
+)
 from serve.model import STAGES, LoadedModel, default_device
 from serve.program_cache import ProgramCache
 from shared.bundle import read_bundle
 from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
-from shared.config import load_config
 from shared.features import FeatureSet
 from shared.hashtable.lookup import StaticLookupTable
 from shared.hashtable.table import HashTable
@@ -45,16 +49,10 @@ def _sync(device: torch.device) -> None:
 
 
 def export_program(fs: FeatureSet, path: Path) -> tuple[Path, str]:
-    """The real dense part (train/ may be imported by bench/), else a small stand-in."""
-    try:
-        from bench.synthetic_bundle import SEED_CONFIG
-        from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
-    except ImportError as err:  # e.g. a checkout without train/
-        raise SystemExit(f"bench_startup needs train.model.dense_arch: {err}") from err
-    arch = DenseArch.from_config(fs, load_config(SEED_CONFIG).model_config)
-    program = export_dense_arch(arch, example_inputs(arch))
-    torch.export.save(program, path)
-    return path, "MultiTowerDIN dense part (train.model.dense_arch, untrained)"
+    """The seed config's real dense part with the pair inputs (a format 3 bundle's program, what
+    CUDA graphs replay: :func:`bench.synthetic_bundle.export_seed_program`) and its description."""
+    export_seed_program(fs, path, pairs=True)
+    return path, "MultiTowerDIN dense part (train.model.dense_arch, untrained, pair inputs)"
 
 
 def _median(runs: list[dict[str, float]], key: str) -> float:
