@@ -105,6 +105,17 @@ def test_baseline_num_buckets_config_trains_with_the_same_code(
     ).exists()
 
 
+def test_summary_splits_the_loop_time(tiny_samples: Path, tmp_path: Path) -> None:
+    """The summary says how long the loop waited for input and spent checkpointing: parts of
+    train_seconds, and the checkpoints of the cadence are counted (every 2 steps of 6)."""
+    result = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=6, checkpoint_every=2)).fit()
+    summary = next(r for r in result.history if r["kind"] == "summary")
+    parts = [summary[f"{k}_seconds"] for k in ("input_wait", "checkpoint", "eval")]
+    assert all(p >= 0 for p in parts) and sum(parts) <= summary["train_seconds"]
+    assert summary["checkpoint_seconds"] > 0 and summary["eval_seconds"] == 0  # no eval_every
+    assert result.loop_times.seconds["checkpoint"] == summary["checkpoint_seconds"]
+
+
 def test_checkpoints_are_complete_and_pruned(tiny_samples: Path, tmp_path: Path) -> None:
     Trainer(_options(tiny_samples, tmp_path / "m", max_steps=16, checkpoint_every=2)).fit()
     names = [p.name for p in list_checkpoints(tmp_path / "m")]
