@@ -3,8 +3,9 @@
 Serving never inserts, so it needs no buckets, scores or free slots: the exported keys are
 sorted once (one ``torch.sort``, ~0.1-0.5 s for 1.5M keys on a CPU, milliseconds on a GPU) and a
 batch lookup is one ``torch.searchsorted`` plus a gather. Memory is exactly 8 bytes per key plus
-the values (and as much per free slot, if built with ``spare``). Missing keys get ``fill_value`` rows (0.0, i.e. ``eval_initializer`` CONSTANT 0, the
-value training's eval mode returns for keys not in the table). Example::
+the values (and as much per free slot, if built with ``spare``). Missing keys get ``fill_value``
+rows (0.0, i.e. ``eval_initializer`` CONSTANT 0, the value training's eval mode returns for keys
+not in the table). Example::
 
     table = StaticLookupTable.from_keys_values(keys, values, device="cuda")  # bundle tensors
     rows = table.lookup(request_ids)        # [N, dim]; table.hits / table.misses count keys
