@@ -40,7 +40,10 @@ output, which stays allocated (a block in use is never handed to another capture
 to the host right after the replay. Another model version (the next one, loading while this one
 serves) captures into a pool of its own, so the two never share memory. The capture time and
 the memory the graphs took (allocated and reserved, around the captures) are in
-:attr:`CudaGraphs.stats`, the log and the model's startup stage ``graphs``.
+:attr:`CudaGraphs.stats`, the log and the model's startup stage ``graphs``. Buckets are captured
+cheapest first, and capturing stops once less than :data:`MIN_FREE_MEMORY_FRACTION` of the GPU is
+free (the rest are skipped, with why, and their batches run eagerly), so several processes or a
+small GPU degrade to eager batches instead of running out of memory.
 
 Graphs read the tensors they were captured with: the model's tables and dense program. They
 are only valid for the :class:`~serve.lookup.EmbeddingTables` and program object they were
@@ -84,6 +87,11 @@ log = logging.getLogger(__name__)
 DEFAULT_PAIR_RATIOS = (8, 32, 128)
 MAX_DEFAULT_PAIRS = 1 << 20  # no default bucket beyond (its graph would hold GBs of activations)
 CHECK_ATOL = 1e-5  # a captured graph whose replay differs more from eager is not used
+# Captures stop (the larger buckets then run eagerly) once the device has less than this share
+# of its memory free: the rest is for eager batches, the next version's load (it captures into a
+# pool of its own while this one serves) and other server processes on the same GPU. 12 GiB for
+# the default buckets at 8192 rows is a fraction of an H200, most of a 24 GiB card.
+MIN_FREE_MEMORY_FRACTION = 0.25
 
 
 @dataclass(frozen=True, order=True)
@@ -126,6 +134,7 @@ class GraphStats:
     replays: int = 0
     eager: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # not captured: memory (why)
     capture_seconds: float = 0.0  # wall time of all captures (and their checks)
     memory_allocated_bytes: int = 0  # torch.cuda.memory_allocated after - before the captures
     memory_reserved_bytes: int = 0  # ... memory_reserved: the pool's segments (what it costs)
@@ -136,6 +145,7 @@ class GraphStats:
             "replays": self.replays,
             "eager": dict(self.eager),
             "failures": dict(self.failures),
+            "skipped": dict(self.skipped),
             "capture_seconds": self.capture_seconds,
             "memory_allocated_bytes": self.memory_allocated_bytes,
             "memory_reserved_bytes": self.memory_reserved_bytes,
@@ -368,8 +378,11 @@ class CudaGraphs:
         allocated = torch.cuda.memory_allocated(model.device)
         reserved = torch.cuda.memory_reserved(model.device)
         with torch.inference_mode():
-            for bucket in sorted(set(buckets)):
-                graphs._capture_one(bucket, probe, seg, elem)
+            graphs.capture_while_room(
+                sorted(set(buckets)),
+                lambda bucket: graphs._capture_one(bucket, probe, seg, elem),
+                lambda: torch.cuda.mem_get_info(model.device),
+            )
         torch.cuda.current_stream(model.device).synchronize()
         stats = graphs.stats
         stats.capture_seconds = time.perf_counter() - t0
@@ -377,6 +390,36 @@ class CudaGraphs:
         stats.memory_reserved_bytes = torch.cuda.memory_reserved(model.device) - reserved
         model.tables.reset_stats()
         return graphs
+
+    def capture_while_room(
+        self,
+        buckets: Sequence[Bucket],
+        capture_one: Callable[[Bucket], None],
+        memory: Callable[[], tuple[int, int]],
+    ) -> None:
+        """``capture_one`` each bucket (cheapest first) while the device keeps at least
+        :data:`MIN_FREE_MEMORY_FRACTION` of its memory free (``memory``: free and total bytes);
+        the buckets after the first that finds less are skipped, with why, and their batches
+        run eagerly."""
+        for i, bucket in enumerate(buckets):
+            free, total = memory()
+            if free < MIN_FREE_MEMORY_FRACTION * total:
+                why = (
+                    f"{free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB free, under "
+                    f"{MIN_FREE_MEMORY_FRACTION:.0%}"
+                )
+                for rest in buckets[i:]:
+                    self.stats.skipped[str(rest)] = why
+                log.warning(
+                    "CUDA graphs: %d of %d buckets not captured (GPU memory: %s); batches that "
+                    "need them run eagerly. Fewer server processes per GPU, or a smaller "
+                    "--max-batch-rows, leave room for them",
+                    len(buckets) - i,
+                    len(buckets),
+                    why,
+                )
+                return
+            capture_one(bucket)
 
     def _capture_one(self, bucket: Bucket, probe: Batch, seg: np.ndarray, elem: np.ndarray) -> None:
         try:

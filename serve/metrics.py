@@ -97,12 +97,16 @@ class _GraphCollector(Collector):
             eager.add_metric([reason], n)
         captures = GaugeMetricFamily(f"{p}captures", "CUDA graphs captured (buckets)")
         captures.add_metric([], stats.captures)
+        skipped = GaugeMetricFamily(
+            f"{p}skipped", "Buckets not captured for lack of GPU memory (they run eagerly)"
+        )
+        skipped.add_metric([], len(stats.skipped))
         memory = GaugeMetricFamily(
             f"{p}memory_bytes", "Device memory the graphs took at capture", labels=["kind"]
         )
         memory.add_metric(["allocated"], stats.memory_allocated_bytes)
         memory.add_metric(["reserved"], stats.memory_reserved_bytes)
-        yield from (replays, eager, captures, memory)
+        yield from (replays, eager, captures, skipped, memory)
 
 
 class ServingMetrics:

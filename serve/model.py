@@ -327,11 +327,12 @@ class LoadedModel:
         self.graphs = CudaGraphs.capture(self, self.graph_buckets)
         stats = self.graphs.stats
         log.info(
-            "model %s: %d CUDA graphs captured (%d failed) in %.2fs, one memory pool: "
-            "%+.1f MiB allocated, %+.1f MiB reserved",
+            "model %s: %d CUDA graphs captured (%d failed, %d skipped for memory) in %.2fs, "
+            "one memory pool: %+.1f MiB allocated, %+.1f MiB reserved",
             self.version,
             stats.captures,
             len(stats.failures),
+            len(stats.skipped),
             stats.capture_seconds,
             stats.memory_allocated_bytes / 2**20,
             stats.memory_reserved_bytes / 2**20,

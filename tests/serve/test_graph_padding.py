@@ -12,6 +12,7 @@ import torch
 
 from serve.graphs import (
     DEFAULT_PAIR_RATIOS,
+    MIN_FREE_MEMORY_FRACTION,
     Bucket,
     BucketGraph,
     CudaGraphs,
@@ -117,6 +118,26 @@ def test_bucket_fit_and_choice(model: LoadedModel, fs: FeatureSet) -> None:
     assert graphs._smallest_fit(2, 1, 1, 2, [[10], [1], [1]]) is None  # 10 ids of a user key
     assert graphs.bucket_for(synthetic_batch(fs, 1, 8, (10,))) == Bucket(128, 128, 8)
     assert graphs.bucket_for(synthetic_batch(fs, 1, 8, (20,))) is None  # 160 pairs
+
+
+def test_captures_stop_when_the_gpu_runs_short_of_memory(
+    model: LoadedModel, fs: FeatureSet
+) -> None:
+    """Cheapest first; once less than MIN_FREE_MEMORY_FRACTION is free, the rest are skipped
+    (with why) and never captured."""
+    graphs = CudaGraphs(model, _keys(synthetic_batch(fs, 1, 1, (0,))))
+    buckets = sorted(default_buckets(8, (4, 16)))
+    total = 100 << 30
+    free = iter([total, total // 2, int(total * MIN_FREE_MEMORY_FRACTION) - 1, total])
+    captured: list[Bucket] = []
+    graphs.capture_while_room(buckets, captured.append, lambda: (next(free), total))
+    assert captured == buckets[:2]
+    assert list(graphs.stats.skipped) == [str(b) for b in buckets[2:]]
+    assert "GiB free, under 25%" in graphs.stats.skipped[str(buckets[2])]
+    roomy = CudaGraphs(model, graphs.keys)
+    everything: list[Bucket] = []
+    roomy.capture_while_room(buckets, everything.append, lambda: (total, total))
+    assert everything == buckets and not roomy.stats.skipped
 
 
 def test_batches_that_run_eagerly_are_counted(model: LoadedModel, table: pa.Table) -> None:
