@@ -126,6 +126,9 @@ def launch_sites(
     for e in prof.events():
         if e.name not in LAUNCHES:
             continue
+        if e.name == "cuLaunchKernel":  # the driver API: our CuPy kernels, launched from Python
+            sites["shared/hashtable/cuda: CuPy kernels (driver launches)"] += 1
+            continue  # outside any aten op, so no operator stack says where
         op = e.cpu_parent
         while op is not None and not op.stack:
             op = op.cpu_parent
