@@ -82,8 +82,8 @@ class LookupPlan:
     generation: int
     mutations: int  # FusedStorage.mutations when the plan was made
     out: torch.Tensor = field(repr=False)  # [U, dim] forward values of the distinct keys
-    updated: int = -1  # distinct keys with a row (rows >= 0); -1: not read
-    max_count: int | None = None  # the longest run of duplicates (None: not read)
+    updated: int  # distinct keys with a row (rows >= 0), read in the forward
+    max_count: int  # the longest run of duplicates, read in the forward
 
 
 @dataclass
@@ -362,11 +362,7 @@ class FusedStorage:
             grad.to(torch.float32)[plan.order], plan.starts, plan.counts, plan.group,
             plan.max_count,
         )  # fmt: skip
-        upd = (
-            torch.nonzero(plan.rows >= 0).squeeze(1)
-            if plan.updated < 0
-            else compact_positions(plan.rows >= 0, plan.updated)
-        )
+        upd = compact_positions(plan.rows >= 0, plan.updated)
         rows, g = plan.rows[upd], g[upd]
         keys, tids = plan.keys[upd], plan.table_ids[upd]
         same = self.table.generation == plan.generation
