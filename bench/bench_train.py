@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from bench.bench_loader import measure as measure_loader
-from bench.profile_train import profile_model
+from bench.profile_train import batches_needed, device_batches, profile_model
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -65,22 +65,6 @@ EXAMPLE = """examples:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def device_batches(samples: Path, config_path: Path, batch: int, n: int, device: torch.device):
-    """``n`` training batches of ``samples`` on ``device`` (the first of epoch 0)."""
-    fs = build_feature_set(load_config(config_path))
-    loader = Loader(samples / "train", fs, batch_size=batch, num_workers=1, shuffle=True,
-                    seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
-    out = []
-    for b in loader.epoch(0):
-        out.append(b.to(device, non_blocking=True))
-        if len(out) == n:
-            return out
-    raise SystemExit(
-        f"error: {samples}/train has {len(out)} batches of {batch} rows; this benchmark needs "
-        f"{n}: pass a larger --size or fewer --steps"
-    )
 
 
 def loader_figures(samples: Path, config_path: Path, args, device: torch.device) -> list[dict]:
@@ -246,13 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         print(f"generated {args.size} in {time.perf_counter() - t0:.1f}s", flush=True)
         samples = Path(tmp.name) / "samples"
-    n = args.warmup + 5 * args.steps + 1
+    n = batches_needed(args.warmup, args.steps)
     result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
                               "batch": args.batch, "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)
     for name, path in paths.items():
-        batches = device_batches(samples, path, args.batch, max(n, args.padded_steps + 2), device)
+        fs = build_feature_set(load_config(path))
+        batches = device_batches(samples, fs, args.batch, max(n, args.padded_steps + 2), device)
         entry: dict[str, Any] = {
             "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
         }

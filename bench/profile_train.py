@@ -35,7 +35,7 @@ from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.dense_inputs import assemble_dense_inputs
-from shared.features import build_feature_set
+from shared.features import FeatureSet, build_feature_set
 from train.data.loader import Loader
 from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
@@ -189,6 +189,28 @@ def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[st
     return dict(sites.most_common())
 
 
+def batches_needed(warmup: int, steps: int) -> int:
+    """The batches :func:`profile_model` uses: ``warmup`` and five passes of ``steps``."""
+    return warmup + 5 * steps + 1
+
+
+def device_batches(
+    samples: Path, fs: FeatureSet, batch: int, n: int, device: torch.device
+) -> list[Batch]:
+    """``n`` training batches of ``samples`` on ``device`` (the first of epoch 0, shuffled)."""
+    loader = Loader(samples / "train", fs, batch_size=batch, num_workers=1, shuffle=True,
+                    seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
+    out = []
+    for b in loader.epoch(0):
+        out.append(b.to(device, non_blocking=True))
+        if len(out) == n:
+            return out
+    raise SystemExit(
+        f"error: {samples}/train has {len(out)} batches of {batch} rows; this benchmark needs "
+        f"{n}: pass a larger --size or fewer --steps"
+    )
+
+
 def profile_model(
     model: MultiTowerDIN,
     optimizers: dict[str, torch.optim.Optimizer],
@@ -200,7 +222,7 @@ def profile_model(
     graphs: DenseArchGraphs | None = None,
 ) -> tuple[dict[str, object], list[str]]:
     """The figures of ``model``'s training step on ``batches`` (on its device, at least
-    ``warmup + 5 * steps + 1``): median step ms without and with phase syncs, the phases,
+    :func:`batches_needed`): median step ms without and with phase syncs, the phases,
     the host syncs of one step (CUDA), and a profile of ``steps`` steps (GPU launches per step
     and per phase, device-busy time and its fraction of the profiled wall time). Returns
     (figures, the profile's tables as text lines)."""
@@ -312,17 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     config = load_config(args.config)
     fs = build_feature_set(config)
-    loader = Loader(args.samples / "train", fs, batch_size=args.batch, num_workers=1,
-                    shuffle=True, seed=0, drop_last=True, pin_memory=device.type == "cuda")  # fmt: skip
-    need = args.warmup + 5 * args.steps + 1
-    batches = []
-    for b in loader.epoch(0):
-        batches.append(b.to(device, non_blocking=True))
-        if len(batches) == need:
-            break
-    if len(batches) < need:
-        raise SystemExit(f"--samples has {len(batches)} batches of {args.batch}; need {need}")
-
+    batches = device_batches(
+        args.samples, fs, args.batch, batches_needed(args.warmup, args.steps), device
+    )
     model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
     use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
