@@ -46,7 +46,7 @@ from bench.traffic import (
 )
 from protos import predict_pb2, predict_pb2_grpc
 from serve.admin import AdminConfig
-from serve.delta import ApplyPath, apply_delta, build_with_delta
+from serve.delta import ApplyPath, apply_delta
 from serve.model import LoadedModel, default_device
 from shared.bundle import read_bundle, write_bundle
 from shared.cli import Parser, check_device, plain, run_cli
@@ -100,7 +100,7 @@ def _in_place_vs_rebuild(
         pauses.append(applied.pause_seconds)
         model = apply_delta(applied.model, noop).model  # back to the base's rows, untimed
         t0 = time.perf_counter()
-        build_with_delta(model, delta)
+        apply_delta(model, delta, in_place=False)
         rebuild.append(time.perf_counter() - t0)
 
     def median_ms(xs: list[float]) -> float:

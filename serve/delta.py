@@ -4,7 +4,7 @@ A delta (:mod:`shared.delta`, written by ``python -m train.tools delta-export``)
 base bundle. :func:`resolve_delta` turns the request's path into a directory under the server's
 delta root: relative paths only, no ``..``, symlinks resolved and kept inside the root, and one
 refusal text for every path that is not a delta there (existing or not, so a client learns
-nothing about the server's other directories). :func:`build_with_delta` reads the delta
+nothing about the server's other directories). :func:`apply_delta` reads the delta
 (:func:`shared.delta_reader.read_delta`: every field checked, messages name it by the request's
 path, not the server's), checks that it was made for the bundle the server runs (manifest
 digest and config digest), merges the base tables (kept in memory, memory-mapped) with the
@@ -18,7 +18,8 @@ assignment, so there is no restart and no pause; the scores equal those of a ful
 the same checkpoint (tests check it over gRPC). Example::
 
     path = resolve_delta(Path("/srv/deltas").resolve(), "step-2000")   # DeltaPathError if not
-    model, delta = build_with_delta(current, path, label="delta 'step-2000'")
+    applied = apply_delta(current, path, label="delta 'step-2000'", in_place=False)  # the rebuild
+    model, delta = applied.model, applied.delta
 
 In place (:func:`apply_delta`, what ApplyDelta runs): the merged tables are written into the
 serving model's own tensors instead (:meth:`serve.lookup.EmbeddingTables.prepare_update`: the
@@ -173,28 +174,6 @@ def _patched_bundle(current: LoadedModel, delta: Delta) -> Bundle:
     )
 
 
-def build_with_delta(
-    current: LoadedModel,
-    path: str | Path,
-    *,
-    verify_checksums: bool = True,
-    warmup_candidates: int = 100,
-    label: str = "",
-) -> tuple[LoadedModel, Delta]:
-    """The model of ``current``'s base bundle plus the delta at ``path``, with tables of its
-    own (the rebuild, see module doc); ``label`` names the delta in error messages (default:
-    its path)."""
-    applied = apply_delta(
-        current,
-        path,
-        verify_checksums=verify_checksums,
-        warmup_candidates=warmup_candidates,
-        label=label,
-        in_place=False,
-    )
-    return applied.model, applied.delta
-
-
 def apply_delta(
     current: LoadedModel,
     path: str | Path,
@@ -341,7 +320,6 @@ __all__ = [
     "DeltaMismatchError",
     "DeltaPathError",
     "apply_delta",
-    "build_with_delta",
     "check_base",
     "resolve_delta",
 ]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve.delta import build_with_delta
+from serve.delta import apply_delta
 from serve.graphs import Bucket, CudaGraphs
 from serve.model import STAGES, LoadedModel, synthetic_batch
 from shared.delta import DeltaError
@@ -35,7 +35,8 @@ def test_a_delta_model_gets_the_graph_buckets_and_tables_of_its_own(
     dyn_run, delta_dir: Path
 ) -> None:
     base = LoadedModel.load(dyn_run.base_bundle, device="cpu", graph_buckets=BUCKETS)
-    model, delta = build_with_delta(base, delta_dir)
+    applied = apply_delta(base, delta_dir, in_place=False)
+    model, delta = applied.model, applied.delta
     assert delta.pair_program and model.program.takes_pairs
     assert model.graph_buckets == base.graph_buckets == BUCKETS
     assert model.tables is not base.tables and model.program is not base.program
@@ -53,14 +54,14 @@ def test_a_delta_whose_program_contradicts_its_version_is_refused(
     (bad / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
     base = LoadedModel.load(dyn_run.base_bundle, device="cpu")
     with pytest.raises(DeltaError, match="takes the pair inputs: True, but the manifest's"):
-        build_with_delta(base, bad)
+        apply_delta(base, bad, in_place=False)
 
 
 def test_graphs_do_not_replay_over_replaced_tables(dyn_run, delta_dir: Path) -> None:
     """Graphs read the tensors they were captured with: a model whose tables were swapped
     under them runs eagerly (CPU: the check before any bucket is looked at)."""
     base = LoadedModel.load(dyn_run.base_bundle, device="cpu")
-    other, _ = build_with_delta(base, delta_dir)
+    other = apply_delta(base, delta_dir, in_place=False).model
     batch = synthetic_batch(base.fs, 1, 4, (3,))
     keys = [tuple(k.keys()) for k in (batch.user, batch.item, batch.sequence)]
     graphs = CudaGraphs(base, keys)
@@ -75,12 +76,12 @@ def test_graphs_replay_after_a_delta(dyn_run, delta_dir: Path) -> None:
     """The delta model captures every bucket over its new tables: its replays equal its eager
     scores, and the base's graphs (still serving until the swap) still give the base's."""
     base = LoadedModel.load(dyn_run.base_bundle, device="cuda", graph_buckets=BUCKETS)
-    model, _ = build_with_delta(base, delta_dir)
+    model = apply_delta(base, delta_dir, in_place=False).model
     stats = model.graph_stats()
     assert stats is not None and stats.captures == len(BUCKETS) and stats.failures == {}
     assert model.startup.graphs > 0 and stats.memory_reserved_bytes >= 0
     base_eager = LoadedModel.load(dyn_run.base_bundle, device="cuda")
-    new_eager, _ = build_with_delta(base_eager, delta_dir)
+    new_eager = apply_delta(base_eager, delta_dir, in_place=False).model
     for users, cands, lengths in ((1, 8, (5,)), (4, 60, (3, 0, 12, 7))):
         batch = synthetic_batch(model.fs, users, cands, lengths)
         batch.sequence.values().random_(0, 1000)  # dynamic tables: rows the delta may change
