@@ -220,11 +220,12 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         if train and self._auto_step:
             self._step += 1
         now = self._clock() if train else 0
-        used = [s for s in self._storages if any(self._where[n][0] is s for n in keys)]
-        checked = _checked_keys(keys, self.device, check_sign=len(used) > 1)
+        tables_of: dict[FusedStorage, list[str]] = {}  # the storages these keys use, in order
+        for n in keys:
+            tables_of.setdefault(self._where[n][0], []).append(n)
+        checked = _checked_keys(keys, self.device, check_sign=len(tables_of) > 1)
         out: dict[str, torch.Tensor] = {}
-        for storage in used:
-            names = [n for n in keys if self._where[n][0] is storage]
+        for storage, names in tables_of.items():
             parts = [(self._where[n][1], checked[n]) for n in names]
             score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
             plan = storage.lookup(parts, train=train, score_now=score)
