@@ -8,8 +8,9 @@ inherited torch algorithms (``super()``) run, on the same arrays, for the cases 
 not cover. Those cases are decided here, and nowhere else:
 
 - ``find``: always the kernel (``find.py``).
-- ``insert_or_assign``: ``insert.py``'s kernels, full buckets at max capacity through the
-  inherited ``insert_overflow`` (eviction by score, NO_EVICTION refusals). The torch algorithms
+- ``insert_or_assign``: ``insert.py``'s kernels, full buckets at max capacity included
+  (``ht_ins2_over``: eviction by score, NO_EVICTION refusals, as the inherited
+  ``insert_overflow``, which takes them only for buckets too large for a block). The torch algorithms
   take the whole call (the kernels leave the table untouched) when the table must grow, when a
   bucket receives more than twice its capacity of new occurrences, for invalid keys (the torch
   code raises its error), for no keys or 2**31 keys or more, and when a bucket's shared memory

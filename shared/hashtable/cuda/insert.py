@@ -24,9 +24,18 @@ read once, after every launch is queued: the host waits for stage and pass 0 onl
 and the row writes run. When the call cannot finish on the kernels (growth, a bucket receiving
 more than twice its capacity of new occurrences, invalid keys) the kernels leave the table
 untouched and :func:`insert_or_assign` returns no result: the CUDA backend then runs the torch
-algorithms (which raise their error for invalid keys). Buckets without room at max capacity go
-through the torch backend's ``insert_overflow`` (eviction by score, NO_EVICTION refusals), then
-``ht_ins2_gather`` fills their rows.
+algorithms (which raise their error for invalid keys).
+
+**Full buckets** (at max capacity: place pass 0 lists the buckets whose new pairs do not fit,
+:func:`_hand_over`): ``ht_ins2_over`` (a block per listed bucket, the list sorted) keeps each
+bucket's best entries by :mod:`shared.hashtable.buckets`' ranking (eviction by score, NO_EVICTION
+refusals): the torch backend's ``insert_overflow``, bit for bit (table, rows, evicted keys in
+order, refusals); ``ht_ins2_gather`` fills the rows of their occurrences and
+``ht_ins2_over_list`` orders the evicted keys; one more host read (evicted, refused, added).
+About 160 us for 8192 full buckets of 128 on the H200 (the torch algorithms: ~3 ms, ~7 host
+syncs). Where a block's shared memory (:func:`_over_smem`, 93 bytes a slot) exceeds the device's
+opt-in limit (bucket capacity above ~2400 on the H200), :func:`_overflow_torch` runs the torch
+backend's ``insert_overflow`` instead.
 Scratch buffers are kept per table (:class:`_Scratch`) and left clear by the kernels
 themselves: no per-call allocation or fill beyond the two result tensors. Launches go to the
 driver (``cuLaunchKernel``) from C parameter buffers kept with the scratch (``runtime.Kernel``):
@@ -51,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shared.features import ScoreStrategy
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda.find import window
 from shared.hashtable.hashing import bucket_of
@@ -70,6 +80,7 @@ OPTIN_SHARED_ATTR = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 # kernels.cu HT_ST_*: the stats of one insert
 ST_STAGED_OVER, ST_NEG_KEY, ST_BAD_TID, ST_MAYBE_FULL, ST_STAGED, ST_ANY_TID = range(6)
 ST_NEW, ST_MAX_FILL, ST_N_OVER, ST_OVER_NEW = range(6, 10)
+ST_OV_EVICTED, ST_OV_REFUSED, ST_OV_ADDED = range(11, 14)  # of ht_ins2_over (full buckets)
 ST_LEN = 16
 # kernels.cu HT_ER_*: the stats of one erase
 ER_NEG_KEY, ER_BAD_TID, ER_ERASED, ER_LISTED = range(4)
@@ -81,13 +92,15 @@ SIGNATURES = {
     "ht_ins2_place": "ppiqqqipppppppppppiqpppifiiipppppi",
     "ht_ins2_write": "qpppiiiipppppiqqpppi",
     "ht_ins2_gather": "ppqpp",
+    "ht_ins2_over": "pqqppppipppifiipipppppppppippppqp",
+    "ht_ins2_over_list": "qpppppp",
     "ht_erase_mark": "ppiqpppppqqqipppp",
     "ht_erase_apply": "qipppppppppppp",
 }
 
 # What an insert did (:func:`insert_or_assign`'s second value; the CUDA backend counts them):
 # the kernels stored the call ("fast": place pass 0, "slow": place pass 1, "overflow": with full
-# buckets through the torch backend's eviction), or they left it to the torch algorithms
+# buckets, through ht_ins2_over), or they left it to the torch algorithms
 # ("abort": the kernels found growth, a skewed batch or invalid keys; "unsupported": nothing was
 # launched: no keys, 2**31 keys or more, buckets too large for shared memory).
 PATHS = ("fast", "slow", "overflow", "abort", "unsupported")
@@ -99,6 +112,17 @@ PATHS = ("fast", "slow", "overflow", "abort", "unsupported")
 def _place_stride(S: int) -> int:
     """Shared-memory bytes per warp of ``ht_ins2_place*`` (its layout comment): 30 * S, to 16."""
     return (30 * S + 15) // 16 * 16
+
+
+def _over_smem(bc: int, S: int) -> int:
+    """Dynamic shared-memory bytes of an ``ht_ins2_over`` block (its layout comment): 69 * bc
+    + 12 * S, to 16 (93 * bc with S = 2 * bc: 12 KiB for 128, 93 KiB for 1024)."""
+    return (69 * bc + 12 * S + 15) // 16 * 16
+
+
+def _over_threads(bc: int) -> int:
+    """Threads of an ``ht_ins2_over`` block: about one a slot, 64 to 1024, whole warps."""
+    return min(1024, max(64, (bc + 31) // 32 * 32))
 
 
 def _erase_stride(bc: int) -> int:
@@ -264,7 +288,7 @@ def insert_or_assign(
     """(what the torch backend's ``insert_or_assign`` returns for the same call, the path: see
     :data:`PATHS`), or (None, path) with the table untouched where the torch algorithms must do
     the call. ``core``: the backend whose ``insert_overflow`` and ``fingerprint`` serve full
-    buckets (the calling CUDA backend)."""
+    buckets where ``ht_ins2_over`` cannot (the calling CUDA backend)."""
     b = _batch_of(table, keys, values, scores, table_ids, accumulators)
     if b is None:
         return None, "unsupported"
@@ -285,7 +309,7 @@ def insert_or_assign(
     if st[ST_N_OVER]:
         path = "overflow"
         evicted_k, evicted_t, refused = _hand_over(
-            table, core, b, launch, sc, st[ST_N_OVER], pinned_rows, rows, inserted
+            table, core, b, launch, sc, st, pinned_rows, rows, inserted
         )
     return InsertResult(rows, inserted.view(torch.bool), evicted_k, evicted_t, refused), path
 
@@ -498,17 +522,24 @@ def _hand_over(
     b: _Batch,
     launch: rt.Launcher,
     sc: _Scratch,
-    n_over: int,
+    st: list[int],
     pinned_rows: torch.Tensor | None,
     rows: torch.Tensor,
     inserted: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The ``n_over`` buckets without room (at max capacity) through :func:`_overflow`, then
-    ``ht_ins2_gather`` fills their new pairs' ``rows`` and ``inserted``: (evicted keys, evicted
-    table ids, refused)."""
-    over = torch.sort(sc.over_list[:n_over]).values
+    """The ``st[ST_N_OVER]`` buckets without room (at max capacity) through the kernels
+    (:func:`_overflow`), or through the torch backend's ``insert_overflow``
+    (:func:`_overflow_torch`) where an ``ht_ins2_over`` block's shared memory exceeds the
+    device's limit (bucket capacity above ~2400 on the H200); then ``ht_ins2_gather`` fills
+    their new pairs' ``rows`` and ``inserted``: (evicted keys, evicted table ids, refused)."""
+    over = torch.sort(sc.over_list[: st[ST_N_OVER]]).values
     rep_rows = torch.empty(b.n, dtype=torch.int64, device=b.dev)
-    evicted_k, evicted_t, refused = _overflow(
+    with launch:
+        if _block_warps(launch, ("ht_ins2_over",), _over_smem(b.bc, b.S), 1):
+            return _overflow(
+                table, b, launch, sc, over, st[ST_OVER_NEW], pinned_rows, rep_rows, rows, inserted
+            )
+    evicted_k, evicted_t, refused = _overflow_torch(
         table,
         core,
         over,
@@ -523,13 +554,119 @@ def _hand_over(
         rep_rows,
     )
     with launch:
-        launch(
-            sc.kernel(launch, "ht_ins2_gather"),
-            b.n_blocks,
-            rt.BLOCK,
-            (sc.rep_of, rep_rows, b.n, rows, inserted),
-        )
+        _gather(b, launch, sc, rep_rows, rows, inserted)
     return evicted_k, evicted_t, refused
+
+
+def _gather(
+    b: _Batch,
+    launch: rt.Launcher,
+    sc: _Scratch,
+    rep_rows: torch.Tensor,
+    rows: torch.Tensor,
+    inserted: torch.Tensor,
+) -> None:
+    """``ht_ins2_gather``: the occurrences of the full buckets' new pairs take their
+    representative's row in ``rep_rows`` (call inside ``with launch``)."""
+    launch(
+        sc.kernel(launch, "ht_ins2_gather"),
+        b.n_blocks,
+        rt.BLOCK,
+        (sc.rep_of, rep_rows, b.n, rows, inserted),
+    )
+
+
+def _pins(
+    table: TableLayout, pinned_rows: torch.Tensor | None, dev: torch.device
+) -> tuple[torch.Tensor | None, int]:
+    """(pinned [capacity] bool or None, mode) for ``ht_ins2_over``: mode 0 nothing pinned, 1
+    the rows of ``pinned``, 2 every stored entry (NO_EVICTION)."""
+    if table.score_strategy is ScoreStrategy.NO_EVICTION:
+        return None, 2
+    if pinned_rows is None:
+        return None, 0
+    pinned = torch.zeros(table.capacity, dtype=torch.bool, device=dev)
+    pinned[pinned_rows.to(dev)] = True
+    return pinned, 1
+
+
+def _overflow(
+    table: TableLayout,
+    b: _Batch,
+    launch: rt.Launcher,
+    sc: _Scratch,
+    over: torch.Tensor,
+    over_new: int,
+    pinned_rows: torch.Tensor | None,
+    rep_rows: torch.Tensor,
+    rows: torch.Tensor,
+    inserted: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The full buckets ``over`` [n_o] (ascending; ``over_new`` new pairs in all) on the kernels
+    (kernels.cu ``ht_ins2_over``: the torch backend's ``insert_overflow``, bit for bit), then
+    ``ht_ins2_gather`` and ``ht_ins2_over_list``, and one host read (evicted, refused, added):
+    (evicted keys, evicted table ids, refused). Call inside ``with launch`` (the kernel's
+    shared memory allowed)."""
+    dev, n_over = b.dev, over.numel()
+    pinned, pin_mode = _pins(table, pinned_rows, dev)
+    ev_key = torch.empty(over_new, dtype=torch.int64, device=dev)  # at most one a new pair
+    ev_tid = torch.empty(over_new, dtype=torch.int64, device=dev)
+    ev_meta = torch.empty(2, n_over, dtype=torch.int64, device=dev)  # (start, count) a bucket
+    stats = sc.stats_of[1 - sc.parity]  # this call's: ht_ins2_write flipped the parity
+    args = (
+        over,
+        b.bc,
+        b.S,
+        sc.stage,
+        sc.nnew,
+        b.keys,
+        b.tids,
+        b.has_t,
+        b.scores,
+        b.values,
+        b.acc_in,
+        int(b.acc_in is not None),
+        table.initial_accumulator_value,
+        b.dim,
+        int(b.vec4),
+        pinned,
+        pin_mode,
+        table._sentinel,
+        table._bucket_count,
+        table._slot_fp,
+        table._slot_row,
+        table._row_key,
+        table._row_tid,
+        table._row_score,
+        table._values,
+        b.acc_out,
+        int(b.acc_out is not None),
+        rep_rows,
+        ev_key,
+        ev_tid,
+        ev_meta,
+        n_over,
+        stats,
+    )
+    smem = _over_smem(b.bc, b.S)
+    launch(sc.kernel(launch, "ht_ins2_over"), n_over, _over_threads(b.bc), args, smem)
+    _gather(b, launch, sc, rep_rows, rows, inserted)
+    ends = torch.cumsum(ev_meta[1], 0)
+    out_key = torch.empty(over_new, dtype=torch.int64, device=dev)
+    out_tid = torch.empty(over_new, dtype=torch.int64, device=dev)
+    launch(
+        sc.kernel(launch, "ht_ins2_over_list"),
+        rt.blocks(32 * n_over),
+        rt.BLOCK,
+        (n_over, ev_meta, ends, ev_key, ev_tid, out_key, out_tid),
+    )
+    launch.to_host(sc.host, stats, sc.event)
+    sc.event.synchronize()
+    evicted, refused, added = sc.host[ST_OV_EVICTED : ST_OV_ADDED + 1].tolist()
+    table._size += added
+    table.evictions += evicted
+    table.refusals += refused
+    return out_key[:evicted], out_tid[:evicted], refused
 
 
 # ---------------------------------------------------------------------------------------- erase
@@ -616,7 +753,7 @@ def erase(table: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None
     return erased
 
 
-def _overflow(
+def _overflow_torch(
     table: TableLayout,
     core: TorchBackend,
     over: torch.Tensor,
@@ -630,9 +767,9 @@ def _overflow(
     nnew: torch.Tensor,
     rep_rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Buckets whose new keys do not fit: ``core.insert_overflow`` on their new pairs (``over``
-    [n_o]: the buckets, ascending), in its order (bucket, then fingerprint); fills
-    ``rep_rows``."""
+    """Buckets whose new keys do not fit, where ``ht_ins2_over`` cannot take them (shared
+    memory): ``core.insert_overflow`` on their new pairs (``over`` [n_o]: the buckets,
+    ascending), in its order (bucket, then fingerprint); fills ``rep_rows``."""
     dev, nb = table.device, table.num_buckets
     S = stage.numel() // nb
     staged = stage.view(nb, S)[over]  # [n_o, S]: new pairs of each bucket, in order

@@ -462,7 +462,7 @@ __device__ __forceinline__ void ht_ins2_copy_new(
 // the new rows get key, table id, score, values and accumulators of the pair's last
 // occurrence; rows[i] / inserted[i] of every occurrence. c + u > bc (only at max capacity):
 // over_list gets b, nnew[b] = u, stage[b * S + j] the j-th representative, and rep_of[i] every
-// occurrence's representative, for the torch core's eviction (host).
+// occurrence's representative, for ht_ins2_over (the eviction).
 template <int PASS>
 __device__ __forceinline__ void ht_ins2_place(
     const i64* __restrict__ keys, const i64* __restrict__ tids, int has_tids, i64 nb, i64 bc,
@@ -736,8 +736,8 @@ extern "C" __global__ void ht_ins2_write(
     }
 }
 
-// After the host's eviction pass (buckets in over_list): the occurrences of their new pairs
-// (rows[i] still -1) take their representative's row (-1: refused).
+// After the eviction pass (ht_ins2_over, buckets in over_list): the occurrences of their new
+// pairs (rows[i] still -1) take their representative's row (-1: refused).
 extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
                                          const i64* __restrict__ rep_rows, i64 n,
                                          i64* __restrict__ rows, unsigned char* __restrict__ inserted) {
@@ -746,6 +746,286 @@ extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
     const i64 q = rep_rows[rep_of[i]];
     rows[i] = q;
     inserted[i] = q >= 0;
+}
+
+// ---------------------------------------------------------------- insert_or_assign: full buckets
+//
+// At max capacity, the buckets whose new pairs do not fit (place pass 0 listed them in over_list
+// with nnew[b] = u pairs, their representatives at stage[b * S + q] in (fingerprint, table id,
+// key) order) keep their best bc entries: TorchBackend.insert_overflow's table and result, bit
+// for bit, in three launches (insert.py's _overflow) and one host read.
+//
+// 1. ht_ins2_over (a block per listed bucket, the list sorted): with c stored entries (slots
+//    0..c-1, sorted by fingerprint) and buckets.py's order (pinned first, higher score,
+//    newcomer before a stored entry of equal score, lower fingerprint, then torch's stable
+//    column order: the slot for stored entries, the pre-rank for newcomers):
+//    - pre-step: newcomer q's pre-rank p = #{q': score > or (== and q' < q)}; p >= bc is
+//      refused. Among newcomers the merge order is the pre-rank order (q is fingerprint order);
+//    - stored among stored: (pinned, score desc, slot) (slot order is fingerprint order);
+//    - stored s before newcomer n iff s is pinned (always under NO_EVICTION) or its score is
+//      higher (newcomers win ties),
+//    so an entry's rank R is its rank in its own group plus a count over the other; R < bc
+//    stays. The freed rows (empty slots and evicted entries, in slot order) go to the kept
+//    newcomers in rank order, the rest stay with the empty slots; the kept entries are written
+//    sorted by (fingerprint, R) (torch's stable sort of the merge order), sentinels last. The
+//    new rows get key, table id, score, values and accumulators; the evicted rows not reused
+//    are freed (key -1, table id 0, score 0); rep_rows[i] of every representative i (-1:
+//    refused). Each bucket's evicted keys and table ids (rank order) go to ev_key / ev_tid at a
+//    base it reserves (stats[HT_ST_OV_EVICTED] is the cursor and the total); ev_meta[j] = that
+//    base, ev_meta[n_over + j] = the count. Every rank is a count (no sort): O(bc^2) compares
+//    a bucket, spread over the block.
+// 2. ht_ins2_over_list (a warp per bucket): the evicted keys in bucket order (ends: the
+//    inclusive cumsum of the counts), as the torch code returns them.
+//
+// blockDim.x of ht_ins2_over: a multiple of 32, at least 64 (warps 0 and 1 scan at once).
+// Dynamic shared memory (insert.py's _over_smem: 69 * bc + 12 * S bytes, B = bc):
+//   i64: e_fp [B] | e_row [B] | e_score [B] | k_fp [B] (first c_score) | k_row [B] | f_row [B] |
+//        n_score [S];  int: n_idx [S] | by_rank [2B] | e_rank [B] | cand [B] | f_slot [B];
+//   u8: e_pin [B].
+
+#define HT_ST_OV_EVICTED 11  // ht_ins2_over: stored entries evicted (the cursor of ev_key)
+#define HT_ST_OV_REFUSED 12  // new pairs of the full buckets left out
+#define HT_ST_OV_ADDED 13    // entries the full buckets gained
+
+extern "C" __global__ void ht_ins2_over(
+    const i64* __restrict__ over, i64 bc, i64 S, const int* __restrict__ stage,
+    const i64* __restrict__ nnew, const i64* __restrict__ keys, const i64* __restrict__ tids,
+    int has_tids, const i64* __restrict__ scores, const float* __restrict__ values,
+    const float* __restrict__ accum_in, int has_accum, float accum_init, int dim, int vec4,
+    const unsigned char* __restrict__ pinned, int pin_mode, const i64* __restrict__ sentinel,
+    i64* __restrict__ bucket_count, i64* __restrict__ slot_fp, i64* __restrict__ slot_row,
+    i64* __restrict__ row_key, int* __restrict__ row_tid, i64* __restrict__ row_score,
+    float* __restrict__ out_values, float* __restrict__ out_accum, int has_out_accum,
+    i64* __restrict__ rep_rows, i64* __restrict__ ev_key, i64* __restrict__ ev_tid,
+    i64* __restrict__ ev_meta, i64 n_over, u64* __restrict__ stats) {
+    HT_SMEM(smem);
+    __shared__ int s_nfree, s_nev;
+    const int B = (int)bc;
+    const int T = blockDim.x, tx = threadIdx.x;
+    const int lane = tx & 31, warp = tx >> 5;
+    const unsigned int below = (1u << lane) - 1u;
+    const i64 j = blockIdx.x;
+    const i64 b = over[j];
+    const i64 base = b * bc;
+    const i64 c64 = bucket_count[b];
+    const int c = (int)(c64 > bc ? bc : c64);
+    const int u = (int)nnew[b];
+    const int m = u < B ? u : B;  // newcomers past the pre-step
+    i64* e_fp = reinterpret_cast<i64*>(smem);
+    i64* e_row = e_fp + B;
+    i64* e_score = e_row + B;
+    i64* k_fp = e_score + B;
+    i64* c_score = k_fp;  // until the ranks are done: the score of the newcomer of pre-rank p
+    i64* k_row = k_fp + B;
+    i64* f_row = k_row + B;
+    i64* n_score = f_row + B;
+    int* n_idx = reinterpret_cast<int*>(n_score + S);
+    int* by_rank = n_idx + S;  // entry of rank R: a slot t < B, or B + p for newcomer p
+    int* e_rank = by_rank + 2 * B;
+    int* cand = e_rank + B;  // newcomer (q) of pre-rank p
+    int* f_slot = cand + B;
+    unsigned char* e_pin = reinterpret_cast<unsigned char*>(f_slot + B);
+    if (tx == 0) s_nev = 0;
+    for (int t = tx; t < B; t += T) {
+        const i64 r = slot_row[base + t];
+        e_row[t] = r;
+        if (t < c) {
+            e_fp[t] = slot_fp[base + t];
+            e_score[t] = row_score[r];
+            e_pin[t] = pin_mode == 2 ? 1 : (pin_mode == 1 && pinned[r] ? 1 : 0);
+        }
+    }
+    for (int q = tx; q < u; q += T) {
+        const int idx = stage[b * S + q];
+        n_idx[q] = idx;
+        n_score[q] = scores[idx];
+    }
+    __syncthreads();
+    // pre-ranks of the newcomers, ranks of the stored entries among themselves
+    for (int q = tx; q < u; q += T) {
+        const i64 s = n_score[q];
+        int p = 0;
+        for (int v = 0; v < u; ++v) {
+            const i64 w = n_score[v];
+            p += (w > s || (w == s && v < q)) ? 1 : 0;
+        }
+        if (p < B) {
+            cand[p] = q;
+            c_score[p] = s;
+        } else {
+            rep_rows[n_idx[q]] = -1;  // refused by the pre-step
+        }
+    }
+    for (int t = tx; t < c; t += T) {
+        const int pin = e_pin[t];
+        const i64 s = e_score[t];
+        int r = 0;
+        for (int v = 0; v < c; ++v) {
+            const int pv = e_pin[v];
+            const i64 w = e_score[v];
+            r += (pv > pin || (pv == pin && (w > s || (w == s && v < t)))) ? 1 : 0;
+        }
+        e_rank[t] = r;
+    }
+    __syncthreads();
+    // ranks in the merge
+    for (int p = tx; p < m; p += T) {
+        const i64 s = c_score[p];
+        int r = p;
+        for (int v = 0; v < c; ++v) r += (e_pin[v] || e_score[v] > s) ? 1 : 0;
+        by_rank[r] = B + p;
+    }
+    for (int t = tx; t < c; t += T) {
+        int r = e_rank[t];
+        if (!e_pin[t]) {
+            const i64 s = e_score[t];
+            for (int p = 0; p < m; ++p) r += c_score[p] >= s ? 1 : 0;
+        }
+        by_rank[r] = t;
+        e_rank[t] = r;
+        if (r >= B) atomicAdd(&s_nev, 1);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // freed rows in slot order: empty slots and evicted entries
+        int nf = 0;
+        for (int t0 = 0; t0 < B; t0 += 32) {
+            const int t = t0 + lane;
+            const bool fr = t < B && (t >= c || e_rank[t] >= B);
+            const unsigned int mk = __ballot_sync(0xffffffffu, fr);
+            if (fr) {
+                const int i = nf + __popc(mk & below);
+                f_row[i] = e_row[t];
+                f_slot[i] = t;
+            }
+            nf += __popc(mk);
+        }
+        if (lane == 0) s_nfree = nf;
+    } else if (warp == 1) {
+        // the evicted keys and table ids in rank order, read before any row is written
+        const int nev = s_nev;
+        i64 at = 0;
+        if (lane == 0 && nev > 0) at = (i64)atomicAdd(stats + HT_ST_OV_EVICTED, (u64)nev);
+        at = __shfl_sync(0xffffffffu, at, 0);
+        if (lane == 0) {
+            ev_meta[j] = at;
+            ev_meta[n_over + j] = nev;
+        }
+        const int total = c + m;
+        int e = 0;
+        for (int r0 = B; r0 < total; r0 += 32) {
+            const int r = r0 + lane;
+            const bool ev = r < total && by_rank[r] < B;
+            const unsigned int mk = __ballot_sync(0xffffffffu, ev);
+            if (ev) {
+                const i64 row = e_row[by_rank[r]];
+                const i64 dst = at + e + __popc(mk & below);
+                ev_key[dst] = row_key[row];
+                ev_tid[dst] = (i64)row_tid[row];
+            }
+            e += __popc(mk);
+        }
+    }
+    __syncthreads();
+    const int nfree = s_nfree;
+    const int size = c + m < B ? c + m : B;
+    const int n_new = size - (B - nfree);  // kept newcomers: pre-ranks 0 .. n_new - 1
+    for (int r = tx; r < size; r += T) {
+        const int id = by_rank[r];
+        if (id < B) {
+            k_fp[r] = e_fp[id];
+            k_row[r] = e_row[id];
+        } else {
+            const int p = id - B;
+            const int idx = n_idx[cand[p]];
+            k_fp[r] = ht_fingerprint(keys[idx], has_tids ? tids[idx] : 0);
+            k_row[r] = f_row[p];
+        }
+    }
+    for (int p = tx; p < m; p += T) {
+        const int idx = n_idx[cand[p]];
+        if (p < n_new) {
+            const i64 r = f_row[p];
+            row_key[r] = keys[idx];
+            row_tid[r] = has_tids ? (int)tids[idx] : 0;
+            row_score[r] = scores[idx];
+            rep_rows[idx] = r;
+        } else {
+            rep_rows[idx] = -1;  // lost in the merge
+        }
+    }
+    for (int i = n_new + tx; i < nfree; i += T) {
+        const int t = f_slot[i];
+        if (t < c) {  // an evicted entry whose row no newcomer takes
+            const i64 r = e_row[t];
+            row_key[r] = -1;
+            row_tid[r] = 0;
+            row_score[r] = 0;
+        }
+    }
+    if (dim > 0 && n_new > 0) {
+        const bool acc = has_out_accum != 0;
+        const bool from_in = has_accum != 0;
+        const int units = vec4 ? dim >> 2 : dim;
+        const int total = n_new * units;
+        for (int e = tx; e < total; e += T) {
+            const int p = e / units;
+            const int d = e - p * units;
+            const i64 src = (i64)n_idx[cand[p]] * units + d;
+            const i64 dst = f_row[p] * units + d;
+            if (vec4) {
+                reinterpret_cast<float4*>(out_values)[dst] =
+                    reinterpret_cast<const float4*>(values)[src];
+                if (acc)
+                    reinterpret_cast<float4*>(out_accum)[dst] =
+                        from_in ? reinterpret_cast<const float4*>(accum_in)[src]
+                                : make_float4(accum_init, accum_init, accum_init, accum_init);
+            } else {
+                out_values[dst] = values[src];
+                if (acc) out_accum[dst] = from_in ? accum_in[src] : accum_init;
+            }
+        }
+    }
+    __syncthreads();
+    // the slots: kept entries by (fingerprint, rank), then the sentinels with the unused rows
+    for (int r = tx; r < size; r += T) {
+        const i64 f = k_fp[r];
+        int pos = 0;
+        for (int v = 0; v < size; ++v) {
+            const i64 g = k_fp[v];
+            pos += (g < f || (g == f && v < r)) ? 1 : 0;
+        }
+        slot_fp[base + pos] = f;
+        slot_row[base + pos] = k_row[r];
+    }
+    const i64 sent = sentinel[b];
+    for (int i = size + tx; i < B; i += T) {
+        slot_fp[base + i] = sent;
+        slot_row[base + i] = f_row[n_new + i - size];
+    }
+    if (tx == 0) {
+        bucket_count[b] = size;
+        if (u > n_new) atomicAdd(stats + HT_ST_OV_REFUSED, (u64)(u - n_new));
+        if (size > c) atomicAdd(stats + HT_ST_OV_ADDED, (u64)(size - c));
+    }
+}
+
+// A warp per bucket j of the sorted over list: its ev_meta[n_over + j] evicted keys and table
+// ids, at ev_meta[j] in ev_key / ev_tid, go to out_key / out_tid from ends[j] - count.
+extern "C" __global__ void ht_ins2_over_list(i64 n_over, const i64* __restrict__ ev_meta,
+                                             const i64* __restrict__ ends,
+                                             const i64* __restrict__ ev_key,
+                                             const i64* __restrict__ ev_tid,
+                                             i64* __restrict__ out_key, i64* __restrict__ out_tid) {
+    const i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (j >= n_over) return;
+    const int lane = threadIdx.x & 31;
+    const i64 at = ev_meta[j], cnt = ev_meta[n_over + j];
+    const i64 dst = ends[j] - cnt;
+    for (i64 e = lane; e < cnt; e += 32) {
+        out_key[dst + e] = ev_key[at + e];
+        out_tid[dst + e] = ev_tid[at + e];
+    }
 }
 
 // ---------------------------------------------------------------- erase

@@ -1,0 +1,286 @@
+"""Full buckets at max capacity on CUDA (kernels.cu ``ht_ins2_over``) against the torch backend.
+
+Each test runs the same inserts on a table with a ``CudaBackend`` and on a copy with a
+``TorchBackend`` and asks for equal results (rows, inserted, evicted keys and table ids in
+order, refusals) and equal tables (every slot, row, key, table id, score, value, accumulator,
+bucket count and counter) after each call. The batches are built bucket by bucket: many buckets
+receive more new keys than they hold (up to twice: the staging list), scores come from a small
+range (ties between newcomers and stored keys), and stored keys of the batch are pinned. Run on
+the GPU machine: ``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_overflow.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from shared.features import ScoreStrategy
+from shared.hashtable import cuda
+from shared.hashtable.cuda.backend import CudaBackend
+from shared.hashtable.hashing import bucket_of, fingerprint
+from shared.hashtable.table import HashTable, InsertResult
+from shared.hashtable.torch_backend import TorchBackend
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        cuda.unavailable_reason() is not None,
+        reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
+    ),
+]
+
+DEVICE = "cuda"
+TORCH = TorchBackend()
+STATE: tuple[str, ...] = ("_slot_fp", "_slot_row", "_row_key", "_row_tid", "_row_score")
+STATE += ("_values", "_accum", "_bucket_count", "_sentinel")
+COUNTERS = ("size", "num_buckets", "evictions", "refusals", "generation")
+STRATEGIES = [
+    ScoreStrategy.LFU,
+    ScoreStrategy.STEP,
+    ScoreStrategy.TIMESTAMP,
+    ScoreStrategy.NO_EVICTION,
+]
+
+
+def _assert_same_table(a: HashTable, b: HashTable) -> None:
+    for f in STATE:
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None and y is None) or torch.equal(x.cpu(), y.cpu()), f
+    for f in COUNTERS:
+        assert getattr(a, f) == getattr(b, f), f
+    assert a._any_tid or not b._any_tid  # never lazier than the torch backend (eager is safe)
+
+
+def _assert_same_result(got: InsertResult, want: InsertResult) -> None:
+    for f in ("rows", "inserted", "evicted_keys", "evicted_table_ids"):
+        x, y = getattr(got, f), getattr(want, f)
+        assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), f
+    assert got.num_refused == want.num_refused
+
+
+def _assert_scratch_clear(table: HashTable) -> None:
+    from shared.hashtable.cuda import insert
+
+    sc = insert._scratch.get(table)
+    if sc is None:
+        return
+    assert not sc.dirty
+    assert bool((sc.scount == 0).all()), "scount"
+    assert bool((sc.win == -1).all()), "win"
+    assert bool((sc.stats_of[sc.parity] == 0).all()), "stats"
+
+
+def _new_keys(
+    table: HashTable, per_bucket: torch.Tensor, g: torch.Generator, with_tids: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``per_bucket[b]`` random keys (table ids in 0..2 when ``with_tids``) of each bucket ``b``,
+    not stored in ``table``, in random order."""
+    nb = table.num_buckets
+    pool = 8 * int(per_bucket.sum()) + 64 * nb
+    keys = torch.randint(0, 1 << 62, (pool,), generator=g)
+    tids = torch.randint(0, 3, (pool,), generator=g) if with_tids else None
+    keep = ~table.find(keys.to(DEVICE), None if tids is None else tids.to(DEVICE))[1].cpu()
+    idx = torch.nonzero(keep).squeeze(1)
+    bucket = bucket_of(fingerprint(keys[idx], None if tids is None else tids[idx]), nb)
+    order = torch.sort(bucket, stable=True).indices
+    idx, bucket = idx[order], bucket[order]
+    counts = torch.bincount(bucket, minlength=nb)
+    rank = torch.arange(idx.numel()) - (torch.cumsum(counts, 0) - counts)[bucket]
+    assert bool((counts >= per_bucket).all()), "pool too small"
+    idx = idx[rank < per_bucket[bucket]]
+    idx = idx[torch.randperm(idx.numel(), generator=g)]
+    return keys[idx], None if tids is None else tids[idx]
+
+
+Batch = Callable[[HashTable, int, torch.Generator], dict]
+
+
+def _run(table: HashTable, steps: int, make: Batch, *, want_paths: set[str]) -> list[str]:
+    """``steps`` inserts from ``make`` on ``table`` (a CUDA backend) and on a torch-backend
+    copy: equal results and tables after each. Returns the CUDA backend's paths, in order."""
+    core = table.to(table.device, backend=TORCH)
+    backend = table.backend
+    assert isinstance(backend, CudaBackend)
+    paths: list[str] = []
+    g = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        kw = make(core, step, g)
+        if kw.pop("pin", False):
+            tids = kw.get("table_ids")
+            head = None if tids is None else tids[:40]
+            rows = core.find(kw["keys"][:40], head)[0]
+            kw["pinned_rows"] = rows[rows >= 0]
+        want = core.insert_or_assign(**kw)
+        before = backend.paths.copy()
+        got = table.insert_or_assign(**kw)
+        (path,) = backend.paths - before
+        paths.append(path.removeprefix("insert."))
+        _assert_scratch_clear(table)
+        _assert_same_result(got, want)
+        _assert_same_table(table, core)
+    assert set(paths) <= want_paths, paths
+    return paths
+
+
+def _table(dim: int, nb: int, bc: int, strategy: ScoreStrategy, accum: bool) -> HashTable:
+    return HashTable(
+        dim,
+        init_capacity=nb * bc,
+        max_capacity=nb * bc,
+        bucket_capacity=bc,
+        score_strategy=strategy,
+        with_accumulator=accum,
+        initial_accumulator_value=0.5,
+        device=DEVICE,
+        backend=CudaBackend(),
+    )
+
+
+def _batches(bc: int, dim: int, with_tids: bool, accum: bool, pin: bool, scores: int) -> Batch:
+    """Step 0 fills every bucket to between half and all of its capacity; later steps give each
+    bucket 0 .. 2 * bc - 2 new keys (a duplicate of one of them), stored keys of the table
+    (the first ones pinned when ``pin``) and scores in 0 .. ``scores`` - 1."""
+
+    def make(core: HashTable, step: int, g: torch.Generator) -> dict:
+        nb = core.num_buckets
+        if step == 0:
+            per = torch.randint(bc // 2, bc + 1, (nb,), generator=g)
+        else:
+            per = torch.randint(0, 2 * bc - 1, (nb,), generator=g)
+        keys, tids = _new_keys(core, per, g, with_tids)
+        bucket = bucket_of(fingerprint(keys, tids), nb)
+        by_bucket = torch.sort(bucket, stable=True).indices
+        sb = bucket[by_bucket]
+        first = torch.ones_like(sb, dtype=torch.bool)
+        first[1:] = sb[1:] != sb[:-1]
+        dup = by_bucket[first][::2]  # one new key of every other bucket with new keys
+        live = torch.nonzero(core.row_keys.cpu() >= 0).squeeze(1)
+        stored = live[torch.randperm(live.numel(), generator=g)[: min(live.numel(), 3 * nb)]]
+        s_keys = core.row_keys.cpu()[stored]
+        s_tids = core.row_table_ids.cpu()[stored].to(torch.int64)
+        keys = torch.cat([s_keys, keys, keys[dup]])
+        if tids is not None:
+            tids = torch.cat([s_tids, tids, tids[dup]])
+        n = keys.numel()
+        out: dict = {
+            "keys": keys,
+            "values": torch.randn(n, dim, generator=g),
+            "scores": torch.randint(0, scores, (n,), generator=g),
+            "pin": pin and step % 2 == 1,
+        }
+        if tids is not None:
+            out["table_ids"] = tids
+        if accum and step % 2 == 0:
+            out["accumulators"] = torch.rand(n, dim, generator=g)
+        return out
+
+    return make
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("pin", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("dim", [0, 16])
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "tids+accum"])
+def test_full_buckets_give_the_torch_table(
+    strategy: ScoreStrategy, pin: bool, dim: int, extras: bool
+) -> None:
+    bc = 16
+    t = _table(dim, 48, bc, strategy, accum=extras and dim > 0)
+    make = _batches(bc, dim, with_tids=extras, accum=extras, pin=pin, scores=4)
+    paths = _run(t, 6, make, want_paths={"fast", "overflow"})
+    assert paths.count("overflow") >= 4
+    if strategy is ScoreStrategy.NO_EVICTION:
+        assert t.evictions == 0 and t.refusals > 0
+    else:
+        assert t.evictions > 0 and t.refusals > 0
+
+
+@pytest.mark.parametrize("bc", [7, 33, 128])
+def test_full_buckets_of_other_capacities(bc: int) -> None:
+    """Capacities that are not whole warps, and the trainer's 128 (dim 8: float4 copies)."""
+    t = _table(8, 24, bc, ScoreStrategy.STEP, accum=True)
+    make = _batches(bc, 8, with_tids=True, accum=True, pin=True, scores=3)
+    assert _run(t, 5, make, want_paths={"fast", "overflow"}).count("overflow") >= 3
+
+
+def test_full_buckets_of_the_admission_counter() -> None:
+    """dim 0 and bucket capacity 1024 (the counter's default): 93 KiB of shared memory a block,
+    above the default 48 KiB (the opt-in), 1024 threads a block."""
+    bc = 1024
+    t = _table(0, 4, bc, ScoreStrategy.LFU, accum=False)
+    make = _batches(bc, 0, with_tids=False, accum=False, pin=True, scores=5)
+    assert _run(t, 4, make, want_paths={"fast", "overflow"}).count("overflow") >= 2
+
+
+def test_equal_fingerprints_and_scores() -> None:
+    """Stored keys and newcomers sharing a fingerprint (and a score): the merge's last tie-break
+    (torch's stable column order) decides who stays and the slot order."""
+    from .test_cuda_kernels import _collision_keys
+
+    pairs = _collision_keys(200)  # keys 2i and 2i + 1 share a fingerprint
+    t = _table(2, 16, 4, ScoreStrategy.STEP, accum=False)
+
+    def make(core: HashTable, step: int, g: torch.Generator) -> dict:
+        if step == 0:
+            keys = pairs[0::2][:40]
+        elif step == 1:
+            keys = pairs[1::2][:40]
+        else:
+            keys = pairs[torch.randperm(pairs.numel(), generator=g)[:60]]
+        n = keys.numel()
+        return {
+            "keys": keys,
+            "values": torch.randn(n, 2, generator=g),
+            "scores": torch.full((n,), 1) if step < 2 else torch.randint(0, 2, (n,), generator=g),
+            "pin": step == 3,
+        }
+
+    paths = _run(t, 6, make, want_paths={"fast", "overflow", "abort"})
+    assert "overflow" in paths
+
+
+def test_the_torch_fallback_where_shared_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_hand_over's fallback (an ht_ins2_over block that does not fit): the torch backend's
+    insert_overflow, the same table."""
+    from shared.hashtable.cuda import insert
+
+    monkeypatch.setattr(insert, "_over_smem", lambda bc, S: 1 << 30)
+    t = _table(4, 16, 16, ScoreStrategy.STEP, accum=True)
+    make = _batches(16, 4, with_tids=True, accum=True, pin=True, scores=3)
+    assert _run(t, 4, make, want_paths={"fast", "overflow"}).count("overflow") >= 2
+
+
+def test_the_overflow_kernel_is_one_extra_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An insert with full buckets reads the host twice (the stats after place, then the
+    overflow stats) and never runs the torch backend's insert_overflow."""
+    from shared.hashtable.cuda import insert
+
+    def boom(*args: object, **kw: object) -> None:
+        raise AssertionError("the torch insert_overflow ran")
+
+    t = _table(4, 16, 16, ScoreStrategy.STEP, accum=False)
+    backend = t.backend
+    assert isinstance(backend, CudaBackend)
+    monkeypatch.setattr(CudaBackend, "insert_overflow", boom)
+    syncs: list[int] = []
+    real = torch.cuda.Event.synchronize
+
+    def counted(self: torch.cuda.Event) -> None:
+        syncs.append(1)
+        real(self)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+    make = _batches(16, 4, with_tids=False, accum=False, pin=False, scores=3)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        kw = make(t, step, g)
+        kw.pop("pin")
+        syncs.clear()
+        before = backend.paths.copy()
+        t.insert_or_assign(**kw)
+        (path,) = backend.paths - before
+        assert len(syncs) == (2 if path == "insert.overflow" else 1), path
+    assert backend.paths["insert.overflow"] >= 1
+    assert insert.SIGNATURES["ht_ins2_over"]  # the launch's signature (checked on CPU too)
