@@ -34,7 +34,6 @@ from shared.batch import Batch
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
-from shared.dense_inputs import assemble_dense_inputs
 from shared.features import FeatureSet, build_feature_set
 from train.data.loader import Loader
 from train.model.graphed import DenseArchGraphs
@@ -72,7 +71,7 @@ def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> 
             opt.zero_grad(set_to_none=True)
 
     def dense_forward() -> torch.Tensor:
-        inputs = dict(assemble_dense_inputs(model.fs, batch, pooled, sequences))
+        inputs: dict[str, Any] = dict(model.assemble(batch, embedded))
         if batch.rows_are_users:
             inputs["user_index"] = None
         with _amp_context(amp, batch.user_index.device):
@@ -80,7 +79,8 @@ def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> 
         return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
 
     phase("zero_grad", zero_grad)
-    pooled, sequences = phase("sparse_forward", lambda: model.sparse(batch))
+    cold = model.dense.takes_cold
+    embedded = phase("sparse_forward", lambda: model.sparse(batch, cold=cold))
     loss = phase("dense_forward", dense_forward)
     phase("backward", loss.backward)
     phase("optimizer", lambda: [opt.step() for opt in optimizers.values()])

@@ -307,15 +307,31 @@ class DINTower(_message.Message):
     attn_mlp: MLP
     def __init__(self, input: _Optional[str] = ..., attn_mlp: _Optional[_Union[MLP, _Mapping]] = ...) -> None: ...
 
+class ColdBackoff(_message.Message):
+    __slots__ = ("sources",)
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[BackoffSources]
+    def __init__(self, sources: _Optional[_Iterable[_Union[BackoffSources, _Mapping]]] = ...) -> None: ...
+
+class BackoffSources(_message.Message):
+    __slots__ = ("feature_name", "side_features")
+    FEATURE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    feature_name: str
+    side_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, feature_name: _Optional[str] = ..., side_features: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class MultiTowerDIN(_message.Message):
-    __slots__ = ("towers", "din_towers", "final")
+    __slots__ = ("towers", "din_towers", "final", "cold_backoff")
     TOWERS_FIELD_NUMBER: _ClassVar[int]
     DIN_TOWERS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    COLD_BACKOFF_FIELD_NUMBER: _ClassVar[int]
     towers: _containers.RepeatedCompositeFieldContainer[Tower]
     din_towers: _containers.RepeatedCompositeFieldContainer[DINTower]
     final: MLP
-    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ...) -> None: ...
+    cold_backoff: ColdBackoff
+    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ..., cold_backoff: _Optional[_Union[ColdBackoff, _Mapping]] = ...) -> None: ...
 
 class AUC(_message.Message):
     __slots__ = ("thresholds",)

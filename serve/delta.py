@@ -288,11 +288,12 @@ def _delta_program(delta: Delta, dev: torch.device) -> DenseProgram:
             f"{delta.where}: {DELTA_PROGRAM}: not a loadable dense program "
             f"({type(cause).__name__}: {str(cause)[:300]}); re-export the delta"
         ) from None
-    if program.takes_pairs != delta.pair_program:
+    if program.signature is not delta.program_signature:
         raise DeltaError(
-            f"{delta.where}: {DELTA_PROGRAM} takes the pair inputs: {program.takes_pairs}, but "
-            f"the manifest's format_version {delta.format_version} says {delta.pair_program}; "
-            "re-export the delta (delta-export writes both)"
+            f"{delta.where}: {DELTA_PROGRAM} takes {list(program.input_names)}, but the "
+            f"manifest's format_version {delta.format_version} says "
+            f"{list(delta.program_signature.value)}; re-export the delta (delta-export writes "
+            "both)"
         )
     return program
 

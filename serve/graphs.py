@@ -157,7 +157,8 @@ def scores(
 ) -> torch.Tensor:
     """What a graph holds: lookups + dense program + sigmoid of a batch on the model's device
     → [B] float32 probabilities there (eager; no host sync for a program taking the pairs)."""
-    return torch.sigmoid(model.program(**model.tables.embed(batch, pairs=pairs)).float())
+    inputs = model.tables.embed(batch, pairs=pairs, cold=model.program.takes_cold)
+    return torch.sigmoid(model.program(**inputs).float())
 
 
 # --------------------------------------------------------------------------- one bucket's buffers

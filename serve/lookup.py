@@ -38,7 +38,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shared.batch import Batch
 from shared.bundle import Bundle
-from shared.dense_inputs import Pairs, assemble_dense_inputs, dense_layout, pool_bags
+from shared.dense_inputs import (
+    Pairs,
+    assemble_dense_inputs,
+    cold_layout,
+    cold_rows,
+    dense_layout,
+    pool_bags,
+)
 from shared.features import FeatureSet, TableSpec
 from shared.hashtable.lookup import StaticLookupTable, TableWrite
 
@@ -133,13 +140,14 @@ class _Group:
         self._is_dense = torch.tensor([n in offsets for n in self.names], device=device)
         self.counts = torch.zeros(n_dyn + 1, 2, dtype=torch.int64, device=device)  # hits, lookups
 
-    def lookup(self, ids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """[N] ids of the tables ``codes`` → [N, dim]; missing dynamic keys give zeros."""
+    def lookup(self, ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N] ids of the tables ``codes`` → ([N, dim], [N] bool: the id has a row); missing
+        dynamic keys give zeros (and False); ids of dense tables always have a row."""
         is_dense = self._is_dense[codes]  # [N]
         dense_idx = torch.where(is_dense, ids + self._off[codes], self._zero_row)
         emb = self.weight.index_select(0, dense_idx)  # [N, dim]
         if self.hash is None:
-            return emb
+            return emb, torch.ones_like(is_dense)
         tid = self._tid[codes]  # [N]; dense ids get the key space with no keys
         space = tid
         if self.shift < WHOLE_KEY:  # an id >= 2**shift cannot be in a table: send it there too
@@ -149,7 +157,7 @@ class _Group:
             dyn = self.hash.values.index_select(0, idx.clamp(min=0))  # [N, dim]
             emb = torch.where(found.unsqueeze(1), dyn, emb)
         self.counts.index_add_(0, tid, torch.stack([found.long(), torch.ones_like(tid)], 1))
-        return emb
+        return emb, found | is_dense
 
     def prepare(self, bundle: Bundle) -> list[Callable[[], None]]:
         """Writes that make this group hold ``bundle``'s tables, in its own tensors (computed
@@ -283,6 +291,7 @@ class EmbeddingTables:
         self.fs = bundle.feature_set
         self.device = device
         self.layout = dense_layout(self.fs)
+        self.cold_layout = cold_layout(self.fs, self.layout)
         self.build_seconds: dict[str, float] = {}  # dense_tables, hash_tables
         self._groups = [
             _Group(dim, tables, shift, bundle, device, self.build_seconds, headroom)
@@ -363,10 +372,14 @@ class EmbeddingTables:
             mean=torch.tensor(mean, device=self.device) if any(mean) else None,
         )
 
-    def embed(self, batch: Batch, pairs: Pairs | None = None) -> dict[str, torch.Tensor]:
+    def embed(
+        self, batch: Batch, pairs: Pairs | None = None, *, cold: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The dense program's inputs for ``batch`` (on :attr:`device`; KJTs with cached
         ``length_per_key``, as feature generation and :func:`concat_batches` make them), with
-        ``pairs`` (on :attr:`device`) as ``pair_segment``/``pair_element`` if given."""
+        ``pairs`` (on :attr:`device`) as ``pair_segment``/``pair_element`` if given, and with
+        ``cold`` the cold masks of the dynamic features (``user_cold``, ``item_cold``,
+        ``seq_cold``: programs of bundle format 4; :func:`~shared.dense_inputs.cold_rows`)."""
         kjts = (batch.user, batch.item, batch.sequence)
         plan = self._plan(tuple(tuple(kjt.keys()) for kjt in kjts))
         strides = [kjt.stride() for kjt in kjts]  # U, B, U
@@ -375,6 +388,7 @@ class EmbeddingTables:
         ]  # [K, S] per KJT
         pooled: dict[str, torch.Tensor] = {}  # [S, dim] per feature
         sequences: dict[str, torch.Tensor] = {}  # [T, dim] per sequence feature
+        flags: dict[str, torch.Tensor] = {}  # [S] or [T] bool per feature: cold
         for group, parts in plan:
             sizes = [p.size(kjts[p.kjt]) for p in parts]
             bags = [p.lengths(lengths[p.kjt]) for p in parts]  # [Kg, S] per part
@@ -385,19 +399,33 @@ class EmbeddingTables:
                     for p, b, n in zip(parts, bags, sizes, strict=True)
                 ]
             )  # [N] table code of each id
-            emb = group.lookup(ids, codes)  # [N, dim]
-            for p, b, rows in zip(parts, bags, torch.split(emb, sizes), strict=True):
+            emb, found = group.lookup(ids, codes)  # [N, dim], [N]
+            split = (torch.split(emb, sizes), torch.split(found, sizes))
+            for p, b, rows, hits in zip(parts, bags, *split, strict=True):
                 if p.kjt == SEQUENCE:  # jagged: each feature's [T, dim] as it is
                     lens = batch.sequence.length_per_key()
                     seq = torch.split(rows, [lens[k] for k in p.keys])
                     sequences.update(zip(p.names, seq, strict=True))
+                    if cold:
+                        misses = torch.split(~hits, [lens[k] for k in p.keys])
+                        flags.update(zip(p.names, misses, strict=True))
                 else:  # one bag per row: [Kg, S, dim]
                     s = strides[p.kjt]
                     mean = None if p.mean is None else p.mean.repeat_interleave(s)  # [Kg * S]
                     out = pool_bags(rows, b.reshape(-1), mean).view(len(p.keys), s, group.dim)
                     pooled.update(zip(p.names, out.unbind(0), strict=True))
+                    if cold:
+                        none = cold_rows(hits, b.reshape(-1)).view(len(p.keys), s)  # [Kg, S]
+                        flags.update(zip(p.names, none.unbind(0), strict=True))
         return assemble_dense_inputs(
-            self.fs, batch, pooled, sequences, layout=self.layout, pairs=pairs
+            self.fs,
+            batch,
+            pooled,
+            sequences,
+            layout=self.layout,
+            pairs=pairs,
+            cold=flags if cold else None,
+            cold_columns=self.cold_layout,
         )
 
     # ----------------------------------------------------------------------- stats

@@ -39,13 +39,13 @@ from shared.bundle import Bundle, BundleError, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
 from shared.dense_inputs import (
     INPUT_NAMES,
-    PAIR_INPUT_NAMES,
     Pairs,
+    Signature,
     batch_pairs,
     pair_index_torch,
     program_input_names,
     sequence_lengths,
-    takes_pairs,
+    signature_of,
 )
 from shared.features import FeatureSet, Side
 
@@ -133,18 +133,27 @@ def _full_load(path: Path, device: torch.device) -> tuple[torch.nn.Module, bool]
 @dataclass(frozen=True)
 class DenseProgram:
     """A loaded ``dense.pt2`` as ``f(**inputs) -> logits`` [B], and which inputs it takes:
-    :data:`~shared.dense_inputs.PAIR_INPUT_NAMES` (bundle format 3, :attr:`takes_pairs`) or
-    :data:`~shared.dense_inputs.INPUT_NAMES` (formats 1 and 2, keywords or positional). It is
+    its :class:`~shared.dense_inputs.Signature`: the pairs and the cold masks (format 4), the
+    pairs (format 3), or :data:`~shared.dense_inputs.INPUT_NAMES` (formats 1 and 2, keywords
+    or positional). It is
     called with the inputs it takes from whatever it is given (the pairs are ignored by a
     program without them)."""
 
     module: Callable[..., torch.Tensor]
     keyword: bool  # keyword inputs (else the six of INPUT_NAMES, positionally)
-    takes_pairs: bool
+    signature: Signature
+
+    @property
+    def takes_pairs(self) -> bool:
+        return self.signature.takes_pairs
+
+    @property
+    def takes_cold(self) -> bool:
+        return self.signature.takes_cold
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        return PAIR_INPUT_NAMES if self.takes_pairs else INPUT_NAMES
+        return self.signature.value
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         if self.keyword:
@@ -170,10 +179,10 @@ def load_program(
             f"re-export it with torch {torch.__version__.split('+')[0]} or check the bundle"
         ) from err
     try:
-        pairs = keyword and takes_pairs(program_input_names(module))
+        signature = signature_of(program_input_names(module) if keyword else ())
     except ValueError as err:
         raise BundleError(f"{path}: {err}") from None
-    return DenseProgram(module, keyword, pairs)
+    return DenseProgram(module, keyword, signature)
 
 
 def _timed_program(
@@ -375,7 +384,8 @@ class LoadedModel:
             if lengths is None:
                 lengths = torch.zeros(batch.num_users, dtype=torch.int64, device=self.device)
             pairs = pair_index_torch(lengths.to(torch.int64), batch.user_index.to(torch.int64))
-        return self.program(**self.tables.embed(batch, pairs=pairs))
+        inputs = self.tables.embed(batch, pairs=pairs, cold=self.program.takes_cold)
+        return self.program(**inputs)
 
     def successor(self, bundle: Bundle, program: DenseProgram) -> LoadedModel:
         """A model over these same tables (and lock) with ``bundle`` and ``program``: for a

@@ -16,8 +16,9 @@ directory (the manifest's ``files`` names the other two; a reader opens no other
                         row counts), table summaries, size + sha256 of every other file;
                         written last
 
-``format_version`` is 1, or :data:`PAIR_PROGRAM_DELTA_FORMAT` (2) when the delta's ``dense.pt2``
-takes the (candidate, element) pairs as inputs (as a bundle of format 3 does,
+``format_version`` is 1, :data:`COLD_PROGRAM_DELTA_FORMAT` (3) when the delta's ``dense.pt2``
+takes the cold masks too (as a bundle of format 4 does), or :data:`PAIR_PROGRAM_DELTA_FORMAT` (2)
+when it takes the (candidate, element) pairs as inputs (as a bundle of format 3 does,
 :mod:`shared.bundle.naming`): a server that predates pair programs knows only version 1, so it
 refuses such a delta instead of failing in warm-up; a delta without a program, or with one
 without the pairs, stays version 1 (any server applies it). :func:`write_delta` tells the
@@ -55,12 +56,19 @@ import torch
 from safetensors.torch import save_file
 
 from shared.bundle.layout import BundleError, sha256, write_json
-from shared.bundle.writer import program_takes_pairs
+from shared.bundle.writer import program_signature
+from shared.dense_inputs import Signature
 
 DELTA_FORMAT = "dynrec-delta"
 DELTA_FORMAT_VERSION = 1  # no dense program, or one without the pair inputs
 PAIR_PROGRAM_DELTA_FORMAT = 2  # its dense.pt2 takes the pairs (a format 3 bundle's program)
-DELTA_FORMAT_VERSIONS = (DELTA_FORMAT_VERSION, PAIR_PROGRAM_DELTA_FORMAT)
+COLD_PROGRAM_DELTA_FORMAT = 3  # ... the pairs and the cold masks (a format 4 bundle's program)
+DELTA_FORMATS = {
+    Signature.PLAIN: DELTA_FORMAT_VERSION,
+    Signature.PAIRS: PAIR_PROGRAM_DELTA_FORMAT,
+    Signature.COLD: COLD_PROGRAM_DELTA_FORMAT,
+}
+DELTA_FORMAT_VERSIONS = tuple(DELTA_FORMATS.values())
 DELTA_TENSORS = "delta.safetensors"
 DELTA_PROGRAM = "dense.pt2"
 DELTA_MANIFEST = "manifest.json"
@@ -137,13 +145,13 @@ class Delta:
     tables: dict[str, TableDelta]
     dense_program_path: Path | None
     manifest: dict[str, Any] = field(repr=False)
-    format_version: int = DELTA_FORMAT_VERSION  # PAIR_PROGRAM_DELTA_FORMAT: a pair program
+    format_version: int = DELTA_FORMAT_VERSION  # its program's signature (DELTA_FORMATS)
     label: str = ""  # how messages name the delta ("": by its path); the server: request path
 
     @property
-    def pair_program(self) -> bool:
-        """Whether the delta's dense program takes the pair inputs (its format version says)."""
-        return self.format_version == PAIR_PROGRAM_DELTA_FORMAT
+    def program_signature(self) -> Signature:
+        """The inputs the delta's dense program takes (its format version says)."""
+        return {v: s for s, v in DELTA_FORMATS.items()}[self.format_version]
 
     @property
     def where(self) -> str:
@@ -254,8 +262,8 @@ def write_delta(
     overwrite: bool = False,
 ) -> Path:
     """Write a delta directory atomically (see the module docstring); returns its path. Its
-    ``format_version`` is :data:`PAIR_PROGRAM_DELTA_FORMAT` when ``dense_program_path`` takes
-    the pair inputs, else :data:`DELTA_FORMAT_VERSION`."""
+    ``format_version`` follows the inputs ``dense_program_path`` takes (:data:`DELTA_FORMATS`;
+    :data:`DELTA_FORMAT_VERSION` without a program)."""
     out = Path(out_dir)
     if not DELTA_ID_RE.match(delta_id):
         raise DeltaError(f"delta id {delta_id!r} must be 1-64 characters of A-Z a-z 0-9 . _ : -")
@@ -311,10 +319,10 @@ def delta_format_version(program: str | os.PathLike[str] | None) -> int:
     if program is None:
         return DELTA_FORMAT_VERSION
     try:
-        pairs = program_takes_pairs(Path(program))
+        signature = program_signature(Path(program))
     except BundleError as err:
         raise DeltaError(str(err)) from err.__cause__
-    return PAIR_PROGRAM_DELTA_FORMAT if pairs else DELTA_FORMAT_VERSION
+    return DELTA_FORMATS[signature]
 
 
 # --------------------------------------------------------------------------- apply

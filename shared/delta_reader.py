@@ -28,12 +28,12 @@ from safetensors.torch import load_file
 from shared.bundle.layout import DIGEST_RE, sha256
 from shared.delta import (
     DELTA_FORMAT,
+    DELTA_FORMAT_VERSION,
     DELTA_FORMAT_VERSIONS,
     DELTA_ID_RE,
     DELTA_MANIFEST,
     DELTA_PROGRAM,
     DELTA_TENSORS,
-    PAIR_PROGRAM_DELTA_FORMAT,
     Delta,
     DeltaError,
     TableDelta,
@@ -145,7 +145,7 @@ def _manifest(root: Path, where: str) -> dict[str, Any]:
                 f"{w}: {key!r} is {_show(obj[key])}, not a sha256 hex digest; re-export the delta"
             )
     _get(m, "target_version", str, where)
-    if version == PAIR_PROGRAM_DELTA_FORMAT and not _get(m, "dense_program", bool, where):
+    if version != DELTA_FORMAT_VERSION and not _get(m, "dense_program", bool, where):
         raise DeltaError(
             f"{where}: format_version {version} (a dense program taking the pairs) but "
             "'dense_program' is false; re-export the delta"

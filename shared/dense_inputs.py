@@ -12,7 +12,17 @@ between the two sides::
     seq_lengths [U] int64 elements per user (sum = T)
     user_index  [B] int64 user row of each candidate row
     pair_segment [N] int64 candidate row of each (candidate, element) pair   } programs of bundle
-    pair_element [N] int64 row in seq_values of each pair                    } format 3 only
+    pair_element [N] int64 row in seq_values of each pair                    } formats 3 and 4
+    user_cold   [U, Ku] bool  the user's cold features (ColdLayout.user)      }
+    item_cold   [B, Ki] bool  the candidate's cold features (ColdLayout.item) } bundle format 4
+    seq_cold    [T, Ks] bool  the element's cold features (ColdLayout.sequence) }
+
+A feature is *cold* in a row when it is a dynamic (hash-table) feature whose ids there all have
+no row in their table (not admitted, evicted, refused in training; not in the bundle when
+serving) and the row has at least one id; programs of bundle format 4 replace its embedding by a
+backoff learned from the row's side features (``train/model/backoff.py``). Which features get a
+column is fixed by the feature set (:func:`cold_layout`), so training and serving agree without
+storing it.
 
 The DIN attends over the N = sum(seq_lengths[user_index]) (candidate, element) pairs, ordered by
 candidate, then element. Sizing them on the device needs a host sync (``.item()``), which also
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum, unique
 from typing import cast
 
 import numpy as np
@@ -43,6 +54,8 @@ from shared.features import FeatureSet, GroupType, Side
 INPUT_NAMES = ("user_deep", "item_deep", "query", "seq_values", "seq_lengths", "user_index")
 PAIR_NAMES = ("pair_segment", "pair_element")  # the pairs, inputs of bundle format 3 programs
 PAIR_INPUT_NAMES = (*INPUT_NAMES, *PAIR_NAMES)
+COLD_NAMES = ("user_cold", "item_cold", "seq_cold")  # cold masks, inputs of format 4 programs
+COLD_INPUT_NAMES = (*PAIR_INPUT_NAMES, *COLD_NAMES)
 
 Pairs = tuple[torch.Tensor, torch.Tensor]  # (pair_segment [N], pair_element [N]) int64
 
@@ -61,16 +74,35 @@ def program_input_names(program: torch.export.ExportedProgram | torch.nn.Module)
     return tuple(kwargs.context or ())
 
 
-def takes_pairs(input_names: Sequence[str]) -> bool:
-    """Whether a program with these keyword inputs (:func:`program_input_names`) takes the pairs
-    (bundle format 3); ValueError for inputs that are neither of the two signatures."""
+@unique
+class Signature(Enum):
+    """The keyword inputs of a dense program, which its bundle format number versions."""
+
+    PLAIN = INPUT_NAMES  # formats 1 and 2 (and positional programs): the DIN sizes the pairs
+    PAIRS = PAIR_INPUT_NAMES  # format 3: the pairs as inputs (no host sync, CUDA-graph safe)
+    COLD = COLD_INPUT_NAMES  # format 4: format 3 + the cold masks (a backoff for cold ids)
+
+    @property
+    def takes_pairs(self) -> bool:
+        return self is not Signature.PLAIN
+
+    @property
+    def takes_cold(self) -> bool:
+        return self is Signature.COLD
+
+
+def signature_of(input_names: Sequence[str]) -> Signature:
+    """The signature of a program with these keyword inputs (:func:`program_input_names`;
+    ``()``, a positional program, is PLAIN); ValueError for inputs of no signature."""
     names = tuple(input_names)
-    if names not in ((), INPUT_NAMES, PAIR_INPUT_NAMES):
-        raise ValueError(
-            f"dense program inputs {list(names)} are neither {list(INPUT_NAMES)} nor "
-            f"{list(PAIR_INPUT_NAMES)}; export it with train.model.dense_arch.export_dense_arch"
-        )
-    return names == PAIR_INPUT_NAMES
+    for sig in Signature:
+        if names == sig.value or (names == () and sig is Signature.PLAIN):
+            return sig
+    known = " or ".join(str(list(s.value)) for s in Signature)
+    raise ValueError(
+        f"dense program inputs {list(names)} are none of {known}; export it with "
+        "train.model.dense_arch.export_dense_arch"
+    )
 
 
 def pair_index(seq_lengths: np.ndarray, user_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -147,6 +179,42 @@ def dense_layout(fs: FeatureSet) -> DenseLayout:
         item_deep_dim=sum(dim(n) for n in item),
         seq_dim=sum(dim(n) for n in seq.query),
     )
+
+
+@dataclass(frozen=True)
+class ColdLayout:
+    """The dynamic features of the dense inputs, in the column order of the cold masks."""
+
+    user: tuple[str, ...]  # user_cold [U, len]: dynamic features of user_deep
+    item: tuple[str, ...]  # item_cold [B, len]: of item_deep, then query features not in it
+    sequence: tuple[str, ...]  # seq_cold [T, len]: dynamic sequence features
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return (*self.user, *self.item, *self.sequence)
+
+
+def cold_layout(fs: FeatureSet, layout: DenseLayout | None = None) -> ColdLayout:
+    """Which features have a column in ``user_cold``, ``item_cold`` and ``seq_cold``: every
+    dynamic feature of the dense inputs, in :func:`dense_layout` order."""
+    lay = layout or dense_layout(fs)
+
+    def dynamic(names: Sequence[str]) -> tuple[str, ...]:
+        return tuple(n for n in names if fs.tables[fs.features[n].table].is_dynamic)
+
+    item = dynamic(lay.item_deep)
+    return ColdLayout(
+        user=dynamic(lay.user_deep),
+        item=item + tuple(n for n in dynamic(lay.query) if n not in item),
+        sequence=dynamic(lay.sequence),
+    )
+
+
+def cold_rows(hits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Which bags are cold: ``hits`` [N] bool (the id has a row) with bag ``lengths`` [R]
+    (sum N) → [R] bool, True where the bag has ids and none of them has a row. No host sync."""
+    found = pool_bags(hits.to(torch.float32).unsqueeze(1), lengths).squeeze(1)  # [R] hits per bag
+    return (found == 0) & (lengths > 0)
 
 
 # One feature's ids in a batch: (KJT "user" | "item" | "sequence", feature, ids [n], lengths [rows])
@@ -273,6 +341,8 @@ def assemble_dense_inputs(
     *,
     layout: DenseLayout | None = None,
     pairs: Pairs | None = None,
+    cold: Mapping[str, torch.Tensor] | None = None,
+    cold_columns: ColdLayout | None = None,
 ) -> dict[str, torch.Tensor]:
     """The dense program's keyword inputs (see the module docstring) from looked-up embeddings.
 
@@ -281,7 +351,8 @@ def assemble_dense_inputs(
     feature, jagged with ``batch.sequence``'s lengths (equal across a sequence's sub-features).
     ``layout`` may be passed to skip recomputing :func:`dense_layout` on a hot path. ``pairs``
     (:func:`batch_pairs` of the batch, on its device) adds :data:`PAIR_NAMES`, for programs
-    that take them.
+    that take them. ``cold`` (feature → [rows] bool, :func:`cold_rows`, for every feature of
+    :func:`cold_layout`, which ``cold_columns`` may pass precomputed) adds :data:`COLD_NAMES`.
     """
     lay = layout or dense_layout(fs)
     u, b = batch.num_users, batch.batch_size
@@ -306,4 +377,28 @@ def assemble_dense_inputs(
     }
     if pairs is not None:
         inputs.update(zip(PAIR_NAMES, pairs, strict=True))  # [N], [N]
+    if cold is not None:
+        inputs.update(_cold_masks(fs, lay, cold, cold_columns, (u, b, seq_values.shape[0]), like))
     return inputs
+
+
+def _cold_masks(
+    fs: FeatureSet,
+    lay: DenseLayout,
+    cold: Mapping[str, torch.Tensor],
+    columns: ColdLayout | None,
+    rows: tuple[int, int, int],
+    like: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """user_cold [U, Ku], item_cold [B, Ki], seq_cold [T, Ks] from each feature's [rows] flags."""
+    col = columns or cold_layout(fs, lay)
+    missing = [n for n in col.features if n not in cold]
+    if missing:
+        raise KeyError(f"no cold flags for the dynamic features {missing}; pass all of them")
+    out = {}
+    for name, names, n in zip(COLD_NAMES, (col.user, col.item, col.sequence), rows, strict=True):
+        if names:
+            out[name] = torch.stack([cold[f].to(torch.bool) for f in names], dim=1)  # [n, K]
+        else:
+            out[name] = torch.zeros(n, 0, dtype=torch.bool, device=like.device)
+    return out

@@ -31,7 +31,6 @@ import torch
 from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.config import load_config
-from shared.dense_inputs import assemble_dense_inputs
 from shared.features import build_feature_set
 from shared.progress import ProgressLine
 from train.checkpoint import (
@@ -216,10 +215,7 @@ def train_step(
     model.sparse.dynamic.set_step(step)
     for opt in optimizers.values():
         opt.zero_grad(set_to_none=True)
-    pooled, sequences = model.sparse(batch)  # fp32 embeddings
-    inputs: dict[str, torch.Tensor | None] = dict(
-        assemble_dense_inputs(model.fs, batch, pooled, sequences)
-    )
+    inputs: dict[str, torch.Tensor | None] = dict(model.dense_inputs(batch))  # fp32 embeddings
     if batch.rows_are_users:  # the DIN's path without a host sync (train.model.din)
         inputs["user_index"] = None
     dense: Callable[..., torch.Tensor] = model.dense if sync is None else sync.dense

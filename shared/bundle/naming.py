@@ -36,6 +36,11 @@ server tells the signature by the program's input names, so it also runs format 
 programs. The writer picks the number from the naming and the program it is given
 (:func:`format_version`); format 1 has no pair variant: its readers predate format 2, let alone
 the pairs, so a pair program needs tzrec naming (or export one without the pairs).
+
+Format 4 (:data:`COLD_PROGRAM_FORMAT`) is format 3 whose program also takes the cold masks
+(``user_cold``, ``item_cold``, ``seq_cold``: a model with a cold-id backoff,
+``train/model/backoff.py``); readers of formats 1-3 refuse it, which they must: they would
+feed it no masks. The signature of every format is :class:`shared.dense_inputs.Signature`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from shared.bundle.layout import BundleError
+from shared.dense_inputs import Signature
 
 # the directory tzrec's checkpoints give MultiTowerDIN's DEEP-group EmbeddingBagCollection
 TZREC_COLLECTION = "model.model.embedding_group.emb_impls.__BASE__.ebc"
@@ -191,22 +197,41 @@ TZREC_NAMING: BundleNaming = TzrecNaming()
 DYNREC_NAMING: BundleNaming = DynrecNaming()
 NAMINGS: dict[str, BundleNaming] = {n.id: n for n in (TZREC_NAMING, DYNREC_NAMING)}
 PAIR_PROGRAM_FORMAT = 3  # format 2 whose dense program takes the pairs (module docstring)
-FORMAT_VERSIONS = (DYNREC_NAMING.format_version, TZREC_NAMING.format_version, PAIR_PROGRAM_FORMAT)
+COLD_PROGRAM_FORMAT = 4  # format 3 whose dense program also takes the cold masks
+FORMAT_VERSIONS = (
+    DYNREC_NAMING.format_version,
+    TZREC_NAMING.format_version,
+    PAIR_PROGRAM_FORMAT,
+    COLD_PROGRAM_FORMAT,
+)
+# the format of a tzrec-named bundle by its program's signature; dynrec naming has PLAIN only
+_FORMAT_OF = {
+    Signature.PLAIN: TZREC_NAMING.format_version,
+    Signature.PAIRS: PAIR_PROGRAM_FORMAT,
+    Signature.COLD: COLD_PROGRAM_FORMAT,
+}
 
 
-def format_version(naming: BundleNaming, *, pair_inputs: bool) -> int:
-    """The manifest's ``format_version`` for a bundle of ``naming`` whose dense program takes
-    the pairs (``pair_inputs``) or not; BundleError for a pair program in dynrec naming."""
-    if not pair_inputs:
+def format_version(naming: BundleNaming, signature: Signature) -> int:
+    """The manifest's ``format_version`` for a bundle of ``naming`` whose dense program has
+    ``signature``; BundleError for a program with the pairs in dynrec naming."""
+    if signature is Signature.PLAIN:
         return naming.format_version
     if naming.format_version != TZREC_NAMING.format_version:
         raise BundleError(
-            f"the dense program takes the pair inputs (bundle format {PAIR_PROGRAM_FORMAT}, "
-            f"tzrec naming), but {naming.id} naming writes format {naming.format_version} for "
-            "servers that predate them; use tzrec naming, or export the program without the "
-            "pairs (train.model.dense_arch.example_inputs(..., pairs=False))"
+            f"the dense program takes {list(signature.value[len(Signature.PLAIN.value) :])} "
+            f"(bundle format {_FORMAT_OF[signature]}, tzrec naming), but {naming.id} naming "
+            f"writes format {naming.format_version} for servers that predate them; use tzrec "
+            "naming, or export the program without the pairs "
+            "(train.model.dense_arch.example_inputs(..., pairs=False); not for a model with a "
+            "cold-id backoff)"
         )
-    return PAIR_PROGRAM_FORMAT
+    return _FORMAT_OF[signature]
+
+
+def program_signature(version: int) -> Signature:
+    """The dense program signature a bundle of format ``version`` has (1 and 2: PLAIN)."""
+    return {v: s for s, v in _FORMAT_OF.items()}.get(version, Signature.PLAIN)
 
 
 def naming_of(manifest: dict[str, Any], where: str) -> BundleNaming:

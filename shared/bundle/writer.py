@@ -35,7 +35,7 @@ from shared.bundle.layout import (
     write_json,
 )
 from shared.bundle.naming import TZREC_NAMING, BundleNaming, format_version, is_shard_file
-from shared.dense_inputs import PAIR_NAMES, program_input_names
+from shared.dense_inputs import Signature, program_input_names, signature_of
 from shared.features import FeatureSet, TableSpec
 from shared.fg_spec import feature_set_to_dict
 from shared.stale_dirs import remove_stale_dirs
@@ -81,7 +81,8 @@ def write_bundle(
     An existing bundle at ``out_dir`` is replaced only with ``overwrite=True``. ``naming``
     names the files and tensors (:mod:`shared.bundle.naming`): TorchEasyRec's RTP export names
     (format 2, the default) or ``DYNREC_NAMING`` (format 1, for servers that predate format 2);
-    a dense program that takes the pair inputs makes a format 2 bundle format 3
+    a dense program that takes the pair inputs makes a format 2 bundle format 3, one that
+    also takes the cold masks format 4
     (:func:`shared.bundle.naming.format_version`).
     """
     out, program = Path(out_dir), Path(dense_program_path)
@@ -89,7 +90,7 @@ def write_bundle(
     version = version if version is not None else time.strftime("%Y%m%dT%H%M%SZ", created)
     _check_arguments(version, config_digest, program, max_shard_bytes)
     extra_json = _jsonable(dict(extra or {}), "extra")
-    fmt = format_version(naming, pair_inputs=program_takes_pairs(program))
+    fmt = format_version(naming, program_signature(program))
     groups = _table_groups(feature_set, dense_tables, hash_tables, naming)
     check_destination(out, overwrite=overwrite)
 
@@ -148,8 +149,8 @@ def _check_arguments(version: str, digest: str, program: Path, max_shard_bytes: 
         raise BundleError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
 
 
-def program_takes_pairs(program: Path) -> bool:
-    """Whether the torch.export archive ``program`` takes the pair inputs (bundle format 3)."""
+def program_signature(program: Path) -> Signature:
+    """The inputs the torch.export archive ``program`` takes (its bundle format follows)."""
     try:
         names = program_input_names(torch.export.load(program))
     except Exception as err:  # any load failure: name the file
@@ -157,7 +158,10 @@ def program_takes_pairs(program: Path) -> bool:
             f"dense_program_path {program}: torch.export.load failed ({type(err).__name__}: "
             f"{err}); write it with torch.export.save(program, path) with this torch"
         ) from err
-    return set(PAIR_NAMES) <= set(names)
+    try:
+        return signature_of(names)
+    except ValueError as err:
+        raise BundleError(f"dense_program_path {program}: {err}") from None
 
 
 def _table_groups(

@@ -213,6 +213,14 @@ class DynamicEmbeddingCollection(torch.nn.Module):
 
     def forward(self, keys: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Table name → int64 keys [N] ⇒ table name → float32 rows [N, dim] (see module doc)."""
+        return self.lookup(keys, hits=False)[0]
+
+    def lookup(
+        self, keys: Mapping[str, torch.Tensor], *, hits: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """:meth:`forward`, and with ``hits`` also table name → [N] bool: whether each key has
+        a row after the step (stored, or inserted now); False for keys not admitted, refused,
+        or (eval) not stored, which got an initializer's value. Not differentiable."""
         unknown = [n for n in keys if n not in self._where]
         if unknown:
             raise KeyError(f"unknown dynamic tables {unknown}; known: {', '.join(self._where)}")
@@ -225,6 +233,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
             tables_of.setdefault(self._where[n][0], []).append(n)
         checked = _checked_keys(keys, self.device, check_sign=len(tables_of) > 1)
         out: dict[str, torch.Tensor] = {}
+        found: dict[str, torch.Tensor] = {}
         for storage, names in tables_of.items():
             parts = [(self._where[n][1], checked[n]) for n in names]
             score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
@@ -235,7 +244,10 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 rows = plan.out.index_select(0, plan.inverse)
             sizes = [k.numel() for _, k in parts]
             out.update(zip(names, torch.split(rows, sizes), strict=True))
-        return {n: out[n] for n in keys}
+            if hits:
+                stored = (plan.rows >= 0).index_select(0, plan.inverse)  # [N]
+                found.update(zip(names, torch.split(stored, sizes), strict=True))
+        return {n: out[n] for n in keys}, {n: found[n] for n in keys if n in found}
 
     # ------------------------------------------------------------------ inspection
 
@@ -248,7 +260,9 @@ class DynamicEmbeddingCollection(torch.nn.Module):
     def stats(self) -> dict[str, dict[str, float]]:
         """Per table: size, capacity and load_factor (of its shared storage), evictions,
         admission_rejections (lookups of keys not yet admitted), refusals (admitted keys that
-        found no room, e.g. under NO_EVICTION), admitted, and counter_size with admission."""
+        found no room, e.g. under NO_EVICTION), admitted, lookups and misses (keys looked up in
+        training, and those with no row after the step: a backoff's share), eval_lookups and
+        eval_misses (the same in eval mode), and counter_size with admission."""
         return {n: s.stats(t) for n, (s, t) in self._where.items()}
 
     def table_state(self, name: str) -> TableState:

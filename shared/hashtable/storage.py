@@ -34,15 +34,20 @@ from shared.hashtable.table import HashTable
 logger = logging.getLogger(__name__)
 
 
-# Cumulative per-table counters (training lookups only), columns of FusedStorage._counts: kept
-# on the device and read only by stats(), so counting costs no host synchronisation.
+# Cumulative per-table counters, columns of FusedStorage._counts: kept on the device and read
+# only by stats(), so counting costs no host synchronisation. Training lookups, except eval_*.
 COUNTERS = (
     "evictions",  # stored keys removed to make room
     "admission_rejections",  # lookups of keys not yet admitted
     "refusals",  # admitted keys that could not be stored
     "admitted",  # keys inserted into the table
+    "lookups",  # keys looked up (duplicates included)
+    "misses",  # of those, keys with no row after the step (a model's backoff takes them)
+    "eval_lookups",  # the same two in eval mode
+    "eval_misses",
 )
-_EVICTIONS, _REJECTIONS, _REFUSALS, _ADMITTED = range(len(COUNTERS))
+_EVICTIONS, _REJECTIONS, _REFUSALS, _ADMITTED, _LOOKUPS = range(5)
+_EVAL_LOOKUPS = COUNTERS.index("eval_lookups")
 # Why a full bucket refuses a new key, and what to do, by score strategy (refusal warnings)
 _REFUSAL_REASONS: dict[ScoreStrategy | None, str] = {
     ScoreStrategy.NO_EVICTION: "NO_EVICTION never evicts: raise max_capacity, or choose an "
@@ -231,6 +236,9 @@ class FusedStorage:
             else:
                 out[miss] = self._eval_rows(uk[miss], ut[miss], self.dim)
         rows = torch.where(valid, rows, torch.full_like(rows, -1))
+        first_count = _LOOKUPS if train else _EVAL_LOOKUPS  # lookups, then misses beside it
+        looked = torch.stack([counts, counts * (~valid).to(counts.dtype)], 1)  # [U, 2]
+        self._counts[:, first_count : first_count + 2].index_add_(0, ut, looked)
         return LookupPlan(
             uk,
             ut,

@@ -316,29 +316,55 @@ def candidate_variants(
 # --------------------------------------------------------------------------- real dense programs
 
 
-def export_din_program(fs: FeatureSet, path: Path, *, pairs: bool, seed: int = 0) -> Path:
+def export_din_program(
+    fs: FeatureSet, path: Path, *, pairs: bool, seed: int = 0, backoff: str = "none"
+) -> Path:
     """The model's real dense part (:class:`train.model.dense_arch.DenseArch`, small units),
-    exported with the pair inputs (bundle format 3) or without (format 2), same weights."""
+    exported with the pair inputs (bundle format 3) or without (format 2), same weights.
+    ``backoff``: "none", or a cold-id backoff (:mod:`train.model.backoff`, bundle format 4)
+    with "random" weights or "zero" ones (scores then as without it)."""
+    from protos import pipeline_pb2
+    from train.model.backoff import backoff_spaces
     from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
 
     torch.manual_seed(seed)
     lay = dense_layout(fs)
-    arch = DenseArch(lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim, [32, 16], [16, 8], [8])
+    spaces = () if backoff == "none" else backoff_spaces(fs, pipeline_pb2.ColdBackoff())
+    arch = DenseArch(
+        lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim, [32, 16], [16, 8], [8], spaces
+    )
     with torch.no_grad():
         for p in arch.parameters():
             p.mul_(4.0)  # embeddings are small: spread the logits
+        if backoff == "random":  # after the others: the same weights in all variants
+            generator = torch.Generator().manual_seed(seed + 1)
+            for p in arch.backoff.parameters() if arch.backoff is not None else ():
+                p.copy_(torch.randn(p.shape, generator=generator))
     program = export_dense_arch(arch.eval(), example_inputs(arch, pairs=pairs))
     torch.export.save(program, path)
     return path
 
 
-def make_din_bundle(root: Path, fs: FeatureSet, version: str, *, pairs: bool) -> Path:
+def make_din_bundle(
+    root: Path, fs: FeatureSet, version: str, *, pairs: bool, backoff: str = "none"
+) -> Path:
     """A bundle with :func:`export_din_program`'s program; the tables depend on ``fs`` only,
     so the bundles with and without the pairs hold the same model."""
-    program = export_din_program(fs, root / f"dense-{version}.pt2", pairs=pairs)
+    program = export_din_program(fs, root / f"dense-{version}.pt2", pairs=pairs, backoff=backoff)
     keys = {t.name: KEYS_PER_TABLE for t in fs.dynamic_tables}
     return write_synthetic_bundle(
         root / "bundles" / version, fs, keys=keys, program_path=program, version=version, seed=5
+    )
+
+
+@pytest.fixture(scope="session")
+def cold_bundles(fs: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(format 4 bundle with a random backoff, the same with the backoff zeroed): the same
+    dense weights and tables otherwise."""
+    root = tmp_path_factory.mktemp("cold")
+    return (
+        make_din_bundle(root, fs, "cold-random", pairs=True, backoff="random"),
+        make_din_bundle(root, fs, "cold-zero", pairs=True, backoff="zero"),
     )
 
 

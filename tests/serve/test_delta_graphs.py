@@ -16,6 +16,7 @@ from serve.delta import apply_delta
 from serve.graphs import Bucket, CudaGraphs
 from serve.model import STAGES, LoadedModel, synthetic_batch
 from shared.delta import DeltaError
+from shared.dense_inputs import Signature
 from tests.conftest import SEED_CONFIG
 from train.tools.delta import export_delta
 
@@ -37,7 +38,7 @@ def test_a_delta_model_gets_the_graph_buckets_and_tables_of_its_own(
     base = LoadedModel.load(dyn_run.base_bundle, device="cpu", graph_buckets=BUCKETS)
     applied = apply_delta(base, delta_dir, in_place=False)
     model, delta = applied.model, applied.delta
-    assert delta.pair_program and model.program.takes_pairs
+    assert delta.program_signature is model.program.signature is Signature.PAIRS
     assert model.graph_buckets == base.graph_buckets == BUCKETS
     assert model.tables is not base.tables and model.program is not base.program
     assert model.graphs is None  # on the CPU: eager, as the base

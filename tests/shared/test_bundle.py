@@ -674,7 +674,10 @@ def test_names_must_follow_the_declared_naming(tmp_path: Path, program: Path) ->
 @pytest.mark.parametrize(
     ("head", "match"),
     [
-        ({"format_version": 4}, "format_version 4 is not supported (this reader knows [1, 2, 3])"),
+        (
+            {"format_version": 5},
+            "format_version 5 is not supported (this reader knows [1, 2, 3, 4])",
+        ),
         ({"format_version": 3}, "format_version 3 needs 'naming': 'tzrec', got None"),
         ({"format_version": 3, "naming": "dynrec"}, "needs 'naming': 'tzrec', got 'dynrec'"),
         ({"format_version": True}, "format_version True is not supported"),

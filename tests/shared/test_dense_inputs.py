@@ -6,8 +6,10 @@ import torch
 
 from serve.model import synthetic_batch
 from shared.dense_inputs import (
+    COLD_INPUT_NAMES,
     INPUT_NAMES,
     PAIR_INPUT_NAMES,
+    Signature,
     assemble_dense_inputs,
     batch_pairs,
     dense_layout,
@@ -16,7 +18,7 @@ from shared.dense_inputs import (
     pool,
     pool_many,
     program_input_names,
-    takes_pairs,
+    signature_of,
 )
 from shared.features import feature_set_from_text
 
@@ -151,6 +153,8 @@ def test_program_input_names_of_keyword_and_positional_programs() -> None:
     assert program_input_names(keyword.module()) == ("user_deep", "item_deep")
     assert program_input_names(positional) == ()
     assert program_input_names(torch.nn.Linear(2, 2)) == ()
-    assert takes_pairs(PAIR_INPUT_NAMES) and not takes_pairs(INPUT_NAMES) and not takes_pairs(())
-    with pytest.raises(ValueError, match="neither"):
-        takes_pairs(("user_deep", "item_deep"))
+    assert signature_of(PAIR_INPUT_NAMES) is Signature.PAIRS
+    assert signature_of(INPUT_NAMES) is signature_of(()) is Signature.PLAIN
+    assert signature_of(COLD_INPUT_NAMES) is Signature.COLD
+    with pytest.raises(ValueError, match="are none of"):
+        signature_of(("user_deep", "item_deep"))

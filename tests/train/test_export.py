@@ -18,7 +18,7 @@ from serve.model import LoadedModel
 from serve.offline import score_table
 from shared.bundle import DYNREC_NAMING, TZREC_COLLECTION, TZREC_NAMING, read_bundle
 from shared.fg import table_to_batch
-from tests.conftest import SEED_CONFIG
+from tests.conftest import SEED_CONFIG, write_config
 from train.export import export_bundle, restore_model
 from train.trainer import Trainer, TrainOptions
 
@@ -130,3 +130,48 @@ def test_tzrec_named_bundle_serves_and_scores_like_ours(
         np.testing.assert_array_equal(
             score_table(a, rows, tiled=tiled), score_table(b, rows, tiled=tiled)
         )
+
+
+@pytest.fixture(scope="module")
+def trained_cold(tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The seed config with the cold-id backoff on, trained and exported (bundle format 4)."""
+    root = tmp_path_factory.mktemp("export_cold")
+    config = write_config(
+        SEED_CONFIG,
+        root / "cold.config",
+        train=tiny_samples / "train",
+        eval_=tiny_samples / "eval",
+        replace={"final { hidden_units: [64] }": "final { hidden_units: [64] }\ncold_backoff {}"},
+    )
+    options = TrainOptions(
+        config_path=config,
+        model_dir=root / "model",
+        train_path=tiny_samples / "train",
+        eval_path=tiny_samples / "eval",
+        batch_size=256,
+        num_workers=0,
+        max_steps=12,
+        progress_bar=False,
+    )
+    trainer = Trainer(options)
+    trainer.fit()
+    stats = trainer.model.sparse.dynamic.stats()
+    assert stats["user_id_emb"]["misses"] > 0, "tiny data must have cold users in training"
+    return config, export_bundle(config, out_dir=root / "bundle", model_dir=root / "model")
+
+
+def test_exported_backoff_scores_as_trained(
+    trained_cold: tuple[Path, Path], tiny_samples: Path
+) -> None:
+    """The backoff learned something, travels in the format 4 program, and the bundle alone
+    scores the rows (unseen ids among them: cold, backed off) as the trained model does."""
+    config, bundle = trained_cold
+    assert read_bundle(bundle).format_version == 4
+    rows = _eval_rows(tiny_samples)
+    model, _progress, _ckpt = restore_model(config, model_dir=bundle.parent / "model")
+    assert model.dense.backoff is not None
+    assert any(p.abs().sum() > 0 for p in model.dense.backoff.parameters())
+    with torch.no_grad():
+        expected = torch.sigmoid(model(table_to_batch(model.fs, rows))).numpy()
+    served = score_table(LoadedModel.load(bundle, device="cpu", warmup_rounds=0), rows, tiled=True)
+    np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)

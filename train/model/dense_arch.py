@@ -41,7 +41,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,12 +49,23 @@ from torch.export import Dim, ExportedProgram
 
 from protos import pipeline_pb2
 from shared.config import ConfigError
-from shared.dense_inputs import INPUT_NAMES, PAIR_INPUT_NAMES, dense_layout, pair_index
+from shared.dense_inputs import (
+    COLD_INPUT_NAMES,
+    COLD_NAMES,
+    INPUT_NAMES,
+    PAIR_INPUT_NAMES,
+    Signature,
+    dense_layout,
+    pair_index,
+    signature_of,
+)
 from shared.features import FeatureSet, GroupType
+from train.model.backoff import ColdBackoff, SpaceBackoff, backoff_spaces
 from train.model.din import JaggedDIN
 from train.model.mlp import MLP, MLPConfig
 
 DENSE_PROGRAM_FILE = "dense.pt2"
+FIELD_HINT = "model_config.multi_tower_din.cold_backoff turns it on"
 
 
 # --------------------------------------------------------------------------- module
@@ -70,6 +81,7 @@ class DenseArchConfig:
     tower: MLPConfig
     attn: MLPConfig
     final: MLPConfig | None  # None: the output Linear reads concat(tower, din) directly
+    backoff: tuple[SpaceBackoff, ...] = ()  # cold-id backoff (train.model.backoff); () off
 
     def to_dict(self) -> dict[str, object]:
         def mlp(c: MLPConfig | None) -> dict[str, object] | None:
@@ -88,6 +100,7 @@ class DenseArchConfig:
             "tower": mlp(self.tower),
             "attn": mlp(self.attn),
             "final": mlp(self.final),
+            "backoff": [s.to_dict() for s in self.backoff],
         }
 
     @classmethod
@@ -105,6 +118,7 @@ class DenseArchConfig:
             mlp(d["tower"]),
             mlp(d["attn"]),
             None if final is None else mlp(final),
+            tuple(SpaceBackoff.from_dict(s) for s in d.get("backoff", ())),
         )
 
 
@@ -125,6 +139,7 @@ class DenseArch(nn.Module):
         tower_units: MLPConfig | Sequence[int],
         attn_units: MLPConfig | Sequence[int],
         final_units: MLPConfig | Sequence[int] | None,
+        backoff: Sequence[SpaceBackoff] = (),
     ) -> None:
         super().__init__()
         final = MLPConfig.of(final_units) if final_units else None
@@ -135,12 +150,20 @@ class DenseArch(nn.Module):
             MLPConfig.of(tower_units),
             MLPConfig.of(attn_units),
             final,
+            tuple(backoff),
         )
         self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
         self.din = JaggedDIN(seq_dim, self.config.attn)
         width = self.tower.out_features + self.din.out_features
         self.final = MLP(width, final) if final is not None else nn.Identity()
         self.output = nn.Linear(final.out_features if final is not None else width, 1)
+        # last, and drawing nothing: the layers above keep their seeded initial values
+        self.backoff = ColdBackoff(backoff) if backoff else None
+
+    @property
+    def takes_cold(self) -> bool:
+        """Whether the module backs off cold ids (and so takes :data:`COLD_NAMES`)."""
+        return self.backoff is not None
 
     @classmethod
     def from_arch_config(cls, config: DenseArchConfig) -> DenseArch:
@@ -151,6 +174,7 @@ class DenseArch(nn.Module):
             config.tower,
             config.attn,
             config.final,
+            config.backoff,
         )
 
     @classmethod
@@ -198,6 +222,7 @@ class DenseArch(nn.Module):
             MLPConfig.from_proto(mtd.towers[0].mlp, f"{path}.towers[0].mlp"),
             MLPConfig.from_proto(mtd.din_towers[0].attn_mlp, f"{path}.din_towers[0].attn_mlp"),
             final,
+            backoff_spaces(feature_set, mtd.cold_backoff) if mtd.HasField("cold_backoff") else (),
         )
 
     def forward(
@@ -210,11 +235,64 @@ class DenseArch(nn.Module):
         user_index: torch.Tensor | None,
         pair_segment: torch.Tensor | None = None,
         pair_element: torch.Tensor | None = None,
+        user_cold: torch.Tensor | None = None,
+        item_cold: torch.Tensor | None = None,
+        seq_cold: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # user_deep: [U, Du]; item_deep: [B, Di]; query: [B, Dq]; seq_values: [T, Dq]
         # seq_lengths: [U] int64; user_index: [B] int64, or None for arange(B) (training,
         # U == B: the DIN's fast path, no host sync; see JaggedDIN.forward_own_users)
         # pair_segment, pair_element: [N] int64, both or neither (see the module docstring)
+        # user_cold [U, Ku], item_cold [B, Ki], seq_cold [T, Ks] bool: with a backoff only
+        embedded = self.back_off(
+            dict(user_deep=user_deep, item_deep=item_deep, query=query, seq_values=seq_values),
+            dict(user_cold=user_cold, item_cold=item_cold, seq_cold=seq_cold),
+        )
+        return self.score(
+            embedded["user_deep"],
+            embedded["item_deep"],
+            embedded["query"],
+            embedded["seq_values"],
+            seq_lengths,
+            user_index,
+            pair_segment,
+            pair_element,
+        )
+
+    def back_off(
+        self, embedded: dict[str, torch.Tensor], cold: Mapping[str, torch.Tensor | None]
+    ) -> dict[str, torch.Tensor]:
+        """``embedded`` (user_deep, item_deep, query, seq_values) with the cold rows' features
+        replaced by their backoff (:mod:`train.model.backoff`); as given without a backoff."""
+        given = [n for n, m in cold.items() if m is not None]
+        if self.backoff is None:
+            if given:
+                raise ValueError(
+                    f"{given} given, but this model has no cold-id backoff "
+                    f"({FIELD_HINT}); pass no cold masks"
+                )
+            return embedded
+        if len(given) != len(COLD_NAMES):
+            raise ValueError(
+                f"this model backs off cold ids: pass all of {list(COLD_NAMES)} "
+                "(shared.dense_inputs.assemble_dense_inputs(..., cold=...)), got "
+                f"{given or 'none'}"
+            )
+        return self.backoff({**embedded, **cast(Mapping[str, torch.Tensor], cold)})
+
+    def score(
+        self,
+        user_deep: torch.Tensor,
+        item_deep: torch.Tensor,
+        query: torch.Tensor,
+        seq_values: torch.Tensor,
+        seq_lengths: torch.Tensor,
+        user_index: torch.Tensor | None,
+        pair_segment: torch.Tensor | None = None,
+        pair_element: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The logits [B] of embeddings already backed off (:meth:`back_off`): towers, DIN,
+        final MLP. Same inputs as :meth:`forward` without the cold masks."""
         if (pair_segment is None) != (pair_element is None):
             raise ValueError(
                 "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
@@ -251,8 +329,14 @@ def example_inputs(
     """Random inputs of the right widths; the defaults suit :func:`export_dense_arch`.
     ``pairs``: with the pair inputs (:data:`~shared.dense_inputs.PAIR_INPUT_NAMES`, what
     :func:`train.export.export_bundle` exports), else the six inputs of programs of bundle
-    formats 1 and 2."""
+    formats 1 and 2. A model with a backoff also gets random cold masks
+    (:data:`~shared.dense_inputs.COLD_NAMES`, bundle format 4), and needs ``pairs``."""
     c = arch.config
+    if arch.takes_cold and not pairs:
+        raise ValueError(
+            "a model with a cold-id backoff exports with the pair inputs (bundle format 4, "
+            "tzrec naming); pass pairs=True"
+        )
     lens = torch.tensor(list(lengths), dtype=torch.int64)
     users = torch.tensor(list(user_index), dtype=torch.int64)
     u, b, t = len(lens), len(users), int(lens.sum())
@@ -268,18 +352,25 @@ def example_inputs(
         seg, elem = pair_index(lens.numpy(), users.numpy())
         example["pair_segment"] = torch.from_numpy(seg)
         example["pair_element"] = torch.from_numpy(elem)
+    if arch.takes_cold:
+        widths = {s.mask: len(s.features) for s in c.backoff}
+        generator = torch.Generator().manual_seed(0)  # not the global one: seeded runs stay
+        for name, rows in zip(COLD_NAMES, (u, b, t), strict=True):
+            mask = torch.rand(rows, widths.get(name, 0), generator=generator) < 0.5
+            example[name] = mask
     return example
 
 
 def _check_example(example: dict[str, torch.Tensor]) -> tuple[str, ...]:
     """The example's input names (in program order) after checking its keys, dtypes and sizes."""
-    names = tuple(n for n in PAIR_INPUT_NAMES if n in example)
-    if set(example) != set(names) or names not in (INPUT_NAMES, PAIR_INPUT_NAMES):
+    names = tuple(n for n in COLD_INPUT_NAMES if n in example)
+    if set(example) != set(names) or names not in [s.value for s in Signature]:
         raise ValueError(
-            f"example has keys {sorted(example)}, expected exactly {list(INPUT_NAMES)} or, "
-            f"with the pairs, {list(PAIR_INPUT_NAMES)} (example_inputs() gives one)"
+            f"example has keys {sorted(example)}, expected exactly {list(INPUT_NAMES)}, with "
+            f"the pairs {list(PAIR_INPUT_NAMES)}, or with the cold masks too "
+            f"{list(COLD_INPUT_NAMES)} (example_inputs() gives one)"
         )
-    for key in names[INPUT_NAMES.index("seq_lengths") :]:
+    for key in names[INPUT_NAMES.index("seq_lengths") : len(PAIR_INPUT_NAMES)]:
         if example[key].dtype != torch.int64:
             raise ValueError(f"example[{key!r}] must be int64, got {example[key].dtype}")
     sizes = {
@@ -321,9 +412,12 @@ def export_dense_arch(module: DenseArch, example: dict[str, torch.Tensor]) -> Ex
         "seq_lengths": {0: users},
         "user_index": {0: batch},
     }
-    if names == PAIR_INPUT_NAMES:
+    signature = signature_of(names)
+    if signature.takes_pairs:
         pairs = Dim("N", min=0)
         dynamic_shapes.update(pair_segment={0: pairs}, pair_element={0: pairs})
+    if signature.takes_cold:
+        dynamic_shapes.update(user_cold={0: users}, item_cold={0: batch}, seq_cold={0: total})
     kwargs = {name: example[name] for name in names}
     was_training = module.training
     module.eval()

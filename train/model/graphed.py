@@ -478,14 +478,19 @@ class JaggedGraphs:
 class DenseArchGraphs(JaggedGraphs):
     """:class:`~train.model.dense_arch.DenseArch` forward+backward through CUDA graphs.
 
-    Called like the module (keywords of :data:`shared.dense_inputs.INPUT_NAMES`); only the
-    training layout (``user_index=None``) is graphed. Not an ``nn.Module``: keep it beside the
-    model (the trainer does), never inside it.
+    Called like the module (keywords of :data:`shared.dense_inputs.INPUT_NAMES`, and the cold
+    masks of a module with a backoff); only the training layout (``user_index=None``) is
+    graphed. A module's cold-id backoff (:mod:`train.model.backoff`, a dozen ops) runs eagerly
+    before the graph, which then scores the backed-off embeddings (their gradients flow back
+    through the backoff as autograd inputs). Not an ``nn.Module``: keep it beside the model
+    (the trainer does), never inside it.
     """
 
     def __init__(self, dense: nn.Module, **kw: Any) -> None:
+        arch: Any = dense  # a DenseArch (not imported: graphs work on any such module)
+
         def body(rows: Sequence[torch.Tensor], seq: torch.Tensor, lengths: torch.Tensor):
-            return dense(rows[0], rows[1], rows[2], seq, lengths, None)  # [B + 1]
+            return arch.score(rows[0], rows[1], rows[2], seq, lengths, None)  # [B + 1]
 
         super().__init__(dense, body, **kw)
 
@@ -497,11 +502,14 @@ class DenseArchGraphs(JaggedGraphs):
         seq_values: torch.Tensor,
         seq_lengths: torch.Tensor,
         user_index: torch.Tensor | None,
+        **cold: torch.Tensor,
     ) -> torch.Tensor:
         def eager() -> torch.Tensor:
             return cast(
                 torch.Tensor,
-                self.module(user_deep, item_deep, query, seq_values, seq_lengths, user_index),
+                self.module(
+                    user_deep, item_deep, query, seq_values, seq_lengths, user_index, **cold
+                ),
             )
 
         if user_index is not None:
@@ -509,7 +517,10 @@ class DenseArchGraphs(JaggedGraphs):
             return eager()
         if user_deep.shape[0] != item_deep.shape[0] or seq_lengths.shape[0] != query.shape[0]:
             return eager()  # the module raises its own error
-        return self.run((user_deep, item_deep, query), seq_values, seq_lengths, eager)  # [B]
+        embedded = dict(user_deep=user_deep, item_deep=item_deep, query=query)
+        embedded = cast(Any, self.module).back_off({**embedded, "seq_values": seq_values}, cold)
+        rows = (embedded["user_deep"], embedded["item_deep"], embedded["query"])
+        return self.run(rows, embedded["seq_values"], seq_lengths, eager)  # [B]
 
 
 class DINGraphs(JaggedGraphs):

@@ -10,7 +10,7 @@ from shared.batch import Batch
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import FeatureSet
 from train.model.dense_arch import DenseArch
-from train.model.sparse_arch import SparseArch
+from train.model.sparse_arch import Embedded, SparseArch
 
 
 class MultiTowerDIN(nn.Module):
@@ -62,8 +62,16 @@ class MultiTowerDIN(nn.Module):
         )
 
     def dense_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        pooled, sequences = self.sparse(batch)
-        return assemble_dense_inputs(self.fs, batch, pooled, sequences)
+        """The dense part's keyword inputs for ``batch``: looked up, then assembled."""
+        return self.assemble(batch, self.sparse(batch, cold=self.dense.takes_cold))
+
+    def assemble(self, batch: Batch, embedded: Embedded) -> dict[str, torch.Tensor]:
+        """The dense inputs from :attr:`sparse`'s embeddings of ``batch``, with the cold masks
+        when the dense part backs off cold ids."""
+        pooled, sequences, cold = embedded
+        return assemble_dense_inputs(
+            self.fs, batch, pooled, sequences, cold=cold if self.dense.takes_cold else None
+        )
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.dense(**self.dense_inputs(batch))  # [B]

@@ -11,12 +11,19 @@ of duplicate ids summed before the optimizer step."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from shared.batch import Batch
-from shared.dense_inputs import FeaturePart, feature_parts, parts_by_table, pool_features
+from shared.dense_inputs import (
+    FeaturePart,
+    cold_rows,
+    feature_parts,
+    parts_by_table,
+    pool_features,
+)
 from shared.features import FeatureSet
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from train.model.fused_tables import DenseTables
@@ -38,12 +45,23 @@ def uses_sparse_grad(rows: int, dim: int, device: torch.device | str) -> bool:
     return rows * dim > DENSE_GRAD_MAX_ELEMENTS.get(kind, DENSE_GRAD_MAX_ELEMENTS["cpu"])
 
 
+class Embedded(NamedTuple):
+    """A batch's looked-up embeddings, as :func:`~shared.dense_inputs.assemble_dense_inputs`
+    takes them."""
+
+    pooled: dict[str, torch.Tensor]  # [rows, dim] per pooled feature
+    sequences: dict[str, torch.Tensor]  # [T, dim] per sequence feature
+    cold: dict[str, torch.Tensor]  # [rows] bool per dynamic feature (asked for), else empty
+
+
 class SparseArch(nn.Module):
     """Looks up every feature of a batch.
 
-    ``forward`` returns ``(pooled, sequences)``: ``pooled[name]`` is [rows, dim] (sum or mean per
-    bag; an empty bag gives zeros; rows = U for user-side features, B for item/context ones) and
-    ``sequences[name]`` is [T, dim], jagged with the batch's sequence lengths.
+    ``forward`` returns :class:`Embedded`: ``pooled[name]`` is [rows, dim] (sum or mean per bag;
+    an empty bag gives zeros; rows = U for user-side features, B for item/context ones),
+    ``sequences[name]`` is [T, dim], jagged with the batch's sequence lengths, and with
+    ``cold=True`` ``cold[name]`` says, for every dynamic feature, which rows (elements) have no
+    row in its table (:func:`~shared.dense_inputs.cold_rows`).
     """
 
     def __init__(
@@ -95,17 +113,27 @@ class SparseArch(nn.Module):
         fused table's is a view of its rows): what exports and deltas read."""
         return self.dense.weights()
 
-    def forward(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def forward(self, batch: Batch, *, cold: bool = False) -> Embedded:
         # 1. every (feature, ids) of the batch, looked up once per table
         parts = feature_parts(batch)
-        rows = self._lookup(parts)
+        rows, hits = self._lookup(parts, hits=cold)
         # 2. pool scalar features per bag, keep sequences jagged
-        return pool_features(self.fs, parts, rows)
+        pooled, sequences = pool_features(self.fs, parts, rows)
+        flags = {
+            name: ~found if which == "sequence" else cold_rows(found, lengths)
+            for (which, name, _ids, lengths), found in zip(parts, hits, strict=True)
+            if found is not None
+        }
+        return Embedded(pooled, sequences, flags)
 
-    def _lookup(self, parts: list[FeaturePart]) -> list[torch.Tensor]:
-        """One lookup call per table; returns [n_i, dim] rows per part, in order."""
+    def _lookup(
+        self, parts: list[FeaturePart], *, hits: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """One lookup call per table; returns [n_i, dim] rows per part, in order, and with
+        ``hits`` [n_i] bool per dynamic part (the key has a row), else None."""
         by_table = parts_by_table(self.fs, parts)
         out: list[torch.Tensor | None] = [None] * len(parts)
+        found_rows: list[torch.Tensor | None] = [None] * len(parts)
         dyn_keys: dict[str, torch.Tensor] = {}
         fixed: list[int] = []  # positions in parts of the dense tables' lookups
         for table, idx in by_table.items():
@@ -119,14 +147,17 @@ class SparseArch(nn.Module):
         for i, rows in zip(fixed, found_fixed, strict=True):
             out[i] = rows  # [n_i, dim]
         if dyn_keys:
-            found = self.dynamic(dyn_keys)
+            found, stored = self.dynamic.lookup(dyn_keys, hits=hits)
             for table, rows in found.items():
                 idx = by_table[table]
                 sizes = [int(parts[i][2].numel()) for i in idx]
                 for i, chunk in zip(idx, torch.split(rows, sizes), strict=True):
                     out[i] = chunk
+                if hits:
+                    for i, chunk in zip(idx, torch.split(stored[table], sizes), strict=True):
+                        found_rows[i] = chunk
         assert all(o is not None for o in out)
-        return out  # type: ignore[return-value]
+        return out, found_rows  # type: ignore[return-value]
 
 
 def _init_tables(tables: DenseTables, seed: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from shared.bundle import read_bundle
-from shared.bundle.naming import PAIR_PROGRAM_FORMAT
+from shared.bundle.naming import program_signature
 from shared.config import config_digest, load_config
 from shared.delta import DeltaError, diff_tables, write_delta
 from shared.delta_reader import read_delta
@@ -78,7 +78,7 @@ def export_delta(
         if program_changed(base_bundle.dense_program_path, model):
             program = Path(tmp) / "dense.pt2"
             # the base's program signature: a server runs either, but graphs need the pairs
-            pairs = base_bundle.format_version == PAIR_PROGRAM_FORMAT
+            pairs = program_signature(base_bundle.format_version).takes_pairs
             example = example_inputs(model.dense, pairs=pairs)
             torch.export.save(export_dense_arch(model.dense, example), program)
         path = write_delta(

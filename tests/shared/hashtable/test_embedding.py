@@ -95,7 +95,16 @@ def test_eval_mode_changes_nothing():
     assert torch.equal(out["b_emb"][0], b_rows.values[0])  # admitted key 1
     assert out["b_emb"][1:].tolist() == [[0.0] * 4] * 2  # unadmitted 4, unseen 77
     assert not out["a_emb"].requires_grad
-    assert dec.stats() == stats
+    # training: a's keys were inserted at once; b's key 4 was below its threshold both times
+    assert [stats["a_emb"][k] for k in ("lookups", "misses")] == [4.0, 0.0]
+    assert [stats["b_emb"][k] for k in ("lookups", "misses")] == [8.0, 2.0]
+    after_stats = dec.stats()  # eval counts its own lookups and misses, and changes nothing else
+    assert [after_stats["a_emb"][k] for k in ("eval_lookups", "eval_misses")] == [2.0, 1.0]
+    assert [after_stats["b_emb"][k] for k in ("eval_lookups", "eval_misses")] == [3.0, 2.0]
+    for t in stats:
+        for k in ("eval_lookups", "eval_misses"):
+            after_stats[t][k] = stats[t][k]
+    assert after_stats == stats
     for t, b in before.items():
         after = dec.table_state(t)
         for f in ("keys", "values", "scores", "accumulators", "counter_keys", "counter_counts"):

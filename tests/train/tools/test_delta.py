@@ -11,9 +11,10 @@ import torch
 
 from shared.bundle import read_bundle
 from shared.bundle.naming import PAIR_PROGRAM_FORMAT
-from shared.bundle.writer import program_takes_pairs
+from shared.bundle.writer import program_signature
 from shared.delta import PAIR_PROGRAM_DELTA_FORMAT, DeltaError, apply_delta_tables, manifest_digest
 from shared.delta_reader import read_delta
+from shared.dense_inputs import Signature
 from tests.conftest import SEED_CONFIG, write_config
 from train.tools.__main__ import main
 from train.tools.delta import export_delta
@@ -117,17 +118,18 @@ def test_delta_against_a_format_1_base_is_the_same(
         for key, x in t.tensors().items():
             assert torch.equal(x, mine[key]), key
     # the program follows its base: a format 1 base's takes no pairs (format_version 1)
-    assert ours.format_version == 1 and not ours.pair_program
+    assert ours.format_version == 1 and ours.program_signature is Signature.PLAIN
     assert ours.dense_program_path is not None
-    assert not program_takes_pairs(ours.dense_program_path)
+    assert program_signature(ours.dense_program_path) is Signature.PLAIN
 
 
 def test_delta_program_takes_the_pairs_of_a_format_3_base(dyn_run, delta_dir: Path) -> None:
     """The default base (format 3) has a pair program: so has the delta, format_version 2."""
     assert read_bundle(dyn_run.base_bundle).format_version == PAIR_PROGRAM_FORMAT
     delta = read_delta(delta_dir)
-    assert delta.format_version == PAIR_PROGRAM_DELTA_FORMAT and delta.pair_program
-    assert delta.dense_program_path is not None and program_takes_pairs(delta.dense_program_path)
+    assert delta.format_version == PAIR_PROGRAM_DELTA_FORMAT
+    assert delta.dense_program_path is not None
+    assert program_signature(delta.dense_program_path) is delta.program_signature is Signature.PAIRS
 
 
 def _with_manifest(src: Path, dst: Path, **fields: object) -> Path:
@@ -140,7 +142,7 @@ def _with_manifest(src: Path, dst: Path, **fields: object) -> Path:
 def test_unknown_or_inconsistent_delta_versions_are_refused(
     delta_dir: Path, tmp_path: Path
 ) -> None:
-    with pytest.raises(DeltaError, match=r"version 3; expected 'dynrec-delta' version 1 or 2"):
-        read_delta(_with_manifest(delta_dir, tmp_path / "v3", format_version=3))
+    with pytest.raises(DeltaError, match=r"version 9; expected 'dynrec-delta' version 1 or 2 or 3"):
+        read_delta(_with_manifest(delta_dir, tmp_path / "v9", format_version=9))
     with pytest.raises(DeltaError, match="'dense_program' is false"):
         read_delta(_with_manifest(delta_dir, tmp_path / "v2", dense_program=False))

@@ -1,0 +1,270 @@
+"""Backoff for cold ids: a dynamic feature whose key has no row takes a projection of its row's
+side features instead of the table's CONSTANT 0.
+
+A *cold* feature of a row (:func:`shared.dense_inputs.cold_rows`): a dynamic (hash-table)
+feature whose ids all have no row in the table — not admitted yet, evicted or refused in
+training, absent from the bundle when serving. The lookups give it the table's admission or
+eval initializer (zeros; a refused key in training gets its random initial value, which no
+eval lookup sees). With ``model_config.multi_tower_din.cold_backoff`` on, the dense part
+replaces its embedding, wherever it sits in the dense inputs, by::
+
+    backoff_f = W_f · side_f + b_f          # side_f: the row's side features of f, cold ones zeroed
+
+one learned linear map per feature (``b_f`` alone is its "unknown" vector when it has no side
+features). The side features of a feature are, by default, those of the same row and side
+(:func:`backoff_spaces`): for a USER feature the other USER features of the DEEP group (the
+profile), for an ITEM feature the other ITEM features of the DEEP group (``adgroup_id`` → its
+``cate_id``, ``campaign_id``, ``customer``, ``brand``, ``price``), for a sequence feature the
+other sub-features of the same sequence element; ``cold_backoff { sources { feature_name: ..
+side_features: .. } }`` overrides them per feature. Side features that are themselves cold
+count as zeros, so a refused key's random training value never leaks into a projection.
+
+Gradients reach ``W``, ``b`` and the side features' embeddings; the cold key gets none (it has
+no row), as without the backoff. Eval mode changes nothing here: the lookups insert nothing.
+
+The backoff is part of :class:`~train.model.dense_arch.DenseArch`, hence of the exported
+program (bundle format 4: the masks are its ``user_cold``, ``item_cold`` and ``seq_cold``
+inputs, which the serving lookups fill on the device). The maps start at zero (``W = 0``,
+``b = 0``: the first step scores as without the backoff) and are made without drawing from the
+global generator, so every other seeded initial value is unchanged.
+
+One row space (user rows, candidate rows, sequence elements) is one :class:`SpaceBackoff`:
+one masked ``linear`` for all its cold features, then one ``where`` per input that holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from protos import pipeline_pb2
+from shared.config import ConfigError
+from shared.dense_inputs import COLD_NAMES, cold_layout, dense_layout
+from shared.features import FeatureSet, Side
+
+FIELD = "model_config.multi_tower_din.cold_backoff"
+
+# (row space, the input holding its side features, the inputs where its features may sit)
+SPACES = (
+    ("user", "user_deep", ("user_deep",)),
+    ("item", "item_deep", ("item_deep", "query")),
+    ("sequence", "seq_values", ("seq_values",)),
+)
+
+
+@dataclass(frozen=True)
+class FeatureBackoff:
+    """One cold feature: its width, its side features' columns and where it sits."""
+
+    name: str
+    dim: int
+    sources: tuple[str, ...]  # side features, in the source input's order
+    source_columns: tuple[tuple[int, int], ...]  # (start, width) of each in the source input
+    columns: tuple[tuple[str, int], ...]  # (input name, start column) of each place it sits
+
+
+@dataclass(frozen=True)
+class SpaceBackoff:
+    """The cold features of one row space, in the column order of its mask input."""
+
+    space: str  # "user", "item" or "sequence"
+    mask: str  # its cold-mask input (shared.dense_inputs.COLD_NAMES)
+    source: str  # the input holding the side features (user_deep, item_deep, seq_values)
+    widths: tuple[tuple[str, int], ...]  # (input name, width) of the source and every target
+    features: tuple[FeatureBackoff, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "space": self.space,
+            "mask": self.mask,
+            "source": self.source,
+            "widths": [list(w) for w in self.widths],
+            "features": [
+                {
+                    "name": f.name,
+                    "dim": f.dim,
+                    "sources": list(f.sources),
+                    "source_columns": [list(c) for c in f.source_columns],
+                    "columns": [list(c) for c in f.columns],
+                }
+                for f in self.features
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SpaceBackoff:
+        return cls(
+            str(d["space"]),
+            str(d["mask"]),
+            str(d["source"]),
+            tuple((str(n), int(w)) for n, w in d["widths"]),
+            tuple(
+                FeatureBackoff(
+                    str(f["name"]),
+                    int(f["dim"]),
+                    tuple(f["sources"]),
+                    tuple((int(a), int(b)) for a, b in f["source_columns"]),
+                    tuple((str(n), int(c)) for n, c in f["columns"]),
+                )
+                for f in d["features"]
+            ),
+        )
+
+
+def backoff_spaces(fs: FeatureSet, config: pipeline_pb2.ColdBackoff) -> tuple[SpaceBackoff, ...]:
+    """The backoff of every cold feature of ``fs`` (see the module docstring), with the side
+    features of ``config.sources`` where given; ConfigError naming the field otherwise."""
+    lay = dense_layout(fs)
+    cold = cold_layout(fs, lay)
+
+    def dim(name: str) -> int:
+        return fs.tables[fs.features[name].table].dim
+
+    def starts(names: Sequence[str]) -> dict[str, int]:
+        out, at = {}, 0
+        for n in names:
+            out[n] = at
+            at += dim(n)
+        return out
+
+    inputs = {"user_deep": lay.user_deep, "item_deep": lay.item_deep}
+    inputs |= {"query": lay.query, "seq_values": lay.sequence}
+    column = {name: starts(names) for name, names in inputs.items()}
+    width = {name: sum(dim(n) for n in names) for name, names in inputs.items()}
+    members = {"user": cold.user, "item": cold.item, "sequence": cold.sequence}
+    side_of = {  # the features that may back a feature of each space
+        "user": lay.user_deep,
+        "item": tuple(n for n in lay.item_deep if fs.features[n].side is Side.ITEM),
+        "sequence": lay.sequence,
+    }
+    overrides = _overrides(config, members, side_of)
+    spaces = []
+    for (space, source, targets), mask in zip(SPACES, COLD_NAMES, strict=True):
+        feats = []
+        for f in members[space]:
+            sources = overrides.get(f, tuple(n for n in side_of[space] if n != f))
+            feats.append(
+                FeatureBackoff(
+                    f,
+                    dim(f),
+                    sources,
+                    tuple((column[source][n], dim(n)) for n in sources),
+                    tuple((t, column[t][f]) for t in targets if f in column[t]),
+                )
+            )
+        if feats:
+            widths = tuple((t, width[t]) for t in (source, *targets[1:]))
+            spaces.append(SpaceBackoff(space, mask, source, widths, tuple(feats)))
+    return tuple(spaces)
+
+
+def _overrides(
+    config: pipeline_pb2.ColdBackoff,
+    members: Mapping[str, Sequence[str]],
+    side_of: Mapping[str, Sequence[str]],
+) -> dict[str, tuple[str, ...]]:
+    """Feature → side features from ``config.sources``, checked against the feature set."""
+    space_of = {f: space for space, names in members.items() for f in names}
+    out: dict[str, tuple[str, ...]] = {}
+    for i, entry in enumerate(config.sources):
+        where = f"{FIELD}.sources[{i}]"
+        f = entry.feature_name
+        if f not in space_of:
+            raise ConfigError(
+                "<config>", None, f"{where}.feature_name",
+                f"{f!r} is not a dynamic feature of the dense inputs; the features that back "
+                f"off are {', '.join(space_of) or 'none'}",
+            )  # fmt: skip
+        if f in out:
+            raise ConfigError(
+                "<config>", None, f"{where}.feature_name", f"{f!r} has sources twice; keep one"
+            )
+        allowed = [n for n in side_of[space_of[f]] if n != f]
+        bad = [n for n in entry.side_features if n not in allowed]
+        if bad or len(set(entry.side_features)) != len(entry.side_features):
+            raise ConfigError(
+                "<config>", None, f"{where}.side_features",
+                f"{bad or list(entry.side_features)} for {f!r}: side features must be distinct "
+                f"features of the same row and side, one of {allowed}",
+            )  # fmt: skip
+        chosen = set(entry.side_features)
+        out[f] = tuple(n for n in side_of[space_of[f]] if n in chosen)  # the input's order
+    return out
+
+
+class _Space(nn.Module):
+    """One :class:`SpaceBackoff` as ops: a masked linear map and index tables (buffers not in
+    the state_dict: they follow from the config)."""
+
+    allowed: torch.Tensor  # [Σdim, W] 1 where a feature's output may read a source column
+
+    def __init__(self, spec: SpaceBackoff) -> None:
+        super().__init__()
+        self.spec = spec
+        widths = dict(spec.widths)
+        source_width = widths[spec.source]
+        out = sum(f.dim for f in spec.features)
+        k = len(spec.features)
+        # zeros, drawn from no generator (module docstring)
+        self.weight = nn.Parameter(torch.zeros(out, source_width))  # [Σdim, W]
+        self.bias = nn.Parameter(torch.zeros(out))  # [Σdim]
+        allowed = torch.zeros(out, source_width)
+        feature_at = {t: torch.full((w,), k, dtype=torch.int64) for t, w in spec.widths}
+        output_at = {t: torch.full((w,), out, dtype=torch.int64) for t, w in spec.widths}
+        row = 0
+        for i, f in enumerate(spec.features):
+            for start, w in f.source_columns:
+                allowed[row : row + f.dim, start : start + w] = 1.0
+            for t, start in f.columns:
+                feature_at[t][start : start + f.dim] = i
+                output_at[t][start : start + f.dim] = torch.arange(row, row + f.dim)
+            row += f.dim
+        self.register_buffer("allowed", allowed, persistent=False)
+        self.targets = tuple(t for t, _ in spec.widths if (feature_at[t] < k).any())
+        for name, _ in spec.widths:
+            self.register_buffer(f"feature_at_{name}", feature_at[name], persistent=False)
+            self.register_buffer(f"output_at_{name}", output_at[name], persistent=False)
+
+    def forward(self, inputs: dict[str, torch.Tensor], cold: torch.Tensor) -> None:
+        # inputs: name → [R, W_t] (replaced in the dict); cold: [R, K] bool
+        spec = self.spec
+        flags = torch.nn.functional.pad(cold, (0, 1))  # [R, K + 1]: column K never cold
+        x = inputs[spec.source]  # [R, W]
+        x_cold = flags.index_select(1, getattr(self, f"feature_at_{spec.source}"))  # [R, W]
+        side = torch.where(x_cold, torch.zeros_like(x), x)  # cold features count as zeros
+        back = torch.nn.functional.linear(side, self.weight * self.allowed, self.bias)
+        back = torch.nn.functional.pad(back, (0, 1))  # [R, Σdim + 1]
+        for t in self.targets:
+            at_cold = flags.index_select(1, getattr(self, f"feature_at_{t}"))  # [R, W_t]
+            value = back.index_select(1, getattr(self, f"output_at_{t}")).to(inputs[t].dtype)
+            inputs[t] = torch.where(at_cold, value, inputs[t])  # [R, W_t]
+
+
+class ColdBackoff(nn.Module):
+    """The backoff of every row space (see the module docstring)::
+
+    backoff = ColdBackoff(backoff_spaces(fs, config.model_config.multi_tower_din.cold_backoff))
+    inputs = backoff(inputs)      # dense inputs with COLD_NAMES → the same, cold rows replaced
+    """
+
+    def __init__(self, spaces: Sequence[SpaceBackoff]) -> None:
+        super().__init__()
+        self.spaces = tuple(spaces)
+        self.by_space = nn.ModuleDict({s.space: _Space(s) for s in self.spaces})
+
+    def forward(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(inputs)
+        for spec in self.spaces:
+            cold = inputs[spec.mask]
+            features = len(spec.features)
+            if cold.dim() != 2 or cold.shape[1] != features or cold.dtype != torch.bool:
+                raise ValueError(
+                    f"{spec.mask} must be bool [rows, {features}] (one column per feature of "
+                    f"{[f.name for f in spec.features]}), got {cold.dtype} {list(cold.shape)}"
+                )
+            self.by_space[spec.space](out, cold)
+        return out
