@@ -201,6 +201,7 @@ BENCH_CLIS = [
     "bench.bench_gpu_hashtable",
     "bench.bench_hashtable",
     "bench.bench_loader",
+    "bench.bench_quality",
     "bench.bench_reader",
     "bench.bench_serving",
     "bench.bench_startup",

@@ -1,0 +1,290 @@
+"""Model quality with and without the cold-id backoff (issue #22), one run.
+
+Trains the seed config (``configs/multi_tower_din_taobao_dynamicemb.config``) twice on the same
+samples with the same seed, one epoch each (or ``--max-steps``), with the project's trainer
+(:class:`train.trainer.Trainer`: the Parquet loader, CUDA graphs on CUDA, the final eval of
+:func:`train.evaluate.evaluate` on the eval split):
+
+- ``off``: the seed config as it is (a key without a row gets the table's CONSTANT 0);
+- ``on``: the same config with ``model_config.multi_tower_din.cold_backoff {}`` (such a key's
+  embedding is a learned projection of the row's side features).
+
+Per variant: overall, head and tail AUC (head/tail: users seen at least / fewer than
+train.evaluate.TAIL_THRESHOLD times in training), logloss, the oracle's AUC, rows, train
+seconds, samples/s, and per dynamic table the share of lookups without a row (the backoff's
+share when it is on): misses/lookups in training, eval_misses/eval_lookups in the final eval
+(from the tables' stats(); None where a counter is missing). Then ``on - off`` and the goal of
+issue #22 on ``full`` data: tail AUC >= 0.632 with overall and head AUC not lower than ``off``'s
+(reported as met or not, never asserted).
+
+    python -m bench.bench_quality --size small --out out/bench_quality.json
+    python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 12 \\
+        --out $OUT/bench_quality_full.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from google.protobuf import text_format
+
+from shared.cli import Parser, check_device, plain, run_cli
+from shared.cli import exit_code as _exit_code
+from shared.config import load_config
+from train.evaluate import TAIL_THRESHOLD
+from train.trainer import Trainer, TrainOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
+VARIANTS = ("off", "on")
+GOAL_TAIL_AUC = 0.632  # issue #22, full data
+NO_CHECKPOINTS = 10**9  # checkpoint_every: none inside the epoch (the final one is written)
+EXAMPLE = """examples:
+  python -m bench.bench_quality --size small --out out/bench_quality.json
+  python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 12 \\
+      --out out/bench_quality_full.json"""
+# the figures compared between the variants (on - off)
+COMPARED = ("auc", "head_auc", "tail_auc", "logloss", "train_seconds", "samples_per_s")
+
+
+def variant_config(base: Path, variant: str, out_dir: Path) -> Path:
+    """``base`` itself for ``off``; for ``on`` a copy with ``cold_backoff {}`` set, written
+    under ``out_dir`` (the trainer reads a config path)."""
+    if variant == "off":
+        return base
+    config = load_config(base)
+    config.model_config.multi_tower_din.cold_backoff.SetInParent()
+    path = out_dir / f"{base.stem}_cold_backoff.config"
+    path.write_text(text_format.MessageToString(config))
+    return path
+
+
+def _share(part: float | None, whole: float | None) -> float | None:
+    return None if part is None or not whole else float(part) / float(whole)
+
+
+def backoff_shares(stats: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Per dynamic table (and ``all`` of them): lookups, misses and their share in training
+    and in eval; None where the tables do not count them."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, table in stats.items():
+        row = {k: table.get(k) for k in ("lookups", "misses", "eval_lookups", "eval_misses")}
+        out[name] = row
+    if out:
+        out["all"] = {
+            k: None if any(r[k] is None for r in out.values()) else sum(r[k] for r in out.values())
+            for k in ("lookups", "misses", "eval_lookups", "eval_misses")
+        }
+    for row in out.values():
+        row["train_share"] = _share(row["misses"], row["lookups"])
+        row["eval_share"] = _share(row["eval_misses"], row["eval_lookups"])
+    return out
+
+
+def run_variant(config_path: Path, samples: Path, args, model_dir: Path) -> dict[str, Any]:
+    """One epoch (or ``--max-steps``) of the trainer on ``samples/train``, its final eval on
+    ``samples/eval``, and the tables' lookup counters after both."""
+    trainer = Trainer(
+        TrainOptions(
+            config_path=config_path, model_dir=model_dir, train_path=samples / "train",
+            eval_path=samples / "eval", device=str(args.device), batch_size=args.batch,
+            num_workers=args.num_workers, max_steps=args.max_steps,
+            eval_max_batches=args.eval_max_batches, checkpoint_every=NO_CHECKPOINTS,
+            seed=args.seed, progress_bar=False,
+        )
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    result = trainer.fit()
+    fit_seconds = time.perf_counter() - t0
+    ev = result.final_eval.to_dict() if result.final_eval is not None else {}
+    return {
+        "config": str(config_path.relative_to(ROOT) if config_path.is_relative_to(ROOT)
+                      else config_path.name),
+        **{k: ev.get(k) for k in ("auc", "head_auc", "tail_auc", "logloss", "oracle_auc",
+                                  "auc_vs_oracle", "rows", "tail_rows", "ctr")},
+        "steps": result.progress.step,
+        "samples": result.progress.samples,
+        "train_seconds": result.train_seconds,
+        "samples_per_s": result.samples_per_second,
+        "fit_seconds": fit_seconds,  # training, final checkpoint, eval, summary
+        "num_workers": trainer.num_workers,
+        "backoff_share": backoff_shares(trainer.model.sparse.dynamic.stats()),
+    }  # fmt: skip
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+
+def differences(variants: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """``on - off`` of :data:`COMPARED` (None where either is missing)."""
+    off, on = variants.get("off"), variants.get("on")
+    if off is None or on is None:
+        return {}
+    out = {}
+    for k in COMPARED:
+        a, b = _number(off.get(k)), _number(on.get(k))
+        out[k] = None if a is None or b is None else b - a
+    return out
+
+
+def _at_least(got: Any, floor: Any) -> bool | None:
+    got, floor = _number(got), _number(floor)
+    return None if got is None or floor is None else got >= floor
+
+
+def goal(variants: dict[str, dict[str, Any]], size: str | None) -> dict[str, Any]:
+    """Issue #22's goal for ``on``: tail AUC >= 0.632, overall and head AUC >= ``off``'s.
+    ``met`` is None where a figure is missing; the goal is set for ``full`` data only."""
+    off, on = variants.get("off", {}), variants.get("on", {})
+    checks = {
+        "tail_auc": {"goal": f">= {GOAL_TAIL_AUC}", "got": on.get("tail_auc"),
+                     "met": _at_least(on.get("tail_auc"), GOAL_TAIL_AUC)},
+        "auc": {"goal": ">= off", "got": on.get("auc"), "off": off.get("auc"),
+                "met": _at_least(on.get("auc"), off.get("auc"))},
+        "head_auc": {"goal": ">= off", "got": on.get("head_auc"), "off": off.get("head_auc"),
+                     "met": _at_least(on.get("head_auc"), off.get("head_auc"))},
+    }  # fmt: skip
+    found = [c["met"] for c in checks.values()]
+    met = None if None in found else all(found)
+    note = None if size == "full" else f"the goal is set for full data; this is {size or '?'}"
+    return {"checks": checks, "met": met, "data_size": size, "applies": size == "full",
+            "note": note}  # fmt: skip
+
+
+def data_info(samples: Path) -> dict[str, Any]:
+    """What the samples are: their generator's size (``../generate_report.json``) and the
+    rows of their build (``_build_report.json``), where those files are."""
+    info: dict[str, Any] = {"samples": str(samples), "size": None}
+    gen, build = samples.parent / "generate_report.json", samples / "_build_report.json"
+    if gen.is_file():
+        info["size"] = json.loads(gen.read_text()).get("size")
+    if build.is_file():
+        report = json.loads(build.read_text())
+        info.update(train_rows=report.get("train_rows"), eval_rows=report.get("eval_rows"))
+    return info
+
+
+def generate(size: str, out: Path) -> Path:
+    """Synthetic ``size`` data built for the seed config into ``out``; returns its samples."""
+    from shared.features import build_feature_set
+    from train.data import synthetic, taobao
+
+    t0 = time.perf_counter()
+    synthetic.generate(size, out, seed=0)
+    taobao.build_samples(out / "raw", out / "samples", build_feature_set(load_config(SEED_CONFIG)))
+    print(f"generated {size} in {time.perf_counter() - t0:.1f}s", flush=True)
+    return out / "samples"
+
+
+def _fmt(x: Any, spec: str = ".4f") -> str:
+    n = _number(x)
+    if n is None:
+        return "-"
+    return format(int(n), spec) if spec.endswith("d") else format(n, spec)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """A short table: one line per variant, ``on - off``, and the goal."""
+    head = (f"{'':6} {'auc':>7} {'head':>7} {'tail':>7} {'logloss':>8} {'oracle':>7} "
+            f"{'rows':>9} {'train_s':>8} {'samples/s':>10} {'miss_tr':>7} {'miss_ev':>7}")  # fmt: skip
+    lines = [head]
+    for name, v in result["variants"].items():
+        share = v["backoff_share"].get("all", {})
+        lines.append(
+            f"{name:6} {_fmt(v['auc']):>7} {_fmt(v['head_auc']):>7} {_fmt(v['tail_auc']):>7} "
+            f"{_fmt(v['logloss']):>8} {_fmt(v['oracle_auc']):>7} {_fmt(v['rows'], ',d'):>9} "
+            f"{_fmt(v['train_seconds'], '.1f'):>8} {_fmt(v['samples_per_s'], ',.0f'):>10} "
+            f"{_fmt(share.get('train_share'), '.3f'):>7} {_fmt(share.get('eval_share'), '.3f'):>7}"
+        )
+    d = result["on_minus_off"]
+    if d:
+        lines.append(
+            f"{'on-off':6} {_fmt(d['auc'], '+.4f'):>7} {_fmt(d['head_auc'], '+.4f'):>7} "
+            f"{_fmt(d['tail_auc'], '+.4f'):>7} {_fmt(d['logloss'], '+.4f'):>8}"
+        )
+    g = result["goal"]
+    met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
+    lines.append(f"goal (issue #22, tail >= {GOAL_TAIL_AUC}, auc and head >= off): {met}"
+                 + (f" ({g['note']})" if g["note"] else ""))  # fmt: skip
+    return "\n".join(lines)
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_quality", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--samples", type=Path, help="samples dir with train/ and eval/ (made by "
+                   "python -m train.data all); default: generate --size into a temp dir")  # fmt: skip
+    p.add_argument("--size", default="small", choices=["tiny", "small", "full"],
+                   help="synthetic data size to generate when --samples is not given")  # fmt: skip
+    p.add_argument("--config", type=Path, default=SEED_CONFIG,
+                   help="the config of the off variant (on: the same with cold_backoff {})")  # fmt: skip
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated variants to train (of {', '.join(VARIANTS)})")  # fmt: skip
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device to train on (default: cuda if this machine has one)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per training batch (default: the config's batch_size)")  # fmt: skip
+    p.add_argument("--num-workers", type=int, default=8, help="loader workers of the trainer")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop each variant after N steps (default: one epoch)")  # fmt: skip
+    p.add_argument("--eval-max-batches", type=int, default=None,
+                   help="evaluate at most N batches (default: the whole eval split)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="the trainer's seed (both variants)")
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    return p
+
+
+def _variants(spec: str) -> list[str]:
+    names = [v.strip() for v in spec.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise ValueError(f"--variants {spec}: give some of {', '.join(VARIANTS)}")
+    return list(dict.fromkeys(names))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    check_device(args.device)
+    names = _variants(args.variants)
+    with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
+        work = Path(tmp)
+        samples = args.samples if args.samples is not None else generate(args.size, work / "data")
+        for split in ("train", "eval"):
+            if not (samples / split).is_dir():
+                raise FileNotFoundError(
+                    f"--samples {samples}: no {split}/ in it; make one with `python -m "
+                    "train.data all --size small --out DIR` and pass DIR/samples"
+                )
+        info = data_info(samples)
+        info["size"] = info["size"] or (args.size if args.samples is None else None)
+        info["generated"] = args.samples is None  # into a temp dir, removed at the end
+        result: dict[str, Any] = {
+            "device": str(args.device), "torch": torch.__version__, "data": info,
+            "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seed": args.seed,
+            "variants": {},
+        }  # fmt: skip
+        for name in names:
+            path = variant_config(args.config, name, work)
+            entry = run_variant(path, samples, args, work / f"run_{name}")
+            result["variants"][name] = entry
+            print(json.dumps({name: {k: v for k, v in entry.items() if k != "backoff_share"}}),
+                  flush=True)  # fmt: skip
+    result["on_minus_off"] = differences(result["variants"])
+    result["goal"] = goal(result["variants"], info["size"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = args.out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(result, indent=2))
+    tmp_out.replace(args.out)
+    print(summary(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call (nvidia-h200) for issue #22's figures: full synthetic data (23.2M training rows)
+# in /tmp/full (made here unless a complete one is already there, e.g. from bench/run_train_gpu.sh
+# earlier in the same call or on the same warm machine), then bench_quality: the seed config
+# trained one epoch without and with cold_backoff, both evaluated on the eval split, into
+# $OUT/bench_quality_full.json (log: $OUT/bench_quality_full.log, data: $OUT/data.log).
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (see
+# bench/run_gpu_suite.sh). About 6 minutes: data 2 (when made), two epochs and evals 3-4.
+set -x
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nproc
+FULL=${FULL_DIR:-/tmp/full}
+t0=$(date +%s)
+if [ -f "$FULL/samples/_build_report.json" ] && [ -f "$FULL/generate_report.json" ]; then
+  echo "reusing $FULL"
+else
+  python3 -m train.data all --size full --out "$FULL" \
+    --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1
+  echo "data rc=$? in $(( $(date +%s) - t0 )) s"
+fi
+timeout ${BENCH_TIMEOUT:-480} python3 -m bench.bench_quality --samples "$FULL/samples" \
+  --device cuda --num-workers ${NUM_WORKERS:-12} \
+  --out "$OUT/bench_quality_full.json" > "$OUT/bench_quality_full.log" 2>&1
+echo "bench_quality rc=$?"
+tail -20 "$OUT/bench_quality_full.log"

@@ -1,0 +1,99 @@
+"""bench/bench_quality.py on tiny data, a few steps: both variants trained and evaluated, the JSON
+with every figure; the on - off differences and issue #22's goal from made-up figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.bench_quality import differences, goal, main, variant_config
+from shared.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
+FAST = ["--batch", "256", "--max-steps", "3", "--num-workers", "0", "--device", "cpu"]
+FIGURES = ("auc", "head_auc", "tail_auc", "logloss", "oracle_auc", "rows", "train_seconds",
+           "samples_per_s")  # fmt: skip
+COUNTERS = ("lookups", "misses", "eval_lookups", "eval_misses")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _check_variant(v: dict[str, Any], *, counted: bool) -> None:
+    """Every figure of one variant; ``counted``: the tables' lookup counters must be there."""
+    for k in FIGURES:
+        assert _finite(v[k]), (k, v[k])
+    assert 0.0 <= v["auc"] <= 1.0 and v["rows"] > 0 and v["steps"] == 3
+    shares = v["backoff_share"]
+    assert "user_id_emb" in shares and "all" in shares
+    for table, row in shares.items():
+        assert set(COUNTERS) | {"train_share", "eval_share"} <= set(row), table
+        if counted or row["lookups"] is not None:
+            assert row["lookups"] > 0 and 0.0 <= row["train_share"] <= 1.0, (table, row)
+            assert row["eval_lookups"] > 0 and 0.0 <= row["eval_share"] <= 1.0, (table, row)
+
+
+def test_off_variant(tiny_samples: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q.json"
+    result = main(["--samples", str(tiny_samples), "--variants", "off", *FAST, "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert list(result["variants"]) == ["off"]
+    _check_variant(result["variants"]["off"], counted=False)
+    assert result["on_minus_off"] == {}
+    assert result["goal"]["met"] is None  # no on variant
+
+
+def test_both_variants(tmp_path: Path) -> None:
+    """The finished behaviour (issue #22): the on variant trains with the backoff."""
+    out = tmp_path / "q.json"
+    result = main(["--size", "tiny", *FAST, "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert list(saved["variants"]) == ["off", "on"]
+    for v in saved["variants"].values():
+        _check_variant(v, counted=True)
+    off, on = saved["variants"]["off"], saved["variants"]["on"]
+    assert on["config"].endswith("_cold_backoff.config") and off["rows"] == on["rows"]
+    # the tables see the same keys in the same order: the same lookups and misses
+    assert off["backoff_share"] == on["backoff_share"]
+    diff = saved["on_minus_off"]
+    assert diff["auc"] == pytest.approx(on["auc"] - off["auc"])
+    assert set(diff) >= {"auc", "head_auc", "tail_auc", "logloss", "samples_per_s"}
+    g = saved["goal"]
+    assert g["data_size"] == "tiny" and g["applies"] is False and g["note"]
+    assert isinstance(g["met"], bool) and set(g["checks"]) == {"tail_auc", "auc", "head_auc"}
+    assert saved["data"]["size"] == "tiny" and saved["data"]["generated"] is True
+    assert result["goal"] == g
+
+
+def test_variant_config(tmp_path: Path) -> None:
+    assert variant_config(SEED_CONFIG, "off", tmp_path) == SEED_CONFIG
+    assert not load_config(SEED_CONFIG).model_config.multi_tower_din.HasField("cold_backoff")
+    on = load_config(variant_config(SEED_CONFIG, "on", tmp_path))
+    assert on.model_config.multi_tower_din.HasField("cold_backoff")
+    on.model_config.multi_tower_din.ClearField("cold_backoff")
+    assert on == load_config(SEED_CONFIG)  # nothing else changed
+
+
+def _v(auc: float, head: float | None, tail: float | None) -> dict[str, Any]:
+    return {"auc": auc, "head_auc": head, "tail_auc": tail, "logloss": 0.2,
+            "train_seconds": 1.0, "samples_per_s": 10.0}  # fmt: skip
+
+
+def test_goal_and_differences() -> None:
+    off = _v(0.70, 0.72, 0.60)
+    met = {"off": off, "on": _v(0.70, 0.72, 0.64)}
+    assert goal(met, "full")["met"] is True and goal(met, "full")["applies"] is True
+    assert differences(met)["tail_auc"] == pytest.approx(0.04)
+    lower_head = {"off": off, "on": _v(0.71, 0.719, 0.65)}
+    g = goal(lower_head, "full")
+    assert g["met"] is False and g["checks"]["head_auc"]["met"] is False
+    assert goal({"off": off, "on": _v(0.71, 0.73, 0.631)}, "full")["met"] is False
+    missing = {"off": off, "on": _v(0.71, 0.73, None)}
+    assert goal(missing, "full")["met"] is None and differences(missing)["tail_auc"] is None
+    assert goal(met, "small")["applies"] is False and goal(met, "small")["note"]
