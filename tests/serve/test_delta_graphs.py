@@ -54,7 +54,9 @@ def test_a_delta_whose_program_contradicts_its_version_is_refused(
     manifest = json.loads((bad / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
     base = LoadedModel.load(dyn_run.base_bundle, device="cpu")
-    with pytest.raises(DeltaError, match="takes the pair inputs: True, but the manifest's"):
+    with pytest.raises(
+        DeltaError, match=r"'pair_segment', 'pair_element'\], but the manifest's format_version 1"
+    ):
         apply_delta(base, bad, in_place=False)
 
 
