@@ -27,7 +27,8 @@ Steps (one call, everything under ``--work`` except what lands in ``--out``):
    eagerly by reason, capture seconds and memory).
 4. Per run (device x workers x candidates x users x switch interval x request format,
    ``--run DEVICE:WORKERS:CANDIDATES:USERS[:SWITCH_MS][:FORMAT]``): ``workers`` server
-   processes ``python -m serve --reuse-port`` on one port, then locust (``loadtest.run``, its
+   processes ``python -m serve --reuse-port`` on one port (WORKERS ``fN``, or ``--frontends N``:
+   one ``python -m serve --frontends N`` owning the device, N frontend processes on the port), then locust (``loadtest.run``, its
    ``--processes`` load-generator processes, closed loop) for ``--duration`` s; a CUDA run is
    made once per ``--cuda-graphs`` value (``serve --cuda-graphs on|off``). Measured: exact
    percentiles of the raw latencies (whole run and steady state after ``--warmup-s``),
@@ -403,6 +404,15 @@ class ServerGroup:
         return codes
 
 
+def _with_children(pids: Sequence[int]) -> list[int]:
+    """``pids`` and their child processes (a ``--frontends`` server's frontends)."""
+    out = list(pids)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return out
+
+
 def scrape(ports: Sequence[int]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Prometheus samples of every port, summed over the ports: {(name, labels): value}."""
     from urllib.request import urlopen
@@ -667,12 +677,16 @@ class RunSpec:
     switch_interval_ms: float | None
     request_format: str = "columnar"  # candidates as candidate_columns, or "rows" (candidates)
     cuda_graphs: str | None = None  # CUDA servers: "on" or "off" (serve --cuda-graphs)
+    # > 0: one device process with this many frontends (serve --frontends N; WORKERS "fN")
+    frontends: int = 0
 
     @classmethod
     def parse(cls, text: str, default_format: str = "columnar") -> RunSpec:
         """``DEVICE:WORKERS:CANDIDATES:USERS[:SWITCH_MS][:FORMAT]``, e.g. ``cuda:4:500:32``,
         ``cuda:1:500:32:0.5``, ``cuda:1:500:32:rows``; FORMAT is ``columnar`` or ``rows``
-        (default ``default_format``)."""
+        (default ``default_format``). WORKERS ``fN`` (``cuda:f8:500:64``): one server process
+        owning the device with N frontend processes (``serve --frontends N``) instead of
+        WORKERS whole servers."""
         parts = text.split(":")
         usage = f"--run {text!r}: expected DEVICE:WORKERS:CANDIDATES:USERS[:SWITCH_MS][:FORMAT]"
         if not 4 <= len(parts) <= 6 or parts[0] not in ("cuda", "cpu"):
@@ -684,13 +698,20 @@ class RunSpec:
             raise SystemExit(usage)
         try:
             switch = float(rest[0]) if rest and rest[0] else None
-            return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), switch, fmt)
+            frontends = int(parts[1][1:]) if parts[1].startswith("f") else 0
+            workers = 1 if frontends else int(parts[1])
+            if parts[1].startswith("f") and frontends < 1:
+                raise ValueError(parts[1])
+            return cls(
+                parts[0], workers, int(parts[2]), int(parts[3]), switch, fmt, frontends=frontends
+            )
         except ValueError:
             raise SystemExit(f"{usage} (FORMAT: {' or '.join(REQUEST_FORMATS)})") from None
 
     @property
     def name(self) -> str:
-        s = f"{self.device}-w{self.workers}-c{self.candidates}-u{self.users}"
+        procs = f"f{self.frontends}" if self.frontends else f"w{self.workers}"
+        s = f"{self.device}-{procs}-c{self.candidates}-u{self.users}"
         if self.switch_interval_ms is not None:
             s += f"-si{self.switch_interval_ms:g}"
         s += f"-{self.request_format}"
@@ -720,6 +741,8 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         extra += ["--max-queue", str(a.max_queue)]
     if spec.cuda_graphs is not None:
         extra += ["--cuda-graphs", spec.cuda_graphs]
+    if spec.frontends:
+        extra += ["--frontends", str(spec.frontends)]
     result: dict[str, Any] = {"run": spec.name, **vars(spec), "server_args": extra}
     group = ServerGroup(bundle, spec.device, spec.workers, work, extra)
     cpu = gpu = None
@@ -731,7 +754,7 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
             f"{spec.name}: {spec.workers} server(s) SERVING on {group.host} in {result['startup_s']:.1f}s"
         )
         before = [scrape([port]) for port in group.metrics_ports]
-        cpu = CpuSampler([p.pid for p in group.procs]).start()
+        cpu = CpuSampler(_with_children([p.pid for p in group.procs])).start()
         gpu = GpuSampler().start() if spec.device == "cuda" else None
         spy_s = int(max(a.duration - a.warmup_s - 1, 1))
         if py_spy:
@@ -974,6 +997,14 @@ def _parser() -> Parser:
         help="devices of the cross product (and of the offline profile)",
     )
     p.add_argument("--workers", type=int, nargs="+", default=[1], help="server processes per run")
+    p.add_argument(
+        "--frontends",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="N > 0: also a run of one server with N frontend processes (serve --frontends N) "
+        "per device x candidates x users (default 0: only --workers runs)",
+    )
     p.add_argument("--candidates", type=int, nargs="+", default=[500], help="per request")
     p.add_argument("--users", type=int, nargs="+", default=[32], help="locust users (closed loop)")
     p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
@@ -984,7 +1015,8 @@ def _parser() -> Parser:
         default=[],
         metavar="DEVICE:WORKERS:CANDIDATES:USERS[:SWITCH_MS][:FORMAT]",
         help="explicit runs instead of the cross product above (repeatable), e.g. cuda:4:500:32, "
-        "cuda:1:500:32:rows (FORMAT: columnar or rows; default: the first of --formats)",
+        "cuda:1:500:32:rows (FORMAT: columnar or rows; default: the first of --formats); "
+        "WORKERS fN (cuda:f8:500:64): one device process with N frontends (serve --frontends)",
     )
     p.add_argument(
         "--formats",
@@ -1091,9 +1123,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     specs = [RunSpec.parse(r, a.formats[0]) for r in a.run] or [
-        RunSpec(d, w, c, u, si, f)
+        RunSpec(d, 1 if fe else w, c, u, si, f, frontends=fe)
         for d in a.devices
-        for w in a.workers
+        for fe in a.frontends
+        for w in (a.workers if not fe else [1])
         for c in a.candidates
         for u in a.users
         for si in a.switch_interval_ms

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from serve.admin import AdminConfig
 from serve.batcher import BatcherConfig
+from serve.handoff import HandoffConfig
 from serve.limits import Limits
 from serve.model import default_device
 from serve.security import TlsConfig
@@ -147,6 +148,29 @@ def _process_args(g: argparse._ArgumentGroup) -> None:
         help="SO_REUSEPORT: several server processes share --port (the kernel spreads "
         "connections over them), e.g. one per few cores to get past the GIL of one process",
     )
+    g.add_argument(
+        "--frontends",
+        type=int,
+        default=0,
+        help="N > 0: this process owns the device (batcher, models, CUDA graphs, admin) and N "
+        "frontend processes serve --port (parse, validation, feature generation), handing "
+        "batches over in shared memory: one CUDA context instead of one per --reuse-port "
+        "process (default 0: this process serves the port)",
+    )
+    handoff = HandoffConfig()
+    g.add_argument(
+        "--handoff-slots",
+        type=int,
+        default=handoff.slots,
+        help="--frontends: shared-memory batch slots per frontend (default %(default)s)",
+    )
+    g.add_argument(
+        "--handoff-slot-kib",
+        type=int,
+        default=handoff.slot_bytes >> 10,
+        help="--frontends: KiB per slot; a larger batch goes through the pipe "
+        "(default %(default)s)",
+    )
 
 
 def _tls_args(g: argparse._ArgumentGroup) -> None:
@@ -199,6 +223,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         torch_threads=a.torch_threads or None,
         poll_interval_s=a.poll_interval_s,
         reuse_port=a.reuse_port,
+        frontends=a.frontends,
+        handoff=HandoffConfig(a.handoff_slots, a.handoff_slot_kib << 10),
         switch_interval_s=None if a.switch_interval_ms is None else a.switch_interval_ms / 1e3,
         verify_checksums=not a.no_verify_checksums,
         tls=_tls(a),
@@ -251,7 +277,8 @@ def _check_machine(config: ServerConfig) -> None:
             f"--bundle {config.bundle}: no such directory; pass a bundle written by "
             "python -m train export (or --model-dir DIR for DIR/<version>/ bundles)"
         )
-    check_port(config.host, config.port, "--port", reuse_port=config.reuse_port)
+    reuse = config.reuse_port or config.frontends > 0
+    check_port(config.host, config.port, "--port", reuse_port=reuse)
     check_port(config.host, config.metrics_port, "--metrics-port")
 
 
@@ -272,7 +299,11 @@ def _main(argv: list[str]) -> int:
         logging.error("no model could be loaded: %s", server.load_error)
         server.stop(grace=0)
         return 1
-    print(f"SERVING on {config.host}:{server.port} (metrics: {server.metrics_port})", flush=True)
+    frontends = "" if server.frontends is None else f", frontend pids {server.frontends.pids()}"
+    print(
+        f"SERVING on {config.host}:{server.port} (metrics: {server.metrics_port}{frontends})",
+        flush=True,
+    )
     try:
         server.wait()
     except KeyboardInterrupt:

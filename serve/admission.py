@@ -24,6 +24,14 @@ class OverloadedError(RuntimeError):
     """The admission bound is reached (RESOURCE_EXHAUSTED)."""
 
 
+def overloaded(pending: int, limit: int) -> OverloadedError:
+    """The refusal of a request past the bound (its text is part of the serving contract)."""
+    return OverloadedError(
+        f"server overloaded: {pending} requests in flight (limit {limit}, serve --max-queue); "
+        "retry with backoff or another replica"
+    )
+
+
 class Admission:
     def __init__(self, limit: int) -> None:
         if limit < 1:
@@ -41,10 +49,7 @@ class Admission:
     def admit(self) -> Iterator[None]:
         with self._lock:
             if self._pending >= self.limit:
-                raise OverloadedError(
-                    f"server overloaded: {self._pending} requests in flight (limit {self.limit}, "
-                    "serve --max-queue); retry with backoff or another replica"
-                )
+                raise overloaded(self._pending, self.limit)
             self._pending += 1
         try:
             yield

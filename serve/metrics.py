@@ -229,9 +229,13 @@ class ServingMetrics:
         self.last_refusal.clear()
         self.last_refusal.labels(version).set(at_unix)
 
-    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the /metrics HTTP endpoint; returns the bound port (``port=0``: ephemeral)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(self, port: int, host: str = "127.0.0.1", registry: Any = None) -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (``port=0``: ephemeral).
+        ``registry``: what it serves instead of :attr:`registry` (anything with ``collect()``:
+        :class:`serve.frontend.MergedRegistry` adds the frontends' metrics)."""
+        server, _thread = start_http_server(
+            port, addr=host, registry=self.registry if registry is None else registry
+        )
         self._http = server
         return int(server.server_address[1])
 

@@ -22,20 +22,26 @@ server of its own (:class:`serve.admin.AdminServer`). Example::
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 import torch
 from grpc_health.v1 import health
 
+from protos import predict_pb2
 from serve.admin import AdminConfig, AdminServer
 from serve.admission import Admission
 from serve.batcher import Batcher, BatcherConfig
+from serve.frontend import FrontendPool, FrontendSettings, MergedRegistry
 from serve.graphs import Bucket, default_buckets
+from serve.handoff import HandoffConfig
 from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
@@ -75,6 +81,12 @@ class ServerConfig:
     admin: AdminConfig | None = None  # None: no ModelAdminService at all
     reuse_port: bool = False  # SO_REUSEPORT: several server processes on one port
     switch_interval_s: float | None = None  # sys.setswitchinterval (None: Python's, 5 ms)
+    # > 0: this process owns the device and that many frontend processes serve the public port
+    # (parse, validation, feature generation), handing batches over in shared memory
+    # (serve.frontend, serve.handoff); 0: this process serves the port itself
+    frontends: int = 0
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    restart_frontends: bool = True  # a frontend that exits is started again
 
     def __post_init__(self) -> None:
         if (self.bundle is None) == (self.model_dir is None):
@@ -83,6 +95,8 @@ class ServerConfig:
             raise ValueError(f"torch_threads must be >= 1 (or None), got {self.torch_threads}")
         if self.switch_interval_s is not None and self.switch_interval_s <= 0:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
+        if self.frontends < 0:
+            raise ValueError(f"frontends must be >= 0, got {self.frontends}")
         if self.reserve_threads < 1:
             raise ValueError(
                 f"reserve_threads must be >= 1 (health checks need a thread), "
@@ -114,6 +128,8 @@ class PredictionServer:
         self.port = 0
         self.metrics_port: int | None = None
         self._grpc: grpc.Server | None = None
+        self.frontends: FrontendPool | None = None
+        self._stopping = False
         self._loading: threading.Thread | None = None
         self._load_done = threading.Event()
 
@@ -135,10 +151,21 @@ class PredictionServer:
 
     def _on_loaded(self, model: LoadedModel) -> None:
         self.metrics.on_model(model)
+        if self.frontends is not None:
+            self.frontends.announce(model)
+        self._update_health()
+
+    def _update_health(self) -> None:
+        """SERVING once a model serves (and, with frontends, while one of them is ready)."""
+        serving = (
+            not self._stopping
+            and self.manager.current is not None
+            and (self.frontends is None or self.frontends.ready() > 0)
+        )
         for name in ("", SERVICE_NAME):
-            self.health.set(name, SERVING)
+            self.health.set(name, SERVING if serving else NOT_SERVING)
         if self.admin is not None:
-            self.admin.set_serving(True)
+            self.admin.set_serving(serving)
 
     def _on_refused(self, _path: Path, _err: Exception) -> None:
         refusal = self.manager.last_refusal
@@ -151,6 +178,43 @@ class PredictionServer:
             torch.set_num_threads(cfg.torch_threads)
         if cfg.switch_interval_s is not None:
             sys.setswitchinterval(cfg.switch_interval_s)
+        if cfg.frontends:
+            self._start_frontends()
+        else:
+            self._start_grpc()
+        if cfg.admin is not None:
+            self.admin = AdminServer(
+                cfg.admin,
+                self.manager,
+                self.metrics,
+                tls=cfg.tls,
+                verify_checksums=cfg.verify_checksums,
+                warmup_candidates=min(cfg.limits.max_candidates, 100),
+            ).start()
+            self.admin_port = self.admin.port
+        if cfg.metrics_port is not None:
+            registry = None
+            if self.frontends is not None:
+                registry = MergedRegistry(self.metrics.registry, self.frontends.metrics_texts)
+            self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.host, registry)
+        log.info(
+            "listening on %s:%d (%s; metrics: %s; admin: %s), device %s, at most %d requests "
+            "in flight",
+            cfg.host,
+            self.port,
+            "TLS" if cfg.tls is not None else "plaintext",
+            self.metrics_port,
+            "off" if cfg.admin is None else cfg.admin.address,
+            self.device,
+            cfg.limits.max_pending,
+        )
+        self._loading = threading.Thread(target=self._initial_load, name="model-load", daemon=True)
+        self._loading.start()
+        return self
+
+    def _start_grpc(self) -> None:
+        """The public port served by this process (the default)."""
+        cfg = self.config
         limit = cfg.limits.transport_bytes
         opts = [
             ("grpc.max_receive_message_length", limit),
@@ -177,32 +241,49 @@ class PredictionServer:
         self.port = bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
         server.start()
         self._grpc = server
-        if cfg.admin is not None:
-            self.admin = AdminServer(
-                cfg.admin,
-                self.manager,
-                self.metrics,
-                tls=cfg.tls,
-                verify_checksums=cfg.verify_checksums,
-                warmup_candidates=min(cfg.limits.max_candidates, 100),
-            ).start()
-            self.admin_port = self.admin.port
-        if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.host)
-        log.info(
-            "listening on %s:%d (%s; metrics: %s; admin: %s), device %s, at most %d requests "
-            "in flight",
-            cfg.host,
-            self.port,
-            "TLS" if cfg.tls is not None else "plaintext",
-            self.metrics_port,
-            "off" if cfg.admin is None else cfg.admin.address,
-            self.device,
-            cfg.limits.max_pending,
+
+    def _start_frontends(self) -> None:
+        """The public port served by ``frontends`` processes (serve.frontend); this one keeps
+        the batcher, the models and the device."""
+        cfg = self.config
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, NOT_SERVING)
+        servicer = PredictionServicer(
+            lambda: self.manager.current,
+            self.batcher,
+            cfg.limits,
+            self.metrics,
+            self.admission,
+            last_refusal=lambda: self.manager.last_refusal,
         )
-        self._loading = threading.Thread(target=self._initial_load, name="model-load", daemon=True)
-        self._loading.start()
-        return self
+        no_context = cast(grpc.ServicerContext, None)  # metadata() does not use it
+
+        def metadata() -> bytes:
+            answer = servicer.metadata(predict_pb2.ModelMetadataRequest(), no_context)
+            return answer.SerializeToString()
+
+        settings = FrontendSettings(
+            host=cfg.host,
+            port=cfg.port,
+            limits=cfg.limits,
+            tls=cfg.tls,
+            reserve_threads=cfg.reserve_threads,
+            switch_interval_s=cfg.switch_interval_s,
+            parent_pid=os.getpid(),
+        )
+        self.frontends = FrontendPool(
+            cfg.frontends,
+            settings,
+            cfg.handoff,
+            self.batcher,
+            lambda: self.manager.current,
+            metadata,
+            self.metrics,
+            restart=cfg.restart_frontends,
+            on_change=self._update_health,
+        )
+        self.metrics.pending.set_function(self.frontends.pending)
+        self.port = self.frontends.start()
 
     def _initial_load(self) -> None:
         cfg = self.config
@@ -223,20 +304,33 @@ class PredictionServer:
             self._load_done.set()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until a model serves (True) or the first load attempt failed / timed out."""
+        """Block until a model serves (True) or the first load attempt failed / timed out;
+        with frontends, until every frontend is also ready to serve it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._load_done.wait(timeout)
-        return self.manager.ready.is_set()
+        if not self.manager.ready.is_set():
+            return False
+        if self.frontends is None:
+            return True
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return self.frontends.wait_ready(left)
 
     def wait(self) -> None:
+        if self.frontends is not None:
+            self.frontends.wait()
+            return
         assert self._grpc is not None
         self._grpc.wait_for_termination()
 
     def stop(self, grace: float | None = 1.0) -> None:
+        self._stopping = True
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
         self.manager.stop()
         if self.admin is not None:
             self.admin.stop(grace)
+        if self.frontends is not None:  # they finish their requests on the batcher: first
+            self.frontends.stop(grace)
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
         self.batcher.close()

@@ -1,0 +1,174 @@
+"""The shared-memory channel (serve.handoff) in one process: both ends over a real pipe, a real
+batcher and model, no gRPC (tests/serve/test_frontend.py runs it between processes)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from protos import predict_pb2
+from serve.batcher import Batcher, BatcherConfig
+from serve.handoff import (
+    HandoffClient,
+    HandoffConfig,
+    HandoffServer,
+    ModelRegistry,
+    SlotArena,
+    batch_bytes,
+    read_batch,
+    write_batch,
+)
+from serve.limits import Limits
+from serve.model import LoadedModel
+from serve.rpc import RpcError
+from serve.servicer import status_of
+from serve.validation import request_inputs
+from shared.batch import Batch
+from shared.features import FeatureSet
+from shared.fg_request import request_columns_to_batch
+
+WAIT_S = 30.0
+
+
+def _batch(fs: FeatureSet, request: predict_pb2.PredictRequest) -> Batch:
+    return request_columns_to_batch(fs, **vars(request_inputs(request, fs, Limits())))
+
+
+def _same(a: Batch, b: Batch) -> None:
+    for x, y in ((a.user, b.user), (a.item, b.item), (a.sequence, b.sequence)):
+        assert x.keys() == y.keys() and x.stride() == y.stride()
+        assert x.length_per_key() == y.length_per_key()
+        assert torch.equal(x.values(), y.values()) and torch.equal(x.lengths(), y.lengths())
+    assert torch.equal(a.user_index, b.user_index)
+
+
+def test_a_batch_round_trips_through_a_buffer(fs: FeatureSet, requests) -> None:
+    for req in requests:
+        batch = _batch(fs, req)
+        buf = np.zeros(batch_bytes(batch), dtype=np.uint8)
+        ref = write_batch(batch, buf)
+        assert ref is not None
+        _same(read_batch(ref, buf), batch)
+        assert write_batch(batch, buf[:-1]) is None  # does not fit: None, nothing raised
+
+
+class _Model:
+    """A loaded model under a token (what the registry and the batcher need)."""
+
+    def __init__(self, model: LoadedModel, token: int) -> None:
+        self.model = model
+        self.token = token
+
+
+@pytest.fixture(scope="module")
+def model(bundle_v1: Path) -> LoadedModel:
+    return LoadedModel.load(bundle_v1, device="cpu", verify_checksums=False)
+
+
+@pytest.fixture
+def channel(model: LoadedModel) -> Iterator[tuple[HandoffClient, HandoffServer, Batcher, int]]:
+    config = HandoffConfig(slots=2, slot_bytes=64 << 10)
+    arena = SlotArena.create(config)
+    batcher = Batcher(BatcherConfig(max_batch_rows=64, max_wait_us=1000))
+    models = ModelRegistry(lambda: model)
+    token = models.register(model)
+    mine, theirs = mp.Pipe(duplex=True)
+    server = HandoffServer(mine, arena, batcher, models, status_of, "test")
+    client = HandoffClient(theirs, SlotArena.attach(arena.name, config))
+    server.start()
+    client.start()
+    try:
+        yield client, server, batcher, token
+    finally:
+        client.close()
+        server.close()
+        batcher.close()
+        arena.close()
+
+
+def test_answers_equal_the_model_through_slots_and_the_pipe(
+    channel, model: LoadedModel, fs: FeatureSet, requests
+) -> None:
+    client, _server, _batcher, token = channel
+    handle = _Model(model, token)
+    batches = [_batch(fs, r) for r in requests]
+    # 12 at once over 2 slots: most go through the pipe instead (never refused)
+    futures = [client.submit(handle, b) for b in batches]
+    for b, f in zip(batches, futures, strict=True):
+        want = model.predict(b).numpy()
+        np.testing.assert_allclose(f.result(WAIT_S), want, rtol=1e-6, atol=1e-7)
+    assert client.payload_sends > 0
+    sent = client.payload_sends
+    for b in batches[:3]:  # one at a time: a slot each time
+        client.submit(handle, b).result(WAIT_S)
+    assert client.payload_sends == sent
+
+
+def test_failures_come_back_with_their_status(channel, fs: FeatureSet, requests) -> None:
+    client, _server, batcher, token = channel
+    batch = _batch(fs, requests[0])
+
+    # an expired deadline: the device process's batcher drops it, DEADLINE_EXCEEDED
+    with pytest.raises(RpcError) as info:
+        client.submit(_Model(None, token), batch, deadline=0.0).result(WAIT_S)  # type: ignore[arg-type]
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert info.value.details.startswith("deadline exceeded: deadline passed after")
+    # a token no model has: UNAVAILABLE, retry
+    with pytest.raises(RpcError) as info:
+        client.submit(_Model(None, 999), batch).result(WAIT_S)  # type: ignore[arg-type]
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    # the batcher closed: UNAVAILABLE with the single-process text
+    batcher.close()
+    with pytest.raises(RpcError) as info:
+        client.submit(_Model(None, token), batch).result(WAIT_S)  # type: ignore[arg-type]
+    assert (info.value.code, info.value.details) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "the server is shutting down",
+    )
+
+
+def test_a_closed_pipe_fails_the_waiting_requests(fs: FeatureSet, requests) -> None:
+    config = HandoffConfig(slots=1, slot_bytes=64 << 10)
+    arena = SlotArena.create(config)
+    gone, theirs = mp.Pipe(duplex=True)  # nobody reads ``gone``: the device process hangs
+    client = HandoffClient(theirs, arena)
+    client.start()
+    try:
+        waiting = client.submit(_Model(None, 1), _batch(fs, requests[0]))  # type: ignore[arg-type]
+        gone.close()  # ... and dies
+        with pytest.raises(RpcError) as info:
+            waiting.result(WAIT_S)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert client.closed.wait(WAIT_S)
+    finally:
+        client.close()
+        arena.close()
+
+
+def test_the_registry_holds_only_the_current_model() -> None:
+    class M:
+        def __init__(self, digest: str) -> None:
+            self.bundle = type("B", (), {"config_digest": digest})()
+
+    current: list[Any] = [M("a")]
+    models = ModelRegistry(lambda: current[0])
+    old = models.register(current[0])
+    assert models.get(old) is current[0]
+    current[0] = M("a")  # a new version of the same feature config
+    new = models.register(current[0])
+    gc.collect()
+    assert models.get(old) is current[0]  # the old one is gone: the same features serve
+    current[0] = M("b")  # another feature config
+    models.register(current[0])
+    gc.collect()
+    with pytest.raises(RpcError) as info:
+        models.get(new)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
