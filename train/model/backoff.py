@@ -8,10 +8,14 @@ eval initializer (zeros; a refused key in training gets its random initial value
 eval lookup sees). With ``model_config.multi_tower_din.cold_backoff`` on, the dense part
 replaces its embedding, wherever it sits in the dense inputs, by::
 
-    backoff_f = W_f · side_f + b_f          # side_f: the row's side features of f, cold ones zeroed
+    backoff_f = s_f ⊙ tanh(W_f · side_f + b_f)   # side_f: the row's side features, cold ones 0
 
-one learned linear map per feature (``b_f`` alone is its "unknown" vector when it has no side
-features). The side features of a feature are, by default, those of the same row and side
+one learned map per feature (``b_f`` alone gives its "unknown" vector when it has no side
+features). The tanh and the learned per-column scale ``s_f`` (initially 1/sqrt(dim), tzrec's
+embedding init bound) keep the backoff on the scale of the embeddings it stands in for: an
+unbounded linear map, zero-initialised and trained by Adam, grows by about lr per weight and
+step, and within an epoch put cold rows' columns an order of magnitude above the warm rows'
+(measured on the H200, full data: overall AUC -0.033, tail -0.011 against no backoff). The side features of a feature are, by default, those of the same row and side
 (:func:`backoff_spaces`): for a USER feature the other USER features of the DEEP group (the
 profile), for an ITEM feature the other ITEM features of the DEEP group (``adgroup_id`` → its
 ``cate_id``, ``campaign_id``, ``customer``, ``brand``, ``price``), for a sequence feature the
@@ -25,7 +29,7 @@ no row), as without the backoff. Eval mode changes nothing here: the lookups ins
 The backoff is part of :class:`~train.model.dense_arch.DenseArch`, hence of the exported
 program (bundle format 4: the masks are its ``user_cold``, ``item_cold`` and ``seq_cold``
 inputs, which the serving lookups fill on the device). The maps start at zero (``W = 0``,
-``b = 0``: the first step scores as without the backoff) and are made without drawing from the
+``b = 0``, so ``backoff = 0``: the first step scores as without the backoff) and are made without drawing from the
 global generator, so every other seeded initial value is unchanged.
 
 One row space (user rows, candidate rows, sequence elements) is one :class:`SpaceBackoff`:
@@ -212,6 +216,8 @@ class _Space(nn.Module):
         # zeros, drawn from no generator (module docstring)
         self.weight = nn.Parameter(torch.zeros(out, source_width))  # [Σdim, W]
         self.bias = nn.Parameter(torch.zeros(out))  # [Σdim]
+        scale = torch.cat([torch.full((f.dim,), f.dim**-0.5) for f in spec.features])
+        self.scale = nn.Parameter(scale)  # [Σdim] the output's scale, learned
         allowed = torch.zeros(out, source_width)
         feature_at = {t: torch.full((w,), k, dtype=torch.int64) for t, w in spec.widths}
         output_at = {t: torch.full((w,), out, dtype=torch.int64) for t, w in spec.widths}
@@ -237,6 +243,7 @@ class _Space(nn.Module):
         x_cold = flags.index_select(1, getattr(self, f"feature_at_{spec.source}"))  # [R, W]
         side = torch.where(x_cold, torch.zeros_like(x), x)  # cold features count as zeros
         back = torch.nn.functional.linear(side, self.weight * self.allowed, self.bias)
+        back = torch.tanh(back) * self.scale  # [R, Σdim] on the embeddings' scale
         back = torch.nn.functional.pad(back, (0, 1))  # [R, Σdim + 1]
         for t in self.targets:
             at_cold = flags.index_select(1, getattr(self, f"feature_at_{t}"))  # [R, W_t]

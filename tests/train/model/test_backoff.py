@@ -78,7 +78,7 @@ def test_a_cold_row_gets_the_projection_of_its_warm_side_features(seed_fs: Featu
         side = item[r].clone()
         side[cold[r].nonzero().flatten() * 16 + torch.arange(16).unsqueeze(1)] = 0.0  # cold: 0
         w = layer.weight[rows] * layer.allowed[rows]
-        want = w @ side + layer.bias[rows]
+        want = torch.tanh(w @ side + layer.bias[rows]) * layer.scale[rows]
         torch.testing.assert_close(out["item_deep"][r, rows], want)
         torch.testing.assert_close(out["query"][r, 0:16], want)  # the query's adgroup_id too
         assert torch.equal(out["item_deep"][r, 80:], item[r, 80:])  # price, pid: never cold
@@ -100,7 +100,7 @@ def test_gradients_reach_the_backoff_and_side_features_of_cold_rows_only(
     backoff({"item_deep": item, "query": query, "item_cold": cold})["item_deep"].sum().backward()
     layer = backoff.by_space["item"]
     assert layer.weight.grad is not None and layer.bias.grad is not None
-    assert layer.bias.grad[:16].tolist() == [1.0] * 16 and not layer.bias.grad[16:].any()
+    assert layer.bias.grad[:16].tolist() == [0.25] * 16 and not layer.bias.grad[16:].any()
     assert (layer.weight.grad[16:] == 0).all()  # only adgroup_id's map was used
     assert layer.weight.grad[:16, :16].abs().sum() == 0  # its own (cold) column: no gradient
     assert item.grad is not None and not item.grad[1, :16].any()  # the cold key: none
