@@ -174,6 +174,61 @@ def run_frontend(
     sys.exit(code)
 
 
+def _handler(
+    servicer: PredictionServicer,
+    client: HandoffClient,
+    settings: FrontendSettings,
+    metrics: ServingMetrics,
+    admission: SharedAdmission,
+) -> grpc.GenericRpcHandler:
+    """The frontend's PredictionService: Predict through ``servicer``, metadata from the
+    device process."""
+    limits = settings.limits
+
+    def metadata(
+        request: predict_pb2.ModelMetadataRequest, context: grpc.ServicerContext
+    ) -> predict_pb2.ModelMetadata:
+        remaining = context.time_remaining()
+        timeout = settings.metadata_timeout_s
+        if remaining is not None:
+            timeout = max(min(timeout, remaining), 0.0)
+        return predict_pb2.ModelMetadata.FromString(client.call("metadata", timeout))
+
+    return unary_service(
+        SERVICE_NAME,
+        [
+            Method("Predict", predict_pb2.PredictRequest, servicer.predict, admission),
+            Method("GetModelMetadata", predict_pb2.ModelMetadataRequest, metadata),
+        ],
+        metrics=metrics,
+        status_of=status_of,
+        limits=limits,
+    )
+
+
+def _grpc_server(
+    settings: FrontendSettings, handler: grpc.GenericRpcHandler, checks: health.HealthServicer
+) -> grpc.Server:
+    """The frontend's gRPC server on the shared port (not started): the service, health and
+    reflection."""
+    limits = settings.limits
+    transport = limits.transport_bytes
+    server = grpc.server(
+        futures.ThreadPoolExecutor(
+            max_workers=limits.max_pending + settings.reserve_threads, thread_name_prefix="rpc"
+        ),
+        options=[
+            ("grpc.max_receive_message_length", transport),
+            ("grpc.max_send_message_length", transport),
+            ("grpc.so_reuseport", 1),
+        ],
+    )
+    server.add_generic_rpc_handlers((handler,))
+    add_health(server, checks)
+    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
+    return server
+
+
 def _serve_frontend(
     index: int,
     conn: Connection,
@@ -228,39 +283,8 @@ def _serve_frontend(
         cast(Any, lambda: current[0]), cast(Batcher, client), limits, metrics, admission
     )
 
-    def metadata(
-        request: predict_pb2.ModelMetadataRequest, context: grpc.ServicerContext
-    ) -> predict_pb2.ModelMetadata:
-        remaining = context.time_remaining()
-        timeout = settings.metadata_timeout_s
-        if remaining is not None:
-            timeout = max(min(timeout, remaining), 0.0)
-        return predict_pb2.ModelMetadata.FromString(client.call("metadata", timeout))
-
-    handler = unary_service(
-        SERVICE_NAME,
-        [
-            Method("Predict", predict_pb2.PredictRequest, servicer.predict, admission),
-            Method("GetModelMetadata", predict_pb2.ModelMetadataRequest, metadata),
-        ],
-        metrics=metrics,
-        status_of=status_of,
-        limits=limits,
-    )
-    transport = limits.transport_bytes
-    server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=limits.max_pending + settings.reserve_threads, thread_name_prefix="rpc"
-        ),
-        options=[
-            ("grpc.max_receive_message_length", transport),
-            ("grpc.max_send_message_length", transport),
-            ("grpc.so_reuseport", 1),
-        ],
-    )
-    server.add_generic_rpc_handlers((handler,))
-    add_health(server, checks)
-    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
+    handler = _handler(servicer, client, settings, metrics, admission)
+    server = _grpc_server(settings, handler, checks)
     client.start()
     bind(server, f"{settings.host}:{settings.port}", settings.tls)
     server.start()
