@@ -152,10 +152,7 @@ class DenseArch(nn.Module):
             final,
             tuple(backoff),
         )
-        # with a backoff the tower also reads the user's and candidate's cold flags: a backed-off
-        # embedding is not a learned one, and whether an id is known is itself a signal
-        flags = sum(len(s.features) for s in backoff if s.mask in ("user_cold", "item_cold"))
-        self.tower = MLP(user_deep_dim + item_deep_dim + flags, self.config.tower)
+        self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
         self.din = JaggedDIN(seq_dim, self.config.attn)
         width = self.tower.out_features + self.din.out_features
         self.final = MLP(width, final) if final is not None else nn.Identity()
@@ -251,10 +248,6 @@ class DenseArch(nn.Module):
             dict(user_deep=user_deep, item_deep=item_deep, query=query, seq_values=seq_values),
             dict(user_cold=user_cold, item_cold=item_cold, seq_cold=seq_cold),
         )
-        flags = None
-        if self.backoff is not None and user_cold is not None and item_cold is not None:
-            users = user_cold if user_index is None else user_cold[user_index]  # [B, Ku]
-            flags = torch.cat([users, item_cold], dim=1).to(item_deep.dtype)  # [B, Ku + Ki]
         return self.score(
             embedded["user_deep"],
             embedded["item_deep"],
@@ -264,7 +257,6 @@ class DenseArch(nn.Module):
             user_index,
             pair_segment,
             pair_element,
-            cold_flags=flags,
         )
 
     def back_off(
@@ -298,13 +290,9 @@ class DenseArch(nn.Module):
         user_index: torch.Tensor | None,
         pair_segment: torch.Tensor | None = None,
         pair_element: torch.Tensor | None = None,
-        *,
-        cold_flags: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits [B] of embeddings already backed off (:meth:`back_off`): towers, DIN,
-        final MLP. Same inputs as :meth:`forward` without the cold masks; a model with a
-        backoff takes ``cold_flags`` [B, Ku + Ki] float (the candidate's user_cold and
-        item_cold columns), which its deep tower reads beside the embeddings."""
+        final MLP. Same inputs as :meth:`forward` without the cold masks."""
         if (pair_segment is None) != (pair_element is None):
             raise ValueError(
                 "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
@@ -322,10 +310,6 @@ class DenseArch(nn.Module):
             deep_in = torch.cat([user_deep, item_deep], dim=1)  # [B, Du + Di]
         else:
             deep_in = torch.cat([user_deep[user_index], item_deep], dim=1)  # [B, Du + Di]
-        if (cold_flags is None) != (self.backoff is None):
-            raise ValueError("cold_flags are for (and needed by) a model with a cold-id backoff")
-        if cold_flags is not None:
-            deep_in = torch.cat([deep_in, cold_flags], dim=1)  # [B, Du + Di + Ku + Ki]
         deep = self.tower(deep_in)  # [B, tower_out]
         din = self.din(query, seq_values, seq_lengths, user_index, pairs)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]

@@ -490,8 +490,7 @@ class DenseArchGraphs(JaggedGraphs):
         arch: Any = dense  # a DenseArch (not imported: graphs work on any such module)
 
         def body(rows: Sequence[torch.Tensor], seq: torch.Tensor, lengths: torch.Tensor):
-            flags = rows[3] if len(rows) > 3 else None  # a backoff's cold flags [B + 1, K]
-            return arch.score(rows[0], rows[1], rows[2], seq, lengths, None, cold_flags=flags)
+            return arch.score(rows[0], rows[1], rows[2], seq, lengths, None)  # [B + 1]
 
         super().__init__(dense, body, **kw)
 
@@ -520,11 +519,7 @@ class DenseArchGraphs(JaggedGraphs):
             return eager()  # the module raises its own error
         embedded = dict(user_deep=user_deep, item_deep=item_deep, query=query)
         embedded = cast(Any, self.module).back_off({**embedded, "seq_values": seq_values}, cold)
-        rows: tuple[torch.Tensor, ...] = (embedded["user_deep"], embedded["item_deep"])
-        rows += (embedded["query"],)
-        if cold:  # the tower's cold flags, as DenseArch.forward makes them (user_index None)
-            flags = torch.cat([cold["user_cold"], cold["item_cold"]], dim=1)
-            rows += (flags.to(item_deep.dtype),)
+        rows = (embedded["user_deep"], embedded["item_deep"], embedded["query"])
         return self.run(rows, embedded["seq_values"], seq_lengths, eager)  # [B]
 
 

@@ -365,22 +365,34 @@ def test_din_graphs_emulated() -> None:
 # --------------------------------------------------------------------------- train_step
 
 
-def _tiny_model(tiny: Path, tmp: Path, device: str):
+def _tiny_model(tiny: Path, tmp: Path, device: str, *, backoff: bool = False):
+    from tests.conftest import SEED_CONFIG, write_config
     from tests.train.test_trainer import _options
     from train.trainer import Trainer
 
-    trainer = Trainer(_options(tiny, tmp, max_steps=1, device=device, cuda_graphs=False))
-    return trainer
+    config = SEED_CONFIG
+    if backoff:
+        tmp.mkdir(parents=True, exist_ok=True)
+        on = {"final { hidden_units: [64] }": "final { hidden_units: [64] }\ncold_backoff {}"}
+        config = write_config(
+            SEED_CONFIG, tmp / "cold.config", train=tiny / "train", eval_=tiny / "eval", replace=on
+        )
+    options = _options(tiny, tmp, config, max_steps=1, device=device, cuda_graphs=False)
+    return Trainer(options)
 
 
-def test_train_step_with_emulated_graphs_equals_eager(tiny_samples: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backoff", [False, True], ids=["plain", "backoff"])
+def test_train_step_with_emulated_graphs_equals_eager(
+    tiny_samples: Path, tmp_path: Path, backoff: bool
+) -> None:
     """Whole training steps (lookups, dynamic-table updates in the backward, Adam) with the
-    dense part through the emulated graphs: the same losses and weights as eager."""
+    dense part through the emulated graphs: the same losses and weights as eager, with a
+    cold-id backoff (run eagerly before the graph) too."""
     from train.trainer import train_step
 
     runs = []
     for graphed in (False, True):
-        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cpu")
+        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cpu", backoff=backoff)
         assert trainer.graphs is None  # CPU: the trainer never builds them
         model, opts = trainer.model, trainer.optimizers
         graphs = DenseArchGraphs(model.dense, emulate=True, min_bucket=64) if graphed else None
