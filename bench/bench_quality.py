@@ -54,14 +54,23 @@ EXAMPLE = """examples:
 COMPARED = ("auc", "head_auc", "tail_auc", "logloss", "train_seconds", "samples_per_s")
 
 
-def variant_config(base: Path, variant: str, out_dir: Path) -> Path:
-    """``base`` itself for ``off``; for ``on`` a copy with ``cold_backoff {}`` set, written
-    under ``out_dir`` (the trainer reads a config path)."""
-    if variant == "off":
+def variant_config(base: Path, variant: str, out_dir: Path, *, capacity_scale: float = 1.0) -> Path:
+    """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
+    trainer reads a config path): for ``on`` with ``cold_backoff {}`` set, and with every
+    dynamic table's max_capacity scaled by ``capacity_scale`` (init capacity at most that), so
+    that small data meets the table pressure of the full data's capacities."""
+    if variant == "off" and capacity_scale == 1.0:
         return base
     config = load_config(base)
-    config.model_config.multi_tower_din.cold_backoff.SetInParent()
-    path = out_dir / f"{base.stem}_cold_backoff.config"
+    if variant == "on":
+        config.model_config.multi_tower_din.cold_backoff.SetInParent()
+    for fc in config.feature_configs:
+        if fc.WhichOneof("feature") == "id_feature" and fc.id_feature.HasField("dynamicemb"):
+            dyn = fc.id_feature.dynamicemb
+            dyn.max_capacity = max(1, round(dyn.max_capacity * capacity_scale))
+            if dyn.HasField("init_capacity_per_rank"):
+                dyn.init_capacity_per_rank = min(dyn.init_capacity_per_rank, dyn.max_capacity)
+    path = out_dir / f"{base.stem}_{variant}_x{capacity_scale:g}.config"
     path.write_text(text_format.MessageToString(config))
     return path
 
@@ -237,6 +246,13 @@ def _parser() -> Parser:
     p.add_argument("--eval-max-batches", type=int, default=None,
                    help="evaluate at most N batches (default: the whole eval split)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="the trainer's seed (both variants)")
+    p.add_argument(
+        "--capacity-scale",
+        type=float,
+        default=1.0,
+        help="scale every dynamic table's max_capacity (e.g. 0.025 on small data "
+        "for the table pressure of the seed capacities on full data)",
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -271,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "variants": {},
         }  # fmt: skip
         for name in names:
-            path = variant_config(args.config, name, work)
+            path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale)
             entry = run_variant(path, samples, args, work / f"run_{name}")
             result["variants"][name] = entry
             print(json.dumps({name: {k: v for k, v in entry.items() if k != "backoff_share"}}),

@@ -20,7 +20,7 @@ from torch.export import Dim
 
 from bench.synthetic_bundle import SEED_CONFIG, seed_feature_set, write_synthetic_bundle
 from protos import predict_pb2
-from shared.dense_inputs import INPUT_NAMES, dense_layout
+from shared.dense_inputs import INPUT_NAMES, cold_layout, dense_layout
 from shared.features import FeatureSet, IdTransform, Side, feature_set_from_text
 
 KEYS_PER_TABLE = 64  # ids are drawn below 2x this: about half of the lookups hit
@@ -324,12 +324,17 @@ def export_din_program(
     ``backoff``: "none", or a cold-id backoff (:mod:`train.model.backoff`, bundle format 4)
     with "random" weights or "zero" ones (scores then as without it)."""
     from protos import pipeline_pb2
-    from train.model.backoff import backoff_spaces
+    from train.model.backoff import backoff_sides, backoff_spaces
     from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
 
     torch.manual_seed(seed)
     lay = dense_layout(fs)
-    spaces = () if backoff == "none" else backoff_spaces(fs, pipeline_pb2.ColdBackoff())
+    config = pipeline_pb2.ColdBackoff()  # every dynamic feature backs off: items named
+    cold = cold_layout(fs)
+    for f in (*cold.item, *cold.sequence):
+        spaces_of = backoff_sides(fs, f)
+        config.sources.add(feature_name=f, side_features=spaces_of)
+    spaces = () if backoff == "none" else backoff_spaces(fs, config)
     arch = DenseArch(
         lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim, [32, 16], [16, 8], [8], spaces
     )

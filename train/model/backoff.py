@@ -2,38 +2,53 @@
 side features instead of the table's CONSTANT 0.
 
 A *cold* feature of a row (:func:`shared.dense_inputs.cold_rows`): a dynamic (hash-table)
-feature whose ids all have no row in the table — not admitted yet, evicted or refused in
+feature whose ids all have no row in the table: not admitted yet, evicted or refused in
 training, absent from the bundle when serving. The lookups give it the table's admission or
 eval initializer (zeros; a refused key in training gets its random initial value, which no
 eval lookup sees). With ``model_config.multi_tower_din.cold_backoff`` on, the dense part
-replaces its embedding, wherever it sits in the dense inputs, by::
+replaces the embedding of a feature that backs off, wherever it sits in the dense inputs, by::
 
-    backoff_f = s_f ⊙ tanh(W_f · side_f + b_f)   # side_f: the row's side features, cold ones 0
+    backoff_f = s_f * tanh(W_f · side_f + b_f)   # side_f: the row's side features, cold ones 0
 
 one learned map per feature (``b_f`` alone gives its "unknown" vector when it has no side
 features). The tanh and the learned per-column scale ``s_f`` (initially 1/sqrt(dim), tzrec's
-embedding init bound) keep the backoff on the scale of the embeddings it stands in for: an
-unbounded linear map, zero-initialised and trained by Adam, grows by about lr per weight and
-step, and within an epoch put cold rows' columns an order of magnitude above the warm rows'
-(measured on the H200, full data: overall AUC -0.033, tail -0.011 against no backoff). The side features of a feature are, by default, those of the same row and side
-(:func:`backoff_spaces`): for a USER feature the other USER features of the DEEP group (the
-profile), for an ITEM feature the other ITEM features of the DEEP group (``adgroup_id`` → its
-``cate_id``, ``campaign_id``, ``customer``, ``brand``, ``price``), for a sequence feature the
-other sub-features of the same sequence element; ``cold_backoff { sources { feature_name: ..
-side_features: .. } }`` overrides them per feature. Side features that are themselves cold
-count as zeros, so a refused key's random training value never leaks into a projection.
+embedding init bound) keep the backoff on the scale of the embeddings it stands in for. Side
+features that are themselves cold count as zeros, so a refused key's random training value
+never leaks into a projection.
+
+Which features back off (:func:`backoff_spaces`):
+
+- every dynamic USER feature, from the other USER features of the DEEP group (``user_id`` →
+  the profile);
+- an ITEM or sequence feature only when ``cold_backoff { sources { feature_name: ..
+  side_features: .. } }`` names it. Its side features are those of the same row and side: the
+  other ITEM features of the DEEP group (``adgroup_id`` → ``cate_id``, ``campaign_id``,
+  ``customer``, ``brand``, ``price``), or the other sub-features of the same sequence element.
+  The same ``sources`` entry overrides a user feature's side features.
+
+Why items are opt-in: it was measured on small data with the table capacities scaled to the
+full data's pressure (CPU, ``bench/bench_quality.py``, off: AUC 0.6839).
+
+- Backing off the item ids in the deep tower's input gave AUC 0.652.
+- Backing them off only in the DIN query gave 0.680; the sequence elements, 0.680.
+- The user backoff alone gave 0.6846, 0.6836 and 0.6823 over three seeds, against 0.6839,
+  0.6776 and 0.6810 off.
+
+On full data on the H200, every feature backing off gave AUC 0.674 against 0.707.
 
 Gradients reach ``W``, ``b`` and the side features' embeddings; the cold key gets none (it has
 no row), as without the backoff. Eval mode changes nothing here: the lookups insert nothing.
 
 The backoff is part of :class:`~train.model.dense_arch.DenseArch`, hence of the exported
-program (bundle format 4: the masks are its ``user_cold``, ``item_cold`` and ``seq_cold``
-inputs, which the serving lookups fill on the device). The maps start at zero (``W = 0``,
-``b = 0``, so ``backoff = 0``: the first step scores as without the backoff) and are made without drawing from the
-global generator, so every other seeded initial value is unchanged.
+program. In bundle format 4 the masks are its ``user_cold``, ``item_cold`` and ``seq_cold``
+inputs, one column per dynamic feature whether or not it backs off, which the serving lookups
+fill on the device. The maps start at zero (``W = 0``, ``b = 0``, so ``backoff = 0``: the first
+step scores as without the backoff). They are made without drawing from the global generator,
+so every other seeded initial value is unchanged.
 
 One row space (user rows, candidate rows, sequence elements) is one :class:`SpaceBackoff`:
-one masked ``linear`` for all its cold features, then one ``where`` per input that holds them.
+one masked ``linear`` for the features of it that back off, then one ``where`` per input that
+holds them.
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ from torch import nn
 
 from protos import pipeline_pb2
 from shared.config import ConfigError
-from shared.dense_inputs import COLD_NAMES, cold_layout, dense_layout
+from shared.dense_inputs import COLD_NAMES, DenseLayout, cold_layout, dense_layout
 from shared.features import FeatureSet, Side
 
 FIELD = "model_config.multi_tower_din.cold_backoff"
@@ -66,6 +81,7 @@ class FeatureBackoff:
 
     name: str
     dim: int
+    mask_column: int  # its column in the space's cold mask (shared.dense_inputs.cold_layout)
     sources: tuple[str, ...]  # side features, in the source input's order
     source_columns: tuple[tuple[int, int], ...]  # (start, width) of each in the source input
     columns: tuple[tuple[str, int], ...]  # (input name, start column) of each place it sits
@@ -73,10 +89,12 @@ class FeatureBackoff:
 
 @dataclass(frozen=True)
 class SpaceBackoff:
-    """The cold features of one row space, in the column order of its mask input."""
+    """The features of one row space that back off (of the ``mask_width`` columns of its mask
+    input, one per dynamic feature: :func:`shared.dense_inputs.cold_layout`)."""
 
     space: str  # "user", "item" or "sequence"
     mask: str  # its cold-mask input (shared.dense_inputs.COLD_NAMES)
+    mask_width: int  # its columns, whether or not their features back off
     source: str  # the input holding the side features (user_deep, item_deep, seq_values)
     widths: tuple[tuple[str, int], ...]  # (input name, width) of the source and every target
     features: tuple[FeatureBackoff, ...]
@@ -86,11 +104,13 @@ class SpaceBackoff:
             "space": self.space,
             "mask": self.mask,
             "source": self.source,
+            "mask_width": self.mask_width,
             "widths": [list(w) for w in self.widths],
             "features": [
                 {
                     "name": f.name,
                     "dim": f.dim,
+                    "mask_column": f.mask_column,
                     "sources": list(f.sources),
                     "source_columns": [list(c) for c in f.source_columns],
                     "columns": [list(c) for c in f.columns],
@@ -104,12 +124,14 @@ class SpaceBackoff:
         return cls(
             str(d["space"]),
             str(d["mask"]),
+            int(d["mask_width"]),
             str(d["source"]),
             tuple((str(n), int(w)) for n, w in d["widths"]),
             tuple(
                 FeatureBackoff(
                     str(f["name"]),
                     int(f["dim"]),
+                    int(f["mask_column"]),
                     tuple(f["sources"]),
                     tuple((int(a), int(b)) for a, b in f["source_columns"]),
                     tuple((str(n), int(c)) for n, c in f["columns"]),
@@ -140,30 +162,53 @@ def backoff_spaces(fs: FeatureSet, config: pipeline_pb2.ColdBackoff) -> tuple[Sp
     column = {name: starts(names) for name, names in inputs.items()}
     width = {name: sum(dim(n) for n in names) for name, names in inputs.items()}
     members = {"user": cold.user, "item": cold.item, "sequence": cold.sequence}
-    side_of = {  # the features that may back a feature of each space
-        "user": lay.user_deep,
-        "item": tuple(n for n in lay.item_deep if fs.features[n].side is Side.ITEM),
-        "sequence": lay.sequence,
-    }
+    side_of = _side_features(fs, lay)
     overrides = _overrides(config, members, side_of)
     spaces = []
     for (space, source, targets), mask in zip(SPACES, COLD_NAMES, strict=True):
         feats = []
-        for f in members[space]:
+        for i, f in enumerate(members[space]):
+            if space != "user" and f not in overrides:
+                continue  # item and sequence features back off only when named (module doc)
             sources = overrides.get(f, tuple(n for n in side_of[space] if n != f))
             feats.append(
                 FeatureBackoff(
                     f,
                     dim(f),
+                    i,
                     sources,
                     tuple((column[source][n], dim(n)) for n in sources),
                     tuple((t, column[t][f]) for t in targets if f in column[t]),
                 )
             )
-        if feats:
+        if members[space]:  # its mask is an input of the program, backed off or not
             widths = tuple((t, width[t]) for t in (source, *targets[1:]))
-            spaces.append(SpaceBackoff(space, mask, source, widths, tuple(feats)))
+            spaces.append(
+                SpaceBackoff(space, mask, len(members[space]), source, widths, tuple(feats))
+            )
     return tuple(spaces)
+
+
+def _side_features(fs: FeatureSet, lay: DenseLayout) -> dict[str, tuple[str, ...]]:
+    """Row space → the features that may back a feature of it (the feature itself excluded
+    by the caller)."""
+    return {
+        "user": lay.user_deep,
+        "item": tuple(n for n in lay.item_deep if fs.features[n].side is Side.ITEM),
+        "sequence": lay.sequence,
+    }
+
+
+def backoff_sides(fs: FeatureSet, feature: str) -> tuple[str, ...]:
+    """The side features ``feature`` (a dynamic feature of the dense inputs) may back off to:
+    the derived ones, what a ``sources`` entry naming all of them gives."""
+    lay = dense_layout(fs)
+    cold = cold_layout(fs, lay)
+    members = {"user": cold.user, "item": cold.item, "sequence": cold.sequence}
+    space = next((sp for sp, names in members.items() if feature in names), None)
+    if space is None:
+        raise ValueError(f"{feature!r} is not a dynamic feature of the dense inputs")
+    return tuple(n for n in _side_features(fs, lay)[space] if n != feature)
 
 
 def _overrides(
@@ -212,7 +257,7 @@ class _Space(nn.Module):
         widths = dict(spec.widths)
         source_width = widths[spec.source]
         out = sum(f.dim for f in spec.features)
-        k = len(spec.features)
+        k = spec.mask_width
         # zeros, drawn from no generator (module docstring)
         self.weight = nn.Parameter(torch.zeros(out, source_width))  # [Σdim, W]
         self.bias = nn.Parameter(torch.zeros(out))  # [Σdim]
@@ -222,15 +267,15 @@ class _Space(nn.Module):
         feature_at = {t: torch.full((w,), k, dtype=torch.int64) for t, w in spec.widths}
         output_at = {t: torch.full((w,), out, dtype=torch.int64) for t, w in spec.widths}
         row = 0
-        for i, f in enumerate(spec.features):
+        for f in spec.features:
             for start, w in f.source_columns:
                 allowed[row : row + f.dim, start : start + w] = 1.0
             for t, start in f.columns:
-                feature_at[t][start : start + f.dim] = i
+                feature_at[t][start : start + f.dim] = f.mask_column
                 output_at[t][start : start + f.dim] = torch.arange(row, row + f.dim)
             row += f.dim
         self.register_buffer("allowed", allowed, persistent=False)
-        self.targets = tuple(t for t, _ in spec.widths if (feature_at[t] < k).any())
+        self.targets = tuple(t for t, _ in spec.widths if (output_at[t] < out).any())
         for name, _ in spec.widths:
             self.register_buffer(f"feature_at_{name}", feature_at[name], persistent=False)
             self.register_buffer(f"output_at_{name}", output_at[name], persistent=False)
@@ -261,17 +306,18 @@ class ColdBackoff(nn.Module):
     def __init__(self, spaces: Sequence[SpaceBackoff]) -> None:
         super().__init__()
         self.spaces = tuple(spaces)
-        self.by_space = nn.ModuleDict({s.space: _Space(s) for s in self.spaces})
+        self.by_space = nn.ModuleDict({s.space: _Space(s) for s in self.spaces if s.features})
 
     def forward(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = dict(inputs)
         for spec in self.spaces:
             cold = inputs[spec.mask]
-            features = len(spec.features)
-            if cold.dim() != 2 or cold.shape[1] != features or cold.dtype != torch.bool:
+            width = spec.mask_width
+            if cold.dim() != 2 or cold.shape[1] != width or cold.dtype != torch.bool:
                 raise ValueError(
-                    f"{spec.mask} must be bool [rows, {features}] (one column per feature of "
-                    f"{[f.name for f in spec.features]}), got {cold.dtype} {list(cold.shape)}"
+                    f"{spec.mask} must be bool [rows, {width}] (one column per dynamic feature: "
+                    f"shared.dense_inputs.cold_layout), got {cold.dtype} {list(cold.shape)}"
                 )
-            self.by_space[spec.space](out, cold)
+            if spec.features:
+                self.by_space[spec.space](out, cold)
         return out

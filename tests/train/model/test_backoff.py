@@ -28,8 +28,15 @@ def _spaces(fs: FeatureSet, **sources: list[str]):
     return {s.space: s for s in backoff_spaces(fs, config)}
 
 
-def test_sources_follow_the_feature_sides(seed_fs: FeatureSet) -> None:
+ITEM_SIDES = ["brand", "campaign_id", "customer", "cate_id", "price"]
+SEQ_SIDES = ["click_50_seq__cate_id", "click_50_seq__brand"]
+
+
+def test_user_features_back_off_by_default_items_when_named(seed_fs: FeatureSet) -> None:
     spaces = _spaces(seed_fs)
+    assert [s.mask_width for s in spaces.values()] == [1, 5, 3]  # a column per dynamic feature
+    assert not spaces["item"].features and not spaces["sequence"].features
+    spaces = _spaces(seed_fs, adgroup_id=ITEM_SIDES, click_50_seq__adgroup_id=SEQ_SIDES)
     feats = {f.name: f for s in spaces.values() for f in s.features}
     assert [f.name for f in spaces["user"].features] == ["user_id"]
     assert feats["user_id"].sources == (
@@ -39,17 +46,15 @@ def test_sources_follow_the_feature_sides(seed_fs: FeatureSet) -> None:
     # item side: the other ITEM features of the DEEP group (pid, a CONTEXT feature, is not one)
     assert feats["adgroup_id"].sources == ("brand", "campaign_id", "customer", "cate_id", "price")
     assert feats["adgroup_id"].columns == (("item_deep", 0), ("query", 0))  # both places
-    assert feats["click_50_seq__adgroup_id"].sources == (
-        "click_50_seq__cate_id",
-        "click_50_seq__brand",
-    )
+    assert feats["click_50_seq__adgroup_id"].sources == tuple(SEQ_SIDES)
+    assert [f.mask_column for f in feats.values()] == [0, 0, 0]
     assert [s.mask for s in spaces.values()] == list(COLD_NAMES)
 
 
 def test_sources_can_be_overridden_and_are_checked(seed_fs: FeatureSet) -> None:
     feats = {f.name: f for f in _spaces(seed_fs, adgroup_id=["cate_id", "brand"])["item"].features}
     assert feats["adgroup_id"].sources == ("brand", "cate_id")  # the input's order
-    assert feats["customer"].sources[0] == "adgroup_id"  # the others keep the derived ones
+    assert list(feats) == ["adgroup_id"]  # the other item features stay as they are
     assert _spaces(seed_fs, user_id=[])["user"].features[0].sources == ()  # unknown vector only
     with pytest.raises(ConfigError, match=r"sources\[0\]\.feature_name.*'price' is not a dynamic"):
         _spaces(seed_fs, price=["brand"])
@@ -60,14 +65,15 @@ def test_sources_can_be_overridden_and_are_checked(seed_fs: FeatureSet) -> None:
 
 
 def test_a_cold_row_gets_the_projection_of_its_warm_side_features(seed_fs: FeatureSet) -> None:
-    space = _spaces(seed_fs)["item"]
+    brand_sides = ["adgroup_id", "campaign_id", "customer", "cate_id", "price"]
+    space = _spaces(seed_fs, adgroup_id=ITEM_SIDES, brand=brand_sides)["item"]
     backoff = ColdBackoff([space])
     layer = backoff.by_space["item"]
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
     item, query = torch.randn(3, 112), torch.randn(3, 48)
-    cold = torch.zeros(3, len(space.features), dtype=torch.bool)
+    cold = torch.zeros(3, space.mask_width, dtype=torch.bool)
     cold[1, 0] = True  # row 1: adgroup_id cold
     cold[2, [0, 1]] = True  # row 2: adgroup_id and brand cold
     out = backoff({"item_deep": item, "query": query, "item_cold": cold})
@@ -91,11 +97,11 @@ def test_a_cold_row_gets_the_projection_of_its_warm_side_features(seed_fs: Featu
 def test_gradients_reach_the_backoff_and_side_features_of_cold_rows_only(
     seed_fs: FeatureSet,
 ) -> None:
-    space = _spaces(seed_fs)["item"]
+    space = _spaces(seed_fs, adgroup_id=ITEM_SIDES)["item"]
     backoff = ColdBackoff([space])
     item = torch.randn(2, 112, requires_grad=True)
     query = torch.randn(2, 48)
-    cold = torch.zeros(2, len(space.features), dtype=torch.bool)
+    cold = torch.zeros(2, space.mask_width, dtype=torch.bool)
     cold[1, 0] = True
     backoff({"item_deep": item, "query": query, "item_cold": cold})["item_deep"].sum().backward()
     layer = backoff.by_space["item"]
