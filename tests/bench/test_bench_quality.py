@@ -58,7 +58,7 @@ def test_both_variants(tmp_path: Path) -> None:
     for v in saved["variants"].values():
         _check_variant(v, counted=True)
     off, on = saved["variants"]["off"], saved["variants"]["on"]
-    assert on["config"].endswith("_cold_backoff.config") and off["rows"] == on["rows"]
+    assert on["config"].endswith("_on_x1.config") and off["rows"] == on["rows"]
     # the tables see the same keys in the same order: the same lookups and misses
     assert off["backoff_share"] == on["backoff_share"]
     diff = saved["on_minus_off"]
@@ -97,3 +97,16 @@ def test_goal_and_differences() -> None:
     missing = {"off": off, "on": _v(0.71, 0.73, None)}
     assert goal(missing, "full")["met"] is None and differences(missing)["tail_auc"] is None
     assert goal(met, "small")["applies"] is False and goal(met, "small")["note"]
+
+
+def test_capacity_scale_shrinks_every_dynamic_table(tmp_path: Path) -> None:
+    base = load_config(SEED_CONFIG)
+    scaled = load_config(variant_config(SEED_CONFIG, "off", tmp_path, capacity_scale=0.01))
+    pairs = [
+        (a.id_feature.dynamicemb, b.id_feature.dynamicemb)
+        for a, b in zip(base.feature_configs, scaled.feature_configs, strict=True)
+        if a.WhichOneof("feature") == "id_feature" and a.id_feature.HasField("dynamicemb")
+    ]
+    assert pairs and all(b.max_capacity == round(a.max_capacity * 0.01) for a, b in pairs)
+    assert all(b.init_capacity_per_rank <= b.max_capacity for _, b in pairs)
+    assert not scaled.model_config.multi_tower_din.HasField("cold_backoff")
