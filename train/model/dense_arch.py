@@ -353,7 +353,7 @@ def example_inputs(
         example["pair_segment"] = torch.from_numpy(seg)
         example["pair_element"] = torch.from_numpy(elem)
     if arch.takes_cold:
-        widths = {s.mask: len(s.features) for s in c.backoff}
+        widths = {s.mask: s.mask_width for s in c.backoff}
         generator = torch.Generator().manual_seed(0)  # not the global one: seeded runs stay
         for name, rows in zip(COLD_NAMES, (u, b, t), strict=True):
             mask = torch.rand(rows, widths.get(name, 0), generator=generator) < 0.5
