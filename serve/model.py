@@ -37,6 +37,7 @@ from serve.program_cache import ProgramCache
 from shared.batch import Batch
 from shared.bundle import Bundle, BundleError, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
+from shared.bundle.naming import PAIR_PROGRAM_FORMAT, program_signature
 from shared.dense_inputs import (
     INPUT_NAMES,
     Pairs,
@@ -185,6 +186,19 @@ def load_program(
     return DenseProgram(module, keyword, signature)
 
 
+def check_signature(bundle: Bundle, program: DenseProgram) -> None:
+    """Refuse a bundle of format 3 or 4 whose program does not take the inputs its format
+    number says (formats 1 and 2 predate the number's meaning: their programs are told by their
+    inputs alone)."""
+    version = bundle.format_version
+    want = program_signature(version)
+    if version >= PAIR_PROGRAM_FORMAT and program.signature is not want:
+        raise BundleError(
+            f"{bundle.path}: format_version {version} says the dense program takes "
+            f"{list(want.value)}, but it takes {list(program.input_names)}; re-export the bundle"
+        )
+
+
 def _timed_program(
     path: Path, device: torch.device, cache: ProgramCache | None
 ) -> tuple[DenseProgram, float]:
@@ -278,6 +292,7 @@ class LoadedModel:
             _sync(dev)
             t2 = time.perf_counter()
             program, program_s = pending.result()
+            check_signature(bundle, program)
             t3 = time.perf_counter()
             model = cls(
                 bundle,

@@ -115,3 +115,21 @@ def test_server_answers_like_the_offline_scorer(
     finally:
         srv.stop(grace=0)
     np.testing.assert_allclose(got, flat, rtol=1e-5, atol=1e-6)
+
+
+def test_a_format_number_that_lies_about_the_program_is_refused(
+    cold_bundles: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A format 3 manifest over a program taking the cold masks: refused at load, naming both."""
+    import json
+    import shutil
+
+    from shared.bundle import BundleError
+
+    fake = tmp_path / "fake"
+    shutil.copytree(cold_bundles[0], fake)
+    manifest = json.loads((fake / "manifest.json").read_text())
+    manifest["format_version"] = 3
+    (fake / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="format_version 3 says the dense program takes"):
+        LoadedModel.load(fake, device="cpu", warmup_rounds=0, verify_checksums=False)

@@ -41,11 +41,11 @@ from shared.features import TableSpec
 from shared.hashtable.checkpoint import LoadReport
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.hashing import check_keys, segment_sum_sorted, unique_pairs
-from shared.hashtable.storage import TableState
+from shared.hashtable.storage import COUNTERS, TableState
 from train.distributed.comm import AllToAllRows, CommStats, all_to_all
 from train.distributed.env import DistEnv
 
-_SUMMED = ("size", "capacity", "evictions", "admission_rejections", "refusals", "admitted")
+_SUMMED = ("size", "capacity", *COUNTERS)  # every counter of a storage, lookups included
 
 
 @dataclass

@@ -498,12 +498,15 @@ def test_cuda_din_graphs_equal_eager() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures CUDA graphs")
-def test_cuda_train_step_with_graphs_matches_eager(tiny_samples: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backoff", [False, True], ids=["plain", "backoff"])
+def test_cuda_train_step_with_graphs_matches_eager(
+    tiny_samples: Path, tmp_path: Path, backoff: bool
+) -> None:
     from train.trainer import train_step
 
     runs = []
     for graphed in (False, True):
-        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cuda")
+        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cuda", backoff=backoff)
         model, opts = trainer.model, trainer.optimizers
         graphs = DenseArchGraphs(model.dense, min_bucket=256) if graphed else None
         batches = [b.to("cuda") for b in list(trainer.loader.epoch(0))[:6]]
