@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-KINDS = ("splits", "keys", "rows", "grads")
+KINDS = ("splits", "keys", "rows", "grads", "hits")  # "hits": cold_backoff only
 
 
 class CommStats:

@@ -132,6 +132,14 @@ class ShardedDynamicEmbedding(nn.Module):
 
     def forward(self, keys: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Table name → int64 keys [N] ⇒ table name → float32 rows [N, dim] (collective)."""
+        return self.lookup(keys, hits=False)[0]
+
+    def lookup(
+        self, keys: Mapping[str, torch.Tensor], *, hits: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """:meth:`forward`, and with ``hits`` also table name → [N] bool, whether each key has
+        a row after the step (as :meth:`DynamicEmbeddingCollection.lookup`): the owners' answer,
+        sent back in one more all-to-all (collective either way)."""
         unknown = [n for n in keys if n not in self.local.tables]
         if unknown:
             raise KeyError(f"unknown dynamic tables {unknown}; known: {', '.join(self.names)}")
@@ -151,9 +159,13 @@ class ShardedDynamicEmbedding(nn.Module):
             self.comm.lookups += sum(int(p.index.numel()) for p in plans.values())
             self.comm.unique += sum(int(p.keys.numel()) for p in plans.values())
         splits, asked = self._send_keys(list(plans.values()))
-        found = self._owner_lookup(asked, splits)
+        found, stored = self._owner_lookup(asked, splits, hits=hits)
         back = dict(zip(self.names, self._send_rows(found, splits), strict=True))  # [U, dim]
-        return {n: _ExpandRows.apply(back[n], plans[n]) for n in keys}  # [N, dim]
+        rows = {n: _ExpandRows.apply(back[n], plans[n]) for n in keys}  # [N, dim]
+        if not hits:
+            return rows, {}
+        answers = dict(zip(self.names, self._send_hits(stored, splits), strict=True))  # [U]
+        return rows, {n: answers[n].index_select(0, plans[n].index) for n in keys}  # [N]
 
     def _send_keys(self, plans: list[_TablePlan]) -> tuple[_Splits, list[torch.Tensor]]:
         """Steps 1-2: split sizes, then (key, count) pairs to the owners. Returns the sizes and,
@@ -184,9 +196,11 @@ class ShardedDynamicEmbedding(nn.Module):
         pieces = torch.split(got, splits.recv.flatten().tolist())  # (source, table)
         return splits, [torch.cat(pieces[i::t]) for i in range(t)]
 
-    def _owner_lookup(self, asked: list[torch.Tensor], splits: _Splits) -> list[torch.Tensor]:
+    def _owner_lookup(
+        self, asked: list[torch.Tensor], splits: _Splits, *, hits: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Step 3: per table, the [M_t, dim] rows of the received keys (autograd into the local
-        collection, whose backward applies Adagrad)."""
+        collection, whose backward applies Adagrad), and with ``hits`` their [M_t] hits."""
         train = self.training
         lookup: dict[str, torch.Tensor] = {}
         first: list[torch.Tensor] = []
@@ -197,11 +211,33 @@ class ShardedDynamicEmbedding(nn.Module):
                 first.append(torch.cumsum(a[:, 1], 0) - a[:, 1])
             else:
                 lookup[name] = a[:, 0]
-        rows = self.local(lookup)
-        return [
-            rows[n].index_select(0, first[i]) if train else rows[n]
-            for i, n in enumerate(self.names)
-        ]
+        rows, stored = self.local.lookup(lookup, hits=hits)
+
+        def firsts(per: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+            return [
+                per[n].index_select(0, first[i]) if train else per[n]
+                for i, n in enumerate(self.names)
+            ]
+
+        return firsts(rows), firsts(stored) if hits else []
+
+    def _send_hits(self, stored: list[torch.Tensor], splits: _Splits) -> list[torch.Tensor]:
+        """The owners' hits [M_t] back to the requesters, as :meth:`_send_rows` sends rows
+        (no gradient). Returns per table the [U_t] bool hits of this rank's distinct keys."""
+        w, t = self.world_size, len(self.names)
+        by_source = [torch.split(s, splits.recv[:, i].tolist()) for i, s in enumerate(stored)]
+        flat = torch.cat([by_source[i][s] for s in range(w) for i in range(t)]).to(torch.int64)
+        back = all_to_all(
+            flat,
+            splits.recv.sum(1).tolist(),
+            splits.send.sum(1).tolist(),
+            self.group,
+            self.comm,
+            "hits",
+            self.rank,
+        )  # [Σ_owner Σ_table send]
+        parts = torch.split(back, splits.send.flatten().tolist())  # (owner, table)
+        return [torch.cat(parts[i::t]).to(torch.bool) for i in range(t)]
 
     def _send_rows(self, found: list[torch.Tensor], splits: _Splits) -> list[torch.Tensor]:
         """Step 4: rows back to the requesters in one flat buffer (tables may differ in dim).

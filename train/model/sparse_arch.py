@@ -147,17 +147,8 @@ class SparseArch(nn.Module):
         for i, rows in zip(fixed, found_fixed, strict=True):
             out[i] = rows  # [n_i, dim]
         if dyn_keys:
-            stored: dict[str, torch.Tensor] = {}
-            if not hits:  # forward: also what a sharded collection (train.distributed) has
-                found = self.dynamic(dyn_keys)
-            elif isinstance(self.dynamic, DynamicEmbeddingCollection):
-                found, stored = self.dynamic.lookup(dyn_keys, hits=True)
-            else:
-                raise NotImplementedError(
-                    f"cold_backoff needs the lookups' hits, which {type(self.dynamic).__name__} "
-                    "(sharded training) does not give yet; train on one process or drop "
-                    "model_config.multi_tower_din.cold_backoff"
-                )
+            # a DynamicEmbeddingCollection, or train.distributed's sharded one (same lookup)
+            found, stored = self.dynamic.lookup(dyn_keys, hits=hits)
             for table, rows in found.items():
                 idx = by_table[table]
                 sizes = [int(parts[i][2].numel()) for i in idx]

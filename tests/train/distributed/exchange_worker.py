@@ -109,8 +109,8 @@ def main() -> None:
         }
         ref.set_step(step)
         mine.set_step(step)
-        want = ref({n: torch.cat(ks) for n, ks in batch.items()})
-        got = mine({n: ks[rank] for n, ks in batch.items()})
+        want, want_hits = ref.lookup({n: torch.cat(ks) for n, ks in batch.items()}, hits=True)
+        got, got_hits = mine.lookup({n: ks[rank] for n, ks in batch.items()}, hits=True)
         loss_ref = sum((want[n] * torch.cat(grads[n])).sum() for n in batch)
         loss_mine = sum((got[n] * grads[n][rank]).sum() for n in batch)
         for n, ks in batch.items():
@@ -118,6 +118,8 @@ def main() -> None:
             assert got[n].shape == (len(ks[rank]), dims[n]), n
             part = want[n][start : start + len(ks[rank])]
             torch.testing.assert_close(got[n], part, rtol=1e-5, atol=1e-7, msg=f"{step} {n}")
+            hits = want_hits[n][start : start + len(ks[rank])]  # the owners' answer, per key
+            assert torch.equal(got_hits[n], hits), (step, n)
         loss_ref.backward()
         loss_mine.backward()
         check_owned(ref, mine, rank, world)
