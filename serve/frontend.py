@@ -159,15 +159,17 @@ def run_frontend(
     handoff: HandoffConfig,
     settings: FrontendSettings,
     counts: Any,
+    max_group_rows: int | None = None,
 ) -> None:
-    """A frontend process's main (spawned by :class:`FrontendPool`)."""
+    """A frontend process's main (spawned by :class:`FrontendPool`); ``max_group_rows`` bounds
+    the requests it sends as one group (the batcher's ``max_batch_rows``)."""
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s frontend-{index} %(name)s: %(message)s",
         force=True,
     )
     try:
-        code = _serve_frontend(index, conn, arena_name, handoff, settings, counts)
+        code = _serve_frontend(index, conn, arena_name, handoff, settings, counts, max_group_rows)
     except Exception:
         log.exception("frontend %d failed", index)
         code = 1
@@ -236,6 +238,7 @@ def _serve_frontend(
     handoff: HandoffConfig,
     settings: FrontendSettings,
     counts: Any,
+    max_group_rows: int | None = None,
 ) -> int:
     import torch
 
@@ -248,7 +251,7 @@ def _serve_frontend(
         sys.setswitchinterval(settings.switch_interval_s)
     limits = settings.limits
     arena = SlotArena.attach(arena_name, handoff)
-    client = HandoffClient(conn, arena, name=f"frontend-{index}")
+    client = HandoffClient(conn, arena, name=f"frontend-{index}", max_group_rows=max_group_rows)
     metrics = ServingMetrics(lambda: None)
     admission = SharedAdmission(limits.max_pending, counts, index)
     checks = health.HealthServicer()
@@ -394,7 +397,15 @@ class FrontendPool:
         mine, theirs = _CTX.Pipe(duplex=True)
         process = _CTX.Process(
             target=run_frontend,
-            args=(i, theirs, arena.name, self.handoff, self.settings, self._counts),
+            args=(
+                i,
+                theirs,
+                arena.name,
+                self.handoff,
+                self.settings,
+                self._counts,
+                self._batcher.config.max_batch_rows,
+            ),
             name=f"frontend-{i}",
             daemon=True,
         )

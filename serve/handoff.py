@@ -18,6 +18,14 @@ error at startup, never a SIGBUS under load) and one duplex pipe. A request goes
                                                  ◀─ or ("failed", rid, code, details)
     read the probabilities, free the slot
 
+A "predict" may carry a *group*: while :attr:`HandoffConfig.inflight` groups of a frontend wait
+for their answers, its further requests queue in the frontend, and the next send concatenates
+every queued request of one model version (up to the batcher's ``max_batch_rows`` and one slot)
+into one batch, one message, one submit: the device process pays its per-message cost (receive,
+unpickle, rebuilding the KJTs, submit, the batcher's concat, the answer) once per group, and
+the frontend splits the answer back (see :class:`HandoffClient`). ``rid`` names the group; a
+"cancel" is sent once every request of a group is cancelled.
+
 A slot belongs to the device process from the "predict" message until its answer (every
 request is answered exactly once, also when cancelled or expired), so a frontend never writes
 a slot the device process may still read. A batch larger than a slot, or one sent while every
@@ -34,26 +42,28 @@ nothing (the frontend is gone) and a frontend fails its waiting requests UNAVAIL
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from serve.batcher import Batcher, BatcherClosedError, Predictor
+from serve.batcher import Batcher, BatcherClosedError, Predictor, concat_batches
 from serve.rpc import RpcError
 from shared.batch import Batch
 
@@ -93,8 +103,11 @@ class HandoffConfig:
 
     slots: int = 32
     slot_bytes: int = 1 << 20
+    inflight: int = 2  # groups a frontend has sent and not had answered; past it, it groups
 
     def __post_init__(self) -> None:
+        if self.inflight < 1:
+            raise ValueError(f"handoff inflight must be >= 1, got {self.inflight}")
         if self.slots < 1:
             raise ValueError(f"handoff slots must be >= 1, got {self.slots}")
         if self.slot_bytes < 4096 or self.slot_bytes % ALIGN:
@@ -352,98 +365,268 @@ def internal_error(err: BaseException, where: str) -> tuple[str, str]:
 
 
 class _RemoteFuture(Future[np.ndarray]):
-    """A request's probabilities; cancelling it also asks the device process to drop it."""
+    """A request's probabilities; cancelling it also asks the device process to drop it (its
+    group, once every request of the group is cancelled)."""
 
-    def __init__(self, client: HandoffClient, rid: int) -> None:
+    def __init__(self, client: HandoffClient, batch: Batch, deadline: float | None) -> None:
         super().__init__()
         self._client = client
-        self._rid = rid
+        self.batch: Batch | None = batch  # until sent
+        self.rows = batch.batch_size
+        self.deadline = deadline
+        self.enqueued = time.monotonic()
+        self.group: _Group | None = None
 
     def cancel(self) -> bool:
-        if not self.done():
-            self._client.send(("cancel", self._rid))
-        return super().cancel()
+        done = self.done()
+        cancelled = super().cancel()
+        if not done and cancelled:
+            self._client._cancelled(self)
+        return cancelled
+
+
+@dataclass
+class _Group:
+    """Requests of one model version sent as one batch (one message, one slot)."""
+
+    gid: int
+    slot: int
+    members: list[_RemoteFuture]
 
 
 class HandoffClient(_Endpoint):
     """The frontend's end, and its batcher: :meth:`submit` as :meth:`serve.batcher.Batcher.submit`
-    (``model`` is anything with the ``token`` of the version it was validated against)."""
+    (``model`` is anything with the ``token`` of the version it was validated against).
 
-    def __init__(self, conn: Connection, arena: SlotArena, name: str = "frontend") -> None:
+    Requests are sent at once while fewer than :attr:`HandoffConfig.inflight` groups wait for
+    their answers; past that they queue here, and the next send takes every queued request of
+    the same version (up to ``max_group_rows`` rows and one slot) as one group: one
+    concatenated batch, one message, one submit in the device process, one answer split back.
+    So the device process's cost per request falls as the load rises, and a lone request is
+    never held back. The group runs under the latest deadline of its requests; a request whose
+    deadline has passed when its group is formed fails here as the batcher would fail it.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        arena: SlotArena,
+        name: str = "frontend",
+        *,
+        max_group_rows: int | None = None,
+    ) -> None:
         super().__init__(conn, name)
         self.arena = arena
+        self.max_group_rows = max_group_rows
         self._free = list(range(arena.config.slots - 1, -1, -1))  # LIFO: hot slots reused
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[int, _RemoteFuture]] = {}
+        self._wake = threading.Condition(self._lock)
+        self._pending: dict[int, _Group] = {}  # sent, not answered
+        self._queue: collections.deque[tuple[Any, _RemoteFuture]] = collections.deque()
+        self._sending = False  # a thread is forming and sending groups
         self._rids = itertools.count()
         self.on_message: Callable[[tuple[Any, ...]], None] = lambda msg: None
         self.on_gone: Callable[[], None] = lambda: None
         self.call_handlers: dict[str, Callable[[], Any]] = {}
         self.payload_sends = 0  # batches sent in the pipe (no free slot, or too large)
+        self.groups_sent = 0
+        self.requests_sent = 0
+        self._sender: threading.Thread | None = None
 
     def depth(self) -> int:
         return 0  # the queue is the device process's
 
+    def start(self) -> None:
+        super().start()
+        self._sender = threading.Thread(target=self._send_loop, name=f"{self.name}-sender")
+        self._sender.daemon = True
+        self._sender.start()
+
     def submit(self, model: Any, batch: Batch, *, deadline: float | None = None) -> Future[Any]:
-        rid = next(self._rids)
-        future = _RemoteFuture(self, rid)
+        future = _RemoteFuture(self, batch, deadline)
         with self._lock:
-            slot = self._free.pop() if self._free else -1
+            if self.closed.is_set():
+                raise BatcherClosedError(SHUTTING_DOWN)
+            self._queue.append((model.token, future))
+            if self._sending or len(self._pending) >= self.arena.config.inflight:
+                return future  # the sending thread, or the next answer, takes it
+            self._sending = True
+        self._pump()
+        return future
+
+    def _send_loop(self) -> None:
+        """Sends what queued while the in-flight groups were at their bound."""
+        while not self.closed.is_set():
+            with self._wake:
+                while not self._can_send():
+                    if self.closed.is_set():
+                        return
+                    self._wake.wait(0.5)
+                self._sending = True
+            self._pump()
+
+    def _can_send(self) -> bool:  # under the lock
+        return (
+            not self._sending
+            and bool(self._queue)
+            and len(self._pending) < self.arena.config.inflight
+        )
+
+    def _take(self) -> tuple[Any, list[_RemoteFuture]] | None:
+        """Under the lock: the next group's token and requests (None: nothing to send)."""
+        cfg = self.arena.config
+        queue = self._queue
+        while queue and queue[0][1].done():  # cancelled while queued
+            queue.popleft()
+        if not queue or len(self._pending) >= cfg.inflight:
+            return None
+        token, first = queue.popleft()
+        members = [first]
+        rows = first.rows
+        size = batch_bytes(first.batch) if first.batch is not None else 0
+        limit = self.max_group_rows
+        while queue and size < cfg.slot_bytes:
+            nxt_token, nxt = queue[0]
+            if nxt.done():
+                queue.popleft()
+                continue
+            if nxt_token != token or (limit is not None and rows + nxt.rows > limit):
+                break
+            assert nxt.batch is not None
+            nbytes = batch_bytes(nxt.batch)
+            if size + nbytes > cfg.slot_bytes:
+                break
+            queue.popleft()
+            members.append(nxt)
+            rows += nxt.rows
+            size += nbytes
+        return token, members
+
+    def _pump(self) -> None:
+        """Form and send groups until nothing is queued or the in-flight bound is reached (the
+        calling thread holds the sending role; it gives it back here)."""
+        while True:
+            with self._lock:
+                taken = None if self.closed.is_set() else self._take()
+                if taken is None:
+                    self._sending = False
+                    if self._can_send():
+                        self._wake.notify()
+                    return
+                token, members = taken
+                slot = self._free.pop() if self._free else -1
+                group = _Group(next(self._rids), slot, members)
+                self._pending[group.gid] = group
+            try:
+                self._send_group(token, group)
+            except Exception as err:  # a bug: INTERNAL for the group, the sender goes on
+                code, details = internal_error(err, f"Predict (handoff by {self.name})")
+                self._fail_group(group.gid, RpcError(grpc.StatusCode[code], details))
+
+    def _send_group(self, token: Any, group: _Group) -> None:
+        now = time.monotonic()
+        live: list[_RemoteFuture] = []
+        for f in group.members:
+            if f.deadline is not None and now > f.deadline:
+                with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                    f.set_exception(  # the batcher's answer (serve.servicer.status_of's words)
+                        RpcError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"deadline exceeded: deadline passed after {now - f.enqueued:.4f}s "
+                            "in the queue",
+                        )
+                    )
+            elif not f.done():
+                live.append(f)
+        group.members = live
+        if not live:
+            self._finish(group.gid)
+            return
+        deadline = (
+            None
+            if any(f.deadline is None for f in live)
+            else max(cast(float, f.deadline) for f in live)
+        )
+        parts = [cast(Batch, f.batch) for f in live]
+        for f in live:
+            f.group = group
+            f.batch = None
+        batch = concat_batches(parts)
+        slot = group.slot
         ref = write_batch(batch, self.arena.slot(slot)) if slot >= 0 else None
         payload: bytes | None = None
         if ref is None:  # no free slot, or too large for one: in the message
             if slot >= 0:
-                self._release(slot)
-                slot = -1
+                with self._lock:
+                    self._free.append(slot)
+                group.slot = slot = -1
             buf = np.empty(batch_bytes(batch), dtype=np.uint8)
             ref = write_batch(batch, buf)
             assert ref is not None
             payload = buf.tobytes()
             self.payload_sends += 1
-        with self._lock:
-            self._pending[rid] = (slot, future)
+        self.groups_sent += 1
+        self.requests_sent += len(live)
         if self.closed.is_set() or not self.send(
-            ("predict", rid, model.token, deadline, slot, ref, payload)
+            ("predict", group.gid, token, deadline, slot, ref, payload)
         ):
-            self._finish(rid)
-            raise BatcherClosedError(SHUTTING_DOWN)
-        return future
+            self._fail_group(group.gid, RpcError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN))
+            return
+        if all(f.done() for f in live):  # every one cancelled while it was sent
+            self.send(("cancel", group.gid))
 
-    def _release(self, slot: int) -> None:
-        with self._lock:
-            self._free.append(slot)
+    def _cancelled(self, future: _RemoteFuture) -> None:
+        group = future.group
+        if group is not None and all(f.done() for f in group.members):
+            with self._lock:
+                sent = group.gid in self._pending
+            if sent:
+                self.send(("cancel", group.gid))
 
-    def _finish(self, rid: int) -> _RemoteFuture | None:
+    def _finish(self, gid: int) -> _Group | None:
         with self._lock:
-            entry = self._pending.pop(rid, None)
-        if entry is None:
-            return None
-        slot, future = entry
-        if slot >= 0:
-            self._release(slot)
-        return future
+            group = self._pending.pop(gid, None)
+            if group is None:
+                return None
+            if group.slot >= 0:
+                self._free.append(group.slot)
+            if self._can_send():
+                self._wake.notify()
+        return group
+
+    def _fail_group(self, gid: int, err: BaseException) -> None:
+        group = self._finish(gid)
+        if group is not None:
+            for f in group.members:
+                if not f.done():
+                    with contextlib.suppress(InvalidStateError):
+                        f.set_exception(err)
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "done":
-            _, rid, n, payload = msg
+            _, gid, n, payload = msg
             with self._lock:
-                entry = self._pending.get(rid)
+                entry = self._pending.get(gid)
             if entry is None:
                 return
-            slot = entry[0]
             if payload is None:
-                probs = self.arena.slot(slot)[: 4 * n].view(np.float32).copy()
+                probs = self.arena.slot(entry.slot)[: 4 * n].view(np.float32).copy()
             else:
                 probs = np.frombuffer(payload, dtype=np.float32, count=n)
-            future = self._finish(rid)
-            if future is not None and not future.done():
-                future.set_result(probs)
+            group = self._finish(gid)
+            if group is None:
+                return
+            offset = 0
+            for f in group.members:
+                part = probs[offset : offset + f.rows]
+                offset += f.rows
+                if not f.done():
+                    with contextlib.suppress(InvalidStateError):
+                        f.set_result(part)
         elif kind == "failed":
-            _, rid, code, details = msg
-            future = self._finish(rid)
-            if future is not None and not future.done():
-                future.set_exception(RpcError(grpc.StatusCode[code], details))
+            _, gid, code, details = msg
+            self._fail_group(gid, RpcError(grpc.StatusCode[code], details))
         else:
             self.on_message(msg)
 
@@ -454,12 +637,16 @@ class HandoffClient(_Endpoint):
         return handler()
 
     def on_closed(self) -> None:
-        with self._lock:
-            pending = list(self._pending.values())
+        with self._wake:
+            waiting = [f for g in self._pending.values() for f in g.members]
+            waiting += [f for _, f in self._queue]
             self._pending.clear()
-        for _, future in pending:
+            self._queue.clear()
+            self._wake.notify_all()
+        for future in waiting:
             if not future.done():
-                future.set_exception(RpcError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN))
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(RpcError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN))
         self.on_gone()
 
 

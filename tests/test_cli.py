@@ -199,6 +199,7 @@ BENCH_CLIS = [
     "bench.bench_distributed",
     "bench.bench_fg",
     "bench.bench_gpu_hashtable",
+    "bench.bench_handoff",
     "bench.bench_hashtable",
     "bench.bench_loader",
     "bench.bench_quality",

@@ -4,6 +4,7 @@ batcher and model, no gRPC (tests/serve/test_frontend.py runs it between process
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing as mp
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,7 +76,7 @@ def model(bundle_v1: Path) -> LoadedModel:
 
 @pytest.fixture
 def channel(model: LoadedModel) -> Iterator[tuple[HandoffClient, HandoffServer, Batcher, int]]:
-    config = HandoffConfig(slots=2, slot_bytes=64 << 10)
+    config = HandoffConfig(slots=2, slot_bytes=64 << 10, inflight=8)  # more than slots
     arena = SlotArena.create(config)
     batcher = Batcher(BatcherConfig(max_batch_rows=64, max_wait_us=1000))
     models = ModelRegistry(lambda: model)
@@ -172,3 +173,61 @@ def test_the_registry_holds_only_the_current_model() -> None:
     with pytest.raises(RpcError) as info:
         models.get(new)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_requests_queued_past_the_inflight_bound_go_as_one_group(
+    model: LoadedModel, fs: FeatureSet, requests
+) -> None:
+    """Past HandoffConfig.inflight the client groups what queued: fewer messages, the same
+    answers, each request its own slice; a cancelled queued request is left out."""
+    config = HandoffConfig(slots=4, slot_bytes=256 << 10, inflight=1)
+    arena = SlotArena.create(config)
+    batcher = Batcher(BatcherConfig(max_batch_rows=4096, max_wait_us=1000))
+    models = ModelRegistry(lambda: model)
+    token = models.register(model)
+    mine, theirs = mp.Pipe(duplex=True)
+    server = HandoffServer(mine, arena, batcher, models, status_of, "test")
+    client = HandoffClient(theirs, SlotArena.attach(arena.name, config))
+    server.start()
+    client.start()
+    try:
+        handle = _Model(model, token)
+        batches = [_batch(fs, r) for r in requests]
+        futures = [client.submit(handle, b) for b in batches]
+        dropped = client.submit(handle, batches[0])
+        dropped.cancel()
+        for b, f in zip(batches, futures, strict=True):
+            want = model.predict(b).numpy()
+            np.testing.assert_allclose(f.result(WAIT_S), want, rtol=1e-6, atol=1e-7)
+        assert dropped.cancelled()
+        assert client.requests_sent == len(batches)
+        assert client.groups_sent < len(batches)  # the first went alone, the rest grouped
+    finally:
+        client.close()
+        server.close()
+        batcher.close()
+        arena.close()
+
+
+def test_the_bench_reports_its_fields(tmp_path: Path) -> None:
+    from bench import bench_handoff
+
+    out = tmp_path / "handoff.json"
+    argv = ["--out", str(out), "--frontends", "1", "--concurrency", "2", "--candidates", "20"]
+    argv += ["--duration-s", "0.5", "--warmup-s", "0.3", "--repeats", "2"]
+    assert bench_handoff.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == 0 and report["frontends"] == 1 and len(report["windows"]) == 2
+    for key in (
+        "requests",
+        "requests_per_s",
+        "candidates_per_s",
+        "main_cpu_s",
+        "main_cpu_us_per_request",
+        "main_cpu_busy",
+        "batches",
+        "requests_per_batch",
+    ):
+        assert key in report["median"], key
+    assert report["median"]["requests"] > 0
+    assert report["requests_per_handoff"] >= 1.0
