@@ -171,6 +171,13 @@ def _process_args(g: argparse._ArgumentGroup) -> None:
         help="--frontends: KiB per slot; a larger batch goes through the pipe "
         "(default %(default)s)",
     )
+    g.add_argument(
+        "--handoff-inflight",
+        type=int,
+        default=handoff.inflight,
+        help="--frontends: handoffs a frontend has waiting for answers before it groups the "
+        "requests queued behind them into one (default %(default)s)",
+    )
 
 
 def _tls_args(g: argparse._ArgumentGroup) -> None:
@@ -224,7 +231,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         poll_interval_s=a.poll_interval_s,
         reuse_port=a.reuse_port,
         frontends=a.frontends,
-        handoff=HandoffConfig(a.handoff_slots, a.handoff_slot_kib << 10),
+        handoff=HandoffConfig(a.handoff_slots, a.handoff_slot_kib << 10, a.handoff_inflight),
         switch_interval_s=None if a.switch_interval_ms is None else a.switch_interval_ms / 1e3,
         verify_checksums=not a.no_verify_checksums,
         tls=_tls(a),
