@@ -107,9 +107,9 @@ class FrequencyCounter:
     def remember(self, pending: PendingCounts, n_found: int) -> None:
         """The second half of :meth:`add`: store the totals (``n_found``: ``found``'s count)."""
         hit, new = split_mask(pending.found, n_found)
-        rows, totals = pending.rows, pending.totals
+        hit_rows, totals = pending.rows[hit], pending.totals
         if hit.numel():
-            self.table.set_scores(rows[hit], totals[hit])
+            self.table.set_scores(hit_rows, totals[hit])
         if new.numel():
             tids = pending.table_ids
             self.table.insert_or_assign(
@@ -117,7 +117,7 @@ class FrequencyCounter:
                 torch.zeros(new.numel(), 0, device=self.table.device),
                 totals[new],
                 table_ids=None if tids is None else tids[new],
-                pinned_rows=rows[hit],
+                pinned_rows=hit_rows,
             )
 
     def erase(self, keys: torch.Tensor, table_ids: torch.Tensor | None = None) -> int:

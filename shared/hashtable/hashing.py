@@ -129,11 +129,10 @@ def compact_positions(mask: torch.Tensor, n_true: int) -> torch.Tensor:
     n = mask.numel()
     if n_true == n:
         return torch.arange(n, device=mask.device)
-    slot = torch.cumsum(mask, 0) - 1  # output slot of each true entry
-    slot = torch.where(mask, slot, n_true)  # false entries go to one spare slot
-    out = torch.empty(n_true + 1, dtype=torch.int64, device=mask.device)
-    out.scatter_(0, slot, torch.arange(n, device=mask.device))  # real slots: one writer each
-    return out[:n_true]
+    # the j-th true entry (j = 1..n_true) is where the running count of trues first reaches j:
+    # one cumsum and one searchsorted (the fewest ops; every step is deterministic)
+    seen = torch.cumsum(mask, 0)
+    return torch.searchsorted(seen, torch.arange(1, n_true + 1, device=mask.device))
 
 
 def unique_pairs(
@@ -151,26 +150,31 @@ def unique_pairs(
     same synchronisation, whether any key is negative and raises :class:`NegativeKeyError`.
     """
     n = keys.numel()
-    order = torch.sort(keys, stable=True).indices
+    by_key = torch.sort(keys, stable=True)
+    order = by_key.indices
+    k = by_key.values
     if table_ids is not None:  # ids fit int32 (the tables store them so): half the passes
-        order = order[torch.sort(table_ids[order].to(torch.int32), stable=True).indices]
-    k = keys[order]
-    change = torch.ones(n, dtype=torch.bool, device=keys.device)
-    if n > 1:
-        change[1:] = k[1:] != k[:-1]
-        if table_ids is not None:
-            t = table_ids[order]
-            change[1:] |= t[1:] != t[:-1]
-    group = torch.cumsum(change, 0) - 1
+        by_tid = torch.sort(table_ids[order].to(torch.int32), stable=True)
+        order = order[by_tid.indices]
+        k = keys[order]
+        # change[i]: pair i differs from pair i - 1 (roll wraps around: position 0 set below)
+        change = (k != k.roll(1)) | (by_tid.values != by_tid.values.roll(1))
+    else:
+        change = k != k.roll(1)
+    change[:1].fill_(True)  # the first pair starts a run
+    group = torch.cumsum(change, 0)  # 1-based here, made 0-based once read
     if reject_negative and n:
-        n_unique, negative = torch.stack([group[-1] + 1, (keys < 0).any().long()]).tolist()
-        if negative:
+        # by_key.values[0] is the smallest key: negative if any is
+        n_unique, smallest = torch.stack([group[-1], by_key.values[0]]).tolist()
+        if smallest < 0:
             raise NegativeKeyError("negative key")
     else:
-        n_unique = int(group[-1]) + 1 if n else 0  # the one host sync
-    starts = compact_positions(change, n_unique)
-    ends = torch.cat([starts[1:], starts.new_full((1,), n)])
-    counts = ends - starts
+        n_unique = int(group[-1]) if n else 0  # the one host sync
+    group = group - 1
+    # group is non-decreasing: each unique index's run is one searchsorted range
+    ids = torch.arange(n_unique, device=keys.device)
+    starts = torch.searchsorted(group, ids)
+    counts = torch.searchsorted(group, ids, right=True) - starts
     inverse = torch.empty_like(order)
     inverse[order] = group
     return order, starts, counts, inverse, group
@@ -211,7 +215,8 @@ def split_mask(mask: torch.Tensor, n_true: int | None = None) -> tuple[torch.Ten
     """(positions where ``mask`` is true, positions where it is false), each ascending, with
     one host synchronisation (the number of true entries; none if ``n_true`` is given)
     instead of two ``nonzero`` calls."""
-    order = torch.argsort((~mask).to(torch.uint8), stable=True)
+    # a stable descending sort keeps each side in ascending position order
+    order = torch.sort(mask.to(torch.uint8), descending=True, stable=True).indices
     if n_true is None:
         n_true = int(mask.sum())
     return order[:n_true], order[n_true:]

@@ -48,6 +48,7 @@ COUNTERS = (
 )
 _EVICTIONS, _REJECTIONS, _REFUSALS, _ADMITTED, _LOOKUPS = range(5)
 _EVAL_LOOKUPS = COUNTERS.index("eval_lookups")
+assert _ADMITTED == _REFUSALS + 1  # FusedStorage._account adds to both in one op
 # Why a full bucket refuses a new key, and what to do, by score strategy (refusal warnings)
 _REFUSAL_REASONS: dict[ScoreStrategy | None, str] = {
     ScoreStrategy.NO_EVICTION: "NO_EVICTION never evicts: raise max_capacity, or choose an "
@@ -158,6 +159,9 @@ class FusedStorage:
             )
         self.has_admission = torch.tensor([a is not None for a in adm], device=device)
         self.thresholds = torch.tensor([a.threshold if a else 1 for a in adm], device=device)
+        # one threshold for every table (the common case): compared as a number, no gather
+        thresholds = {a.threshold if a else 1 for a in adm}
+        self._one_threshold = thresholds.pop() if len(thresholds) == 1 else None
 
         def keyed(init: InitializerSpec, table: str) -> KeyedInitializer:
             return KeyedInitializer(init, seed=seed, table=table)
@@ -178,6 +182,7 @@ class FusedStorage:
         self._counts = torch.zeros(len(specs), len(COUNTERS), dtype=torch.int64, device=device)
         self._refusals_logged = [0] * len(specs)  # refusal totals already warned about
         self.mutations = 0  # inserts and loads so far: rows of older plans may have moved
+        self._last_ids: tuple[tuple[tuple[int, int], ...], torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -191,6 +196,18 @@ class FusedStorage:
         """Table ids as passed to the HashTable: None for a single-table storage."""
         return table_ids if len(self.specs) > 1 else None
 
+    def _part_ids(self, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """[N] int64: the table id of each key of ``parts``, concatenated.
+
+        They depend only on the parts' (table id, size), which a training loop repeats step
+        after step: the last ones are kept, so a repeated layout costs no op.
+        """
+        layout = tuple((t, k.numel()) for t, k in parts)
+        if self._last_ids is None or self._last_ids[0] != layout:
+            ids = torch.cat([torch.full_like(k, t) for t, k in parts])
+            self._last_ids = (layout, ids)
+        return self._last_ids[1]
+
     def lookup(
         self, parts: list[tuple[int, torch.Tensor]], *, train: bool, score_now: int
     ) -> LookupPlan:
@@ -202,10 +219,12 @@ class FusedStorage:
         read after the insert (misses to fill, counter keys to erase, the longest run of
         duplicates for backward's segment sum), so that backward needs none.
         """
-        keys = torch.cat([k for _, k in parts])
-        tids = torch.cat([torch.full_like(k, t) for t, k in parts])
-        try:
-            order, starts, counts, inverse, group = unique_pairs(keys, tids, reject_negative=True)
+        keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
+        tids = self._part_ids(parts)
+        try:  # one table: its ids are all equal, the sort by (table id, key) is one by key
+            order, starts, counts, inverse, group = unique_pairs(
+                keys, self._tids(tids), reject_negative=True
+            )
         except NegativeKeyError:
             for t, k in parts:
                 check_keys(k, f"lookup of {self.names[t]!r}")  # raises, naming key and position
@@ -213,13 +232,15 @@ class FusedStorage:
         first = order[starts]
         uk, ut = keys[first], tids[first]
         rows, valid = self.table.find(uk, self._tids(ut), validate=False)  # keys checked above
-        not_admitted = torch.zeros_like(valid)
+        not_admitted: torch.Tensor | None = None
         erase: _PendingErase | None = None
         if train:
             rows, valid, not_admitted, erase = self._train_step(
                 uk, ut, counts, rows, valid, score_now
             )
-        reads = [(~valid).sum(), counts.max() if counts.numel() else counts.new_zeros(())]
+        # rows are -1 where not valid (find's contract, and the insert's for refused keys)
+        invalid = ~valid
+        reads = [invalid.sum(), counts.max() if counts.numel() else counts.new_zeros(())]
         if erase is not None:
             reads.append(erase.mask.sum())
         n_miss, max_count, *n_erase = torch.stack(reads).tolist()  # the one read after insert
@@ -229,15 +250,14 @@ class FusedStorage:
             self.counter.erase(erase.keys[done], self._tids(erase.table_ids[done]))
         out = self.table.values[rows.clamp(min=0)]  # [U, dim]
         if n_miss:  # not stored: admission value (train), fresh init (refused), eval value
-            miss = compact_positions(~valid, n_miss)
-            if train:
-                which = ut[miss] + len(self.specs) * not_admitted[miss].to(torch.int64)
+            miss = compact_positions(invalid, n_miss)
+            if not_admitted is not None:  # train
+                which = (ut + len(self.specs) * not_admitted)[miss]  # index into train_init
                 out[miss] = self._train_rows(uk[miss], which, self.dim)
             else:
                 out[miss] = self._eval_rows(uk[miss], ut[miss], self.dim)
-        rows = torch.where(valid, rows, torch.full_like(rows, -1))
         first_count = _LOOKUPS if train else _EVAL_LOOKUPS  # lookups, then misses beside it
-        looked = torch.stack([counts, counts * (~valid).to(counts.dtype)], 1)  # [U, 2]
+        looked = torch.stack([counts, counts * invalid], 1)  # [U, 2]
         self._counts[:, first_count : first_count + 2].index_add_(0, ut, looked)
         return LookupPlan(
             uk,
@@ -271,60 +291,77 @@ class FusedStorage:
         """
         lfu = self.strategy is ScoreStrategy.LFU
         hit, new = split_mask(found)
+        hit_rows = rows[hit]  # also pinned in the insert: the batch's stored keys stay
         if hit.numel():
-            old = self.table.scores_of(rows[hit])
+            old = self.table.scores_of(hit_rows)
             self.table.set_scores(
-                rows[hit], old + counts[hit] if lfu else torch.full_like(old, score_now)
+                hit_rows, old + counts[hit] if lfu else torch.full_like(old, score_now)
             )
         not_admitted = torch.zeros_like(found)
         if new.numel() == 0:
             return rows, found, not_admitted, None
         nk, nt, totals = uk[new], ut[new], counts[new]
-        admitted = torch.ones_like(nk, dtype=torch.bool)
-        with_adm = self.has_admission[nt]
-        if self.counter is not None and (self.all_admission or bool(with_adm.any())):
-            sel = (
-                torch.arange(new.numel(), device=new.device)
-                if self.all_admission
-                else torch.nonzero(with_adm).squeeze(1)
-            )
-            totals = totals.clone()
-            pending = self.counter.totals(
-                nk[sel], counts[new][sel], self._tids(nt[sel]), validate=False
-            )
-            totals[sel] = pending.totals
-            admitted = totals >= self.thresholds[nt]
-            waiting = (~admitted).to(torch.int64)  # lookups of keys still below threshold
-            self._counts[:, _REJECTIONS].index_add_(0, nt, counts[new] * waiting)
-            n_counted, n_admitted = torch.stack([pending.found.sum(), admitted.sum()]).tolist()
-            self.counter.remember(pending, n_counted)
-        else:
-            n_admitted = new.numel()
-        not_admitted[new] = ~admitted
+        # with_adm: which new keys' tables count admissions (None: every table does)
+        with_adm = None if self.all_admission else self.has_admission[nt]
+        n_admitted = new.numel()
+        if self.counter is not None and (with_adm is None or bool(with_adm.any())):
+            totals, admitted, waiting, n_admitted = self._count(nk, nt, totals, with_adm)
+            not_admitted[new] = waiting
+            if 0 < n_admitted < new.numel():  # the others wait in the counter
+                ins = compact_positions(admitted, n_admitted)
+                new, nk, nt, totals = new[ins], nk[ins], nt[ins], totals[ins]
+                with_adm = None if with_adm is None else with_adm[ins]
         if n_admitted == 0:
             return rows, found, not_admitted, None
-        ins = compact_positions(admitted, n_admitted)
-        ik, it = nk[ins], nt[ins]
-        scores = totals[ins] if lfu else torch.full_like(ik, score_now)
         generation = self.table.generation
         self.mutations += 1
-        result = self.table.insert_or_assign(
-            ik,
-            self._init_rows(ik, it, self.dim),
-            scores,
-            table_ids=self._tids(it),
-            pinned_rows=rows[hit],
+        result = self.table.insert_or_assign(  # new, nk, nt: the admitted keys from here on
+            nk,
+            self._init_rows(nk, nt, self.dim),
+            totals if lfu else torch.full_like(nk, score_now),
+            table_ids=self._tids(nt),
+            pinned_rows=hit_rows,
         )
-        self._account(it, result.inserted, result.evicted_table_ids)
+        self._account(nt, result.inserted, result.evicted_table_ids)
         erase = None
         if self.counter is not None:
-            erase = _PendingErase(ik, it, result.inserted & with_adm[ins])
+            mask = result.inserted if with_adm is None else result.inserted & with_adm
+            erase = _PendingErase(nk, nt, mask)
         if self.table.generation != generation:  # the table grew: every row moved
             rows, found = self.table.find(uk, self._tids(ut), validate=False)
             return rows, found, not_admitted, erase
-        rows = rows.clone()
-        rows[new[ins]] = result.rows
+        rows = rows.index_put((new,), result.rows)  # a new tensor: find's result unchanged
         return rows, rows >= 0, not_admitted, erase
+
+    def _count(
+        self,
+        nk: torch.Tensor,
+        nt: torch.Tensor,
+        counts: torch.Tensor,
+        with_adm: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Count new keys in the admission counter (those of ``with_adm``, all if None).
+
+        Returns ``(totals, admitted, waiting, n_admitted)``: each key's count so far, this
+        batch's included (for tables without admission, the batch's count alone), whether it
+        reaches its threshold, the negation, and the number admitted (read on the host).
+        """
+        assert self.counter is not None
+        if with_adm is None:
+            pending = self.counter.totals(nk, counts, self._tids(nt), validate=False)
+            totals = pending.totals
+        else:
+            sel = torch.nonzero(with_adm).squeeze(1)
+            pending = self.counter.totals(nk[sel], counts[sel], self._tids(nt[sel]), validate=False)
+            totals = counts.index_put((sel,), pending.totals)
+        threshold = self.thresholds[nt] if self._one_threshold is None else self._one_threshold
+        admitted = totals >= threshold
+        waiting = ~admitted
+        # lookups of keys still below threshold
+        self._counts[:, _REJECTIONS].index_add_(0, nt, counts * waiting)
+        n_counted, n_admitted = torch.stack([pending.found.sum(), admitted.sum()]).tolist()
+        self.counter.remember(pending, n_counted)
+        return totals, admitted, waiting, n_admitted
 
     def _account(
         self,
@@ -334,12 +371,13 @@ class FusedStorage:
     ) -> None:
         """Add one insert's evictions, admissions and refusals to the device counters."""
         counts = self._counts
-        counts[:, _EVICTIONS].index_add_(
-            0, evicted_tids.to(torch.int64), torch.ones_like(evicted_tids, dtype=torch.int64)
-        )
+        if evicted_tids.numel():  # (a size known on the host: no sync)
+            counts[:, _EVICTIONS].index_add_(
+                0, evicted_tids.to(torch.int64), torch.ones_like(evicted_tids, dtype=torch.int64)
+            )
         ins = inserted.to(torch.int64)
-        counts[:, _ADMITTED].index_add_(0, tids, ins)
-        counts[:, _REFUSALS].index_add_(0, tids, 1 - ins)
+        # refusals and admitted are adjacent columns: one index_add_ of both
+        counts[:, _REFUSALS : _ADMITTED + 1].index_add_(0, tids, torch.stack([1 - ins, ins], 1))
 
     def _warn_refusals(self, refusals: list[int]) -> None:
         """Warn when a table's refusal total first exceeds 0 and then at each power of two."""

@@ -61,13 +61,28 @@ class TorchRows:
     ) -> torch.Tensor:
         """[n, dim] float32 rows of ``keys`` [n] (a table's initializer must not be None when
         one of its keys is asked for)."""
-        out = torch.empty(keys.numel(), dim, device=self.device)
-        tids = torch.zeros_like(keys) if table_ids is None else table_ids
+        n = keys.numel()
+        if n == 0:
+            return torch.empty(0, dim, device=self.device)
+        if table_ids is None:  # table id 0 only
+            init = self.inits[0]
+            assert init is not None
+            return init(keys, dim).to(self.device)
+        # group the keys by table with one sort and read every group's size in one host sync
+        # (a row is a function of its key alone, so grouping changes no bit)
+        by_tid = torch.sort(table_ids, stable=True)
+        ids = torch.arange(len(self.inits) + 1, dtype=by_tid.values.dtype, device=keys.device)
+        bounds = torch.searchsorted(by_tid.values, ids).tolist()
+        out = torch.empty(n, dim, device=self.device)
         for t, init in enumerate(self.inits):
-            sel = torch.nonzero(tids == t).squeeze(1)
-            if sel.numel():
-                assert init is not None
-                out[sel] = init(keys[sel], dim)
+            lo, hi = bounds[t], bounds[t + 1]
+            if lo == hi:
+                continue
+            assert init is not None
+            if hi - lo == n:  # every key is of this table
+                return init(keys, dim).to(self.device)
+            sel = by_tid.indices[lo:hi]
+            out[sel] = init(keys[sel], dim)
         return out
 
 
