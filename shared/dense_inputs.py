@@ -47,6 +47,7 @@ from typing import cast
 
 import numpy as np
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shared.batch import Batch
 from shared.features import FeatureSet, GroupType, Side
@@ -225,11 +226,21 @@ def feature_parts(batch: Batch) -> list[FeaturePart]:
     """Every feature of ``batch`` with its ids and bag lengths, in KJT order (user, item,
     sequence): what training and serving look up, then pool with :func:`pool_features`."""
     kjts = (("user", batch.user), ("item", batch.item), ("sequence", batch.sequence))
-    return [
-        (which, name, jt.values(), jt.lengths())
-        for which, kjt in kjts
-        for name, jt in kjt.to_dict().items()
-    ]
+    return [part for which, kjt in kjts for part in _kjt_parts(which, kjt)]
+
+
+def _kjt_parts(which: str, kjt: KeyedJaggedTensor) -> list[FeaturePart]:
+    """One KJT's features: two splits (values by the host-known ids per key, lengths by the
+    stride) where ``KJT.to_dict`` costs ~8 torch ops; ``to_dict`` where the ids per key are not
+    known on the host (computing them would sync) or the stride varies per key."""
+    keys, per_key = kjt.keys(), kjt.length_per_key_or_none()
+    if per_key is None or kjt.variable_stride_per_key():
+        return [(which, name, jt.values(), jt.lengths()) for name, jt in kjt.to_dict().items()]
+    if not keys:
+        return []
+    values = torch.split(kjt.values(), per_key)  # [n_k] per key
+    lengths = torch.split(kjt.lengths(), kjt.stride())  # [rows] per key
+    return [(which, *f) for f in zip(keys, values, lengths, strict=True)]
 
 
 def parts_by_table(fs: FeatureSet, parts: Sequence[FeaturePart]) -> dict[str, list[int]]:

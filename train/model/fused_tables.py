@@ -70,37 +70,50 @@ class FusedTables(nn.Module):
             starts.append(starts[-1] + n)
         self.offsets = dict(zip(self.rows, starts, strict=False))
         self.weight = nn.Parameter(torch.empty(starts[-1], self.dim, device=device))
-        self._bounds: dict[tuple[str, ...], torch.Tensor] = {}  # see _assert_in_tables
+        self._bounds: dict[tuple[str, ...], torch.Tensor] = {}  # see _per_id
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Table name → its rows of ``weight`` ([rows, dim] views: writes land in ``weight``)."""
         return {t: self.weight[o : o + self.rows[t]] for t, o in self.offsets.items()}
 
     def forward(self, lookups: Sequence[Lookup]) -> list[torch.Tensor]:
-        """The rows of each lookup ([n_i, dim], in order): one ``index_select`` for all."""
-        fused_ids = []
-        for feature, table, ids in lookups:
-            _check_ids(feature, table, ids, self.rows[table])
-            offset = self.offsets[table]
-            fused_ids.append(ids + offset if offset else ids)  # [n_i] rows of weight
-        flat = torch.cat(fused_ids) if len(fused_ids) > 1 else fused_ids[0]  # [Σ n_i]
-        sizes = [int(i.numel()) for i in fused_ids]
-        if flat.device.type != "cpu" and flat.numel():
-            self._assert_in_tables(flat, [t for _, t, _ in lookups], sizes)
-        rows = self.weight.index_select(0, flat)  # [Σ n_i, dim]; backward: one index_add
-        return list(torch.split(rows, sizes))
+        """The rows of each lookup ([n_i, dim], in order): one ``index_select`` for all.
 
-    def _assert_in_tables(self, flat: torch.Tensor, tables: list[str], sizes: list[int]) -> None:
-        """Device-side check that every fused id lies in its own table's rows (no host sync;
-        see the module docstring)."""
+        The ids of all lookups are concatenated first and shifted to their table's rows in one
+        ``add`` (each id's table offset, repeated per lookup), and checked in one pass (see the
+        module docstring): a constant number of ops, whatever the number of lookups."""
+        ids = [i for _, _, i in lookups]
+        flat = torch.cat(ids) if len(ids) > 1 else ids[0]  # [Σ n_i] ids in their own tables
+        sizes = [int(i.numel()) for i in ids]
+        if flat.numel():
+            offset, rows = self._per_id([t for _, t, _ in lookups], sizes, flat)  # [Σ n_i] each
+            in_table = (flat >= 0) & (flat < rows)  # [Σ n_i] bool
+            if flat.device.type == "cpu":
+                if not bool(in_table.all()):  # on the host: find the lookup, name its feature
+                    for feature, table, i in lookups:
+                        _check_ids(feature, table, i, self.rows[table])
+            else:
+                torch._assert_async(in_table.all())
+            flat = flat + offset  # [Σ n_i] rows of weight
+        rows_out = self.weight.index_select(0, flat)  # [Σ n_i, dim]; backward: one index_add
+        return list(torch.split(rows_out, sizes))
+
+    def _per_id(
+        self, tables: list[str], sizes: list[int], flat: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offset, rows) of each id's table, [Σ n_i] each: the per-lookup values (cached on the
+        device per table layout) repeated by the lookups' sizes (host-known, no sync)."""
         key = tuple(tables)
         bounds = self._bounds.get(key)
-        if bounds is None:  # [L, 2] (first, end) rows of each lookup's table, kept on the device
-            rows = [(self.offsets[t], self.offsets[t] + self.rows[t]) for t in tables]
+        if bounds is None:  # [2, L] (first row, rows) of each lookup's table
+            rows = [[self.offsets[t] for t in tables], [self.rows[t] for t in tables]]
             bounds = self._bounds[key] = torch.tensor(rows, device=flat.device)
-        counts = torch.tensor(sizes).pin_memory().to(flat.device, non_blocking=True)
-        per_id = torch.repeat_interleave(bounds, counts, dim=0, output_size=flat.numel())
-        torch._assert_async(((flat >= per_id[:, 0]) & (flat < per_id[:, 1])).all())
+        counts = torch.tensor(sizes)
+        if flat.device.type != "cpu":
+            counts = counts.pin_memory().to(flat.device, non_blocking=True)
+        per_id = torch.repeat_interleave(bounds, counts, dim=1, output_size=flat.numel())
+        offset, rows_per_id = per_id.unbind(0)
+        return offset, rows_per_id
 
 
 def _check_ids(feature: str, table: str, ids: torch.Tensor, rows: int) -> None:

@@ -10,7 +10,7 @@ of duplicate ids summed before the optimizer step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -138,7 +138,8 @@ class SparseArch(nn.Module):
         fixed: list[int] = []  # positions in parts of the dense tables' lookups
         for table, idx in by_table.items():
             if self.fs.tables[table].is_dynamic:
-                dyn_keys[table] = torch.cat([parts[i][2] for i in idx])
+                keys = [parts[i][2] for i in idx]
+                dyn_keys[table] = torch.cat(keys) if len(keys) > 1 else keys[0]
             else:
                 fixed.extend(idx)
         found_fixed = self.dense(
@@ -151,14 +152,21 @@ class SparseArch(nn.Module):
             found, stored = self.dynamic.lookup(dyn_keys, hits=hits)
             for table, rows in found.items():
                 idx = by_table[table]
-                sizes = [int(parts[i][2].numel()) for i in idx]
-                for i, chunk in zip(idx, torch.split(rows, sizes), strict=True):
+                for i, chunk in zip(idx, _split(rows, parts, idx), strict=True):
                     out[i] = chunk
                 if hits:
-                    for i, chunk in zip(idx, torch.split(stored[table], sizes), strict=True):
+                    for i, chunk in zip(idx, _split(stored[table], parts, idx), strict=True):
                         found_rows[i] = chunk
         assert all(o is not None for o in out)
         return out, found_rows  # type: ignore[return-value]
+
+
+def _split(flat: torch.Tensor, parts: list[FeaturePart], idx: list[int]) -> Sequence[torch.Tensor]:
+    """``flat`` (one table's lookup of the parts ``idx``, concatenated) → one chunk per part
+    (no op for a table of one part)."""
+    if len(idx) == 1:
+        return [flat]
+    return torch.split(flat, [int(parts[i][2].numel()) for i in idx])
 
 
 def _init_tables(tables: DenseTables, seed: int) -> None:
