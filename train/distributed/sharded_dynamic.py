@@ -109,6 +109,22 @@ class _ExpandRows(torch.autograd.Function):
         return summed.index_select(0, p.to_exchange), None
 
 
+def _source_major(per_table: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    """Per table the owner's answers [M_t, ...] (source-rank order, ``counts`` [W, T] of each
+    source and table) → one flat buffer ordered by source, then table: what all-to-all sends."""
+    w, t = counts.shape
+    by_source = [torch.split(x, counts[:, i].tolist()) for i, x in enumerate(per_table)]
+    return torch.cat([by_source[i][s].reshape(-1) for s in range(w) for i in range(t)])
+
+
+def _table_major(back: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor]:
+    """A buffer received from all ranks (rank, then table; ``sizes`` [W, T] rows of each) →
+    per table its rows, in rank order: the owners' answers, or the keys asked of this rank."""
+    t = sizes.shape[1]
+    parts = torch.split(back, sizes.flatten().tolist())  # (owner, table)
+    return [torch.cat(parts[i::t]) for i in range(t)]
+
+
 class ShardedDynamicEmbedding(nn.Module):
     """Dynamic tables sharded ROW_WISE over the ranks of ``env`` (see the module docstring).
 
@@ -193,8 +209,7 @@ class ShardedDynamicEmbedding(nn.Module):
             "keys",
             self.rank,
         )  # [M, 2] source-major, then table
-        pieces = torch.split(got, splits.recv.flatten().tolist())  # (source, table)
-        return splits, [torch.cat(pieces[i::t]) for i in range(t)]
+        return splits, _table_major(got, splits.recv)  # per table, source order
 
     def _owner_lookup(
         self, asked: list[torch.Tensor], splits: _Splits, *, hits: bool
@@ -221,14 +236,27 @@ class ShardedDynamicEmbedding(nn.Module):
 
         return firsts(rows), firsts(stored) if hits else []
 
+    def _send_rows(self, found: list[torch.Tensor], splits: _Splits) -> list[torch.Tensor]:
+        """Step 4: rows back to the requesters in one flat buffer (tables may differ in dim).
+        Returns per table the [U_t, dim] rows of this rank's distinct keys, exchange order."""
+        dims = torch.tensor(self.dims, dtype=torch.int64)
+        back = AllToAllRows.apply(
+            self._anchor,
+            _source_major(found, splits.recv),
+            (splits.recv * dims).sum(1).tolist(),
+            (splits.send * dims).sum(1).tolist(),
+            self.group,
+            self.comm,
+            self.rank,
+        )  # [Σ_owner Σ_table send × dim]
+        per_table = _table_major(back, splits.send * dims)
+        return [rows.view(-1, dim) for rows, dim in zip(per_table, self.dims, strict=True)]
+
     def _send_hits(self, stored: list[torch.Tensor], splits: _Splits) -> list[torch.Tensor]:
         """The owners' hits [M_t] back to the requesters, as :meth:`_send_rows` sends rows
         (no gradient). Returns per table the [U_t] bool hits of this rank's distinct keys."""
-        w, t = self.world_size, len(self.names)
-        by_source = [torch.split(s, splits.recv[:, i].tolist()) for i, s in enumerate(stored)]
-        flat = torch.cat([by_source[i][s] for s in range(w) for i in range(t)]).to(torch.int64)
         back = all_to_all(
-            flat,
+            _source_major(stored, splits.recv).to(torch.int64),
             splits.recv.sum(1).tolist(),
             splits.send.sum(1).tolist(),
             self.group,
@@ -236,27 +264,7 @@ class ShardedDynamicEmbedding(nn.Module):
             "hits",
             self.rank,
         )  # [Σ_owner Σ_table send]
-        parts = torch.split(back, splits.send.flatten().tolist())  # (owner, table)
-        return [torch.cat(parts[i::t]).to(torch.bool) for i in range(t)]
-
-    def _send_rows(self, found: list[torch.Tensor], splits: _Splits) -> list[torch.Tensor]:
-        """Step 4: rows back to the requesters in one flat buffer (tables may differ in dim).
-        Returns per table the [U_t, dim] rows of this rank's distinct keys, exchange order."""
-        w, t = self.world_size, len(self.names)
-        by_source = [torch.split(f, splits.recv[:, i].tolist()) for i, f in enumerate(found)]
-        flat = torch.cat([by_source[i][s].reshape(-1) for s in range(w) for i in range(t)])
-        dims = torch.tensor(self.dims, dtype=torch.int64)
-        back = AllToAllRows.apply(
-            self._anchor,
-            flat,
-            (splits.recv * dims).sum(1).tolist(),
-            (splits.send * dims).sum(1).tolist(),
-            self.group,
-            self.comm,
-            self.rank,
-        )  # [Σ_owner Σ_table send × dim]
-        parts = torch.split(back, (splits.send * dims).flatten().tolist())  # (owner, table)
-        return [torch.cat(parts[i::t]).view(-1, self.dims[i]) for i in range(t)]
+        return [hits.to(torch.bool) for hits in _table_major(back, splits.send)]
 
     # ------------------------------------------------------------------ delegation
 
