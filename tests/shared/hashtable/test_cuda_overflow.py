@@ -23,6 +23,8 @@ from shared.hashtable.hashing import bucket_of, fingerprint
 from shared.hashtable.table import HashTable, InsertResult
 from shared.hashtable.torch_backend import TorchBackend
 
+from .test_cuda_kernels import _assert_scratch_clear
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -58,18 +60,6 @@ def _assert_same_result(got: InsertResult, want: InsertResult) -> None:
         x, y = getattr(got, f), getattr(want, f)
         assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), f
     assert got.num_refused == want.num_refused
-
-
-def _assert_scratch_clear(table: HashTable) -> None:
-    from shared.hashtable.cuda import insert
-
-    sc = insert._scratch.get(table)
-    if sc is None:
-        return
-    assert not sc.dirty
-    assert bool((sc.scount == 0).all()), "scount"
-    assert bool((sc.win == -1).all()), "win"
-    assert bool((sc.stats_of[sc.parity] == 0).all()), "stats"
 
 
 def _new_keys(
