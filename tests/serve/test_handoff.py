@@ -3,6 +3,7 @@ batcher and model, no gRPC (tests/serve/test_frontend.py runs it between process
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing as mp
@@ -74,11 +75,13 @@ def model(bundle_v1: Path) -> LoadedModel:
     return LoadedModel.load(bundle_v1, device="cpu", verify_checksums=False)
 
 
-@pytest.fixture
-def channel(model: LoadedModel) -> Iterator[tuple[HandoffClient, HandoffServer, Batcher, int]]:
-    config = HandoffConfig(slots=2, slot_bytes=64 << 10, inflight=8)  # more than slots
+@contextlib.contextmanager
+def _open_channel(
+    model: LoadedModel, config: HandoffConfig, batching: BatcherConfig
+) -> Iterator[tuple[HandoffClient, HandoffServer, Batcher, int]]:
+    """A client and a server over one real pipe and arena, a real batcher, ``model`` served."""
     arena = SlotArena.create(config)
-    batcher = Batcher(BatcherConfig(max_batch_rows=64, max_wait_us=1000))
+    batcher = Batcher(batching)
     models = ModelRegistry(lambda: model)
     token = models.register(model)
     mine, theirs = mp.Pipe(duplex=True)
@@ -93,6 +96,13 @@ def channel(model: LoadedModel) -> Iterator[tuple[HandoffClient, HandoffServer, 
         server.close()
         batcher.close()
         arena.close()
+
+
+@pytest.fixture
+def channel(model: LoadedModel) -> Iterator[tuple[HandoffClient, HandoffServer, Batcher, int]]:
+    config = HandoffConfig(slots=2, slot_bytes=64 << 10, inflight=8)  # more than slots
+    with _open_channel(model, config, BatcherConfig(max_batch_rows=64, max_wait_us=1000)) as ch:
+        yield ch
 
 
 def test_answers_equal_the_model_through_slots_and_the_pipe(
@@ -181,16 +191,8 @@ def test_requests_queued_past_the_inflight_bound_go_as_one_group(
     """Past HandoffConfig.inflight the client groups what queued: fewer messages, the same
     answers, each request its own slice; a cancelled queued request is left out."""
     config = HandoffConfig(slots=4, slot_bytes=256 << 10, inflight=1)
-    arena = SlotArena.create(config)
-    batcher = Batcher(BatcherConfig(max_batch_rows=4096, max_wait_us=1000))
-    models = ModelRegistry(lambda: model)
-    token = models.register(model)
-    mine, theirs = mp.Pipe(duplex=True)
-    server = HandoffServer(mine, arena, batcher, models, status_of, "test")
-    client = HandoffClient(theirs, SlotArena.attach(arena.name, config))
-    server.start()
-    client.start()
-    try:
+    batching = BatcherConfig(max_batch_rows=4096, max_wait_us=1000)
+    with _open_channel(model, config, batching) as (client, _server, _batcher, token):
         handle = _Model(model, token)
         batches = [_batch(fs, r) for r in requests]
         futures = [client.submit(handle, b) for b in batches]
@@ -202,11 +204,6 @@ def test_requests_queued_past_the_inflight_bound_go_as_one_group(
         assert dropped.cancelled()
         assert client.requests_sent == len(batches)
         assert client.groups_sent < len(batches)  # the first went alone, the rest grouped
-    finally:
-        client.close()
-        server.close()
-        batcher.close()
-        arena.close()
 
 
 def test_the_bench_reports_its_fields(tmp_path: Path) -> None:

@@ -26,19 +26,26 @@ from train.trainer import Trainer, TrainOptions
 @pytest.fixture(scope="module")
 def trained(tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("export")
+    _train(SEED_CONFIG, root / "model", tiny_samples)
+    bundle = export_bundle(SEED_CONFIG, out_dir=root / "bundle", model_dir=root / "model")
+    return root / "model", bundle
+
+
+def _train(config: Path, model_dir: Path, tiny: Path) -> Trainer:
+    """12 steps of 256 rows of ``config`` on the tiny samples, into ``model_dir``."""
     options = TrainOptions(
-        config_path=SEED_CONFIG,
-        model_dir=root / "model",
-        train_path=tiny_samples / "train",
-        eval_path=tiny_samples / "eval",
+        config_path=config,
+        model_dir=model_dir,
+        train_path=tiny / "train",
+        eval_path=tiny / "eval",
         batch_size=256,
         num_workers=0,
         max_steps=12,
         progress_bar=False,
     )
-    Trainer(options).fit()
-    bundle = export_bundle(SEED_CONFIG, out_dir=root / "bundle", model_dir=root / "model")
-    return root / "model", bundle
+    trainer = Trainer(options)
+    trainer.fit()
+    return trainer
 
 
 def _eval_rows(tiny: Path) -> pa.Table:
@@ -143,18 +150,7 @@ def trained_cold(tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory) -
         eval_=tiny_samples / "eval",
         replace={"final { hidden_units: [64] }": "final { hidden_units: [64] }\ncold_backoff {}"},
     )
-    options = TrainOptions(
-        config_path=config,
-        model_dir=root / "model",
-        train_path=tiny_samples / "train",
-        eval_path=tiny_samples / "eval",
-        batch_size=256,
-        num_workers=0,
-        max_steps=12,
-        progress_bar=False,
-    )
-    trainer = Trainer(options)
-    trainer.fit()
+    trainer = _train(config, root / "model", tiny_samples)
     stats = trainer.model.sparse.dynamic.stats()
     assert stats["user_id_emb"]["misses"] > 0, "tiny data must have cold users in training"
     return config, export_bundle(config, out_dir=root / "bundle", model_dir=root / "model")
