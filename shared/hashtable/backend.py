@@ -57,6 +57,13 @@ class Backend(Protocol):
         """:func:`shared.hashtable.hashing.fingerprint` of the keys (the same bits)."""
         ...
 
+    def unique_pairs(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None, *, reject_negative: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`shared.hashtable.hashing.unique_pairs` (the same tensors, values and dtypes;
+        ``NegativeKeyError`` alike): what a storage's lookup deduplicates its keys with."""
+        ...
+
     def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
         """The new-row function of table ids ``0 .. len(inits) - 1`` on ``device`` (make it
         once per list: it may copy parameters to the device)."""

@@ -42,7 +42,7 @@ from shared.features import IdMode, ScoreStrategy, TableSpec
 from shared.hashtable import checkpoint
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.backend import Backend
-from shared.hashtable.hashing import check_keys
+from shared.hashtable.hashing import check_key_tensor, check_keys
 from shared.hashtable.storage import FusedStorage, LookupPlan, TableState, compatibility_key
 
 logger = logging.getLogger(__name__)
@@ -56,12 +56,14 @@ def default_clock() -> int:
 def _checked_keys(
     keys: Mapping[str, torch.Tensor], device: torch.device, *, check_sign: bool
 ) -> dict[str, torch.Tensor]:
-    """Every table's keys on ``device`` as int64; with ``check_sign``, refused if negative,
-    with one host sync for all tables. Without it the storage refuses them in its first host
-    sync (``FusedStorage.lookup``), which is enough when one storage takes every key: no
-    storage has changed anything before the refusal."""
+    """Every table's keys on ``device``, checked 1-D integer tensors in their own dtype (the
+    storage converts them to int64 with its one concatenation, ``FusedStorage.lookup``); with
+    ``check_sign``, refused if negative, with one host sync for all tables. Without it the
+    storage refuses them in its first host sync, which is enough when one storage takes every
+    key: no storage has changed anything before the refusal."""
     out = {
-        n: check_keys(k.to(device), f"lookup of {n!r}", check_sign=False) for n, k in keys.items()
+        n: check_key_tensor(k if k.device == device else k.to(device), f"lookup of {n!r}")
+        for n, k in keys.items()
     }
     negative = [(k < 0).any() for k in out.values() if k.numel()] if check_sign else []
     if negative and bool(torch.stack(negative).any()):

@@ -98,16 +98,22 @@ def bucket_sentinels(num_buckets: int, device: torch.device) -> torch.Tensor:
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
+def check_key_tensor(keys: torch.Tensor, what: str) -> torch.Tensor:
+    """Validate that ``keys`` is a 1-D integer tensor (no op, no host sync); returns it as is,
+    in its own dtype (:func:`check_keys` also converts to int64 and checks the sign)."""
+    if keys.dim() != 1:
+        raise ValueError(f"{what}: keys must be 1-D, got shape {tuple(keys.shape)}")
+    if keys.dtype not in _INT_DTYPES:
+        raise TypeError(f"{what}: keys must be an integer tensor (int64), got {keys.dtype}")
+    return keys
+
+
 def check_keys(keys: torch.Tensor, what: str, *, check_sign: bool = True) -> torch.Tensor:
     """Validate a 1-D tensor of non-negative int64 keys; returns it as int64.
 
     ``check_sign=False`` skips the (host-synchronising) test for negative keys.
     """
-    if keys.dim() != 1:
-        raise ValueError(f"{what}: keys must be 1-D, got shape {tuple(keys.shape)}")
-    if keys.dtype not in _INT_DTYPES:
-        raise TypeError(f"{what}: keys must be an integer tensor (int64), got {keys.dtype}")
-    keys = keys.to(torch.int64)
+    keys = check_key_tensor(keys, what).to(torch.int64)
     if check_sign and keys.numel() and bool((keys < 0).any()):
         bad = int(torch.nonzero(keys < 0)[0, 0])
         raise ValueError(
@@ -161,16 +167,17 @@ def unique_pairs(
         change = (k != k.roll(1)) | (by_tid.values != by_tid.values.roll(1))
     else:
         change = k != k.roll(1)
-    change[:1].fill_(True)  # the first pair starts a run
-    group = torch.cumsum(change, 0)  # 1-based here, made 0-based once read
+    # position 0 starts the first run: not counted, so the cumsum is the 0-based unique index
+    change[:1].fill_(False)
+    group = torch.cumsum(change, 0)
     if reject_negative and n:
         # by_key.values[0] is the smallest key: negative if any is
-        n_unique, smallest = torch.stack([group[-1], by_key.values[0]]).tolist()
+        last, smallest = torch.stack([group[-1], by_key.values[0]]).tolist()
         if smallest < 0:
             raise NegativeKeyError("negative key")
+        n_unique = last + 1
     else:
-        n_unique = int(group[-1]) if n else 0  # the one host sync
-    group = group - 1
+        n_unique = int(group[-1]) + 1 if n else 0  # the one host sync
     # group is non-decreasing: each unique index's run is one searchsorted range
     ids = torch.arange(n_unique, device=keys.device)
     starts = torch.searchsorted(group, ids)

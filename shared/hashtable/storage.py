@@ -26,7 +26,6 @@ from shared.hashtable.hashing import (
     check_keys,
     compact_positions,
     split_mask,
-    unique_pairs,
 )
 from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.table import HashTable
@@ -34,8 +33,10 @@ from shared.hashtable.table import HashTable
 logger = logging.getLogger(__name__)
 
 
-# Cumulative per-table counters, columns of FusedStorage._counts: kept on the device and read
-# only by stats(), so counting costs no host synchronisation. Training lookups, except eval_*.
+# Cumulative per-table counters (what stats() gives, in this order). Training lookups, except
+# eval_*. The lookups are part sizes, known on the host: FusedStorage._lookups adds them there (no
+# op); the others are columns of FusedStorage._counts (_COLUMNS), kept on the device and read only
+# by stats(), so counting costs no host synchronisation.
 COUNTERS = (
     "evictions",  # stored keys removed to make room
     "admission_rejections",  # lookups of keys not yet admitted
@@ -46,9 +47,13 @@ COUNTERS = (
     "eval_lookups",  # the same two in eval mode
     "eval_misses",
 )
-_EVICTIONS, _REJECTIONS, _REFUSALS, _ADMITTED, _LOOKUPS = range(5)
-_EVAL_LOOKUPS = COUNTERS.index("eval_lookups")
-assert _ADMITTED == _REFUSALS + 1  # FusedStorage._account adds to both in one op
+_HOST_COUNTERS = ("lookups", "eval_lookups")  # columns of FusedStorage._lookups
+_COLUMNS = ("evictions", "refusals", "admitted", "admission_rejections", "misses", "eval_misses")
+_EVICTIONS, _REFUSALS, _ADMITTED, _REJECTIONS, _MISSES, _EVAL_MISSES = range(len(_COLUMNS))
+assert set(_COLUMNS) | set(_HOST_COUNTERS) == set(COUNTERS)
+# adjacent columns take one index_add_: refusals and admitted (FusedStorage._account), admission
+# rejections and misses (a training lookup's)
+assert _ADMITTED == _REFUSALS + 1 and _MISSES == _REJECTIONS + 1
 # Why a full bucket refuses a new key, and what to do, by score strategy (refusal warnings)
 _REFUSAL_REASONS: dict[ScoreStrategy | None, str] = {
     ScoreStrategy.NO_EVICTION: "NO_EVICTION never evicts: raise max_capacity, or choose an "
@@ -179,10 +184,15 @@ class FusedStorage:
         self._eval_rows = self.backend.keyed_rows(self.eval_init, device)
         self._train_rows = self.backend.keyed_rows(self.train_init, device)
         self.all_admission = all(a is not None for a in adm)
-        self._counts = torch.zeros(len(specs), len(COUNTERS), dtype=torch.int64, device=device)
+        self._counts = torch.zeros(len(specs), len(_COLUMNS), dtype=torch.int64, device=device)
+        self._lookups = [[0] * len(_HOST_COUNTERS) for _ in specs]  # [table][train, eval]
         self._refusals_logged = [0] * len(specs)  # refusal totals already warned about
         self.mutations = 0  # inserts and loads so far: rows of older plans may have moved
         self._last_ids: tuple[tuple[tuple[int, int], ...], torch.Tensor] | None = None
+        # per table id t: [>= its largest part] int64, all t (what _part_ids slices)
+        self._id_fills = [
+            torch.full((0,), t, dtype=torch.int64, device=device) for t in range(len(specs))
+        ]
 
     def __repr__(self) -> str:
         return (
@@ -199,13 +209,20 @@ class FusedStorage:
     def _part_ids(self, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """[N] int64: the table id of each key of ``parts``, concatenated.
 
-        They depend only on the parts' (table id, size), which a training loop repeats step
-        after step: the last ones are kept, so a repeated layout costs no op.
+        They depend only on the parts' (table id, size): a repeated layout (the last one is
+        kept) costs no op, another one ``torch.cat`` of slices of per-table buffers filled with
+        the table id (one launch, none for one part; a buffer grows to the next power of two
+        of a part larger than it). No host sync, no copy from the host.
         """
         layout = tuple((t, k.numel()) for t, k in parts)
         if self._last_ids is None or self._last_ids[0] != layout:
-            ids = torch.cat([torch.full_like(k, t) for t, k in parts])
-            self._last_ids = (layout, ids)
+            fills = self._id_fills
+            for t, n in layout:
+                if fills[t].numel() < n:
+                    size = 1 << (n - 1).bit_length()
+                    fills[t] = torch.full((size,), t, dtype=torch.int64, device=self.device)
+            views = [fills[t][:n] for t, n in layout]
+            self._last_ids = (layout, views[0] if len(views) == 1 else torch.cat(views))
         return self._last_ids[1]
 
     def lookup(
@@ -219,10 +236,14 @@ class FusedStorage:
         read after the insert (misses to fill, counter keys to erase, the longest run of
         duplicates for backward's segment sum), so that backward needs none.
         """
+        # int64 keys [N]: the parts come checked but in their own integer dtype, converted
+        # here once (no op for int64; cat promotes mixed dtypes)
         keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
+        if keys.dtype != torch.int64:
+            keys = keys.to(torch.int64)
         tids = self._part_ids(parts)
         try:  # one table: its ids are all equal, the sort by (table id, key) is one by key
-            order, starts, counts, inverse, group = unique_pairs(
+            order, starts, counts, inverse, group = self.backend.unique_pairs(
                 keys, self._tids(tids), reject_negative=True
             )
         except NegativeKeyError:
@@ -250,15 +271,9 @@ class FusedStorage:
             self.counter.erase(erase.keys[done], self._tids(erase.table_ids[done]))
         out = self.table.values[rows.clamp(min=0)]  # [U, dim]
         if n_miss:  # not stored: admission value (train), fresh init (refused), eval value
-            miss = compact_positions(invalid, n_miss)
-            if not_admitted is not None:  # train
-                which = (ut + len(self.specs) * not_admitted)[miss]  # index into train_init
-                out[miss] = self._train_rows(uk[miss], which, self.dim)
-            else:
-                out[miss] = self._eval_rows(uk[miss], ut[miss], self.dim)
-        first_count = _LOOKUPS if train else _EVAL_LOOKUPS  # lookups, then misses beside it
-        looked = torch.stack([counts, counts * invalid], 1)  # [U, 2]
-        self._counts[:, first_count : first_count + 2].index_add_(0, ut, looked)
+            self._fill_misses(out, uk, ut, counts, invalid, not_admitted, n_miss)
+        for t, k in parts:
+            self._lookups[t][0 if train else 1] += k.numel()
         return LookupPlan(
             uk,
             ut,
@@ -274,6 +289,29 @@ class FusedStorage:
             updated=uk.numel() - n_miss,
             max_count=max_count,
         )
+
+    def _fill_misses(
+        self,
+        out: torch.Tensor,
+        uk: torch.Tensor,
+        ut: torch.Tensor,
+        counts: torch.Tensor,
+        invalid: torch.Tensor,
+        not_admitted: torch.Tensor | None,
+        n_miss: int,
+    ) -> None:
+        """Rows of the ``n_miss`` distinct keys without one into ``out`` [U, dim], and their
+        lookups to the misses (and in training, those of keys not admitted to the admission
+        rejections: such keys miss too, so a lookup without misses counts nothing here)."""
+        miss = compact_positions(invalid, n_miss)
+        if not_admitted is None:  # eval
+            out[miss] = self._eval_rows(uk[miss], ut[miss], self.dim)
+            self._counts[:, _EVAL_MISSES].index_add_(0, ut, counts * invalid)
+            return
+        which = ut.add(not_admitted, alpha=len(self.specs))[miss]  # index into train_init
+        out[miss] = self._train_rows(uk[miss], which, self.dim)
+        looked = torch.stack([not_admitted, invalid], 1) * counts.unsqueeze(1)  # [U, 2]
+        self._counts[:, _REJECTIONS : _MISSES + 1].index_add_(0, ut, looked)
 
     def _train_step(
         self,
@@ -356,9 +394,7 @@ class FusedStorage:
             totals = counts.index_put((sel,), pending.totals)
         threshold = self.thresholds[nt] if self._one_threshold is None else self._one_threshold
         admitted = totals >= threshold
-        waiting = ~admitted
-        # lookups of keys still below threshold
-        self._counts[:, _REJECTIONS].index_add_(0, nt, counts * waiting)
+        waiting = ~admitted  # their lookups are counted as rejections with the misses
         n_counted, n_admitted = torch.stack([pending.found.sum(), admitted.sum()]).tolist()
         self.counter.remember(pending, n_counted)
         return totals, admitted, waiting, n_admitted
@@ -434,11 +470,13 @@ class FusedStorage:
         sizes = self.table.table_sizes(len(self.specs))
         counts = self._counts.tolist()  # the one host sync of the counters
         self._warn_refusals([row[_REFUSALS] for row in counts])
+        mine = dict(zip(_COLUMNS, counts[tid], strict=True))
+        mine.update(zip(_HOST_COUNTERS, self._lookups[tid], strict=True))
         out = {
             "size": float(sizes[tid]),
             "capacity": float(self.table.capacity),
             "load_factor": self.table.load_factor,
-            **{name: float(counts[tid][i]) for i, name in enumerate(COUNTERS)},
+            **{name: float(mine[name]) for name in COUNTERS},
         }
         if self.counter is not None and bool(self.has_admission[tid]):
             out["counter_size"] = float(self.counter.table.table_sizes(len(self.specs))[tid])

@@ -113,6 +113,12 @@ class TorchBackend:
         """:func:`shared.hashtable.hashing.fingerprint`: what every algorithm here hashes with."""
         return fingerprint(keys, table_ids)
 
+    def unique_pairs(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None, *, reject_negative: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`shared.hashtable.hashing.unique_pairs`."""
+        return unique_pairs(keys, table_ids, reject_negative=reject_negative)
+
     def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
         """The new-row function of table ids ``0 .. len(inits) - 1``, made once per list."""
         return TorchRows(inits, device)

@@ -23,6 +23,8 @@ by data pointer: no copies, no second layout. Nothing here imports the table mod
 - keyed initial rows and fingerprints (``keyed.py``, ``keyed.cu``): the backend's
   ``keyed_rows`` (all member tables of a fused storage in one launch) and ``fingerprint``, bit
   for bit the torch code's float64 and splitmix64 arithmetic.
+- unique of (table id, key) pairs (``unique.py``, ``unique.cu``): the backend's
+  ``unique_pairs``, torch's stable sorts and three kernels, one host read.
 - launches (``runtime.py``): compiled once per device, launched through the driver from
   parameter buffers.
 """

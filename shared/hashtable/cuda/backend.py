@@ -23,6 +23,8 @@ not cover. Those cases are decided here, and nowhere else:
 - ``fingerprint``: ``keyed.cu``'s kernel for int64 keys on CUDA (with table ids of the same
   shape); the inherited algorithms hash with it too (growth, eviction).
 - ``keyed_rows``: ``keyed.cu``'s initializer kernel, all the tables of a list in one launch.
+- ``unique_pairs`` (a storage's deduplication of its lookup): torch's sorts, then ``unique.cu``'s
+  kernels, for 1-D int64 keys on CUDA (at least one) with int64 table ids or none.
 - ``segment_sum_sorted`` and ``adagrad_update`` (training's sparse update): ``sparse_update.cu``
   for float32 tensors on CUDA, one launch per round of the tree and one for Adagrad.
 
@@ -44,7 +46,7 @@ import torch
 from shared.hashtable.cuda import build as cuda_build
 from shared.hashtable.cuda import find as cuda_find
 from shared.hashtable.cuda import insert as cuda_insert
-from shared.hashtable.cuda import keyed, sparse_update
+from shared.hashtable.cuda import keyed, sparse_update, unique
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.hashing import fingerprint
 from shared.hashtable.layout import InsertResult, TableLayout
@@ -89,6 +91,13 @@ class CudaBackend(TorchBackend):
         ):
             return keyed.fingerprint(keys, table_ids)
         return fingerprint(keys, table_ids)
+
+    def unique_pairs(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None, *, reject_negative: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if unique.supports(keys, table_ids):
+            return unique.unique_pairs(keys, table_ids, reject_negative=reject_negative)
+        return super().unique_pairs(keys, table_ids, reject_negative=reject_negative)
 
     def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
         return keyed.KernelRows(inits, device)

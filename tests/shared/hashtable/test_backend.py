@@ -39,6 +39,10 @@ class CountingBackend(TorchBackend):
         self.calls.append("insert")
         return super().insert_or_assign(t, *args, **kwargs)
 
+    def unique_pairs(self, keys, table_ids, *, reject_negative=False):
+        self.calls.append("unique")
+        return super().unique_pairs(keys, table_ids, reject_negative=reject_negative)
+
 
 class CpuRefusing(TorchBackend):
     name = "gpu-only"
@@ -114,6 +118,7 @@ def test_the_collection_passes_its_backend_to_every_storage():
     )
     dec({"a_emb": torch.tensor([1, 2]), "b_emb": torch.tensor([3])})
     assert b.calls.count("find") == 2 and b.calls.count("insert") == 2
+    assert b.calls.count("unique") == 2  # each storage deduplicates its keys through it
     assert repr(dec).count("backend=counting") == 2
     plain = DynamicEmbeddingCollection([dyn_table("a_emb")], {}, lr=0.1)
     assert "backend=torch" in repr(plain)

@@ -18,7 +18,7 @@ import torch
 from shared.features import InitializerSpec, InitMode
 from shared.hashtable import cuda, initializers
 from shared.hashtable.adagrad import AdagradConfig
-from shared.hashtable.cuda import keyed, sparse_update
+from shared.hashtable.cuda import keyed, sparse_update, unique
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.hashing import fingerprint, to_signed
@@ -144,7 +144,7 @@ def _signature(params: list[str]) -> str:
 
 def test_kernel_signatures_match_the_source():
     """The parameter types of every launch (runtime.Kernel: insert, find, build and keyed
-    SIGNATURES) against kernels.cu, keyed.cu and sparse_update.cu."""
+    SIGNATURES) against kernels.cu, keyed.cu, sparse_update.cu and unique.cu."""
     from shared.hashtable.cuda import build, find, insert
 
     main = _kernel_params(rt.SOURCE)
@@ -154,7 +154,7 @@ def test_kernel_signatures_match_the_source():
         assert _signature(main[family]) == sig, family
     for name in ("ht_ins2_stage_w4", "ht_ins2_place0", "ht_ins2_place1", "ht_erase_mark_w0"):
         assert insert._family(name) in insert.SIGNATURES
-    for module in (keyed, sparse_update):
+    for module in (keyed, sparse_update, unique):
         kd = _kernel_params(rt.SOURCE.with_name(module.SOURCE[0]))
         assert set(module.SIGNATURES) <= set(kd)
         for name, sig in module.SIGNATURES.items():
