@@ -7,7 +7,9 @@ samples with the same seed, one epoch each (or ``--max-steps``), with the projec
 
 - ``off``: the seed config as it is (a key without a row gets the table's CONSTANT 0);
 - ``on``: the same config with ``model_config.multi_tower_din.cold_backoff {}`` (such a key's
-  embedding is a learned projection of the row's side features).
+  embedding is a learned projection of the row's side features); with ``--id-dropout P``,
+  ``cold_backoff { id_dropout: P }`` (a share P of the warm lookups of the features that back
+  off treated as cold in training: ``train/model/id_dropout.py``), recorded as ``id_dropout``.
 
 Per variant: overall, head and tail AUC (head/tail: users seen at least / fewer than
 train.evaluate.TAIL_THRESHOLD times in training), logloss, the oracle's AUC, rows, train
@@ -18,6 +20,8 @@ issue #22 on ``full`` data: tail AUC >= 0.632 with overall and head AUC not lowe
 (reported as met or not, never asserted).
 
     python -m bench.bench_quality --size small --out out/bench_quality.json
+    python -m bench.bench_quality --size small --capacity-scale 0.025 --id-dropout 0.2 \\
+        --out /tmp/bench_quality_drop.json
     python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 12 \\
         --out $OUT/bench_quality_full.json
 """
@@ -48,29 +52,43 @@ GOAL_TAIL_AUC = 0.632  # issue #22, full data
 NO_CHECKPOINTS = 10**9  # checkpoint_every: none inside the epoch (the final one is written)
 EXAMPLE = """examples:
   python -m bench.bench_quality --size small --out out/bench_quality.json
+  python -m bench.bench_quality --size small --capacity-scale 0.025 --id-dropout 0.2 \\
+      --out /tmp/bench_quality_drop.json
   python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 12 \\
       --out out/bench_quality_full.json"""
 # the figures compared between the variants (on - off)
 COMPARED = ("auc", "head_auc", "tail_auc", "logloss", "train_seconds", "samples_per_s")
 
 
-def variant_config(base: Path, variant: str, out_dir: Path, *, capacity_scale: float = 1.0) -> Path:
+def variant_config(
+    base: Path,
+    variant: str,
+    out_dir: Path,
+    *,
+    capacity_scale: float = 1.0,
+    id_dropout: float = 0.0,
+) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
-    trainer reads a config path): for ``on`` with ``cold_backoff {}`` set, and with every
-    dynamic table's max_capacity scaled by ``capacity_scale`` (init capacity at most that), so
-    that small data meets the table pressure of the full data's capacities."""
+    trainer reads a config path): for ``on`` with ``cold_backoff {}`` set (``{ id_dropout: P }``
+    for ``id_dropout`` P > 0; ``off`` ignores it), and with every dynamic table's max_capacity
+    scaled by ``capacity_scale`` (init capacity at most that), so that small data meets the
+    table pressure of the full data's capacities."""
     if variant == "off" and capacity_scale == 1.0:
         return base
     config = load_config(base)
+    suffix = ""
     if variant == "on":
         config.model_config.multi_tower_din.cold_backoff.SetInParent()
+        if id_dropout:
+            config.model_config.multi_tower_din.cold_backoff.id_dropout = id_dropout
+            suffix = f"_drop{id_dropout:g}"
     for fc in config.feature_configs:
         if fc.WhichOneof("feature") == "id_feature" and fc.id_feature.HasField("dynamicemb"):
             dyn = fc.id_feature.dynamicemb
             dyn.max_capacity = max(1, round(dyn.max_capacity * capacity_scale))
             if dyn.HasField("init_capacity_per_rank"):
                 dyn.init_capacity_per_rank = min(dyn.init_capacity_per_rank, dyn.max_capacity)
-    path = out_dir / f"{base.stem}_{variant}_x{capacity_scale:g}.config"
+    path = out_dir / f"{base.stem}_{variant}{suffix}_x{capacity_scale:g}.config"
     path.write_text(text_format.MessageToString(config))
     return path
 
@@ -219,6 +237,8 @@ def summary(result: dict[str, Any]) -> str:
             f"{'on-off':6} {_fmt(d['auc'], '+.4f'):>7} {_fmt(d['head_auc'], '+.4f'):>7} "
             f"{_fmt(d['tail_auc'], '+.4f'):>7} {_fmt(d['logloss'], '+.4f'):>8}"
         )
+    if result.get("id_dropout"):
+        lines.append(f"on: cold_backoff {{ id_dropout: {result['id_dropout']:g} }}")
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
     lines.append(f"goal (issue #22, tail >= {GOAL_TAIL_AUC}, auc and head >= off): {met}"
@@ -253,6 +273,9 @@ def _parser() -> Parser:
         help="scale every dynamic table's max_capacity (e.g. 0.025 on small data "
         "for the table pressure of the seed capacities on full data)",
     )
+    p.add_argument("--id-dropout", type=float, default=0.0, metavar="P",
+                   help="the on variant's cold_backoff.id_dropout: treat a share P (0 <= P < 1) "
+                   "of the warm lookups of the features that back off as cold in training")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -269,6 +292,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     check_device(args.device)
     names = _variants(args.variants)
+    if not 0.0 <= args.id_dropout < 1.0:
+        raise ValueError(f"--id-dropout {args.id_dropout}: give a probability in [0, 1)")
+    if args.id_dropout and "on" not in names:
+        raise ValueError(f"--id-dropout applies to the on variant: add it to --variants {names}")
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         work = Path(tmp)
         samples = args.samples if args.samples is not None else generate(args.size, work / "data")
@@ -284,11 +311,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = {
             "device": str(args.device), "torch": torch.__version__, "data": info,
             "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seed": args.seed,
-            "variants": {},
+            "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout, "variants": {},
         }  # fmt: skip
         for name in names:
-            path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale)
+            path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
+                                  id_dropout=args.id_dropout)  # fmt: skip
             entry = run_variant(path, samples, args, work / f"run_{name}")
+            entry["id_dropout"] = args.id_dropout if name == "on" else None
             result["variants"][name] = entry
             print(json.dumps({name: {k: v for k, v in entry.items() if k != "backoff_share"}}),
                   flush=True)  # fmt: skip

@@ -49,6 +49,21 @@ def test_off_variant(tiny_samples: Path, tmp_path: Path) -> None:
     assert result["goal"]["met"] is None  # no on variant
 
 
+def test_id_dropout_option(tiny_samples: Path, tmp_path: Path) -> None:
+    """--id-dropout P: the on variant trains with cold_backoff { id_dropout: P }, recorded."""
+    out = tmp_path / "q.json"
+    args = ["--samples", str(tiny_samples), *FAST, "--out", str(out)]
+    result = main(["--variants", "on", "--id-dropout", "0.3", *args])
+    on = result["variants"]["on"]
+    assert result["id_dropout"] == 0.3 and on["id_dropout"] == 0.3
+    assert on["config"].endswith("_on_drop0.3_x1.config")
+    _check_variant(on, counted=True)
+    with pytest.raises(ValueError, match="applies to the on variant"):
+        main(["--variants", "off", "--id-dropout", "0.3", *args])
+    with pytest.raises(ValueError, match=r"--id-dropout 1.0: give a probability in \[0, 1\)"):
+        main(["--variants", "on", "--id-dropout", "1", *args])
+
+
 def test_both_variants(tmp_path: Path) -> None:
     """The finished behaviour (issue #22): the on variant trains with the backoff."""
     out = tmp_path / "q.json"
@@ -78,6 +93,10 @@ def test_variant_config(tmp_path: Path) -> None:
     assert on.model_config.multi_tower_din.HasField("cold_backoff")
     on.model_config.multi_tower_din.ClearField("cold_backoff")
     assert on == load_config(SEED_CONFIG)  # nothing else changed
+    path = variant_config(SEED_CONFIG, "on", tmp_path, id_dropout=0.25)
+    assert path.name.endswith("_on_drop0.25_x1.config")
+    assert load_config(path).model_config.multi_tower_din.cold_backoff.id_dropout == 0.25
+    assert variant_config(SEED_CONFIG, "off", tmp_path, id_dropout=0.25) == SEED_CONFIG
 
 
 def _v(auc: float, head: float | None, tail: float | None) -> dict[str, Any]:

@@ -139,16 +139,21 @@ def test_tzrec_named_bundle_serves_and_scores_like_ours(
         )
 
 
-@pytest.fixture(scope="module")
-def trained_cold(tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The seed config with the cold-id backoff on, trained and exported (bundle format 4)."""
+@pytest.fixture(scope="module", params=["", "id_dropout: 0.4"], ids=["backoff", "id_dropout"])
+def trained_cold(
+    request: pytest.FixtureRequest, tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """The seed config with the cold-id backoff on (and, for ``id_dropout``, 0.4 of the warm
+    user ids treated as cold in training: train.model.id_dropout), trained and exported
+    (bundle format 4, the same either way: the program never drops)."""
     root = tmp_path_factory.mktemp("export_cold")
+    backoff = f"cold_backoff {{ {request.param} }}"
     config = write_config(
         SEED_CONFIG,
         root / "cold.config",
         train=tiny_samples / "train",
         eval_=tiny_samples / "eval",
-        replace={"final { hidden_units: [64] }": "final { hidden_units: [64] }\ncold_backoff {}"},
+        replace={"final { hidden_units: [64] }": f"final {{ hidden_units: [64] }}\n{backoff}"},
     )
     trainer = _train(config, root / "model", tiny_samples)
     stats = trainer.model.sparse.dynamic.stats()
@@ -166,6 +171,7 @@ def test_exported_backoff_scores_as_trained(
     rows = _eval_rows(tiny_samples)
     model, _progress, _ckpt = restore_model(config, model_dir=bundle.parent / "model")
     assert model.dense.backoff is not None
+    assert (model.sparse.id_dropout is not None) == ("id_dropout" in config.read_text())
     assert any(p.abs().sum() > 0 for p in model.dense.backoff.parameters())
     with torch.no_grad():
         expected = torch.sigmoid(model(table_to_batch(model.fs, rows))).numpy()

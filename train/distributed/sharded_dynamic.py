@@ -284,6 +284,11 @@ class ShardedDynamicEmbedding(nn.Module):
     def set_step(self, step: int) -> None:
         self.local.set_step(step)
 
+    @property
+    def step(self) -> int:
+        """The local collection's STEP score of this step (what id dropout hashes)."""
+        return self.local.step
+
     def stats(self) -> dict[str, dict[str, float]]:
         """This rank's shard (see :meth:`global_stats` for the whole table)."""
         return self.local.stats()

@@ -38,6 +38,10 @@ On full data on the H200, every feature backing off gave AUC 0.674 against 0.707
 
 Gradients reach ``W``, ``b`` and the side features' embeddings; the cold key gets none (it has
 no row), as without the backoff. Eval mode changes nothing here: the lookups insert nothing.
+``cold_backoff { id_dropout: p }`` also treats a share p of the warm keys of the features that
+back off as cold in training, so that the maps learn on warm ids too
+(:mod:`train.model.id_dropout`, applied to the hit flags by the sparse arch; this module only
+sees the masks).
 
 The backoff is part of :class:`~train.model.dense_arch.DenseArch`, hence of the exported
 program. In bundle format 4 the masks are its ``user_cold``, ``item_cold`` and ``seq_cold``

@@ -10,6 +10,7 @@ from shared.batch import Batch
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import FeatureSet
 from train.model.dense_arch import DenseArch
+from train.model.id_dropout import IdDropout
 from train.model.sparse_arch import Embedded, SparseArch
 
 
@@ -30,6 +31,8 @@ class MultiTowerDIN(nn.Module):
         super().__init__()
         self.fs = fs
         torch.manual_seed(seed)
+        mtd = model_config.multi_tower_din
+        backoff = mtd.cold_backoff if mtd.HasField("cold_backoff") else None
         self.sparse = SparseArch(
             fs,
             sparse_lr=sparse_lr,
@@ -37,6 +40,7 @@ class MultiTowerDIN(nn.Module):
             initial_accumulator_value=initial_accumulator_value,
             device=device,
             seed=seed,
+            id_dropout=None if backoff is None else IdDropout.from_config(fs, backoff, seed=seed),
         )
         self.dense = DenseArch.from_config(fs, model_config).to(device)
 

@@ -27,6 +27,7 @@ from shared.dense_inputs import (
 from shared.features import FeatureSet
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from train.model.fused_tables import DenseTables
+from train.model.id_dropout import IdDropout
 
 # Tables up to this many elements get dense gradients; larger ones row-sparse gradients.
 DENSE_GRAD_MAX_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
@@ -61,7 +62,9 @@ class SparseArch(nn.Module):
     an empty bag gives zeros; rows = U for user-side features, B for item/context ones),
     ``sequences[name]`` is [T, dim], jagged with the batch's sequence lengths, and with
     ``cold=True`` ``cold[name]`` says, for every dynamic feature, which rows (elements) have no
-    row in its table (:func:`~shared.dense_inputs.cold_rows`).
+    row in its table (:func:`~shared.dense_inputs.cold_rows`). With ``id_dropout``, in training
+    mode, some of those flags (and rows) are of warm keys treated as cold
+    (:mod:`train.model.id_dropout`; the only place it is applied).
     """
 
     def __init__(
@@ -73,9 +76,11 @@ class SparseArch(nn.Module):
         initial_accumulator_value: float = 0.0,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        id_dropout: IdDropout | None = None,
     ) -> None:
         super().__init__()
         self.fs = fs
+        self.id_dropout = id_dropout
         dense = fs.dense_tables
         users: dict[str, list[str]] = {t.name: [] for t in dense}
         for f in fs.features.values():
@@ -117,6 +122,9 @@ class SparseArch(nn.Module):
         # 1. every (feature, ids) of the batch, looked up once per table
         parts = feature_parts(batch)
         rows, hits = self._lookup(parts, hits=cold)
+        if cold and self.training and self.id_dropout is not None:
+            # after the lookup: its step is this step's (DynamicEmbeddingCollection.step)
+            rows, hits = self.id_dropout.apply(self.fs, parts, rows, hits, self.dynamic.step)
         # 2. pool scalar features per bag, keep sequences jagged
         pooled, sequences = pool_features(self.fs, parts, rows)
         flags = {
