@@ -12,6 +12,13 @@ device process's CPU seconds per request (``time.process_time``: every thread of
 readers, the batcher, the answers); the report gives each window and their medians::
 
     python -m bench.bench_handoff --frontends 2 --duration-s 3 --out results/handoff.json
+
+``--predictor fill`` also does a CUDA-graph batch's host work in the device process, on the CPU:
+the stand-in predictor holds :class:`~serve.graphs.CudaGraphs` with the buckets of
+``--max-batch-rows`` (host buffers only, nothing captured) and pads each batch into the
+smallest that fits (pairs, bucket choice, :meth:`~serve.graphs.BucketGraph.fill`, the padding's
+statistics), then answers zeros: all of the serving path's main-process CPU but the replay and
+the wait for the scores.
 """
 
 from __future__ import annotations
@@ -59,6 +66,13 @@ def _parser() -> Parser:
     p.add_argument("--slots", type=int, default=32, help="handoff slots per frontend")
     p.add_argument("--slot-kib", type=int, default=1024, help="handoff slot size in KiB")
     p.add_argument(
+        "--predictor",
+        choices=("zero", "fill"),
+        default="zero",
+        help="zero: answers at once; fill: pads each batch into a CUDA graph bucket's host "
+        "slots first (on the CPU), as the GPU server does before a replay",
+    )
+    p.add_argument(
         "--inflight",
         type=int,
         default=2,
@@ -77,6 +91,47 @@ class _ZeroModel:
         self.bundle = type("Bundle", (), {"config_digest": "0" * 64})()
 
     def predict(self, batch: Any) -> torch.Tensor:
+        return torch.zeros(batch.batch_size)
+
+
+class _FillModel(_ZeroModel):
+    """Zeros after the host side of a CUDA graph replay (see the module docstring)."""
+
+    takes_host_batches = True  # serve.batcher: handed-off batches as HostBatches
+
+    def __init__(self, max_rows: int) -> None:
+        from types import SimpleNamespace
+
+        from bench.synthetic_bundle import seed_feature_set
+        from serve.graphs import BucketGraph, CudaGraphs, default_buckets
+        from serve.model import synthetic_batch
+        from shared.dense_inputs import dense_layout
+
+        super().__init__()
+        fs = seed_feature_set()
+        tables = SimpleNamespace(layout=dense_layout(fs), discount_padding=lambda padding: None)
+        self.device = torch.device("cpu")
+        self.fs, self.tables, self.program = fs, tables, object()
+        probe = synthetic_batch(fs, 1, 1, (0,))
+        keys = [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)]
+        self.graphs = CudaGraphs(self, keys)  # type: ignore[arg-type]
+        buckets = sorted(default_buckets(max_rows))
+        self.graphs.graphs = [BucketGraph(self, b, keys) for b in buckets]  # type: ignore[arg-type]
+        self.filled = 0
+
+    def predict(self, batch: Any) -> torch.Tensor:
+        graphs = self.graphs
+        if hasattr(graphs, "prepare"):
+            graph = graphs.prepare(batch)
+        else:  # the code before CudaGraphs.prepare: the same steps
+            from shared.dense_inputs import batch_pairs
+
+            assert graphs._refusal(batch) is None
+            seg, elem = batch_pairs(batch, self.tables.layout)
+            graph = graphs._fit(batch, seg.shape[0])
+            if graph is not None:
+                graph.fill(batch, seg, elem)
+        self.filled += graph is not None
         return torch.zeros(batch.batch_size)
 
 
@@ -164,7 +219,7 @@ def measure(a: Any) -> dict[str, Any]:
     grouping = "inflight" in HandoffConfig.__dataclass_fields__  # False: the code before it
     inflight = {"inflight": a.inflight or 1 << 30} if grouping else {}
     config = HandoffConfig(a.slots, a.slot_kib << 10, **inflight)
-    model = _ZeroModel()
+    model = _FillModel(a.max_batch_rows) if a.predictor == "fill" else _ZeroModel()
     models = ModelRegistry(lambda: model)
     token = models.register(model)
     batches = [0, 0]  # batches, requests in them
@@ -259,6 +314,8 @@ def measure(a: Any) -> dict[str, Any]:
         "handoff_slot_kib": a.slot_kib,
         "grouping": grouping and a.inflight > 0,
         "inflight": a.inflight if grouping else None,
+        "predictor": a.predictor,
+        "batches_filled": getattr(model, "filled", None),
         "requests_per_handoff": grouped / groups if groups else 1.0,
         "errors": errors,
         "median": {k: statistics.median(w[k] for w in windows) for k in keys},

@@ -25,12 +25,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from serve.host_batch import HostBatch
 from shared.batch import Batch
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class Predictor(Protocol):
 
     A predictor whose ``reports_timings`` attribute is true is called as
     ``predict(batch, timings=dict)`` and fills in per-stage seconds (:attr:`BatchStats.stages`).
+    One whose ``takes_host_batches`` attribute is true is also given
+    :class:`~serve.host_batch.HostBatch` es (requests handed off by frontends, merged without
+    building KJTs: :func:`merge_batches`); the others always get a :class:`Batch`.
     """
 
     def predict(self, batch: Batch) -> torch.Tensor: ...  # [B] probabilities
@@ -69,7 +73,7 @@ class BatcherConfig:
 @dataclass
 class _Pending:
     model: Predictor
-    batch: Batch
+    batch: Batch | HostBatch
     deadline: float | None  # time.monotonic() seconds
     enqueued: float
     future: Future[np.ndarray] = field(default_factory=Future)
@@ -112,7 +116,7 @@ class Batcher:
         return len(self._queue)
 
     def submit(
-        self, model: Predictor, batch: Batch, *, deadline: float | None = None
+        self, model: Predictor, batch: Batch | HostBatch, *, deadline: float | None = None
     ) -> Future[np.ndarray]:
         """Queue one request; its future gives the probabilities [B] (float32, request order).
 
@@ -194,14 +198,17 @@ class Batcher:
             self._report(BatchStats(0, 0, expired, now - taken[0].enqueued, 0.0))
             return
         cpu0 = time.thread_time()
-        batch = concat_batches([p.batch for p in live])
-        start = time.monotonic()
         model = live[0].model
+        batch = merge_batches(
+            [p.batch for p in live], host=getattr(model, "takes_host_batches", False)
+        )
+        start = time.monotonic()
         stages: dict[str, float] = {}
+        # (a HostBatch only for a predictor that takes them: merge_batches)
         if getattr(model, "reports_timings", False):
-            out = model.predict(batch, timings=stages)  # type: ignore[call-arg]
+            out = model.predict(batch, timings=stages)  # type: ignore[call-arg,arg-type]
         else:
-            out = model.predict(batch)
+            out = model.predict(batch)  # type: ignore[arg-type]
         probs = out.detach().cpu().numpy()  # [ΣB]
         run_s = time.monotonic() - start
         cpu_s = time.thread_time() - cpu0
@@ -292,3 +299,13 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
         labels=cat_opt("labels"),
         oracle=cat_opt("oracle"),
     )
+
+
+def merge_batches(parts: Sequence[Batch | HostBatch], *, host: bool) -> Batch | HostBatch:
+    """The batcher's one batch of its requests: a :class:`~serve.host_batch.HostBatch` when every
+    part is one and ``host`` (the predictor takes them), else :func:`concat_batches`' batch (host
+    batches built into KJTs after they are merged: one KJT build, not one per request)."""
+    if all(isinstance(p, HostBatch) for p in parts):
+        merged = HostBatch.concat(cast(Sequence[HostBatch], parts))
+        return merged if host else merged.to_batch()
+    return concat_batches([p.to_batch() if isinstance(p, HostBatch) else p for p in parts])

@@ -13,13 +13,17 @@ up to one id per row (``elements`` per sequence feature) and ``pairs`` (candidat
     users   real users 0..U-1, then the dummy user U (and rows with no bags after it)
     values  each key's real ids, then PAD_ID (0, a valid row of every table) up to the key's
             capacity, all in a bag of the first dummy row (user U, candidate B)
-    pairs   the real pairs (pair_segment < B, pair_element < T), then pairs of the dummy
-            candidate B with element 0
+    pairs   the real pairs (pair_segment < B, pair_element < T), then pairs of the last dummy
+            candidate (row ``candidates``, always a dummy) with element 0
 
 Real bags, real sequence rows (first in each key) and real pairs are where they were, so the
 pooled embeddings, the DIN's softmax over each real candidate's pairs and every real score are
 the eager ones (up to float reassociation in kernels of other sizes). The padding ids' lookups are
 left out of the table statistics (:meth:`serve.lookup.EmbeddingTables.discount_padding`).
+:meth:`BucketGraph.fill` takes a :class:`~serve.host_batch.HostBatch` (requests handed off by
+frontends, merged without KJTs) or a :class:`~shared.batch.Batch`, and pads again only what the
+bucket's last fill wrote beyond this batch's data (the rest of its slots already holds padding),
+so its cost follows the batch, not the bucket.
 
 Graphs are captured off the serving path, when a model is loaded (:meth:`CudaGraphs.capture`, for
 the buckets of :func:`default_buckets` or a configured list), each checked against the eager
@@ -70,9 +74,10 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from serve.host_batch import HostBatch, HostKjt
 from serve.lookup import PAD_ID
 from shared.batch import Batch
-from shared.dense_inputs import batch_pairs
+from shared.dense_inputs import DenseLayout, batch_pairs, pair_index
 
 if TYPE_CHECKING:
     from serve.model import LoadedModel
@@ -177,6 +182,10 @@ class _KjtShape:
         return [k * self.per_key for k in range(len(self.keys) + 1)]
 
 
+# what a fill wrote into one KJT's slots beyond the padding: (real rows, ids of each key)
+_Extent = tuple[int, tuple[int, ...]]
+
+
 class _Buffers:
     """A bucket's inputs as int64 slots of one pinned host buffer and one device buffer of the
     same layout: the host fills the slots (numpy), one copy moves them, the graph reads them.
@@ -199,23 +208,39 @@ class _Buffers:
 
 
 def _fill_kjt(
-    kjt: KeyedJaggedTensor, shape: _KjtShape, values: np.ndarray, lengths: np.ndarray
-) -> list[int]:
-    """Write ``kjt`` padded to ``shape`` into the slots; returns each key's padding ids."""
-    k, rows, real = len(shape.keys), shape.rows, kjt.stride()
-    lens = lengths.reshape(k, rows)
-    lens[:, :real] = kjt.lengths().numpy().reshape(k, real)
-    per_key = kjt.length_per_key()
-    pad = [shape.per_key - n for n in per_key]
+    kjt: HostKjt, shape: _KjtShape, slots: tuple[np.ndarray, np.ndarray], was: _Extent
+) -> tuple[list[int], _Extent]:
+    """Write ``kjt`` padded to ``shape`` into the (values, lengths) slots, whose last fill wrote
+    ``was``; returns each key's padding ids and what this fill wrote.
+
+    Only what the last fill wrote beyond this one's real data is padded again: the rest of the
+    slots already holds padding (PAD_ID ids, empty bags), so the cost follows the batch, not the
+    bucket's capacity."""
+    k, rows, real, cap = len(shape.keys), shape.rows, kjt.stride, shape.per_key
+    lens = slots[1].reshape(k, rows)
+    lens[:, :real] = kjt.lengths.reshape(k, real)
+    pad = [cap - n for n in kjt.per_key]
     lens[:, real] = pad  # every padding id in a bag of the first dummy row
-    lens[:, real + 1 :] = 0
-    ids = values.reshape(k, shape.per_key)
-    src, start = kjt.values().numpy(), 0
-    for key, n in enumerate(per_key):
+    was_rows, was_per_key = was
+    if was_rows > real:
+        lens[:, real + 1 : was_rows + 1] = 0
+    ids = slots[0].reshape(k, cap)
+    src, start = kjt.values, 0
+    for key, (n, stale) in enumerate(zip(kjt.per_key, was_per_key, strict=True)):
         ids[key, :n] = src[start : start + n]
-        ids[key, n:] = PAD_ID
+        if stale > n:
+            ids[key, n:stale] = PAD_ID
         start += n
-    return pad
+    return pad, (real, kjt.per_key)
+
+
+def host_pairs(batch: HostBatch, lay: DenseLayout) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`shared.dense_inputs.batch_pairs` of a host batch: the same pairs."""
+    u = batch.num_users
+    if not lay.sequence:
+        return pair_index(np.zeros(u, np.int64), batch.user_index)
+    first = batch.sequence.keys.index(lay.sequence[0])
+    return pair_index(batch.sequence.lengths[first * u : (first + 1) * u], batch.user_index)
 
 
 # --------------------------------------------------------------------------- one bucket's graph
@@ -243,6 +268,7 @@ class BucketGraph:
             _KjtShape(keys[2], rows, bucket.elements),
         ]
         self.buffers = _Buffers(self.shapes, bucket.pairs, model.device)
+        self._dirty()
         fs = model.fs
         # per KJT key: its table, for the padding left out of the statistics
         self.tables = [[fs.features[k].table for k in s.keys] for s in self.shapes]
@@ -277,19 +303,33 @@ class BucketGraph:
             and all(max(lens, default=0) <= cap for lens, cap in zip(per_key, caps, strict=True))
         )
 
-    def fill(self, batch: Batch, seg: np.ndarray, elem: np.ndarray) -> dict[str, int]:
+    def _dirty(self) -> None:
+        """Forget what the slots hold: the next fill pads all of them (as the first one)."""
+        self._extents: list[_Extent] = [
+            (s.rows - 1, (s.per_key,) * len(s.keys)) for s in self.shapes
+        ]
+        self._pairs = self.bucket.pairs
+
+    def fill(self, batch: Batch | HostBatch, seg: np.ndarray, elem: np.ndarray) -> dict[str, int]:
         """Pad ``batch`` (host) into the host slots; returns the padding ids per table."""
         views, padding = self.buffers.views, dict[str, int]()
-        kjts = (batch.user, batch.item, batch.sequence)
-        for j, (kjt, shape) in enumerate(zip(kjts, self.shapes, strict=True)):
-            pad = _fill_kjt(kjt, shape, views[2 * j], views[2 * j + 1])
+        if isinstance(batch, Batch):
+            batch = HostBatch.of(batch)
+        extents, self._extents = self._extents, []
+        was_pairs = self._pairs
+        self._dirty()  # until this fill is complete
+        for j, (kjt, shape) in enumerate(zip(batch.kjts, self.shapes, strict=True)):
+            slots = (views[2 * j], views[2 * j + 1])
+            pad, extents[j] = _fill_kjt(kjt, shape, slots, extents[j])
             for table, p in zip(self.tables[j], pad, strict=True):
                 padding[table] = padding.get(table, 0) + p
         b, u, n = batch.batch_size, batch.num_users, seg.shape[0]
-        views[6][:b] = batch.user_index.numpy()
+        views[6][:b] = batch.user_index
         views[6][b:] = u  # dummy candidates belong to the dummy user
-        views[7][:n], views[7][n:] = seg, b  # padded pairs: the dummy candidate's
-        views[8][:n], views[8][n:] = elem, 0
+        views[7][:n], views[8][:n] = seg, elem
+        if was_pairs > n:  # padded pairs: the last dummy candidate's, with element 0
+            views[7][n:was_pairs], views[8][n:was_pairs] = self.bucket.candidates, 0
+        self._extents, self._pairs = extents, n
         return padding
 
     def capture(
@@ -447,21 +487,15 @@ class CudaGraphs:
     def buckets(self) -> list[Bucket]:
         return [g.bucket for g in self.graphs]
 
-    def predict(self, batch: Batch, timings: dict[str, float] | None = None) -> torch.Tensor | None:
+    def predict(
+        self, batch: Batch | HostBatch, timings: dict[str, float] | None = None
+    ) -> torch.Tensor | None:
         """[B] probabilities on the CPU through the smallest bucket that fits ``batch`` (host
         tensors, no labels or weights), or None (counted by reason): run it eagerly."""
         t0 = time.perf_counter()
-        reason = self._refusal(batch)
-        if reason is not None:
-            self._eager(reason)
-            return None
-        seg, elem = batch_pairs(batch, self.model.tables.layout)
-        graph = self._fit(batch, seg.shape[0])
+        graph = self.prepare(batch)
         if graph is None:
-            self._eager("no bucket fits")
             return None
-        padding = graph.fill(batch, seg, elem)
-        self.model.tables.discount_padding(padding)
         t1 = time.perf_counter()
         graph.launch()
         t2 = time.perf_counter()
@@ -472,9 +506,33 @@ class CudaGraphs:
             timings.update(h2d=t1 - t0, compute=t2 - t1, sync=t3 - t2)
         return out
 
-    def _refusal(self, batch: Batch) -> str | None:
+    def prepare(self, batch: Batch | HostBatch) -> BucketGraph | None:
+        """The host side of :meth:`predict`: ``batch`` padded into the host slots of the
+        smallest bucket that fits it (its padding discounted), that bucket's graph; or None
+        (counted by reason): run it eagerly."""
+        reason = self._refusal(batch)
+        if reason is not None:
+            self._eager(reason)
+            return None
+        host = batch if isinstance(batch, HostBatch) else HostBatch.of(batch)
+        seg, elem = host_pairs(host, self.model.tables.layout)
+        graph = self._fit(host, seg.shape[0])
+        if graph is None:
+            self._eager("no bucket fits")
+            return None
+        padding = graph.fill(host, seg, elem)
+        self.model.tables.discount_padding(padding)
+        return graph
+
+    def _refusal(self, batch: Batch | HostBatch) -> str | None:
         if self.model.tables is not self._tables or self.model.program is not self._program:
             return "tables or program replaced"
+        if isinstance(batch, HostBatch):
+            if tuple(k.keys for k in batch.kjts) != self.keys:
+                return "key order"
+            if any(k.weights is not None for k in batch.kjts):
+                return "labels or weights"
+            return None
         kjts = (batch.user, batch.item, batch.sequence)
         if tuple(tuple(k.keys()) for k in kjts) != self.keys:
             return "key order"
@@ -486,15 +544,16 @@ class CudaGraphs:
             return "not on the host"
         return None
 
-    def bucket_for(self, batch: Batch) -> Bucket | None:
+    def bucket_for(self, batch: Batch | HostBatch) -> Bucket | None:
         """The bucket :meth:`predict` replays ``batch`` in (None: it runs eagerly)."""
         if self._refusal(batch) is not None:
             return None
-        graph = self._fit(batch, batch_pairs(batch, self.model.tables.layout)[0].shape[0])
+        host = batch if isinstance(batch, HostBatch) else HostBatch.of(batch)
+        graph = self._fit(host, host_pairs(host, self.model.tables.layout)[0].shape[0])
         return None if graph is None else graph.bucket
 
-    def _fit(self, batch: Batch, pairs: int) -> BucketGraph | None:
-        per_key = [k.length_per_key() for k in (batch.user, batch.item, batch.sequence)]
+    def _fit(self, batch: HostBatch, pairs: int) -> BucketGraph | None:
+        per_key = [k.per_key for k in batch.kjts]
         t = max(per_key[2], default=0)  # elements: every sequence feature has T
         return self._smallest_fit(batch.batch_size, batch.num_users, t, pairs, per_key)
 

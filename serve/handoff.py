@@ -10,8 +10,8 @@ error at startup, never a SIGBUS under load) and one duplex pipe. A request goes
     frontend                                        device process
     take a free slot, copy the batch's tensors
     into it (:func:`write_batch`)
-    ("predict", rid, token, deadline, slot, ref) ─▶ tensors as views of the slot
-                                                    (:func:`read_batch`), Batcher.submit
+    ("predict", rid, token, deadline, slot, ref) ─▶ numpy views of the slot, no KJT built
+                                                    (:func:`read_host_batch`), Batcher.submit
     ("cancel", rid)  (client gone, optional)     ─▶ future.cancel()
                                                  ◀─ ("done", rid, n): probabilities [n]
                                                     float32 written over the slot
@@ -22,9 +22,13 @@ A "predict" may carry a *group*: while :attr:`HandoffConfig.inflight` groups of 
 for their answers, its further requests queue in the frontend, and the next send concatenates
 every queued request of one model version (up to the batcher's ``max_batch_rows`` and one slot)
 into one batch, one message, one submit: the device process pays its per-message cost (receive,
-unpickle, rebuilding the KJTs, submit, the batcher's concat, the answer) once per group, and
+unpickle, reading the batch, submit, the batcher's concat, the answer) once per group, and
 the frontend splits the answer back (see :class:`HandoffClient`). ``rid`` names the group; a
 "cancel" is sent once every request of a group is cancelled.
+
+The device process reads a batch as a :class:`~serve.host_batch.HostBatch` (its arrays are
+views of the slot): the batcher merges those with numpy and a CUDA graph pads them straight into
+its inputs; KJTs are built once per batch, and only where it runs eagerly.
 
 A slot belongs to the device process from the "predict" message until its answer (every
 request is answered exactly once, also when cancelled or expired), so a frontend never writes
@@ -64,6 +68,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from serve.batcher import Batcher, BatcherClosedError, Predictor, concat_batches
+from serve.host_batch import HostBatch, HostKjt
 from serve.rpc import RpcError
 from shared.batch import Batch
 
@@ -86,6 +91,13 @@ _DTYPES = {
         torch.float16,
         torch.bfloat16,
     )
+}
+
+# the numpy dtype of each torch dtype a slot may hold (bfloat16 has none: read_batch reads it)
+_NUMPY = {
+    name: torch.empty(0, dtype=d).numpy().dtype
+    for name, d in _DTYPES.items()
+    if name != "torch.bfloat16"
 }
 
 # (dtype, numel, byte offset) of one 1-D tensor in a slot or payload
@@ -249,6 +261,27 @@ def read_batch(ref: BatchRef, buf: np.ndarray) -> Batch:
 
     user, item, seq, user_index = ref
     return Batch(user=kjt(user), item=kjt(item), sequence=kjt(seq), user_index=get(user_index))
+
+
+def read_host_batch(ref: BatchRef, buf: np.ndarray) -> HostBatch | None:
+    """The batch of ``ref`` as numpy views of ``buf`` (no copy, no KJT built: see
+    :mod:`serve.host_batch`), or None when a tensor has no numpy dtype (:func:`read_batch`)."""
+    user, item, seq, user_index = ref
+    refs = [r for k in (user, item, seq) for r in k[3:] if r is not None]
+    if any(r[0] not in _NUMPY for r in [*refs, user_index]):
+        return None
+
+    def get(r: TensorRef) -> np.ndarray:
+        dtype_name, numel, offset = r
+        dtype = _NUMPY[dtype_name]
+        return buf[offset : offset + numel * dtype.itemsize].view(dtype)
+
+    def kjt(r: KjtRef) -> HostKjt:
+        keys, stride, per_key, values, lengths, weights = r
+        w = None if weights is None else get(weights)
+        return HostKjt(tuple(keys), stride, tuple(per_key), get(values), get(lengths), w)
+
+    return HostBatch(kjt(user), kjt(item), kjt(seq), get(user_index))
 
 
 # --------------------------------------------------------------------------- both ends
@@ -749,7 +782,8 @@ class HandoffServer(_Endpoint):
                 if payload is None
                 else np.frombuffer(bytearray(payload), dtype=np.uint8)
             )
-            batch = read_batch(ref, buf)
+            host = read_host_batch(ref, buf)
+            batch = read_batch(ref, buf) if host is None else host
             future = self._batcher.submit(model, batch, deadline=deadline)
         except Exception as err:
             self._fail(rid, err)

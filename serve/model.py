@@ -32,6 +32,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from serve.graphs import Bucket, CudaGraphs, GraphStats
+from serve.host_batch import HostBatch
 from serve.lookup import EmbeddingTables, TableStats
 from serve.program_cache import ProgramCache
 from shared.batch import Batch
@@ -218,6 +219,7 @@ class LoadedModel:
     """One model version on one device. Thread safety: :meth:`predict` is called by one worker."""
 
     reports_timings = True  # predict(batch, timings=...) splits its time (serve.batcher)
+    takes_host_batches = True  # predict takes serve.host_batch.HostBatch es too (serve.batcher)
 
     def __init__(
         self,
@@ -438,8 +440,13 @@ class LoadedModel:
             model = model._superseded_by
         return model
 
-    def predict(self, batch: Batch, timings: dict[str, float] | None = None) -> torch.Tensor:
+    def predict(
+        self, batch: Batch | HostBatch, timings: dict[str, float] | None = None
+    ) -> torch.Tensor:
         """[B] click probabilities, float32, on the CPU, in candidate order.
+
+        A :class:`~serve.host_batch.HostBatch` is padded straight into a CUDA graph's inputs;
+        it is built into a :class:`Batch` only when it runs eagerly.
 
         ``timings`` (optional) receives wall seconds of ``h2d`` (packing and the copy),
         ``compute`` (lookups and dense program: launch time on CUDA, where kernels run
@@ -449,12 +456,14 @@ class LoadedModel:
         with self._lock:
             return self._serving()._predict(batch, timings)
 
-    def _predict(self, batch: Batch, timings: dict[str, float] | None) -> torch.Tensor:
+    def _predict(self, batch: Batch | HostBatch, timings: dict[str, float] | None) -> torch.Tensor:
         """:meth:`predict`, the lock held."""
         if self.graphs is not None:
             replayed = self.graphs.predict(batch, timings)
             if replayed is not None:
                 return replayed
+        if isinstance(batch, HostBatch):
+            batch = batch.to_batch()
         if timings is None:
             return torch.sigmoid(self.logits(batch).float()).cpu()
         t0 = time.perf_counter()

@@ -13,7 +13,9 @@ from serve.batcher import (
     BatchStats,
     DeadlineExpiredError,
     concat_batches,
+    merge_batches,
 )
+from serve.host_batch import HostBatch
 from serve.limits import Limits
 from serve.model import synthetic_batch
 from serve.offline import select_rows, tile_users
@@ -120,3 +122,19 @@ def test_worker_survives_a_failing_model(fs) -> None:
         assert b.submit(slow, synthetic_batch(fs, 1, 2, (0,))).result(5).shape == (2,)
     finally:
         b.close()
+
+
+def test_merge_batches_builds_kjts_only_for_predictors_that_need_them(fs, requests) -> None:
+    from tests.serve.test_host_batch import assert_same_batch
+
+    parts = _request_batches(fs, requests[:3])
+    hosts = [HostBatch.of(p) for p in parts]
+    merged = merge_batches(hosts, host=True)
+    assert isinstance(merged, HostBatch)
+    assert_same_batch(merged.to_batch(), concat_batches(parts))
+    built = merge_batches(hosts, host=False)
+    assert isinstance(built, Batch)
+    assert_same_batch(built, concat_batches(parts))
+    mixed = merge_batches([hosts[0], parts[1], hosts[2]], host=True)  # a KJT batch among them
+    assert isinstance(mixed, Batch)
+    assert_same_batch(mixed, concat_batches(parts))

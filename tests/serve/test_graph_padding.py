@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -19,6 +20,7 @@ from serve.graphs import (
     default_buckets,
     scores,
 )
+from serve.host_batch import HostBatch
 from serve.model import LoadedModel, synthetic_batch
 from shared.batch import Batch
 from shared.dense_inputs import batch_pairs
@@ -198,3 +200,69 @@ def test_serving_path_batches_fit_and_score_unchanged(
     assert graphs.bucket_for(batch) == bucket
     got = _padded_scores(model, batch, bucket)
     torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
+
+
+def _slots(graph: BucketGraph) -> list[np.ndarray]:
+    return [v.copy() for v in graph.buffers.views]
+
+
+def test_a_reused_bucket_holds_what_a_fresh_one_does(model: LoadedModel, fs: FeatureSet) -> None:
+    """A fill pads again only what the last fill wrote beyond its own data: after any sequence of
+    batches, the slots are those a fresh bucket filled with the last batch has, bit for bit."""
+    batches = [
+        synthetic_batch(fs, 4, 12, (5, 0, 9, 2)),
+        synthetic_batch(fs, 1, 2, (3,)),
+        synthetic_batch(fs, 1, 1, (0,)),
+        synthetic_batch(fs, 3, 16, (12, 1, 7)),
+        synthetic_batch(fs, 2, 5, (0, 0)),
+    ]
+    bucket = Bucket(256, 64, 16)
+    keys = _keys(batches[0])
+    reused = BucketGraph(model, bucket, keys)
+    rng = np.random.default_rng(0)
+    for i in [*range(len(batches)), *rng.integers(0, len(batches), 12)]:
+        batch = batches[i]
+        seg, elem = batch_pairs(batch, model.tables.layout)
+        padding = reused.fill(HostBatch.of(batch), seg, elem)
+        fresh = BucketGraph(model, bucket, keys)
+        assert fresh.fill(batch, seg, elem) == padding
+        for got, want in zip(_slots(reused), _slots(fresh), strict=True):
+            np.testing.assert_array_equal(got, want)
+    with torch.inference_mode():
+        got = scores(model, reused.batch, reused.pairs)[: batch.batch_size]
+    torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
+
+
+def test_host_batches_fill_as_their_kjt_batches(
+    model: LoadedModel, fs: FeatureSet, requests: list
+) -> None:
+    """Requests merged on the host (serve.host_batch) pad into the same slots as the same
+    requests merged as KJTs, and prepare/bucket_for treat both alike."""
+    from serve.batcher import concat_batches
+    from serve.limits import Limits
+    from serve.validation import request_inputs
+    from shared.fg_request import request_columns_to_batch
+
+    parts = [
+        request_columns_to_batch(fs, **vars(request_inputs(r, fs, Limits()))) for r in requests
+    ]
+    keys = _keys(synthetic_batch(fs, 1, 1, (0,)))
+    graphs = CudaGraphs(model, keys)
+    graphs.graphs = [BucketGraph(model, b, keys) for b in sorted(default_buckets(64, (32, 128)))]
+    for n in (1, 3, len(parts)):
+        kjt_batch = concat_batches(parts[:n])
+        host = HostBatch.concat([HostBatch.of(p) for p in parts[:n]])
+        bucket = graphs.bucket_for(kjt_batch)
+        assert bucket is not None and graphs.bucket_for(host) == bucket
+        via_kjt = graphs.prepare(kjt_batch)
+        assert via_kjt is not None
+        want = _slots(via_kjt)
+        via_host = graphs.prepare(host)
+        assert via_host is via_kjt and via_host.bucket == bucket
+        for got, w in zip(_slots(via_host), want, strict=True):
+            np.testing.assert_array_equal(got, w)
+        with torch.inference_mode():
+            got_scores = scores(model, via_host.batch, via_host.pairs)[: host.batch_size]
+        torch.testing.assert_close(got_scores, model.predict(kjt_batch), rtol=0, atol=1e-6)
+        torch.testing.assert_close(model.predict(host), model.predict(kjt_batch), rtol=0, atol=0)
+    assert graphs.stats.eager == {}

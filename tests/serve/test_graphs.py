@@ -14,6 +14,7 @@ import torch
 from protos import predict_pb2_grpc
 from serve.batcher import BatcherConfig
 from serve.graphs import Bucket, scores
+from serve.host_batch import HostBatch
 from serve.limits import Limits
 from serve.model import LoadedModel, synthetic_batch
 from serve.offline import score_rows, score_table
@@ -114,6 +115,29 @@ def test_replay_of_request_rows_equals_eager_and_counts_the_same(
     tiled_g = score_table(graphed, table, tiled=True)
     tiled_e = score_table(eager, table, tiled=True)
     np.testing.assert_allclose(tiled_g, tiled_e, rtol=0, atol=ATOL)
+
+
+def test_host_batches_back_to_back_equal_eager(
+    graphed: LoadedModel, eager: LoadedModel, fs: FeatureSet
+) -> None:
+    """Handed-off requests merged on the host (serve.host_batch) replay in every bucket, back to
+    back in a mixed order (a bucket's slots are padded again only where the last batch wrote),
+    with the scores of the same batch run eagerly; one that fits no bucket runs eagerly."""
+    shapes = [(1, 1, (0,)), (1, 8, (8,)), (5, 20, (0, 3, 1, 9, 2)), (40, 500, (0, 5, 17, 1, 20))]
+    shapes += [(1, 1, (4,)), (2, 9000, (3, 0)), (1, 64, (16,)), (1, 3, (2,))]
+    stats = graphed.graph_stats()
+    assert stats is not None
+    replays = stats.replays
+    for users, candidates, lengths in [*shapes, *reversed(shapes), *shapes]:
+        parts = [synthetic_batch(fs, users, candidates, lengths)]
+        if candidates < 20:  # two requests merged
+            parts.append(synthetic_batch(fs, 1, candidates, lengths[:1]))
+        host = HostBatch.concat([HostBatch.of(p) for p in parts])
+        batch = host.to_batch()
+        got = graphed.predict(host)
+        assert got.shape == (host.batch_size,)
+        assert float((got - eager.predict(batch)).abs().max()) <= ATOL, (users, candidates)
+    assert stats.replays - replays == 3 * (len(shapes) - 1)  # 9000 candidates: eagerly
 
 
 def test_shape_outside_the_buckets_runs_eagerly(

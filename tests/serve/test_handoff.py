@@ -26,8 +26,10 @@ from serve.handoff import (
     SlotArena,
     batch_bytes,
     read_batch,
+    read_host_batch,
     write_batch,
 )
+from serve.host_batch import HostBatch
 from serve.limits import Limits
 from serve.model import LoadedModel
 from serve.rpc import RpcError
@@ -62,6 +64,55 @@ def test_a_batch_round_trips_through_a_buffer(fs: FeatureSet, requests) -> None:
         assert write_batch(batch, buf[:-1]) is None  # does not fit: None, nothing raised
 
 
+def test_a_batch_reads_back_as_a_host_batch(fs: FeatureSet, requests) -> None:
+    """Numpy views of the slot (no copy), the tensors of read_batch; bfloat16 (no numpy dtype)
+    falls back to read_batch."""
+    from tests.serve.test_host_batch import assert_same_batch
+
+    for req in requests:
+        batch = _batch(fs, req)
+        buf = np.zeros(batch_bytes(batch), dtype=np.uint8)
+        ref = write_batch(batch, buf)
+        assert ref is not None
+        host = read_host_batch(ref, buf)
+        assert isinstance(host, HostBatch) and np.shares_memory(host.item.values, buf)
+        assert_same_batch(host.to_batch(), read_batch(ref, buf))
+    user, item, seq, index = ref
+    weights = ("torch.bfloat16", item[3][1], item[3][2])
+    assert read_host_batch((user, (*item[:5], weights), seq, index), buf) is None
+
+
+class _Recorder:
+    """A predictor that takes host batches and records what it was given."""
+
+    takes_host_batches = True
+
+    def __init__(self, model: LoadedModel, token: int) -> None:
+        self.model, self.token, self.bundle = model, token, model.bundle
+        self.given: list[object] = []
+
+    def predict(self, batch: Any) -> torch.Tensor:
+        self.given.append(batch)
+        return self.model.predict(batch)
+
+
+def test_handed_off_batches_reach_the_model_as_host_batches(
+    model: LoadedModel, fs: FeatureSet, requests
+) -> None:
+    recorder = _Recorder(model, 0)
+    config = HandoffConfig(slots=4, slot_bytes=64 << 10, inflight=1)
+    batching = BatcherConfig(max_batch_rows=64, max_wait_us=5000)
+    with _open_channel(recorder, config, batching) as ch:
+        client, _server, _batcher, token = ch
+        handle = _Model(model, token)
+        batches = [_batch(fs, r) for r in requests]
+        futures = [client.submit(handle, b) for b in batches]
+        for b, f in zip(batches, futures, strict=True):
+            want = model.predict(b).numpy()
+            np.testing.assert_allclose(f.result(WAIT_S), want, rtol=1e-6, atol=1e-7)
+    assert recorder.given and all(isinstance(b, HostBatch) for b in recorder.given)
+
+
 class _Model:
     """A loaded model under a token (what the registry and the batcher need)."""
 
@@ -77,7 +128,7 @@ def model(bundle_v1: Path) -> LoadedModel:
 
 @contextlib.contextmanager
 def _open_channel(
-    model: LoadedModel, config: HandoffConfig, batching: BatcherConfig
+    model: Any, config: HandoffConfig, batching: BatcherConfig
 ) -> Iterator[tuple[HandoffClient, HandoffServer, Batcher, int]]:
     """A client and a server over one real pipe and arena, a real batcher, ``model`` served."""
     arena = SlotArena.create(config)
