@@ -118,10 +118,15 @@ class FrequencyCounter:
                 totals[new],
                 table_ids=None if tids is None else tids[new],
                 pinned_rows=hit_rows,
+                exact=False,  # the result is not used: no host read for full buckets
             )
 
-    def erase(self, keys: torch.Tensor, table_ids: torch.Tensor | None = None) -> int:
-        return self.table.erase(keys, table_ids)
+    def erase(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None = None, *, count: bool = True
+    ) -> int | None:
+        """Forget ``keys`` (admitted ones); the number forgotten, None with ``count=False``
+        (valid keys promised, no host sync on CUDA: ``HashTable.erase``)."""
+        return self.table.erase(keys, table_ids, count=count)
 
     def export(self, table_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [N] int64, counts [N] int64), sorted by key."""

@@ -105,11 +105,23 @@ class Backend(Protocol):
         table_ids: torch.Tensor | None = None,
         accumulators: torch.Tensor | None = None,
         pinned_rows: torch.Tensor | None = None,
-    ) -> InsertResult: ...
+        exact: bool = True,
+    ) -> InsertResult:
+        """``exact=False``: evictions may come padded (see ``InsertResult``), the table's counts
+        then settled later (``TableLayout._defer``)."""
+        ...
 
     def erase(
-        self, t: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None = None
-    ) -> int: ...
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        table_ids: torch.Tensor | None = None,
+        *,
+        count: bool = True,
+    ) -> int | None:
+        """The number of pairs removed; ``count=False`` (valid keys promised, see
+        ``HashTable.erase``): None is allowed, the size then settled later (``TableLayout._defer``)."""
+        ...
 
     def build(
         self,

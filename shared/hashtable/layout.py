@@ -21,11 +21,22 @@ non-negative (-1 marks a free row).
 algorithms that read and write it are a backend's (:mod:`shared.hashtable.backend`): the torch
 one (``torch_backend.py``) and the CUDA kernels (``cuda/``), which work on these same arrays.
 :class:`~shared.hashtable.table.HashTable` is the public table: a layout with its backend.
+
+**Deferred counts.** A backend may leave changes of the size and counters to be read later
+(:meth:`TableLayout._defer`, :class:`Counts`): the CUDA erase of keys known valid
+(``HashTable.erase(..., count=False)``) and the CUDA overflow of full buckets for callers that
+take padded evictions (``insert_or_assign(..., exact=False)``) copy their stats to pinned memory
+and read them only when needed. ``_size``, :attr:`~TableLayout.evictions` and
+:attr:`~TableLayout.refusals` are therefore properties: reading or assigning one first applies
+every pending change (:meth:`TableLayout._settle`: an event wait that has long finished by
+then), so they are exact whenever read; a backend settles too before it reuses the buffers a
+pending change reads.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +46,14 @@ from shared.features import ScoreStrategy
 from shared.hashtable.hashing import bucket_sentinels, check_keys
 
 EMPTY_KEY = -1
+
+
+class Counts(NamedTuple):
+    """Changes of a table's size and counters that a backend reads later (``_defer``)."""
+
+    size: int
+    evictions: int = 0
+    refusals: int = 0
 
 
 class ExportedRows(NamedTuple):
@@ -56,6 +75,9 @@ class InsertResult:
     evicted_keys: torch.Tensor  # [E] int64: keys removed to make room
     evicted_table_ids: torch.Tensor  # [E] int64
     num_refused: int  # new (unique) keys that could not be stored
+    # insert_or_assign(..., exact=False) may pad evicted_keys and evicted_table_ids with -1 at
+    # the end (E then bounds the evictions; take the entries >= 0) and give num_refused -1
+    # (not read on the host: the table's refusals counter has it)
 
 
 class TableLayout:
@@ -100,8 +122,9 @@ class TableLayout:
         self._max_buckets = math.ceil(max_capacity / self.bucket_capacity)
         if self._max_buckets >= 1 << 31:
             raise ValueError(f"HashTable: max_capacity {max_capacity} needs >= 2**31 buckets")
-        self.evictions = 0  # existing keys removed to make room (cumulative)
-        self.refusals = 0  # new keys not stored (cumulative)
+        self._pending: list[Callable[[], Counts]] = []  # changes not read yet (_defer)
+        # the size and counters without the pending changes (see the properties)
+        self._settled_size = self._settled_evictions = self._settled_refusals = 0
         self.generation = 0  # bumped whenever rows move (growth)
         self._allocate(min(math.ceil(init_capacity / self.bucket_capacity), self._max_buckets))
 
@@ -123,6 +146,60 @@ class TableLayout:
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def _size(self) -> int:
+        """Stored entries, exact: the pending changes applied first (see the module docstring)."""
+        if self._pending:
+            self._settle()
+        return self._settled_size
+
+    @_size.setter
+    def _size(self, value: int) -> None:
+        if self._pending:
+            self._settle()  # the pending changes come before this assignment
+        self._settled_size = value
+
+    @property
+    def evictions(self) -> int:
+        """Existing keys removed to make room (cumulative; pending changes applied first)."""
+        if self._pending:
+            self._settle()
+        return self._settled_evictions
+
+    @evictions.setter
+    def evictions(self, value: int) -> None:
+        if self._pending:
+            self._settle()
+        self._settled_evictions = value
+
+    @property
+    def refusals(self) -> int:
+        """New keys not stored (cumulative; pending changes applied first)."""
+        if self._pending:
+            self._settle()
+        return self._settled_refusals
+
+    @refusals.setter
+    def refusals(self, value: int) -> None:
+        if self._pending:
+            self._settle()
+        self._settled_refusals = value
+
+    def _defer(self, counts: Callable[[], Counts]) -> None:
+        """Add ``counts()`` (changes of size, evictions and refusals, read on the host when
+        called) later: at the next read or assignment of ``_size``, :attr:`evictions` or
+        :attr:`refusals`, or at :meth:`_settle`, in the order deferred."""
+        self._pending.append(counts)
+
+    def _settle(self) -> None:
+        """Apply the pending changes (:meth:`_defer`) now."""
+        pending, self._pending = self._pending, []
+        for counts in pending:
+            size, evictions, refusals = counts()
+            self._settled_size += size
+            self._settled_evictions += evictions
+            self._settled_refusals += refusals
 
     @property
     def load_factor(self) -> float:

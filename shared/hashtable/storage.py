@@ -184,7 +184,12 @@ class FusedStorage:
         self._eval_rows = self.backend.keyed_rows(self.eval_init, device)
         self._train_rows = self.backend.keyed_rows(self.train_init, device)
         self.all_admission = all(a is not None for a in adm)
-        self._counts = torch.zeros(len(specs), len(_COLUMNS), dtype=torch.int64, device=device)
+        # [tables + 1, columns]: the last row a sink for padded evictions (_account)
+        self._counts_sink = torch.zeros(
+            len(specs) + 1, len(_COLUMNS), dtype=torch.int64, device=device
+        )
+        self._counts = self._counts_sink[: len(specs)]  # [tables, columns], a view
+        self._one_hot = torch.eye(2, dtype=torch.int64, device=device)  # (refused, admitted)
         self._lookups = [[0] * len(_HOST_COUNTERS) for _ in specs]  # [table][train, eval]
         self._refusals_logged = [0] * len(specs)  # refusal totals already warned about
         self.mutations = 0  # inserts and loads so far: rows of older plans may have moved
@@ -234,7 +239,9 @@ class FusedStorage:
         as the number of distinct keys); the caller names the table. In training the host
         syncs are: distinct keys, hits, the admission counter's hits, admitted keys, and one
         read after the insert (misses to fill, counter keys to erase, the longest run of
-        duplicates for backward's segment sum), so that backward needs none.
+        duplicates for backward's segment sum), so that backward needs none. The backend's
+        inserts (``exact=False``: padded evictions) and the counter's erase (``count=False``)
+        add none on CUDA: their counts settle when a size or counter is next read.
         """
         # int64 keys [N]: the parts come checked but in their own integer dtype, converted
         # here once (no op for int64; cat promotes mixed dtypes)
@@ -268,7 +275,8 @@ class FusedStorage:
         if erase is not None and n_erase[0]:
             done = compact_positions(erase.mask, n_erase[0])
             assert self.counter is not None
-            self.counter.erase(erase.keys[done], self._tids(erase.table_ids[done]))
+            # valid keys (checked above, or the table's own ids): no count, no host read
+            self.counter.erase(erase.keys[done], self._tids(erase.table_ids[done]), count=False)
         out = self.table.values[rows.clamp(min=0)]  # [U, dim]
         if n_miss:  # not stored: admission value (train), fresh init (refused), eval value
             self._fill_misses(out, uk, ut, counts, invalid, not_admitted, n_miss)
@@ -359,6 +367,7 @@ class FusedStorage:
             totals if lfu else torch.full_like(nk, score_now),
             table_ids=self._tids(nt),
             pinned_rows=hit_rows,
+            exact=False,  # _account takes padded evictions: no host read for full buckets
         )
         self._account(nt, result.inserted, result.evicted_table_ids)
         erase = None
@@ -405,15 +414,17 @@ class FusedStorage:
         inserted: torch.Tensor,
         evicted_tids: torch.Tensor,
     ) -> None:
-        """Add one insert's evictions, admissions and refusals to the device counters."""
-        counts = self._counts
+        """Add one insert's evictions, admissions and refusals to the device counters.
+
+        ``evicted_tids`` [E] int64 may be padded with -1 (``insert_or_assign(..., exact=False)``):
+        the padding lands in the sink row of ``_counts_sink`` (-1 mod rows), not a table's."""
         if evicted_tids.numel():  # (a size known on the host: no sync)
-            counts[:, _EVICTIONS].index_add_(
-                0, evicted_tids.to(torch.int64), torch.ones_like(evicted_tids, dtype=torch.int64)
-            )
-        ins = inserted.to(torch.int64)
-        # refusals and admitted are adjacent columns: one index_add_ of both
-        counts[:, _REFUSALS : _ADMITTED + 1].index_add_(0, tids, torch.stack([1 - ins, ins], 1))
+            sink = self._counts_sink
+            ones = torch.ones_like(evicted_tids)
+            sink[:, _EVICTIONS].index_add_(0, evicted_tids.remainder(sink.shape[0]), ones)
+        # refusals and admitted are adjacent columns: one index_add_ of both, rows of _one_hot
+        both = self._one_hot[inserted.to(torch.int64)]  # [n, 2]: (1, 0) refused, (0, 1) admitted
+        self._counts[:, _REFUSALS : _ADMITTED + 1].index_add_(0, tids, both)
 
     def _warn_refusals(self, refusals: list[int]) -> None:
         """Warn when a table's refusal total first exceeds 0 and then at each power of two."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Literal, overload
 
 import torch
 
@@ -119,7 +120,9 @@ class HashTable(TableLayout):
         """A copy of this table on ``device`` with ``backend`` (default: ``backend_for`` the
         device). Always a new table, also on the same device; this one keeps its backend."""
         device = torch.device(device)
+        self._settle()  # the copy starts with the exact size and nothing pending
         out = copy.copy(self)
+        out._pending = []
         for name, value in vars(self).items():
             if isinstance(value, torch.Tensor):
                 setattr(out, name, value.to(device, copy=True))
@@ -183,6 +186,7 @@ class HashTable(TableLayout):
         table_ids: torch.Tensor | None = None,
         accumulators: torch.Tensor | None = None,
         pinned_rows: torch.Tensor | None = None,
+        exact: bool = True,
     ) -> InsertResult:
         """Store ``values`` [n, dim] and ``scores`` [n] for ``keys`` [n].
 
@@ -191,6 +195,11 @@ class HashTable(TableLayout):
         growing the table first if the load factor bound would be exceeded. Duplicate keys: the
         last occurrence wins. ``pinned_rows`` (rows from :meth:`find`) are never evicted by this
         call, e.g. the rows of the keys the current batch uses.
+
+        ``exact=False``: the caller takes ``evicted_keys`` / ``evicted_table_ids`` padded with -1
+        at the end and ``num_refused`` -1 (see :class:`InsertResult`); the CUDA backend then
+        reads nothing on the host for full buckets (:attr:`size`, :attr:`evictions` and
+        :attr:`refusals` stay exact: they settle when read).
         """
         return self.backend.insert_or_assign(
             self,
@@ -200,11 +209,42 @@ class HashTable(TableLayout):
             table_ids=table_ids,
             accumulators=accumulators,
             pinned_rows=pinned_rows,
+            exact=exact,
         )
 
-    def erase(self, keys: torch.Tensor, table_ids: torch.Tensor | None = None) -> int:
-        """Remove ``keys`` (missing ones are ignored); returns how many were removed."""
-        return self.backend.erase(self, keys, table_ids)
+    @overload
+    def erase(
+        self,
+        keys: torch.Tensor,
+        table_ids: torch.Tensor | None = None,
+        *,
+        count: Literal[True] = ...,
+    ) -> int: ...
+    @overload
+    def erase(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None = None, *, count: Literal[False]
+    ) -> None: ...
+    @overload
+    def erase(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None = None, *, count: bool
+    ) -> int | None: ...
+    def erase(
+        self, keys: torch.Tensor, table_ids: torch.Tensor | None = None, *, count: bool = True
+    ) -> int | None:
+        """Remove ``keys`` (missing ones are ignored); returns how many were removed.
+
+        ``count=False``: the caller does not need the number (returns None), and promises valid
+        keys: non-negative, table ids in [0, 2**31) (e.g. keys taken from this table's own
+        lookups, as a storage erases admitted keys from its admission counter). The backend may
+        then settle the size later (the CUDA backend reads its stats when :attr:`size` is next
+        read, without a host sync now); invalid keys are not reported then. Without it invalid
+        keys raise the torch backend's error, the table untouched.
+        """
+        erased = self.backend.erase(self, keys, table_ids, count=count)
+        if not count:
+            return None
+        assert erased is not None  # the backends count when asked to
+        return erased
 
     def clear(self, table_id: int | None = None) -> int:
         """Erase every key (of one key space if ``table_id`` is given); returns how many."""

@@ -169,8 +169,10 @@ class TorchBackend:
         table_ids: torch.Tensor | None = None,
         accumulators: torch.Tensor | None = None,
         pinned_rows: torch.Tensor | None = None,
+        exact: bool = True,
     ) -> InsertResult:
-        """See ``HashTable.insert_or_assign`` (takes the caller's tensors unchecked)."""
+        """See ``HashTable.insert_or_assign`` (takes the caller's tensors unchecked; the result
+        is exact also for ``exact=False``: a padded result without padding)."""
         keys, table_ids = t._prepare(keys, table_ids, INSERT)
         n = keys.numel()
         values = values.to(t.device, torch.float32).reshape(n, t.dim)
@@ -229,9 +231,15 @@ class TorchBackend:
         )
 
     def erase(
-        self, t: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None = None
-    ) -> int:
-        """See ``HashTable.erase`` (takes the caller's tensors unchecked)."""
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        table_ids: torch.Tensor | None = None,
+        *,
+        count: bool = True,
+    ) -> int | None:
+        """See ``HashTable.erase`` (takes the caller's tensors unchecked; counts, and checks the
+        keys, also for ``count=False``)."""
         keys, table_ids = t._prepare(keys, table_ids, ERASE)
         if keys.numel() == 0:
             return 0

@@ -10,13 +10,15 @@ not cover. Those cases are decided here, and nowhere else:
 - ``find``: always the kernel (``find.py``).
 - ``insert_or_assign``: ``insert.py``'s kernels, full buckets at max capacity included
   (``ht_ins2_over``: eviction by score, NO_EVICTION refusals, as the inherited
-  ``insert_overflow``, which takes them only for buckets too large for a block). The torch algorithms
+  ``insert_overflow``, which takes them only for buckets too large for a block; with
+  ``exact=False`` without a host read, the evictions padded, the counts settled later). The torch algorithms
   take the whole call (the kernels leave the table untouched) when the table must grow, when a
   bucket receives more than twice its capacity of new occurrences, for invalid keys (the torch
   code raises its error), for no keys or 2**31 keys or more, and when a bucket's shared memory
   exceeds what the device allows.
-- ``erase``: ``insert.py``'s erase kernels; the torch algorithms for 2**31 keys or more or
-  buckets too large for shared memory.
+- ``erase``: ``insert.py``'s erase kernels (with ``count=False`` without a host sync: the count is
+  copied to pinned memory and added to the size when it is next read); the torch algorithms for
+  2**31 keys or more or buckets too large for shared memory.
 - ``build`` (``HashTable.from_keys_values``): ``build.py``; the torch algorithms for no keys,
   2**31 keys or more, buckets of more than 3072 slots (48 KiB of shared memory), and duplicate
   keys (the torch code names the key in its error).
@@ -30,7 +32,8 @@ not cover. Those cases are decided here, and nowhere else:
 
 :attr:`CudaBackend.paths` counts what the calls did (``insert.fast``, ``insert.slow``,
 ``insert.overflow``: the kernels stored the call; ``insert.abort``, ``insert.unsupported``: the
-torch algorithms did, see ``insert.PATHS``; ``erase.kernel`` / ``erase.torch``,
+torch algorithms did, see ``insert.PATHS``; ``erase.kernel``, ``erase.deferred`` (the kernels,
+``count=False``: the size settled later) / ``erase.torch``,
 ``build.kernel`` / ``build.torch``): what tests and benchmarks read to see which path ran.
 Every result equals the torch backend's (the GPU tests compare them on the device).
 """
@@ -148,20 +151,32 @@ class CudaBackend(TorchBackend):
         table_ids: torch.Tensor | None = None,
         accumulators: torch.Tensor | None = None,
         pinned_rows: torch.Tensor | None = None,
+        exact: bool = True,
     ) -> InsertResult:
         extra = {"table_ids": table_ids, "accumulators": accumulators, "pinned_rows": pinned_rows}
-        result, path = cuda_insert.insert_or_assign(t, self, keys, values, scores, **extra)
+        result, path = cuda_insert.insert_or_assign(
+            t, self, keys, values, scores, exact=exact, **extra
+        )
         self.paths[f"insert.{path}"] += 1
         if result is not None:
             return result
-        return super().insert_or_assign(t, keys, values, scores, **extra)
+        return super().insert_or_assign(
+            t, keys, values, scores, table_ids=table_ids, accumulators=accumulators,
+            pinned_rows=pinned_rows,
+        )  # fmt: skip
 
     def erase(
-        self, t: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None = None
-    ) -> int:
-        erased = cuda_insert.erase(t, keys, table_ids)  # one host sync
-        if erased is not None:
-            self.paths["erase.kernel"] += 1
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        table_ids: torch.Tensor | None = None,
+        *,
+        count: bool = True,
+    ) -> int | None:
+        # one host sync; none with count=False (the size is settled later: insert.erase)
+        done, erased = cuda_insert.erase(t, keys, table_ids, count=count)
+        if done:
+            self.paths["erase.kernel" if count else "erase.deferred"] += 1
             return erased
         self.paths["erase.torch"] += 1
         return super().erase(t, keys, table_ids)

@@ -31,7 +31,9 @@ algorithms (which raise their error for invalid keys).
 bucket's best entries by :mod:`shared.hashtable.buckets`' ranking (eviction by score, NO_EVICTION
 refusals): the torch backend's ``insert_overflow``, bit for bit (table, rows, evicted keys in
 order, refusals); ``ht_ins2_gather`` fills the rows of their occurrences and
-``ht_ins2_over_list`` orders the evicted keys; one more host read (evicted, refused, added).
+``ht_ins2_over_list`` orders the evicted keys; one more host read (evicted, refused, added),
+none for a caller taking padded evictions (``exact=False``: the counts reach the table's size and
+counters when next read, ``TableLayout._defer``).
 About 160 us for 8192 full buckets of 128 on the H200 (the torch algorithms: ~3 ms, ~7 host
 syncs). Where a block's shared memory (:func:`_over_smem`, 93 bytes a slot) exceeds the device's
 opt-in limit (bucket capacity above ~2400 on the H200), :func:`_overflow_torch` runs the torch
@@ -47,7 +49,10 @@ in to the device's limit.
 **erase** (kernels.cu ``ht_erase_*``, :func:`erase`): mark (a thread per key) and apply (a warp
 per bucket holding an erased key: a stable partition of its slots, the rows freed), one host
 read, on the table's scratch; invalid keys raise the torch backend's error with the table
-untouched.
+untouched. ``count=False`` (``HashTable.erase``: the caller needs no count and promises valid
+keys; a storage erasing admitted keys from its admission counter) reads nothing: the stats go to
+a pinned buffer of their own with an event, and the erased count reaches the table's size when
+the size is next read or the scratch next used (``TableLayout._defer``; by then long copied).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from __future__ import annotations
 import math
 import re
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +70,7 @@ from shared.features import ScoreStrategy
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda.find import window
 from shared.hashtable.hashing import bucket_of
-from shared.hashtable.layout import InsertResult, TableLayout
+from shared.hashtable.layout import Counts, InsertResult, TableLayout
 
 if TYPE_CHECKING:
     from shared.hashtable.torch_backend import TorchBackend
@@ -156,6 +162,8 @@ class _Scratch:
         self.stats = torch.zeros(2, ST_LEN, dtype=torch.int64, device=dev)  # alternate per call
         self.stats_of = (self.stats[0], self.stats[1])
         self.host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        # a deferred erase's stats (erase(count=False)), read when the table's size is needed
+        self.erase_host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.rep_of = torch.empty(0, dtype=torch.int32, device=dev)  # grows with the batch
         self.empty = torch.zeros(0, dtype=torch.int64, device=dev)
         self.kernels: dict[str, rt.Kernel] = {}
@@ -163,6 +171,7 @@ class _Scratch:
         self.dirty = False
         self.stream_ptr: int | None = None
         self.event: Any = None
+        self.erase_event: Any = None
 
     def clear(self) -> None:
         self.scount.zero_()
@@ -184,6 +193,10 @@ _smem_set: dict[tuple[int, str], int] = {}  # dynamic shared memory a kernel was
 
 
 def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
+    """The table's scratch for a call on ``launcher``'s stream, the table's pending counts
+    settled first (a deferred erase reads ``erase_host``, which the next one overwrites)."""
+    if table._pending:
+        table._settle()
     sc = _scratch.get(table)
     if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
         sc = _scratch[table] = _Scratch(table)  # new, or the table grew (the old one is freed)
@@ -192,6 +205,7 @@ def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
     sc.stream_ptr = launcher.stream_ptr
     if sc.event is None:
         sc.event = launcher.event()
+        sc.erase_event = launcher.event()
     if sc.dirty:
         sc.clear()
     return sc
@@ -272,6 +286,7 @@ class _Batch:
     new_limit: int  # the most new pairs without growth
     has_t: int
     limits: tuple[int, int]  # (may_grow, new_limit) as the kernels take them
+    exact: bool = True  # False: the caller takes padded evictions (insert_or_assign's exact)
 
 
 def insert_or_assign(
@@ -284,14 +299,18 @@ def insert_or_assign(
     table_ids: torch.Tensor | None,
     accumulators: torch.Tensor | None,
     pinned_rows: torch.Tensor | None,
+    exact: bool = True,
 ) -> tuple[InsertResult | None, str]:
     """(what the torch backend's ``insert_or_assign`` returns for the same call, the path: see
     :data:`PATHS`), or (None, path) with the table untouched where the torch algorithms must do
     the call. ``core``: the backend whose ``insert_overflow`` and ``fingerprint`` serve full
-    buckets where ``ht_ins2_over`` cannot (the calling CUDA backend)."""
+    buckets where ``ht_ins2_over`` cannot (the calling CUDA backend). ``exact=False``: the
+    caller takes evictions padded with -1 and num_refused -1 (``InsertResult``); full buckets
+    then cost no host read (:func:`_overflow`: the counts are settled later)."""
     b = _batch_of(table, keys, values, scores, table_ids, accumulators)
     if b is None:
         return None, "unsupported"
+    b.exact = exact
     launch = rt.Launcher(b.dev)
     with launch:
         warps = _block_warps(launch, ("ht_ins2_place0", "ht_ins2_place1"), b.stride, PLACE_WARPS)
@@ -605,8 +624,10 @@ def _overflow(
     """The full buckets ``over`` [n_o] (ascending; ``over_new`` new pairs in all) on the kernels
     (kernels.cu ``ht_ins2_over``: the torch backend's ``insert_overflow``, bit for bit), then
     ``ht_ins2_gather`` and ``ht_ins2_over_list``, and one host read (evicted, refused, added):
-    (evicted keys, evicted table ids, refused). Call inside ``with launch`` (the kernel's
-    shared memory allowed)."""
+    (evicted keys, evicted table ids, refused). Without ``b.exact`` no read: ``over_new``
+    entries each (the evicted ones, then -1) and refused -1, the counts deferred to the table
+    (:func:`_overflowed_later`; ``sc.host`` is next written after ``_scratch_of`` settled them).
+    Call inside ``with launch`` (the kernel's shared memory allowed)."""
     dev, n_over = b.dev, over.numel()
     pinned, pin_mode = _pins(table, pinned_rows, dev)
     ev_key = torch.empty(over_new, dtype=torch.int64, device=dev)  # at most one a new pair
@@ -651,9 +672,31 @@ def _overflow(
     smem = _over_smem(b.bc, b.S)
     launch(sc.kernel(launch, "ht_ins2_over"), n_over, _over_threads(b.bc), args, smem)
     _gather(b, launch, sc, rep_rows, rows, inserted)
+    return _list_evicted(table, b, launch, sc, stats, over_new, ev_meta, (ev_key, ev_tid))
+
+
+def _list_evicted(
+    table: TableLayout,
+    b: _Batch,
+    launch: rt.Launcher,
+    sc: _Scratch,
+    stats: torch.Tensor,
+    over_new: int,
+    ev_meta: torch.Tensor,
+    evicted_by_bucket: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`_overflow`'s end: ``ht_ins2_over_list`` orders the evicted keys and table ids
+    (``ev_meta`` [2, n_o]: each bucket's start and count in ``evicted_by_bucket``), then the
+    host read of ``stats`` (or, without ``b.exact``, its deferral): _overflow's result."""
+    dev, n_over = b.dev, ev_meta.shape[1]
+    ev_key, ev_tid = evicted_by_bucket
     ends = torch.cumsum(ev_meta[1], 0)
-    out_key = torch.empty(over_new, dtype=torch.int64, device=dev)
-    out_tid = torch.empty(over_new, dtype=torch.int64, device=dev)
+    # [2, over_new]: keys, table ids; ht_ins2_over_list writes the first `evicted` entries of
+    # each, the rest stays padding (-1) where the caller takes it (not b.exact)
+    out = torch.empty(2, over_new, dtype=torch.int64, device=dev)
+    if not b.exact:
+        out.fill_(-1)
+    out_key, out_tid = out[0], out[1]
     launch(
         sc.kernel(launch, "ht_ins2_over_list"),
         rt.blocks(32 * n_over),
@@ -661,6 +704,9 @@ def _overflow(
         (n_over, ev_meta, ends, ev_key, ev_tid, out_key, out_tid),
     )
     launch.to_host(sc.host, stats, sc.event)
+    if not b.exact:  # padded with -1: nothing read now, the counts settled later
+        table._defer(_overflowed_later(sc.host, sc.event))
+        return out_key, out_tid, -1
     sc.event.synchronize()
     evicted, refused, added = sc.host[ST_OV_EVICTED : ST_OV_ADDED + 1].tolist()
     table._size += added
@@ -672,85 +718,138 @@ def _overflow(
 # ---------------------------------------------------------------------------------------- erase
 
 
-def erase(table: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None) -> int | None:
-    """What the torch backend's ``erase`` returns for the same call, with the same table
-    afterwards; None (table untouched) where the torch algorithms must do it (2**31 keys or
-    more, buckets too large for shared memory)."""
-    dev, nb, bc = table.device, table.num_buckets, table.bucket_capacity
+def erase(
+    table: TableLayout, keys: torch.Tensor, table_ids: torch.Tensor | None, *, count: bool = True
+) -> tuple[bool, int | None]:
+    """(True, what the torch backend's ``erase`` returns for the same call), with the same table
+    afterwards; (False, None), the table untouched, where the torch algorithms must do it (2**31
+    keys or more, buckets too large for shared memory).
+
+    ``count=False`` (``HashTable.erase``'s: valid keys promised): (True, None) without a host
+    sync; the stats go to the scratch's pinned ``erase_host`` with ``erase_event``, and the
+    erased count reaches the size when it is next read (``table._defer``, :func:`_erased_later`).
+    """
     keys, tids = table._prepare(keys, table_ids, ERASE_WHAT, validate=False)
     n = keys.numel()
     if n == 0:
-        return 0
+        return True, 0 if count else None
     if n >= 1 << 31:
-        return None
+        return False, None
     keys = keys.contiguous()
     tids = None if tids is None else tids.contiguous()
-    stride = _erase_stride(bc)
-    launch = rt.Launcher(dev)
+    stride = _erase_stride(table.bucket_capacity)
+    launch = rt.Launcher(table.device)
     with launch:
         warps = _block_warps(launch, ("ht_erase_apply",), stride, ERASE_WARPS)
         if warps == 0:
-            return None
+            return False, None
         sc = _scratch_of(table, launch)
-        stats, stats_next = sc.stats_of[sc.parity], sc.stats_of[1 - sc.parity]
-        sc.dirty = True
-        launch(
-            sc.kernel(launch, f"ht_erase_mark_w{window(table)}"),
-            rt.blocks(n),
-            rt.BLOCK,
-            (
-                keys,
-                tids,
-                int(tids is not None),
-                n,
-                table._slot_fp,
-                table._slot_row,
-                table._row_key,
-                table._row_tid,
-                table._bucket_count,
-                nb,
-                bc,
-                table.capacity,
-                int(tids is not None or table._any_tid),
-                sc.win,
-                sc.scount,
-                sc.over_list,
-                stats,
-            ),
-        )
-        launch.to_host(sc.host, stats, sc.event)
-        launch(
-            sc.kernel(launch, "ht_erase_apply"),
-            math.ceil(min(n, nb) / warps),  # at most one bucket listed per distinct key
-            32 * warps,
-            (
-                bc,
-                stride,
-                sc.scount,
-                sc.win,
-                sc.over_list,
-                stats,
-                stats_next,
-                table._sentinel,
-                table._bucket_count,
-                table._slot_fp,
-                table._slot_row,
-                table._row_key,
-                table._row_tid,
-                table._row_score,
-            ),
-            warps * stride,
-        )
-        sc.parity ^= 1  # ht_erase_apply cleared the other buffer
-        sc.dirty = False
-        sc.event.synchronize()  # the marks are counted; the apply may still run
-    st = sc.host.tolist()
+        host, event = (sc.host, sc.event) if count else (sc.erase_host, sc.erase_event)
+        _launch_erase(table, keys, tids, launch, sc, (warps, stride), host, event)
+    if not count:
+        table._defer(_erased_later(host, event))
+        return True, None
+    event.synchronize()  # the marks are counted; the apply may still run
+    st = host.tolist()
     if st[ER_NEG_KEY] or st[ER_BAD_TID]:
         table._prepare(keys, tids, ERASE_WHAT)  # raises the torch backend's error
-        return None
+        return False, None
     erased = st[ER_ERASED]
     table._size -= erased
-    return erased
+    return True, erased
+
+
+def _erased_later(host: torch.Tensor, event: Any) -> Callable[[], Counts]:
+    """The size change of an erase whose stats are being copied to ``host`` (then ``event``):
+    what ``table._defer`` takes. Called when the size is next needed, long after the copy."""
+
+    def count() -> Counts:
+        event.synchronize()
+        neg, bad, erased = host[: ER_ERASED + 1].tolist()
+        # HashTable.erase(count=False)'s contract; the kernels kept the table as it was
+        assert not (neg or bad), f"{ERASE_WHAT}(count=False) was given invalid keys"
+        return Counts(-erased)
+
+    return count
+
+
+def _overflowed_later(host: torch.Tensor, event: Any) -> Callable[[], Counts]:
+    """The changes of an ``ht_ins2_over`` call whose stats are being copied to ``host`` (then
+    ``event``): (added, evicted, refused), what ``table._defer`` takes."""
+
+    def counts() -> Counts:
+        event.synchronize()
+        evicted, refused, added = host[ST_OV_EVICTED : ST_OV_ADDED + 1].tolist()
+        return Counts(added, evicted, refused)
+
+    return counts
+
+
+def _launch_erase(
+    table: TableLayout,
+    keys: torch.Tensor,
+    tids: torch.Tensor | None,
+    launch: rt.Launcher,
+    sc: _Scratch,
+    blocks: tuple[int, int],
+    host: torch.Tensor,
+    event: Any,
+) -> None:
+    """Queue ``ht_erase_mark`` (its stats then copied to pinned ``host``, ``event`` after the
+    copy) and ``ht_erase_apply`` (``blocks``: its warps a block and shared memory a warp)."""
+    nb, bc, n = table.num_buckets, table.bucket_capacity, keys.numel()
+    warps, stride = blocks
+    stats, stats_next = sc.stats_of[sc.parity], sc.stats_of[1 - sc.parity]
+    sc.dirty = True
+    launch(
+        sc.kernel(launch, f"ht_erase_mark_w{window(table)}"),
+        rt.blocks(n),
+        rt.BLOCK,
+        (
+            keys,
+            tids,
+            int(tids is not None),
+            n,
+            table._slot_fp,
+            table._slot_row,
+            table._row_key,
+            table._row_tid,
+            table._bucket_count,
+            nb,
+            bc,
+            table.capacity,
+            int(tids is not None or table._any_tid),
+            sc.win,
+            sc.scount,
+            sc.over_list,
+            stats,
+        ),
+    )
+    launch.to_host(host, stats, event)
+    launch(
+        sc.kernel(launch, "ht_erase_apply"),
+        math.ceil(min(n, nb) / warps),  # at most one bucket listed per distinct key
+        32 * warps,
+        (
+            bc,
+            stride,
+            sc.scount,
+            sc.win,
+            sc.over_list,
+            stats,
+            stats_next,
+            table._sentinel,
+            table._bucket_count,
+            table._slot_fp,
+            table._slot_row,
+            table._row_key,
+            table._row_tid,
+            table._row_score,
+        ),
+        warps * stride,
+    )
+    sc.parity ^= 1  # ht_erase_apply cleared the other buffer
+    sc.dirty = False
 
 
 def _overflow_torch(

@@ -641,6 +641,46 @@ def test_erase_dispatch_and_clear_on_cuda():
     assert t.size == 0 and _paths(t)["erase.kernel"] == before + 2
 
 
+def test_erase_without_count_reads_nothing_until_the_size_is_needed(kernels: CudaBackend):
+    """count=False (the storage's erase of admitted counter keys): no host sync at the call
+    (torch's sync-debug mode raises on one, and no event is waited for); the count reaches the
+    size when it is read, or before the scratch is used again; the table equals the core's."""
+    keys = _random_keys(4000, seed=31)
+    tids = torch.randint(0, 3, keys.shape, generator=torch.Generator().manual_seed(2))
+    core = _core_table(keys, 2, 16, 0.5, tids)
+    kernel = core.to(DEVICE, backend=kernels)
+    waits = []
+    real_wait = torch.cuda.Event.synchronize
+
+    def wait(self: torch.cuda.Event) -> None:
+        waits.append(self)
+        real_wait(self)
+
+    gone = [(keys[i : i + 700].to(DEVICE), tids[i : i + 700].to(DEVICE)) for i in (0, 500)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda.Event, "synchronize", wait)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            assert kernel.erase(*gone[0], count=False) is None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert waits == [] and len(kernel._pending) == 1
+        assert kernel._settled_size == core.size  # not counted yet
+        core.erase(*gone[0])
+        assert kernel.size == core.size and kernel._pending == [] and len(waits) == 1
+        assert kernel.erase(*gone[1], count=False) is None  # overlaps the first: some absent
+        assert len(kernel._pending) == 1 and len(waits) == 1
+    core.erase(*gone[1])
+    assert _paths(kernel)["erase.deferred"] == 2 and "erase.kernel" not in _paths(kernel)
+    used: list[bool] = []
+    back = {"keys": keys[:300], "values": torch.ones(300, 2), "scores": torch.arange(300)}
+    got, want = _insert_pair(kernel, core, used, table_ids=tids[:300], **back)  # settles first
+    assert kernel._pending == [] and all(used)
+    _assert_same_result(got, want)
+    _assert_same_table(kernel, core)
+    _assert_scratch_clear(kernel)
+
+
 def test_frequency_counter_on_the_kernels_gives_the_core_counts(kernels: CudaBackend):
     """The admission counter (dim 0, 1024 slots a bucket: place opts in to more shared memory,
     LFU eviction at capacity): add and erase through the kernels, equal to the torch code."""

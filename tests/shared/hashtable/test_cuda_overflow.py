@@ -5,7 +5,9 @@ Each test runs the same inserts on a table with a ``CudaBackend`` and on a copy 
 order, refusals) and equal tables (every slot, row, key, table id, score, value, accumulator,
 bucket count and counter) after each call. The batches are built bucket by bucket: many buckets
 receive more new keys than they hold (up to twice: the staging list), scores come from a small
-range (ties between newcomers and stored keys), and stored keys of the batch are pinned. Run on
+range (ties between newcomers and stored keys), and stored keys of the batch are pinned. The
+last test trains a fused storage at max capacity with a full admission counter (issue #18's
+steady state) under both backends. Run on
 the GPU machine: ``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_overflow.py``.
 """
 
@@ -18,12 +20,16 @@ import torch
 
 from shared.features import ScoreStrategy
 from shared.hashtable import cuda
+from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.hashing import bucket_of, fingerprint
+from shared.hashtable.storage import FusedStorage, LookupPlan
 from shared.hashtable.table import HashTable, InsertResult
 from shared.hashtable.torch_backend import TorchBackend
 
+from .conftest import dyn_table
 from .test_cuda_kernels import _assert_scratch_clear
+from .test_cuda_unique import PLAN_TENSORS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -274,3 +280,112 @@ def test_the_overflow_kernel_is_one_extra_host_read(monkeypatch: pytest.MonkeyPa
         assert len(syncs) == (2 if path == "insert.overflow" else 1), path
     assert backend.paths["insert.overflow"] >= 1
     assert insert.SIGNATURES["ht_ins2_over"]  # the launch's signature (checked on CPU too)
+
+
+def _full_storage(backend: CudaBackend | TorchBackend, strategy: ScoreStrategy) -> FusedStorage:
+    """3 fused tables (2304 rows at most in all, buckets of 64) with admission (threshold 2)
+    and a counter of 768 slots: both fill up within a few steps of :func:`_train_step`."""
+    specs = [
+        dyn_table(f"t{i}", dim=8, max_capacity=512 + 256 * i, init_capacity=256,
+                  bucket_capacity=64, strategy=strategy, threshold=2, counter_capacity=256)
+        for i in range(3)
+    ]  # fmt: skip
+    return FusedStorage(
+        "g", specs, adagrad=AdagradConfig(0.05), seed=3, device=torch.device(DEVICE),
+        backend=backend,
+    )  # fmt: skip
+
+
+def _train_step(storage: FusedStorage, step: int) -> LookupPlan:
+    """One training lookup and backward: 3000 skewed keys a step over 3 tables, drifting."""
+    g = torch.Generator().manual_seed(step)
+    sizes = [1500, 1000, 500]
+    parts = [
+        (t, (torch.randint(0, 20000, (n,), generator=g) ** 2 // 20000 + 41 * step).to(DEVICE))
+        for t, n in enumerate(sizes)
+    ]
+    plan = storage.lookup(parts, train=True, score_now=step)
+    storage.apply_gradients(plan, torch.randn(sum(sizes), storage.dim, generator=g).to(DEVICE))
+    return plan
+
+
+@pytest.mark.parametrize("strategy", [ScoreStrategy.LFU, ScoreStrategy.STEP], ids=lambda s: s.name)
+def test_training_at_max_capacity_with_a_full_counter(strategy: ScoreStrategy) -> None:
+    """Issue #18's steady state: a full table evicting, a full admission counter; the counter's
+    erase of admitted keys (count=False) and the overflow of both (exact=False) read nothing on
+    the host in the lookup: their counts are still pending after it, and reach the sizes and
+    counters when read. Every plan, table, counter table, size, counter and stats() equals the
+    torch backend's."""
+    kernels = CudaBackend()
+    got, want = _full_storage(kernels, strategy), _full_storage(TORCH, strategy)
+    deferred = pending_table = 0
+    for step in range(24):
+        w, x = _train_step(want, step), _train_step(got, step)
+        for f in PLAN_TENSORS:
+            assert torch.equal(getattr(x, f), getattr(w, f)), (step, f)
+        assert (x.updated, x.max_count, x.generation) == (w.updated, w.max_count, w.generation)
+        assert got.counter is not None and want.counter is not None
+        erased = kernels.paths["erase.deferred"] - deferred
+        deferred += erased
+        # not read yet: the counter's erase (its overflow was settled when the erase used the
+        # scratch), the table's overflow
+        assert erased <= 1 and len(got.counter.table._pending) in ({1} if erased else {0, 1})
+        assert len(got.table._pending) <= 1
+        pending_table += len(got.table._pending)
+        assert "erase.kernel" not in kernels.paths and "erase.torch" not in kernels.paths
+        _assert_same_table(got.table, want.table)
+        _assert_same_table(got.counter.table, want.counter.table)  # reads the size: settled
+        assert got.counter.table._pending == []
+        assert got.counter.evictions == want.counter.evictions
+        assert torch.equal(got._counts.cpu(), want._counts.cpu()) and got._lookups == want._lookups
+    for t in range(3):
+        assert got.stats(t) == want.stats(t), t
+    assert got.table.num_buckets == got.table._max_buckets and got.table.evictions > 0
+    assert got.counter.evictions > 0 and got.counter.size > got.counter.capacity // 2
+    assert deferred >= 12 and pending_table >= 12 and kernels.paths["insert.overflow"] >= 12
+
+
+def test_padded_evictions_read_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """exact=False (the storage's inserts): the overflow's stats are not read (one event wait,
+    the place stats'); the evictions come padded with -1, num_refused -1, the counts pending
+    until read; what remains equals the torch backend's exact result and table."""
+    t = _table(4, 16, 16, ScoreStrategy.STEP, accum=False)
+    core = t.to(t.device, backend=TORCH)
+    backend = t.backend
+    assert isinstance(backend, CudaBackend)
+    syncs: list[int] = []
+    real = torch.cuda.Event.synchronize
+
+    def counted(self: torch.cuda.Event) -> None:
+        syncs.append(1)
+        real(self)
+
+    make = _batches(16, 4, with_tids=True, accum=False, pin=True, scores=3)
+    g = torch.Generator().manual_seed(2)
+    for step in range(5):
+        kw = make(core, step, g)
+        if kw.pop("pin"):
+            rows = core.find(kw["keys"][:40], kw["table_ids"][:40])[0]
+            kw["pinned_rows"] = rows[rows >= 0]
+        want = core.insert_or_assign(**kw)
+        before = backend.paths.copy()
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.cuda.Event, "synchronize", counted)
+            syncs.clear()
+            got = t.insert_or_assign(**kw, exact=False)
+            (path,) = backend.paths - before
+            assert len(syncs) == 1, path  # the place stats only: none for the overflow
+        over = path == "insert.overflow"
+        assert len(t._pending) == over and got.num_refused == (-1 if over else want.num_refused)
+        n = want.evicted_keys.numel()
+        for f in ("evicted_keys", "evicted_table_ids"):
+            x, y = getattr(got, f), getattr(want, f)
+            assert torch.equal(x[:n], y) and bool((x[n:] == -1).all()), f
+        _assert_same_result(
+            InsertResult(got.rows, got.inserted, want.evicted_keys, want.evicted_table_ids,
+                         want.num_refused), want,
+        )  # fmt: skip
+        _assert_scratch_clear(t)
+        _assert_same_table(t, core)  # reads size, evictions, refusals: settled
+        assert t._pending == []
+    assert backend.paths["insert.overflow"] >= 3 and t.evictions > 0

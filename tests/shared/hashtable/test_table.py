@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from shared.features import ScoreStrategy
 from shared.hashtable.hashing import GOLDEN, MASK64, fingerprint, mix64_int, to_signed
+from shared.hashtable.layout import Counts
 from shared.hashtable.table import HashTable
 
 from .conftest import dyn_table
@@ -54,6 +57,55 @@ def test_assign_existing_and_duplicates_last_wins():
     rows = _rows_of(t, torch.tensor([1, 2, 3]))
     assert t.values[rows].tolist() == [[1.0, 1.0], [7.0, 7.0], [6.0, 6.0]]
     assert t.scores_of(rows).tolist() == [1, 6, 5]
+
+
+def test_a_deferred_size_change_is_applied_before_the_size_is_read_or_set():
+    """TableLayout._defer (the CUDA erase with count=False, the CUDA overflow with
+    exact=False): the size and counters stay exact."""
+    t = HashTable(1, init_capacity=128, max_capacity=128, bucket_capacity=16)
+    keys = torch.arange(10)
+    t.insert_or_assign(keys, keys.float()[:, None], keys)
+    reads: list[int] = []
+
+    def later(change: int) -> Callable[[], Counts]:
+        def count() -> Counts:
+            reads.append(change)
+            return Counts(change, evictions=2 * change, refusals=3)
+
+        return count
+
+    t._defer(later(-2))
+    t._defer(later(-3))
+    assert reads == [] and len(t._pending) == 2  # nothing read at the call
+    assert t.size == 5 and reads == [-2, -3] and t._pending == []
+    assert t.size == 5 and reads == [-2, -3]  # read once
+    assert (t.evictions, t.refusals) == (-10, 6)  # (not real counts: what was deferred)
+    t._defer(later(-1))
+    t._size += 7  # an assignment applies the pending change first: 5 - 1 + 7
+    assert t._size == 11 and reads == [-2, -3, -1]
+    t._defer(later(4))
+    assert t.load_factor == 15 / t.capacity
+    t._defer(later(0))
+    t.refusals += 1  # the counters settle alike
+    assert t._pending == [] and t.refusals == 6 + 3 + 3 + 3 + 1
+    t._defer(later(-15))
+    copy = t.to("cpu")  # settled first: the copy has the size and nothing pending
+    assert copy._pending == [] and t._pending == [] and copy.size == t.size == 0
+
+
+def test_erase_without_count_removes_the_same_keys():
+    """count=False: None, the same table (the torch backend counts and checks anyway)."""
+    tables = [HashTable(2, init_capacity=256, max_capacity=256, bucket_capacity=16) for _ in "ab"]
+    keys, tids = torch.arange(120), torch.arange(120) % 3
+    for t in tables:
+        t.insert_or_assign(keys, keys.float()[:, None].repeat(1, 2), keys, table_ids=tids)
+    gone = torch.tensor([3, 4, 4, 1000, 7])
+    assert tables[0].erase(gone, gone % 3) == 3
+    assert tables[1].erase(gone, gone % 3, count=False) is None
+    a, b = tables
+    assert a.size == b.size == 117 and torch.equal(a._slot_fp, b._slot_fp)
+    assert torch.equal(a._row_key, b._row_key) and torch.equal(a._bucket_count, b._bucket_count)
+    _check_invariants(b)
 
 
 def test_erase_and_reinsert():
