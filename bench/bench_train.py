@@ -26,6 +26,7 @@ config's step with tzrec's padded DIN (pad to 100) for N steps, as a reference.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -270,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             entry["end_to_end"], trainer = end_to_end(path, samples, args, device)
             entry["step_warm"] = warm_step_figures(trainer, batches, args)
             del trainer
+            # its CUDA graphs, left in reference cycles, must not reach the next config's
+            # DataLoader workers: a forked worker that frees one dies (CUDA initialization error)
+            gc.collect()
         del batches
         result["configs"][name] = entry
         print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),
