@@ -7,6 +7,14 @@ concatenates them (:func:`concat_batches`: U adds up, ``user_index`` is offset),
 once and hands each request its slice of the probabilities. Requests past their deadline (or
 cancelled by the client) are dropped before they cost any compute.
 
+A predictor with a ``start`` method (:class:`serve.model.LoadedModel`) only *starts* a batch on
+the worker thread: it returns :class:`PendingScores`. One already done (the CPU, eager batches)
+is completed there, as :meth:`~Predictor.predict` would be; one still on the device goes to a
+completion thread (FIFO), which waits for it, hands out the slices and reports the batch, while
+the worker merges and starts the next batch. At most :data:`MAX_IN_FLIGHT` batches are started
+and not completed (the worker waits for a slot): the device's queue stays short, and so does
+the latency a batch adds to those behind it.
+
 Example::
 
     batcher = Batcher(BatcherConfig(max_batch_rows=1024, max_wait_us=500))
@@ -20,6 +28,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +54,51 @@ class BatcherClosedError(RuntimeError):
     """The batcher was shut down before the request ran (UNAVAILABLE)."""
 
 
+# batches started (PendingScores handed out) and not yet completed: one on the device while the
+# worker prepares and starts the next
+MAX_IN_FLIGHT = 2
+
+
+class PendingScores:
+    """[B] probabilities on the host, possibly still being copied there: ``scores`` is filled
+    once ``event`` (a CUDA event recorded after the copy, on the copy's stream) has completed.
+
+    ``keep`` holds what the in-flight work reads or writes (a CUDA graph, its buffers), so that
+    it outlives a model version swapped out meanwhile. Example::
+
+        pending = model.start(batch)          # the device works; the host is free
+        probs = pending.result()              # waits (GIL released): [B] float32 on the CPU
+    """
+
+    def __init__(
+        self, scores: torch.Tensor, event: torch.cuda.Event | None = None, *, keep: object = None
+    ) -> None:
+        self._scores = scores  # [B]
+        self._event = event
+        self._keep = keep
+
+    @classmethod
+    def ready(cls, scores: torch.Tensor) -> PendingScores:
+        """An already computed [B] tensor (no device work outstanding)."""
+        return cls(scores)
+
+    @property
+    def done(self) -> bool:
+        """True once :meth:`result` would not wait."""
+        return self._event is None or bool(self._event.query())
+
+    def result(self, timings: dict[str, float] | None = None) -> torch.Tensor:
+        """The [B] scores, once the device has written them; the wait (seconds) is added to
+        ``timings["sync"]`` if ``timings`` is given."""
+        t0 = time.perf_counter()
+        if self._event is not None:
+            self._event.synchronize()  # releases the GIL
+            self._event, self._keep = None, None
+        if timings is not None:
+            timings["sync"] = timings.get("sync", 0.0) + time.perf_counter() - t0
+        return self._scores
+
+
 class Predictor(Protocol):
     """What the batcher runs: a loaded model version (see :class:`serve.model.LoadedModel`).
 
@@ -52,7 +106,9 @@ class Predictor(Protocol):
     ``predict(batch, timings=dict)`` and fills in per-stage seconds (:attr:`BatchStats.stages`).
     One whose ``takes_host_batches`` attribute is true is also given
     :class:`~serve.host_batch.HostBatch` es (requests handed off by frontends, merged without
-    building KJTs: :func:`merge_batches`); the others always get a :class:`Batch`.
+    building KJTs: :func:`merge_batches`); the others always get a :class:`Batch`. One with a
+    ``start(batch[, timings])`` method (defined by its class) returning :class:`PendingScores` is started instead
+    (module docstring); ``predict`` is then for the others (offline scoring, tests).
     """
 
     def predict(self, batch: Batch) -> torch.Tensor: ...  # [B] probabilities
@@ -87,14 +143,43 @@ class BatchStats:
     rows: int
     expired: int
     queue_wait_s: float  # oldest request's wait
-    run_s: float  # model time (wall), predict only
+    run_s: float  # model time (wall), predict only (started: from start to the scores on host)
     concat_s: float = 0.0  # merging the requests into one batch (wall)
-    cpu_s: float = 0.0  # CPU time of the worker thread for the batch (concat + predict)
+    cpu_s: float = 0.0  # CPU time of the worker thread for the batch (concat + predict/start)
     stages: dict[str, float] = field(default_factory=dict)  # predictor's split of run_s (wall)
 
 
+@dataclass
+class _Started:
+    """A batch started on the worker thread, to be completed (here or on the completion one)."""
+
+    pending: PendingScores
+    live: list[_Pending]
+    expired: int
+    queue_wait_s: float
+    concat_s: float
+    started: float  # time.monotonic() at start
+    cpu_s: float  # worker thread
+    timings: dict[str, float] | None  # the predictor's stages (if it reports them)
+    slot: bool  # holds one of the MAX_IN_FLIGHT slots
+
+
+def _starts(model: Predictor) -> bool:
+    """Whether the batcher starts ``model``'s batches: its class defines ``start`` (a wrapper
+    that hands other attributes on through ``__getattr__`` but overrides ``predict`` is run
+    through its ``predict``)."""
+    return callable(getattr(type(model), "start", None))
+
+
+def _fail(live: Sequence[_Pending], err: BaseException) -> None:
+    for p in live:
+        if not p.future.done():
+            p.future.set_exception(err)
+
+
 class Batcher:
-    """A queue + one worker thread. ``on_batch`` (optional) receives :class:`BatchStats`.
+    """A queue + one worker thread (+ a completion thread for started batches: module
+    docstring). ``on_batch`` (optional) receives :class:`BatchStats`.
 
     The queue holds at most the requests the server admitted (:mod:`serve.admission` bounds
     them before they are parsed), so it needs no bound of its own.
@@ -108,7 +193,14 @@ class Batcher:
         self._queue: collections.deque[_Pending] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
+        # started batches for the completion thread, FIFO; None (from the worker, last): stop
+        self._completions: queue.Queue[_Started | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="batcher", daemon=True)
+        self._completer = threading.Thread(
+            target=self._run_completions, name="batcher-completion", daemon=True
+        )
+        self._completer.start()
         self._worker.start()
 
     def depth(self) -> int:
@@ -133,11 +225,14 @@ class Batcher:
         return pending.future
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop taking requests, finish those queued, and join the worker."""
+        """Stop taking requests, finish those queued (the worker runs them, then the completion
+        thread completes those it was handed) and join both threads (``timeout`` in all)."""
+        until = time.monotonic() + timeout
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._worker.join(timeout)
+        self._completer.join(max(until - time.monotonic(), 0.0))
 
     # ----------------------------------------------------------------------- worker
 
@@ -167,20 +262,36 @@ class Batcher:
             return taken
 
     def _run(self) -> None:
-        while True:
-            taken = self._take()
-            if taken is None:
-                return
-            try:
-                self._run_batch(taken)
-            except BaseException as e:  # never let the worker die: fail this batch's requests
-                log.exception("batch of %d requests failed", len(taken))
-                for p in taken:
-                    if not p.future.done():
-                        p.future.set_exception(e)
+        try:
+            while True:
+                taken = self._take()
+                if taken is None:
+                    return
+                try:
+                    self._run_batch(taken)
+                except BaseException as e:  # never let the worker die: fail this batch's requests
+                    log.exception("batch of %d requests failed", len(taken))
+                    _fail(taken, e)
+        finally:
+            self._completions.put(None)  # after the last batch handed over: the completer stops
 
-    def _run_batch(self, taken: list[_Pending]) -> None:
-        now = time.monotonic()
+    def _run_completions(self) -> None:
+        """The completion thread: complete started batches in the order they were started."""
+        while True:
+            started = self._completions.get()
+            try:
+                if started is None:
+                    return
+                self._complete(started)
+            except BaseException as e:  # never let the thread die: fail this batch's requests
+                assert started is not None
+                log.exception("batch of %d requests failed", len(started.live))
+                _fail(started.live, e)
+            finally:
+                self._completions.task_done()
+
+    def _live(self, taken: list[_Pending], now: float) -> tuple[list[_Pending], int]:
+        """The requests of ``taken`` still wanted (set running), and how many had expired."""
         live: list[_Pending] = []
         expired = 0
         for p in taken:
@@ -194,6 +305,11 @@ class Batcher:
                     )
             elif p.future.set_running_or_notify_cancel():  # False: cancelled by the client
                 live.append(p)
+        return live, expired
+
+    def _run_batch(self, taken: list[_Pending]) -> None:
+        now = time.monotonic()
+        live, expired = self._live(taken, now)
         if not live:
             self._report(BatchStats(0, 0, expired, now - taken[0].enqueued, 0.0))
             return
@@ -203,30 +319,63 @@ class Batcher:
             [p.batch for p in live], host=getattr(model, "takes_host_batches", False)
         )
         start = time.monotonic()
-        stages: dict[str, float] = {}
-        # (a HostBatch only for a predictor that takes them: merge_batches)
-        if getattr(model, "reports_timings", False):
-            out = model.predict(batch, timings=stages)  # type: ignore[call-arg,arg-type]
-        else:
-            out = model.predict(batch)  # type: ignore[arg-type]
-        probs = out.detach().cpu().numpy()  # [ΣB]
-        run_s = time.monotonic() - start
+        stages: dict[str, float] | None = {} if getattr(model, "reports_timings", False) else None
+        slot = _starts(model)  # started batches hold a slot until completed
+        if slot:
+            self._slots.acquire()  # released by _complete
+        try:
+            pending = self._start(model, batch, stages)
+        except BaseException:
+            if slot:
+                self._slots.release()
+            raise
         cpu_s = time.thread_time() - cpu0
+        queue_wait = start - live[0].enqueued
+        started = _Started(
+            pending, live, expired, queue_wait, start - now, start, cpu_s, stages, slot
+        )
+        # done (and nothing handed over before it, still to complete): complete it here
+        if started.pending.done and self._completions.unfinished_tasks == 0:
+            self._complete(started)
+        else:
+            self._completions.put(started)
+
+    @staticmethod
+    def _start(
+        model: Predictor, batch: Batch | HostBatch, stages: dict[str, float] | None
+    ) -> PendingScores:
+        """Start ``batch`` on ``model`` (``start``), or run it (``predict``): done scores."""
+        # (a HostBatch only for a predictor that takes them: merge_batches)
+        if _starts(model):
+            run = model.start  # type: ignore[attr-defined]
+            return cast(PendingScores, run(batch) if stages is None else run(batch, timings=stages))
+        if stages is None:
+            return PendingScores.ready(model.predict(batch))  # type: ignore[arg-type]
+        return PendingScores.ready(model.predict(batch, timings=stages))  # type: ignore[call-arg,arg-type]
+
+    def _complete(self, started: _Started) -> None:
+        """Wait for a started batch's scores, hand each request its slice, report the batch."""
+        try:
+            probs = started.pending.result(started.timings).detach().cpu().numpy()  # [ΣB]
+        finally:
+            if started.slot:
+                self._slots.release()
+        run_s = time.monotonic() - started.started
         offset = 0
-        for p in live:
+        for p in started.live:
             n = p.batch.batch_size
             p.future.set_result(probs[offset : offset + n])
             offset += n
         self._report(
             BatchStats(
-                len(live),
+                len(started.live),
                 offset,
-                expired,
-                start - live[0].enqueued,
+                started.expired,
+                started.queue_wait_s,
                 run_s,
-                concat_s=start - now,
-                cpu_s=cpu_s,
-                stages=stages,
+                concat_s=started.concat_s,
+                cpu_s=started.cpu_s,
+                stages=started.timings if started.timings is not None else {},
             )
         )
 

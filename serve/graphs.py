@@ -33,15 +33,23 @@ reason is counted in :attr:`CudaGraphs.stats` and logged once::
 
     graphs = CudaGraphs.capture(model, default_buckets(1024))
     probs = graphs.predict(batch)        # [B] float32 on the CPU, or None: run it eagerly
+    pending = graphs.start(batch)        # the same, not waiting: PendingScores (or None)
+
+:meth:`CudaGraphs.start` returns once the copy in, the replay and the copy of the scores back to
+(pinned) host memory are enqueued, with an event recorded after the last: the caller (the
+batcher's completion thread, :mod:`serve.batcher`) waits for it, while the host pads the next
+batch. A bucket's host slots are refilled only once its last copy in has read them
+(:meth:`BucketGraph.fill` waits for that copy's event).
 
 Memory: all graphs of one model are captured into **one** memory pool
 (``torch.cuda.graph_pool_handle()``), so their intermediates share blocks and the pool is about
 the largest graph's activations, not the sum over the buckets. Sharing is safe because no two of
 them ever run at once: replays are issued on one stream, by one thread at a time (under the
-model's lock, :meth:`serve.model.LoadedModel.predict`), and each replay recomputes every
+model's lock, :meth:`serve.model.LoadedModel.start`), and each replay recomputes every
 intermediate from its input buffers before reading it; what outlives a replay is only its
-output, which stays allocated (a block in use is never handed to another capture) and is copied
-to the host right after the replay. Another model version (the next one, loading while this one
+output, which stays allocated (a block in use is never handed to another capture) and whose copy
+to the host is enqueued right after the replay, on the same stream, before any later replay
+(whose intermediates may use the blocks of an earlier capture's output). Another model version (the next one, loading while this one
 serves) captures into a pool of its own, so the two never share memory. The capture time and
 the memory the graphs took (allocated and reserved, around the captures) are in
 :attr:`CudaGraphs.stats`, the log and the model's startup stage ``graphs``. Buckets are captured
@@ -74,6 +82,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from serve.batcher import PendingScores
 from serve.host_batch import HostBatch, HostKjt
 from serve.lookup import PAD_ID
 from shared.batch import Batch
@@ -276,6 +285,7 @@ class BucketGraph:
         self.pairs = (self.buffers.on_device[7], self.buffers.on_device[8])
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None  # after the last launch's copy of the slots
 
     def _device_batch(self) -> Batch:
         slots = self.buffers.on_device
@@ -311,7 +321,12 @@ class BucketGraph:
         self._pairs = self.bucket.pairs
 
     def fill(self, batch: Batch | HostBatch, seg: np.ndarray, elem: np.ndarray) -> dict[str, int]:
-        """Pad ``batch`` (host) into the host slots; returns the padding ids per table."""
+        """Pad ``batch`` (host) into the host slots; returns the padding ids per table.
+
+        Waits until the last :meth:`launch`'s copy has read the slots (the batch before may
+        still be on its way to the device); the padding below relies on what that batch wrote."""
+        if self._copied is not None:
+            self._copied.synchronize()
         views, padding = self.buffers.views, dict[str, int]()
         if isinstance(batch, Batch):
             batch = HostBatch.of(batch)
@@ -368,15 +383,31 @@ class BucketGraph:
 
     @torch.inference_mode()  # the buffers were made in inference mode (an in-place copy)
     def launch(self) -> None:
-        """Copy the filled host slots over and replay the graph (asynchronously)."""
+        """Copy the filled host slots over and replay the graph (asynchronously); an event
+        after the copy tells :meth:`fill` when the slots may be written again."""
         assert self.graph is not None, "launch before capture"
+        stream = torch.cuda.current_stream(self.buffers.device.device)
         self.buffers.copy()
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record(stream)
         self.graph.replay()
 
-    def read(self, b: int) -> torch.Tensor:
-        """The scores of the first ``b`` rows, on the CPU (waits for the device)."""
+    def read_async(self, b: int, *, keep: object = None) -> PendingScores:
+        """The scores of the first ``b`` rows, on their way to pinned host memory.
+
+        Enqueued on the replay's stream, right after it and before any later replay: so the
+        copy reads this replay's output even though the graphs share one memory pool (a later
+        replay of another bucket may write its intermediates over this output's blocks, and one
+        of this bucket overwrites it). The pending keeps this graph and its buffers alive, and
+        ``keep`` (what else the replay reads: the model's tables and program)."""
         assert self.out is not None, "read before capture"
-        return self.out[:b].cpu()
+        stream = torch.cuda.current_stream(self.out.device)
+        host = torch.empty(b, dtype=self.out.dtype, pin_memory=True)  # [b]
+        host.copy_(self.out[:b], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return PendingScores(host, done, keep=(self, keep))
 
 
 # --------------------------------------------------------------------------- the buckets
@@ -492,19 +523,27 @@ class CudaGraphs:
     ) -> torch.Tensor | None:
         """[B] probabilities on the CPU through the smallest bucket that fits ``batch`` (host
         tensors, no labels or weights), or None (counted by reason): run it eagerly."""
+        pending = self.start(batch, timings)
+        return None if pending is None else pending.result(timings)
+
+    def start(
+        self, batch: Batch | HostBatch, timings: dict[str, float] | None = None
+    ) -> PendingScores | None:
+        """:meth:`predict` without the wait: the scores on their way to the host, or None
+        (counted by reason): run it eagerly. ``timings`` gets ``h2d`` and ``compute`` (and
+        ``sync`` 0: :meth:`PendingScores.result` adds the wait)."""
         t0 = time.perf_counter()
         graph = self.prepare(batch)
         if graph is None:
             return None
         t1 = time.perf_counter()
         graph.launch()
+        pending = graph.read_async(batch.batch_size, keep=self)  # self: the model, its tables
         t2 = time.perf_counter()
-        out = graph.read(batch.batch_size)
-        t3 = time.perf_counter()
         self.stats.replays += 1
         if timings is not None:  # as LoadedModel.predict splits them; h2d: padding + pairs
-            timings.update(h2d=t1 - t0, compute=t2 - t1, sync=t3 - t2)
-        return out
+            timings.update(h2d=t1 - t0, compute=t2 - t1, sync=0.0)
+        return pending
 
     def prepare(self, batch: Batch | HostBatch) -> BucketGraph | None:
         """The host side of :meth:`predict`: ``batch`` padded into the host slots of the

@@ -6,6 +6,8 @@ the metrics). :meth:`LoadedModel.predict` is the whole request path after featur
 
     model = LoadedModel.load("exports/v3", device="cuda")
     probs = model.predict(batch)         # Batch from shared.fg → [B] float32 on the CPU
+    pending = model.start(batch)         # the same without waiting for the device (serve.batcher)
+    probs = pending.result()
 
 A dense program that takes the (candidate, element) pairs (bundle format 3, told by its input
 names: :class:`DenseProgram`) gets them computed on the host and moved with the batch's one copy;
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from serve.batcher import PendingScores
 from serve.graphs import Bucket, CudaGraphs, GraphStats
 from serve.host_batch import HostBatch
 from serve.lookup import EmbeddingTables, TableStats
@@ -418,8 +421,10 @@ class LoadedModel:
 
     @contextlib.contextmanager
     def between_batches(self) -> Iterator[None]:
-        """Hold the predict lock (shared by a model and its successors): no batch runs inside,
-        and the device is idle (synchronized on entry and exit)."""
+        """Hold the predict lock (shared by a model and its successors): no batch starts inside,
+        and the device is idle (synchronized on entry and exit): a batch started before (its
+        :class:`~serve.batcher.PendingScores` maybe not yet read) has finished on the device,
+        so the writes inside never race it."""
         with self._lock:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -453,15 +458,32 @@ class LoadedModel:
         asynchronously) and ``sync`` (waiting for the device and copying the scores back).
         A model superseded by an in-place delta predicts with its successor.
         """
-        with self._lock:
-            return self._serving()._predict(batch, timings)
+        return self.start(batch, timings).result(timings)
 
-    def _predict(self, batch: Batch | HostBatch, timings: dict[str, float] | None) -> torch.Tensor:
-        """:meth:`predict`, the lock held."""
+    def start(
+        self, batch: Batch | HostBatch, timings: dict[str, float] | None = None
+    ) -> PendingScores:
+        """:meth:`predict`, not waiting for the device: a batch replayed in a CUDA graph is
+        returned on its way to the host; an eager one (and any on the CPU) computed, done.
+
+        The lock is held only while the batch is started, so the next one can be prepared while
+        this one runs; its ``result`` adds the wait to ``timings["sync"]``. The pending holds the
+        graph it replays in, which so outlives a version swapped out meanwhile."""
+        with self._lock:
+            return self._serving()._start(batch, timings)
+
+    def _start(self, batch: Batch | HostBatch, timings: dict[str, float] | None) -> PendingScores:
+        """:meth:`start`, the lock held."""
         if self.graphs is not None:
-            replayed = self.graphs.predict(batch, timings)
+            replayed = self.graphs.start(batch, timings)
             if replayed is not None:
                 return replayed
+        return PendingScores.ready(self._predict_eagerly(batch, timings))
+
+    def _predict_eagerly(
+        self, batch: Batch | HostBatch, timings: dict[str, float] | None
+    ) -> torch.Tensor:
+        """[B] probabilities on the CPU, without graphs (waits for the device)."""
         if isinstance(batch, HostBatch):
             batch = batch.to_batch()
         if timings is None:

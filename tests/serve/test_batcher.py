@@ -8,16 +8,19 @@ import pytest
 import torch
 
 from serve.batcher import (
+    MAX_IN_FLIGHT,
     Batcher,
+    BatcherClosedError,
     BatcherConfig,
     BatchStats,
     DeadlineExpiredError,
+    PendingScores,
     concat_batches,
     merge_batches,
 )
 from serve.host_batch import HostBatch
 from serve.limits import Limits
-from serve.model import synthetic_batch
+from serve.model import LoadedModel, synthetic_batch
 from serve.offline import select_rows, tile_users
 from serve.validation import request_inputs
 from shared.batch import Batch
@@ -138,3 +141,160 @@ def test_merge_batches_builds_kjts_only_for_predictors_that_need_them(fs, reques
     mixed = merge_batches([hosts[0], parts[1], hosts[2]], host=True)  # a KJT batch among them
     assert isinstance(mixed, Batch)
     assert_same_batch(mixed, concat_batches(parts))
+
+
+# --------------------------------------------------------------------------- started batches
+
+
+class _LaterScores(PendingScores):
+    """Scores the test completes (``finish``), optionally with an error from ``result``."""
+
+    def __init__(self, scores: torch.Tensor) -> None:
+        super().__init__(scores)
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.finished.set()
+
+    def result(self, timings: dict[str, float] | None = None) -> torch.Tensor:
+        if not self.finished.wait(10):
+            raise TimeoutError("the test never finished this batch")
+        if self.error is not None:
+            raise self.error
+        return super().result(timings)
+
+
+class _Starter:
+    """A predictor with ``start``: batch k scores each row ``100 * k + its user``; each pending
+    is completed by the test (``done=True``: returned done)."""
+
+    reports_timings = True
+
+    def __init__(self, *, done: bool = False) -> None:
+        self.pendings: list[_LaterScores] = []
+        self._done = done
+
+    def start(self, batch: Batch, timings: dict[str, float] | None = None) -> PendingScores:
+        pending = _LaterScores(batch.user_index.to(torch.float32) + 100 * len(self.pendings))
+        if self._done:
+            pending.finish()
+        if timings is not None:
+            timings.update(h2d=0.0, compute=0.0)
+        self.pendings.append(pending)
+        return pending
+
+    def predict(self, batch: Batch) -> torch.Tensor:
+        raise AssertionError("a predictor with start is started, not called")
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"not within 10 s: {what}"
+        time.sleep(0.002)
+
+
+def _submit(b: Batcher, model, fs, n: int) -> list:
+    return [b.submit(model, synthetic_batch(fs, 1, 1, (0,))) for _ in range(n)]  # a batch each
+
+
+def test_started_batches_complete_in_order_at_most_two_in_flight(fs) -> None:
+    stats: list[BatchStats] = []
+    b = Batcher(BatcherConfig(max_batch_rows=1, max_wait_us=0), on_batch=stats.append)
+    model = _Starter()
+    try:
+        futs = _submit(b, model, fs, 4)
+        _until(lambda: len(model.pendings) == MAX_IN_FLIGHT, "two batches started")
+        time.sleep(0.05)
+        assert len(model.pendings) == 2  # the third start waits for a slot
+        model.pendings[1].finish()  # completed in start order: still waits for the first
+        time.sleep(0.05)
+        assert len(model.pendings) == 2 and not futs[1].done()
+        model.pendings[0].finish()
+        _until(lambda: len(model.pendings) == 4, "both slots free again")
+        _until(lambda: futs[0].done() and futs[1].done(), "the first two answered")
+        assert not futs[2].done()
+        model.pendings[3].finish()
+        model.pendings[2].finish()
+        results = [f.result(5) for f in futs]
+    finally:
+        b.close()
+    for k, got in enumerate(results):
+        np.testing.assert_array_equal(got, [100.0 * k])
+    assert [s.rows for s in stats] == [1, 1, 1, 1]
+    assert all(set(s.stages) == {"h2d", "compute", "sync"} and s.run_s >= 0 for s in stats)
+
+
+def test_close_drains_started_batches(fs) -> None:
+    b = Batcher(BatcherConfig(max_batch_rows=1, max_wait_us=0))
+    model = _Starter()
+    futs = _submit(b, model, fs, 3)
+    _until(lambda: len(model.pendings) == 2, "two batches started")
+    closer = threading.Thread(target=b.close, args=(10,))
+    closer.start()
+    with pytest.raises(BatcherClosedError):
+        b.submit(model, synthetic_batch(fs, 1, 1, (0,)))
+    time.sleep(0.05)
+    assert closer.is_alive() and not any(f.done() for f in futs)
+    for k in range(3):
+        _until(lambda k=k: len(model.pendings) > k, f"batch {k} started")
+        model.pendings[k].finish()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert [float(f.result(0)[0]) for f in futs] == [0.0, 100.0, 200.0]
+    assert not b._worker.is_alive() and not b._completer.is_alive()
+
+
+def test_a_failing_result_fails_only_its_batch(fs) -> None:
+    b = Batcher(BatcherConfig(max_batch_rows=1, max_wait_us=0))
+    model = _Starter()
+    try:
+        futs = _submit(b, model, fs, 2)
+        _until(lambda: len(model.pendings) == 2, "two batches started")
+        model.pendings[0].finish(RuntimeError("device lost"))
+        model.pendings[1].finish()
+        with pytest.raises(RuntimeError, match="device lost"):
+            futs[0].result(5)
+        np.testing.assert_array_equal(futs[1].result(5), [100.0])
+        later = _submit(b, model, fs, 1)[0]  # both threads still work, and both slots are free
+        _until(lambda: len(model.pendings) == 3, "a later batch started")
+        model.pendings[2].finish()
+        np.testing.assert_array_equal(later.result(5), [200.0])
+    finally:
+        b.close()
+
+
+def test_done_pendings_complete_on_the_worker(fs) -> None:
+    threads: list[str] = []
+    b = Batcher(
+        BatcherConfig(max_batch_rows=1, max_wait_us=0),
+        on_batch=lambda s: threads.append(threading.current_thread().name),
+    )
+    model = _Starter(done=True)
+    try:
+        results = [f.result(5) for f in _submit(b, model, fs, 3)]
+    finally:
+        b.close()
+    assert [float(r[0]) for r in results] == [0.0, 100.0, 200.0]
+    assert threads == ["batcher"] * 3  # inline, as without start
+
+
+def test_cpu_model_starts_done_batches(bundle_v1, fs) -> None:
+    model = LoadedModel.load(bundle_v1, device="cpu")
+    batch = synthetic_batch(fs, 2, 6, (3, 0))
+    timings: dict[str, float] = {}
+    pending = model.start(batch, timings)
+    assert pending.done and set(timings) == {"h2d", "compute", "sync"}
+    got = pending.result(timings)
+    assert torch.equal(got, model.predict(batch))
+    b = Batcher(BatcherConfig(max_wait_us=0))
+    try:
+        np.testing.assert_array_equal(b.submit(model, batch).result(5), got.numpy())
+    finally:
+        b.close()

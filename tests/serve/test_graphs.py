@@ -140,6 +140,35 @@ def test_host_batches_back_to_back_equal_eager(
     assert stats.replays - replays == 3 * (len(shapes) - 1)  # 9000 candidates: eagerly
 
 
+def test_batches_started_back_to_back_equal_eager(
+    graphed: LoadedModel, eager: LoadedModel, fs: FeatureSet, table: pa.Table
+) -> None:
+    """Batches started without waiting for the ones before (LoadedModel.start, as the batcher
+    does, here more than two at once), through the same bucket and different ones (whose
+    graphs share one memory pool), real rows and synthetic ones, one that runs eagerly among
+    them: each batch gets its own eager scores."""
+    rows = [table, table.slice(0, 7), table.slice(7, 20), table.slice(3, 1)]
+    real = [_no_labels(table_to_batch(graphed.fs, t)) for t in rows]
+    shapes = [(5, 20, (0, 3, 1, 9, 2)), (1, 64, (16,)), (40, 500, (0, 5, 17, 1, 20))]
+    shapes += [(10, 300, (0, 1, 2, 3, 4)), (1, 1, (0,)), (1, 8, (8,)), (2, 9000, (3, 0))]
+    synthetic = [synthetic_batch(fs, u, c, lens) for u, c, lens in shapes]
+    batches = [real[0], *synthetic[:2], real[1], *synthetic[2:5], real[2], *synthetic[5:]]
+    batches += [real[3], real[0], synthetic[0]]
+    buckets = [_bucket_of(graphed, b) for b in batches]
+    graphed_buckets = [b for b in buckets if b is not None]
+    assert len(set(graphed_buckets)) >= 3 and len(set(graphed_buckets)) < len(graphed_buckets)
+    assert None in buckets  # 9000 candidates: eagerly, between started batches
+    stats = graphed.graph_stats()
+    assert stats is not None
+    replays = stats.replays
+    pendings = [graphed.start(b) for b in batches]  # no waiting in between
+    got = [p.result() for p in pendings]
+    assert stats.replays - replays == len(graphed_buckets)
+    for batch, scores_, bucket in zip(batches, got, buckets, strict=True):
+        assert scores_.shape == (batch.batch_size,) and scores_.device.type == "cpu"
+        assert float((scores_ - eager.predict(batch)).abs().max()) <= ATOL, bucket
+
+
 def test_shape_outside_the_buckets_runs_eagerly(
     graphed: LoadedModel, eager: LoadedModel, fs: FeatureSet
 ) -> None:
