@@ -605,7 +605,9 @@ def _pins(
     if pinned_rows is None:
         return None, 0
     pinned = torch.zeros(table.capacity, dtype=torch.bool, device=dev)
-    pinned[pinned_rows.to(dev)] = True
+    # index_fill_ takes the value as a scalar: an index_put_ of True copies it from the host,
+    # a host sync (two a training step: the table's and the counter's full buckets)
+    pinned.index_fill_(0, pinned_rows.to(dev), True)
     return pinned, 1
 
 
@@ -879,7 +881,7 @@ def _overflow_torch(
     pinned = None
     if pinned_rows is not None:
         pinned = torch.zeros(table.capacity, dtype=torch.bool, device=dev)
-        pinned[pinned_rows.to(dev)] = True
+        pinned.index_fill_(0, pinned_rows.to(dev), True)  # as _pins: no host sync
     rows = torch.full_like(reps, -1)
     ek, et, refused = core.insert_overflow(
         table,
