@@ -2,14 +2,25 @@
 
 For each ``--num-workers`` value (lowered to the cores here, as the loader does), batches are
 read over consecutive epochs: ``--warmup`` batches, then ``--windows`` timed windows of
-``--window`` batches; the median window's samples/s is reported. Pinning is part of it on CUDA
-(``--pin-memory``), and ``--to-device`` adds the copy to the device through
+``--window`` batches. Reported: ``samples_per_s_sustained`` (all timed samples over all timed
+time: what a consumer gets on average) beside the median window's (a loader that buffers gives
+bursty windows, and their median overstates it). Pinning is part of it on CUDA (``--pin-memory``),
+and ``--to-device`` adds the copy to the device through
 :func:`train.data.prefetch.prefetch_to_device` (synchronized at each window's end).
 
-Beside the rate, the CPU it costs: ``main_cpu_ms_per_batch`` (the main process: receiving,
-unpacking, pinning) and ``worker_cpu_ms_per_batch`` (all workers, read after they exit), and from
-them the rate a machine with more cores could reach, ``estimate_samples_per_s`` for
-``--estimate-cores``: min(workers on all cores but one × one worker's rate, the main process's
+The CPU it costs, per batch: ``main_cpu_ms_per_batch`` (the main process: receiving, unpacking,
+pinning) and ``worker_cpu_ms_per_batch``: all workers' CPU during the timed windows only (read
+from ``/proc`` at their first and last batch), so without their start-up. It is steady when the
+timed batches span ``window_cycle_batches`` several times (every worker reads a shuffle window
+of ``--shuffle-rows`` rows once per cycle, as one burst); ``worker_cpu_ms_per_batch_with_startup``
+is the older figure (the workers' CPU from their start to their exit over the batches taken: it
+also counts start-up and the batches prefetched but never taken).
+
+``worker_steady``: one worker's work timed in this process over ``--worker-batches`` batches
+(torch and Arrow on one thread, as in a worker): Parquet read and shuffle, feature generation
+(split by feature: ``fg_parts``), packing into shared memory. It needs no long run and is the
+figure ``estimate_samples_per_s`` uses for ``--estimate-cores`` (falling back to the timed
+windows' figure): min(workers on all cores but one x one worker's rate, the main process's
 limit). On a machine shared with other work the CPU figures are the steadier ones::
 
     python -m bench.bench_loader --size small --num-workers 1,2 --out out/bench_loader.json
@@ -19,25 +30,38 @@ limit). On a machine shared with other work the CPU figures are the steadier one
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
-from shared.batch import Batch
+from shared.batch import Batch, pack
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
-from shared.features import build_feature_set
-from train.data.loader import MESSAGE_ROWS, Loader, usable_workers
+from shared.features import FeatureSet, FeatureSpec, build_feature_set
+from shared.fg import FgStats, plain_array, scalar_ids, sequence_ids, table_to_batch
+from shared.fg_plan import feature_plan
+from train.data.loader import (
+    MESSAGE_ROWS,
+    Loader,
+    Window,
+    _Batches,
+    message_batches,
+    usable_workers,
+)
+from train.data.memory import keep_freed_memory, shared_buffer
 from train.data.prefetch import prefetch_to_device
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +74,30 @@ EXAMPLE = """examples:
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _workers_cpu() -> float | None:
+    """CPU seconds of this process's children so far: the exited ones (waited for) and the live
+    ones (``/proc/<pid>/stat``); None without ``/proc``."""
+    total = _children_cpu()
+    try:
+        pids = {
+            int(p)
+            for task in Path("/proc/self/task").iterdir()
+            for p in (task / "children").read_text().split()
+        }
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:  # exited (and waited for: counted above) since the listing
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
 
 
 def _stream(
@@ -66,38 +114,163 @@ def _stream(
 def measure(
     loader: Loader, args: argparse.Namespace, device: torch.device | None
 ) -> dict[str, object]:
-    """Median samples/s of the timed windows and the CPU per batch (see the module doc)."""
+    """Samples/s of the timed windows and the CPU per batch (see the module doc)."""
     children0 = _children_cpu()
     stream = _stream(loader, device, args.copy == "one")
     for _ in range(args.warmup):
         next(stream)
-    rates, main_cpu, batches = [], 0.0, 0
+    rates, main_cpu, batches, rows, seconds = [], 0.0, 0, 0, 0.0
+    workers0 = _workers_cpu()
     for _ in range(args.windows):
-        cpu0, t0, rows = time.process_time(), time.perf_counter(), 0
+        cpu0, t0, window_rows = time.process_time(), time.perf_counter(), 0
         for _ in range(args.window):
-            rows += next(stream).batch_size
+            window_rows += next(stream).batch_size
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
-        rates.append(rows / (time.perf_counter() - t0))
+        elapsed = time.perf_counter() - t0
+        rates.append(window_rows / elapsed)
+        rows, seconds = rows + window_rows, seconds + elapsed
         main_cpu += time.process_time() - cpu0
         batches += args.window
+    workers1 = _workers_cpu()
     stream.close()  # the DataLoader's workers exit; their CPU time is then counted
-    produced = args.warmup + batches
-    worker_ms = (_children_cpu() - children0) / produced * 1e3
-    main_ms = main_cpu / batches * 1e3
+    steady = None if workers0 is None or workers1 is None else (workers1 - workers0) / batches
+    batch_rows = loader.global_batch_size
     return {
         "num_workers": loader.num_workers,
+        "samples_per_s_sustained": rows / seconds,
         "samples_per_s_median": statistics.median(rates),
         "samples_per_s_windows": rates,
-        "main_cpu_ms_per_batch": main_ms,
-        "worker_cpu_ms_per_batch": worker_ms if loader.num_workers else None,
+        "timed_batches": batches,
+        "window_cycle_batches": loader.num_workers * -(-loader.shuffle_rows // batch_rows),
+        "main_cpu_ms_per_batch": main_cpu / batches * 1e3,
+        "worker_cpu_ms_per_batch": steady * 1e3 if loader.num_workers and steady else None,
+        "worker_cpu_ms_per_batch_with_startup": (
+            (_children_cpu() - children0) / (args.warmup + batches) * 1e3
+            if loader.num_workers
+            else None
+        ),
     }
 
 
-def estimate(row: dict[str, object], batch: int, cores: int) -> float | None:
-    """Samples/s on ``cores`` cores from the CPU per batch: workers on ``cores - 1`` of them,
-    bounded by the main process's own work per batch."""
-    worker, main = row["worker_cpu_ms_per_batch"], row["main_cpu_ms_per_batch"]
+class _TimedBatches(_Batches):
+    """A worker's stream with the CPU of its steps counted (:func:`worker_steady`)."""
+
+    cpu: dict[str, float]
+    tables: list[pa.Table]  # the batches' rows, for :func:`fg_parts`
+
+    def _read(self, window: Window) -> pa.Table:
+        cpu0 = time.process_time()
+        table = super()._read(window)
+        self.cpu["read"] += time.process_time() - cpu0
+        return table
+
+    def _batch(self, table: pa.Table) -> tuple[Batch, FgStats]:
+        cpu0 = time.process_time()
+        out = super()._batch(table)
+        self.cpu["fg"] += time.process_time() - cpu0
+        if len(self.tables) < _FG_PARTS_BATCHES:
+            self.tables.append(table)
+        return out
+
+
+_FG_PARTS_BATCHES = 32
+
+
+def worker_steady(loader: Loader, batches: int) -> dict[str, object]:
+    """CPU ms per batch of one worker's work (stream 0 of ``loader``'s plan, over epochs 0, 1,
+    ... until ``batches``), in this process on one thread as in a worker, split into its steps:
+    read (Parquet decode and shuffle), fg (:func:`~shared.fg.table_to_batch`), pack (into shared
+    memory), other (cutting the windows into batches)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    keep_freed_memory()  # as _worker_init
+    cpu = dict.fromkeys(("read", "fg", "pack"), 0.0)
+    tables: list[pa.Table] = []
+    done, cpu0 = 0, time.process_time()
+    try:
+        for epoch in itertools.count():
+            dataset = _worker_dataset(loader, epoch)
+            dataset.cpu, dataset.tables = cpu, tables
+            played = dataset._play(dataset.streams[0], 0)
+            while done < batches and (
+                chunk := list(itertools.islice(played, dataset.message_batches))
+            ):
+                pack0 = time.process_time()
+                pack([b for b, _ in chunk], shared_buffer)
+                cpu["pack"] += time.process_time() - pack0
+                done += len(chunk)
+            if done >= batches:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    total = time.process_time() - cpu0
+    out: dict[str, object] = {"batches": done, "cpu_ms_per_batch": total / done * 1e3}
+    out |= {name: t / done * 1e3 for name, t in cpu.items()}
+    out["other"] = (total - sum(cpu.values())) / done * 1e3
+    out["fg_parts"] = fg_parts(loader.fs, tables)
+    return out
+
+
+def _worker_dataset(loader: Loader, epoch: int) -> _TimedBatches:
+    return _TimedBatches(
+        loader.fs,
+        loader._streams(epoch),
+        [0],
+        [0],
+        batch_size=loader.global_batch_size,
+        shuffle=loader.shuffle,
+        seed=loader.seed,
+        epoch=epoch,
+        drop_last=loader.drop_last,
+        columns=loader.columns,
+        rank=loader.rank,
+        world_size=loader.world_size,
+        message_batches=message_batches(loader.global_batch_size, loader.message_rows),
+    )
+
+
+def fg_parts(fs: FeatureSet, tables: list[pa.Table]) -> dict[str, float]:
+    """CPU ms per batch of each step of feature generation over ``tables``: the columns made
+    plain, each scalar feature, each sequence, and the rest of :func:`table_to_batch` (labels,
+    KeyedJaggedTensors)."""
+    plan = feature_plan(fs)
+    parts: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[pa.Table], object]) -> None:
+        cpu0 = time.process_time()
+        for table in tables:
+            fn(table)
+        parts[name] = (time.process_time() - cpu0) / max(len(tables), 1) * 1e3
+
+    timed("table_to_batch", functools.partial(table_to_batch, fs))
+    timed("columns", lambda t: [plain_array(t.column(n)) for n in fs.features])
+    for spec in (*plan.user, *plan.item_kjt):
+        timed(f"{spec.name} ({spec.transform.value})", functools.partial(_scalar, spec))
+    for specs in plan.sequences:
+        timed(specs[0].sequence_name or specs[0].name, functools.partial(_sequence, specs))
+    parts["rest"] = parts["table_to_batch"] - sum(
+        v for k, v in parts.items() if k != "table_to_batch"
+    )
+    return parts
+
+
+def _scalar(spec: FeatureSpec, table: pa.Table) -> object:
+    return scalar_ids(spec, table.column(spec.name))
+
+
+def _sequence(specs: tuple[FeatureSpec, ...], table: pa.Table) -> object:
+    return sequence_ids(specs, [table.column(s.name) for s in specs], truncate=True)
+
+
+def estimate(
+    row: dict[str, object], batch: int, cores: int, worker_ms: float | None = None
+) -> float | None:
+    """Samples/s on ``cores`` cores from the CPU per batch: workers on ``cores - 1`` of them
+    (``worker_ms`` per batch each, default the row's timed-window figure), bounded by the main
+    process's own work per batch."""
+    worker = worker_ms if worker_ms is not None else row["worker_cpu_ms_per_batch"]
+    main = row["main_cpu_ms_per_batch"]
     if not isinstance(worker, float) or not isinstance(main, float) or worker <= 0:
         return None
     return min(max(cores - 1, 1) * batch / worker * 1e3, batch / max(main, 1e-9) * 1e3)
@@ -121,7 +294,13 @@ def _parser() -> Parser:
     )
     p.add_argument("--warmup", type=int, default=10, help="batches read before timing")
     p.add_argument("--window", type=int, default=20, help="batches per timed window")
-    p.add_argument("--windows", type=int, default=5, help="timed windows (median reported)")
+    p.add_argument("--windows", type=int, default=5, help="timed windows")
+    p.add_argument(
+        "--worker-batches",
+        type=int,
+        default=96,
+        help="batches of the in-process worker_steady measurement (0: none)",
+    )
     p.add_argument(
         "--shuffle-rows",
         type=int,
@@ -188,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     fs = build_feature_set(load_config(args.config))
     train = _samples(args)
     rows = []
+    steady: dict[str, object] | None = None
     for w in workers:
         loader = Loader(
             train,
@@ -200,9 +380,19 @@ def main(argv: list[str] | None = None) -> int:
             message_rows=args.message_rows,
         )
         row = measure(loader, args, device)
-        row["estimate_samples_per_s"] = estimate(row, args.batch, args.estimate_cores)
-        print(json.dumps(row), flush=True)
         rows.append(row)
+    if args.worker_batches > 0:  # after the runs: it sets this process's malloc as a worker's
+        steady = worker_steady(loader, args.worker_batches)
+        print(json.dumps({"worker_steady": steady}), flush=True)
+    worker_ms = steady["cpu_ms_per_batch"] if steady is not None else None
+    for row in rows:
+        row["estimate_samples_per_s"] = estimate(
+            row,
+            args.batch,
+            args.estimate_cores,
+            worker_ms if isinstance(worker_ms, float) else None,
+        )
+        print(json.dumps(row), flush=True)
     result = {
         "bench": "loader",
         "samples": str(train),
@@ -216,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate_cores": args.estimate_cores,
         "torch": torch.__version__,
         "runs": rows,
+        "worker_steady": steady,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

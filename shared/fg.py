@@ -302,7 +302,59 @@ def bucket_ids(spec: FeatureSpec, x: np.ndarray) -> np.ndarray | None:
     """The buckets of float64 prices ``x``; None if one is NaN, infinite or negative."""
     if not (np.isfinite(x) & (x >= 0)).all():
         return None
-    return np.searchsorted(_decimal_boundaries(spec.boundaries), x, side="right").astype(np.int64)
+    table = _bucket_table(spec.boundaries) if x.ndim == 1 else None
+    if table is None:
+        return np.searchsorted(_decimal_boundaries(spec.boundaries), x, side="right").astype(
+            np.int64
+        )
+    return table.buckets(x)
+
+
+@dataclass(frozen=True)
+class _BucketTable:
+    """``searchsorted(boundaries, x, side="right")`` for finite ``x >= 0`` by a table lookup.
+
+    A non-negative double's bit pattern (int64) grows with its value, so its top bits name a
+    *cell* of values (``bits >> shift``), and ``low``/``high`` count the boundaries below ``x``'s
+    cell and below the next one. Where they agree (no boundary in the cell) that count is the
+    answer; the few others are searched. The same buckets as the search, at a fraction of its
+    cost (its branches mispredict on every level for random prices).
+    """
+
+    boundaries: np.ndarray  # float64, ascending, finite, >= 0
+    shift: int
+    first: int  # cell of the first boundary
+    low: np.ndarray  # int64 [cells + 2]: boundaries below cell ``first + j - 1``
+    high: np.ndarray  # int64 [cells + 2]: boundaries below the cell after it
+
+    def buckets(self, x: np.ndarray) -> np.ndarray:
+        j = ((x + 0.0).view(np.int64) >> self.shift) - (self.first - 1)  # + 0.0: -0.0 is 0.0
+        np.clip(j, 0, len(self.low) - 1, out=j)  # 0: below the first cell, last: above all
+        lo, hi = self.low[j], self.high[j]
+        todo = np.flatnonzero(lo != hi)  # a boundary in the cell
+        if len(todo):
+            lo[todo] = np.searchsorted(self.boundaries, x[todo], side="right")
+        return lo
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_table(boundaries: tuple[float, ...]) -> _BucketTable | None:
+    """The lookup of :func:`bucket_ids` for ``boundaries``; None where they do not suit it
+    (a negative or unsorted boundary: the bits would not order them)."""
+    b = _decimal_boundaries(boundaries)
+    if not len(b) or not (np.isfinite(b).all() and b[0] >= 0 and (np.diff(b) >= 0).all()):
+        return None
+    bits = (b + 0.0).view(np.int64)
+    shift = 44  # cells of 2**-8 of an octave
+    while (bits[-1] >> shift) - (bits[0] >> shift) >= 1 << 16:
+        shift += 1
+    first, last = int(bits[0] >> shift), int(bits[-1] >> shift)
+    starts = np.arange(first, last + 2, dtype=np.int64) << np.int64(shift)
+    below = np.searchsorted(bits, starts, side="left").astype(np.int64)  # [cells + 1]
+    n = np.array([len(b)])
+    low = np.concatenate([[0], below[:-1], n])
+    high = np.concatenate([[0], below[1:], n])
+    return _BucketTable(b, shift, first, low, high)
 
 
 @functools.lru_cache(maxsize=64)
@@ -330,6 +382,11 @@ def scalar_ids(
     valid = _valid_mask(arr)
     if valid is not None and stats is not None:
         stats.missing[spec.name] += arr.null_count
+    lengths = np.ones(n, np.int32) if valid is None else valid.astype(np.int32)
+    if spec.transform is not IdTransform.BUCKETIZE and pa.types.is_signed_integer(arr.type):
+        ints = values_ignoring_nulls(arr)  # numpy throughout: no Arrow array of the present ids
+        ints = ints[valid] if valid is not None else ints
+        return _ints_to_ids(spec, ints.astype(np.int64, copy=False)), lengths
     if valid is not None and (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
         arr = pa.array(values_ignoring_nulls(arr)[valid])  # cheaper than Array.filter
     elif valid is not None:
@@ -340,7 +397,6 @@ def scalar_ids(
         ids = _strings_to_ids(spec, arr)
     else:
         ids = _ints_to_ids(spec, _to_int64(spec.name, arr))
-    lengths = np.ones(n, np.int32) if valid is None else valid.astype(np.int32)
     return ids, lengths
 
 

@@ -235,18 +235,27 @@ _ASCII0 = 0x3030303030303030
 def _parse_upto8(words: np.ndarray, pos: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Decimal value of the ``n[i]`` (1..8) ASCII digits at byte ``pos[i]`` (digits checked before).
 
-    SWAR (Lemire's eight-digit parse): the token's bytes are shifted to the top of a uint64
-    (dropping the bytes after the token), '0' is subtracted, and three multiplications combine
-    the digits.
+    SWAR (Lemire's eight-digit parse): '0' is subtracted from every byte, the token's bytes are
+    shifted to the top of a uint64 (dropping the bytes after the token: a borrow only moves up
+    into them), and three multiplications combine the digits. In place, on one array.
     """
     u = np.uint64
-    sh = ((8 - n) << 3).astype(u)
-    w = (words[pos] << sh) - (u(_ASCII0) << sh)  # top n bytes: digit values; low bytes: 0
-    w = (w * u(2561)) >> u(8)  # adjacent digit pairs
+    sh = (8 - n).astype(u)
+    sh <<= u(3)
+    w = words[pos]
+    w -= u(_ASCII0)
+    w <<= sh  # top n bytes: digit values; low bytes: 0
+    w *= u(2561)  # adjacent digit pairs
+    w >>= u(8)
     mask = u(0x000000FF000000FF)
-    return (
-        (w & mask) * u(100 + (1000000 << 32)) + ((w >> u(16)) & mask) * u(1 + (10000 << 32))
-    ) >> u(32)
+    low = w & mask
+    low *= u(100 + (1000000 << 32))
+    w >>= u(16)
+    w &= mask
+    w *= u(1 + (10000 << 32))
+    w += low
+    w >>= u(32)
+    return w
 
 
 def byte_words(data: np.ndarray) -> np.ndarray:
@@ -259,9 +268,14 @@ def byte_words(data: np.ndarray) -> np.ndarray:
     )
 
 
-def _parse_digits(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Parse decimal tokens (1..19 digits, already checked) at ``data[starts : starts + lens]``."""
+def _parse_digits(
+    data: np.ndarray, starts: np.ndarray, lens: np.ndarray, longest: int = 19
+) -> np.ndarray:
+    """Parse decimal tokens (1..19 digits, already checked) at ``data[starts : starts + lens]``;
+    ``longest``: at least ``lens.max()``."""
     words = byte_words(data)
+    if longest <= 8:
+        return _parse_upto8(words, starts, lens)
     short = lens <= 8
     if short.all():
         return _parse_upto8(words, starts, lens)
@@ -290,46 +304,46 @@ def split_int_tokens(arr: pa.Array, delim: int, one_empty: np.ndarray) -> Tokens
     """Split a string column on the single byte ``delim`` and parse integer tokens.
 
     Rows of length 0 have no token, except where ``one_empty`` says they hold one empty token.
+    A token starts at its row or after a delimiter and ends at a delimiter or at its row's end;
+    along the tokens (row by row) both positions only grow, so each is the sorted union of the
+    two kinds (a stable sort of two sorted runs: one merge).
     """
     offsets, data = string_buffers(arr)
-    row_len = np.diff(offsets)
-    dpos = np.flatnonzero(data == delim)
-    ntok = np.diff(np.searchsorted(dpos, offsets)) + (row_len > 0)
-    ntok = ntok + one_empty
-    tok_off = np.zeros(len(ntok) + 1, np.int64)
-    np.cumsum(ntok, out=tok_off[1:])
-    total = int(tok_off[-1])
-    has = ntok > 0
-    first, last = tok_off[:-1][has], tok_off[1:][has] - 1
-    starts = np.empty(total, np.int64)
-    ends = np.empty(total, np.int64)
-    inner = np.ones(total, bool)
-    inner[first] = False
-    starts[first], starts[inner] = offsets[:-1][has], dpos + 1
-    inner[:] = True
-    inner[last] = False
-    ends[last], ends[inner] = offsets[1:][has], dpos
+    is_delim = data == delim
+    dpos = np.flatnonzero(is_delim)
+    has = offsets[1:] != offsets[:-1]  # rows with at least one token
+    has |= one_empty
+    ntok = np.diff(np.searchsorted(dpos, offsets))  # delimiters per row
+    ntok += has
+    starts = np.concatenate([offsets[:-1][has], dpos + 1])
+    starts.sort(kind="stable")
+    ends = np.concatenate([dpos, offsets[1:][has]])
+    ends.sort(kind="stable")
     tlen = ends - starts
     missing = tlen == 0
     nondigit = (data - np.uint8(48)) > 9  # uint8 wraps: True for every byte outside '0'..'9'
-    nondigit[dpos] = False
-    if nondigit.any():
-        at = int(np.flatnonzero(nondigit)[0])
-        bad = (starts <= at) & (ends > at)
-        _bad_token(arr, tok_off, data, starts, ends, bad, "not a non-negative integer")
-    if (tlen > 19).any():
-        _bad_token(arr, tok_off, data, starts, ends, tlen > 19, "outside int64")
-    ints = _parse_digits(data, starts, np.maximum(tlen, 1))
-    if (ints > np.uint64(INT64_MAX)).any():
-        _bad_token(arr, tok_off, data, starts, ends, ints > np.uint64(INT64_MAX), "outside int64")
-    ints = ints.astype(np.int64)
-    ints[missing] = 0
+    if np.count_nonzero(nondigit) != len(dpos) or 0x30 <= delim <= 0x39:
+        nondigit &= ~is_delim
+        if nondigit.any():
+            at = int(np.argmax(nondigit))
+            bad = (starts <= at) & (ends > at)
+            _bad_token(arr, ntok, data, starts, ends, bad, "not a non-negative integer")
+    longest = int(tlen.max()) if len(tlen) else 0
+    if longest > 19:
+        _bad_token(arr, ntok, data, starts, ends, tlen > 19, "outside int64")
+    any_missing = bool(missing.any())
+    ints = _parse_digits(data, starts, np.maximum(tlen, 1) if any_missing else tlen, longest)
+    if longest == 19 and (ints > np.uint64(INT64_MAX)).any():  # 18 digits are below 2**63
+        _bad_token(arr, ntok, data, starts, ends, ints > np.uint64(INT64_MAX), "outside int64")
+    ints = ints.view(np.int64)
+    if any_missing:
+        ints[missing] = 0
     return Tokens(ntok.astype(np.int64), ints, missing)
 
 
 def _bad_token(
     arr: pa.Array,
-    tok_off: np.ndarray,
+    ntok: np.ndarray,
     data: np.ndarray,
     starts: np.ndarray,
     ends: np.ndarray,
@@ -337,6 +351,6 @@ def _bad_token(
     why: str,
 ) -> None:
     i = int(np.flatnonzero(bad)[0])
-    row = int(np.searchsorted(tok_off, i, side="right") - 1)
+    row = int(np.searchsorted(np.cumsum(ntok), i, side="right"))
     token = bytes(data[starts[i] : ends[i]]).decode("utf-8", "replace")
     raise TokenError(f"malformed sequence token {token!r} in row {row} ({why}): {arr[row]}")

@@ -29,7 +29,8 @@ differ by at most one row in a short batch), converting only that part to tensor
 batch of a step is the concatenation of the ranks' batches in rank order, and equals the batch a
 ``world_size=1`` loader with ``batch_size × world_size`` gives (same seed, workers, files): the
 property that makes ``W`` ranks comparable with one process. Every rank reads every window (the
-Parquet decode is ~20 % of the per-row cost; feature generation, the rest, is split) and all
+Parquet decode and shuffle are about a third of a worker's CPU per row, packing a tenth; feature
+generation, the rest, is split: ``python -m bench.bench_loader`` reports the parts) and all
 ranks get the same number of batches, so no rank waits for another at the end of an epoch. A
 short global batch of fewer than ``world_size`` rows is dropped.
 """
@@ -54,6 +55,7 @@ from protos import pipeline_pb2
 from shared.batch import Batch, byte_span, pack, rebase
 from shared.features import FeatureSet
 from shared.fg import ORACLE_COLUMN, FgStats, table_to_batch
+from train.data.memory import keep_freed_memory, shared_buffer
 
 log = logging.getLogger(__name__)
 _CLAMPS_SAID: set[tuple[int, int]] = set()  # (asked, cores) already logged in this process
@@ -219,14 +221,10 @@ class _Message:
 
 def _worker_init(_worker_id: int) -> None:
     """Leave the objects inherited from the main process out of the worker's garbage collection:
-    a full collection over them (~340K objects) took ~350 ms and copied their pages."""
+    a full collection over them (~340K objects) took ~350 ms and copied their pages. Keep freed
+    arrays for reuse (:func:`~train.data.memory.keep_freed_memory`)."""
     gc.freeze()
-
-
-def _shared_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 buffer in shared memory (the file-descriptor kind the DataLoader's queues pass),
-    allocated there directly: ``share_memory_()`` would allocate, then copy."""
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+    keep_freed_memory()
 
 
 def _pinned_buffer(nbytes: int) -> torch.Tensor:
@@ -271,7 +269,7 @@ class _Batches(IterableDataset):
         info = get_worker_info()
         stream = self.assignment[info.id if info is not None else 0]
         alloc: Callable[[int], torch.Tensor] | None = (
-            _shared_buffer if info is not None else _pinned_buffer if self.pin_memory else None
+            shared_buffer if info is not None else _pinned_buffer if self.pin_memory else None
         )
         played = self._play(self.streams[stream], self.skips[stream] * self.batch_size)
         while chunk := list(itertools.islice(played, self.message_batches)):
@@ -282,8 +280,10 @@ class _Batches(IterableDataset):
             yield _Message(pack(batches, alloc) if alloc is not None else batches, stats)
 
     def _read(self, window: Window) -> pa.Table:
+        """The rows of ``window``, shuffled. One thread: a worker is one of a process per core,
+        and Arrow's thread pool only added CPU (about 30 % more for the same decode)."""
         tables = [
-            pq.ParquetFile(g.path).read_row_group(g.index, columns=self.columns)
+            self._file(g.path).read_row_group(g.index, columns=self.columns, use_threads=False)
             for g in window.groups
         ]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
@@ -291,6 +291,16 @@ class _Batches(IterableDataset):
             rng = np.random.default_rng([self.seed, self.epoch, window.index])
             table = table.take(pa.array(rng.permutation(table.num_rows)))
         return table
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k != "_files"}  # open files stay here
+
+    def _file(self, path: str) -> pq.ParquetFile:
+        """``path`` opened once per worker (its footer parsed once, not once per row group)."""
+        files: dict[str, pq.ParquetFile] = self.__dict__.setdefault("_files", {})
+        if path not in files:
+            files[path] = pq.ParquetFile(path)
+        return files[path]
 
     def _play(self, windows: list[Window], skip_rows: int) -> Iterator[tuple[Batch, FgStats]]:
         carry: pa.Table | None = None
