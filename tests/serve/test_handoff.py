@@ -105,11 +105,7 @@ def test_handed_off_batches_reach_the_model_as_host_batches(
     with _open_channel(recorder, config, batching) as ch:
         client, _server, _batcher, token = ch
         handle = _Model(model, token)
-        batches = [_batch(fs, r) for r in requests]
-        futures = [client.submit(handle, b) for b in batches]
-        for b, f in zip(batches, futures, strict=True):
-            want = model.predict(b).numpy()
-            np.testing.assert_allclose(f.result(WAIT_S), want, rtol=1e-6, atol=1e-7)
+        _assert_answers(client, handle, model, [_batch(fs, r) for r in requests])
     assert recorder.given and all(isinstance(b, HostBatch) for b in recorder.given)
 
 
@@ -156,6 +152,14 @@ def channel(model: LoadedModel) -> Iterator[tuple[HandoffClient, HandoffServer, 
         yield ch
 
 
+def _assert_answers(client, handle, model: LoadedModel, batches) -> None:
+    """Submit every batch at once; each answer equals the model's own scores."""
+    futures = [client.submit(handle, b) for b in batches]
+    for b, f in zip(batches, futures, strict=True):
+        want = model.predict(b).numpy()
+        np.testing.assert_allclose(f.result(WAIT_S), want, rtol=1e-6, atol=1e-7)
+
+
 def test_answers_equal_the_model_through_slots_and_the_pipe(
     channel, model: LoadedModel, fs: FeatureSet, requests
 ) -> None:
@@ -163,10 +167,7 @@ def test_answers_equal_the_model_through_slots_and_the_pipe(
     handle = _Model(model, token)
     batches = [_batch(fs, r) for r in requests]
     # 12 at once over 2 slots: most go through the pipe instead (never refused)
-    futures = [client.submit(handle, b) for b in batches]
-    for b, f in zip(batches, futures, strict=True):
-        want = model.predict(b).numpy()
-        np.testing.assert_allclose(f.result(WAIT_S), want, rtol=1e-6, atol=1e-7)
+    _assert_answers(client, handle, model, batches)
     assert client.payload_sends > 0
     sent = client.payload_sends
     for b in batches[:3]:  # one at a time: a slot each time
