@@ -745,6 +745,8 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         extra += ["--cuda-graphs", spec.cuda_graphs]
     if spec.frontends:
         extra += ["--frontends", str(spec.frontends)]
+        if a.handoff_inflight is not None:
+            extra += ["--handoff-inflight", str(a.handoff_inflight)]
     result: dict[str, Any] = {"run": spec.name, **vars(spec), "server_args": extra}
     group = ServerGroup(bundle, spec.device, spec.workers, work, extra)
     cpu = gpu = None
@@ -1057,6 +1059,13 @@ def _parser() -> Parser:
     )
     p.add_argument(
         "--max-queue", type=int, default=None, help="server admission bound (default: the server's)"
+    )
+    p.add_argument(
+        "--handoff-inflight",
+        type=int,
+        default=None,
+        help="frontend runs (WORKERS fN): serve --handoff-inflight, the handoffs a frontend has "
+        "waiting before it groups the requests queued behind them (default: the server's)",
     )
     p.add_argument(
         "--cuda-graphs",

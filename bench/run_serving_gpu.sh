@@ -9,7 +9,7 @@
 #     brotli==1.2.1 python-engineio==4.15.1 python-socketio==5.18.1 bidict==0.24.1 \
 #     simple-websocket==1.1.0 wsproto==1.3.2 websocket-client==1.9.2 py-spy==0.4.3
 # (plus grpcio==1.85.3 grpcio-health-checking grpcio-reflection prometheus-client, already in .whl:
-# the generated stubs want grpcio >= 1.85.1). About 7-8 minutes; writes under $OUT:
+# the generated stubs want grpcio >= 1.85.1). About 8-9 minutes; writes under $OUT:
 # bench_serving.json, pyspy_raw.txt, bench_serving.log.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
@@ -18,14 +18,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc
 .site/bin/py-spy --version
 # runs (500 candidates per request, candidate_columns; a synthetic format 3 bundle of 1.5M keys
-# with the seed config's dense part taking the pairs, so CUDA servers can replay CUDA graphs):
-# each CUDA run twice, --cuda-graphs on and off (the same bundle): one GPU server process at 32
-# closed-loop users, eight processes at 64 users (throughput) and at 8 users (latency); the CPU
-# baseline at 32 users; one process at 1 user for the latency at about 100K candidates/s
-# (#19's p99 <= 5 ms goal). The offline profile (CUDA graphs on and off, and CPU) gives the kernel
-# and graph launches of predict() of one 500-candidate batch and the graph stats (captures,
-# capture seconds and memory, replays, eager by reason).
-timeout "${BENCH_TIMEOUT:-480}" python3 -m bench.bench_serving --out "$OUT" --work /tmp/bench_serving \
-  --run cuda:1:500:32 --run cuda:8:500:64 --run cuda:8:500:8 --run cuda:1:500:1 --run cpu:1:500:32 \
-  --cuda-graphs on off --duration "${BENCH_DURATION:-15}" --warmup-s 3 --processes 4 "$@" \
+# with the seed config's dense part taking the pairs, so CUDA servers can replay CUDA graphs),
+# CUDA graphs on (graphs off was compared on 2026-12-01: bench/results/bench_serving_graphs_h200.json):
+# one GPU process with 8 frontends (serve --frontends 8, #19's one-context design) at 8, 16, 32 and
+# 64 closed-loop users, and with 4 frontends at 16 (fewer processes competing with locust for
+# the 16 cores); 8 server processes at 16 users for reference; one process at 1 user for the
+# latency at about 100K candidates/s (#19's p99 <= 5 ms goal); the CPU baseline at 32 users. The
+# offline profile gives the kernel and graph launches of predict() of one 500-candidate batch and
+# the graph stats. Extra arguments go to bench_serving (e.g. --max-wait-us 0, --handoff-inflight 1).
+timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.bench_serving --out "$OUT" --work /tmp/bench_serving \
+  --run cuda:f8:500:8 --run cuda:f8:500:16 --run cuda:f8:500:32 --run cuda:f8:500:64 \
+  --run cuda:f4:500:16 --run cuda:8:500:16 --run cuda:1:500:1 --run cpu:1:500:32 \
+  --cuda-graphs on --duration "${BENCH_DURATION:-10}" --warmup-s 2 --processes 6 "$@" \
   2>&1 | tee "$OUT/bench_serving.log"
