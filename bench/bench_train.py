@@ -159,10 +159,17 @@ def end_to_end(
     return figures, trainer
 
 
-def warm_step_figures(trainer: Trainer, batches, args) -> dict[str, Any]:
-    """:func:`profile_model` of the model ``trainer`` trained, with its optimizers and graphs."""
-    found, _ = profile_model(trainer.model, trainer.optimizers, batches, warmup=args.warmup,
-                             steps=args.steps, graphs=trainer.graphs)  # fmt: skip
+def warm_step_figures(trainer: Trainer, batches, args, name: str) -> dict[str, Any]:
+    """:func:`profile_model` of the model ``trainer`` trained, with its optimizers and graphs;
+    the profile's tables (top operators and kernels by device time) go beside ``--out``, as
+    ``<out>.<name>_warm.txt``."""
+    found, text = profile_model(trainer.model, trainer.optimizers, batches, warmup=args.warmup,
+                                steps=args.steps, graphs=trainer.graphs)  # fmt: skip
+    tables = args.out.with_name(f"{args.out.stem}.{name}_warm.txt")
+    tables.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tables.with_name(tables.name + ".tmp")
+    tmp.write_text("\n".join(text) + "\n")
+    tmp.replace(tables)
     return found
 
 
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not args.no_end_to_end:
             entry["end_to_end"], trainer = end_to_end(path, samples, args, device)
-            entry["step_warm"] = warm_step_figures(trainer, batches, args)
+            entry["step_warm"] = warm_step_figures(trainer, batches, args, name)
             del trainer
             # its CUDA graphs, left in reference cycles, must not reach the next config's
             # DataLoader workers: a forked worker that frees one dies (CUDA initialization error)
