@@ -58,7 +58,6 @@ from train.data.loader import (
     Loader,
     Window,
     _Batches,
-    message_batches,
     usable_workers,
 )
 from train.data.memory import keep_freed_memory, shared_buffer
@@ -213,21 +212,10 @@ def worker_steady(loader: Loader, batches: int) -> dict[str, object]:
 
 
 def _worker_dataset(loader: Loader, epoch: int) -> _TimedBatches:
-    return _TimedBatches(
-        loader.fs,
-        loader._streams(epoch),
-        [0],
-        [0],
-        batch_size=loader.global_batch_size,
-        shuffle=loader.shuffle,
-        seed=loader.seed,
-        epoch=epoch,
-        drop_last=loader.drop_last,
-        columns=loader.columns,
-        rank=loader.rank,
-        world_size=loader.world_size,
-        message_batches=message_batches(loader.global_batch_size, loader.message_rows),
-    )
+    """Stream 0 of ``epoch`` as the loader's workers play it, its steps timed."""
+    dataset = loader.dataset(epoch, loader._streams(epoch), [0], [0], cls=_TimedBatches)
+    assert isinstance(dataset, _TimedBatches)
+    return dataset
 
 
 def fg_parts(fs: FeatureSet, tables: list[pa.Table]) -> dict[str, float]:

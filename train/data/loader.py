@@ -440,19 +440,18 @@ class Loader:
             sizes.append([gb] * (rows // gb) + [rows % gb] * (n - rows // gb))
         return [s[i] for i in range(max(map(len, sizes), default=0)) for s in sizes if i < len(s)]
 
-    def epoch(self, epoch: int, *, skip_batches: int = 0) -> Iterator[Batch]:
-        """The batches of ``epoch``, from batch ``skip_batches`` on (same order as without skip)."""
-        streams = self._streams(epoch)
-        counts = [
-            _stream_batches(
-                sum(w.rows for w in s), self.global_batch_size, self.drop_last, self.world_size
-            )
-            for s in streams
-        ]
-        taken, order = resume_point(counts, skip_batches)
-        k = message_batches(self.global_batch_size, self.message_rows)
-        messages = [-(-(counts[s] - taken[s]) // k) for s in order]  # per DataLoader slot
-        dataset = _Batches(
+    def dataset(
+        self,
+        epoch: int,
+        streams: list[list[Window]],
+        order: list[int],
+        taken: list[int],
+        cls: type[_Batches] | None = None,
+    ) -> _Batches:
+        """The DataLoader dataset of ``epoch``'s ``streams`` (played in ``order``, ``taken``
+        batches of each skipped), as ``cls`` (default :class:`_Batches`; a benchmark's subclass
+        times its steps) with this loader's settings."""
+        return (cls or _Batches)(
             self.fs,
             streams,
             order,
@@ -466,8 +465,22 @@ class Loader:
             rank=self.rank,
             world_size=self.world_size,
             pin_memory=self.pin_memory,
-            message_batches=k,
+            message_batches=message_batches(self.global_batch_size, self.message_rows),
         )
+
+    def epoch(self, epoch: int, *, skip_batches: int = 0) -> Iterator[Batch]:
+        """The batches of ``epoch``, from batch ``skip_batches`` on (same order as without skip)."""
+        streams = self._streams(epoch)
+        counts = [
+            _stream_batches(
+                sum(w.rows for w in s), self.global_batch_size, self.drop_last, self.world_size
+            )
+            for s in streams
+        ]
+        taken, order = resume_point(counts, skip_batches)
+        k = message_batches(self.global_batch_size, self.message_rows)
+        messages = [-(-(counts[s] - taken[s]) // k) for s in order]  # per DataLoader slot
+        dataset = self.dataset(epoch, streams, order, taken)
         if self.num_workers == 0:
             received: Iterator[_Message] = iter(dataset)
         else:
