@@ -225,14 +225,7 @@ class PredictionServer:
             futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="rpc"),
             options=opts,
         )
-        servicer = PredictionServicer(
-            lambda: self.manager.current,
-            self.batcher,
-            cfg.limits,
-            self.metrics,
-            self.admission,
-            last_refusal=lambda: self.manager.last_refusal,
-        )
+        servicer = self._servicer()
         server.add_generic_rpc_handlers((servicer.handler(),))
         add_health(server, self.health)
         for name in ("", SERVICE_NAME):
@@ -242,20 +235,24 @@ class PredictionServer:
         server.start()
         self._grpc = server
 
+    def _servicer(self) -> PredictionServicer:
+        """The Predict/ModelMetadata servicer over this server's models, batcher and limits."""
+        return PredictionServicer(
+            lambda: self.manager.current,
+            self.batcher,
+            self.config.limits,
+            self.metrics,
+            self.admission,
+            last_refusal=lambda: self.manager.last_refusal,
+        )
+
     def _start_frontends(self) -> None:
         """The public port served by ``frontends`` processes (serve.frontend); this one keeps
         the batcher, the models and the device."""
         cfg = self.config
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
-        servicer = PredictionServicer(
-            lambda: self.manager.current,
-            self.batcher,
-            cfg.limits,
-            self.metrics,
-            self.admission,
-            last_refusal=lambda: self.manager.last_refusal,
-        )
+        servicer = self._servicer()
         no_context = cast(grpc.ServicerContext, None)  # metadata() does not use it
 
         def metadata() -> bytes:
