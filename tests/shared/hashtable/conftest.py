@@ -1,6 +1,8 @@
-"""Small TableSpec builders shared by the hash-table tests."""
+"""Small TableSpec builders and the CUDA markers shared by the hash-table tests."""
 
 from __future__ import annotations
+
+import pytest
 
 from shared.features import (
     CONSTANT_ZERO,
@@ -11,8 +13,15 @@ from shared.features import (
     ScoreStrategy,
     TableSpec,
 )
+from shared.hashtable import cuda
 
 NORMAL = InitializerSpec(InitMode.NORMAL, std_dev=0.05)
+# the CUDA backend's kernels: skipped where they cannot run, with why
+NEEDS_CUDA_KERNELS = pytest.mark.skipif(
+    cuda.unavailable_reason() is not None,
+    reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
+)
+CUDA_KERNELS = [pytest.mark.gpu, NEEDS_CUDA_KERNELS]  # a GPU test module's pytestmark
 
 
 def dyn_table(

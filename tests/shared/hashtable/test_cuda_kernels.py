@@ -16,21 +16,15 @@ import pytest
 import torch
 
 from shared.features import ScoreStrategy
-from shared.hashtable import cuda
 from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.hashing import mix64_int, to_signed
 from shared.hashtable.table import HashTable, InsertResult
 from shared.hashtable.torch_backend import TorchBackend
 
+from .conftest import CUDA_KERNELS
 from .test_table import _unmix64
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        cuda.unavailable_reason() is not None,
-        reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
-    ),
-]
+pytestmark = CUDA_KERNELS
 
 DEVICE = "cuda"  # the device the tables live on (tests call the kernel modules directly)
 TORCH = TorchBackend()  # the reference

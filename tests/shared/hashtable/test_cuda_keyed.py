@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shared.features import InitializerSpec, InitMode
-from shared.hashtable import cuda, initializers
+from shared.hashtable import initializers
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.cuda import keyed, sparse_update, unique
 from shared.hashtable.cuda import runtime as rt
@@ -26,13 +26,10 @@ from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.storage import FusedStorage
 from shared.hashtable.torch_backend import TorchBackend
 
-from .conftest import dyn_table
+from .conftest import NEEDS_CUDA_KERNELS, dyn_table
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(
-    cuda.unavailable_reason() is not None,
-    reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
-)
+needs_cuda = NEEDS_CUDA_KERNELS
 DEVICE = "cuda"
 DIMS = [1, 16, 17, 64]
 TORCH = TorchBackend()

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from shared.features import ScoreStrategy
-from shared.hashtable import cuda
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.hashing import bucket_of, fingerprint
@@ -27,17 +26,11 @@ from shared.hashtable.storage import FusedStorage, LookupPlan
 from shared.hashtable.table import HashTable, InsertResult
 from shared.hashtable.torch_backend import TorchBackend
 
-from .conftest import dyn_table
+from .conftest import CUDA_KERNELS, dyn_table
 from .test_cuda_kernels import _assert_scratch_clear
 from .test_cuda_unique import PLAN_TENSORS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        cuda.unavailable_reason() is not None,
-        reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
-    ),
-]
+pytestmark = CUDA_KERNELS
 
 DEVICE = "cuda"
 TORCH = TorchBackend()

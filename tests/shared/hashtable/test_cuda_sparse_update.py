@@ -6,17 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.hashtable import cuda
 from shared.hashtable.adagrad import AdagradConfig, adagrad_update
 from shared.hashtable.hashing import segment_sum_sorted, unique_pairs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        cuda.unavailable_reason() is not None,
-        reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
-    ),
-]
+from .conftest import CUDA_KERNELS
+
+pytestmark = CUDA_KERNELS
 DEVICE = "cuda"
 
 

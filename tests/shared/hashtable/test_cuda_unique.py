@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from shared.features import ScoreStrategy
-from shared.hashtable import cuda
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.backend import Backend
 from shared.hashtable.cuda import unique
@@ -19,13 +18,10 @@ from shared.hashtable.hashing import NegativeKeyError
 from shared.hashtable.storage import FusedStorage, LookupPlan
 from shared.hashtable.torch_backend import TorchBackend
 
-from .conftest import dyn_table
+from .conftest import NEEDS_CUDA_KERNELS, dyn_table
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(
-    cuda.unavailable_reason() is not None,
-    reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
-)
+needs_cuda = NEEDS_CUDA_KERNELS
 DEVICE = "cuda"
 TORCH = TorchBackend()
 PLAN_TENSORS = ("keys", "table_ids", "rows", "order", "starts", "counts", "group", "inverse")
