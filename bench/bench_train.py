@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["end_to_end"], trainer = end_to_end(path, samples, args, device)
             entry["step_warm"] = warm_step_figures(trainer, batches, args, name)
             del trainer
-            # its CUDA graphs, left in reference cycles, must not reach the next config's
-            # DataLoader workers: a forked worker that frees one dies (CUDA initialization error)
-            gc.collect()
+            gc.collect()  # its tables and CUDA graphs (in reference cycles) freed before the next
         del batches
         result["configs"][name] = entry
         print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),

@@ -37,6 +37,7 @@ short global batch of fewer than ``world_size`` rows is dropped.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -220,11 +221,19 @@ class _Message:
 
 
 def _worker_init(_worker_id: int) -> None:
-    """Leave the objects inherited from the main process out of the worker's garbage collection:
-    a full collection over them (~340K objects) took ~350 ms and copied their pages. Keep freed
-    arrays for reuse (:func:`~train.data.memory.keep_freed_memory`)."""
-    gc.freeze()
+    """Keep freed arrays for reuse in the worker (:func:`~train.data.memory.keep_freed_memory`)."""
     keep_freed_memory()
+
+
+@functools.cache
+def _freeze_inherited_objects_at_fork() -> None:
+    """From now on, a child forked from this process (a DataLoader worker) leaves the objects it
+    inherits out of its garbage collection, from its first instruction on: a full collection over
+    them (~340K objects) took ~350 ms and copied their pages, and a collection that frees an
+    inherited CUDA object (a model's CUDA graph left in a reference cycle, e.g. by a model trained
+    earlier in the same process) kills the worker with a CUDA initialization error. Registered
+    once per process; objects the child makes are collected as usual."""
+    os.register_at_fork(after_in_child=gc.freeze)
 
 
 def _pinned_buffer(nbytes: int) -> torch.Tensor:
@@ -484,6 +493,7 @@ class Loader:
         if self.num_workers == 0:
             received: Iterator[_Message] = iter(dataset)
         else:
+            _freeze_inherited_objects_at_fork()
             received = iter(
                 DataLoader(
                     dataset,
