@@ -2,8 +2,9 @@
 
 Each request is a :class:`~shared.batch.Batch` of one user and N candidates. The worker takes
 the oldest request, then keeps adding requests of the same model until the batch would exceed
-``max_batch_rows`` candidate rows or ``max_wait_us`` has passed since the first one arrived,
-concatenates them (:func:`concat_batches`: U adds up, ``user_index`` is offset), runs the model
+``max_batch_rows`` candidate rows or ``max_wait_us`` has passed since the first one arrived, or
+at once when no batch is in flight (below): an idle device gains nothing from the wait, and a
+lone request (a quiet server, one client) would only pay it. It then concatenates them (:func:`concat_batches`: U adds up, ``user_index`` is offset), runs the model
 once and hands each request its slice of the probabilities. Requests past their deadline (or
 cancelled by the client) are dropped before they cost any compute.
 
@@ -12,8 +13,10 @@ the worker thread: it returns :class:`PendingScores`. One already done (the CPU,
 is completed there, as :meth:`~Predictor.predict` would be; one still on the device goes to a
 completion thread (FIFO), which waits for it, hands out the slices and reports the batch, while
 the worker merges and starts the next batch. At most :data:`MAX_IN_FLIGHT` batches are started
-and not completed (the worker waits for a slot): the device's queue stays short, and so does
-the latency a batch adds to those behind it.
+and not completed (the worker waits for a slot, taking the requests that arrive meanwhile
+into the batch): the device's queue stays short, and so does the latency a batch adds to those
+behind it. While a batch is in flight the next one waits for company (up to ``max_wait_us``, or
+until the device is idle again): it would queue behind that batch anyway.
 
 Example::
 
@@ -117,7 +120,9 @@ class Predictor(Protocol):
 @dataclass(frozen=True)
 class BatcherConfig:
     max_batch_rows: int = 1024  # candidate rows per batch (a larger single request runs alone)
-    max_wait_us: int = 500  # how long the first request of a batch waits for company
+    # how long the first request of a batch waits for company while a batch is in flight
+    # (none in flight: the batch starts at once)
+    max_wait_us: int = 500
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -193,7 +198,7 @@ class Batcher:
         self._queue: collections.deque[_Pending] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
+        self._in_flight = 0  # started batches not yet completed (under _cond)
         # started batches for the completion thread, FIFO; None (from the worker, last): stop
         self._completions: queue.Queue[_Started | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="batcher", daemon=True)
@@ -236,8 +241,10 @@ class Batcher:
 
     # ----------------------------------------------------------------------- worker
 
-    def _take(self) -> list[_Pending] | None:
-        """Block for the next batch: same model, ≤ max rows, within max wait of the first."""
+    def _take(self) -> tuple[list[_Pending], bool] | None:
+        """Block for the next batch: same model, ≤ max rows, within max wait of the first (none
+        while nothing is in flight). For a predictor that is started, also block for a slot
+        (collecting meanwhile) and hold it: the batch and whether it holds a slot."""
         cfg = self.config
         with self._cond:
             while not self._queue:
@@ -246,29 +253,46 @@ class Batcher:
                 self._cond.wait()
             first = self._queue.popleft()
             taken, rows = [first], first.batch.batch_size
+            slot = _starts(first.model)
             until = first.enqueued + cfg.max_wait_us * 1e-6
-            while rows < cfg.max_batch_rows:
-                if not self._queue:
-                    left = until - time.monotonic()
-                    if left <= 0 or self._closed:
-                        break
-                    self._cond.wait(left)
+            blocked = False  # the next request queued starts another batch
+            while True:
+                if not blocked and rows < cfg.max_batch_rows and self._queue:
+                    nxt = self._queue[0]
+                    if (
+                        nxt.model is first.model
+                        and rows + nxt.batch.batch_size <= cfg.max_batch_rows
+                    ):
+                        taken.append(self._queue.popleft())
+                        rows += nxt.batch.batch_size
+                        continue
+                    blocked = True  # another model version, or too big
+                if slot and self._in_flight >= MAX_IN_FLIGHT:
+                    self._cond.wait()  # a completion frees a slot (and notifies)
                     continue
-                nxt = self._queue[0]
-                if nxt.model is not first.model or rows + nxt.batch.batch_size > cfg.max_batch_rows:
-                    break  # another model version, or too big: starts the next batch
-                taken.append(self._queue.popleft())
-                rows += nxt.batch.batch_size
-            return taken
+                left = until - time.monotonic()
+                done = blocked or rows >= cfg.max_batch_rows or self._closed
+                if done or left <= 0 or self._in_flight == 0:
+                    break
+                self._cond.wait(left)
+            if slot:
+                self._in_flight += 1  # released by _complete (or _free_slot)
+            return taken, slot
+
+    def _free_slot(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()  # the worker may wait for a slot, or for an idle device
 
     def _run(self) -> None:
         try:
             while True:
-                taken = self._take()
-                if taken is None:
+                took = self._take()
+                if took is None:
                     return
+                taken, slot = took
                 try:
-                    self._run_batch(taken)
+                    self._run_batch(taken, slot)
                 except BaseException as e:  # never let the worker die: fail this batch's requests
                     log.exception("batch of %d requests failed", len(taken))
                     _fail(taken, e)
@@ -307,27 +331,29 @@ class Batcher:
                 live.append(p)
         return live, expired
 
-    def _run_batch(self, taken: list[_Pending]) -> None:
+    def _run_batch(self, taken: list[_Pending], slot: bool) -> None:
+        """Merge and start (or run) ``taken``; ``slot``: it holds an in-flight slot (_take)."""
         now = time.monotonic()
         live, expired = self._live(taken, now)
         if not live:
+            if slot:
+                self._free_slot()
             self._report(BatchStats(0, 0, expired, now - taken[0].enqueued, 0.0))
             return
         cpu0 = time.thread_time()
         model = live[0].model
-        batch = merge_batches(
-            [p.batch for p in live], host=getattr(model, "takes_host_batches", False)
-        )
-        start = time.monotonic()
-        stages: dict[str, float] | None = {} if getattr(model, "reports_timings", False) else None
-        slot = _starts(model)  # started batches hold a slot until completed
-        if slot:
-            self._slots.acquire()  # released by _complete
         try:
+            batch = merge_batches(
+                [p.batch for p in live], host=getattr(model, "takes_host_batches", False)
+            )
+            start = time.monotonic()
+            stages: dict[str, float] | None = (
+                {} if getattr(model, "reports_timings", False) else None
+            )
             pending = self._start(model, batch, stages)
         except BaseException:
             if slot:
-                self._slots.release()
+                self._free_slot()
             raise
         cpu_s = time.thread_time() - cpu0
         queue_wait = start - live[0].enqueued
@@ -359,7 +385,7 @@ class Batcher:
             probs = started.pending.result(started.timings).detach().cpu().numpy()  # [ΣB]
         finally:
             if started.slot:
-                self._slots.release()
+                self._free_slot()
         run_s = time.monotonic() - started.started
         offset = 0
         for p in started.live:

@@ -298,3 +298,58 @@ def test_cpu_model_starts_done_batches(bundle_v1, fs) -> None:
         np.testing.assert_array_equal(b.submit(model, batch).result(5), got.numpy())
     finally:
         b.close()
+
+
+def test_an_idle_device_starts_a_batch_at_once(fs) -> None:
+    """Nothing in flight: the first request does not wait ``max_wait_us`` for company (a minute
+    here: a wait would outlast the result's timeout)."""
+    b = Batcher(BatcherConfig(max_wait_us=60_000_000))
+    model = _Starter(done=True)
+    try:
+        first = _submit(b, model, fs, 1)[0]
+        np.testing.assert_array_equal(first.result(5), [0.0])
+        later = _submit(b, model, fs, 1)[0]  # the device idle again: at once again
+        np.testing.assert_array_equal(later.result(5), [100.0])
+    finally:
+        b.close()
+
+
+def test_while_a_batch_is_in_flight_the_next_waits_for_company(fs) -> None:
+    """With a batch on the device the next one collects requests until the device is idle
+    again (here, before its minute of ``max_wait_us``)."""
+    b = Batcher(BatcherConfig(max_wait_us=60_000_000))
+    model = _Starter()
+    try:
+        first = _submit(b, model, fs, 1)[0]
+        _until(lambda: len(model.pendings) == 1, "the first batch started")
+        rest = _submit(b, model, fs, 3)
+        _wait_until_taken(b)  # the worker holds them, waiting for more
+        time.sleep(0.05)
+        assert len(model.pendings) == 1
+        model.pendings[0].finish()  # the device is idle: the three start as one batch
+        _until(lambda: len(model.pendings) == 2, "the second batch started")
+        model.pendings[1].finish()
+        results = [f.result(5) for f in (first, *rest)]
+    finally:
+        b.close()
+    assert [float(r[0]) for r in results] == [0.0, 100.0, 101.0, 102.0]  # users 0, 1, 2 of it
+
+
+def test_requests_arriving_while_the_slots_are_taken_join_the_next_batch(fs) -> None:
+    b = Batcher(BatcherConfig(max_wait_us=0))
+    model = _Starter()
+    try:
+        futs = _submit(b, model, fs, 1)
+        _until(lambda: len(model.pendings) == 1, "the first batch started")
+        futs += _submit(b, model, fs, 1)
+        _until(lambda: len(model.pendings) == MAX_IN_FLIGHT, "both slots taken")
+        futs += _submit(b, model, fs, 3)  # wait for a slot, collected into one batch
+        _wait_until_taken(b)
+        model.pendings[0].finish()
+        _until(lambda: len(model.pendings) == 3, "a slot freed: the third batch started")
+        for p in model.pendings[1:]:
+            p.finish()
+        results = [f.result(5) for f in futs]
+    finally:
+        b.close()
+    assert [float(r[0]) for r in results] == [0.0, 100.0, 200.0, 201.0, 202.0]
