@@ -55,6 +55,7 @@ Where things run, and why:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -292,6 +293,8 @@ def _serve_frontend(
     bind(server, f"{settings.host}:{settings.port}", settings.tls)
     server.start()
     started.set()
+    gc.collect()  # what start-up made lives as long as the process: see serve.__main__
+    gc.freeze()
     client.send(("hello", os.getpid()))
     _ready()
     log.info("frontend %d (pid %d) on %s:%d", index, os.getpid(), settings.host, settings.port)

@@ -21,11 +21,13 @@ server of its own (:class:`serve.admin.AdminServer`). Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +83,9 @@ class ServerConfig:
     admin: AdminConfig | None = None  # None: no ModelAdminService at all
     reuse_port: bool = False  # SO_REUSEPORT: several server processes on one port
     switch_interval_s: float | None = None  # sys.setswitchinterval (None: Python's, 5 ms)
+    # the switch interval while a version loads (and captures its graphs) beside the one serving:
+    # the batcher then waits at most this for the GIL the load thread holds (None: unchanged)
+    load_switch_interval_s: float | None = 0.0002
     # > 0: this process owns the device and that many frontend processes serve the public port
     # (parse, validation, feature generation), handing batches over in shared memory
     # (serve.frontend, serve.handoff); 0: this process serves the port itself
@@ -93,8 +98,10 @@ class ServerConfig:
             raise ValueError("give exactly one of bundle (one version) or model_dir (watched)")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1 (or None), got {self.torch_threads}")
-        if self.switch_interval_s is not None and self.switch_interval_s <= 0:
-            raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
+        for name in ("switch_interval_s", "load_switch_interval_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 (or None), got {value}")
         if self.frontends < 0:
             raise ValueError(f"frontends must be >= 0, got {self.frontends}")
         if self.reserve_threads < 1:
@@ -107,6 +114,21 @@ class ServerConfig:
     def rpc_threads(self) -> int:
         """Handler threads: one per admitted Predict plus the reserve."""
         return self.limits.max_pending + self.reserve_threads
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds: float | None) -> Iterator[None]:
+    """Python's GIL switch interval at most ``seconds`` inside (None: unchanged): a thread that
+    holds the GIL (a version loading, mostly Python) hands it on that soon to one waiting for it
+    (the batcher), instead of after the process's interval (5 ms by default, the size of a spike
+    in the served version's latency). Loads are one at a time (:class:`ModelManager`)."""
+    previous = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(min(previous, seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 class PredictionServer:
@@ -134,13 +156,14 @@ class PredictionServer:
         self._load_done = threading.Event()
 
     def _load(self, path: Path) -> LoadedModel:
-        return LoadedModel.load(
-            path,
-            device=self.device,
-            verify_checksums=self.config.verify_checksums,
-            warmup_candidates=min(self.config.limits.max_candidates, 100),
-            graph_buckets=self.graph_buckets(),
-        )
+        with _switch_interval(self.config.load_switch_interval_s):
+            return LoadedModel.load(
+                path,
+                device=self.device,
+                verify_checksums=self.config.verify_checksums,
+                warmup_candidates=min(self.config.limits.max_candidates, 100),
+                graph_buckets=self.graph_buckets(),
+            )
 
     def graph_buckets(self) -> tuple[Bucket, ...]:
         """The CUDA graph buckets of loaded models (none on the CPU or with graphs off)."""

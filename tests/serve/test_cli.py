@@ -64,6 +64,11 @@ def test_batch_rows_default_by_device_and_process_flags(tmp_path: Path) -> None:
     flags = [*base, "--device", "cpu", "--reuse-port", "--switch-interval-ms", "0.5"]
     cfg = config_from_args(parse_args(flags))
     assert cfg.reuse_port and cfg.switch_interval_s == 0.0005
+    assert cpu.load_switch_interval_s == 0.0002  # the default
+    off = config_from_args(parse_args([*base, "--load-switch-interval-ms", "0"]))
+    assert off.load_switch_interval_s is None
+    with pytest.raises(ValueError, match="load_switch_interval_s must be > 0"):
+        config_from_args(parse_args([*base, "--load-switch-interval-ms", "-1"]))
 
 
 def test_cuda_graphs_flag(tmp_path: Path) -> None:

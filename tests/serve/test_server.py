@@ -634,3 +634,30 @@ def test_hot_swap_under_traffic_then_corrupt_bundle_refused(
     finally:
         stop.set()
         srv.stop(grace=0)
+
+
+def test_a_load_runs_with_a_short_gil_switch_interval(bundle_v1: Path, monkeypatch) -> None:
+    """A version loads beside the one serving with the load's switch interval, and the
+    process's interval is back after it (also when the load fails)."""
+    import sys
+
+    from serve.model import LoadedModel
+
+    seen: list[float] = []
+    real = LoadedModel.load
+
+    def load(*args, **kwargs):
+        seen.append(sys.getswitchinterval())
+        if len(seen) == 2:
+            raise RuntimeError("a broken bundle")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(LoadedModel, "load", load)
+    before = sys.getswitchinterval()
+    server = PredictionServer(
+        ServerConfig(bundle=bundle_v1, device="cpu", load_switch_interval_s=0.0003)
+    )
+    assert server.manager.load(bundle_v1)
+    assert not server.manager.load(bundle_v1)  # refused: the old one keeps serving
+    assert seen == [pytest.approx(0.0003)] * 2 and sys.getswitchinterval() == before
+    server.stop(grace=0)
