@@ -339,9 +339,10 @@ def _torch_profile(model: Any, batch: Any) -> dict[str, Any]:
 
 @dataclass
 class ServerGroup:
-    """``workers`` ``python -m serve`` processes sharing one port (SO_REUSEPORT)."""
+    """``workers`` ``python -m serve`` processes sharing one port (SO_REUSEPORT), serving
+    ``source`` (``["--bundle", DIR]`` or ``["--model-dir", DIR, ...]``)."""
 
-    bundle: Path
+    source: Sequence[str]
     device: str
     workers: int
     work: Path
@@ -362,7 +363,7 @@ class ServerGroup:
             mport = _free_port()
             log_file = self.work / f"serve-{self.device}-{self.port}-{i}.log"
             cmd = [
-                sys.executable, "-m", "serve", "--bundle", str(self.bundle),
+                sys.executable, "-m", "serve", *self.source,
                 "--port", str(self.port), "--reuse-port", "--metrics-port", str(mport),
                 "--device", self.device, *self.extra_args,
             ]  # fmt: skip
@@ -748,7 +749,7 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         if a.handoff_inflight is not None:
             extra += ["--handoff-inflight", str(a.handoff_inflight)]
     result: dict[str, Any] = {"run": spec.name, **vars(spec), "server_args": extra}
-    group = ServerGroup(bundle, spec.device, spec.workers, work, extra)
+    group = ServerGroup(["--bundle", str(bundle)], spec.device, spec.workers, work, extra)
     cpu = gpu = None
     spy: subprocess.Popen[bytes] | None = None
     spy_file = work / f"pyspy-{spec.name}.txt"

@@ -1,11 +1,13 @@
 """Latency of Predict before and during a hot swap of the model version, over gRPC on 127.0.0.1.
 
-Starts the server on a watched directory holding version 1 (full-scale tables, the real dense
-part), drives it with ``--clients`` closed-loop clients (one request = one user with
-``--candidates`` ads), then drops version 2 into the directory and keeps going until the swap has
-happened and ``--after-s`` more seconds have passed. Reports p50/p99/max latency of the steady
-state before and of the window from the install to the end, errors (must be 0) and the versions
-seen::
+Starts ``python -m serve`` (a process of its own, as deployed: CUDA graphs on, ``--frontends``
+processes serving the port) on a watched directory holding version 1 (full-scale tables, the
+real dense part), drives it with ``--clients`` closed-loop clients in this process (one request =
+one user with ``--candidates`` ads), then drops version 2 into the directory and keeps going
+until the swap has happened and ``--after-s`` more seconds have passed. Reports p50/p99/max
+latency of the steady state before and of the window from the install to the end, their ratio
+(issue #19: p99 during the swap <= 1.1x before), errors (must be 0), the versions seen and the
+new version's startup split (GetModelMetadata)::
 
     python -m bench.bench_swap --out results/swap_gpu.json --device cuda
 """
@@ -18,8 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 
+from bench.bench_serving import ServerGroup
 from bench.bench_startup import export_program
 from bench.synthetic_bundle import (
     keys_per_table,
@@ -27,12 +31,8 @@ from bench.synthetic_bundle import (
     synthetic_request,
     write_synthetic_bundle,
 )
-from bench.traffic import (
-    ClosedLoopClients,
-    install_version,
-    latency_stats,
-    start_model_dir_server,
-)
+from bench.traffic import ClosedLoopClients, install_version, latency_stats
+from protos import predict_pb2, predict_pb2_grpc
 from serve.model import default_device
 from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
@@ -61,19 +61,28 @@ def _parser() -> Parser:
         "--after-s", type=float, default=2.0, help="seconds measured after the swap happened"
     )
     p.add_argument(
-        "--switch-interval-s",
-        type=float,
-        default=None,
-        help="sys.setswitchinterval of this process, server and clients (default: Python's, 0.005)",
+        "--frontends", type=int, default=4, help="the server's --frontends (0: it serves the port)"
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="one more argument for python -m serve (repeatable; e.g. --server-arg=--cuda-graphs "
+        "--server-arg=off, --server-arg=--load-switch-interval-ms --server-arg=0)",
     )
     return p
+
+
+def _startup_split(host: str) -> dict[str, float]:
+    with grpc.insecure_channel(host) as channel:
+        stub = predict_pb2_grpc.PredictionServiceStub(channel)
+        meta = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest(), timeout=10)
+    return dict(meta.startup_seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     check_device(a.device)
-    if a.switch_interval_s is not None:
-        sys.setswitchinterval(a.switch_interval_s)
 
     fs = seed_feature_set()
     keys = keys_per_table(fs, a.keys)
@@ -88,40 +97,59 @@ def main(argv: list[str] | None = None) -> int:
         write_synthetic_bundle(
             root / "v2", fs, keys=keys, program_path=program, version="2", seed=1
         )
-        server = start_model_dir_server(models, a.device, ready_timeout_s=120)
-        traffic = ClosedLoopClients(
-            f"127.0.0.1:{server.port}", requests, a.clients, timeout_s=10
-        ).start()
-        time.sleep(0.5)  # settle
-        t_before = time.perf_counter()
-        time.sleep(a.before_s)
-        t_install = time.perf_counter()
-        install_version(root / "v2", models, "2")
-        traffic.wait_for_version("2", timeout_s=60)
-        t_swapped = time.perf_counter()
-        time.sleep(a.after_s)
-        traffic.stop()
-        swap_load = server.manager.current.startup.as_dict() if server.manager.current else {}
-        server.stop(grace=0)
+        server_args = ["--max-candidates", str(max(a.candidates, 1000)), "--frontends"]
+        server_args += [str(a.frontends), "--no-verify-checksums", *a.server_arg]
+        server = ServerGroup(
+            ["--model-dir", str(models), "--poll-interval-s", "0.1"], a.device, 1, root,
+            server_args,
+        )  # fmt: skip
+        try:
+            startup_s = server.start(timeout_s=300)
+            traffic = ClosedLoopClients(server.host, requests, a.clients, timeout_s=10).start()
+            time.sleep(1.0)  # settle
+            t_before = time.perf_counter()
+            time.sleep(a.before_s)
+            t_install = time.perf_counter()
+            install_version(root / "v2", models, "2")
+            traffic.wait_for_version("2", timeout_s=60)
+            t_swapped = time.perf_counter()
+            time.sleep(a.after_s)
+            traffic.stop()
+            swap_load = _startup_split(server.host)
+        finally:
+            exit_codes = server.stop()
+            log_tail = server.tail(0)
 
+    before = latency_stats(traffic.latencies(t_before, t_install))
+    during = latency_stats(traffic.latencies(t_install))
     report = {
         "benchmark": "Predict latency before / during a hot swap (serve.versions)",
         "device": a.device,
         "keys_total": sum(keys.values()),
         "clients": a.clients,
         "candidates": a.candidates,
-        "switch_interval_s": sys.getswitchinterval(),
-        "before": latency_stats(traffic.latencies(t_before, t_install)),
-        "during_swap_and_after": latency_stats(traffic.latencies(t_install)),
+        "server_args": server_args,
+        "server_startup_s": startup_s,
+        "before": before,
+        "during_swap_and_after": during,
+        "p99_ratio": during["p99_ms"] / before["p99_ms"] if before["count"] else None,
+        "goal_p99_ratio": 1.1,
         "swap_seconds_after_install": t_swapped - t_install,
         "new_version_startup_seconds": swap_load,
         "errors": len(traffic.errors),
         "error_examples": traffic.errors[:5],
         "versions_seen": traffic.versions(),
+        "server_exit_codes": exit_codes,
     }
+    if exit_codes != [0]:
+        report["server_log_tail"] = log_tail
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("before", "during_swap_and_after", "errors")}))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("before", "during_swap_and_after", "p99_ratio", "errors")}
+        )
+    )
     return 0
 
 
