@@ -3,8 +3,10 @@
 Each request is a :class:`~shared.batch.Batch` of one user and N candidates. The worker takes
 the oldest request, then keeps adding requests of the same model until the batch would exceed
 ``max_batch_rows`` candidate rows or ``max_wait_us`` has passed since the first one arrived, or
-at once when no batch is in flight (below): an idle device gains nothing from the wait, and a
-lone request (a quiet server, one client) would only pay it. It then concatenates them (:func:`concat_batches`: U adds up, ``user_index`` is offset), runs the model
+at once when no other request could join it: given ``outstanding`` (the server's count of
+requests admitted and not answered), when every one of those is already queued, taken or in a
+batch in flight (a lone request on a quiet server would only pay the wait). It then
+concatenates them (:func:`concat_batches`: U adds up, ``user_index`` is offset), runs the model
 once and hands each request its slice of the probabilities. Requests past their deadline (or
 cancelled by the client) are dropped before they cost any compute.
 
@@ -15,8 +17,7 @@ completion thread (FIFO), which waits for it, hands out the slices and reports t
 the worker merges and starts the next batch. At most :data:`MAX_IN_FLIGHT` batches are started
 and not completed (the worker waits for a slot, taking the requests that arrive meanwhile
 into the batch): the device's queue stays short, and so does the latency a batch adds to those
-behind it. While a batch is in flight the next one waits for company (up to ``max_wait_us``, or
-until the device is idle again): it would queue behind that batch anyway.
+behind it.
 
 Example::
 
@@ -34,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, cast
@@ -120,9 +121,7 @@ class Predictor(Protocol):
 @dataclass(frozen=True)
 class BatcherConfig:
     max_batch_rows: int = 1024  # candidate rows per batch (a larger single request runs alone)
-    # how long the first request of a batch waits for company while a batch is in flight
-    # (none in flight: the batch starts at once)
-    max_wait_us: int = 500
+    max_wait_us: int = 500  # how long the first request of a batch waits for company
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -167,6 +166,7 @@ class _Started:
     cpu_s: float  # worker thread
     timings: dict[str, float] | None  # the predictor's stages (if it reports them)
     slot: bool  # holds one of the MAX_IN_FLIGHT slots
+    users: int  # of the requests taken for it (counted in flight while it holds the slot)
 
 
 def _starts(model: Predictor) -> bool:
@@ -174,6 +174,11 @@ def _starts(model: Predictor) -> bool:
     that hands other attributes on through ``__getattr__`` but overrides ``predict`` is run
     through its ``predict``)."""
     return callable(getattr(type(model), "start", None))
+
+
+def _users(pendings: Iterable[_Pending]) -> int:
+    """The requests (each one user of its batch; a frontend's group, several) of ``pendings``."""
+    return sum(p.batch.num_users for p in pendings)
 
 
 def _fail(live: Sequence[_Pending], err: BaseException) -> None:
@@ -191,10 +196,18 @@ class Batcher:
     """
 
     def __init__(
-        self, config: BatcherConfig, *, on_batch: Callable[[BatchStats], None] | None = None
+        self,
+        config: BatcherConfig,
+        *,
+        on_batch: Callable[[BatchStats], None] | None = None,
+        outstanding: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
         self._on_batch = on_batch
+        # requests admitted and not answered (each a user of a batch): with it a batch stops
+        # waiting once none of them could still join (module docstring); None: it always waits
+        self._outstanding = outstanding
+        self._in_flight_users = 0  # users of the started batches not yet completed (_cond)
         self._queue: collections.deque[_Pending] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -272,17 +285,27 @@ class Batcher:
                     continue
                 left = until - time.monotonic()
                 done = blocked or rows >= cfg.max_batch_rows or self._closed
-                if done or left <= 0 or self._in_flight == 0:
+                if done or left <= 0 or self._nobody_else(taken):
                     break
                 self._cond.wait(left)
             if slot:
                 self._in_flight += 1  # released by _complete (or _free_slot)
+                self._in_flight_users += _users(taken)
             return taken, slot
 
-    def _free_slot(self) -> None:
+    def _nobody_else(self, taken: list[_Pending]) -> bool:
+        """Under the lock: every outstanding request is in hand (taken, queued or in flight),
+        so no other could join ``taken`` (False without ``outstanding``)."""
+        if self._outstanding is None:
+            return False
+        held = _users(taken) + _users(self._queue) + self._in_flight_users
+        return self._outstanding() <= held
+
+    def _free_slot(self, users: int) -> None:
         with self._cond:
             self._in_flight -= 1
-            self._cond.notify_all()  # the worker may wait for a slot, or for an idle device
+            self._in_flight_users -= users
+            self._cond.notify_all()  # the worker may wait for a slot
 
     def _run(self) -> None:
         try:
@@ -337,7 +360,7 @@ class Batcher:
         live, expired = self._live(taken, now)
         if not live:
             if slot:
-                self._free_slot()
+                self._free_slot(_users(taken))
             self._report(BatchStats(0, 0, expired, now - taken[0].enqueued, 0.0))
             return
         cpu0 = time.thread_time()
@@ -353,13 +376,14 @@ class Batcher:
             pending = self._start(model, batch, stages)
         except BaseException:
             if slot:
-                self._free_slot()
+                self._free_slot(_users(taken))
             raise
         cpu_s = time.thread_time() - cpu0
         queue_wait = start - live[0].enqueued
         started = _Started(
-            pending, live, expired, queue_wait, start - now, start, cpu_s, stages, slot
-        )
+            pending, live, expired, queue_wait, start - now, start, cpu_s, stages, slot,
+            _users(taken),
+        )  # fmt: skip
         # done (and nothing handed over before it, still to complete): complete it here
         if started.pending.done and self._completions.unfinished_tasks == 0:
             self._complete(started)
@@ -385,7 +409,7 @@ class Batcher:
             probs = started.pending.result(started.timings).detach().cpu().numpy()  # [ΣB]
         finally:
             if started.slot:
-                self._free_slot()
+                self._free_slot(started.users)
         run_s = time.monotonic() - started.started
         offset = 0
         for p in started.live:

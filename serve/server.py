@@ -139,7 +139,9 @@ class PredictionServer:
         self.manager = ModelManager(
             self._load, on_loaded=self._on_loaded, on_refused=self._on_refused
         )
-        self.batcher = Batcher(config.batching, on_batch=self.metrics.on_batch)
+        self.batcher = Batcher(
+            config.batching, on_batch=self.metrics.on_batch, outstanding=self._outstanding
+        )
         self.admission = Admission(config.limits.max_pending)
         self.metrics.queue_depth.set_function(self.batcher.depth)
         self.metrics.pending.set_function(lambda: self.admission.pending)
@@ -154,6 +156,10 @@ class PredictionServer:
         self._stopping = False
         self._loading: threading.Thread | None = None
         self._load_done = threading.Event()
+
+    def _outstanding(self) -> int:
+        """Predicts admitted and not answered (the batcher's hint: who could still join)."""
+        return self.frontends.pending() if self.frontends is not None else self.admission.pending
 
     def _load(self, path: Path) -> LoadedModel:
         with _switch_interval(self.config.load_switch_interval_s):

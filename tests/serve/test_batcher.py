@@ -300,39 +300,47 @@ def test_cpu_model_starts_done_batches(bundle_v1, fs) -> None:
         b.close()
 
 
-def test_an_idle_device_starts_a_batch_at_once(fs) -> None:
-    """Nothing in flight: the first request does not wait ``max_wait_us`` for company (a minute
-    here: a wait would outlast the result's timeout)."""
-    b = Batcher(BatcherConfig(max_wait_us=60_000_000))
+def test_a_batch_waits_only_while_an_outstanding_request_could_join(fs) -> None:
+    """With ``outstanding`` (the server's admitted requests), a batch waits for company only
+    while one of them is not yet in hand: a lone request starts at once (``max_wait_us`` is a
+    minute here: a wait would outlast the results' timeouts)."""
+    outstanding = [1]
+    b = Batcher(BatcherConfig(max_wait_us=60_000_000), outstanding=lambda: outstanding[0])
     model = _Starter(done=True)
     try:
-        first = _submit(b, model, fs, 1)[0]
-        np.testing.assert_array_equal(first.result(5), [0.0])
-        later = _submit(b, model, fs, 1)[0]  # the device idle again: at once again
-        np.testing.assert_array_equal(later.result(5), [100.0])
+        np.testing.assert_array_equal(_submit(b, model, fs, 1)[0].result(5), [0.0])
+        outstanding[0] = 3  # two more admitted (in validation, say): the batch waits for them
+        futs = _submit(b, model, fs, 1)
+        _wait_until_taken(b)
+        time.sleep(0.05)
+        assert len(model.pendings) == 1 and not futs[0].done()
+        futs += _submit(b, model, fs, 2)  # all three in hand: it starts, as one batch
+        results = [f.result(5) for f in futs]
     finally:
         b.close()
+    assert [float(r[0]) for r in results] == [100.0, 101.0, 102.0]
 
 
-def test_while_a_batch_is_in_flight_the_next_waits_for_company(fs) -> None:
-    """With a batch on the device the next one collects requests until the device is idle
-    again (here, before its minute of ``max_wait_us``)."""
-    b = Batcher(BatcherConfig(max_wait_us=60_000_000))
+def test_requests_in_flight_count_as_in_hand(fs) -> None:
+    outstanding = [2]
+    b = Batcher(BatcherConfig(max_wait_us=60_000_000), outstanding=lambda: outstanding[0])
     model = _Starter()
     try:
-        first = _submit(b, model, fs, 1)[0]
-        _until(lambda: len(model.pendings) == 1, "the first batch started")
-        rest = _submit(b, model, fs, 3)
-        _wait_until_taken(b)  # the worker holds them, waiting for more
+        first = _submit(b, model, fs, 1)[0]  # the other outstanding one is not here yet: waits
+        _wait_until_taken(b)
         time.sleep(0.05)
-        assert len(model.pendings) == 1
-        model.pendings[0].finish()  # the device is idle: the three start as one batch
-        _until(lambda: len(model.pendings) == 2, "the second batch started")
-        model.pendings[1].finish()
-        results = [f.result(5) for f in (first, *rest)]
+        assert not model.pendings
+        second = _submit(b, model, fs, 1)[0]
+        _until(lambda: len(model.pendings) == 1, "both in hand: started")
+        outstanding[0] = 3
+        third = _submit(b, model, fs, 1)[0]  # two of the three in flight, this one in hand
+        _until(lambda: len(model.pendings) == 2, "started without waiting")
+        for p in model.pendings:
+            p.finish()
+        results = [f.result(5) for f in (first, second, third)]
     finally:
         b.close()
-    assert [float(r[0]) for r in results] == [0.0, 100.0, 101.0, 102.0]  # users 0, 1, 2 of it
+    assert [float(r[0]) for r in results] == [0.0, 1.0, 100.0]
 
 
 def test_requests_arriving_while_the_slots_are_taken_join_the_next_batch(fs) -> None:
