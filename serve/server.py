@@ -116,19 +116,30 @@ class ServerConfig:
         return self.limits.max_pending + self.reserve_threads
 
 
+_LOADS = threading.Lock()
+_loading: list[float] = []  # the switch interval before the first of the loads under way
+
+
 @contextlib.contextmanager
 def _switch_interval(seconds: float | None) -> Iterator[None]:
     """Python's GIL switch interval at most ``seconds`` inside (None: unchanged): a thread that
     holds the GIL (a version loading, mostly Python) hands it on that soon to one waiting for it
     (the batcher), instead of after the process's interval (5 ms by default, the size of a spike
-    in the served version's latency). Loads are one at a time (:class:`ModelManager`)."""
-    previous = sys.getswitchinterval()
-    if seconds is not None:
-        sys.setswitchinterval(min(previous, seconds))
+    in the served version's latency). Loads of several servers in one process may overlap: the
+    last to finish puts the process's interval back."""
+    if seconds is None:
+        yield
+        return
+    with _LOADS:
+        _loading.append(sys.getswitchinterval())
+        sys.setswitchinterval(min(sys.getswitchinterval(), seconds))
     try:
         yield
     finally:
-        sys.setswitchinterval(previous)
+        with _LOADS:
+            previous = _loading.pop()
+            if not _loading:
+                sys.setswitchinterval(previous)
 
 
 class PredictionServer:
