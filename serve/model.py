@@ -419,6 +419,12 @@ class LoadedModel:
             model.graphs = None
         return model
 
+    def retire(self) -> None:
+        """Drop this model's CUDA graphs, once it is replaced (:mod:`serve.versions` retires
+        it): they refer back to it, so without this only a garbage collection would free it.
+        A request that still holds it runs eagerly; a successor keeps the graphs it shares."""
+        self.graphs = None
+
     @contextlib.contextmanager
     def between_batches(self) -> Iterator[None]:
         """Hold the predict lock (shared by a model and its successors): no batch starts inside,

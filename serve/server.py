@@ -148,7 +148,10 @@ class PredictionServer:
         self.device = config.device or default_device()
         self.metrics = ServingMetrics(lambda: self.manager.current)
         self.manager = ModelManager(
-            self._load, on_loaded=self._on_loaded, on_refused=self._on_refused
+            self._load,
+            on_loaded=self._on_loaded,
+            on_refused=self._on_refused,
+            on_retired=LoadedModel.retire,
         )
         self.batcher = Batcher(
             config.batching, on_batch=self.metrics.on_batch, outstanding=self._outstanding

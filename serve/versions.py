@@ -18,6 +18,12 @@ loaded meanwhile. A bundle that fails to load is refused (logged with its versio
 once its directory has changed and then stopped changing.
 A serving model can also be replaced by a successor built from it on the same loader priority
 (:meth:`ModelManager.replace`: delta updates, :mod:`serve.delta`).
+
+A replaced model is *retired*: held for :data:`RETIRE_AFTER_S` more (the requests validated
+against it finish on it), then handed to ``on_retired`` and dropped on a timer thread of the
+loader's priority. So its teardown (a CUDA model's graphs, tables and program) does not land on
+whichever serving thread lets go of it last, nor on a garbage collection in the middle of a
+request (a model and its graphs refer to each other: ``on_retired`` breaks such cycles).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from shared.bundle.layout import MANIFEST
 log = logging.getLogger(__name__)
 
 REASON_CHARS = 500  # Refusal.reason is cut to this many characters
+RETIRE_AFTER_S = 2.0  # a replaced model is dropped this long after the swap
 
 
 class Versioned(Protocol):
@@ -125,7 +132,8 @@ class ModelManager(Generic[M]):
 
     ``loader(path)`` builds a model from a bundle directory (the server's wraps
     :meth:`serve.model.LoadedModel.load`; anything with a ``version`` will do, tests use stubs);
-    ``on_loaded(model)`` / ``on_refused(path, error)`` are called after each load attempt.
+    ``on_loaded(model)`` / ``on_refused(path, error)`` are called after each load attempt,
+    ``on_retired(model)`` when a replaced model is dropped (module docstring).
     :attr:`last_refusal` and :attr:`refusals` say which bundle was refused last, and why.
     """
 
@@ -135,10 +143,15 @@ class ModelManager(Generic[M]):
         *,
         on_loaded: Callable[[M], None] | None = None,
         on_refused: Callable[[Path, Exception], None] | None = None,
+        on_retired: Callable[[M], None] | None = None,
     ) -> None:
         self._loader = loader
         self._on_loaded = on_loaded
         self._on_refused = on_refused
+        self._on_retired = on_retired
+        # replaced models waiting for retirement: (timer, [model] until retired)
+        self._retiring: list[tuple[threading.Timer, list[M]]] = []
+        self._retire_lock = threading.Lock()
         self._current: M | None = None
         self._current_stamp: tuple[str, _Stamp] | None = None  # (path, stamp) it was loaded from
         self._refused: dict[str, _Stamp] = {}  # path -> its stamp when refused
@@ -193,6 +206,7 @@ class ModelManager(Generic[M]):
             old = self._current
             self._current, self._current_stamp = model, (str(path), stamp)  # the atomic swap
             self.ready.set()
+            self._retire(old)
         log.info(
             "serving model %s from %s (previous: %s)",
             model.version,
@@ -221,10 +235,40 @@ class ModelManager(Generic[M]):
                 )
             model = self._builder.submit(build, current).result()
             self._current = model  # the atomic swap
+            self._retire(current)
         log.info("serving model %s (replaced %s in place)", model.version, current.version)
         if self._on_loaded is not None:
             self._on_loaded(model)
         return model
+
+    def _retire(self, old: M | None) -> None:
+        """Hold ``old`` for RETIRE_AFTER_S, then retire it on a timer thread (under the lock)."""
+        if old is None:
+            return
+        held = [old]  # emptied by the retirement: a fired timer keeps no model alive
+
+        def drop() -> None:
+            _lower_priority()
+            self._retire_now(held)
+
+        self._retiring = [(t, h) for t, h in self._retiring if h]
+        timer = threading.Timer(RETIRE_AFTER_S, drop)
+        timer.daemon = True
+        timer.name = f"model-retire-{old.version}"
+        self._retiring.append((timer, held))
+        timer.start()
+
+    def _retire_now(self, held: list[M]) -> None:
+        with self._retire_lock:  # at most one of the timer and stop()
+            if not held:
+                return
+            old = held.pop()
+        if self._on_retired is not None:
+            try:
+                self._on_retired(old)
+            except Exception:
+                log.exception("retiring model %s failed", old.version)
+        log.info("model %s retired", old.version)
 
     def poll(self, model_dir: Path) -> bool:
         """Serve the highest loadable version of ``model_dir``; True if it changed the model.
@@ -270,6 +314,10 @@ class ModelManager(Generic[M]):
 
     def stop(self) -> None:
         self._stop.set()
+        for timer, held in self._retiring:  # retire now what still waits
+            timer.cancel()
+            self._retire_now(held)
+        self._retiring.clear()
         if self._watcher is not None:
             self._watcher.join(timeout=10)
         if self._builder is not None:

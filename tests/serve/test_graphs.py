@@ -245,3 +245,22 @@ def test_server_with_graphs_answers_like_the_offline_scorer(
     finally:
         srv.stop(grace=0)
     np.testing.assert_allclose(got, flat, rtol=1e-5, atol=1e-6)
+
+
+def test_a_retired_model_is_freed_without_a_collection(din_bundles: tuple[Path, Path]) -> None:
+    """A model and its graphs refer to each other; retiring it (serve.versions, after a swap)
+    breaks that, so the last reference frees it (and its graphs) at once, not at a garbage
+    collection in the middle of some request."""
+    import gc
+    import weakref
+
+    model = LoadedModel.load(din_bundles[1], device="cuda", graph_buckets=BUCKETS[:2])
+    assert model.graphs is not None
+    refs = weakref.ref(model), weakref.ref(model.graphs)
+    gc.disable()
+    try:
+        model.retire()
+        del model
+        assert refs[0]() is None and refs[1]() is None
+    finally:
+        gc.enable()

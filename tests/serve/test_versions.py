@@ -192,3 +192,49 @@ def test_serving_version_rewritten_in_place_reloads_once_stable(
     _write(v2 / "dense.pt2", b"new program")
     assert not manager.poll(tmp_path)  # being rewritten: keep serving it, do not fall back to 1
     assert manager.poll(tmp_path) and loader.calls == ["2", "2"] and _serving(manager) == "2"
+
+
+class Retiring:
+    """A model that refers to itself (as a CUDA model and its graphs do) until retired."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.cycle: object = self
+
+    def retire(self) -> None:
+        self.cycle = None
+
+
+def test_a_replaced_model_is_held_then_retired_and_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import threading
+    import weakref
+
+    import serve.versions
+
+    monkeypatch.setattr(serve.versions, "RETIRE_AFTER_S", 0.2)
+    retired: list[str] = []
+    done = threading.Event()
+
+    def on_retired(model: Retiring) -> None:
+        retired.append(model.version)
+        model.retire()
+        done.set()
+
+    manager = ModelManager(lambda p: Retiring(p.name), on_retired=on_retired)
+    assert manager.load(_bundle(tmp_path, "1"))
+    first = weakref.ref(manager.current)
+    gc.disable()  # freed by its reference count once retired, not by a collection
+    try:
+        assert manager.load(_bundle(tmp_path, "2"))
+        assert first() is not None and not retired  # held: requests may still run on it
+        assert done.wait(5)
+        time.sleep(0.05)  # the timer thread returns from the retirement
+        assert retired == ["1"] and first() is None
+        assert manager.load(_bundle(tmp_path, "3"))  # stop() retires at once what waits
+        manager.stop()
+        assert retired == ["1", "2"]
+    finally:
+        gc.enable()
