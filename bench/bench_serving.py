@@ -506,29 +506,38 @@ def server_profile(
 
 
 class CpuSampler:
-    """Every ``interval`` s: CPU seconds of the server processes and of the whole machine."""
+    """Every ``interval`` s: CPU seconds of the server processes, of the load generator (this
+    process's descendants running locust) and of the whole machine."""
 
     def __init__(self, pids: Sequence[int], interval: float = 0.5) -> None:
         import psutil
 
         self._procs = [psutil.Process(p) for p in pids]
+        self._servers = set(pids)
+        self._me = psutil.Process()
         self._psutil = psutil
-        self.samples: list[tuple[float, float, float]] = []  # (unix time, server cpu s, busy s)
+        # (unix time, server cpu s, load generator cpu s, machine busy s)
+        self.samples: list[tuple[float, float, float, float]] = []
         self._stop = threading.Event()
         self._interval = interval
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _read(self) -> tuple[float, float, float]:
-        server = 0.0
+    def _read(self) -> tuple[float, float, float, float]:
+        server = load = 0.0
         for p in self._procs:
             with contextlib.suppress(Exception):
                 t = p.cpu_times()
                 server += t.user + t.system
+        for c in self._me.children(recursive=True):
+            with contextlib.suppress(Exception):
+                if c.pid not in self._servers and "locust" in " ".join(c.cmdline()):
+                    t = c.cpu_times()
+                    load += t.user + t.system
         t = self._psutil.cpu_times()
         busy = sum(
             getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal")
         )
-        return time.time(), server, busy
+        return time.time(), server, load, busy
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -546,10 +555,11 @@ class CpuSampler:
     def rates(self, t0: float, t1: float) -> dict[str, float | None]:
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
-            return {"server_cores": None, "machine_busy_cores": None}
-        (a, sa, ba), (b, sb, bb) = inside[0], inside[-1]
+            return {"server_cores": None, "load_generator_cores": None, "machine_busy_cores": None}
+        (a, sa, la, ba), (b, sb, lb, bb) = inside[0], inside[-1]
         return {
             "server_cores": (sb - sa) / (b - a),
+            "load_generator_cores": (lb - la) / (b - a),  # locust's processes (#19: its CPU)
             "machine_busy_cores": (bb - ba) / (b - a),
             "machine_cores": float(os.cpu_count() or 0),
         }
