@@ -15,6 +15,8 @@ new version's startup split (GetModelMetadata)::
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +25,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.bench_serving import ServerGroup
+from bench.bench_serving import ServerGroup, find_py_spy, summarize_py_spy
 from bench.bench_startup import export_program
 from bench.synthetic_bundle import (
     keys_per_table,
@@ -70,7 +72,39 @@ def _parser() -> Parser:
         help="one more argument for python -m serve (repeatable; e.g. --server-arg=--cuda-graphs "
         "--server-arg=off, --server-arg=--load-switch-interval-ms --server-arg=0)",
     )
+    p.add_argument(
+        "--py-spy",
+        default=None,
+        help="py-spy binary (default: found on PATH or sys.path); '' for none. It records the "
+        "server's process (--gil) from the install for --profile-s: which share of the GIL the "
+        "load takes from serving",
+    )
+    p.add_argument("--profile-s", type=int, default=2, help="seconds py-spy records")
     return p
+
+
+# a GIL sample is the load's when a frame of the new version's load is on its stack
+_LOAD = re.compile(r"(LoadedModel\.load|ModelManager\._load|CudaGraphs\.capture) \(")
+
+
+def _spy(py_spy: str, pid: int, seconds: int, raw: Path) -> subprocess.Popen[bytes]:
+    cmd = [py_spy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "500"]
+    cmd += ["--gil", "--nonblocking", "--format", "raw", "-o", str(raw)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _gil_split(raw: Path, seconds: int) -> dict[str, object]:
+    """GIL-holding samples of the server's process during the swap: the load's and the rest."""
+    text = raw.read_text() if raw.exists() else ""
+    load = 0
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit() and _LOAD.search(stack):
+            load += int(count)
+    summary = summarize_py_spy(text, 500, seconds)
+    total = summary["samples_holding_gil"]
+    summary["load_share_of_gil_samples"] = load / total if total else None
+    return summary
 
 
 def _startup_split(host: str) -> dict[str, float]:
@@ -83,6 +117,7 @@ def _startup_split(host: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     check_device(a.device)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
 
     fs = seed_feature_set()
     keys = keys_per_table(fs, a.keys)
@@ -99,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         server_args = ["--max-candidates", str(max(a.candidates, 1000)), "--frontends"]
         server_args += [str(a.frontends), "--no-verify-checksums", *a.server_arg]
+        py_spy = find_py_spy(a.py_spy) if a.py_spy != "" else None
+        raw = a.out.with_suffix(".pyspy.txt")
+        gil: dict[str, object] | None = None
         server = ServerGroup(
             ["--model-dir", str(models), "--poll-interval-s", "0.1"], a.device, 1, root,
             server_args,
@@ -110,12 +148,16 @@ def main(argv: list[str] | None = None) -> int:
             t_before = time.perf_counter()
             time.sleep(a.before_s)
             t_install = time.perf_counter()
+            spy = None if py_spy is None else _spy(py_spy, server.procs[0].pid, a.profile_s, raw)
             install_version(root / "v2", models, "2")
             traffic.wait_for_version("2", timeout_s=60)
             t_swapped = time.perf_counter()
             time.sleep(a.after_s)
             traffic.stop()
             swap_load = _startup_split(server.host)
+            if spy is not None:
+                _, err = spy.communicate(timeout=a.profile_s + 60)
+                gil = _gil_split(raw, a.profile_s) if raw.exists() else {"error": err.decode()}
         finally:
             exit_codes = server.stop()
             log_tail = server.tail(0)
@@ -140,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         "error_examples": traffic.errors[:5],
         "versions_seen": traffic.versions(),
         "server_exit_codes": exit_codes,
+        "gil_during_swap": gil,  # py-spy --gil of the server's process from the install
     }
     if exit_codes != [0]:
         report["server_log_tail"] = log_tail
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     print(
         json.dumps(
