@@ -118,21 +118,6 @@ def _side_stream(device: torch.device) -> contextlib.AbstractContextManager[obje
 _LOAD_STREAMS: dict[str, torch.cuda.Stream] = {}
 
 
-def serving_stream(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """Served batches (:meth:`LoadedModel.start`) go to a high-priority CUDA stream of the
-    device: where a loading version's kernels (its warm-up and its graphs' captures, on the load
-    stream, of the default priority) and a served batch's are both ready, the GPU schedules the
-    served batch's blocks first."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    if str(device) not in _SERVING_STREAMS:  # one per device, as _LOAD_STREAMS
-        _SERVING_STREAMS[str(device)] = torch.cuda.Stream(device, priority=-1)
-    return torch.cuda.stream(_SERVING_STREAMS[str(device)])
-
-
-_SERVING_STREAMS: dict[str, torch.cuda.Stream] = {}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -477,13 +462,9 @@ class LoadedModel:
         ``timings`` (optional) receives wall seconds of ``h2d`` (packing and the copy),
         ``compute`` (lookups and dense program: launch time on CUDA, where kernels run
         asynchronously) and ``sync`` (waiting for the device and copying the scores back).
-        A model superseded by an in-place delta predicts with its successor. It runs on the
-        caller's current stream (its warm-up: the load stream); :meth:`start`, the batcher's,
-        on :func:`serving_stream`.
+        A model superseded by an in-place delta predicts with its successor.
         """
-        with self._lock:
-            pending = self._serving()._start(batch, timings)
-        return pending.result(timings)
+        return self.start(batch, timings).result(timings)
 
     def start(
         self, batch: Batch | HostBatch, timings: dict[str, float] | None = None
@@ -493,9 +474,8 @@ class LoadedModel:
 
         The lock is held only while the batch is started, so the next one can be prepared while
         this one runs; its ``result`` adds the wait to ``timings["sync"]``. The pending holds the
-        graph it replays in, which so outlives a version swapped out meanwhile. On CUDA it runs
-        on :func:`serving_stream`, ahead of a version loading beside it."""
-        with self._lock, serving_stream(self.device):
+        graph it replays in, which so outlives a version swapped out meanwhile."""
+        with self._lock:
             return self._serving()._start(batch, timings)
 
     def _start(self, batch: Batch | HostBatch, timings: dict[str, float] | None) -> PendingScores:

@@ -264,26 +264,3 @@ def test_a_retired_model_is_freed_without_a_collection(din_bundles: tuple[Path, 
         assert refs[0]() is None and refs[1]() is None
     finally:
         gc.enable()
-
-
-def test_served_batches_run_on_the_high_priority_stream(
-    graphed: LoadedModel, fs: FeatureSet, monkeypatch
-) -> None:
-    """start() (the batcher's) runs on serving_stream, ahead of a version loading on the load
-    stream; predict() on the caller's stream; both give the same scores."""
-    from serve.graphs import CudaGraphs
-
-    seen: list[int] = []
-    real = CudaGraphs.start
-
-    def start(self, batch, timings=None):
-        seen.append(torch.cuda.current_stream().priority)
-        return real(self, batch, timings)
-
-    monkeypatch.setattr(CudaGraphs, "start", start)
-    batch = _no_labels(synthetic_batch(fs, 2, 6, (3, 0)))
-    served = graphed.start(batch).result()
-    direct = graphed.predict(batch)
-    default = torch.cuda.current_stream().priority
-    assert seen[0] < default and seen[1] == default
-    torch.testing.assert_close(served, direct, rtol=0, atol=ATOL)
