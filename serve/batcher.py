@@ -255,9 +255,10 @@ class Batcher:
     # ----------------------------------------------------------------------- worker
 
     def _take(self) -> tuple[list[_Pending], bool] | None:
-        """Block for the next batch: same model, ≤ max rows, within max wait of the first (none
-        while nothing is in flight). For a predictor that is started, also block for a slot
-        (collecting meanwhile) and hold it: the batch and whether it holds a slot."""
+        """Block for the next batch: same model, ≤ max rows, within max wait of the first (no
+        wait once no other request could join: :meth:`_nobody_else`). For a predictor that is
+        started, also block for a slot (collecting meanwhile) and hold it: the batch and
+        whether it holds a slot."""
         cfg = self.config
         with self._cond:
             while not self._queue:
