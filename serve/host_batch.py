@@ -75,34 +75,40 @@ class HostKjt:
     @staticmethod
     def concat(parts: Sequence[HostKjt]) -> HostKjt:
         """``parts`` (same keys) stacked along the batch, as :func:`serve.batcher._concat_kjt`
-        does it (weights, which it drops, included: a merged KJT is unweighted)."""
+        does it (weights, which it drops, included: a merged KJT is unweighted).
+
+        One ``np.concatenate`` per array. The batcher merges ~3 requests of up to ~10 keys, where
+        each numpy call costs ~1 µs of Python: a part whose keys all have the same number of ids
+        (one id per row, or a sequence's T per feature: the usual request) is a [K, n] block like
+        its lengths; other parts give one slice per key (fewer calls than a gather index)."""
         first = parts[0]
+        keys = first.keys
         for p in parts[1:]:
-            if p.keys != first.keys:
-                raise ValueError(f"cannot concatenate batches with keys {first.keys} and {p.keys}")
+            if p.keys != keys:
+                raise ValueError(f"cannot concatenate batches with keys {keys} and {p.keys}")
         if len(parts) == 1:
             return first
-        k = len(first.keys)
+        k = len(keys)
         stride = sum(p.stride for p in parts)
         if k == 0:
             return HostKjt((), stride, (), first.values, first.lengths, first.weights)
         lengths = np.concatenate([p.lengths.reshape(k, p.stride) for p in parts], axis=1)  # [K, ΣS]
-        # (start, end) of each key's ids in each part, key-major: each key of every part in turn
-        spans = [
-            list(itertools.pairwise(itertools.accumulate(p.per_key, initial=0))) for p in parts
-        ]
-        order = [(i, *spans[i][j]) for j in range(k) for i in range(len(parts))]
+        if all(p.per_key.count(p.per_key[0]) == k for p in parts):  # [K, n_i] blocks
+            blocks = [p.values[: k * p.per_key[0]].reshape(k, p.per_key[0]) for p in parts]
+            values = np.concatenate(blocks, axis=1).reshape(-1)  # [K, Σn_i] key-major
+            per_key = (sum(p.per_key[0] for p in parts),) * k
+        else:  # key-major: key 0's ids of every part, then key 1's, ...
+            per_key = tuple(map(sum, zip(*(p.per_key for p in parts), strict=True)))
+            by_part = [_split(p.values, p.per_key) for p in parts]  # [n_k] per key, per part
+            values = np.concatenate([v for key in zip(*by_part, strict=True) for v in key])
+        # no weights: _concat_kjt drops them too (no serving batch has any)
+        return HostKjt(keys, stride, per_key, values, lengths.reshape(-1))
 
-        def gather(arrays: Sequence[np.ndarray]) -> np.ndarray:
-            return np.concatenate([arrays[i][a:b] for i, a, b in order])
 
-        return HostKjt(  # no weights: _concat_kjt drops them too (no serving batch has any)
-            first.keys,
-            stride,
-            tuple(map(sum, zip(*(p.per_key for p in parts), strict=True))),
-            gather([p.values for p in parts]),
-            lengths.reshape(-1),
-        )
+def _split(values: np.ndarray, per_key: Sequence[int]) -> list[np.ndarray]:
+    """``values`` [sum(per_key)] as one view per key ([n_k] each); plain slices, where
+    ``np.split`` costs ~5 µs of Python."""
+    return [values[a:b] for a, b in itertools.pairwise(itertools.accumulate(per_key, initial=0))]
 
 
 @dataclass(slots=True)
@@ -152,8 +158,9 @@ class HostBatch:
             raise ValueError("HostBatch.concat needs at least one batch")
         if len(parts) == 1:
             return parts[0]
-        users = itertools.accumulate((p.num_users for p in parts[:-1]), initial=0)
-        user_index = np.concatenate([p.user_index + o for p, o in zip(parts, users, strict=True)])
+        users = itertools.accumulate(p.num_users for p in parts[:-1])  # users before parts[1:]
+        shifted = (p.user_index + o for p, o in zip(parts[1:], users, strict=True))
+        user_index = np.concatenate([parts[0].user_index, *shifted])  # [ΣB]
         return HostBatch(
             HostKjt.concat([p.user for p in parts]),
             HostKjt.concat([p.item for p in parts]),

@@ -109,15 +109,22 @@ def signature_of(input_names: Sequence[str]) -> Signature:
 def pair_index(seq_lengths: np.ndarray, user_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The (candidate, element) pairs on the host: ``seq_lengths`` [U] and ``user_index`` [B]
     → (pair_segment [N], pair_element [N]) int64, ordered by candidate, then element (see the
-    module docstring). Raises IndexError for a user index outside [0, U)."""
+    module docstring). Raises IndexError for a user index outside [0, U).
+
+    On the serving path's host (every batch, under the GIL): each pair's element is its
+    candidate's shift repeated (``np.repeat``, a fill) rather than gathered through ``seg``,
+    and [B]-sized intermediates are updated in place."""
     lengths = np.asarray(seq_lengths, dtype=np.int64)  # [U]
     users = np.asarray(user_index, dtype=np.int64)  # [B]
-    cand_len = lengths[users]  # [B] elements of each candidate's user
-    n = int(cand_len.sum())
-    seg = np.repeat(np.arange(users.shape[0], dtype=np.int64), cand_len)  # [N]
+    cand_len = lengths.take(users)  # [B] elements of each candidate's user
+    seg = np.arange(users.shape[0], dtype=np.int64).repeat(cand_len)  # [N]
     # element of pair j: user_start[u] + (j - first pair of its candidate)
-    shift = (np.cumsum(lengths) - lengths)[users] - (np.cumsum(cand_len) - cand_len)  # [B]
-    return seg, np.arange(n, dtype=np.int64) + shift[seg]  # [N], [N]
+    shift = (np.cumsum(lengths) - lengths).take(users)  # [B] user_start of each candidate
+    shift += cand_len
+    shift -= np.cumsum(cand_len)  # [B] user_start - first pair of the candidate
+    elem = shift.repeat(cand_len)  # [N]
+    elem += np.arange(seg.shape[0], dtype=np.int64)
+    return seg, elem  # [N], [N]
 
 
 def pair_index_torch(seq_lengths: torch.Tensor, user_index: torch.Tensor) -> Pairs:

@@ -266,3 +266,67 @@ def test_host_batches_fill_as_their_kjt_batches(
         torch.testing.assert_close(got_scores, model.predict(kjt_batch), rtol=0, atol=1e-6)
         torch.testing.assert_close(model.predict(host), model.predict(kjt_batch), rtol=0, atol=0)
     assert graphs.stats.eager == {}
+
+
+# (users, candidates, sequence lengths) of synthetic batches: every key one id per row
+_SYNTHETIC = [(4, 12, (5, 0, 9, 2)), (1, 2, (3,)), (1, 1, (0,)), (3, 16, (12, 1, 7))]
+
+
+def _defined_slots(
+    graph: BucketGraph, batch: HostBatch, seg: np.ndarray, elem: np.ndarray
+) -> list[np.ndarray]:
+    """The slots of ``graph`` holding ``batch`` as the module docstring of serve.graphs defines
+    them, built key by key: each key's ids then PAD_ID, real bags, the padding's bag in the first
+    dummy row, empty bags after it; dummy candidates of the dummy user; padded pairs."""
+    from serve.lookup import PAD_ID
+
+    out = []
+    for kjt, shape in zip(batch.kjts, graph.shapes, strict=True):
+        k, real = len(shape.keys), kjt.stride
+        ids = np.full((k, shape.per_key), PAD_ID, np.int64)  # [K, cap]
+        lens = np.zeros((k, shape.rows), np.int64)  # [K, rows]
+        start = 0
+        for key, n in enumerate(kjt.per_key):
+            ids[key, :n] = kjt.values[start : start + n]
+            lens[key, :real] = kjt.lengths[key * real : (key + 1) * real]
+            lens[key, real] = shape.per_key - n
+            start += n
+        out += [ids.reshape(-1), lens.reshape(-1)]
+    b, pairs = batch.batch_size, graph.bucket.pairs
+    user_index = np.full(graph.shapes[1].rows, batch.num_users, np.int64)  # [candidates + 1]
+    user_index[:b] = batch.user_index
+    pair_seg = np.full(pairs, graph.bucket.candidates, np.int64)  # [pairs]
+    pair_elem = np.zeros(pairs, np.int64)
+    pair_seg[: seg.shape[0]], pair_elem[: elem.shape[0]] = seg, elem
+    return [*out, user_index, pair_seg, pair_elem]
+
+
+def test_fills_hold_the_defined_slots_bit_for_bit(
+    model: LoadedModel, fs: FeatureSet, requests: list
+) -> None:
+    """Request batches (keys with different numbers of ids) and synthetic ones (one id per row),
+    alone and merged on the host, filled in turn into one bucket: after every fill its slots
+    are the defined padding of that batch (dtypes and every bit), whatever the fill before."""
+    from serve.graphs import host_pairs
+    from serve.limits import Limits
+    from serve.validation import request_inputs
+    from shared.fg_request import request_columns_to_batch
+
+    parts = [
+        HostBatch.of(request_columns_to_batch(fs, **vars(request_inputs(r, fs, Limits()))))
+        for r in requests
+    ]
+    parts += [HostBatch.of(synthetic_batch(fs, u, b, t)) for u, b, t in _SYNTHETIC]
+    batches = [*parts, HostBatch.concat(parts), HostBatch.concat(parts[::-2])]
+    assert any(len(set(k.per_key)) > 1 for p in parts for k in p.kjts)  # ragged keys too
+    keys = _keys(synthetic_batch(fs, 1, 1, (0,)))
+    graph = BucketGraph(model, Bucket(4096, 512, 128), keys)
+    rng = np.random.default_rng(1)
+    for i in [*range(len(batches)), *rng.integers(0, len(batches), 20)]:
+        batch = batches[i]
+        seg, elem = host_pairs(batch, model.tables.layout)
+        graph.fill(batch, seg, elem)
+        want = _defined_slots(graph, batch, seg, elem)
+        for got, w in zip(graph.buffers.views, want, strict=True):
+            assert got.dtype == w.dtype == np.int64
+            np.testing.assert_array_equal(got, w)

@@ -72,6 +72,29 @@ def test_weights_and_empty_keys_concatenate_as_kjts_do() -> None:
     assert none.keys == () and none.stride == 4
 
 
+def test_parts_with_equal_and_different_ids_per_key_concatenate_as_kjts_do() -> None:
+    """Parts whose keys all have the same number of ids (a [K, n] block) among parts whose keys
+    differ, and keys left empty: values, lengths and ids per key as _concat_kjt gives them."""
+    from serve.batcher import _concat_kjt
+
+    def kjt(lengths: list[int], values: list[int]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            keys=["x", "y", "z"],
+            values=torch.tensor(values, dtype=torch.int64),
+            lengths=torch.tensor(lengths, dtype=torch.int32),
+        )
+
+    even = kjt([1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6])  # 2 ids per key
+    ragged = kjt([2, 0, 1], [7, 8, 9])  # 2, 0, 1
+    empty = kjt([0, 0, 0], [])  # 0 ids per key: an empty block
+    for kjts in ([even, ragged], [ragged, even, empty], [even, empty, even], [empty, empty]):
+        got = HostKjt.concat([HostKjt.of(k) for k in kjts])
+        want = _concat_kjt(kjts)
+        assert list(got.per_key) == want.length_per_key()
+        for a, b in ((got.values, want.values()), (got.lengths, want.lengths())):
+            assert a.dtype == b.numpy().dtype and a.tolist() == b.tolist()
+
+
 def test_different_keys_do_not_concatenate(fs: FeatureSet) -> None:
     a = HostKjt.of(synthetic_batch(fs, 1, 1, (0,)).user)
     b = HostKjt(("other",), 1, (0,), a.values[:0], a.lengths[:1])

@@ -116,8 +116,10 @@ def test_pair_index_on_random_jagged_batches() -> None:
         lengths = rng.integers(0, 6, size=u) * (rng.random(u) < 0.7)  # about 30 % empty
         user_index = rng.integers(0, u, size=int(rng.integers(1, 20)))
         want = _loop_pairs(lengths.tolist(), user_index.tolist())
-        seg, elem = pair_index(lengths, user_index)
-        assert (seg.tolist(), elem.tolist()) == want
+        for lens in (lengths, lengths.astype(np.int32)):  # int32: a KJT's lengths
+            seg, elem = pair_index(lens, user_index)
+            assert (seg.dtype, elem.dtype) == (np.int64, np.int64)
+            assert (seg.tolist(), elem.tolist()) == want
 
 
 def test_pair_index_refuses_a_user_index_out_of_range() -> None:
