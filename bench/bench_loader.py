@@ -46,7 +46,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from shared.batch import Batch, pack
+from shared.batch import Batch
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -58,6 +58,7 @@ from train.data.loader import (
     Loader,
     Window,
     _Batches,
+    _Packed,
     usable_workers,
 )
 from train.data.memory import keep_freed_memory, shared_buffer
@@ -196,7 +197,7 @@ def worker_steady(loader: Loader, batches: int) -> dict[str, object]:
                 chunk := list(itertools.islice(played, dataset.message_batches))
             ):
                 pack0 = time.process_time()
-                pack([b for b, _ in chunk], shared_buffer)
+                _Packed.of([b for b, _ in chunk], shared_buffer)
                 cpu["pack"] += time.process_time() - pack0
                 done += len(chunk)
             if done >= batches:

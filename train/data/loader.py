@@ -13,8 +13,12 @@ shuffle_rows), computed from Parquet metadata alone:
 A worker sends its batches in messages of a few consecutive ones (:data:`MESSAGE_ROWS`), their
 tensors packed into one shared-memory buffer (:func:`shared.batch.pack`): one file descriptor per
 message instead of one per tensor (the descriptor handshake was the main process's largest cost),
-and one copy to pin it. :func:`interleave` turns the round-robin over messages back into the
-round-robin over batches of step 4, so the order does not depend on the message size.
+and one copy to pin it. The message is that buffer and where each tensor lies in it
+(:class:`_Packed`): the main process builds each batch once, as views of the buffer or of its
+pinned copy, instead of rebuilding every pickled tensor. A worker keeps its last
+:data:`KEPT_BUFFERS` buffers referenced, so that it, rather than the main process, usually frees
+their pages. :func:`interleave` turns the round-robin over messages back into the round-robin
+over batches of step 4, so the order does not depend on the message size.
 
 Because every stream's batch count follows from metadata, :meth:`Loader.epoch` can start at batch
 ``k`` cheaply (resume): each stream skips whole windows without reading them, reads the window it
@@ -37,6 +41,7 @@ short global batch of fewer than ``world_size`` rows is dropped.
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import itertools
@@ -51,9 +56,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from protos import pipeline_pb2
-from shared.batch import Batch, byte_span, pack, rebase
+from shared.batch import Batch, pack
 from shared.features import FeatureSet
 from shared.fg import ORACLE_COLUMN, FgStats, table_to_batch
 from train.data.memory import keep_freed_memory, shared_buffer
@@ -63,6 +69,11 @@ _CLAMPS_SAID: set[tuple[int, int]] = set()  # (asked, cores) already logged in t
 # rows of the batches a worker sends in one message (whole batches, at least one): bigger
 # messages spread the per-message cost over more rows, and hold more memory in flight
 MESSAGE_ROWS = 32_768
+# shared buffers a worker keeps referenced after sending them (its newest ones): by the time it
+# drops one, the main process has usually dropped it too (the DataLoader asks a worker for at
+# most 2 messages ahead, and the main process takes a whole round of messages before the next),
+# so the worker, not the main process, frees its pages (~0.6 ms per 9 MB message, in munmap)
+KEPT_BUFFERS = 4
 
 
 def usable_workers(requested: int, cores: int | None = None) -> int:
@@ -201,23 +212,141 @@ def interleave(messages: Iterator[list[Batch]], counts: list[int]) -> Iterator[B
             yield from (m[r] for m in msgs if r < len(m))
 
 
+# (storage offset in elements, dtype, shape, strides) of one tensor of a packed buffer
+_Slot = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]
+# keys, stride, length_per_key, offset_per_key, and which of lengths, offsets, weights are set
+_KjtLayout = tuple[list[str], int, list[int] | None, list[int] | None, tuple[bool, bool, bool]]
+# user, item, sequence, labels set, oracle set, rows_are_users
+_BatchLayout = tuple[_KjtLayout, _KjtLayout, _KjtLayout, bool, bool, bool]
+
+
+def _kjt_parts(kjt: KeyedJaggedTensor) -> tuple[_KjtLayout, list[torch.Tensor]]:
+    """``kjt``'s host metadata and its tensors (values, then lengths, offsets, weights where
+    set): what :func:`_kjt_of` rebuilds it from, as :func:`shared.batch.rebase` keeps it."""
+    optional = (kjt.lengths_or_none(), kjt.offsets_or_none(), kjt.weights_or_none())
+    layout: _KjtLayout = (
+        kjt.keys(),
+        kjt.stride(),
+        kjt.length_per_key_or_none(),
+        kjt.offset_per_key_or_none(),
+        (optional[0] is not None, optional[1] is not None, optional[2] is not None),
+    )
+    return layout, [kjt.values(), *(t for t in optional if t is not None)]
+
+
+def _kjt_of(layout: _KjtLayout, tensors: Iterator[torch.Tensor]) -> KeyedJaggedTensor:
+    """The KJT of :func:`_kjt_parts`, its tensors taken from ``tensors`` in that order and its
+    per-key lengths and offsets given (nothing is recomputed from the tensors)."""
+    keys, stride, length_per_key, offset_per_key, (has_lengths, has_offsets, has_weights) = layout
+    values = next(tensors)
+    lengths = next(tensors) if has_lengths else None
+    offsets = next(tensors) if has_offsets else None
+    weights = next(tensors) if has_weights else None
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=values,
+        weights=weights,
+        lengths=lengths,
+        offsets=offsets,
+        stride=stride,
+        length_per_key=length_per_key,
+        offset_per_key=offset_per_key,
+    )
+
+
+def _batch_parts(batch: Batch) -> tuple[_BatchLayout, list[torch.Tensor]]:
+    """``batch``'s layout (:data:`_BatchLayout`) and its tensors in the order :func:`_batch_of`
+    takes them."""
+    kjts = [_kjt_parts(k) for k in (batch.user, batch.item, batch.sequence)]
+    dense = [t for t in (batch.user_index, batch.labels, batch.oracle) if t is not None]
+    layout: _BatchLayout = (
+        kjts[0][0],
+        kjts[1][0],
+        kjts[2][0],
+        batch.labels is not None,
+        batch.oracle is not None,
+        batch.rows_are_users,
+    )
+    return layout, [t for _, ts in kjts for t in ts] + dense
+
+
+def _batch_of(layout: _BatchLayout, tensors: Iterator[torch.Tensor]) -> Batch:
+    """The Batch of :func:`_batch_parts`, its tensors taken from ``tensors``."""
+    user, item, sequence, has_labels, has_oracle, rows_are_users = layout
+    return Batch(
+        user=_kjt_of(user, tensors),
+        item=_kjt_of(item, tensors),
+        sequence=_kjt_of(sequence, tensors),
+        user_index=next(tensors),
+        labels=next(tensors) if has_labels else None,
+        oracle=next(tensors) if has_oracle else None,
+        rows_are_users=rows_are_users,
+    )
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """Batches packed into one buffer (:func:`shared.batch.pack`), as the buffer and where each
+    tensor lies in it: what a worker sends. Pickled, it is one tensor (one file descriptor) and
+    plain tuples, where the batches themselves pickle every tensor and KJT, each rebuilt in the
+    main process (~36 tensors a message). The main process builds the batches once, as views of
+    the buffer it uses them from (the shared one, or its pinned copy: :meth:`pinned`), with the
+    KJTs' per-key lengths and offsets as the worker computed them.
+
+    Views of the shared buffer are safe to hand out: a worker allocates a new buffer for every
+    message (:func:`~train.data.memory.shared_buffer`) and never writes to one it has sent (it
+    only keeps the newest ones referenced: :data:`KEPT_BUFFERS`); the buffer is freed when the
+    last process lets go of it."""
+
+    buffer: torch.Tensor  # [nbytes] uint8, a whole storage (offset 0)
+    layouts: tuple[_BatchLayout, ...]  # one per batch
+    slots: tuple[_Slot, ...]  # every batch's tensors, in :func:`_batch_parts` order
+
+    @classmethod
+    def of(cls, batches: list[Batch], alloc: Callable[[int], torch.Tensor]) -> _Packed:
+        """``batches`` packed into ``alloc(nbytes)`` (in a worker: shared memory)."""
+        parts = [_batch_parts(b) for b in pack(batches, alloc)]
+        storage = parts[0][1][0].untyped_storage()
+        slots = tuple(
+            (int(t.storage_offset()), t.dtype, tuple(t.shape), t.stride())
+            for _, ts in parts
+            for t in ts
+        )
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return cls(buffer, tuple(layout for layout, _ in parts), slots)
+
+    def pinned(self) -> _Packed:
+        """The same batches in a pinned copy of the buffer (one copy)."""
+        return _Packed(self.buffer.pin_memory(), self.layouts, self.slots)
+
+    def unpack(self) -> list[Batch]:
+        """The batches, their tensors views of :attr:`buffer` (contiguous, as packed)."""
+        storage, device = self.buffer.untyped_storage(), self.buffer.device
+        tensors = (
+            torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+            for offset, dtype, shape, stride in self.slots
+        )
+        return [_batch_of(layout, tensors) for layout in self.layouts]
+
+
 @dataclass
 class _Message:
-    """Consecutive batches of one stream, as a worker sends them, and their fg defaults."""
+    """Consecutive batches of one stream and their fg defaults: packed (:class:`_Packed`) when
+    a worker sends them, a list in this process."""
 
-    batches: list[Batch]
+    batches: list[Batch] | _Packed
     stats: FgStats
 
     def pin_memory(self) -> _Message:
-        """Pinned copy (called by the DataLoader's pin-memory thread): one copy of the buffer
-        the batches were packed into, the batches as views of it."""
-        spans = [byte_span(b) for b in self.batches]
-        storages = {s[0].data_ptr() if s is not None else None for s in spans}
-        if None in storages or len(storages) != 1 or spans[0] is None:  # not packed
-            return _Message([b.pin_memory() for b in self.batches], self.stats)
-        whole = torch.empty(0, dtype=torch.uint8).set_(spans[0][0])
-        pinned = whole.pin_memory()
-        return _Message([rebase(b, pinned, 0) for b in self.batches], self.stats)
+        """Pinned, the batches built (called by the DataLoader's pin-memory thread, so that the
+        main thread only takes them): one copy of a packed buffer, the batches views of it."""
+        if isinstance(self.batches, _Packed):
+            return _Message(self.batches.pinned().unpack(), self.stats)
+        return _Message([b.pin_memory() for b in self.batches], self.stats)
+
+    def unpacked(self) -> list[Batch]:
+        """The batches (views of the packed buffer when packed)."""
+        return self.batches.unpack() if isinstance(self.batches, _Packed) else self.batches
 
 
 def _worker_init(_worker_id: int) -> None:
@@ -277,16 +406,19 @@ class _Batches(IterableDataset):
         into pinned memory in the main process when pinning, else as they are."""
         info = get_worker_info()
         stream = self.assignment[info.id if info is not None else 0]
-        alloc: Callable[[int], torch.Tensor] | None = (
-            shared_buffer if info is not None else _pinned_buffer if self.pin_memory else None
-        )
         played = self._play(self.streams[stream], self.skips[stream] * self.batch_size)
+        kept: collections.deque[torch.Tensor] = collections.deque(maxlen=KEPT_BUFFERS)
         while chunk := list(itertools.islice(played, self.message_batches)):
             stats = FgStats()
             for _, s in chunk:
                 stats.merge(s)
             batches = [b for b, _ in chunk]
-            yield _Message(pack(batches, alloc) if alloc is not None else batches, stats)
+            if info is not None:
+                packed = _Packed.of(batches, shared_buffer)
+                kept.append(packed.buffer)
+                yield _Message(packed, stats)
+            else:
+                yield _Message(pack(batches, _pinned_buffer) if self.pin_memory else batches, stats)
 
     def _read(self, window: Window) -> pa.Table:
         """The rows of ``window``, shuffled. One thread: a worker is one of a process per core,
@@ -508,7 +640,7 @@ class Loader:
         def unpacked() -> Iterator[list[Batch]]:
             for message in received:
                 self.stats.merge(message.stats)
-                yield message.batches
+                yield message.unpacked()
 
         batches = unpacked()
         yield from interleave(batches, messages)

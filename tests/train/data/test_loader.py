@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
+import pickle
 import random
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from shared.batch import Batch
+from shared.batch import Batch, byte_span
 from shared.features import FeatureSet, feature_set_from_text
+from shared.fg import FgStats
 from train.data import synthetic, taobao
-from train.data.loader import Loader, interleave, resume_point, usable_workers
+from train.data.loader import (
+    Loader,
+    _Message,
+    _Packed,
+    interleave,
+    resume_point,
+    usable_workers,
+)
+from train.data.memory import shared_buffer
 
 ROOT = Path(__file__).resolve().parents[3]
 SEED_TEXT = (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
@@ -232,3 +245,64 @@ def test_a_forked_worker_never_frees_what_it_inherits() -> None:
         os.close(write)
         assert os.read(read, 16) == b"p"
         os.close(read)
+
+
+def _assert_same_batch(got: Batch, want: Batch) -> None:
+    """Every tensor equal (dtype, shape, values), every KJT's host metadata equal."""
+    for a, b in zip(
+        (got.user, got.item, got.sequence), (want.user, want.item, want.sequence), strict=True
+    ):
+        assert (a.keys(), a.stride()) == (b.keys(), b.stride())
+        assert a.length_per_key_or_none() == b.length_per_key_or_none()
+        assert a.offset_per_key_or_none() == b.offset_per_key_or_none()
+        for x, y in zip(
+            (a.lengths_or_none(), a.offsets_or_none(), a.weights_or_none()),
+            (b.lengths_or_none(), b.offsets_or_none(), b.weights_or_none()),
+            strict=True,
+        ):
+            assert (x is None) == (y is None)
+    assert (got.labels is None, got.oracle is None) == (want.labels is None, want.oracle is None)
+    assert got.rows_are_users == want.rows_are_users
+    assert len(got.tensors()) == len(want.tensors())
+    for x, y in zip(got.tensors(), want.tensors(), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+def _some_batches(samples: Path, fs: FeatureSet) -> list[Batch]:
+    """Three batches of the tiny samples, the last without labels and oracle."""
+    loader = Loader(samples / "train", fs, batch_size=200, seed=1, pin_memory=False)
+    batches = list(itertools.islice(loader.epoch(0), 3))
+    return [*batches[:2], dataclasses.replace(batches[2], labels=None, oracle=None)]
+
+
+def test_a_packed_message_unpickles_to_the_same_batches(samples: Path, fs: FeatureSet) -> None:
+    """A worker's message (:class:`_Packed`) through the DataLoader's pickler: the same batches,
+    as views of one buffer (one byte range each, for the prefetcher's one copy); and the same
+    from a copy of the buffer (how the pin-memory thread rebuilds them)."""
+    batches = _some_batches(samples, fs)
+    packed = _Packed.of(batches, shared_buffer)
+    received = pickle.loads(ForkingPickler.dumps(_Message(packed, FgStats())))
+    assert isinstance(received.batches, _Packed) and len(received.batches.slots) == sum(
+        len(b.tensors()) for b in batches
+    )
+    got = received.unpacked()
+    storage = received.batches.buffer.untyped_storage().data_ptr()
+    for b, want in zip(got, batches, strict=True):
+        _assert_same_batch(b, want)
+        span = byte_span(b)
+        assert span is not None and span[0].data_ptr() == storage
+    copied = _Packed(packed.buffer.clone(), packed.layouts, packed.slots)
+    for b, want in zip(copied.unpack(), batches, strict=True):
+        _assert_same_batch(b, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
+def test_a_pinned_message_holds_the_same_batches_in_pinned_memory(
+    samples: Path, fs: FeatureSet
+) -> None:
+    batches = _some_batches(samples, fs)
+    pinned = _Message(_Packed.of(batches, shared_buffer), FgStats()).pin_memory()
+    assert isinstance(pinned.batches, list)
+    for b, want in zip(pinned.unpacked(), batches, strict=True):
+        _assert_same_batch(b, want)
+        assert all(t.is_pinned() for t in b.tensors())
