@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import queue
 import threading
@@ -42,7 +41,6 @@ from typing import Protocol, cast
 
 import numpy as np
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from serve.host_batch import HostBatch
 from shared.batch import Batch
@@ -441,71 +439,38 @@ class Batcher:
 # --------------------------------------------------------------------------- concatenation
 
 
-def _concat_kjt(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    """Concatenate KJTs with the same keys along the batch (stride) dimension.
-
-    A KJT stores its values key-major (all bags of key 0, then key 1, ...), so the result takes,
-    for each key, that key's values from every input in turn.
-    """
-    keys = kjts[0].keys()
-    for k in kjts[1:]:
-        if k.keys() != keys:
-            raise ValueError(f"cannot concatenate batches with keys {keys} and {k.keys()}")
-    if len(kjts) == 1:
-        return kjts[0]
-    n_keys = len(keys)
-    if n_keys == 0:
-        stride = sum(k.stride() for k in kjts)
-        return KeyedJaggedTensor(
-            keys=[], values=kjts[0].values(), lengths=kjts[0].lengths(), stride=stride
-        )
-    lengths = torch.cat([k.lengths().view(n_keys, -1) for k in kjts], dim=1)  # [K, ΣS]
-    per_key = [k.length_per_key() for k in kjts]  # [input][key], host ints
-    per_input = [torch.split(k.values(), n) for k, n in zip(kjts, per_key, strict=True)]
-    values = torch.cat([per_input[i][j] for j in range(n_keys) for i in range(len(kjts))])
-    length_per_key = [sum(n[j] for n in per_key) for j in range(n_keys)]
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=values,
-        lengths=lengths.reshape(-1),
-        stride=int(lengths.shape[1]),
-        length_per_key=length_per_key,
-        offset_per_key=[0, *itertools.accumulate(length_per_key)],
-    )
-
-
-def concat_batches(batches: Sequence[Batch]) -> Batch:
+def concat_batches(batches: Sequence[Batch | HostBatch]) -> Batch:
     """One batch of several: users and candidates are stacked, ``user_index`` offset.
 
     Example: a request with U=1, B=3 and one with U=1, B=2 give U=2, B=5 and
-    ``user_index = [0, 0, 0, 1, 1]``. Labels and oracle are kept only if every batch has them.
+    ``user_index = [0, 0, 0, 1, 1]``. The KJTs are merged on the host
+    (:meth:`~serve.host_batch.HostBatch.concat`: the one implementation) and built once; the
+    batches' tensors must be on the CPU. Labels and oracle are kept only if every batch has them
+    (a :class:`~serve.host_batch.HostBatch` has none); one batch alone is returned as it is.
     """
     if not batches:
         raise ValueError("concat_batches needs at least one batch")
     if len(batches) == 1:
-        return batches[0]
-    offsets = np.cumsum([0] + [b.num_users for b in batches[:-1]])
-    user_index = torch.cat([b.user_index + int(o) for b, o in zip(batches, offsets, strict=True)])
+        one = batches[0]
+        return one.to_batch() if isinstance(one, HostBatch) else one
+    merged = HostBatch.concat([b if isinstance(b, HostBatch) else HostBatch.of(b) for b in batches])
+    batch = merged.to_batch()
+    batch.labels = _cat_optional(batches, "labels")  # [ΣB] or None
+    batch.oracle = _cat_optional(batches, "oracle")  # [ΣB] or None
+    return batch
 
-    def cat_opt(name: str) -> torch.Tensor | None:
-        parts = [getattr(b, name) for b in batches]
-        return None if any(p is None for p in parts) else torch.cat(parts)
 
-    return Batch(
-        user=_concat_kjt([b.user for b in batches]),
-        item=_concat_kjt([b.item for b in batches]),
-        sequence=_concat_kjt([b.sequence for b in batches]),
-        user_index=user_index,
-        labels=cat_opt("labels"),
-        oracle=cat_opt("oracle"),
-    )
+def _cat_optional(batches: Sequence[Batch | HostBatch], name: str) -> torch.Tensor | None:
+    """The batches' ``name`` tensors (labels, oracle) stacked, or None unless all have one."""
+    # a HostBatch carries neither
+    tensors = [t for b in batches if (t := getattr(b, name, None)) is not None]
+    return torch.cat(tensors) if len(tensors) == len(batches) else None
 
 
 def merge_batches(parts: Sequence[Batch | HostBatch], *, host: bool) -> Batch | HostBatch:
     """The batcher's one batch of its requests: a :class:`~serve.host_batch.HostBatch` when every
     part is one and ``host`` (the predictor takes them), else :func:`concat_batches`' batch (host
     batches built into KJTs after they are merged: one KJT build, not one per request)."""
-    if all(isinstance(p, HostBatch) for p in parts):
-        merged = HostBatch.concat(cast(Sequence[HostBatch], parts))
-        return merged if host else merged.to_batch()
-    return concat_batches([p.to_batch() if isinstance(p, HostBatch) else p for p in parts])
+    if host and all(isinstance(p, HostBatch) for p in parts):
+        return HostBatch.concat(cast(Sequence[HostBatch], parts))
+    return concat_batches(parts)

@@ -2,18 +2,19 @@
 slot, merges and pads into a CUDA graph's host slots without building torchrec KJTs.
 
 Building a :class:`~torchrec.sparse.jagged_tensor.KeyedJaggedTensor` costs ~15 µs of Python
-per KJT, and the batcher's concatenation of KJTs (:func:`serve.batcher.concat_batches`) splits
-and re-joins each one again: ~0.3 ms of the device process's CPU per handed-off request, all of
-it under the GIL. A :class:`HostBatch` holds the same tensors as numpy arrays (views of the slot
-where read from one, :func:`serve.handoff.read_host_batch`) with the host-side ids per key, so
+per KJT, and merging requests as KJTs (splitting and re-joining each one with torch) cost
+~0.3 ms of the device process's CPU per handed-off request, all of it under the GIL. A
+:class:`HostBatch` holds the same tensors as numpy arrays (views of the slot where read from
+one, :func:`serve.handoff.read_host_batch`) with the host-side ids per key, so
 
-- :meth:`HostBatch.concat` merges requests with one ``np.concatenate`` per KJT part (values in
-  the same key-major order as :func:`serve.batcher._concat_kjt`: each key's ids of every request
-  in turn; ``user_index`` offset by the users before);
+- :meth:`HostBatch.concat` merges requests with one ``np.concatenate`` per KJT part (values
+  key-major, as a KJT stores them: each key's ids of every request in turn; ``user_index``
+  offset by the users before). It is the one merge: :func:`serve.batcher.concat_batches` (KJT
+  batches) goes through it too;
 - :meth:`serve.graphs.BucketGraph.fill` pads it straight into a bucket's host slots;
 - :meth:`HostBatch.to_batch` builds the KJT :class:`~shared.batch.Batch` once, for the eager path
   and for predictors that take only batches: the tensors are those ``concat_batches`` of the
-  KJT batches gives (same values, dtypes and order), so every score is the same.
+  KJT batches gives (it builds them this way), so every score is the same.
 
 Example::
 
@@ -74,8 +75,8 @@ class HostKjt:
 
     @staticmethod
     def concat(parts: Sequence[HostKjt]) -> HostKjt:
-        """``parts`` (same keys) stacked along the batch, as :func:`serve.batcher._concat_kjt`
-        does it (weights, which it drops, included: a merged KJT is unweighted).
+        """``parts`` (same keys) stacked along the batch; weights are dropped (a merged KJT is
+        unweighted: no serving batch has any), a part alone is returned as it is.
 
         One ``np.concatenate`` per array. The batcher merges ~3 requests of up to ~10 keys, where
         each numpy call costs ~1 µs of Python: a part whose keys all have the same number of ids
@@ -101,7 +102,7 @@ class HostKjt:
             per_key = tuple(map(sum, zip(*(p.per_key for p in parts), strict=True)))
             by_part = [_split(p.values, p.per_key) for p in parts]  # [n_k] per key, per part
             values = np.concatenate([v for key in zip(*by_part, strict=True) for v in key])
-        # no weights: _concat_kjt drops them too (no serving batch has any)
+        # no weights (docstring)
         return HostKjt(keys, stride, per_key, values, lengths.reshape(-1))
 
 
@@ -153,7 +154,8 @@ class HostBatch:
 
     @staticmethod
     def concat(parts: Sequence[HostBatch]) -> HostBatch:
-        """One batch of several, as :func:`serve.batcher.concat_batches` makes it."""
+        """One batch of several: users and candidates stacked, ``user_index`` offset by the
+        users before (the merge :func:`serve.batcher.concat_batches` builds its batch from)."""
         if not parts:
             raise ValueError("HostBatch.concat needs at least one batch")
         if len(parts) == 1:

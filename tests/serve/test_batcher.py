@@ -128,19 +128,27 @@ def test_worker_survives_a_failing_model(fs) -> None:
 
 
 def test_merge_batches_builds_kjts_only_for_predictors_that_need_them(fs, requests) -> None:
-    from tests.serve.test_host_batch import assert_same_batch
+    from tests.serve.test_host_batch import (
+        assert_golden,
+        assert_holds_parts,
+        assert_same_batch,
+        golden_parts,
+    )
 
-    parts = _request_batches(fs, requests[:3])
-    hosts = [HostBatch.of(p) for p in parts]
-    merged = merge_batches(hosts, host=True)
-    assert isinstance(merged, HostBatch)
-    assert_same_batch(merged.to_batch(), concat_batches(parts))
-    built = merge_batches(hosts, host=False)
-    assert isinstance(built, Batch)
-    assert_same_batch(built, concat_batches(parts))
-    mixed = merge_batches([hosts[0], parts[1], hosts[2]], host=True)  # a KJT batch among them
-    assert isinstance(mixed, Batch)
-    assert_same_batch(mixed, concat_batches(parts))
+    for parts in (golden_parts(), _request_batches(fs, requests[:3])):
+        hosts = [HostBatch.of(p) for p in parts]
+        merged = merge_batches(hosts, host=True)
+        assert isinstance(merged, HostBatch)
+        built = merge_batches(hosts, host=False)
+        assert isinstance(built, Batch)
+        mixed = merge_batches([hosts[0], parts[1], hosts[2]], host=True)  # a KJT batch among them
+        assert isinstance(mixed, Batch)
+        assert_holds_parts(built, parts)
+        for other in (merged.to_batch(), mixed):
+            assert_same_batch(other, built)
+    assert_golden(merge_batches([HostBatch.of(p) for p in golden_parts()], host=False))
+    one = synthetic_batch(fs, 1, 2, (1,))
+    assert merge_batches([one], host=False) is one  # a request alone: its batch as it is
 
 
 # --------------------------------------------------------------------------- started batches
