@@ -633,7 +633,10 @@ def _fn(name: str, path: str = "") -> re.Pattern[str]:
 
 
 _CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
-    ("batch: concat", _fn("(concat_batches|_concat_kjt)", r"serve/batcher\.py")),
+    (
+        "batch: concat",
+        _fn("(concat_batches|merge_batches|concat)", r"serve/(batcher|host_batch)\.py"),
+    ),
     ("batch: h2d", _fn("(batch_to_device|to_device)", r"serve/model\.py")),
     ("batch: lookups", _fn("embed", r"serve/lookup\.py")),
     ("batch: dense program", _fn("(_logits|logits)", r"serve/model\.py")),
