@@ -9,7 +9,9 @@ pumping ``--concurrency`` threads of prebuilt columnar requests of ``--candidate
 does) through a :class:`~serve.handoff.HandoffClient` as fast as the answers come back. After a
 warm-up, ``--repeats`` windows of ``--duration-s`` each measure requests/s, candidates/s and the
 device process's CPU seconds per request (``time.process_time``: every thread of it: the pipe
-readers, the batcher, the answers); the report gives each window and their medians::
+readers, the batcher, the answers) and the p50/p99 round trip of a request (a frontend's submit
+to its answer: the handoff's latency, without a model); the report gives each window and their
+medians::
 
     python -m bench.bench_handoff --frontends 2 --duration-s 3 --out results/handoff.json
 
@@ -27,6 +29,7 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -153,8 +156,10 @@ def _frontend(
     ready: Any,
     go: Any,
     stop: Any,
+    latency_file: str,
 ) -> None:
-    """One frontend process: ``concurrency`` threads submitting prebuilt batches."""
+    """One frontend process: ``concurrency`` threads submitting prebuilt batches; at the end,
+    (submit time.monotonic(), round trip s) of every answered request to ``latency_file``."""
     from bench.synthetic_bundle import seed_feature_set, synthetic_request
     from loadtest.requests import columnar_request
     from serve.handoff import HandoffClient, SlotArena
@@ -180,18 +185,21 @@ def _frontend(
     handle = _Handle(token)
     lock = threading.Lock()
     errors: list[str] = []
+    trips: list[tuple[float, float]] = []  # (submitted, seconds to the answer)
 
     def pump(k: int) -> None:
         i = k
         while not stop.is_set():
             batch = batches[i % len(batches)]
             i += 1
+            t = time.monotonic()
             try:
-                probs = client.submit(handle, batch, deadline=time.monotonic() + 30).result(30)
+                probs = client.submit(handle, batch, deadline=t + 30).result(30)
                 assert probs.shape == (batch.batch_size,)
             except Exception as err:  # counted, never fatal: the report says how many
                 errors.append(repr(err))
                 continue
+            trips.append((t, time.monotonic() - t))  # list.append: atomic under the GIL
             with lock:
                 counts[2 * index] += 1
                 counts[2 * index + 1] += batch.batch_size
@@ -203,6 +211,7 @@ def _frontend(
         t.start()
     for t in threads:
         t.join()
+    np.save(latency_file, np.asarray(trips, dtype=np.float64).reshape(-1, 2))
     ready[index] = 2 + len(errors)  # 2: done, more: errors
     counts[2 * index] = getattr(client, "groups_sent", 0)  # read by the device side at the end
     counts[2 * index + 1] = getattr(client, "requests_sent", 0)
@@ -210,8 +219,18 @@ def _frontend(
     arena.close()
 
 
-def measure(a: Any) -> dict[str, Any]:
-    """Start the device side and the frontends, measure the windows; the report."""
+def _round_trips(trips: np.ndarray, span: tuple[float, float]) -> dict[str, float]:
+    """p50/p99 ms of the round trips (frontend submit to answer) submitted within ``span``."""
+    inside = trips[(trips[:, 0] >= span[0]) & (trips[:, 0] < span[1]), 1] * 1e3  # [n] ms
+    if not len(inside):
+        return {"round_trip_p50_ms": float("nan"), "round_trip_p99_ms": float("nan")}
+    p50, p99 = np.percentile(inside, [50, 99])
+    return {"round_trip_p50_ms": float(p50), "round_trip_p99_ms": float(p99)}
+
+
+def measure(a: Any, work: str) -> dict[str, Any]:
+    """Start the device side and the frontends (their round trips written under ``work``),
+    measure the windows; the report."""
     from serve.batcher import Batcher, BatcherConfig, BatchStats
     from serve.handoff import HandoffConfig, HandoffServer, ModelRegistry, SlotArena
     from serve.servicer import status_of
@@ -228,7 +247,13 @@ def measure(a: Any) -> dict[str, Any]:
         batches[0] += 1
         batches[1] += stats.requests
 
-    batcher = Batcher(BatcherConfig(a.max_batch_rows, a.max_wait_us), on_batch=on_batch)
+    # every pump thread has one request out at all times (closed loop): the server's count of
+    # admitted requests, for the batcher's "could another one still join" (serve.batcher)
+    batcher = Batcher(
+        BatcherConfig(a.max_batch_rows, a.max_wait_us),
+        on_batch=on_batch,
+        outstanding=lambda: a.frontends * a.concurrency,
+    )
     counts = _CTX.RawArray("q", 2 * a.frontends)  # per frontend: requests, candidates done
     ready = _CTX.RawArray("q", a.frontends)
     go, stop = _CTX.Event(), _CTX.Event()
@@ -248,8 +273,9 @@ def measure(a: Any) -> dict[str, Any]:
                 a.concurrency,
                 a.max_batch_rows,
             )
+            trips = str(Path(work) / f"trips-{i}.npy")
             proc = _CTX.Process(
-                target=_frontend, args=(*args, counts, ready, go, stop), daemon=True
+                target=_frontend, args=(*args, counts, ready, go, stop, trips), daemon=True
             )
             proc.start()
             theirs.close()
@@ -265,11 +291,13 @@ def measure(a: Any) -> dict[str, Any]:
         go.set()
         time.sleep(a.warmup_s)
         windows = []
+        spans = []  # (start, end) time.monotonic() of each window, for the round trips
         for _ in range(a.repeats):
             r0, c0, b0 = sum(counts[0::2]), sum(counts[1::2]), list(batches)
-            cpu0, t0 = time.process_time(), time.perf_counter()
+            cpu0, t0 = time.process_time(), time.monotonic()
             time.sleep(a.duration_s)
-            cpu1, t1 = time.process_time(), time.perf_counter()
+            cpu1, t1 = time.process_time(), time.monotonic()
+            spans.append((t0, t1))
             r1, c1, b1 = sum(counts[0::2]), sum(counts[1::2]), list(batches)
             n, wall = max(r1 - r0, 1), t1 - t0
             windows.append(
@@ -289,6 +317,11 @@ def measure(a: Any) -> dict[str, Any]:
         for p in procs:
             p.join(30)
         errors = sum(max(int(r) - 2, 0) for r in ready)
+        trips_all = np.concatenate(
+            [np.load(Path(work) / f"trips-{i}.npy") for i in range(a.frontends)]
+        )
+        for window, span in zip(windows, spans, strict=True):
+            window.update(_round_trips(trips_all, span))
         groups, grouped = sum(counts[0::2]), sum(counts[1::2])  # what the frontends wrote last
     finally:
         stop.set()
@@ -335,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if a.duration_s <= 0:
         raise ValueError(f"--duration-s must be > 0, got {a.duration_s}")
-    report = measure(a)
+    with tempfile.TemporaryDirectory(prefix="bench-handoff-") as work:
+        report = measure(a, work)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"errors": report["errors"], **report["median"]}))
