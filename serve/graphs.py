@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import itertools
 import logging
 import math
 import time
@@ -237,13 +236,12 @@ def _fill_kjt(
     if was_rows > real:
         lens[:, real + 1 : was_rows + 1] = 0
     ids = slots[0].reshape(k, cap)
-    if k and per_key.count(per_key[0]) == k:  # [K, n] ids
-        n = per_key[0]
-        ids[:, :n] = kjt.values[: k * n].reshape(k, n)
+    block = kjt.blocks()  # [K, n] or None
+    if block is not None:
+        ids[:, : block.shape[1]] = block
     else:  # one slice per key
-        spans = itertools.pairwise(itertools.accumulate(per_key, initial=0))
-        for base, (a, b) in zip(range(0, k * cap, cap), spans, strict=True):
-            slots[0][base : base + b - a] = kjt.values[a:b]
+        for key, key_ids in enumerate(kjt.by_key()):
+            ids[key, : len(key_ids)] = key_ids
     if was_per_key != per_key:
         for key, (n, stale) in enumerate(zip(per_key, was_per_key, strict=True)):
             if stale > n:

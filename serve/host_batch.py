@@ -73,6 +73,20 @@ class HostKjt:
             offset_per_key=[0, *itertools.accumulate(per_key)],
         )
 
+    def blocks(self) -> np.ndarray | None:
+        """The ids as [K, n] (a view) when every key has the same n ids (one id per row, or a
+        sequence's T per feature: the usual request), else None."""
+        k, per_key = len(self.per_key), self.per_key
+        if not k or per_key.count(per_key[0]) != k:
+            return None
+        return self.values[: k * per_key[0]].reshape(k, per_key[0])  # [K, n]
+
+    def by_key(self) -> list[np.ndarray]:
+        """The ids of each key ([n_k] views, key order); plain slices, where ``np.split`` costs
+        ~5 µs of Python."""
+        spans = itertools.pairwise(itertools.accumulate(self.per_key, initial=0))
+        return [self.values[a:b] for a, b in spans]
+
     @staticmethod
     def concat(parts: Sequence[HostKjt]) -> HostKjt:
         """``parts`` (same keys) stacked along the batch; weights are dropped (a merged KJT is
@@ -94,22 +108,16 @@ class HostKjt:
         if k == 0:
             return HostKjt((), stride, (), first.values, first.lengths, first.weights)
         lengths = np.concatenate([p.lengths.reshape(k, p.stride) for p in parts], axis=1)  # [K, ΣS]
-        if all(p.per_key.count(p.per_key[0]) == k for p in parts):  # [K, n_i] blocks
-            blocks = [p.values[: k * p.per_key[0]].reshape(k, p.per_key[0]) for p in parts]
-            values = np.concatenate(blocks, axis=1).reshape(-1)  # [K, Σn_i] key-major
-            per_key = (sum(p.per_key[0] for p in parts),) * k
+        blocks = [b for p in parts if (b := p.blocks()) is not None]  # [K, n_i] each
+        if len(blocks) == len(parts):
+            merged = np.concatenate(blocks, axis=1)  # [K, Σn_i]
+            values, per_key = merged.reshape(-1), (merged.shape[1],) * k  # key-major
         else:  # key-major: key 0's ids of every part, then key 1's, ...
             per_key = tuple(map(sum, zip(*(p.per_key for p in parts), strict=True)))
-            by_part = [_split(p.values, p.per_key) for p in parts]  # [n_k] per key, per part
+            by_part = [p.by_key() for p in parts]  # [n_k] per key, per part
             values = np.concatenate([v for key in zip(*by_part, strict=True) for v in key])
         # no weights (docstring)
         return HostKjt(keys, stride, per_key, values, lengths.reshape(-1))
-
-
-def _split(values: np.ndarray, per_key: Sequence[int]) -> list[np.ndarray]:
-    """``values`` [sum(per_key)] as one view per key ([n_k] each); plain slices, where
-    ``np.split`` costs ~5 µs of Python."""
-    return [values[a:b] for a, b in itertools.pairwise(itertools.accumulate(per_key, initial=0))]
 
 
 @dataclass(slots=True)
