@@ -626,6 +626,18 @@ def find_py_spy(explicit: str | None) -> str | None:
     return None
 
 
+def record_gil(
+    py_spy: str, pid: int, seconds: int, rate: int, out: Path, *, after_s: float = 0.0
+) -> subprocess.Popen[bytes]:
+    """py-spy recording ``pid``'s GIL-holding stacks (``--gil``, raw format, into ``out``) for
+    ``seconds`` at ``rate`` Hz, starting ``after_s`` from now; stderr piped for its errors."""
+    cmd = f"exec {py_spy} record --pid {pid} --duration {seconds} --rate {rate} --gil "
+    cmd += f"--nonblocking --format raw -o {out}"
+    if after_s:
+        cmd = f"sleep {after_s}; {cmd}"
+    return subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
 # py-spy frames look like "Class.method (path:line)"; a sample's category is that of its
 # innermost frame that matches (so the dense program under _run_batch counts as the program)
 def _fn(name: str, path: str = "") -> re.Pattern[str]:
@@ -777,12 +789,8 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         spy_s = int(max(a.duration - a.warmup_s - 1, 1))
         if py_spy:
             # starts profiling once the load is up: locust needs ~2 s to spawn its processes
-            spy_cmd = [
-                "sh", "-c", f"sleep {a.warmup_s + 2}; exec {py_spy} record --pid {group.procs[0].pid} "
-                f"--duration {spy_s} --rate {a.py_spy_rate} --gil --nonblocking --format raw "
-                f"-o {spy_file}",
-            ]  # fmt: skip
-            spy = subprocess.Popen(spy_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            pid = group.procs[0].pid
+            spy = record_gil(py_spy, pid, spy_s, a.py_spy_rate, spy_file, after_s=a.warmup_s + 2)
         load_dir = work / f"load-{spec.name}"
         summary = run_load_test(
             group.host, samples, load_dir, users=spec.users, spawn_rate=spec.users,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.bench_serving import ServerGroup, find_py_spy, summarize_py_spy
+from bench.bench_serving import ServerGroup, find_py_spy, record_gil, summarize_py_spy
 from bench.bench_startup import export_program
 from bench.synthetic_bundle import (
     keys_per_table,
@@ -95,12 +94,6 @@ def _parser() -> Parser:
 _LOAD = re.compile(r"(LoadedModel\.load|ModelManager\._load|CudaGraphs\.capture) \(")
 
 
-def _spy(py_spy: str, pid: int, seconds: int, raw: Path) -> subprocess.Popen[bytes]:
-    cmd = [py_spy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "500"]
-    cmd += ["--gil", "--nonblocking", "--format", "raw", "-o", str(raw)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
 def _gil_split(raw: Path, seconds: int) -> dict[str, object]:
     """GIL-holding samples of the server's process during the swap: the load's and the rest."""
     text = raw.read_text() if raw.exists() else ""
@@ -159,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             t_before = time.perf_counter()
             time.sleep(a.before_s)
             t_install = time.perf_counter()
-            spy = None if py_spy is None else _spy(py_spy, server.procs[0].pid, a.profile_s, raw)
+            spy = (
+                None
+                if py_spy is None
+                else record_gil(py_spy, server.procs[0].pid, a.profile_s, 500, raw)
+            )
             install_version(root / "v2", models, "2")
             traffic.wait_for_version("2", timeout_s=60)
             t_swapped = time.perf_counter()
