@@ -160,21 +160,19 @@ def _frontend(
 ) -> None:
     """One frontend process: ``concurrency`` threads submitting prebuilt batches; at the end,
     (submit time.monotonic(), round trip s) of every answered request to ``latency_file``."""
-    from bench.synthetic_bundle import seed_feature_set, synthetic_request
-    from loadtest.requests import columnar_request
+    from bench.synthetic_bundle import as_columnar, seed_feature_set, synthetic_request
     from serve.handoff import HandoffClient, SlotArena
     from serve.limits import Limits
-    from serve.validation import request_inputs, value_type
+    from serve.validation import request_inputs
     from shared.fg_request import request_columns_to_batch
 
     torch.set_num_threads(1)
     fs = seed_feature_set()
-    types = {f.name: value_type(f) for f in fs.features.values()}
     limits = Limits(max_candidates=max(candidates, Limits().max_candidates))
     rng = np.random.default_rng(index)
     batches = []
     for _ in range(8):
-        req = columnar_request(synthetic_request(fs, rng, candidates=candidates), types)
+        req = as_columnar(fs, synthetic_request(fs, rng, candidates=candidates))
         batches.append(request_columns_to_batch(fs, **vars(request_inputs(req, fs, limits))))
     arena = SlotArena.attach(arena_name, config)
     try:  # an older serve.handoff (no grouping) takes no max_group_rows

@@ -27,16 +27,15 @@ import numpy as np
 from bench.bench_serving import ServerGroup, find_py_spy, record_gil, summarize_py_spy
 from bench.bench_startup import export_program
 from bench.synthetic_bundle import (
+    as_columnar,
     keys_per_table,
     seed_feature_set,
     synthetic_request,
     write_synthetic_bundle,
 )
 from bench.traffic import ClosedLoopClients, install_version, latency_stats
-from loadtest.requests import columnar_request
 from protos import predict_pb2, predict_pb2_grpc
 from serve.model import default_device
-from serve.validation import value_type
 from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 
@@ -125,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     requests = [synthetic_request(fs, rng, candidates=a.candidates) for _ in range(64)]
     if a.request_format == "columnar":  # cheaper for the clients: the p99 is more the server's
-        types = {f.name: value_type(f) for f in fs.features.values()}
-        requests = [columnar_request(r, types) for r in requests]
+        requests = [as_columnar(fs, r) for r in requests]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         program, _ = export_program(fs, root / "dense.pt2")

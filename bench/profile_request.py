@@ -25,17 +25,17 @@ import torch
 
 from bench.bench_startup import export_program
 from bench.synthetic_bundle import (
+    as_columnar,
     keys_per_table,
     seed_feature_set,
     synthetic_request,
     write_synthetic_bundle,
 )
-from loadtest.requests import columnar_request
 from protos import predict_pb2
 from serve.batcher import concat_batches
 from serve.limits import Limits
 from serve.model import LoadedModel, default_device
-from serve.validation import request_inputs, value_type
+from serve.validation import request_inputs
 from shared.batch import Batch
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
@@ -54,7 +54,7 @@ def _request(fs: FeatureSet, fmt: str, candidates: int) -> predict_pb2.PredictRe
     req = synthetic_request(fs, np.random.default_rng(0), candidates=candidates)
     if fmt == "rows":
         return req
-    return columnar_request(req, {f.name: value_type(f) for f in fs.features.values()})
+    return as_columnar(fs, req)
 
 
 def _timed(stages: dict[str, _Stage], iters: int) -> dict[str, dict[str, float]]:

@@ -111,6 +111,15 @@ def export_seed_program(fs: FeatureSet, path: Path, *, pairs: bool = True, seed:
     return path
 
 
+def as_columnar(fs: FeatureSet, request: predict_pb2.PredictRequest) -> predict_pb2.PredictRequest:
+    """``request`` with its candidates as ``candidate_columns`` (the same candidates), each
+    column of the kind ``fs`` gives its feature."""
+    from loadtest.requests import columnar_request
+    from serve.validation import value_type
+
+    return columnar_request(request, {f.name: value_type(f) for f in fs.features.values()})
+
+
 def synthetic_request(
     fs: FeatureSet,
     rng: np.random.Generator,

@@ -251,10 +251,9 @@ def table(fs: FeatureSet, groups: list[list[dict[str, object]]]) -> pa.Table:
 
 def to_columnar(fs: FeatureSet, req: predict_pb2.PredictRequest) -> predict_pb2.PredictRequest:
     """``req`` with its candidates as ``candidate_columns`` (the same candidates)."""
-    from loadtest.requests import columnar_request
-    from serve.validation import value_type
+    from bench.synthetic_bundle import as_columnar
 
-    return columnar_request(req, {f.name: value_type(f) for f in fs.features.values()})
+    return as_columnar(fs, req)
 
 
 def candidate_variants(
