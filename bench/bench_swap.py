@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions_seen": traffic.versions(),
         "server_exit_codes": exit_codes,
         "gil_during_swap": gil,  # py-spy --gil of the server's process from the install
+        # 100 ms bins from 0.5 s before the install: where in the load the slow requests fall
+        "timeline": traffic.timeline(t_install - 0.5, 0.1),
     }
     if exit_codes != [0]:
         report["server_log_tail"] = log_tail

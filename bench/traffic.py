@@ -110,5 +110,23 @@ class ClosedLoopClients:
     def latencies(self, start: float, end: float = float("inf")) -> list[float]:
         return [lat for t, lat, _ in self.log if start <= t < end]
 
+    def timeline(self, start: float, bin_s: float) -> list[dict[str, object]]:
+        """Requests started from ``start`` in bins of ``bin_s``: per bin its start (s after
+        ``start``), count, p50 and max latency (ms) and the versions that answered."""
+        bins: dict[int, list[tuple[float, str]]] = {}
+        for t, lat, version in self.log:
+            if t >= start:
+                bins.setdefault(int((t - start) / bin_s), []).append((lat, version))
+        return [
+            {
+                "t_s": round(k * bin_s, 3),
+                "count": len(rows),
+                "p50_ms": float(np.median([lat for lat, _ in rows])) * 1e3,
+                "max_ms": max(lat for lat, _ in rows) * 1e3,
+                "versions": sorted({v for _, v in rows}),
+            }
+            for k, rows in sorted(bins.items())
+        ]
+
     def versions(self) -> list[str]:
         return sorted({v for _, _, v in self.log})
