@@ -111,7 +111,8 @@ class _World:
     ad_bias: np.ndarray
     ad_cdf: np.ndarray  # global popularity
     cate_start: np.ndarray  # [C + 1] ad index range per cate
-    user_emb: np.ndarray  # [U, d]
+    user_emb: np.ndarray  # [U, d]: favourite cates' mean + 0.5·demo_emb[group] + 0.5·noise
+    demo_emb: np.ndarray  # [14, d] by cms_group_id
     user_bias: np.ndarray
     user_fav: np.ndarray  # [U, 3] cate index
     user_price_sens: np.ndarray  # by pvalue_level
@@ -131,6 +132,8 @@ class _Impressions:
     clk: np.ndarray  # int8
     p: np.ndarray  # float32 true probability
     prior_clicks: np.ndarray  # the user's clicks strictly before this second
+    same_cate: np.ndarray  # int8: of the user's last ``history`` clicks, those of the ad's cate
+    same_brand: np.ndarray  # int8: ... of the ad's brand (never a NULL brand)
 
 
 @dataclass
@@ -254,6 +257,7 @@ def _make_world(spec: SizeSpec, model: ClickModel, rng: np.random.Generator) -> 
         ad_cdf=ad_cdf / ad_cdf[-1],
         cate_start=np.searchsorted(cate, np.arange(spec.cates + 1)),
         user_emb=user_emb,
+        demo_emb=demo_emb,
         user_bias=rng.normal(0, model.user_bias_sd, n_users),
         user_fav=fav,
         user_price_sens=sens,
@@ -334,6 +338,7 @@ def _simulate(
     clk = np.zeros(n_imp, np.int8)
     p = np.zeros(n_imp, np.float32)
     prior = np.zeros(n_imp, np.int64)
+    n_cate, n_brand = np.zeros(n_imp, np.int8), np.zeros(n_imp, np.int8)
     K = model.history
     hist_cate = np.full((len(users), K), -1, np.int64)
     hist_brand = np.full((len(users), K), -1, np.int64)
@@ -360,6 +365,7 @@ def _simulate(
         pk = 1.0 / (1.0 + np.exp(-logit))
         ck = rng.random(b - a) < pk
         p[a:b], clk[a:b], prior[a:b] = pk, ck, hist_n[r]
+        n_cate[a:b], n_brand[a:b] = same_c, same_b
         hit = np.flatnonzero(ck)
         if len(hit):  # append the clicks to the ring buffers (impressions are grouped by user)
             rc = r[hit]
@@ -370,7 +376,9 @@ def _simulate(
             hist_cate[rc, slot] = c[hit]
             hist_brand[rc, slot] = np.where(br[hit] < 0, -2, br[hit])
             np.add.at(hist_n, rc, 1)
-    return _Impressions(users[rank], pv_time[imp_pv], ad, pv_pid[imp_pv], clk, p, prior)
+    return _Impressions(
+        users[rank], pv_time[imp_pv], ad, pv_pid[imp_pv], clk, p, prior, n_cate, n_brand
+    )
 
 
 def _calibrate(world: _World, model: ClickModel, seed: int) -> float:
@@ -510,6 +518,33 @@ def _write_files(
     _write_behavior(out, world, imp, ids, rng)
 
 
+@dataclass
+class Simulation:
+    """The world and impressions that :func:`generate` writes, before any file is written."""
+
+    spec: SizeSpec
+    model: ClickModel
+    world: _World
+    b0: float  # the calibrated intercept of the click logit
+    impressions: _Impressions  # in simulation order (raw_sample.csv is a permutation of it)
+
+
+def simulate_world(
+    size: str | SizeSpec, *, seed: int = 0, model: ClickModel | None = None
+) -> Simulation:
+    """The planted world and its impressions, drawn exactly as :func:`generate` draws them
+    (same seeds and calls): for diagnostics that need more than the written files hold."""
+    spec = SIZES[size] if isinstance(size, str) else size
+    model = model or ClickModel()
+    rng = np.random.default_rng([seed, 0])
+    world = _make_world(spec, model, rng)
+    b0 = _calibrate(world, model, seed)
+    imp = _simulate(
+        world, np.arange(spec.users), spec.samples, b0, model, np.random.default_rng([seed, 3])
+    )
+    return Simulation(spec, model, world, b0, imp)
+
+
 def generate(
     size: str | SizeSpec, out_dir: str | Path, *, seed: int = 0, model: ClickModel | None = None
 ) -> GenerateReport:
@@ -519,14 +554,8 @@ def generate(
     ``out_dir/generate_report.json``.
     """
     started = time.perf_counter()
-    spec = SIZES[size] if isinstance(size, str) else size
-    model = model or ClickModel()
-    rng = np.random.default_rng([seed, 0])
-    world = _make_world(spec, model, rng)
-    b0 = _calibrate(world, model, seed)
-    imp = _simulate(
-        world, np.arange(spec.users), spec.samples, b0, model, np.random.default_rng([seed, 3])
-    )
+    sim = simulate_world(size, seed=seed, model=model)
+    spec, model, world, b0, imp = sim.spec, sim.model, sim.world, sim.b0, sim.impressions
     out = Path(out_dir)
     _write_files(out / "raw", spec, model, world, imp, np.random.default_rng([seed, 4]))
     ads_seen = np.bincount(imp.ad, minlength=spec.ads)
