@@ -62,6 +62,15 @@ def parser() -> argparse.ArgumentParser:
         "model load (bundles of format 3; others run eagerly) (default %(default)s)",
     )
     p.add_argument(
+        "--reuse-graphs",
+        choices=["on", "off"],
+        default="on",
+        help="with CUDA graphs: keep the replaced version (and, from startup, a copy of the first) "
+        "as a spare and write the next version into its tables and weights, so a swap captures "
+        "no graphs; costs one more copy of the tables and graphs held (serve.spare) "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--no-verify-checksums",
         action="store_true",
         help="skip the sha256 of the bundle files at load (faster startup)",
@@ -226,6 +235,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         metrics_port=a.metrics_port,
         device=a.device,
         cuda_graphs=a.cuda_graphs == "on",
+        reuse_graphs=a.reuse_graphs == "on",
         limits=Limits(
             max_candidates=a.max_candidates,
             max_sequence_length=a.max_sequence_length,

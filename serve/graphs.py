@@ -528,6 +528,27 @@ class CudaGraphs:
     def _run(self, batch: Batch, pairs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return scores(self.model, batch, pairs)
 
+    def rebind(self, model: LoadedModel) -> None:
+        """Make these graphs ``model``'s: a model over the very tables and program they read
+        (the next version written into them, :mod:`serve.spare`)."""
+        if model.tables is not self._tables or model.program is not self._program:
+            raise ValueError("graphs are only valid for the tables and program they captured")
+        self.model = model
+
+    def verify(self) -> float:
+        """Replay the smallest graph over what its input buffers hold and run the same inputs
+        eagerly: max |replay - eager|, i.e. whether the graphs still read the tensors the
+        model holds (after new rows and weights were written into them: :mod:`serve.spare`).
+        On the current stream; it waits for the result."""
+        if not self.graphs:
+            return 0.0
+        graph = self.graphs[0]
+        assert graph.out is not None, "verify before capture"
+        with torch.inference_mode():
+            graph.launch()
+            want = self._run(graph.batch, graph.pairs)
+            return float((graph.out - want).abs().max())
+
     @property
     def buckets(self) -> list[Bucket]:
         return [g.bucket for g in self.graphs]

@@ -37,7 +37,7 @@ from serve.batcher import PendingScores
 from serve.graphs import Bucket, CudaGraphs, GraphStats
 from serve.host_batch import HostBatch
 from serve.lookup import EmbeddingTables, TableStats
-from serve.program_cache import ProgramCache
+from serve.program_cache import ProgramCache, program_digest
 from shared.batch import Batch
 from shared.bundle import Bundle, BundleError, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
@@ -147,6 +147,9 @@ class DenseProgram:
     module: Callable[..., torch.Tensor]
     keyword: bool  # keyword inputs (else the six of INPUT_NAMES, positionally)
     signature: Signature
+    # the archive's graph (serve.program_cache.program_digest): equal for a retrained program of
+    # the same graph, whose weights serve.spare may then write into this module's tensors
+    digest: str | None = None
 
     @property
     def takes_pairs(self) -> bool:
@@ -187,7 +190,7 @@ def load_program(
         signature = signature_of(program_input_names(module) if keyword else ())
     except ValueError as err:
         raise BundleError(f"{path}: {err}") from None
-    return DenseProgram(module, keyword, signature)
+    return DenseProgram(module, keyword, signature, program_digest(path))
 
 
 def check_signature(bundle: Bundle, program: DenseProgram) -> None:
@@ -418,6 +421,11 @@ class LoadedModel:
         if program is not self.program:
             model.graphs = None
         return model
+
+    @property
+    def superseded(self) -> bool:
+        """Whether an in-place delta made another model serve with these tables."""
+        return self._superseded_by is not None
 
     def retire(self) -> None:
         """Drop this model's CUDA graphs, once it is replaced (:mod:`serve.versions` retires

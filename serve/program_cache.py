@@ -76,6 +76,28 @@ def _new_weights(zf: zipfile.ZipFile, module: torch.nn.Module) -> dict[str, torc
     return out if set(out) == set(config) else None
 
 
+def program_digest(path: Path) -> str:
+    """:func:`archive_digest` of the ``dense.pt2`` at ``path``: equal for two archives of the same
+    graph, whatever their weights."""
+    with zipfile.ZipFile(path) as zf:
+        return archive_digest(zf)
+
+
+def read_weights(path: Path, module: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor] | None]:
+    """The digest of the archive at ``path`` and its weights as CPU tensors shaped like
+    ``module``'s (None when they are not plain: pickled, of another size, another layout)."""
+    with zipfile.ZipFile(path) as zf:
+        return archive_digest(zf), _new_weights(zf, module)
+
+
+def refill(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (:func:`read_weights`) into ``module``'s own tensors, in place."""
+    with torch.no_grad():
+        for fqn, value in module.state_dict(keep_vars=True).items():
+            if fqn in weights:
+                value.copy_(weights[fqn])
+
+
 class ProgramCache:
     """``load(path, device, full_load)`` → (module, keyword inputs); reuses the last module
     loaded for ``device`` when the new archive has the same digest."""
@@ -96,10 +118,7 @@ class ProgramCache:
                 weights = _new_weights(zf, entry.module)
                 if weights is not None:
                     module = copy.deepcopy(entry.module)
-                    with torch.no_grad():
-                        for fqn, value in module.state_dict(keep_vars=True).items():
-                            if fqn in weights:
-                                value.copy_(weights[fqn])
+                    refill(module, weights)
                     self.reused += 1
                     return module, entry.keyword
         module, keyword = full_load(path, device)

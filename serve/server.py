@@ -51,6 +51,7 @@ from serve.model import LoadedModel, default_device
 from serve.reflection import enable_reflection
 from serve.security import TlsConfig, bind
 from serve.servicer import SERVICE_NAME, PredictionServicer
+from serve.spare import Spare, adopt
 from serve.versions import ModelManager
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class ServerConfig:
     # CUDA: capture a CUDA graph per shape bucket at model load and replay batches through them
     # (serve.graphs; buckets up to the larger of max_batch_rows and max_candidates)
     cuda_graphs: bool = True
+    # with CUDA graphs: the replaced version is kept as a spare and the next version written
+    # into its tensors, so a swap captures no graphs (serve.spare); one more copy held
+    reuse_graphs: bool = True
     limits: Limits = field(default_factory=Limits)
     batching: BatcherConfig = field(default_factory=BatcherConfig)
     # threads beyond the admission bound (limits.max_pending): health, metadata, refusals
@@ -151,7 +155,7 @@ class PredictionServer:
             self._load,
             on_loaded=self._on_loaded,
             on_refused=self._on_refused,
-            on_retired=LoadedModel.retire,
+            on_retired=self._on_retired,
         )
         self.batcher = Batcher(
             config.batching, on_batch=self.metrics.on_batch, outstanding=self._outstanding
@@ -170,20 +174,66 @@ class PredictionServer:
         self._stopping = False
         self._loading: threading.Thread | None = None
         self._load_done = threading.Event()
+        self.spare = Spare()  # the replaced version, for the next one (serve.spare)
 
     def _outstanding(self) -> int:
         """Predicts admitted and not answered (the batcher's hint: who could still join)."""
         return self.frontends.pending() if self.frontends is not None else self.admission.pending
 
     def _load(self, path: Path) -> LoadedModel:
-        with _switch_interval(self.config.load_switch_interval_s):
-            return LoadedModel.load(
+        cfg = self.config
+        with _switch_interval(cfg.load_switch_interval_s):
+            if not self._keeps_spare():
+                return self._load_in_full(path)
+            model = adopt(
+                self.spare,
                 path,
-                device=self.device,
-                verify_checksums=self.config.verify_checksums,
-                warmup_candidates=min(self.config.limits.max_candidates, 100),
-                graph_buckets=self.graph_buckets(),
+                verify_checksums=cfg.verify_checksums,
+                warmup_candidates=self._warmup_candidates(),
             )
+            if model is None:
+                model = self._load_in_full(path)
+            if self.manager.current is None and not self.spare.ready:
+                self._build_spare(path, model)
+            return model
+
+    def _load_in_full(self, path: Path) -> LoadedModel:
+        return LoadedModel.load(
+            path,
+            device=self.device,
+            verify_checksums=self.config.verify_checksums,
+            warmup_candidates=self._warmup_candidates(),
+            graph_buckets=self.graph_buckets(),
+        )
+
+    def _warmup_candidates(self) -> int:
+        return min(self.config.limits.max_candidates, 100)
+
+    def _keeps_spare(self) -> bool:
+        """Whether replaced versions are kept for the next one: only with CUDA graphs, whose
+        capture is what a spare saves (serve.spare)."""
+        cfg = self.config
+        watched = cfg.model_dir is not None  # new versions come (a single bundle: only deltas)
+        return cfg.reuse_graphs and watched and bool(self.graph_buckets()) and not self._stopping
+
+    def _build_spare(self, path: Path, serving: LoadedModel) -> None:
+        """A second copy of the first version, as the spare (so the first swap captures no
+        graphs either); the server serves without one if it cannot be had."""
+        try:
+            self.spare.offer(self._load_in_full(path), serving)
+        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+            log.warning(
+                "no spare model (%s: %s): the next version loads in full and captures its CUDA "
+                "graphs while this one serves",
+                type(err).__name__,
+                str(err)[:300],
+            )
+
+    def _on_retired(self, model: LoadedModel) -> None:
+        if self._keeps_spare():
+            self.spare.offer(model, self.manager.current)
+        else:
+            model.retire()
 
     def graph_buckets(self) -> tuple[Bucket, ...]:
         """The CUDA graph buckets of loaded models (none on the CPU or with graphs off)."""
@@ -367,6 +417,7 @@ class PredictionServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
         self.manager.stop()
+        self.spare.clear()
         if self.admin is not None:
             self.admin.stop(grace)
         if self.frontends is not None:  # they finish their requests on the batcher: first

@@ -56,10 +56,10 @@ class TinyDense(nn.Module):
         return self.out(h).squeeze(1)  # [B]
 
 
-def export_tiny_program(fs: FeatureSet, path: Path, seed: int) -> Path:
+def export_tiny_program(fs: FeatureSet, path: Path, seed: int, hidden: int = 8) -> Path:
     torch.manual_seed(seed)
     lay = dense_layout(fs)
-    module = TinyDense(lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim).eval()
+    module = TinyDense(lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim, hidden).eval()
     with torch.no_grad():
         for p in module.parameters():
             p.mul_(4.0)  # embeddings are small: spread the logits

@@ -1,0 +1,196 @@
+"""The next version written into a replaced one's tensors (serve.spare): the same tensors and
+the scores of a full load, the misfits that load in full, which models may be spares, and on
+CUDA a hot swap through gRPC that captures no graph. The GPU tests run on the GPU machine:
+``pytest -m gpu tests/serve/test_spare.py``."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import serve.versions
+from bench.synthetic_bundle import write_synthetic_bundle
+from serve.delta import apply_delta
+from serve.graphs import Bucket
+from serve.model import LoadedModel, synthetic_batch
+from serve.server import PredictionServer, ServerConfig
+from serve.spare import Spare, adopt
+from shared.features import FeatureSet
+from tests.serve.conftest import KEYS_PER_TABLE, export_tiny_program
+
+ATOL = 1e-6
+BUCKETS = (Bucket(64, 64, 8), Bucket(1024, 1024, 64))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _tensors(model: LoadedModel) -> list[int]:
+    """data_ptr of every tensor the lookups, the program (and CUDA graphs) read."""
+    out = [p.data_ptr() for p in model.program.module.state_dict().values()]  # type: ignore[attr-defined]
+    for g in model.tables._groups:
+        out.append(g.weight.data_ptr())
+        if g.hash is not None:
+            out += [g.hash.keys.data_ptr(), g.hash.values.data_ptr(), g.hash._live.data_ptr()]
+    return out
+
+
+def _max_diff(got: LoadedModel, want: LoadedModel) -> float:
+    torch.manual_seed(0)
+    diff = 0.0
+    for users, cands, lengths in ((1, 8, (5,)), (4, 60, (3, 0, 12, 7))):
+        batch = synthetic_batch(got.fs, users, cands, lengths)
+        for kjt in (batch.user, batch.item, batch.sequence):  # dynamic ids: half of them hit
+            offsets = kjt.offset_per_key()
+            for k, key in enumerate(kjt.keys()):
+                if got.fs.tables[got.fs.features[key].table].is_dynamic:
+                    kjt.values()[offsets[k] : offsets[k + 1]].random_(0, 2 * KEYS_PER_TABLE)
+        diff = max(diff, float((got.predict(batch) - want.predict(batch)).abs().max()))
+    return diff
+
+
+def _spare_of(path: Path, device: str = "cpu", **kw: object) -> tuple[Spare, LoadedModel]:
+    model = LoadedModel.load(path, device=device, **kw)  # type: ignore[arg-type]
+    spare = Spare()
+    assert spare.offer(model, serving=None)
+    return spare, model
+
+
+def _adopt(spare: Spare, path: Path) -> LoadedModel | None:
+    return adopt(spare, path, verify_checksums=True, warmup_candidates=10)
+
+
+def test_a_version_written_into_the_spare_scores_as_loaded_in_full(
+    bundle_v1: Path, bundle_v2: Path
+) -> None:
+    spare, old = _spare_of(bundle_v1)
+    before = _tensors(old)
+    model = _adopt(spare, bundle_v2)
+    assert model is not None and model.version == "2" and model.path == bundle_v2
+    assert _tensors(model) == before and not spare.ready  # its tensors, taken
+    fresh = LoadedModel.load(bundle_v2, device="cpu")
+    assert _max_diff(fresh, LoadedModel.load(bundle_v1, device="cpu")) > 1e-3  # versions differ
+    assert _max_diff(model, fresh) <= ATOL
+    assert old.superseded and _max_diff(old, fresh) <= ATOL  # a straggler gets the new scores
+    assert model.deltas == () and model.base_bundle is model.bundle
+    assert model.startup.graphs == 0.0 and model.startup.total > 0
+
+
+def test_another_graph_loads_in_full_and_drops_the_spare(
+    fs: FeatureSet, bundle_v1: Path, tmp_path: Path
+) -> None:
+    """Same tables, a program of another graph (wider hidden layer): nothing is written."""
+    spare, old = _spare_of(bundle_v1)
+    before = _max_diff(old, LoadedModel.load(bundle_v1, device="cpu"))
+    wider = export_tiny_program(fs, tmp_path / "dense.pt2", seed=3, hidden=16)  # not 8
+    keys = {t.name: KEYS_PER_TABLE for t in fs.dynamic_tables}
+    other = write_synthetic_bundle(
+        tmp_path / "3", fs, keys=keys, program_path=wider, version="3", seed=1
+    )
+    assert _adopt(spare, other) is None
+    assert not spare.ready and old.graphs is None and not old.superseded
+    assert _max_diff(old, LoadedModel.load(bundle_v1, device="cpu")) == before == 0.0
+
+
+def test_more_keys_than_the_spare_has_room_for_load_in_full(
+    fs: FeatureSet, bundle_v1: Path, tmp_path: Path
+) -> None:
+    spare, old = _spare_of(bundle_v1)
+    program = export_tiny_program(fs, tmp_path / "dense.pt2", seed=1)  # the same graph
+    keys = {t.name: 40 * KEYS_PER_TABLE for t in fs.dynamic_tables}  # beyond 10 % headroom
+    big = write_synthetic_bundle(tmp_path / "4", fs, keys=keys, program_path=program, version="4")
+    assert _adopt(spare, big) is None and not spare.ready and not old.superseded
+
+
+def test_a_bundle_that_does_not_read_keeps_the_spare(bundle_v1: Path, tmp_path: Path) -> None:
+    spare, old = _spare_of(bundle_v1)
+    broken = tmp_path / "5"
+    shutil.copytree(bundle_v1, broken)
+    (broken / "manifest.json").write_text("{")
+    with pytest.raises(Exception, match="manifest"):
+        _adopt(spare, broken)
+    assert spare.ready and spare.take() is old
+
+
+def test_models_sharing_tensors_with_the_serving_one_are_not_kept(dyn_run, tmp_path: Path) -> None:
+    """A model whose tables an in-place delta's successor serves, or one with deltas applied,
+    is retired, not kept; a spare displaced by another is retired."""
+    from tests.conftest import SEED_CONFIG
+    from train.tools.delta import export_delta
+
+    export_delta(SEED_CONFIG, base=dyn_run.base_bundle, checkpoint=dyn_run.checkpoint,
+                 out=tmp_path / "d")  # fmt: skip
+    base = LoadedModel.load(dyn_run.base_bundle, device="cpu")
+    applied = apply_delta(base, tmp_path / "d")
+    spare = Spare()
+    assert not spare.offer(base, serving=applied.model)  # shares its tables
+    assert not spare.offer(applied.model, serving=None)  # a delta applied
+    first = LoadedModel.load(dyn_run.base_bundle, device="cpu")
+    second = LoadedModel.load(dyn_run.full_bundle, device="cpu")
+    assert spare.offer(first, serving=None) and spare.offer(second, serving=first)
+    assert spare.take() is second and first.graphs is None
+    spare.clear()
+    assert not spare.ready
+
+
+def test_the_trained_versions_fit_each_other(dyn_run) -> None:
+    """Two exports of one run (4 and 8 steps: new keys, new weights) share the graph."""
+    spare, _ = _spare_of(dyn_run.base_bundle)
+    model = _adopt(spare, dyn_run.full_bundle)
+    assert model is not None
+    assert _max_diff(model, LoadedModel.load(dyn_run.full_bundle, device="cpu")) <= ATOL
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphs_replay_over_a_version_written_into_the_spare(dyn_run) -> None:
+    """CUDA: the spare's graphs serve the next version: no capture, replays = eager."""
+    spare, old = _spare_of(dyn_run.base_bundle, "cuda", graph_buckets=BUCKETS)
+    graphs = old.graphs
+    assert graphs is not None and graphs.stats.captures == len(BUCKETS)
+    model = _adopt(spare, dyn_run.full_bundle)
+    assert model is not None and model.graphs is graphs and graphs.model is model
+    assert graphs.stats.captures == len(BUCKETS) and old.graphs is None
+    replays = graphs.stats.replays
+    eager = LoadedModel.load(dyn_run.full_bundle, device="cuda")  # no graphs
+    assert _max_diff(model, eager) <= ATOL
+    assert graphs.stats.replays == replays + 2 and graphs.stats.eager == {}
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_hot_swap_on_cuda_writes_into_the_spare(
+    dyn_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watched directory on CUDA: startup builds the spare, the swap to the next version
+    writes into it (its graphs, no capture), and the replaced version becomes the spare."""
+    monkeypatch.setattr(serve.versions, "RETIRE_AFTER_S", 0.2)
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copytree(dyn_run.base_bundle, models / "1")
+    config = ServerConfig(model_dir=models, device="cuda", poll_interval_s=0.1)
+    server = PredictionServer(config).start()
+    try:
+        first = server.manager.current
+        assert first is not None and server.spare.ready
+        spare = server.spare._model
+        assert spare is not None and spare is not first and spare.graphs is not None
+        graphs, tensors = spare.graphs, _tensors(spare)
+        shutil.copytree(dyn_run.full_bundle, models / ".2.tmp")
+        (models / ".2.tmp").rename(models / "2")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and server.manager.current is first:
+            time.sleep(0.05)
+        second = server.manager.current
+        assert second is not None and second.path == models / "2" and second.graphs is graphs
+        assert _tensors(second) == tensors
+        eager = LoadedModel.load(dyn_run.full_bundle, device="cuda")
+        assert _max_diff(second, eager) <= ATOL
+        while time.monotonic() < deadline and server.spare._model is not first:
+            time.sleep(0.05)
+        assert server.spare._model is first  # retired into the spare
+    finally:
+        server.stop()
+    assert not server.spare.ready
