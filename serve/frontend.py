@@ -119,6 +119,17 @@ class FrontendModel:
     fs: FeatureSet
     config_digest: str
 
+    @classmethod
+    def announced(cls, msg: tuple[Any, ...], last: FrontendModel | None) -> FrontendModel:
+        """The model of a ``("model", token, version, fs, config digest)`` message. A new
+        version of the same features keeps ``last``'s FeatureSet object, whose plans and
+        string-id caches (built per FeatureSet object, :mod:`shared.fg_plan`) are warm: else
+        the first requests after every swap would build them again."""
+        _, token, version, fs, digest = msg
+        if last is not None and last.fs == fs:
+            fs = last.fs
+        return cls(token, version, fs, digest)
+
 
 class SharedAdmission(Admission):
     """:class:`~serve.admission.Admission` over every frontend: ``counts`` is a shared int64
@@ -263,8 +274,7 @@ def _serve_frontend(
 
     def on_message(msg: tuple[Any, ...]) -> None:
         if msg[0] == "model":
-            _, token, version, fs, digest = msg
-            current[0] = FrontendModel(token, version, fs, digest)
+            current[0] = FrontendModel.announced(msg, current[0])
             if started.is_set():
                 _ready()
         elif msg[0] == "stop":

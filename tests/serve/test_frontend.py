@@ -307,3 +307,21 @@ def test_frontends_exit_when_the_device_process_dies(bundle_v1: Path, requests) 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_new_version_of_the_same_features_keeps_the_warm_feature_set(fs) -> None:
+    """The FeatureSet object a frontend's plans and string caches are built for survives a
+    swap to a version of equal features (a copy, as unpickled); other features replace it."""
+    import copy
+    import dataclasses
+
+    from serve.frontend import FrontendModel
+
+    first = FrontendModel.announced(("model", 1, "1", fs, "d"), None)
+    same = copy.deepcopy(fs)
+    assert same is not fs and same == fs
+    second = FrontendModel.announced(("model", 2, "2", same, "d"), first)
+    assert second.fs is fs and (second.token, second.version) == (2, "2")
+    fewer = dataclasses.replace(fs, label_fields=())
+    third = FrontendModel.announced(("model", 3, "3", fewer, "e"), second)
+    assert third.fs is fewer
