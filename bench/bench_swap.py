@@ -3,22 +3,26 @@
 Starts ``python -m serve`` (a process of its own, as deployed: CUDA graphs on, ``--frontends``
 processes serving the port) on a watched directory holding version 1 (full-scale tables, the
 real dense part), drives it with ``--clients`` closed-loop clients in this process (one request =
-one user with ``--candidates`` ads), then drops version 2 into the directory and keeps going
-until the swap has happened and ``--after-s`` more seconds have passed. Reports p50/p99/max
-latency of the steady state before and of the window from the install to the end, their ratio
-(issue #19: p99 during the swap <= 1.1x before), errors (must be 0), the versions seen and the
-new version's startup split (GetModelMetadata)::
+one user with ``--candidates`` ads), then drops versions 2, 3, ... (``--swaps``) into the
+directory one after the other, each once the last has served ``--after-s`` seconds. Reports
+p50/p99/max latency of the steady state before and of the windows from each install to its
+end, their ratio (issue #19: p99 during a swap <= 1.1x before), each swap's ratio, timeline and
+startup split (GetModelMetadata), errors (must be 0) and the versions seen. With CUDA graphs the
+first swap writes into the spare the server built at startup, the later ones into the version
+replaced before (:mod:`serve.spare`)::
 
     python -m bench.bench_swap --out results/swap_gpu.json --device cuda
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -60,7 +64,14 @@ def _parser() -> Parser:
         "--before-s", type=float, default=3.0, help="seconds of steady state before the install"
     )
     p.add_argument(
-        "--after-s", type=float, default=2.0, help="seconds measured after the swap happened"
+        "--after-s",
+        type=float,
+        default=2.5,
+        help="seconds measured after each swap happened (more than the server's 2 s before a "
+        "replaced version is retired and becomes the spare the next swap writes into)",
+    )
+    p.add_argument(
+        "--swaps", type=int, default=2, help="versions installed one after the other (2, 3, ...)"
     )
     p.add_argument(
         "--request-format",
@@ -114,6 +125,37 @@ def _startup_split(host: str) -> dict[str, float]:
     return dict(meta.startup_seconds)
 
 
+@dataclass
+class _Swap:
+    """One swap's window (perf_counter seconds) and what is reported of it."""
+
+    start: float
+    end: float
+    report: dict[str, object]
+
+
+def _swap(
+    traffic: ClosedLoopClients, bundle: Path, models: Path, version: str, a: argparse.Namespace,
+    host: str,
+) -> _Swap:  # fmt: skip
+    """Install ``version`` under traffic, wait for its answers and ``--after-s`` more: its
+    window's latency, the swap's time and the new version's startup split."""
+    t_install = time.perf_counter()
+    install_version(bundle, models, version)
+    traffic.wait_for_version(version, timeout_s=60)
+    t_swapped = time.perf_counter()
+    time.sleep(a.after_s)
+    t_end = time.perf_counter()
+    return _Swap(t_install, t_end, {
+        "version": version,
+        "window": latency_stats(traffic.latencies(t_install, t_end)),
+        "swap_seconds_after_install": t_swapped - t_install,
+        "new_version_startup_seconds": _startup_split(host),
+        # 100 ms bins from 0.5 s before the install: where in the load the slow requests fall
+        "timeline": traffic.timeline(t_install - 0.5, 0.1, end=t_end),
+    })  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     check_device(a.device)
@@ -125,15 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     requests = [synthetic_request(fs, rng, candidates=a.candidates) for _ in range(64)]
     if a.request_format == "columnar":  # cheaper for the clients: the p99 is more the server's
         requests = [as_columnar(fs, r) for r in requests]
+    versions = [str(k) for k in range(2, a.swaps + 2)]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         program, _ = export_program(fs, root / "dense.pt2")
         models = root / "models"
         models.mkdir()
         write_synthetic_bundle(models / "1", fs, keys=keys, program_path=program, version="1")
-        write_synthetic_bundle(
-            root / "v2", fs, keys=keys, program_path=program, version="2", seed=1
-        )
+        for v in versions:  # other rows and keys, the same program
+            write_synthetic_bundle(
+                root / f"v{v}", fs, keys=keys, program_path=program, version=v, seed=int(v)
+            )
         server_args = ["--max-candidates", str(max(a.candidates, 1000)), "--frontends"]
         server_args += [str(a.frontends), "--no-verify-checksums", *a.server_arg]
         py_spy = find_py_spy(a.py_spy) if a.py_spy != "" else None
@@ -143,24 +187,21 @@ def main(argv: list[str] | None = None) -> int:
             ["--model-dir", str(models), "--poll-interval-s", "0.1"], a.device, 1, root,
             server_args,
         )  # fmt: skip
+        swaps: list[_Swap] = []
         try:
             startup_s = server.start(timeout_s=300)
             traffic = ClosedLoopClients(server.host, requests, a.clients, timeout_s=10).start()
             time.sleep(1.0)  # settle
             t_before = time.perf_counter()
             time.sleep(a.before_s)
-            t_install = time.perf_counter()
             spy = (
                 None
-                if py_spy is None
+                if py_spy is None  # the first swap's
                 else record_gil(py_spy, server.procs[0].pid, a.profile_s, 500, raw)
             )
-            install_version(root / "v2", models, "2")
-            traffic.wait_for_version("2", timeout_s=60)
-            t_swapped = time.perf_counter()
-            time.sleep(a.after_s)
+            for v in versions:
+                swaps.append(_swap(traffic, root / f"v{v}", models, v, a, server.host))
             traffic.stop()
-            swap_load = _startup_split(server.host)
             if spy is not None:
                 _, err = spy.communicate(timeout=a.profile_s + 60)
                 gil = _gil_split(raw, a.profile_s) if raw.exists() else {"error": err.decode()}
@@ -168,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             exit_codes = server.stop()
             log_tail = server.tail(0)
 
-    before = latency_stats(traffic.latencies(t_before, t_install))
-    during = latency_stats(traffic.latencies(t_install))
+    before = latency_stats(traffic.latencies(t_before, swaps[0].start))
+    during = latency_stats([x for w in swaps for x in traffic.latencies(w.start, w.end)])
+    for w in swaps:
+        window = latency_stats(traffic.latencies(w.start, w.end))
+        w.report["p99_ratio"] = window["p99_ms"] / before["p99_ms"] if before["count"] else None
     report = {
-        "benchmark": "Predict latency before / during a hot swap (serve.versions)",
+        "benchmark": "Predict latency before / during hot swaps (serve.versions)",
         "device": a.device,
         "keys_total": sum(keys.values()),
         "clients": a.clients,
@@ -180,27 +224,22 @@ def main(argv: list[str] | None = None) -> int:
         "server_args": server_args,
         "server_startup_s": startup_s,
         "before": before,
-        "during_swap_and_after": during,
+        "during_swap_and_after": during,  # every swap's window
         "p99_ratio": during["p99_ms"] / before["p99_ms"] if before["count"] else None,
         "goal_p99_ratio": 1.1,
-        "swap_seconds_after_install": t_swapped - t_install,
-        "new_version_startup_seconds": swap_load,
+        "swaps": [w.report for w in swaps],
         "errors": len(traffic.errors),
         "error_examples": traffic.errors[:5],
         "versions_seen": traffic.versions(),
         "server_exit_codes": exit_codes,
-        "gil_during_swap": gil,  # py-spy --gil of the server's process from the install
-        # 100 ms bins from 0.5 s before the install: where in the load the slow requests fall
-        "timeline": traffic.timeline(t_install - 0.5, 0.1),
+        "gil_during_swap": gil,  # py-spy --gil of the server's process from the first install
     }
     if exit_codes != [0]:
         report["server_log_tail"] = log_tail
     a.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        json.dumps(
-            {k: report[k] for k in ("before", "during_swap_and_after", "p99_ratio", "errors")}
-        )
-    )
+    summary = {k: report[k] for k in ("before", "during_swap_and_after", "p99_ratio", "errors")}
+    summary["swap_ratios"] = [w.report["p99_ratio"] for w in swaps]
+    print(json.dumps(summary))
     return 0
 
 

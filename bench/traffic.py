@@ -110,12 +110,14 @@ class ClosedLoopClients:
     def latencies(self, start: float, end: float = float("inf")) -> list[float]:
         return [lat for t, lat, _ in self.log if start <= t < end]
 
-    def timeline(self, start: float, bin_s: float) -> list[dict[str, object]]:
-        """Requests started from ``start`` in bins of ``bin_s``: per bin its start (s after
-        ``start``), count, p50 and max latency (ms) and the versions that answered."""
+    def timeline(
+        self, start: float, bin_s: float, end: float = float("inf")
+    ) -> list[dict[str, object]]:
+        """Requests started from ``start`` (to ``end``) in bins of ``bin_s``: per bin its start
+        (s after ``start``), count, p50 and max latency (ms) and the versions that answered."""
         bins: dict[int, list[tuple[float, str]]] = {}
         for t, lat, version in self.log:
-            if t >= start:
+            if start <= t < end:
                 bins.setdefault(int((t - start) / bin_s), []).append((lat, version))
         return [
             {

@@ -173,6 +173,7 @@ def test_a_hot_swap_on_cuda_writes_into_the_spare(
     config = ServerConfig(model_dir=models, device="cuda", poll_interval_s=0.1)
     server = PredictionServer(config).start()
     try:
+        assert server.wait_ready(120)
         first = server.manager.current
         assert first is not None and server.spare.ready
         spare = server.spare._model
