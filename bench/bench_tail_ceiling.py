@@ -15,7 +15,9 @@ does not write), takes the eval split's rows as :func:`train.data.taobao.build_s
   the favourite cates' embeddings + 0.5·the demographic embedding (the 0.5·noise term dropped;
   the same ``match_scale``);
 - ``no_match`` (d): (b) without the match term: b0, ad bias, pid, price × pvalue sensitivity and
-  the history terms only (the favourite cates are themselves seen only through clicks).
+  the history terms only (the favourite cates are themselves seen only through clicks);
+- ``demographic_match`` (e): (b) with ``user_emb`` = 0.5·the demographic embedding alone: the
+  part of the match a user's profile (``cms_group_id``) tells without any click.
 
 The logits (b)-(d) are the planted terms recomputed in float64 from the world and the
 impressions (the history counts the simulation recorded), summed in the simulation's order;
@@ -55,6 +57,7 @@ VARIANTS = {
     "knowable_user_emb": "(c) (b) with user_emb = mean(favourite cate_emb) + 0.5*demo_emb "
     "(no per-user noise)",
     "no_match": "(d) (b) without the match term (b0, ad bias, pid, price, history terms)",
+    "demographic_match": "(e) (b) with user_emb = 0.5*demo_emb only (what the profile tells)",
 }
 EXAMPLE = """examples:
   python -m bench.bench_tail_ceiling --size small --out bench/results/tail_ceiling_small.json
@@ -125,11 +128,14 @@ def ceiling_scores(sim: synthetic.Simulation, rows: np.ndarray) -> dict[str, np.
     no_bias = {k: v for k, v in terms.items() if k != "user_bias"}
     knowable = no_bias | {"match": _match(knowable_user_emb(sim.world), sim, rows)}
     no_match = {k: v for k, v in no_bias.items() if k != "match"}
+    demo = 0.5 * sim.world.demo_emb[sim.world.profile["cms_group_id"]]
+    demographic = no_bias | {"match": _match(demo, sim, rows)}
     return {
         "oracle_p": sim.impressions.p[rows],
         "no_user_bias": _sigmoid(_total(no_bias)),
         "knowable_user_emb": _sigmoid(_total(knowable)),
         "no_match": _sigmoid(_total(no_match)),
+        "demographic_match": _sigmoid(_total(demographic)),
     }
 
 

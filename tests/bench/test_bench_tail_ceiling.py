@@ -82,6 +82,7 @@ def test_each_variant_drops_only_its_terms(sim: synthetic.Simulation) -> None:
         "no_user_bias": {"user_emb"},
         "knowable_user_emb": {"demo_emb", "user_fav"},
         "no_match": set(),
+        "demographic_match": {"demo_emb"},
     }
     for field, value in replaced.items():
         other = _scores(sim, field, value)
