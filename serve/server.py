@@ -56,6 +56,8 @@ from serve.versions import ModelManager
 
 log = logging.getLogger(__name__)
 
+STOP_LOAD_WAIT_S = 60.0  # stop() waits this long for a first load still under way
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -417,6 +419,12 @@ class PredictionServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
         self.manager.stop()
+        if self._loading is not None and self._loading is not threading.current_thread():
+            # a stop during the first load: its CUDA work (captures) must not outlive the
+            # server, nor may the spare it builds
+            self._loading.join(STOP_LOAD_WAIT_S)
+            if self._loading.is_alive():
+                log.warning("the first model load is still running after %.0fs", STOP_LOAD_WAIT_S)
         self.spare.clear()
         if self.admin is not None:
             self.admin.stop(grace)
