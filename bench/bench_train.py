@@ -46,7 +46,7 @@ from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
-from train.data.loader import Loader
+from train.data.loader import MESSAGE_ROWS, Loader
 from train.model.din import PaddedDIN
 from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
@@ -80,7 +80,7 @@ def loader_figures(samples: Path, config_path: Path, args, device: torch.device)
     out = []
     for workers in sorted({args.num_workers, cores or 1}):
         loader = Loader(samples / "train", fs, batch_size=args.batch, num_workers=workers,
-                        shuffle=True, seed=0, drop_last=True,
+                        shuffle=True, seed=0, drop_last=True, message_rows=args.message_rows,
                         pin_memory=device.type == "cuda")  # fmt: skip
         out.append(measure_loader(loader, timing, device))
     return out
@@ -129,7 +129,8 @@ def end_to_end(
             TrainOptions(
                 config_path=config_path, model_dir=Path(model_dir), train_path=samples / "train",
                 eval_path=samples / "eval", device=str(device), batch_size=args.batch,
-                num_workers=args.num_workers, max_steps=args.e2e_max_steps,
+                num_workers=args.num_workers, message_rows=args.message_rows,
+                max_steps=args.e2e_max_steps,
                 eval_max_batches=args.eval_max_batches, progress_bar=False,
             )
         )  # fmt: skip
@@ -221,6 +222,9 @@ def _parser() -> Parser:
     p.add_argument("--padded-steps", type=int, default=0,
                    help="also time the seed config with the padded DIN for N steps (0: skip)")  # fmt: skip
     p.add_argument("--num-workers", type=int, default=8, help="loader workers of end_to_end")
+    p.add_argument("--message-rows", type=int, default=MESSAGE_ROWS,
+                   help="rows a loader worker sends at once (default %(default)s; more: less "
+                   "main-process CPU a batch, more shared memory in flight)")  # fmt: skip
     p.add_argument("--e2e-max-steps", type=int, default=None,
                    help="end_to_end: stop after N steps (default: one epoch)")  # fmt: skip
     p.add_argument("--eval-max-batches", type=int, default=None,
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         samples = Path(tmp.name) / "samples"
     n = batches_needed(args.warmup, args.steps)
     result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
-                              "batch": args.batch, "samples": str(samples), "configs": {}}  # fmt: skip
+                              "batch": args.batch, "message_rows": args.message_rows,
+                              "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)
     for name, path in paths.items():

@@ -41,7 +41,7 @@ from train.checkpoint import (
     remove_stale_temp_checkpoints,
     save_checkpoint,
 )
-from train.data.loader import Loader
+from train.data.loader import MESSAGE_ROWS, Loader
 from train.data.prefetch import prefetch_to_device
 from train.distributed.comm import CommStats
 from train.distributed.env import DistEnv
@@ -69,6 +69,8 @@ class TrainOptions:
     device: str = "cpu"
     batch_size: int | None = None  # default: data_config.batch_size
     num_workers: int | None = None  # default: data_config.num_workers
+    # rows of whole batches a loader worker sends at once (train.data.loader.MESSAGE_ROWS)
+    message_rows: int = MESSAGE_ROWS
     max_steps: int | None = None  # stop early (tests, smoke runs)
     eval_every: int | None = None  # steps between evaluations; None: at the end only
     eval_max_batches: int | None = None
@@ -279,6 +281,7 @@ class Trainer:
             drop_last=cfg.data_config.drop_remainder,
             rank=self.rank,
             world_size=self.world_size,
+            message_rows=options.message_rows,
         )
         # rank 0 writes the metrics; the others keep their records in memory only
         self.metrics = MetricsLog(self.model_dir / "metrics.jsonl" if self.rank == 0 else None)
