@@ -6,7 +6,8 @@ work: ``overloaded``, ``request_too_large``, ``undecodable``), ``pending_request
 not yet answered; the admission bound is ``serve --max-queue``),
 ``request_latency_seconds{method}`` (histogram), ``batch_rows`` / ``batch_requests`` (histograms),
 ``queue_depth``, ``expired_requests_total``, ``table_lookups_total{table,result=hit|miss}``,
-``model_loads_total{result=ok|refused}``, ``delta_applies_total{path=in_place|rebuild}`` (how
+``model_loads_total{result=ok|refused}``, ``model_load_paths_total{path=spare|full}`` (whether a
+version was written into the spare, :mod:`serve.spare`), ``delta_applies_total{path=in_place|rebuild}`` (how
 each delta reached the tables, :mod:`serve.delta`), ``model_last_refusal_timestamp_seconds{version}`` (the
 last version refused, and when), ``model_info{version,device}``,
 ``startup_seconds{stage}`` (read, table_build, program_load, warmup, graphs, total), the
@@ -149,6 +150,13 @@ class ServingMetrics:
         self.model_loads = Counter(
             f"{p}model_loads", "Model version loads, ok or refused", ["result"], registry=r
         )
+        self.load_paths = Counter(
+            f"{p}model_load_paths",
+            "Model versions loaded to serve, by path: spare (written into the replaced "
+            "version's tensors and CUDA graphs, serve.spare) or full",
+            ["path"],
+            registry=r,
+        )
         self.delta_applies = Counter(
             f"{p}delta_applies",
             "Deltas applied, by path: in_place (written into the live tables) or rebuild",
@@ -219,6 +227,10 @@ class ServingMetrics:
         self.model_info.labels(model.version, str(model.device)).set(1)
         for stage, seconds in model.startup.as_dict().items():
             self.startup.labels(stage).set(seconds)
+
+    def on_load_path(self, path: str) -> None:
+        """A version loaded to serve by ``path``: "spare" or "full" (serve.spare)."""
+        self.load_paths.labels(path).inc()
 
     def on_delta(self, path: str) -> None:
         """A delta applied by ``path`` (serve.delta.ApplyPath: in_place or rebuild)."""

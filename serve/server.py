@@ -186,15 +186,17 @@ class PredictionServer:
         cfg = self.config
         with _switch_interval(cfg.load_switch_interval_s):
             if not self._keeps_spare():
-                return self._load_in_full(path)
-            model = adopt(
+                model = self._load_in_full(path)
+                self.metrics.on_load_path("full")
+                return model
+            written = adopt(
                 self.spare,
                 path,
                 verify_checksums=cfg.verify_checksums,
                 warmup_candidates=self._warmup_candidates(),
             )
-            if model is None:
-                model = self._load_in_full(path)
+            model = self._load_in_full(path) if written is None else written
+            self.metrics.on_load_path("full" if written is None else "spare")
             if self.manager.current is None and not self.spare.ready:
                 self._build_spare(path, model)
             return model

@@ -192,6 +192,8 @@ def test_a_hot_swap_on_cuda_writes_into_the_spare(
         while time.monotonic() < deadline and server.spare._model is not first:
             time.sleep(0.05)
         assert server.spare._model is first  # retired into the spare
+        paths = server.metrics.load_paths
+        assert paths.labels("full")._value.get() == 1 and paths.labels("spare")._value.get() == 1
     finally:
         server.stop()
     assert not server.spare.ready
