@@ -23,7 +23,8 @@ What is written, off the serving path (the spare serves nobody):
 A version fits the spare when its feature set has the same tables, its dynamic tables' keys fit
 their free slots, and its ``dense.pt2`` has the same graph (the archive digest of
 :mod:`serve.program_cache`, the weight payloads left out); else it loads in full and captures its
-own graphs, as before. Before the new model serves, its graphs are checked (a replay equals the
+own graphs, as before (``dynrec_serving_model_load_paths_total{path=spare|full}`` counts which).
+Before the new model serves, its graphs are checked (a replay equals the
 eager run of the same inputs within :data:`serve.graphs.CHECK_ATOL`) and it is warmed up; a
 failure after the writes drops the spare, and the version then loads in full.
 
