@@ -147,6 +147,22 @@ class ServingMetrics:
         self.expired = Counter(
             f"{p}expired_requests", "Requests dropped in the queue past their deadline", registry=r
         )
+        self._version_metrics(r, p)
+        self.stage_seconds = Histogram(
+            f"{p}stage_seconds",
+            "Serving time per request (validate, fg, wait, respond) and per batch (queue_wait, "
+            "concat, h2d, compute, sync, batch); clock wall or the thread's cpu time",
+            ["stage", "clock"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._stages: dict[tuple[str, str], Any] = {}
+        r.register(_TableCollector(current_model))
+        r.register(_GraphCollector(current_model))
+        self._http: Any = None
+
+    def _version_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """The metrics of model versions: loads, their paths, deltas, refusals, startup."""
         self.model_loads = Counter(
             f"{p}model_loads", "Model version loads, ok or refused", ["result"], registry=r
         )
@@ -181,18 +197,6 @@ class ServingMetrics:
             ["stage"],
             registry=r,
         )
-        self.stage_seconds = Histogram(
-            f"{p}stage_seconds",
-            "Serving time per request (validate, fg, wait, respond) and per batch (queue_wait, "
-            "concat, h2d, compute, sync, batch); clock wall or the thread's cpu time",
-            ["stage", "clock"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._stages: dict[tuple[str, str], Any] = {}
-        r.register(_TableCollector(current_model))
-        r.register(_GraphCollector(current_model))
-        self._http: Any = None
 
     def _stage(self, stage: str, clock: str) -> Any:
         child = self._stages.get((stage, clock))
