@@ -178,9 +178,9 @@ def load_program(
     weights."""
     try:
         if cache is None:
-            module, keyword = _full_load(path, device)
+            (module, keyword), digest = _full_load(path, device), program_digest(path)
         else:
-            module, keyword = cache.load(path, device, _full_load)
+            module, keyword, digest = cache.load(path, device, _full_load)
     except Exception as err:
         raise BundleError(
             f"{path}: cannot load the dense program on {device} ({type(err).__name__}: {err}); "
@@ -190,7 +190,7 @@ def load_program(
         signature = signature_of(program_input_names(module) if keyword else ())
     except ValueError as err:
         raise BundleError(f"{path}: {err}") from None
-    return DenseProgram(module, keyword, signature, program_digest(path))
+    return DenseProgram(module, keyword, signature, digest)
 
 
 def check_signature(bundle: Bundle, program: DenseProgram) -> None:

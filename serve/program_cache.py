@@ -99,7 +99,7 @@ def refill(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 
 
 class ProgramCache:
-    """``load(path, device, full_load)`` → (module, keyword inputs); reuses the last module
+    """``load(path, device, full_load)`` → (module, keyword inputs, digest); reuses the last module
     loaded for ``device`` when the new archive has the same digest."""
 
     def __init__(self) -> None:
@@ -109,7 +109,8 @@ class ProgramCache:
 
     def load(
         self, path: Path, device: torch.device, full_load: Loader
-    ) -> tuple[torch.nn.Module, bool]:
+    ) -> tuple[torch.nn.Module, bool, str]:
+        """(module, keyword inputs, the archive's digest: :func:`program_digest`)."""
         with zipfile.ZipFile(path) as zf:
             digest = archive_digest(zf)
             with self._lock:
@@ -120,8 +121,8 @@ class ProgramCache:
                     module = copy.deepcopy(entry.module)
                     refill(module, weights)
                     self.reused += 1
-                    return module, entry.keyword
+                    return module, entry.keyword, digest
         module, keyword = full_load(path, device)
         with self._lock:
             self._entries[str(device)] = _Entry(digest, module, keyword)
-        return module, keyword
+        return module, keyword, digest

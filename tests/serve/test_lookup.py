@@ -117,9 +117,9 @@ def test_program_cache_reuses_the_graph_with_new_weights(
 
     dev = torch.device("cpu")
     cache = ProgramCache()
-    m1, kw1 = cache.load(bundle_v1 / "dense.pt2", dev, _full)
-    m2, kw2 = cache.load(bundle_v2 / "dense.pt2", dev, _full)
-    assert cache.reused == 1 and kw1 == kw2
+    m1, kw1, d1 = cache.load(bundle_v1 / "dense.pt2", dev, _full)
+    m2, kw2, d2 = cache.load(bundle_v2 / "dense.pt2", dev, _full)
+    assert cache.reused == 1 and kw1 == kw2 and d1 == d2  # one graph, one digest
     fresh, _ = _full(bundle_v2 / "dense.pt2", dev)
     for (n, a), (_, b) in zip(m2.state_dict().items(), fresh.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
