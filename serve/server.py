@@ -185,19 +185,20 @@ class PredictionServer:
     def _load(self, path: Path) -> LoadedModel:
         cfg = self.config
         with _switch_interval(cfg.load_switch_interval_s):
-            if not self._keeps_spare():
-                model = self._load_in_full(path)
-                self.metrics.on_load_path("full")
-                return model
-            written = adopt(
-                self.spare,
-                path,
-                verify_checksums=cfg.verify_checksums,
-                warmup_candidates=self._warmup_candidates(),
+            keeps = self._keeps_spare()
+            written = (
+                adopt(
+                    self.spare,
+                    path,
+                    verify_checksums=cfg.verify_checksums,
+                    warmup_candidates=self._warmup_candidates(),
+                )
+                if keeps
+                else None
             )
             model = self._load_in_full(path) if written is None else written
             self.metrics.on_load_path("full" if written is None else "spare")
-            if self.manager.current is None and not self.spare.ready:
+            if keeps and self.manager.current is None and not self.spare.ready:
                 self._build_spare(path, model)
             return model
 
