@@ -139,7 +139,8 @@ def _swap(
     host: str,
 ) -> _Swap:  # fmt: skip
     """Install ``version`` under traffic, wait for its answers and ``--after-s`` more: its
-    window's latency, the swap's time and the new version's startup split."""
+    window, the swap's time and the new version's startup split (the window's latency once the
+    traffic has stopped, :func:`main`: requests still in flight at its end are answered later)."""
     t_install = time.perf_counter()
     install_version(bundle, models, version)
     traffic.wait_for_version(version, timeout_s=60)
@@ -148,11 +149,8 @@ def _swap(
     t_end = time.perf_counter()
     return _Swap(t_install, t_end, {
         "version": version,
-        "window": latency_stats(traffic.latencies(t_install, t_end)),
         "swap_seconds_after_install": t_swapped - t_install,
         "new_version_startup_seconds": _startup_split(host),
-        # 100 ms bins from 0.5 s before the install: where in the load the slow requests fall
-        "timeline": traffic.timeline(t_install - 0.5, 0.1, end=t_end),
     })  # fmt: skip
 
 
@@ -213,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     during = latency_stats([x for w in swaps for x in traffic.latencies(w.start, w.end)])
     for w in swaps:
         window = latency_stats(traffic.latencies(w.start, w.end))
+        w.report["window"] = window
         w.report["p99_ratio"] = window["p99_ms"] / before["p99_ms"] if before["count"] else None
+        # 100 ms bins from 0.5 s before the install: where in the load the slow requests fall
+        w.report["timeline"] = traffic.timeline(w.start - 0.5, 0.1, end=w.end)
     report = {
         "benchmark": "Predict latency before / during hot swaps (serve.versions)",
         "device": a.device,
