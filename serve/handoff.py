@@ -42,6 +42,9 @@ ok, value)``: the device process asks a frontend for its metrics, a frontend ask
 ``GetModelMetadata``), and the device process pushes ``("model", ...)`` (the version to
 validate against) and ``("stop", grace)``. A broken pipe ends both: the device process fails
 nothing (the frontend is gone) and a frontend fails its waiting requests UNAVAILABLE and exits.
+
+The device process reads every frontend's pipe with one thread (:class:`SharedReader`), not a
+reader thread per frontend: fewer threads to take the GIL from the batcher's.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import contextlib
 import itertools
 import logging
 import os
+import selectors
 import threading
 import time
 import uuid
@@ -345,32 +349,40 @@ class _Endpoint:
     def _read(self) -> None:
         try:
             while True:
-                msg = self.conn.recv()
-                kind = msg[0]
-                if kind == "call":
-                    threading.Thread(
-                        target=self._answer_call, args=msg[1:], name=f"{self.name}-call"
-                    ).start()
-                elif kind == "reply":
-                    _, qid, ok, value = msg
-                    future = self._calls.get(qid)
-                    if future is not None and not future.done():
-                        if ok:
-                            future.set_result(value)
-                        else:
-                            future.set_exception(RpcError(grpc.StatusCode[value[0]], value[1]))
-                else:
-                    self.handle(msg)
+                self._dispatch(self.conn.recv())
         except (EOFError, OSError):
             pass
         except Exception:
             log.exception("%s: handoff reader failed; closing the channel", self.name)
         finally:
-            self.closed.set()
-            for future in list(self._calls.values()):
-                if not future.done():
-                    future.set_exception(RpcError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN))
-            self.on_closed()
+            self._end_reading()
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        """One received message: a call (answered by a thread of its own, never the reader's),
+        a reply to one of ours, or :meth:`handle`'s."""
+        kind = msg[0]
+        if kind == "call":
+            threading.Thread(
+                target=self._answer_call, args=msg[1:], name=f"{self.name}-call"
+            ).start()
+        elif kind == "reply":
+            _, qid, ok, value = msg
+            future = self._calls.get(qid)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(RpcError(grpc.StatusCode[value[0]], value[1]))
+        else:
+            self.handle(msg)
+
+    def _end_reading(self) -> None:
+        """Once, by the reader, when the pipe is gone: waiting calls fail, :meth:`on_closed`."""
+        self.closed.set()
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(RpcError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN))
+        self.on_closed()
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         raise NotImplementedError
@@ -729,6 +741,114 @@ class ModelRegistry:
         )
 
 
+class SharedReader:
+    """One thread that reads the pipes of many :class:`HandoffServer` s (the device process:
+    one per frontend), instead of a reader thread each: fewer threads to take the GIL from the
+    batcher's.
+
+    The thread waits on every registered pipe at once (``epoll``, level-triggered), receives one
+    message from each ready pipe and handles it as an endpoint's own reader would
+    (:meth:`_Endpoint._dispatch`: a call still gets a thread of its own). A pipe that breaks ends
+    its endpoint only (:meth:`_Endpoint.on_closed`), the others are read on. The thread starts
+    with the first endpoint and ends when the last one is gone (closed or broken).
+    """
+
+    def __init__(self, name: str = "handoff-reader") -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._endpoints: dict[int, _Endpoint] = {}  # fd → endpoint, while read
+        self._ending: list[_Endpoint] = []  # closed by close(): their end to run
+        self._selector: selectors.BaseSelector | None = None
+        self._wake: tuple[int, int] = (-1, -1)  # a pipe: close() wakes the thread
+        self._thread: threading.Thread | None = None
+
+    def threads(self) -> int:
+        """1 while any endpoint is read, else 0."""
+        with self._lock:
+            return int(self._thread is not None)
+
+    def add(self, endpoint: _Endpoint) -> None:
+        """Read ``endpoint``'s pipe from now on (its :meth:`_Endpoint.start`)."""
+        fd = endpoint.conn.fileno()
+        with self._lock:
+            if self._thread is None:
+                self._selector = selectors.DefaultSelector()
+                self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                self._selector.register(self._wake[0], selectors.EVENT_READ, None)
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._selector, self._wake), name=self.name
+                )
+                self._thread.daemon = True
+                self._thread.start()
+            assert self._selector is not None
+            # epoll: a pipe added while the thread waits is waited on at once
+            self._selector.register(fd, selectors.EVENT_READ, endpoint)
+            self._endpoints[fd] = endpoint
+
+    def remove(self, endpoint: _Endpoint) -> None:
+        """Stop reading ``endpoint``'s pipe before it is closed (its end runs on the thread)."""
+        with self._lock:
+            if not self._drop(endpoint):
+                return
+            self._ending.append(endpoint)
+            with contextlib.suppress(OSError):
+                os.write(self._wake[1], b"x")
+
+    def _drop(self, endpoint: _Endpoint) -> bool:  # under the lock; False: not read
+        for fd, other in self._endpoints.items():
+            if other is endpoint:
+                del self._endpoints[fd]
+                assert self._selector is not None
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    self._selector.unregister(fd)
+                return True
+        return False
+
+    def _end(self, endpoint: _Endpoint) -> None:
+        try:
+            endpoint._end_reading()
+        except Exception:
+            log.exception("%s: closing the channel failed", endpoint.name)
+
+    def _run(self, selector: selectors.BaseSelector, wake: tuple[int, int]) -> None:
+        while True:
+            with self._lock:
+                ending, self._ending = self._ending, []
+                if not ending and not self._endpoints:  # nothing left to read: the thread ends
+                    self._thread = self._selector = None
+                    self._wake = (-1, -1)
+                    selector.close()
+                    os.close(wake[0])
+                    os.close(wake[1])
+                    return
+            for endpoint in ending:
+                self._end(endpoint)
+            if ending:
+                continue
+            for key, _ in selector.select():
+                endpoint = key.data
+                if endpoint is None:  # woken by remove()
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake[0], 4096)
+                    continue
+                if self._endpoints.get(key.fd) is not endpoint:
+                    continue  # removed since the wait ended
+                try:
+                    endpoint._dispatch(endpoint.conn.recv())
+                    continue
+                except (EOFError, OSError):
+                    pass
+                except Exception:
+                    log.exception("%s: handoff reader failed; closing the channel", endpoint.name)
+                with self._lock:
+                    gone = self._drop(endpoint)
+                if gone:
+                    self._end(endpoint)
+
+
+_DEVICE_READER = SharedReader()  # every HandoffServer of this process, unless given another
+
+
 class HandoffServer(_Endpoint):
     """The device process's end for one frontend: batches into ``batcher``, answers back."""
 
@@ -740,9 +860,12 @@ class HandoffServer(_Endpoint):
         models: ModelRegistry,
         status_of: Callable[[BaseException], RpcError | None],
         name: str,
+        *,
+        reader: SharedReader | None = None,
     ) -> None:
         super().__init__(conn, name)
         self.arena = arena
+        self._shared = _DEVICE_READER if reader is None else reader
         self._batcher = batcher
         self._models = models
         self._status_of = status_of
@@ -753,6 +876,14 @@ class HandoffServer(_Endpoint):
 
     def inflight(self) -> int:
         return len(self._inflight)
+
+    def start(self) -> None:
+        """Its pipe is read by the process's one :class:`SharedReader` (no thread of its own)."""
+        self._shared.add(self)
+
+    def close(self) -> None:
+        self._shared.remove(self)
+        super().close()
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]

@@ -4,10 +4,14 @@ batcher and model, no gRPC (tests/serve/test_frontend.py runs it between process
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import multiprocessing as mp
+import socket
+import threading
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from serve.handoff import (
     HandoffConfig,
     HandoffServer,
     ModelRegistry,
+    SharedReader,
     SlotArena,
     batch_bytes,
     read_batch,
@@ -280,3 +285,82 @@ def test_the_bench_reports_its_fields(tmp_path: Path) -> None:
         assert key in report["median"], key
     assert report["median"]["requests"] > 0
     assert report["requests_per_handoff"] >= 1.0
+
+
+def test_one_shared_reader_serves_every_frontend_and_outlives_a_closed_pipe(
+    model: LoadedModel, fs: FeatureSet, requests
+) -> None:
+    """The device process reads N frontends' pipes with one thread (SharedReader): one
+    frontend's pipe breaking ends that endpoint only (on_closed), the others are still
+    answered; a call that blocks does not stall the reader; the thread ends with the last
+    endpoint."""
+    config = HandoffConfig(slots=2, slot_bytes=64 << 10, inflight=2)
+    batcher = Batcher(BatcherConfig(max_batch_rows=64, max_wait_us=1000))
+    models = ModelRegistry(lambda: model)
+    handle = _Model(model, models.register(model))
+    reader = SharedReader(name="test-shared-reader")
+    before = set(threading.enumerate())
+    arenas: list[SlotArena] = []
+    servers: list[HandoffServer] = []
+    clients: list[HandoffClient] = []
+    ended: list[int] = []  # the endpoints whose on_closed ran
+    release = threading.Event()
+    try:
+        for i in range(3):
+            arena = SlotArena.create(config)
+            arenas.append(arena)
+            mine, theirs = mp.Pipe(duplex=True)
+            server = HandoffServer(
+                mine, arena, batcher, models, status_of, f"shared-{i}", reader=reader
+            )
+            server.on_closed = functools.partial(ended.append, i)  # type: ignore[method-assign]
+            server.call_handlers["slow"] = lambda: release.wait(WAIT_S) and "slow answer"
+            server.start()
+            servers.append(server)
+            client = HandoffClient(theirs, SlotArena.attach(arena.name, config), name=f"c{i}")
+            client.start()
+            clients.append(client)
+        started = set(threading.enumerate()) - before
+        device_threads = [t for t in started if not t.name.startswith("c")]
+        assert [t.name for t in device_threads] == ["test-shared-reader"]  # one for three
+        assert reader.threads() == 1
+        batches = [_batch(fs, r) for r in requests[:4]]
+        for client in clients:
+            _assert_answers(client, handle, model, batches)
+
+        # a call blocks in its handler: the reader goes on serving every frontend meanwhile
+        with futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(clients[1].call, "slow", WAIT_S)
+            for client in clients:
+                _assert_answers(client, handle, model, batches)
+            assert not slow.done()
+            release.set()
+            assert slow.result(WAIT_S) == "slow answer"
+
+        # frontend 0 dies (shutdown: its own reader thread would keep a closed socket open)
+        with socket.fromfd(clients[0].conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.shutdown(socket.SHUT_RDWR)
+        clients[0].close()  # only its endpoint ends
+        assert servers[0].closed.wait(WAIT_S)
+        assert ended == [0]
+        for client in clients[1:]:
+            _assert_answers(client, handle, model, batches)
+        assert not any(s.closed.is_set() for s in servers[1:])
+        assert reader.threads() == 1
+
+        servers[1].close()  # closed by the device process: ends it, frontend 1 sees it
+        assert servers[1].closed.wait(WAIT_S) and clients[1].closed.wait(WAIT_S)
+        assert sorted(ended) == [0, 1]
+        _assert_answers(clients[2], handle, model, batches)
+    finally:
+        for client in clients:
+            client.close()
+        for server in servers:
+            server.close()
+        batcher.close()
+        for arena in arenas:
+            arena.close()
+    thread = next(t for t in started if t.name == "test-shared-reader")
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and reader.threads() == 0  # no thread left behind
+    assert sorted(ended) == [0, 1, 2]
