@@ -90,11 +90,13 @@ def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> 
 def device_busy_us(events: Sequence[Any]) -> float:
     """Microseconds in which at least one kernel or copy ran on the GPU: the union of the
     device events' intervals (summing the operators' device times would count a kernel under
-    its operator and again on its own)."""
+    its operator and again on its own). The device-side spans of ``record_function`` ranges
+    (``gpu_user_annotation``: the phases) are not work: they run from a range's first kernel
+    to its last, idle gaps included, and would cover the whole step."""
     spans = sorted(
         (e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
     )
     busy, end = 0.0, float("-inf")
     for a, b in spans:
@@ -224,7 +226,7 @@ def profile_model(
     """The figures of ``model``'s training step on ``batches`` (on its device, at least
     :func:`batches_needed`): median step ms without and with phase syncs, the phases,
     the host syncs of one step (CUDA), and a profile of ``steps`` steps (GPU launches per step
-    and per phase, device-busy time and its fraction of the profiled wall time). Returns
+    and per phase, device-busy time and its share of the unprofiled step). Returns
     (figures, the profile's tables as text lines)."""
     device = batches[0].user_index.device
 
@@ -276,9 +278,11 @@ def profile_model(
     result["profile"] = {
         "profiled_wall_ms_per_step": wall,
         "device_busy_ms_per_step": device_ms if cuda else None,
-        # against the profiled wall (same conditions; the profiler's host overhead makes it a
-        # lower bound): the unprofiled step can be shorter than the GPU work CUPTI measures
-        "device_busy_fraction": device_ms / wall if cuda else None,
+        # the GPU's share of the step as the trainer runs it: the profiled steps' kernel time
+        # over the unprofiled step (the profiled wall, with the profiler's host overhead and a
+        # sync after each phase, is 3x longer on a host-bound step); capped at 1
+        "device_busy_fraction": min(device_ms / step_ms, 1.0) if cuda else None,
+        "device_busy_fraction_of_profiled_wall": device_ms / wall if cuda else None,
         "device_ms_over_step_ms": device_ms / step_ms if cuda else None,
         "launches_per_step": sum(by_phase.values()) / steps if cuda else None,
         "launches_per_step_by_phase": {k: v / steps for k, v in by_phase.items()},
