@@ -63,6 +63,7 @@ from train.data.loader import (
 )
 from train.data.memory import keep_freed_memory, shared_buffer
 from train.data.prefetch import prefetch_to_device
+from train.data.synthetic import SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
@@ -272,7 +273,7 @@ def _parser() -> Parser:
     p.add_argument(
         "--size",
         default="small",
-        choices=["tiny", "small", "full"],
+        choices=list(SIZES),
         help="synthetic data to generate when --samples is not given",
     )
     p.add_argument("--batch", type=int, default=8192, help="rows per batch")

@@ -42,6 +42,7 @@ from google.protobuf import text_format
 from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
+from train.data.synthetic import SIZES
 from train.evaluate import TAIL_THRESHOLD
 from train.trainer import Trainer, TrainOptions
 
@@ -250,7 +251,7 @@ def _parser() -> Parser:
     p = Parser(prog="python -m bench.bench_quality", description=plain(__doc__), epilog=EXAMPLE)
     p.add_argument("--samples", type=Path, help="samples dir with train/ and eval/ (made by "
                    "python -m train.data all); default: generate --size into a temp dir")  # fmt: skip
-    p.add_argument("--size", default="small", choices=["tiny", "small", "full"],
+    p.add_argument("--size", default="small", choices=list(SIZES),
                    help="synthetic data size to generate when --samples is not given")  # fmt: skip
     p.add_argument("--config", type=Path, default=SEED_CONFIG,
                    help="the config of the off variant (on: the same with cold_backoff {})")  # fmt: skip

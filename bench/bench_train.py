@@ -47,6 +47,7 @@ from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
 from train.data.loader import MESSAGE_ROWS, Loader
+from train.data.synthetic import SIZES
 from train.model.din import PaddedDIN
 from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
@@ -212,7 +213,7 @@ def _parser() -> Parser:
                    help=f"comma-separated NAME or NAME=PATH (known: {', '.join(CONFIGS)})")  # fmt: skip
     p.add_argument("--samples", type=Path, help="samples dir with train/ and eval/; default: "
                    "generate --size into a temp dir")  # fmt: skip
-    p.add_argument("--size", default="small", choices=["tiny", "small", "full"],
+    p.add_argument("--size", default="small", choices=list(SIZES),
                    help="synthetic data size to generate when --samples is not given")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device to train on (default: cuda if this machine has one)")  # fmt: skip
