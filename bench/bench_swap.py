@@ -208,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             log_tail = server.tail(0)
 
     before = latency_stats(traffic.latencies(t_before, swaps[0].start))
-    during = latency_stats([x for w in swaps for x in traffic.latencies(w.start, w.end)])
-    for w in swaps:
-        window = latency_stats(traffic.latencies(w.start, w.end))
+    windows = [traffic.latencies(w.start, w.end) for w in swaps]
+    during = latency_stats([x for lats in windows for x in lats])
+    for w, lats in zip(swaps, windows, strict=True):
+        window = latency_stats(lats)
         w.report["window"] = window
         w.report["p99_ratio"] = window["p99_ms"] / before["p99_ms"] if before["count"] else None
         # 100 ms bins from 0.5 s before the install: where in the load the slow requests fall
