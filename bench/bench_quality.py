@@ -11,6 +11,12 @@ samples with the same seed, one epoch each (or ``--max-steps``), with the projec
   ``cold_backoff { id_dropout: P }`` (a share P of the warm lookups of the features that back
   off treated as cold in training: ``train/model/id_dropout.py``), recorded as ``id_dropout``.
 
+Both variants can also change the base config the same way, recorded in the JSON:
+``--sparse-lr LR`` sets the sparse optimizer's learning rate (the seed's Adagrad at 0.001 leaves
+the embeddings near their initial values in one epoch), and ``--crosses all`` or
+``--crosses USER:ITEM,...`` adds ``model_config.multi_tower_din.crosses`` (every user × item
+feature cross, or the named ones: ``train/model/crosses.py``).
+
 Per variant: overall, head and tail AUC (head/tail: users seen at least / fewer than
 train.evaluate.TAIL_THRESHOLD times in training), logloss, the oracle's AUC, rows, train
 seconds, samples/s, and per dynamic table the share of lookups without a row (the backoff's
@@ -24,6 +30,8 @@ issue #22 on ``full`` data: tail AUC >= 0.632 with overall and head AUC not lowe
         --out /tmp/bench_quality_drop.json
     python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 12 \\
         --out $OUT/bench_quality_full.json
+    python -m bench.bench_quality --size medium --variants off --sparse-lr 0.05 \\
+        --crosses cms_group_id:cate_id,cms_group_id:adgroup_id --out /tmp/q_crosses.json
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import Any
 import torch
 from google.protobuf import text_format
 
+from protos import pipeline_pb2
 from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -68,21 +77,34 @@ def variant_config(
     *,
     capacity_scale: float = 1.0,
     id_dropout: float = 0.0,
+    sparse_lr: float | None = None,
+    crosses: str | None = None,
 ) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
     trainer reads a config path): for ``on`` with ``cold_backoff {}`` set (``{ id_dropout: P }``
     for ``id_dropout`` P > 0; ``off`` ignores it), and with every dynamic table's max_capacity
     scaled by ``capacity_scale`` (init capacity at most that), so that small data meets the
-    table pressure of the full data's capacities."""
-    if variant == "off" and capacity_scale == 1.0:
+    table pressure of the full data's capacities; with ``sparse_lr`` as the sparse optimizer's
+    learning rate and with the feature crosses of ``crosses`` (:func:`crosses_config`), both
+    variants alike."""
+    if variant == "off" and capacity_scale == 1.0 and sparse_lr is None and crosses is None:
         return base
     config = load_config(base)
     suffix = ""
+    if sparse_lr is not None:
+        which = config.train_config.sparse_optimizer.WhichOneof("optimizer")
+        if which is None:
+            raise ValueError(f"--sparse-lr: {base} has no sparse_optimizer to set the rate of")
+        getattr(config.train_config.sparse_optimizer, which).lr = sparse_lr
+        suffix += f"_slr{sparse_lr:g}"
+    if crosses is not None:
+        config.model_config.multi_tower_din.crosses.CopyFrom(crosses_config(crosses))
+        suffix += "_crosses"
     if variant == "on":
         config.model_config.multi_tower_din.cold_backoff.SetInParent()
         if id_dropout:
             config.model_config.multi_tower_din.cold_backoff.id_dropout = id_dropout
-            suffix = f"_drop{id_dropout:g}"
+            suffix += f"_drop{id_dropout:g}"
     for fc in config.feature_configs:
         if fc.WhichOneof("feature") == "id_feature" and fc.id_feature.HasField("dynamicemb"):
             dyn = fc.id_feature.dynamicemb
@@ -92,6 +114,19 @@ def variant_config(
     path = out_dir / f"{base.stem}_{variant}{suffix}_x{capacity_scale:g}.config"
     path.write_text(text_format.MessageToString(config))
     return path
+
+
+def crosses_config(spec: str) -> pipeline_pb2.FeatureCrosses:
+    """``all`` (every user × item pair: no pairs named) or ``USER:ITEM,USER:ITEM``."""
+    config = pipeline_pb2.FeatureCrosses()
+    if spec.strip() == "all":
+        return config
+    for part in (p.strip() for p in spec.split(",")):
+        user, sep, item = part.partition(":")
+        if not sep or not user.strip() or not item.strip():
+            raise ValueError(f"--crosses {spec}: give all or USER:ITEM pairs, comma-separated")
+        config.pairs.add(user_feature=user.strip(), item_feature=item.strip())
+    return config
 
 
 def _share(part: float | None, whole: float | None) -> float | None:
@@ -240,6 +275,8 @@ def summary(result: dict[str, Any]) -> str:
         )
     if result.get("id_dropout"):
         lines.append(f"on: cold_backoff {{ id_dropout: {result['id_dropout']:g} }}")
+    if result.get("sparse_lr") is not None or result.get("crosses") is not None:
+        lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}")
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
     lines.append(f"goal (issue #22, tail >= {GOAL_TAIL_AUC}, auc and head >= off): {met}"
@@ -277,6 +314,12 @@ def _parser() -> Parser:
     p.add_argument("--id-dropout", type=float, default=0.0, metavar="P",
                    help="the on variant's cold_backoff.id_dropout: treat a share P (0 <= P < 1) "
                    "of the warm lookups of the features that back off as cold in training")  # fmt: skip
+    p.add_argument("--sparse-lr", type=float, default=None, metavar="LR",
+                   help="both variants: the sparse optimizer's learning rate "
+                   "(default: the config's)")  # fmt: skip
+    p.add_argument("--crosses", default=None, metavar="SPEC",
+                   help="both variants: feature crosses, 'all' or USER:ITEM,... "
+                   "(model_config.multi_tower_din.crosses; default: the config's)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -297,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--id-dropout {args.id_dropout}: give a probability in [0, 1)")
     if args.id_dropout and "on" not in names:
         raise ValueError(f"--id-dropout applies to the on variant: add it to --variants {names}")
+    if args.crosses is not None:
+        crosses_config(args.crosses)  # a bad spec fails before any training
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         work = Path(tmp)
         samples = args.samples if args.samples is not None else generate(args.size, work / "data")
@@ -312,11 +357,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = {
             "device": str(args.device), "torch": torch.__version__, "data": info,
             "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seed": args.seed,
-            "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout, "variants": {},
+            "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
+            "sparse_lr": args.sparse_lr, "crosses": args.crosses, "variants": {},
         }  # fmt: skip
         for name in names:
             path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
-                                  id_dropout=args.id_dropout)  # fmt: skip
+                                  id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
+                                  crosses=args.crosses)  # fmt: skip
             entry = run_variant(path, samples, args, work / f"run_{name}")
             entry["id_dropout"] = args.id_dropout if name == "on" else None
             result["variants"][name] = entry

@@ -323,17 +323,33 @@ class BackoffSources(_message.Message):
     side_features: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, feature_name: _Optional[str] = ..., side_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class FeatureCrosses(_message.Message):
+    __slots__ = ("pairs",)
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    pairs: _containers.RepeatedCompositeFieldContainer[FeatureCross]
+    def __init__(self, pairs: _Optional[_Iterable[_Union[FeatureCross, _Mapping]]] = ...) -> None: ...
+
+class FeatureCross(_message.Message):
+    __slots__ = ("user_feature", "item_feature")
+    USER_FEATURE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FEATURE_FIELD_NUMBER: _ClassVar[int]
+    user_feature: str
+    item_feature: str
+    def __init__(self, user_feature: _Optional[str] = ..., item_feature: _Optional[str] = ...) -> None: ...
+
 class MultiTowerDIN(_message.Message):
-    __slots__ = ("towers", "din_towers", "final", "cold_backoff")
+    __slots__ = ("towers", "din_towers", "final", "cold_backoff", "crosses")
     TOWERS_FIELD_NUMBER: _ClassVar[int]
     DIN_TOWERS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     COLD_BACKOFF_FIELD_NUMBER: _ClassVar[int]
+    CROSSES_FIELD_NUMBER: _ClassVar[int]
     towers: _containers.RepeatedCompositeFieldContainer[Tower]
     din_towers: _containers.RepeatedCompositeFieldContainer[DINTower]
     final: MLP
     cold_backoff: ColdBackoff
-    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ..., cold_backoff: _Optional[_Union[ColdBackoff, _Mapping]] = ...) -> None: ...
+    crosses: FeatureCrosses
+    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ..., cold_backoff: _Optional[_Union[ColdBackoff, _Mapping]] = ..., crosses: _Optional[_Union[FeatureCrosses, _Mapping]] = ...) -> None: ...
 
 class AUC(_message.Message):
     __slots__ = ("thresholds",)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench.bench_quality import differences, goal, main, variant_config
+from bench.bench_quality import crosses_config, differences, goal, main, variant_config
 from shared.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,3 +129,19 @@ def test_capacity_scale_shrinks_every_dynamic_table(tmp_path: Path) -> None:
     assert pairs and all(b.max_capacity == round(a.max_capacity * 0.01) for a, b in pairs)
     assert all(b.init_capacity_per_rank <= b.max_capacity for _, b in pairs)
     assert not scaled.model_config.multi_tower_din.HasField("cold_backoff")
+
+
+def test_sparse_lr_and_crosses_change_both_variants_alike(tmp_path: Path) -> None:
+    for name in ("off", "on"):
+        path = variant_config(SEED_CONFIG, name, tmp_path, sparse_lr=0.05, crosses="all")
+        assert path.name.endswith(f"_{name}_slr0.05_crosses_x1.config")
+        config = load_config(path)
+        assert config.train_config.sparse_optimizer.adagrad_optimizer.lr == pytest.approx(0.05)
+        assert config.model_config.multi_tower_din.HasField("crosses")
+        assert not config.model_config.multi_tower_din.crosses.pairs  # all: none named
+    named = crosses_config("cms_group_id:cate_id, cms_group_id:adgroup_id")
+    assert [(p.user_feature, p.item_feature) for p in named.pairs] == [
+        ("cms_group_id", "cate_id"), ("cms_group_id", "adgroup_id")
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="USER:ITEM pairs"):
+        crosses_config("cms_group_id")

@@ -139,15 +139,20 @@ def test_tzrec_named_bundle_serves_and_scores_like_ours(
         )
 
 
-@pytest.fixture(scope="module", params=["", "id_dropout: 0.4"], ids=["backoff", "id_dropout"])
+@pytest.fixture(
+    scope="module",
+    params=["cold_backoff {}", "cold_backoff { id_dropout: 0.4 }", "cold_backoff {}\ncrosses {}"],
+    ids=["backoff", "id_dropout", "crosses"],
+)
 def trained_cold(
     request: pytest.FixtureRequest, tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:
     """The seed config with the cold-id backoff on (and, for ``id_dropout``, 0.4 of the warm
-    user ids treated as cold in training: train.model.id_dropout), trained and exported
-    (bundle format 4, the same either way: the program never drops)."""
+    user ids treated as cold in training: train.model.id_dropout; for ``crosses``, every
+    user × item feature cross: train.model.crosses), trained and exported (bundle format 4,
+    the same either way: the program never drops)."""
     root = tmp_path_factory.mktemp("export_cold")
-    backoff = f"cold_backoff {{ {request.param} }}"
+    backoff = request.param
     config = write_config(
         SEED_CONFIG,
         root / "cold.config",
@@ -172,6 +177,8 @@ def test_exported_backoff_scores_as_trained(
     model, _progress, _ckpt = restore_model(config, model_dir=bundle.parent / "model")
     assert model.dense.backoff is not None
     assert (model.sparse.id_dropout is not None) == ("id_dropout" in config.read_text())
+    if model.dense.crosses is not None:  # learned away from its initial 1s
+        assert "crosses" in config.read_text() and (model.dense.crosses.weight != 1).all()
     assert any(p.abs().sum() > 0 for p in model.dense.backoff.parameters())
     with torch.no_grad():
         expected = torch.sigmoid(model(table_to_batch(model.fs, rows))).numpy()

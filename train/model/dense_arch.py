@@ -61,6 +61,7 @@ from shared.dense_inputs import (
 )
 from shared.features import FeatureSet, GroupType
 from train.model.backoff import ColdBackoff, SpaceBackoff, backoff_spaces
+from train.model.crosses import Cross, FeatureCrosses, crosses_of
 from train.model.din import JaggedDIN
 from train.model.mlp import MLP, MLPConfig
 
@@ -82,6 +83,7 @@ class DenseArchConfig:
     attn: MLPConfig
     final: MLPConfig | None  # None: the output Linear reads concat(tower, din) directly
     backoff: tuple[SpaceBackoff, ...] = ()  # cold-id backoff (train.model.backoff); () off
+    crosses: tuple[Cross, ...] = ()  # feature crosses (train.model.crosses); () off
 
     def to_dict(self) -> dict[str, object]:
         def mlp(c: MLPConfig | None) -> dict[str, object] | None:
@@ -101,6 +103,7 @@ class DenseArchConfig:
             "attn": mlp(self.attn),
             "final": mlp(self.final),
             "backoff": [s.to_dict() for s in self.backoff],
+            "crosses": [c.to_dict() for c in self.crosses],
         }
 
     @classmethod
@@ -119,6 +122,7 @@ class DenseArchConfig:
             mlp(d["attn"]),
             None if final is None else mlp(final),
             tuple(SpaceBackoff.from_dict(s) for s in d.get("backoff", ())),
+            tuple(Cross.from_dict(c) for c in d.get("crosses", ())),
         )
 
 
@@ -140,6 +144,7 @@ class DenseArch(nn.Module):
         attn_units: MLPConfig | Sequence[int],
         final_units: MLPConfig | Sequence[int] | None,
         backoff: Sequence[SpaceBackoff] = (),
+        crosses: Sequence[Cross] = (),
     ) -> None:
         super().__init__()
         final = MLPConfig.of(final_units) if final_units else None
@@ -151,6 +156,7 @@ class DenseArch(nn.Module):
             MLPConfig.of(attn_units),
             final,
             tuple(backoff),
+            tuple(crosses),
         )
         self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
         self.din = JaggedDIN(seq_dim, self.config.attn)
@@ -159,6 +165,7 @@ class DenseArch(nn.Module):
         self.output = nn.Linear(final.out_features if final is not None else width, 1)
         # last, and drawing nothing: the layers above keep their seeded initial values
         self.backoff = ColdBackoff(backoff) if backoff else None
+        self.crosses = FeatureCrosses(crosses, user_deep_dim) if crosses else None
 
     @property
     def takes_cold(self) -> bool:
@@ -175,6 +182,7 @@ class DenseArch(nn.Module):
             config.attn,
             config.final,
             config.backoff,
+            config.crosses,
         )
 
     @classmethod
@@ -223,6 +231,7 @@ class DenseArch(nn.Module):
             MLPConfig.from_proto(mtd.din_towers[0].attn_mlp, f"{path}.din_towers[0].attn_mlp"),
             final,
             backoff_spaces(feature_set, mtd.cold_backoff) if mtd.HasField("cold_backoff") else (),
+            crosses_of(feature_set, mtd.crosses) if mtd.HasField("crosses") else (),
         )
 
     def forward(
@@ -292,7 +301,7 @@ class DenseArch(nn.Module):
         pair_element: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits [B] of embeddings already backed off (:meth:`back_off`): towers, DIN,
-        final MLP. Same inputs as :meth:`forward` without the cold masks."""
+        final MLP, and the feature crosses when on (:mod:`train.model.crosses`). Same inputs as :meth:`forward` without the cold masks."""
         if (pair_segment is None) != (pair_element is None):
             raise ValueError(
                 "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
@@ -313,7 +322,8 @@ class DenseArch(nn.Module):
         deep = self.tower(deep_in)  # [B, tower_out]
         din = self.din(query, seq_values, seq_lengths, user_index, pairs)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]
-        return self.output(h).squeeze(1)  # [B]
+        logits = self.output(h).squeeze(1)  # [B]
+        return logits if self.crosses is None else logits + self.crosses(deep_in)
 
 
 # --------------------------------------------------------------------------- export

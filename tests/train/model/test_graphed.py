@@ -365,15 +365,20 @@ def test_din_graphs_emulated() -> None:
 # --------------------------------------------------------------------------- train_step
 
 
-def _tiny_model(tiny: Path, tmp: Path, device: str, *, backoff: bool = False):
+# the dense part's options a whole training step is checked with: none, the cold-id backoff,
+# the feature crosses (every user x item pair)
+DENSE_OPTIONS = {"plain": "", "backoff": "cold_backoff {}", "crosses": "crosses {}"}
+
+
+def _tiny_model(tiny: Path, tmp: Path, device: str, *, option: str = ""):
     from tests.conftest import SEED_CONFIG, write_config
     from tests.train.test_trainer import _options
     from train.trainer import Trainer
 
     config = SEED_CONFIG
-    if backoff:
+    if option:
         tmp.mkdir(parents=True, exist_ok=True)
-        on = {"final { hidden_units: [64] }": "final { hidden_units: [64] }\ncold_backoff {}"}
+        on = {"final { hidden_units: [64] }": f"final {{ hidden_units: [64] }}\n{option}"}
         config = write_config(
             SEED_CONFIG, tmp / "cold.config", train=tiny / "train", eval_=tiny / "eval", replace=on
         )
@@ -381,18 +386,18 @@ def _tiny_model(tiny: Path, tmp: Path, device: str, *, backoff: bool = False):
     return Trainer(options)
 
 
-@pytest.mark.parametrize("backoff", [False, True], ids=["plain", "backoff"])
+@pytest.mark.parametrize("option", DENSE_OPTIONS.values(), ids=DENSE_OPTIONS.keys())
 def test_train_step_with_emulated_graphs_equals_eager(
-    tiny_samples: Path, tmp_path: Path, backoff: bool
+    tiny_samples: Path, tmp_path: Path, option: str
 ) -> None:
     """Whole training steps (lookups, dynamic-table updates in the backward, Adam) with the
     dense part through the emulated graphs: the same losses and weights as eager, with a
-    cold-id backoff (run eagerly before the graph) too."""
+    cold-id backoff (run eagerly before the graph) or the feature crosses (inside it) too."""
     from train.trainer import train_step
 
     runs = []
     for graphed in (False, True):
-        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cpu", backoff=backoff)
+        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cpu", option=option)
         assert trainer.graphs is None  # CPU: the trainer never builds them
         model, opts = trainer.model, trainer.optimizers
         graphs = DenseArchGraphs(model.dense, emulate=True, min_bucket=64) if graphed else None
@@ -498,15 +503,15 @@ def test_cuda_din_graphs_equal_eager() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures CUDA graphs")
-@pytest.mark.parametrize("backoff", [False, True], ids=["plain", "backoff"])
+@pytest.mark.parametrize("option", DENSE_OPTIONS.values(), ids=DENSE_OPTIONS.keys())
 def test_cuda_train_step_with_graphs_matches_eager(
-    tiny_samples: Path, tmp_path: Path, backoff: bool
+    tiny_samples: Path, tmp_path: Path, option: str
 ) -> None:
     from train.trainer import train_step
 
     runs = []
     for graphed in (False, True):
-        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cuda", backoff=backoff)
+        trainer = _tiny_model(tiny_samples, tmp_path / f"m{graphed}", "cuda", option=option)
         model, opts = trainer.model, trainer.optimizers
         graphs = DenseArchGraphs(model.dense, min_bucket=256) if graphed else None
         batches = [b.to("cuda") for b in list(trainer.loader.epoch(0))[:6]]
