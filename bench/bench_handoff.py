@@ -59,6 +59,13 @@ def _parser() -> Parser:
         help="threads per frontend, each one request at a time",
     )
     p.add_argument("--candidates", type=int, default=500, help="candidate ads per request")
+    p.add_argument(
+        "--sequence-length",
+        type=int,
+        default=5,
+        help="clicks in each request's sequence (the serving bench's traffic has ~50: pairs "
+        "per batch, and so --predictor fill's pair work, grow with it)",
+    )
     p.add_argument("--duration-s", type=float, default=3.0, help="seconds of one measured window")
     p.add_argument("--warmup-s", type=float, default=1.0, help="seconds before the first window")
     p.add_argument("--repeats", type=int, default=3, help="measured windows (medians reported)")
@@ -150,6 +157,7 @@ def _frontend(
     config: Any,
     token: int,
     candidates: int,
+    sequence_length: int,
     concurrency: int,
     max_rows: int,
     counts: Any,
@@ -172,7 +180,8 @@ def _frontend(
     rng = np.random.default_rng(index)
     batches = []
     for _ in range(8):
-        req = as_columnar(fs, synthetic_request(fs, rng, candidates=candidates))
+        req = synthetic_request(fs, rng, candidates=candidates, sequence_length=sequence_length)
+        req = as_columnar(fs, req)
         batches.append(request_columns_to_batch(fs, **vars(request_inputs(req, fs, limits))))
     arena = SlotArena.attach(arena_name, config)
     try:  # an older serve.handoff (no grouping) takes no max_group_rows
@@ -268,6 +277,7 @@ def measure(a: Any, work: str) -> dict[str, Any]:
                 config,
                 token,
                 a.candidates,
+                a.sequence_length,
                 a.concurrency,
                 a.max_batch_rows,
             )
@@ -339,6 +349,7 @@ def measure(a: Any, work: str) -> dict[str, Any]:
         "frontends": a.frontends,
         "concurrency": a.concurrency,
         "candidates": a.candidates,
+        "sequence_length": a.sequence_length,
         "max_batch_rows": a.max_batch_rows,
         "max_wait_us": a.max_wait_us,
         "handoff_slots": a.slots,
@@ -360,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--frontends", a.frontends),
         ("--concurrency", a.concurrency),
         ("--candidates", a.candidates),
+        ("--sequence-length", a.sequence_length),
         ("--repeats", a.repeats),
     ):
         if value < 1:

@@ -86,7 +86,7 @@ from serve.batcher import PendingScores
 from serve.host_batch import HostBatch, HostKjt
 from serve.lookup import PAD_ID
 from shared.batch import Batch
-from shared.dense_inputs import DenseLayout, batch_pairs, pair_index
+from shared.dense_inputs import DenseLayout, PairPlan, batch_pair_plan
 
 if TYPE_CHECKING:
     from serve.model import LoadedModel
@@ -249,13 +249,13 @@ def _fill_kjt(
     return pad, (real, per_key)
 
 
-def host_pairs(batch: HostBatch, lay: DenseLayout) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`shared.dense_inputs.batch_pairs` of a host batch: the same pairs."""
+def host_pair_plan(batch: HostBatch, lay: DenseLayout) -> PairPlan:
+    """:func:`shared.dense_inputs.batch_pair_plan` of a host batch: the same pairs."""
     u = batch.num_users
     if not lay.sequence:
-        return pair_index(np.zeros(u, np.int64), batch.user_index)
+        return PairPlan.of(np.zeros(u, np.int64), batch.user_index)
     first = batch.sequence.keys.index(lay.sequence[0])
-    return pair_index(batch.sequence.lengths[first * u : (first + 1) * u], batch.user_index)
+    return PairPlan.of(batch.sequence.lengths[first * u : (first + 1) * u], batch.user_index)
 
 
 # --------------------------------------------------------------------------- one bucket's graph
@@ -329,8 +329,9 @@ class BucketGraph:
         self._extents: list[_Extent] = list(self._full)
         self._pairs = self.bucket.pairs
 
-    def fill(self, batch: Batch | HostBatch, seg: np.ndarray, elem: np.ndarray) -> dict[str, int]:
-        """Pad ``batch`` (host) into the host slots; returns the padding ids per table.
+    def fill(self, batch: Batch | HostBatch, pairs: PairPlan) -> dict[str, int]:
+        """Pad ``batch`` (host) and its ``pairs`` into the host slots; returns the padding ids
+        per table.
 
         Waits until the last :meth:`launch`'s copy has read the slots (the batch before may
         still be on its way to the device); the padding below relies on what that batch wrote."""
@@ -347,10 +348,10 @@ class BucketGraph:
             pad, extents[j] = _fill_kjt(kjt, shape, (views[2 * j], views[2 * j + 1]), extents[j])
             for table, p in zip(tables, pad, strict=True):
                 padding[table] = padding.get(table, 0) + p
-        b, u, n = batch.batch_size, batch.num_users, seg.shape[0]
+        b, u, n = batch.batch_size, batch.num_users, pairs.count
         views[6][:b] = batch.user_index
         views[6][b:] = u  # dummy candidates belong to the dummy user
-        views[7][:n], views[8][:n] = seg, elem
+        pairs.write(views[7], views[8])
         if was_pairs > n:  # padded pairs: the last dummy candidate's, with element 0
             views[7][n:was_pairs], views[8][n:was_pairs] = self.bucket.candidates, 0
         self._extents, self._pairs = extents, n
@@ -458,7 +459,7 @@ class CudaGraphs:
         probe = synthetic_batch(model.fs, 1, 1, (0,))
         graphs = cls(model, [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)])
         graphs._pool = torch.cuda.graph_pool_handle()
-        seg, elem = batch_pairs(probe, model.tables.layout)
+        pairs = batch_pair_plan(probe, model.tables.layout)
         torch.cuda.current_stream(model.device).synchronize()
         t0 = time.perf_counter()
         allocated = torch.cuda.memory_allocated(model.device)
@@ -466,7 +467,7 @@ class CudaGraphs:
         with torch.inference_mode():
             graphs.capture_while_room(
                 sorted(set(buckets)),
-                lambda bucket: graphs._capture_one(bucket, probe, seg, elem),
+                lambda bucket: graphs._capture_one(bucket, probe, pairs),
                 lambda: torch.cuda.mem_get_info(model.device),
             )
         torch.cuda.current_stream(model.device).synchronize()
@@ -507,10 +508,10 @@ class CudaGraphs:
                 return
             capture_one(bucket)
 
-    def _capture_one(self, bucket: Bucket, probe: Batch, seg: np.ndarray, elem: np.ndarray) -> None:
+    def _capture_one(self, bucket: Bucket, probe: Batch, pairs: PairPlan) -> None:
         try:
             graph = BucketGraph(self.model, bucket, self.keys)
-            graph.fill(probe, seg, elem)
+            graph.fill(probe, pairs)
             diff = graph.capture(self._run, self._pool)
             if not diff <= CHECK_ATOL:  # also NaN
                 raise RuntimeError(f"replay differs from eager by {diff} (> {CHECK_ATOL})")
@@ -589,12 +590,12 @@ class CudaGraphs:
             self._eager(reason)
             return None
         host = batch if isinstance(batch, HostBatch) else HostBatch.of(batch)
-        seg, elem = host_pairs(host, self.model.tables.layout)
-        graph = self._fit(host, seg.shape[0])
+        pairs = host_pair_plan(host, self.model.tables.layout)
+        graph = self._fit(host, pairs.count)
         if graph is None:
             self._eager("no bucket fits")
             return None
-        padding = graph.fill(host, seg, elem)
+        padding = graph.fill(host, pairs)
         self.model.tables.discount_padding(padding)
         return graph
 
@@ -623,7 +624,7 @@ class CudaGraphs:
         if self._refusal(batch) is not None:
             return None
         host = batch if isinstance(batch, HostBatch) else HostBatch.of(batch)
-        graph = self._fit(host, host_pairs(host, self.model.tables.layout)[0].shape[0])
+        graph = self._fit(host, host_pair_plan(host, self.model.tables.layout).count)
         return None if graph is None else graph.bucket
 
     def _fit(self, batch: HostBatch, pairs: int) -> BucketGraph | None:

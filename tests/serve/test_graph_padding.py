@@ -23,7 +23,7 @@ from serve.graphs import (
 from serve.host_batch import HostBatch
 from serve.model import LoadedModel, synthetic_batch
 from shared.batch import Batch
-from shared.dense_inputs import batch_pairs
+from shared.dense_inputs import batch_pair_plan
 from shared.features import FeatureSet
 from shared.fg import table_to_batch
 
@@ -39,8 +39,7 @@ def _keys(batch: Batch) -> list[tuple[str, ...]]:
 
 def _padded_scores(model: LoadedModel, batch: Batch, bucket: Bucket) -> torch.Tensor:
     graph = BucketGraph(model, bucket, _keys(batch))
-    seg, elem = batch_pairs(batch, model.tables.layout)
-    graph.fill(batch, seg, elem)
+    graph.fill(batch, batch_pair_plan(batch, model.tables.layout))
     with torch.inference_mode():
         out = scores(model, graph.batch, graph.pairs)
     assert out.shape == (bucket.candidates + 1,)
@@ -83,8 +82,7 @@ def test_padded_request_rows_and_statistics(model: LoadedModel, table: pa.Table)
     eager = model.table_stats()
     model.tables.reset_stats()
     graph = BucketGraph(model, Bucket(2048, 2048, 64), _keys(batch))
-    seg, elem = batch_pairs(batch, model.tables.layout)
-    padding = graph.fill(batch, seg, elem)
+    padding = graph.fill(batch, batch_pair_plan(batch, model.tables.layout))
     assert sum(padding.values()) > 0
     with torch.inference_mode():
         got = scores(model, graph.batch, graph.pairs)[: batch.batch_size]
@@ -100,8 +98,7 @@ def test_a_bucket_is_reused_for_smaller_batches(model: LoadedModel, fs: FeatureS
     bucket = Bucket(256, 64, 16)
     graph = BucketGraph(model, bucket, _keys(big))
     for batch in (big, small, big):
-        seg, elem = batch_pairs(batch, model.tables.layout)
-        graph.fill(batch, seg, elem)
+        graph.fill(batch, batch_pair_plan(batch, model.tables.layout))
         with torch.inference_mode():
             got = scores(model, graph.batch, graph.pairs)[: batch.batch_size]
         torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
@@ -222,10 +219,10 @@ def test_a_reused_bucket_holds_what_a_fresh_one_does(model: LoadedModel, fs: Fea
     rng = np.random.default_rng(0)
     for i in [*range(len(batches)), *rng.integers(0, len(batches), 12)]:
         batch = batches[i]
-        seg, elem = batch_pairs(batch, model.tables.layout)
-        padding = reused.fill(HostBatch.of(batch), seg, elem)
+        pairs = batch_pair_plan(batch, model.tables.layout)
+        padding = reused.fill(HostBatch.of(batch), pairs)
         fresh = BucketGraph(model, bucket, keys)
-        assert fresh.fill(batch, seg, elem) == padding
+        assert fresh.fill(batch, pairs) == padding
         for got, want in zip(_slots(reused), _slots(fresh), strict=True):
             np.testing.assert_array_equal(got, want)
     with torch.inference_mode():
@@ -307,7 +304,7 @@ def test_fills_hold_the_defined_slots_bit_for_bit(
     """Request batches (keys with different numbers of ids) and synthetic ones (one id per row),
     alone and merged on the host, filled in turn into one bucket: after every fill its slots
     are the defined padding of that batch (dtypes and every bit), whatever the fill before."""
-    from serve.graphs import host_pairs
+    from serve.graphs import host_pair_plan
     from serve.limits import Limits
     from serve.validation import request_inputs
     from shared.fg_request import request_columns_to_batch
@@ -324,8 +321,9 @@ def test_fills_hold_the_defined_slots_bit_for_bit(
     rng = np.random.default_rng(1)
     for i in [*range(len(batches)), *rng.integers(0, len(batches), 20)]:
         batch = batches[i]
-        seg, elem = host_pairs(batch, model.tables.layout)
-        graph.fill(batch, seg, elem)
+        pairs = host_pair_plan(batch, model.tables.layout)
+        graph.fill(batch, pairs)
+        seg, elem = pairs.arrays()
         want = _defined_slots(graph, batch, seg, elem)
         for got, w in zip(graph.buffers.views, want, strict=True):
             assert got.dtype == w.dtype == np.int64

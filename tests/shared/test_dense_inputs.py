@@ -8,7 +8,9 @@ from serve.model import synthetic_batch
 from shared.dense_inputs import (
     COLD_INPUT_NAMES,
     INPUT_NAMES,
+    MAX_USER_RUNS,
     PAIR_INPUT_NAMES,
+    PairPlan,
     Signature,
     assemble_dense_inputs,
     batch_pairs,
@@ -125,6 +127,39 @@ def test_pair_index_on_random_jagged_batches() -> None:
 def test_pair_index_refuses_a_user_index_out_of_range() -> None:
     with pytest.raises(IndexError):
         pair_index(np.array([1, 2]), np.array([0, 2]))
+
+
+def test_pair_plan_writes_pair_index_in_place() -> None:
+    """Sorted batches of few users (requests stacked) take the per-user writes, others the
+    vectorized pair_index; both write exactly its pairs, and only into [:count]."""
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        u = int(rng.integers(0, 70)) if trial % 4 else int(rng.integers(1, 4))
+        lengths = rng.integers(0, 7, size=u) * (rng.random(u) < 0.8)
+        b = int(rng.integers(0, 30)) if u else 0
+        user_index = rng.integers(0, max(u, 1), size=b)
+        if trial % 2:
+            user_index.sort()  # requests stacked: each user's candidates one run, in order
+        plan = PairPlan.of(lengths.astype(np.int32), user_index)
+        sorted_ = b < 2 or bool((np.diff(user_index) >= 0).all())
+        assert (plan.runs is not None) == (sorted_ and u <= MAX_USER_RUNS)
+        want = _loop_pairs(lengths.tolist(), user_index.tolist())
+        assert plan.count == len(want[0])
+        seg, elem = np.full(plan.count + 3, -7), np.full(plan.count + 3, -7)
+        plan.write(seg, elem)
+        assert (seg[: plan.count].tolist(), elem[: plan.count].tolist()) == want
+        assert (seg[plan.count :] == -7).all() and (elem[plan.count :] == -7).all()
+        assert [a.tolist() for a in plan.arrays()] == list(want)
+
+
+def test_pair_plan_refuses_bad_input() -> None:
+    with pytest.raises(IndexError, match="outside"):
+        PairPlan.of(np.array([1, 2]), np.array([0, 2]))
+    with pytest.raises(IndexError, match="outside"):
+        PairPlan.of(np.array([1, 2]), np.array([-1, 0]))
+    plan = PairPlan.of(np.array([3, 2]), np.array([0, 0, 1]))
+    with pytest.raises(ValueError, match="8 pairs do not fit"):
+        plan.write(np.empty(7, np.int64), np.empty(8, np.int64))
 
 
 def test_batch_pairs_and_assembled_inputs() -> None:
