@@ -169,8 +169,13 @@ def _frontend(
     """One frontend process: ``concurrency`` threads submitting prebuilt batches; at the end,
     (submit time.monotonic(), round trip s) of every answered request to ``latency_file``."""
     from bench.synthetic_bundle import as_columnar, seed_feature_set, synthetic_request
-    from serve.handoff import HandoffClient, SlotArena
+    from serve.handoff import HandoffClient
     from serve.limits import Limits
+
+    try:
+        from serve.slots import SlotArena
+    except ImportError:  # the code before serve/slots.py (an A/B against an older revision)
+        from serve.handoff import SlotArena  # type: ignore[attr-defined,no-redef]
     from serve.validation import request_inputs
     from shared.fg_request import request_columns_to_batch
 
@@ -239,8 +244,13 @@ def measure(a: Any, work: str) -> dict[str, Any]:
     """Start the device side and the frontends (their round trips written under ``work``),
     measure the windows; the report."""
     from serve.batcher import Batcher, BatcherConfig, BatchStats
-    from serve.handoff import HandoffConfig, HandoffServer, ModelRegistry, SlotArena
+    from serve.handoff import HandoffServer, ModelRegistry
     from serve.servicer import status_of
+
+    try:
+        from serve.slots import HandoffConfig, SlotArena
+    except ImportError:  # the code before serve/slots.py (an A/B against an older revision)
+        from serve.handoff import HandoffConfig, SlotArena  # type: ignore[attr-defined,no-redef]
 
     grouping = "inflight" in HandoffConfig.__dataclass_fields__  # False: the code before it
     inflight = {"inflight": a.inflight or 1 << 30} if grouping else {}

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from serve.admin import AdminConfig
 from serve.batcher import BatcherConfig
-from serve.handoff import HandoffConfig
 from serve.limits import Limits
 from serve.model import default_device
 from serve.security import TlsConfig
 from serve.server import PredictionServer, ServerConfig
+from serve.slots import HandoffConfig
 from shared.cli import Parser, check_device, check_port, plain, run_cli
 
 EXAMPLE = """examples:

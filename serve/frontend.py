@@ -80,7 +80,7 @@ from prometheus_client.samples import Sample
 from protos import predict_pb2
 from serve.admission import Admission, overloaded
 from serve.batcher import Batcher
-from serve.handoff import HandoffClient, HandoffConfig, HandoffServer, ModelRegistry, SlotArena
+from serve.handoff import HandoffClient, HandoffServer, ModelRegistry
 from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
@@ -88,6 +88,7 @@ from serve.reflection import enable_reflection
 from serve.rpc import Method, RpcError, unary_service
 from serve.security import TlsConfig, bind
 from serve.servicer import SERVICE_NAME, PredictionServicer, status_of
+from serve.slots import HandoffConfig, SlotArena
 from shared.features import FeatureSet
 
 log = logging.getLogger(__name__)

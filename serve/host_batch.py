@@ -5,7 +5,7 @@ Building a :class:`~torchrec.sparse.jagged_tensor.KeyedJaggedTensor` costs ~15 Â
 per KJT, and merging requests as KJTs (splitting and re-joining each one with torch) cost
 ~0.3 ms of the device process's CPU per handed-off request, all of it under the GIL. A
 :class:`HostBatch` holds the same tensors as numpy arrays (views of the slot where read from
-one, :func:`serve.handoff.read_host_batch`) with the host-side ids per key, so
+one, :func:`serve.slots.read_host_batch`) with the host-side ids per key, so
 
 - :meth:`HostBatch.concat` merges requests with one ``np.concatenate`` per KJT part (values
   key-major, as a KJT stores them: each key's ids of every request in turn; ``user_index``

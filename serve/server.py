@@ -43,7 +43,6 @@ from serve.admission import Admission
 from serve.batcher import Batcher, BatcherConfig
 from serve.frontend import FrontendPool, FrontendSettings, MergedRegistry
 from serve.graphs import Bucket, default_buckets
-from serve.handoff import HandoffConfig
 from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
@@ -51,6 +50,7 @@ from serve.model import LoadedModel, default_device
 from serve.reflection import enable_reflection
 from serve.security import TlsConfig, bind
 from serve.servicer import SERVICE_NAME, PredictionServicer
+from serve.slots import HandoffConfig
 from serve.spare import Spare, adopt
 from serve.versions import ModelManager
 
