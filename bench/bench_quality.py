@@ -51,8 +51,10 @@ from protos import pipeline_pb2
 from shared.cli import Parser, check_device, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
+from shared.features import build_feature_set
 from train.data.synthetic import SIZES
 from train.evaluate import TAIL_THRESHOLD
+from train.model.crosses import crosses_of
 from train.trainer import Trainer, TrainOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,8 +342,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--id-dropout {args.id_dropout}: give a probability in [0, 1)")
     if args.id_dropout and "on" not in names:
         raise ValueError(f"--id-dropout applies to the on variant: add it to --variants {names}")
-    if args.crosses is not None:
-        crosses_config(args.crosses)  # a bad spec fails before any training
+    if args.sparse_lr is not None and not args.sparse_lr > 0:
+        raise ValueError(f"--sparse-lr {args.sparse_lr}: give a learning rate > 0")
+    if args.crosses is not None:  # a bad spec or feature name fails before any data or training
+        base = load_config(args.config)
+        crosses_of(build_feature_set(base), crosses_config(args.crosses))
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         work = Path(tmp)
         samples = args.samples if args.samples is not None else generate(args.size, work / "data")

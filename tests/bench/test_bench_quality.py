@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench.bench_quality import crosses_config, differences, goal, main, variant_config
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
@@ -145,3 +145,12 @@ def test_sparse_lr_and_crosses_change_both_variants_alike(tmp_path: Path) -> Non
     ]  # fmt: skip
     with pytest.raises(ValueError, match="USER:ITEM pairs"):
         crosses_config("cms_group_id")
+
+
+def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> None:
+    out = tmp_path / "q.json"
+    with pytest.raises(ValueError, match="--sparse-lr 0.0: give a learning rate > 0"):
+        main(["--size", "tiny", "--sparse-lr", "0", "--out", str(out)])
+    with pytest.raises(ConfigError, match=r"pairs\[0\]\.item_feature.*'nope'"):
+        main(["--size", "tiny", "--crosses", "user_id:nope", "--out", str(out)])
+    assert not out.exists()
