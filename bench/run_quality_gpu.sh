@@ -6,6 +6,8 @@
 # $OUT/bench_quality_full.json (log: $OUT/bench_quality_full.log, data: $OUT/data.log).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (see
 # bench/run_gpu_suite.sh). About 6 minutes: data 2 (when made), two epochs and evals 3-4.
+# Arguments go to bench_quality, e.g. `bash bench/run_quality_gpu.sh --sparse-lr 0.05
+# --crosses cms_group_id:cate_id,cms_group_id:adgroup_id --seed 1`.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
@@ -21,7 +23,7 @@ else
   echo "data rc=$? in $(( $(date +%s) - t0 )) s"
 fi
 timeout ${BENCH_TIMEOUT:-480} python3 -m bench.bench_quality --samples "$FULL/samples" \
-  --device cuda --num-workers ${NUM_WORKERS:-12} \
+  --device cuda --num-workers ${NUM_WORKERS:-12} "$@" \
   --out "$OUT/bench_quality_full.json" > "$OUT/bench_quality_full.log" 2>&1
 echo "bench_quality rc=$?"
 tail -20 "$OUT/bench_quality_full.log"
