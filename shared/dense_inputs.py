@@ -218,6 +218,20 @@ class DenseLayout:
     seq_dim: int  # width of query and of sequence
 
 
+def embedding_dim(fs: FeatureSet, name: str) -> int:
+    """The width of feature ``name``'s embedding (its table's ``dim``)."""
+    return fs.tables[fs.features[name].table].dim
+
+
+def column_starts(fs: FeatureSet, names: Sequence[str]) -> dict[str, int]:
+    """Each of ``names``' first column in the concatenation of their embeddings, in that order
+    (e.g. of ``user_deep`` for ``dense_layout(fs).user_deep``)."""
+    out, at = {}, 0
+    for n in names:
+        out[n], at = at, at + embedding_dim(fs, n)
+    return out
+
+
 def dense_layout(fs: FeatureSet) -> DenseLayout:
     """Feature order and widths of the dense inputs.
 
@@ -233,7 +247,7 @@ def dense_layout(fs: FeatureSet) -> DenseLayout:
     item = tuple(f.name for f in ordered if f.side is not Side.USER)
 
     def dim(name: str) -> int:
-        return fs.tables[fs.features[name].table].dim
+        return embedding_dim(fs, name)
 
     for q, s in zip(seq.query, seq.sequence, strict=True):
         if dim(q) != dim(s):

@@ -66,7 +66,14 @@ from torch import nn
 
 from protos import pipeline_pb2
 from shared.config import ConfigError
-from shared.dense_inputs import COLD_NAMES, DenseLayout, cold_layout, dense_layout
+from shared.dense_inputs import (
+    COLD_NAMES,
+    DenseLayout,
+    cold_layout,
+    column_starts,
+    dense_layout,
+    embedding_dim,
+)
 from shared.features import FeatureSet, Side
 
 FIELD = "model_config.multi_tower_din.cold_backoff"
@@ -152,18 +159,11 @@ def backoff_spaces(fs: FeatureSet, config: pipeline_pb2.ColdBackoff) -> tuple[Sp
     cold = cold_layout(fs, lay)
 
     def dim(name: str) -> int:
-        return fs.tables[fs.features[name].table].dim
-
-    def starts(names: Sequence[str]) -> dict[str, int]:
-        out, at = {}, 0
-        for n in names:
-            out[n] = at
-            at += dim(n)
-        return out
+        return embedding_dim(fs, name)
 
     inputs = {"user_deep": lay.user_deep, "item_deep": lay.item_deep}
     inputs |= {"query": lay.query, "seq_values": lay.sequence}
-    column = {name: starts(names) for name, names in inputs.items()}
+    column = {name: column_starts(fs, names) for name, names in inputs.items()}
     width = {name: sum(dim(n) for n in names) for name, names in inputs.items()}
     members = {"user": cold.user, "item": cold.item, "sequence": cold.sequence}
     side_of = _side_features(fs, lay)

@@ -31,6 +31,7 @@ graph, exportable with dynamic B).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from torch import nn
 
 from protos import pipeline_pb2
 from shared.config import ConfigError
-from shared.dense_inputs import dense_layout
+from shared.dense_inputs import column_starts, dense_layout, embedding_dim
 from shared.features import FeatureSet
 
 FIELD = "model_config.multi_tower_din.crosses"
@@ -57,13 +58,7 @@ class Cross:
     dim: int
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "user_feature": self.user_feature,
-            "item_feature": self.item_feature,
-            "user_column": self.user_column,
-            "item_column": self.item_column,
-            "dim": self.dim,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Cross:
@@ -82,15 +77,9 @@ def crosses_of(fs: FeatureSet, config: pipeline_pb2.FeatureCrosses) -> tuple[Cro
     lay = dense_layout(fs)
 
     def dim(name: str) -> int:
-        return fs.tables[fs.features[name].table].dim
+        return embedding_dim(fs, name)
 
-    def starts(names: Sequence[str]) -> dict[str, int]:
-        out, at = {}, 0
-        for n in names:
-            out[n], at = at, at + dim(n)
-        return out
-
-    user, item = starts(lay.user_deep), starts(lay.item_deep)
+    user, item = column_starts(fs, lay.user_deep), column_starts(fs, lay.item_deep)
     if not config.pairs:
         pairs = [(u, i) for u in user for i in item if dim(u) == dim(i)]
         if not pairs:
