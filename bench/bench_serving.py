@@ -71,6 +71,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.py_spy import find_py_spy, record_gil
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 
@@ -611,31 +612,6 @@ class GpuSampler:
             "mem_used_mib_max": float(max(s[2] for s in inside)),
             "samples": len(inside),
         }
-
-
-def find_py_spy(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    found = shutil.which("py-spy")
-    if found:
-        return found
-    for entry in sys.path:  # pip install --target DIR puts scripts in DIR/bin
-        cand = Path(entry or ".") / "bin" / "py-spy"
-        if cand.is_file() and os.access(cand, os.X_OK):
-            return str(cand)
-    return None
-
-
-def record_gil(
-    py_spy: str, pid: int, seconds: int, rate: int, out: Path, *, after_s: float = 0.0
-) -> subprocess.Popen[bytes]:
-    """py-spy recording ``pid``'s GIL-holding stacks (``--gil``, raw format, into ``out``) for
-    ``seconds`` at ``rate`` Hz, starting ``after_s`` from now; stderr piped for its errors."""
-    cmd = f"exec {py_spy} record --pid {pid} --duration {seconds} --rate {rate} --gil "
-    cmd += f"--nonblocking --format raw -o {out}"
-    if after_s:
-        cmd = f"sleep {after_s}; {cmd}"
-    return subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 # py-spy frames look like "Class.method (path:line)"; a sample's category is that of its

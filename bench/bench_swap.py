@@ -28,8 +28,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.bench_serving import ServerGroup, find_py_spy, record_gil, summarize_py_spy
+from bench.bench_serving import ServerGroup, summarize_py_spy
 from bench.bench_startup import export_program
+from bench.py_spy import find_py_spy, record_gil
 from bench.synthetic_bundle import (
     as_columnar,
     keys_per_table,
