@@ -15,10 +15,14 @@ baseline ``buckets``), on the same samples and device:
   tables full after the epoch (new keys evict, the admission counter is full): the steady state
   of most of an epoch, which the first steps of a fresh model (``step``) do not reach;
 
-then the ratios between the configs and the goals of issue #18 (end-to-end samples/s of the seed
-config, its step against the baseline's, GPU busy: of ``step_warm`` where it ran, else of
-``step``). ``--padded-steps N`` also times the seed
-config's step with tzrec's padded DIN (pad to 100) for N steps, as a reference.
+``end_to_end`` and ``step_warm`` of each config run first, each in a child process of its own
+(``--e2e-child``), and the ``step`` profiles after them, so that no end-to-end run follows a
+torch.profiler in its process (a profiler can leave CUPTI's overhead on every later launch;
+``step_ms_median_after_profiles`` beside ``step_ms_median`` shows how much). Then the ratios
+between the configs and the goals of issue #18 (end-to-end samples/s of the seed config, its step
+against the baseline's, GPU busy: of ``step_warm`` where it ran, else of ``step``).
+``--padded-steps N`` also times the seed config's step with tzrec's padded DIN (pad to 100) for N
+steps, as a reference.
 
     python -m bench.bench_train --size small --out out/bench_train.json
     python -m bench.bench_train --size full --device cuda --num-workers 12 --out $OUT/bench_train.json
@@ -26,7 +30,6 @@ config's step with tzrec's padded DIN (pad to 100) for N steps, as a reference.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -42,6 +45,7 @@ import torch
 
 from bench.bench_loader import measure as measure_loader
 from bench.profile_train import batches_needed, device_batches, profile_model
+from bench.py_spy import by_thread, find_py_spy, record_gil
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -63,6 +67,7 @@ GOALS = {  # issue #18
     "dynamic_step_over_buckets": 1.15,
     "device_busy_fraction": 0.6,
 }
+PY_SPY_RATE = 200  # samples per second of --py-spy-s
 EXAMPLE = """examples:
   python -m bench.bench_train --size small --out out/bench_train.json
   python -m bench.bench_train --size full --device cuda --num-workers 12 --out out/train.json"""
@@ -232,6 +237,14 @@ def _parser() -> Parser:
                    help="end_to_end: evaluate at most N batches (default: the eval set)")  # fmt: skip
     p.add_argument("--no-end-to-end", action="store_true", help="skip the end_to_end runs")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument("--py-spy-s", type=int, default=0,
+                   help="record the GIL-holding threads of each end_to_end run with py-spy for "
+                   "N seconds (0: no; py-spy must be installed)")  # fmt: skip
+    p.add_argument("--py-spy-after", type=float, default=15.0,
+                   help="seconds after the end_to_end process starts to begin --py-spy-s")  # fmt: skip
+    p.add_argument("--e2e-child", type=Path, default=None,
+                   help="internal: run only end_to_end and step_warm of the one config of "
+                   "--configs and write their figures to this file (what the parent runs)")  # fmt: skip
     return p
 
 
@@ -248,9 +261,73 @@ def _config_paths(spec: str) -> dict[str, Path]:
     return out
 
 
+def end_to_end_in_child(name: str, path: Path, samples: Path, args) -> dict[str, Any]:
+    """``end_to_end`` and ``step_warm`` of one config, run by a child process of this module
+    (``--e2e-child``): a process in which no torch.profiler has run before the end-to-end run
+    (see the module docstring). With ``--py-spy-s``, py-spy records which of the child's
+    threads hold the GIL during its end-to-end run (``py_spy``; raw stacks beside ``--out``)."""
+    with tempfile.TemporaryDirectory(prefix="bench_train_child_") as tmp:
+        figures = Path(tmp) / "figures.json"
+        cmd = [sys.executable, "-m", "bench.bench_train", "--configs", f"{name}={path}",
+               "--samples", str(samples), "--device", args.device, "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--num-workers", str(args.num_workers), "--message-rows", str(args.message_rows),
+               "--out", str(args.out), "--e2e-child", str(figures)]  # fmt: skip
+        for flag, value in (("--e2e-max-steps", args.e2e_max_steps),
+                            ("--eval-max-batches", args.eval_max_batches)):  # fmt: skip
+            if value is not None:
+                cmd += [flag, str(value)]
+        child = subprocess.Popen(cmd, cwd=ROOT)
+        py_spy = find_py_spy(None) if args.py_spy_s > 0 else None
+        raw = args.out.with_name(f"{args.out.stem}.{name}_pyspy.txt")
+        spy = None
+        if py_spy is not None:
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            spy = record_gil(py_spy, child.pid, args.py_spy_s, PY_SPY_RATE, raw,
+                             after_s=args.py_spy_after, threads=True)  # fmt: skip
+        if child.wait() != 0:
+            raise SystemExit(
+                f"error: the end_to_end run of {name!r} failed (rc {child.returncode})"
+            )
+        out = json.loads(figures.read_text())
+    if spy is not None:
+        _, err = spy.communicate()
+        out["py_spy"] = (
+            {"after_s": args.py_spy_after, "seconds": args.py_spy_s, "raw": raw.name,
+             "threads": by_thread(raw.read_text(), PY_SPY_RATE, args.py_spy_s)}
+            if spy.returncode == 0 and raw.is_file()
+            else {"error": err.decode(errors="replace")[-800:]}
+        )  # fmt: skip
+    elif args.py_spy_s > 0:
+        out["py_spy"] = {
+            "error": "py-spy not found (pip install py-spy, or see bench/run_serving_gpu.sh)"
+        }
+    return out
+
+
+def e2e_child(args, device: torch.device) -> int:
+    """``--e2e-child``: the end_to_end run of the one config of ``--configs``, then
+    ``step_warm`` on the model it trained; their figures go to the ``--e2e-child`` file."""
+    ((name, path),) = _config_paths(args.configs).items()
+    fs = build_feature_set(load_config(path))
+    figures: dict[str, Any] = {}
+    figures["end_to_end"], trainer = end_to_end(path, args.samples, args, device)
+    batches = device_batches(args.samples, fs, args.batch,
+                             batches_needed(args.warmup, args.steps), device)  # fmt: skip
+    figures["step_warm"] = warm_step_figures(trainer, batches, args, name)
+    tmp = args.e2e_child.with_name(args.e2e_child.name + ".tmp")
+    tmp.write_text(json.dumps(figures))
+    tmp.replace(args.e2e_child)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = torch.device(args.device)
+    if args.e2e_child is not None:
+        if args.samples is None:
+            raise SystemExit("error: --e2e-child needs --samples")
+        return e2e_child(args, device)
     paths = _config_paths(args.configs)
     samples = args.samples
     tmp = None
@@ -269,24 +346,24 @@ def main(argv: list[str] | None = None) -> int:
                               "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)
+    if not args.no_end_to_end:  # first, each in a process no profiler has run in
+        for name, path in paths.items():
+            result["configs"][name] = {
+                "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+                **end_to_end_in_child(name, path, samples, args),
+            }
     for name, path in paths.items():
         fs = build_feature_set(load_config(path))
         batches = device_batches(samples, fs, args.batch, max(n, args.padded_steps + 2), device)
-        entry: dict[str, Any] = {
-            "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
-        }
+        entry = result["configs"].setdefault(
+            name, {"config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)}
+        )
         entry["step"] = step_figures(path, batches, args, device)
         if args.padded_steps and name == "dynamic":
             entry["padded_step_ms_median"] = padded_step_ms(
                 path, batches, args.padded_steps, device
             )
-        if not args.no_end_to_end:
-            entry["end_to_end"], trainer = end_to_end(path, samples, args, device)
-            entry["step_warm"] = warm_step_figures(trainer, batches, args, name)
-            del trainer
-            gc.collect()  # its tables and CUDA graphs (in reference cycles) freed before the next
         del batches
-        result["configs"][name] = entry
         print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),
               flush=True)  # fmt: skip
     result.update(ratios(result["configs"]))

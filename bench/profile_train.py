@@ -10,7 +10,10 @@ The views of a config's step at ``--batch`` (8192) on batches already on the dev
   repository that caused it (``torch.cuda.set_sync_debug_mode``);
 - ``profile``: torch.profiler over ``--steps`` steps: GPU launches per step and per phase, GPU
   busy time against the unprofiled step (below 1: the GPU idles, the step is host bound) and
-  the top operators by self CPU and self device time, written as text beside the JSON.
+  the top operators by self CPU and self device time, written as text beside the JSON;
+- ``host``: cProfile over ``--steps`` steps: each Python function's own host time per step and
+  the sums by file (what a host-bound step spends its milliseconds on), and the time blocked
+  in the host reads (``tolist``, ``item``) that wait for the device.
 
     python -m bench.profile_train --samples DIR/samples --out out/profile_train.json [--device cuda]
 """
@@ -192,8 +195,55 @@ def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[st
 
 
 def batches_needed(warmup: int, steps: int) -> int:
-    """The batches :func:`profile_model` uses: ``warmup`` and five passes of ``steps``."""
-    return warmup + 5 * steps + 1
+    """The batches :func:`profile_model` uses: ``warmup`` and seven passes of ``steps``."""
+    return warmup + 7 * steps + 1
+
+
+# host calls that wait for the device: their time under cProfile is the host blocked in a sync
+# (``int(t)``/``bool(t)`` call no profiled function: their wait lands in the caller's own time)
+_SYNC_CALLS = ("tolist", "item", "synchronize", "cpu")
+
+
+def host_profile(model, optimizers, batches, steps: int, amp: str, graphs, sync) -> dict[str, Any]:
+    """Where the host time of ``steps`` training steps goes, as the trainer runs them (no phase
+    syncs), by Python function (cProfile: each function's own time, ms per step) and by file:
+    the view of a host-bound step that a GPU profile cannot give. cProfile's overhead
+    lengthens Python-heavy code, so read shares, not absolute times (``overhead``: the profiled
+    step over the unprofiled one)."""
+    import cProfile
+    import pstats
+
+    root = str(ROOT) + "/"
+    sync()
+    t0 = time.perf_counter()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        i, b = next(batches)
+        train_step(model, optimizers, b, i, amp, graphs=graphs)
+    sync()
+    prof.disable()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows, files = [], collections.Counter[str]()
+    blocked = 0.0
+    for (path, line, func), (_cc, calls, own, _cum, _callers) in stats.items():
+        ms = own * 1e3 / steps
+        where = path.removeprefix(root) if path.startswith(root) else Path(path).name
+        name = f"{where}:{line}({func})" if line else func
+        files[where if path.startswith(root) else ("torch" if "torch" in path else where)] += ms
+        if path == "~" and any(c in func for c in _SYNC_CALLS):
+            blocked += ms
+        rows.append((ms, calls / steps, name))
+    rows.sort(reverse=True)
+    return {
+        "profiled_ms_per_step": wall,
+        "blocked_in_sync_calls_ms_per_step": blocked,
+        "top_functions": [
+            {"function": n, "own_ms_per_step": ms, "calls_per_step": c} for ms, c, n in rows[:40]
+        ],
+        "by_file_ms_per_step": dict(files.most_common(25)),
+    }
 
 
 def device_batches(
@@ -211,6 +261,19 @@ def device_batches(
         f"error: {samples}/train has {len(out)} batches of {batch} rows; this benchmark needs "
         f"{n}: pass a larger --size or fewer --steps"
     )
+
+
+def timed_steps(model, optimizers, batches, steps: int, amp: str, graphs, sync) -> list[float]:
+    """Milliseconds of each of ``steps`` training steps as the trainer runs them, each up to a
+    device synchronization."""
+    walls = []
+    for _ in range(steps):
+        i, b = next(batches)
+        t0 = time.perf_counter()
+        train_step(model, optimizers, b, i, amp, graphs=graphs)
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    return walls
 
 
 def profile_model(
@@ -240,13 +303,8 @@ def profile_model(
         i, b = next(it)
         train_step(model, optimizers, b, i, amp, graphs=graphs)
     sync()
-    walls, phases = [], collections.defaultdict(list)
-    for _ in range(steps):
-        i, b = next(it)
-        t0 = time.perf_counter()
-        train_step(model, optimizers, b, i, amp, graphs=graphs)
-        sync()
-        walls.append((time.perf_counter() - t0) * 1e3)
+    walls = timed_steps(model, optimizers, it, steps, amp, graphs, sync)
+    phases = collections.defaultdict(list)
     for _ in range(steps):
         i, b = next(it)
         for k, v in phased_step(model, optimizers, b, i, amp, sync, graphs).items():
@@ -289,6 +347,13 @@ def profile_model(
     }
     if cuda:
         result["launches_by_site"] = launch_sites(model, optimizers, it, steps, amp, graphs, sync)
+    host = host_profile(model, optimizers, it, steps, amp, graphs, sync)
+    host["overhead"] = host["profiled_ms_per_step"] / step_ms
+    result["host"] = host
+    # the unprofiled step again, after the profilers: slower if they left overhead behind
+    result["step_ms_median_after_profiles"] = statistics.median(
+        timed_steps(model, optimizers, it, steps, amp, graphs, sync)
+    )
     text = [
         f"== {steps} steps on {device}",
         json.dumps(result["profile"]),
