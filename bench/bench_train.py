@@ -240,8 +240,9 @@ def _parser() -> Parser:
     p.add_argument("--py-spy-s", type=int, default=0,
                    help="record the GIL-holding threads of each end_to_end run with py-spy for "
                    "N seconds (0: no; py-spy must be installed)")  # fmt: skip
-    p.add_argument("--py-spy-after", type=float, default=15.0,
-                   help="seconds after the end_to_end process starts to begin --py-spy-s")  # fmt: skip
+    p.add_argument("--py-spy-after", type=float, default=26.0,
+                   help="seconds after the end_to_end process starts to begin --py-spy-s (its imports "
+                   "alone took 20 s on the H200 host: torchmetrics imports transformers there)")  # fmt: skip
     p.add_argument("--e2e-child", type=Path, default=None,
                    help="internal: run only end_to_end and step_warm of the one config of "
                    "--configs and write their figures to this file (what the parent runs)")  # fmt: skip
