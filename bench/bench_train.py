@@ -238,8 +238,8 @@ def _parser() -> Parser:
     p.add_argument("--no-end-to-end", action="store_true", help="skip the end_to_end runs")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--py-spy-s", type=int, default=0,
-                   help="record the GIL-holding threads of each end_to_end run with py-spy for "
-                   "N seconds (0: no; py-spy must be installed)")  # fmt: skip
+                   help="record where each thread of each end_to_end run spends its time (py-spy "
+                   "--idle) for N seconds (0: no; py-spy must be installed)")  # fmt: skip
     p.add_argument("--py-spy-after", type=float, default=26.0,
                    help="seconds after the end_to_end process starts to begin --py-spy-s (its imports "
                    "alone took 20 s on the H200 host: torchmetrics imports transformers there)")  # fmt: skip
@@ -265,8 +265,9 @@ def _config_paths(spec: str) -> dict[str, Path]:
 def end_to_end_in_child(name: str, path: Path, samples: Path, args) -> dict[str, Any]:
     """``end_to_end`` and ``step_warm`` of one config, run by a child process of this module
     (``--e2e-child``): a process in which no torch.profiler has run before the end-to-end run
-    (see the module docstring). With ``--py-spy-s``, py-spy records which of the child's
-    threads hold the GIL during its end-to-end run (``py_spy``; raw stacks beside ``--out``)."""
+    (see the module docstring). With ``--py-spy-s``, py-spy records where the wall-clock time
+    of each of the child's threads goes during its end-to-end run, waiting included (``py_spy``;
+    raw stacks beside ``--out``)."""
     with tempfile.TemporaryDirectory(prefix="bench_train_child_") as tmp:
         figures = Path(tmp) / "figures.json"
         cmd = [sys.executable, "-m", "bench.bench_train", "--configs", f"{name}={path}",
@@ -285,7 +286,7 @@ def end_to_end_in_child(name: str, path: Path, samples: Path, args) -> dict[str,
         if py_spy is not None:
             raw.parent.mkdir(parents=True, exist_ok=True)
             spy = record_gil(py_spy, child.pid, args.py_spy_s, PY_SPY_RATE, raw,
-                             after_s=args.py_spy_after, threads=True)  # fmt: skip
+                             after_s=args.py_spy_after, threads=True, wall=True)  # fmt: skip
         if child.wait() != 0:
             raise SystemExit(
                 f"error: the end_to_end run of {name!r} failed (rc {child.returncode})"

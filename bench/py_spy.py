@@ -44,11 +44,15 @@ def record_gil(
     *,
     after_s: float = 0.0,
     threads: bool = False,
+    wall: bool = False,
 ) -> subprocess.Popen[bytes]:
     """py-spy recording ``pid``'s GIL-holding stacks (``--gil``, raw format, into ``out``) for
     ``seconds`` at ``rate`` Hz, starting ``after_s`` from now; stderr piped for its errors.
-    ``threads``: each stack starts with its thread (what :func:`by_thread` splits on)."""
-    cmd = f"exec {py_spy} record --pid {pid} --duration {seconds} --rate {rate} --gil "
+    ``threads``: each stack starts with its thread (what :func:`by_thread` splits on).
+    ``wall``: every thread's stack at every sample, waiting or not (``--idle``, no ``--gil``):
+    where each thread's wall-clock time goes."""
+    mode = "--idle" if wall else "--gil"
+    cmd = f"exec {py_spy} record --pid {pid} --duration {seconds} --rate {rate} {mode} "
     cmd += f"--nonblocking --format raw -o {out}" + (" --threads" if threads else "")
     if after_s:
         cmd = f"sleep {after_s}; {cmd}"
@@ -65,8 +69,9 @@ _OURS = re.compile(r"\((bench|serve|shared|train)/")
 
 
 def by_thread(raw: str, rate: int, seconds: float) -> list[dict[str, Any]]:
-    """A ``threads=True`` recording of :func:`record_gil` split by thread: each thread's share
-    of the time it held the GIL (its samples over ``rate * seconds``), what it runs (its
+    """A ``threads=True`` recording of :func:`record_gil` split by thread: ``fraction``, its samples
+    over ``rate * seconds`` (the share of the time it held the GIL; with ``wall=True``, of the
+    time it spent in each stack, waiting included), what it runs (its
     outermost frame in this repository, else its outermost frame outside ``threading.py`` and
     ``runpy``) and its hottest leaf functions; busiest thread first."""
     samples: collections.Counter[str] = collections.Counter()
@@ -93,7 +98,7 @@ def by_thread(raw: str, rate: int, seconds: float) -> list[dict[str, Any]]:
         {
             "thread": thread,
             "runs": label[thread].most_common(1)[0][0],
-            "gil_fraction": n / expected if expected else None,
+            "fraction": n / expected if expected else None,
             "top_leaf_functions": [
                 {"frame": k, "share": v / n} for k, v in leaves[thread].most_common(12)
             ],
