@@ -15,10 +15,10 @@ baseline ``buckets``), on the same samples and device:
   tables full after the epoch (new keys evict, the admission counter is full): the steady state
   of most of an epoch, which the first steps of a fresh model (``step``) do not reach;
 
-``end_to_end`` and ``step_warm`` of each config run first, each in a child process of its own
-(``--e2e-child``), and the ``step`` profiles after them, so that no end-to-end run follows a
-torch.profiler in its process (a profiler can leave CUPTI's overhead on every later launch;
-``step_ms_median_after_profiles`` beside ``step_ms_median`` shows how much). Then the ratios
+Each config's ``end_to_end`` + ``step_warm`` and its ``step`` run in child processes of their
+own (``--child``), so that no timed step or end-to-end run follows a torch.profiler in its
+process: a profiler leaves overhead on every later launch there (on the H200, 2026-12-02: +20 %
+to +26 % a step; ``step_ms_median_after_profiles`` beside ``step_ms_median`` shows it). Then the ratios
 between the configs and the goals of issue #18 (end-to-end samples/s of the seed config, its step
 against the baseline's, GPU busy: of ``step_warm`` where it ran, else of ``step``).
 ``--padded-steps N`` also times the seed config's step with tzrec's padded DIN (pad to 100) for N
@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -68,6 +69,8 @@ GOALS = {  # issue #18
     "device_busy_fraction": 0.6,
 }
 PY_SPY_RATE = 200  # samples per second of --py-spy-s
+# what each child process measures (in_child), in this order: e2e first, the fresh step after
+CHILD_PARTS = ("e2e", "step")
 EXAMPLE = """examples:
   python -m bench.bench_train --size small --out out/bench_train.json
   python -m bench.bench_train --size full --device cuda --num-workers 12 --out out/train.json"""
@@ -243,9 +246,11 @@ def _parser() -> Parser:
     p.add_argument("--py-spy-after", type=float, default=26.0,
                    help="seconds after the end_to_end process starts to begin --py-spy-s (its imports "
                    "alone took 20 s on the H200 host: torchmetrics imports transformers there)")  # fmt: skip
-    p.add_argument("--e2e-child", type=Path, default=None,
-                   help="internal: run only end_to_end and step_warm of the one config of "
-                   "--configs and write their figures to this file (what the parent runs)")  # fmt: skip
+    p.add_argument("--child", choices=CHILD_PARTS, default=None,
+                   help="internal: measure only this part of the one config of --configs "
+                   "(what the parent runs in a child process)")  # fmt: skip
+    p.add_argument("--child-out", type=Path, default=None,
+                   help="internal: where --child writes its figures (JSON)")  # fmt: skip
     return p
 
 
@@ -262,74 +267,88 @@ def _config_paths(spec: str) -> dict[str, Path]:
     return out
 
 
-def end_to_end_in_child(name: str, path: Path, samples: Path, args) -> dict[str, Any]:
-    """``end_to_end`` and ``step_warm`` of one config, run by a child process of this module
-    (``--e2e-child``): a process in which no torch.profiler has run before the end-to-end run
-    (see the module docstring). With ``--py-spy-s``, py-spy records where the wall-clock time
-    of each of the child's threads goes during its end-to-end run, waiting included (``py_spy``;
-    raw stacks beside ``--out``)."""
+def in_child(part: str, name: str, path: Path, samples: Path, args) -> dict[str, Any]:
+    """The figures of ``part`` (:data:`CHILD_PARTS`) of one config, measured by a child process
+    of this module (``--child PART``) in which no torch.profiler has run before (see the module
+    docstring). With ``--py-spy-s``, py-spy records where the wall-clock time of each thread of
+    the ``e2e`` child goes, waiting included (``py_spy``; raw stacks beside ``--out``)."""
     with tempfile.TemporaryDirectory(prefix="bench_train_child_") as tmp:
         figures = Path(tmp) / "figures.json"
         cmd = [sys.executable, "-m", "bench.bench_train", "--configs", f"{name}={path}",
                "--samples", str(samples), "--device", args.device, "--batch", str(args.batch),
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--num-workers", str(args.num_workers), "--message-rows", str(args.message_rows),
-               "--out", str(args.out), "--e2e-child", str(figures)]  # fmt: skip
+               "--padded-steps", str(args.padded_steps), "--out", str(args.out),
+               "--child", part, "--child-out", str(figures)]  # fmt: skip
         for flag, value in (("--e2e-max-steps", args.e2e_max_steps),
                             ("--eval-max-batches", args.eval_max_batches)):  # fmt: skip
             if value is not None:
                 cmd += [flag, str(value)]
         child = subprocess.Popen(cmd, cwd=ROOT)
-        py_spy = find_py_spy(None) if args.py_spy_s > 0 else None
-        raw = args.out.with_name(f"{args.out.stem}.{name}_pyspy.txt")
-        spy = None
-        if py_spy is not None:
-            raw.parent.mkdir(parents=True, exist_ok=True)
-            spy = record_gil(py_spy, child.pid, args.py_spy_s, PY_SPY_RATE, raw,
-                             after_s=args.py_spy_after, threads=True, wall=True)  # fmt: skip
+        spy = _spy(child.pid, name, args) if part == "e2e" and args.py_spy_s > 0 else None
         if child.wait() != 0:
-            raise SystemExit(
-                f"error: the end_to_end run of {name!r} failed (rc {child.returncode})"
-            )
+            raise SystemExit(f"error: the {part} run of {name!r} failed (rc {child.returncode})")
         out = json.loads(figures.read_text())
     if spy is not None:
-        _, err = spy.communicate()
-        out["py_spy"] = (
-            {"after_s": args.py_spy_after, "seconds": args.py_spy_s, "raw": raw.name,
-             "threads": by_thread(raw.read_text(), PY_SPY_RATE, args.py_spy_s)}
-            if spy.returncode == 0 and raw.is_file()
-            else {"error": err.decode(errors="replace")[-800:]}
-        )  # fmt: skip
-    elif args.py_spy_s > 0:
-        out["py_spy"] = {
-            "error": "py-spy not found (pip install py-spy, or see bench/run_serving_gpu.sh)"
-        }
+        out["py_spy"] = spy()
     return out
 
 
-def e2e_child(args, device: torch.device) -> int:
-    """``--e2e-child``: the end_to_end run of the one config of ``--configs``, then
-    ``step_warm`` on the model it trained; their figures go to the ``--e2e-child`` file."""
+def _spy(pid: int, name: str, args) -> Callable[[], dict[str, Any]]:
+    """py-spy on ``pid`` (``--py-spy-s`` from ``--py-spy-after``); returns the call that waits
+    for it and gives its figures."""
+    py_spy = find_py_spy(None)
+    if py_spy is None:
+        return lambda: {"error": "py-spy not found (pip install py-spy; bench/run_serving_gpu.sh)"}
+    raw = args.out.with_name(f"{args.out.stem}.{name}_pyspy.txt")
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    spy = record_gil(py_spy, pid, args.py_spy_s, PY_SPY_RATE, raw, after_s=args.py_spy_after,
+                     threads=True, wall=True)  # fmt: skip
+
+    def figures() -> dict[str, Any]:
+        _, err = spy.communicate()
+        if spy.returncode != 0 or not raw.is_file():
+            return {"error": err.decode(errors="replace")[-800:]}
+        threads = by_thread(raw.read_text(), PY_SPY_RATE, args.py_spy_s)
+        return {"after_s": args.py_spy_after, "seconds": args.py_spy_s, "raw": raw.name,
+                "threads": threads}  # fmt: skip
+
+    return figures
+
+
+def run_child_part(args, device: torch.device) -> int:
+    """``--child PART``: one part of the one config of ``--configs``; its figures go to
+    ``--child-out``. ``e2e``: the end_to_end run, then ``step_warm`` on the model it trained;
+    ``step``: the ``step`` figures of a fresh model (and ``--padded-steps``)."""
     ((name, path),) = _config_paths(args.configs).items()
     fs = build_feature_set(load_config(path))
+    n = batches_needed(args.warmup, args.steps)
     figures: dict[str, Any] = {}
-    figures["end_to_end"], trainer = end_to_end(path, args.samples, args, device)
-    batches = device_batches(args.samples, fs, args.batch,
-                             batches_needed(args.warmup, args.steps), device)  # fmt: skip
-    figures["step_warm"] = warm_step_figures(trainer, batches, args, name)
-    tmp = args.e2e_child.with_name(args.e2e_child.name + ".tmp")
+    if args.child == "e2e":
+        figures["end_to_end"], trainer = end_to_end(path, args.samples, args, device)
+        batches = device_batches(args.samples, fs, args.batch, n, device)
+        figures["step_warm"] = warm_step_figures(trainer, batches, args, name)
+    else:
+        batches = device_batches(args.samples, fs, args.batch, max(n, args.padded_steps + 2),
+                                 device)  # fmt: skip
+        figures["step"] = step_figures(path, batches, args, device)
+        if args.padded_steps and name == "dynamic":
+            figures["padded_step_ms_median"] = padded_step_ms(
+                path, batches, args.padded_steps, device
+            )
+    tmp = args.child_out.with_name(args.child_out.name + ".tmp")
     tmp.write_text(json.dumps(figures))
-    tmp.replace(args.e2e_child)
+    tmp.replace(args.child_out)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = torch.device(args.device)
-    if args.e2e_child is not None:
-        if args.samples is None:
-            raise SystemExit("error: --e2e-child needs --samples")
-        return e2e_child(args, device)
+    if args.child is not None:
+        if args.samples is None or args.child_out is None:
+            raise SystemExit("error: --child needs --samples and --child-out")
+        return run_child_part(args, device)
     paths = _config_paths(args.configs)
     samples = args.samples
     tmp = None
@@ -342,30 +361,18 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         print(f"generated {args.size} in {time.perf_counter() - t0:.1f}s", flush=True)
         samples = Path(tmp.name) / "samples"
-    n = batches_needed(args.warmup, args.steps)
     result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
                               "batch": args.batch, "message_rows": args.message_rows,
                               "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)
-    if not args.no_end_to_end:  # first, each in a process no profiler has run in
-        for name, path in paths.items():
-            result["configs"][name] = {
-                "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
-                **end_to_end_in_child(name, path, samples, args),
-            }
+    parts = CHILD_PARTS if not args.no_end_to_end else ("step",)
     for name, path in paths.items():
-        fs = build_feature_set(load_config(path))
-        batches = device_batches(samples, fs, args.batch, max(n, args.padded_steps + 2), device)
-        entry = result["configs"].setdefault(
-            name, {"config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)}
-        )
-        entry["step"] = step_figures(path, batches, args, device)
-        if args.padded_steps and name == "dynamic":
-            entry["padded_step_ms_median"] = padded_step_ms(
-                path, batches, args.padded_steps, device
-            )
-        del batches
+        entry = result["configs"][name] = {
+            "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+        }
+        for part in parts:
+            entry.update(in_child(part, name, path, samples, args))
         print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),
               flush=True)  # fmt: skip
     result.update(ratios(result["configs"]))

@@ -376,8 +376,12 @@ class PaddedDIN(DINAttention):
         seq_values: torch.Tensor,
         seq_lengths: torch.Tensor,
         user_index: torch.Tensor | None,
+        pairs: Pairs | None = None,
     ) -> torch.Tensor:
         # query: [B, D]; seq_values: [T, D]; seq_lengths: [U]; user_index: [B] (None: arange(B))
+        # pairs: JaggedDIN's signature (a model calls either with them); the padding already
+        # lays out every (candidate, element) pair they list, so they are not needed here
+        del pairs
         self._check(query, seq_values)
         if user_index is None:  # every row its own user (training), as JaggedDIN accepts
             user_index = torch.arange(query.shape[0], device=query.device)
