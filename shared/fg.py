@@ -298,11 +298,20 @@ def _bucketize(spec: FeatureSpec, arr: pa.Array) -> np.ndarray:
     return ids
 
 
+# the bits of +inf: those of every finite double >= 0 are below them (as uint64), those of a
+# negative one (the sign bit), an infinity or a NaN (the exponent's bits all set) are not
+_INF_BITS = np.uint64(0x7FF0000000000000)
+# below this many prices one searchsorted beats the table's dozen numpy calls (a serving request:
+# 500 prices 8.8 against 21.9 us; 8192: 133 against 59 us; 2026-12-02)
+_TABLE_MIN = 2048
+
+
 def bucket_ids(spec: FeatureSpec, x: np.ndarray) -> np.ndarray | None:
     """The buckets of float64 prices ``x``; None if one is NaN, infinite or negative."""
-    if not (np.isfinite(x) & (x >= 0)).all():
+    bits = (x + 0.0).view(np.uint64)  # + 0.0: -0.0 is 0.0, a valid price
+    if bits.size and bits.max() >= _INF_BITS:  # one pass for isfinite(x) & (x >= 0)
         return None
-    table = _bucket_table(spec.boundaries) if x.ndim == 1 else None
+    table = _bucket_table(spec.boundaries) if x.ndim == 1 and x.size >= _TABLE_MIN else None
     if table is None:
         return np.searchsorted(_decimal_boundaries(spec.boundaries), x, side="right").astype(
             np.int64

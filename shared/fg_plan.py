@@ -23,7 +23,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from shared.features import FeatureKind, FeatureSet, FeatureSpec, Side
 
-__all__ = ["FeaturePlan", "Ids", "feature_plan", "kjt", "per_feature_set", "sequence_kjt"]
+__all__ = [
+    "FeaturePlan",
+    "Ids",
+    "feature_plan",
+    "flat_kjt",
+    "kjt",
+    "per_feature_set",
+    "sequence_kjt",
+]
 
 Ids: TypeAlias = tuple[np.ndarray, np.ndarray]  # (ids int64 [present rows], lengths [rows])
 
@@ -32,7 +40,13 @@ def kjt(keys: list[str], parts: list[Ids], stride: int) -> KeyedJaggedTensor:
     """KJT from per-key (values, lengths [stride]); values key-major, as torchrec expects."""
     values = np.concatenate([v for v, _ in parts]) if parts else np.zeros(0, np.int64)
     lengths = np.concatenate([ln for _, ln in parts]) if parts else np.zeros(0, np.int32)
-    per_key = [len(v) for v, _ in parts]
+    return flat_kjt(keys, values, lengths, [len(v) for v, _ in parts], stride)
+
+
+def flat_kjt(
+    keys: list[str], values: np.ndarray, lengths: np.ndarray, per_key: list[int], stride: int
+) -> KeyedJaggedTensor:
+    """KJT from its values and lengths already key-major (``per_key``: values of each key)."""
     return KeyedJaggedTensor(
         keys=keys,
         values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),

@@ -42,7 +42,15 @@ from shared.fg import (
     sequence_ids,
     values_ignoring_nulls,
 )
-from shared.fg_plan import FeaturePlan, Ids, feature_plan, kjt, per_feature_set, sequence_kjt
+from shared.fg_plan import (
+    FeaturePlan,
+    Ids,
+    feature_plan,
+    flat_kjt,
+    kjt,
+    per_feature_set,
+    sequence_kjt,
+)
 from shared.fg_text import INT64_MAX
 
 __all__ = ["request_columns_to_batch", "request_to_batch"]
@@ -171,16 +179,30 @@ def _numeric_ids(plan: _RequestPlan, spec: FeatureSpec, values: np.ndarray) -> n
     return None
 
 
+_ONES = np.ones(0, np.int32)
+
+
+def _ones(n: int) -> np.ndarray:
+    """[n] int32 ones, a read-only view of one shared array (the lengths of a column with one id
+    a row; the KJT copies them), grown to the next power of two when a request needs more."""
+    global _ONES
+    if len(_ONES) < n:
+        ones = np.ones(1 << (n - 1).bit_length(), np.int32)
+        ones.setflags(write=False)
+        _ONES = ones
+    return _ONES[:n]
+
+
 def _column_ids(plan: _RequestPlan, spec: FeatureSpec, col: _Column, stats: FgStats | None) -> Ids:
     """:func:`scalar_ids` of a request column (numeric columns without Arrow)."""
     if isinstance(col, int):
-        return np.array([col], np.int64), np.ones(1, np.int32)
+        return np.array([col], np.int64), _ones(1)
     if isinstance(col, tuple):
         return col
     if isinstance(col, np.ndarray):
         ids = _numeric_ids(plan, spec, col)
         if ids is not None:
-            return ids, np.ones(len(col), np.int32)
+            return ids, _ones(len(col))
         col = pa.array(col)  # its error, as scalar_ids raises it
     return scalar_ids(spec, col, stats)
 
@@ -206,7 +228,7 @@ def _scalar_column(plan: _RequestPlan, spec: FeatureSpec, value: object, rows: i
             if len(cache) >= _STRING_CACHE:
                 cache.clear()
             cache[value] = ids
-    return np.full(rows, ids[0], np.int64), np.ones(rows, np.int32)
+    return np.full(rows, ids[0], np.int64), _ones(rows)
 
 
 def _item_column(name: str, values: object, n: int) -> _Column:
@@ -370,8 +392,12 @@ def request_columns_to_batch(
         return _request_sequence_ids(plan, specs, [seqs[s.name] for s in specs], stats)
 
     def ids_kjt(specs: tuple[FeatureSpec, ...], stride: int) -> KeyedJaggedTensor:
-        parts = [_column_ids(plan, s, cols[s.name], stats) for s in specs]
-        return kjt([s.name for s in specs], parts, stride)
+        names = [s.name for s in specs]
+        ints = [cols[n] for n in names]
+        if stride == 1 and all(type(v) is int for v in ints):  # the user's ids, already made
+            k = len(ints)  # (lengths of its own: a KJT's tensors share the arrays given)
+            return flat_kjt(names, np.array(ints, np.int64), np.ones(k, np.int32), [1] * k, 1)
+        return kjt(names, [_column_ids(plan, s, cols[s.name], stats) for s in specs], stride)
 
     batch = Batch(
         user=ids_kjt(plan.layout.user, 1),

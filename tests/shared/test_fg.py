@@ -11,9 +11,19 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared.features import FeatureSet, IdMode, IdTransform, Side, feature_set_from_text
-from shared.fg import FeatureError, FgStats, hash64, scalar_ids, sequence_ids, table_to_batch
+from shared.fg import (
+    FeatureError,
+    FgStats,
+    bucket_ids,
+    hash64,
+    scalar_ids,
+    sequence_ids,
+    table_to_batch,
+)
 from shared.fg_text import std_hash
 from tests.shared.fg_rows import MASK64, SEED_TEXT, SEQ, base_row, jagged, ref_hash, rows_table
 
@@ -382,3 +392,31 @@ def test_bad_column_types_raise_naming_the_field(fs: FeatureSet) -> None:
     # a string id under DYNAMIC: stable hash into [0, 2**63)
     hashed = table_to_batch(fs, with_col("customer", pa.array(["abc"])))
     assert jagged(hashed.item, "customer") == [[ref_hash("abc") & (2**63 - 1)]]
+
+
+_PRICES = st.one_of(
+    st.floats(min_value=0, max_value=400, allow_nan=False),
+    st.sampled_from([0.0, -0.0, 1.1, 2.2, 168.0, 171.8, 5e-324, 1e300]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prices=st.lists(_PRICES, min_size=0, max_size=40),
+    size=st.sampled_from([1, 500, 2047, 2048, 3000]),
+    bad=st.sampled_from([None, math.nan, -math.nan, math.inf, -math.inf, -1.0, -5e-324]),
+)
+def test_bucket_ids_are_the_search_of_the_written_boundaries(
+    fs: FeatureSet, prices: list[float], size: int, bad: float | None
+) -> None:
+    # small arrays take one searchsorted, large ones the cell table (shared.fg._TABLE_MIN): the
+    # same buckets; any NaN, infinite or negative price gives None on either path
+    spec = fs.features["price"]
+    x = np.resize(np.array(prices or [3.0]), size)
+    written = np.array([float(np.format_float_positional(np.float32(b), unique=True))
+                        for b in spec.boundaries])  # fmt: skip
+    got = bucket_ids(spec, x)
+    assert got is not None and np.array_equal(got, np.searchsorted(written, x, side="right"))
+    if bad is not None:
+        x[size // 2] = bad
+        assert bucket_ids(spec, x) is None
