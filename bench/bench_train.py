@@ -11,6 +11,8 @@ baseline ``buckets``), on the same samples and device:
 - ``end_to_end``: the trainer's own loop (:class:`train.trainer.Trainer`: the Parquet loader
   with ``--num-workers`` workers, the device prefetch, CUDA graphs on CUDA) over one epoch, or
   ``--e2e-max-steps`` steps: samples/s, seconds, and the eval AUC (overall, head, tail) after it;
+  ``samples_per_s_median_window``: the median of the trainer's log windows after the first, the
+  steady rate without the start-up (loader start, graph captures, kernel compilation);
 - ``step_warm``: the ``step`` figures again on the model the end-to-end run trained, its hash
   tables full after the epoch (new keys evict, the admission counter is full): the steady state
   of most of an epoch, which the first steps of a fresh model (``step``) do not reach;
@@ -162,6 +164,13 @@ def end_to_end(
         "num_workers": trainer.num_workers,
         # the trainer's log windows: does the step slow down as the tables fill?
         "windows": [{"step": r["step"], "samples_per_s": r["samples_per_s"]} for r in records],
+        # the steady rate, without the first window's start-up (loader start, graph captures,
+        # kernel compilation) that the end-to-end figure includes
+        "samples_per_s_median_window": statistics.median(
+            r["samples_per_s"] for r in records[1:] or records
+        )
+        if records
+        else None,
         "tables": summary.get("tables"),
         "hash_table_paths": paths,  # CudaBackend: which insert/erase paths ran, how often
         "eval": ev.to_dict() if ev is not None else None,
