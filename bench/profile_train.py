@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import statistics
 import sys
 import time
@@ -201,7 +202,17 @@ def batches_needed(warmup: int, steps: int) -> int:
 
 # host calls that wait for the device: their time under cProfile is the host blocked in a sync
 # (``int(t)``/``bool(t)`` call no profiled function: their wait lands in the caller's own time)
-_SYNC_CALLS = ("tolist", "item", "synchronize", "cpu")
+_SYNC_CALLS = frozenset({"tolist", "item", "cpu", "_cuda_synchronize"})
+# the name of a C function as cProfile shows it: "<method 'item' of '...' objects>",
+# "<built-in method torch._C._cuda_synchronize>"
+_BUILTIN = re.compile(r"^<(?:built-in )?method '?(?:[\w.]+\.)?(\w+)'?[ >]")
+
+
+def is_sync_call(func: str) -> bool:
+    """Whether cProfile's name ``func`` of a C function (file ``~``) is one of the host reads
+    that wait for the device (:data:`_SYNC_CALLS`), by its exact name: ``dict.items`` is not."""
+    m = _BUILTIN.match(func)
+    return m is not None and m.group(1) in _SYNC_CALLS
 
 
 def host_profile(model, optimizers, batches, steps: int, amp: str, graphs, sync) -> dict[str, Any]:
@@ -232,7 +243,7 @@ def host_profile(model, optimizers, batches, steps: int, amp: str, graphs, sync)
         where = path.removeprefix(root) if path.startswith(root) else Path(path).name
         name = f"{where}:{line}({func})" if line else func
         files[where if path.startswith(root) else ("torch" if "torch" in path else where)] += ms
-        if path == "~" and any(c in func for c in _SYNC_CALLS):
+        if path == "~" and is_sync_call(func):
             blocked += ms
         rows.append((ms, calls / steps, name))
     rows.sort(reverse=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.profile_train import device_busy_us
+from bench.profile_train import device_busy_us, is_sync_call
 
 
 @dataclass
@@ -61,3 +61,12 @@ def test_host_profile_splits_the_steps_host_time(tiny_samples, seed_fs) -> None:
     assert 0 < sum(host["by_file_ms_per_step"].values()) <= host["profiled_ms_per_step"] * 1.05
     # the training step's hash-table code is among the files seen
     assert any(f.startswith("shared/hashtable/") for f in host["by_file_ms_per_step"])
+
+
+def test_sync_calls_are_named_exactly() -> None:
+    assert is_sync_call("<method 'item' of 'torch._C.TensorBase' objects>")
+    assert is_sync_call("<method 'tolist' of 'torch._C.TensorBase' objects>")
+    assert is_sync_call("<built-in method torch._C._cuda_synchronize>")
+    # a name that merely contains one is not a host read of the device
+    assert not is_sync_call("<method 'items' of 'dict' objects>")
+    assert not is_sync_call("<built-in method torch.cumsum>")
