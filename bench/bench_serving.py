@@ -71,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.py_spy import find_py_spy, record_gil
+from bench.py_spy import find_py_spy, record_stacks
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 
@@ -766,7 +766,7 @@ def run_one(spec: RunSpec, a: argparse.Namespace, bundle: Path, samples: Path, w
         if py_spy:
             # starts profiling once the load is up: locust needs ~2 s to spawn its processes
             pid = group.procs[0].pid
-            spy = record_gil(py_spy, pid, spy_s, a.py_spy_rate, spy_file, after_s=a.warmup_s + 2)
+            spy = record_stacks(py_spy, pid, spy_s, a.py_spy_rate, spy_file, after_s=a.warmup_s + 2)
         load_dir = work / f"load-{spec.name}"
         summary = run_load_test(
             group.host, samples, load_dir, users=spec.users, spawn_rate=spec.users,

@@ -30,7 +30,7 @@ import numpy as np
 
 from bench.bench_serving import ServerGroup, summarize_py_spy
 from bench.bench_startup import export_program
-from bench.py_spy import find_py_spy, record_gil
+from bench.py_spy import find_py_spy, record_stacks
 from bench.synthetic_bundle import (
     as_columnar,
     keys_per_table,
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             spy = (
                 None
                 if py_spy is None  # the first swap's
-                else record_gil(py_spy, server.procs[0].pid, a.profile_s, 500, raw)
+                else record_stacks(py_spy, server.procs[0].pid, a.profile_s, 500, raw)
             )
             for v in versions:
                 swaps.append(_swap(traffic, root / f"v{v}", models, v, a, server.host))

@@ -20,9 +20,10 @@ baseline ``buckets``), on the same samples and device:
 Each config's ``end_to_end`` + ``step_warm`` and its ``step`` run in child processes of their
 own (``--child``), so that no timed step or end-to-end run follows a torch.profiler in its
 process: a profiler leaves overhead on every later launch there (on the H200, 2026-12-02: +20 %
-to +26 % a step; ``step_ms_median_after_profiles`` beside ``step_ms_median`` shows it). Then the ratios
-between the configs and the goals of issue #18 (end-to-end samples/s of the seed config, its step
-against the baseline's, GPU busy: of ``step_warm`` where it ran, else of ``step``).
+to +26 % a step; ``step_ms_median_after_profiles`` beside ``step_ms_median`` shows it). Then
+the ratios between the configs and the goals of issue #18 (end-to-end samples/s of the seed
+config, its step against the baseline's, GPU busy: of ``step_warm`` where it ran, else of
+``step``).
 ``--padded-steps N`` also times the seed config's step with tzrec's padded DIN (pad to 100) for N
 steps, as a reference.
 
@@ -48,7 +49,7 @@ import torch
 
 from bench.bench_loader import measure as measure_loader
 from bench.profile_train import batches_needed, device_batches, profile_model
-from bench.py_spy import by_thread, find_py_spy, record_gil
+from bench.py_spy import by_thread, find_py_spy, record_stacks
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -311,7 +312,7 @@ def _spy(pid: int, name: str, args) -> Callable[[], dict[str, Any]]:
         return lambda: {"error": "py-spy not found (pip install py-spy; bench/run_serving_gpu.sh)"}
     raw = args.out.with_name(f"{args.out.stem}.{name}_pyspy.txt")
     raw.parent.mkdir(parents=True, exist_ok=True)
-    spy = record_gil(py_spy, pid, args.py_spy_s, PY_SPY_RATE, raw, after_s=args.py_spy_after,
+    spy = record_stacks(py_spy, pid, args.py_spy_s, PY_SPY_RATE, raw, after_s=args.py_spy_after,
                      threads=True, wall=True)  # fmt: skip
 
     def figures() -> dict[str, Any]:

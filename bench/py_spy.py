@@ -1,5 +1,5 @@
-"""py-spy from the benchmarks: find the executable, record a process's GIL-holding stacks, and
-split a recording by thread.
+"""py-spy from the benchmarks: find the executable, record a process's stacks (those holding the
+GIL, or every thread's wall-clock stacks), and split a recording by thread.
 
 py-spy (a sampling profiler that reads another process's Python stacks from outside) is not a
 dependency of the project: the GPU machine gets it as a wheel (``bench/run_serving_gpu.sh``),
@@ -35,7 +35,7 @@ def find_py_spy(explicit: str | None) -> str | None:
     return None
 
 
-def record_gil(
+def record_stacks(
     py_spy: str,
     pid: int,
     seconds: int,
@@ -46,7 +46,7 @@ def record_gil(
     threads: bool = False,
     wall: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """py-spy recording ``pid``'s GIL-holding stacks (``--gil``, raw format, into ``out``) for
+    """py-spy recording ``pid``'s GIL-holding stacks (``--gil``; raw format, into ``out``) for
     ``seconds`` at ``rate`` Hz, starting ``after_s`` from now; stderr piped for its errors.
     ``threads``: each stack starts with its thread (what :func:`by_thread` splits on).
     ``wall``: every thread's stack at every sample, waiting or not (``--idle``, no ``--gil``):
@@ -69,7 +69,7 @@ _OURS = re.compile(r"\((bench|serve|shared|train)/")
 
 
 def by_thread(raw: str, rate: int, seconds: float) -> list[dict[str, Any]]:
-    """A ``threads=True`` recording of :func:`record_gil` split by thread: ``fraction``, its samples
+    """A ``threads=True`` recording of :func:`record_stacks` split by thread: ``fraction``, its samples
     over ``rate * seconds`` (the share of the time it held the GIL; with ``wall=True``, of the
     time it spent in each stack, waiting included), what it runs (its
     outermost frame in this repository, else its outermost frame outside ``threading.py`` and
