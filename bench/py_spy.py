@@ -69,11 +69,11 @@ _OURS = re.compile(r"\((bench|serve|shared|train)/")
 
 
 def by_thread(raw: str, rate: int, seconds: float) -> list[dict[str, Any]]:
-    """A ``threads=True`` recording of :func:`record_stacks` split by thread: ``fraction``, its samples
-    over ``rate * seconds`` (the share of the time it held the GIL; with ``wall=True``, of the
-    time it spent in each stack, waiting included), what it runs (its
+    """A ``threads=True`` recording of :func:`record_stacks` split by thread, busiest first:
+    ``fraction``, its samples over ``rate * seconds`` (the share of the time it held the GIL;
+    with ``wall=True``, of the time it spent in each stack, waiting included); ``runs``, its
     outermost frame in this repository, else its outermost frame outside ``threading.py`` and
-    ``runpy``) and its hottest leaf functions; busiest thread first."""
+    ``runpy``; and its hottest leaf functions."""
     samples: collections.Counter[str] = collections.Counter()
     label: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
