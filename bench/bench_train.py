@@ -57,9 +57,8 @@ from shared.features import build_feature_set
 from train.data.loader import MESSAGE_ROWS, Loader
 from train.data.synthetic import SIZES
 from train.model.din import PaddedDIN
-from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
-from train.trainer import Trainer, TrainOptions, build_optimizers, train_step
+from train.trainer import Trainer, TrainOptions, build_optimizers, cuda_graphs_for, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -103,11 +102,12 @@ def step_figures(config_path: Path, batches, args, device: torch.device) -> dict
     config = load_config(config_path)
     model = MultiTowerDIN.from_config(config, build_feature_set(config), device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
-    graphs = DenseArchGraphs(model.dense) if device.type == "cuda" else None
+    graphs = cuda_graphs_for(model) if device.type == "cuda" else None
     found, _ = profile_model(model, optimizers, batches, warmup=args.warmup, steps=args.steps,
                              graphs=graphs)  # fmt: skip
     if graphs is not None:
         found["cuda_graphs"] = dict(graphs.stats)
+        found["sparse_graphs"] = model.sparse.dynamic.static_stats()
     return found
 
 

@@ -42,7 +42,7 @@ from shared.features import FeatureSet, build_feature_set
 from train.data.loader import Loader
 from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
-from train.trainer import _amp_context, build_optimizers, train_step
+from train.trainer import _amp_context, build_optimizers, cuda_graphs_for, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
     use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
-    graphs = DenseArchGraphs(model.dense) if use_graphs else None
+    graphs = cuda_graphs_for(model) if use_graphs else None
     result: dict[str, object] = {"device": str(device), "torch": torch.__version__,
                                  "batch": args.batch, "amp": args.amp,
                                  "cuda_graphs": use_graphs}  # fmt: skip

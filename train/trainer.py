@@ -237,6 +237,15 @@ def train_step(
     return loss.detach()
 
 
+def cuda_graphs_for(model: MultiTowerDIN) -> DenseArchGraphs:
+    """The CUDA graphs of a single-process CUDA training step: the dense part's (returned, to
+    keep beside the model and pass to :func:`train_step`) and the dynamic tables' static step
+    (switched on in the model: :mod:`shared.hashtable.static_step`, taken by a storage once its
+    table is at max capacity, eager before)."""
+    model.sparse.dynamic.use_static_step(capture=True)
+    return DenseArchGraphs(model.dense)
+
+
 class Trainer:
     def __init__(self, options: TrainOptions) -> None:
         self.options = options
@@ -302,7 +311,7 @@ class Trainer:
         if self.dist is not None:
             log.info("cuda_graphs: off under distributed training (DDP-wrapped dense part)")
             return None
-        return DenseArchGraphs(self.model.dense)
+        return cuda_graphs_for(self.model)
 
     def _eval_batches(self) -> Iterator[Batch]:
         loader = Loader(
@@ -557,6 +566,11 @@ class Trainer:
                 "tables": self._table_stats(),
                 # replays, captures, eager calls by reason (absent: graphs off)
                 **({"cuda_graphs": dict(self.graphs.stats)} if self.graphs is not None else {}),
+                **(
+                    {"sparse_graphs": self.model.sparse.dynamic.static_stats()}
+                    if self.graphs is not None
+                    else {}
+                ),
             }
         )
 

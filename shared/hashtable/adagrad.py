@@ -55,6 +55,17 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return hi.to(torch.float32)
 
 
+def adagrad_rows(
+    values: torch.Tensor, accumulators: torch.Tensor, grads: torch.Tensor, config: AdagradConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new values, new accumulators) of rows whose current ``values`` and ``accumulators``
+    [n, dim] take the summed ``grads`` [n, dim]: the update :func:`adagrad_update` writes."""
+    g = grads.to(torch.float32)
+    state = fma_f32(g, g, accumulators)  # [n, dim]
+    std = state.sqrt().add_(config.eps)
+    return values + ((-config.lr) * g) / std, state
+
+
 def adagrad_update(
     values: torch.Tensor,
     accumulators: torch.Tensor,
@@ -65,8 +76,4 @@ def adagrad_update(
     """In place: for distinct ``rows`` [n] and their summed ``grads`` [n, dim] float32."""
     if rows.numel() == 0:
         return
-    g = grads.to(torch.float32)
-    state = fma_f32(g, g, accumulators[rows])  # [n, dim]
-    std = state.sqrt().add_(config.eps)
-    values[rows] = values[rows] + ((-config.lr) * g) / std
-    accumulators[rows] = state
+    values[rows], accumulators[rows] = adagrad_rows(values[rows], accumulators[rows], grads, config)

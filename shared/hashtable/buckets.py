@@ -76,7 +76,22 @@ class Merge:
     refused: int  # newcomers that do not fit
 
 
-def merge_full_buckets(
+@dataclass
+class Ranked:
+    """:func:`rank_buckets`' result, before any host read: the candidates of each bucket (its
+    stored entries, then its newcomers) in rank order, [n_o, b + m] each, and the new slots."""
+
+    slot_fp: torch.Tensor  # [n_o, b] fingerprints, sorted, sentinels last
+    slot_row: torch.Tensor  # [n_o, b] rows in the same order
+    size: torch.Tensor  # [n_o] entries per bucket
+    ref: torch.Tensor  # [n_o, b + m] a stored candidate's row, a newcomer's position
+    kept_new: torch.Tensor  # [n_o, b + m] bool: a newcomer that is stored
+    assigned: torch.Tensor  # [n_o, b + m] the row a kept newcomer takes
+    evicted: torch.Tensor  # [n_o, b + m] bool: a stored entry that leaves
+    refused: torch.Tensor  # [n_o, b + m] bool: a newcomer that does not fit
+
+
+def rank_buckets(
     e_fp: torch.Tensor,
     e_row: torch.Tensor,
     e_valid: torch.Tensor,
@@ -86,12 +101,14 @@ def merge_full_buckets(
     n_fp: torch.Tensor,
     n_score: torch.Tensor,
     sentinel: torch.Tensor,
-) -> Merge:
+) -> Ranked:
     """Merge the stored entries of ``n_o`` buckets (``e_*`` [n_o, b]: slot fingerprints, rows,
     occupied, scores, pinned) with newcomers (``n_ref`` [n_o, m]: a position per newcomer, -1
     for padding; ``n_fp``/``n_score`` indexed by position) and keep the best ``b`` per bucket.
 
     Newcomers take the rows of the bucket's empty slots and evicted entries, in slot order.
+    Static shapes, no host read: what :func:`merge_full_buckets` reads out, and what a
+    captured insert (``shared.hashtable.static_insert``) takes as it is.
     """
     n_o, b = e_fp.shape
     m = n_ref.shape[1]
@@ -128,12 +145,37 @@ def merge_full_buckets(
     out_row = torch.where(kept[:, :b], out_row, filler)  # empty slots keep the unused rows
     out_fp = torch.where(kept[:, :b], s_fp[:, :b], sentinel[:, None])
     fps, order = torch.sort(out_fp, dim=1, stable=True)
-    return Merge(
+    return Ranked(
         slot_fp=fps,
         slot_row=out_row.gather(1, order),
         size=size.squeeze(1),
-        new_pos=s_ref[kept_new],
-        new_rows=assigned[kept_new],
-        evicted_rows=s_ref[lost & ~s_new],
-        refused=int((lost & s_new).sum()),
+        ref=s_ref,
+        kept_new=kept_new,
+        assigned=assigned,
+        evicted=lost & ~s_new,
+        refused=lost & s_new,
+    )
+
+
+def merge_full_buckets(
+    e_fp: torch.Tensor,
+    e_row: torch.Tensor,
+    e_valid: torch.Tensor,
+    e_score: torch.Tensor,
+    e_pin: torch.Tensor,
+    n_ref: torch.Tensor,
+    n_fp: torch.Tensor,
+    n_score: torch.Tensor,
+    sentinel: torch.Tensor,
+) -> Merge:
+    """:func:`rank_buckets`, its newcomers and evictions read out (host syncs)."""
+    r = rank_buckets(e_fp, e_row, e_valid, e_score, e_pin, n_ref, n_fp, n_score, sentinel)
+    return Merge(
+        slot_fp=r.slot_fp,
+        slot_row=r.slot_row,
+        size=r.size,
+        new_pos=r.ref[r.kept_new],
+        new_rows=r.assigned[r.kept_new],
+        evicted_rows=r.ref[r.evicted],
+        refused=int(r.refused.sum()),
     )

@@ -81,7 +81,7 @@ class _DynamicLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.storage = storage
         ctx.plan = plan
-        return plan.out.index_select(0, plan.inverse)  # [N, dim]
+        return plan.expanded()  # [N, dim]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
@@ -211,6 +211,17 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         """The TIMESTAMP clock now (µs); checkpoints store ages against it."""
         return self._clock()
 
+    def use_static_step(self, *, capture: bool) -> None:
+        """Training lookups of every storage take the static step whenever its table is at
+        max capacity (:mod:`shared.hashtable.static_step`), replayed from CUDA graphs with
+        ``capture`` (CUDA tables); the eager lookup otherwise (the default)."""
+        for s in self._storages:
+            s.use_static_step(capture=capture)
+
+    def static_stats(self) -> dict[str, dict[str, int]]:
+        """Storage name → the static step's captures, replays and eager runs (empty: off)."""
+        return {s.name: dict(s.static.stats) for s in self._storages if s.static is not None}
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, keys: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -243,11 +254,11 @@ class DynamicEmbeddingCollection(torch.nn.Module):
             if train and torch.is_grad_enabled():
                 rows = _DynamicLookup.apply(self._anchor, storage, plan)
             else:
-                rows = plan.out.index_select(0, plan.inverse)
+                rows = plan.expanded()
             sizes = [k.numel() for _, k in parts]
             out.update(zip(names, torch.split(rows, sizes), strict=True))
             if hits:
-                stored = (plan.rows >= 0).index_select(0, plan.inverse)  # [N]
+                stored = plan.stored()  # [N]
                 found.update(zip(names, torch.split(stored, sizes), strict=True))
         return {n: out[n] for n in keys}, {n: found[n] for n in keys if n in found}
 

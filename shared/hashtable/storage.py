@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from shared.hashtable.hashing import (
 )
 from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.table import HashTable
+
+if TYPE_CHECKING:
+    from shared.hashtable.static_step import StaticPlan, StaticStep
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,14 @@ class LookupPlan:
     out: torch.Tensor = field(repr=False)  # [U, dim] forward values of the distinct keys
     updated: int  # distinct keys with a row (rows >= 0), read in the forward
     max_count: int  # the longest run of duplicates, read in the forward
+
+    def expanded(self) -> torch.Tensor:
+        """[N, dim]: each occurrence's row of values."""
+        return self.out.index_select(0, self.inverse)
+
+    def stored(self) -> torch.Tensor:
+        """[N] bool: whether each occurrence's key has a row after the step."""
+        return (self.rows >= 0).index_select(0, self.inverse)
 
 
 @dataclass
@@ -198,6 +210,16 @@ class FusedStorage:
         self._id_fills = [
             torch.full((0,), t, dtype=torch.int64, device=device) for t in range(len(specs))
         ]
+        # the static (graph-captured) training lookup, once enabled (use_static_step)
+        self.static: StaticStep | None = None
+
+    def use_static_step(self, *, capture: bool) -> None:
+        """Training lookups take :mod:`shared.hashtable.static_step` whenever it supports the
+        storage (its table at max capacity), replayed from CUDA graphs with ``capture`` on a
+        CUDA device; the eager path otherwise."""
+        from shared.hashtable.static_step import StaticStep  # it imports this module
+
+        self.static = StaticStep(self, capture=capture)
 
     def __repr__(self) -> str:
         return (
@@ -232,7 +254,7 @@ class FusedStorage:
 
     def lookup(
         self, parts: list[tuple[int, torch.Tensor]], *, train: bool, score_now: int
-    ) -> LookupPlan:
+    ) -> LookupPlan | StaticPlan:
         """Look up the keys of several member tables at once (``parts``: (table id, keys)).
 
         Negative keys are refused here (:class:`NegativeKeyError`, read in the same host sync
@@ -241,8 +263,14 @@ class FusedStorage:
         read after the insert (misses to fill, counter keys to erase, the longest run of
         duplicates for backward's segment sum), so that backward needs none. The backend's
         inserts (``exact=False``: padded evictions) and the counter's erase (``count=False``)
-        add none on CUDA: their counts settle when a size or counter is next read.
+        add none on CUDA: their counts settle when a size or counter is next read. With the
+        static step enabled and supported, a training lookup reads nothing
+        (:mod:`shared.hashtable.static_step`).
         """
+        if train and self.static is not None and self.static.why_not() is None:
+            plan = self.static.lookup(parts, score_now)
+            if plan is not None:
+                return plan
         # int64 keys [N]: the parts come checked but in their own integer dtype, converted
         # here once (no op for int64; cat promotes mixed dtypes)
         keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
@@ -447,8 +475,12 @@ class FusedStorage:
 
     # ------------------------------------------------------------------ backward
 
-    def apply_gradients(self, plan: LookupPlan, grad: torch.Tensor) -> None:
+    def apply_gradients(self, plan: LookupPlan | StaticPlan, grad: torch.Tensor) -> None:
         """Sum the gradients [N, dim] of duplicate keys, then Adagrad the rows in place."""
+        if not isinstance(plan, LookupPlan):
+            assert self.static is not None
+            self.static.apply_gradients(plan, grad)
+            return
         if plan.updated == 0:
             return
         g = self.backend.segment_sum_sorted(
@@ -478,6 +510,8 @@ class FusedStorage:
     # ------------------------------------------------------------------ state
 
     def stats(self, tid: int) -> dict[str, float]:
+        if self.static is not None:
+            self.static.check()
         sizes = self.table.table_sizes(len(self.specs))
         counts = self._counts.tolist()  # the one host sync of the counters
         self._warn_refusals([row[_REFUSALS] for row in counts])

@@ -370,15 +370,28 @@ def test_din_graphs_emulated() -> None:
 DENSE_OPTIONS = {"plain": "", "backoff": "cold_backoff {}", "crosses": "crosses {}"}
 
 
-def _tiny_model(tiny: Path, tmp: Path, device: str, *, option: str = ""):
+# the seed config's dynamic tables small and at their max capacity from the start, admitting
+# at 2: the static sparse step (shared.hashtable.static_step) takes every step, with evictions
+FULL_TABLES = {
+    **{f"max_capacity: {n}": "max_capacity: 64" for n in (300000, 250000, 150000, 100000, 5000)},
+    "init_capacity_per_rank: 1024": "init_capacity_per_rank: 64",
+    "threshold: 3": "threshold: 2",
+}
+
+
+def _tiny_model(
+    tiny: Path, tmp: Path, device: str, *, option: str = "", replace: dict[str, str] | None = None
+):
     from tests.conftest import SEED_CONFIG, write_config
     from tests.train.test_trainer import _options
     from train.trainer import Trainer
 
     config = SEED_CONFIG
-    if option:
+    if option or replace:
         tmp.mkdir(parents=True, exist_ok=True)
-        on = {"final { hidden_units: [64] }": f"final {{ hidden_units: [64] }}\n{option}"}
+        on = dict(replace or {})
+        if option:
+            on["final { hidden_units: [64] }"] = f"final {{ hidden_units: [64] }}\n{option}"
         config = write_config(
             SEED_CONFIG, tmp / "cold.config", train=tiny / "train", eval_=tiny / "eval", replace=on
         )
@@ -523,3 +536,69 @@ def test_cuda_train_step_with_graphs_matches_eager(
     assert graphs is not None and graphs.stats["replays"] == 6, graphs.stats
     for a, b in zip(got, want, strict=True):
         assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (got, want)
+
+
+def _table_states(model) -> list[torch.Tensor]:
+    dec = model.sparse.dynamic
+    out = []
+    for name in dec.tables:
+        st = dec.table_state(name)
+        out += [st.keys.cpu(), st.values.cpu(), st.scores.cpu(), st.accumulators.cpu()]
+        if st.counter_keys is not None:
+            out += [st.counter_keys.cpu(), st.counter_counts.cpu()]
+    return out
+
+
+def _static_runs(tiny: Path, tmp: Path, device: str, steps: int):
+    """(losses, table states, model) of ``steps`` training steps with full tables, eager and
+    with the static sparse step (and, on CUDA, the dense graphs: cuda_graphs_for)."""
+    from train.trainer import cuda_graphs_for, train_step
+
+    runs = []
+    for static in (False, True):
+        trainer = _tiny_model(tiny, tmp / f"s{static}", device, replace=FULL_TABLES)
+        model, opts = trainer.model, trainer.optimizers
+        graphs = None
+        if static and device == "cuda":
+            graphs = cuda_graphs_for(model)
+        elif static:
+            model.sparse.dynamic.use_static_step(capture=False)
+        batches = [b.to(device) for b in list(trainer.loader.epoch(0))[:steps]]
+        losses = [
+            float(train_step(model, opts, b, i, graphs=graphs)) for i, b in enumerate(batches)
+        ]
+        runs.append((losses, _table_states(model), model))
+    return runs
+
+
+def test_train_steps_with_the_static_sparse_step_equal_eager(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """Whole training steps of the seed model with full tables (evictions, admission) through
+    the static sparse step on CPU: the same losses and tables as the eager lookup, bit for bit."""
+    (want, want_t, _), (got, got_t, model) = _static_runs(tiny_samples, tmp_path, "cpu", 4)
+    assert got == want
+    for a, b in zip(got_t, want_t, strict=True):
+        assert torch.equal(a, b)
+    assert model.sparse.dynamic.static_stats()["deep"]["eager"] == 4
+    stats = model.sparse.dynamic.stats()
+    assert sum(s["evictions"] + s["refusals"] for s in stats.values()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures CUDA graphs")
+def test_cuda_train_steps_with_the_captured_sparse_step_match_eager(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """The same on CUDA, the sparse step and the dense part replayed from CUDA graphs against
+    eager CUDA: losses to the dense graphs' rounding, the tables' keys exactly."""
+    (want, want_t, _), (got, got_t, model) = _static_runs(tiny_samples, tmp_path, "cuda", 6)
+    for a, b in zip(got, want, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (got, want)
+    for a, b in zip(got_t, want_t, strict=True):
+        if a.dtype == torch.int64:
+            assert a.shape == b.shape
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    ran = model.sparse.dynamic.static_stats()["deep"]
+    assert ran["replays"] == 6 and ran["captures"] >= 1, ran

@@ -1,0 +1,207 @@
+"""Insert and erase on a table at its max capacity with static shapes and no host read: the
+table operations of a captured training step (:mod:`shared.hashtable.static_step`).
+
+Every tensor here has a size known before the call (the batch's padded key count, the table's
+buckets), every count stays on the device, and a key takes part or not by a mask, so a CUDA
+graph can replay the call on the next batch of the same padded size. The price is work on every
+bucket of the table, not only the touched ones: a few sorts of ``[buckets, 2 * bucket_capacity]``
+a call, which the GPU has time for while the host would otherwise issue the ~150 ops of the
+eager path (issue #18).
+
+The content is the backends' (``insert_or_assign`` of absent keys at max capacity, ``erase``):
+the same keys stay, leave or are refused (:func:`shared.hashtable.buckets.rank_buckets`, the
+ranking of :mod:`shared.hashtable.buckets`, is the one both use), with the same values, scores
+and accumulators. Only which free row a new key takes may differ, which no result shows. The
+table's size, evictions and refusals go to a device tensor (:class:`DeviceCounts`) that the
+table reads when one of them is next read (``TableLayout._defer``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.features import ScoreStrategy
+from shared.hashtable.backend import Backend
+from shared.hashtable.buckets import rank_buckets
+from shared.hashtable.hashing import bucket_of
+from shared.hashtable.layout import EMPTY_KEY, Counts, TableLayout
+
+
+def put_where(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
+    """``dst[idx[i]] = src[i]`` for every ``i`` where ``mask[i]`` (distinct ``idx`` there), with
+    static shapes and no host read.
+
+    The other entries write the first selected entry's value to its index again (with none
+    selected, ``dst``'s own value at ``clamp(idx[0])``), so every duplicate index receives one
+    value and the result does not depend on the order of the writes.
+    """
+    first = torch.argmax(mask.to(torch.uint8)).reshape(1)  # the first True (0 if none)
+    at = idx.clamp(0, dst.shape[0] - 1)
+    at_first = at.index_select(0, first)  # [1]
+    picked = mask.index_select(0, first)  # [1] bool
+    own = dst.index_select(0, at_first)  # [1, ...]
+    fill = torch.where(_expand(picked, own), src.index_select(0, first), own)
+    value = torch.where(_expand(mask, src), src, fill)
+    dst.index_copy_(0, torch.where(mask, at, at_first), value)
+
+
+def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``mask`` [n] viewed to broadcast over ``like`` [n, ...]."""
+    return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
+class DeviceCounts:
+    """A table's size, eviction and refusal changes from static calls, summed on the device
+    (``counts`` [3] int64) and handed to the table when it next reads one of them: one host read
+    for any number of calls (registered with ``TableLayout._defer`` once per read)."""
+
+    def __init__(self, table: TableLayout) -> None:
+        self.table = table
+        self.counts = torch.zeros(3, dtype=torch.int64, device=table.device)
+        self._registered = False
+
+    def add(self, size: torch.Tensor, evictions: torch.Tensor, refusals: torch.Tensor) -> None:
+        self.counts.add_(torch.stack([size, evictions, refusals]))
+        self.register()
+
+    def register(self) -> None:
+        """Have the table read the counts at its next read (host state only: a captured call
+        adds on the device at every replay, while this runs once per capture, so the caller
+        registers again after each replay)."""
+        if not self._registered:
+            self._registered = True
+            self.table._defer(self._drain)
+
+    def _drain(self) -> Counts:
+        self._registered = False
+        size, evictions, refusals = self.counts.tolist()  # the one host read
+        self.counts.zero_()
+        return Counts(size, evictions, refusals)
+
+
+@dataclass
+class StaticInsert:
+    """What :func:`insert_absent` did, per input key (all of static size)."""
+
+    rows: torch.Tensor  # [M] int64: the key's row, -1 if it is not stored (or not selected)
+    inserted: torch.Tensor  # [M] bool: selected and now stored
+    evicted_table_ids: (
+        torch.Tensor
+    )  # [buckets * 2b] int64: the table id of each evicted entry, -1 elsewhere
+
+
+def insert_absent(
+    t: TableLayout,
+    backend: Backend,
+    keys: torch.Tensor,
+    table_ids: torch.Tensor | None,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    pinned: torch.Tensor | None,
+    counts: DeviceCounts,
+) -> StaticInsert:
+    """Insert the keys ``keys[i]`` where ``mask[i]`` (distinct, absent from ``t``, non-negative)
+    with ``values`` [M, dim], ``scores`` [M] and fresh accumulators into ``t``, which must be at
+    its max capacity (nothing grows here). ``pinned`` [capacity] bool: rows never evicted (the
+    batch's stored keys). Full buckets keep their best entries by the ranking of
+    :mod:`shared.hashtable.buckets`; the size, evictions and refusals go to ``counts``."""
+    assert t.num_buckets == t._max_buckets, "insert_absent needs a table at its max capacity"
+    b, nb, m, dev = t.bucket_capacity, t.num_buckets, keys.numel(), t.device
+    fp = backend.fingerprint(keys, table_ids)
+    bucket = torch.where(mask, bucket_of(fp, nb), nb)  # unselected keys: a bucket past the end
+    # the newcomers of each bucket by score (descending), then fingerprint: the best b may stay
+    order = torch.sort(fp, stable=True).indices
+    order = order[torch.sort(scores[order], descending=True, stable=True).indices]
+    order = order[torch.sort(bucket[order], stable=True).indices]
+    sorted_bucket = bucket[order]
+    first = torch.searchsorted(sorted_bucket, torch.arange(nb + 1, device=dev))
+    rank = torch.arange(m, device=dev) - first[sorted_bucket]
+    take = (sorted_bucket < nb) & (rank < b)
+    refused_early = ((sorted_bucket < nb) & (rank >= b)).sum()
+    grid = torch.full((nb * b + 1,), -1, dtype=torch.int64, device=dev)  # the last cell: a sink
+    grid.index_copy_(0, torch.where(take, sorted_bucket * b + rank, nb * b),
+                     torch.where(take, order, -1))  # fmt: skip
+    e_row = t._slot_row.view(nb, b)
+    e_valid = torch.arange(b, device=dev) < t._bucket_count[:, None]
+    if t.score_strategy is ScoreStrategy.NO_EVICTION:
+        e_pin = e_valid
+    else:
+        e_pin = torch.zeros_like(e_valid) if pinned is None else pinned[e_row]
+    ranked = rank_buckets(
+        t._slot_fp.view(nb, b),
+        e_row,
+        e_valid,
+        t._row_score[e_row],
+        e_pin,
+        grid[: nb * b].view(nb, b),
+        fp,
+        scores,
+        t._sentinel,
+    )
+    # each newcomer's row: kept ones take their assigned row, the others -1 (a sink at m)
+    kept, ref = ranked.kept_new.flatten(), ranked.ref.flatten()
+    rows = torch.full((m + 1,), -1, dtype=torch.int64, device=dev)
+    rows.index_copy_(0, torch.where(kept, ref, m), torch.where(kept, ranked.assigned.flatten(), -1))
+    rows = rows[:m]
+    inserted = rows >= 0
+    evicted = ranked.evicted.flatten()
+    ev_rows = ref.clamp(max=t.capacity - 1)  # a stored candidate's ref is its row
+    evicted_tids = torch.where(evicted, t._row_tid[ev_rows].to(torch.int64), -1)
+    size_before = t._bucket_count.sum()
+    # the evicted rows are freed first: a newcomer may take one of them
+    for arr, value in ((t._row_key, EMPTY_KEY), (t._row_tid, 0), (t._row_score, 0)):
+        put_where(arr, ev_rows, torch.full_like(ev_rows, value, dtype=arr.dtype), evicted)
+    put_where(t._row_key, rows, keys, inserted)
+    tids = torch.zeros_like(keys) if table_ids is None else table_ids
+    put_where(t._row_tid, rows, tids.to(torch.int32), inserted)
+    put_where(t._row_score, rows, scores, inserted)
+    if t.dim:
+        put_where(t._values, rows, values, inserted)
+    if t._accum is not None:
+        put_where(t._accum, rows, torch.full_like(values, t.initial_accumulator_value), inserted)
+    t._slot_fp.copy_(ranked.slot_fp.flatten())
+    t._slot_row.copy_(ranked.slot_row.flatten())
+    t._bucket_count.copy_(ranked.size)
+    if table_ids is not None:
+        t._any_tid = True  # a superset of the exact rule (a non-zero id stored): always safe
+    counts.add(
+        ranked.size.sum() - size_before,
+        evicted.sum(),
+        refused_early + ranked.refused.sum(),
+    )
+    return StaticInsert(rows, inserted, evicted_tids)
+
+
+def erase_present(
+    t: TableLayout,
+    backend: Backend,
+    keys: torch.Tensor,
+    table_ids: torch.Tensor | None,
+    mask: torch.Tensor,
+    counts: DeviceCounts,
+) -> None:
+    """Erase the keys ``keys[i]`` where ``mask[i]`` (distinct, non-negative; missing ones are
+    ignored): their slots take the bucket's sentinel and every bucket is sorted again (the
+    stable order the backends' erase leaves)."""
+    b, nb, cap, dev = t.bucket_capacity, t.num_buckets, t.capacity, t.device
+    rows, found = backend.find(t, keys, table_ids)
+    hit = mask & found
+    slot_of_row = torch.empty_like(t._slot_row)
+    slot_of_row.index_copy_(0, t._slot_row, torch.arange(cap, device=dev))
+    slots = slot_of_row[rows.clamp(min=0)]
+    erased = torch.zeros(cap + 1, dtype=torch.bool, device=dev)  # the last one: a sink
+    erased.index_copy_(0, torch.where(hit, slots, cap), hit)
+    erased = erased[:cap].view(nb, b)
+    for arr, value in ((t._row_key, EMPTY_KEY), (t._row_tid, 0), (t._row_score, 0)):
+        put_where(arr, rows, torch.full_like(rows, value, dtype=arr.dtype), hit)
+    fp = torch.where(erased, t._sentinel[:, None], t._slot_fp.view(nb, b))
+    fp, order = torch.sort(fp, dim=1, stable=True)
+    t._slot_row.copy_(t._slot_row.view(nb, b).gather(1, order).flatten())
+    t._slot_fp.copy_(fp.flatten())
+    gone = erased.sum(1)
+    t._bucket_count.sub_(gone)
+    zero = gone.new_zeros(())
+    counts.add(-gone.sum(), zero, zero)

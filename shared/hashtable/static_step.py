@@ -1,0 +1,413 @@
+"""A storage's training lookup and sparse Adagrad with static shapes, replayed from CUDA graphs.
+
+The eager training lookup of :class:`~shared.hashtable.storage.FusedStorage` issues about 150
+ops a step from Python and reads the device 4 times, because the number of distinct keys, of
+hits, of admitted keys and of misses decide the next op's size. On the H200 that host work is
+the seed config's step (issue #18: 11 ms against 3.8 ms for the all-``num_buckets`` config, the
+GPU 33 % busy). Here the same step is written with sizes known before it runs:
+
+- the batch's keys are padded to a bucketed size ``P`` (:func:`padded_size`, 8 sizes an octave);
+  padding (and any negative key, which is refused and reported at the next read of the stats)
+  sorts last as the pair (table id ``T``, ``INT64_MAX``) and takes no part;
+- the unique of (table id, key) keeps ``P`` runs, the real ones first; hits, admissions,
+  inserts, evictions and misses are masks over them, and counts stay on the device;
+- inserts and the admission counter's erase run on every bucket
+  (:mod:`shared.hashtable.static_insert`), which needs the table at its max capacity: until it
+  is there (growth decides sizes on the host) the eager lookup runs;
+- backward sums the gradients in ``ceil(log2 P)`` rounds (the eager tree's, with rounds to
+  spare) and updates the rows in place.
+
+On CUDA each padded size gets two graphs (forward, backward; one memory pool for all), captured
+at its first step and replayed after: a step costs a few copies into the graphs' inputs and two
+replays. A graph reads the table's arrays where they were at capture: if they move (the table
+is rebuilt), the graphs are dropped and captured again. On CPU the same code runs eagerly (the
+tests compare it with the eager lookup there).
+
+The results are the eager lookup's: the same rows for every key, the same table content after
+the step (keys, values, scores, accumulators, admission counts) and the same stats; only which
+free row a new key takes may differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.features import ScoreStrategy
+from shared.hashtable.adagrad import adagrad_rows
+from shared.hashtable.hashing import INT64_MAX
+from shared.hashtable.static_insert import DeviceCounts, erase_present, insert_absent, put_where
+from shared.hashtable.storage import (
+    _ADMITTED,
+    _EVICTIONS,
+    _MISSES,
+    _REFUSALS,
+    _REJECTIONS,
+    FusedStorage,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECK_EVERY = 64  # lookups between reads of the negative-key flag (each waits for the device)
+STEPS_PER_OCTAVE = 8  # padded sizes between two powers of two (as the dense graphs' T buckets)
+
+
+def padded_size(n: int) -> int:
+    """The bucketed size ``n`` keys are padded to: ``n`` rounded up to a multiple of
+    ``2 ** (floor(log2 n) - 3)`` (at most 1/8 more; 8 sizes an octave)."""
+    if n <= 2 * STEPS_PER_OCTAVE:
+        return 2 * STEPS_PER_OCTAVE
+    q = 1 << max(0, n.bit_length() - 1 - int(math.log2(STEPS_PER_OCTAVE)))
+    return -(-n // q) * q
+
+
+def supports(storage: FusedStorage) -> str | None:
+    """Why ``storage``'s training lookup cannot take the static path now (None: it can)."""
+    t = storage.table
+    if t.num_buckets != t._max_buckets:
+        return "the table may still grow"
+    if storage.adagrad.eps <= 0:
+        return "Adagrad eps is 0 (a masked row's zero update would divide 0 by 0)"
+    if storage.dim == 0:
+        return "the table has no values"
+    return None
+
+
+@dataclass
+class StaticPlan:
+    """A static lookup's tensors (all of the padded size ``P``), what backward needs."""
+
+    n: int  # real keys (the first n occurrences)
+    keys: torch.Tensor  # [P] distinct keys, the real runs first
+    table_ids: torch.Tensor  # [P]
+    rows: torch.Tensor  # [P] row per distinct key, -1: no row (or not a real run)
+    order: torch.Tensor  # [P] occurrences sorted by (table id, key)
+    starts: torch.Tensor  # [P] clamped to P - 1 past the last run
+    counts: torch.Tensor  # [P] 0 past the last run
+    group: torch.Tensor  # [P]
+    rows_out: torch.Tensor  # [P, dim] each occurrence's row of values
+    stored_out: torch.Tensor  # [P] bool: the occurrence's key has a row
+    negative: torch.Tensor  # [] bool: a real key was negative (refused)
+
+    def expanded(self) -> torch.Tensor:
+        return self.rows_out[: self.n]
+
+    def stored(self) -> torch.Tensor:
+        return self.stored_out[: self.n]
+
+
+def train_lookup(
+    storage: FusedStorage,
+    keys: torch.Tensor,
+    tids: torch.Tensor,
+    n_real: torch.Tensor,
+    score_now: torch.Tensor,
+    counts: tuple[DeviceCounts, DeviceCounts | None],
+) -> StaticPlan:
+    """The training lookup of ``keys`` [P] (table ids ``tids`` [P]; the first ``n_real`` real)
+    with no host read: FusedStorage.lookup's train path (see the module docstring).
+    ``score_now`` [] int64: the STEP/TIMESTAMP score; ``counts``: the table's and the
+    counter's :class:`DeviceCounts`."""
+    st, t = storage, storage.table
+    n_tables, p, dev = len(st.specs), keys.numel(), keys.device
+    span = torch.arange(p, device=dev)
+    real = span < n_real
+    good = real & (keys >= 0)
+    k = torch.where(good, keys, INT64_MAX)
+    tid = torch.where(good, tids, n_tables)
+    # 1. unique (hashing.unique_pairs' tensors): P runs, the real ones first
+    order = torch.sort(k, stable=True).indices
+    by_tid = torch.sort(tid[order].to(torch.int32), stable=True)
+    order = order[by_tid.indices]
+    ks = k[order]
+    change = (ks != ks.roll(1)) | (by_tid.values != by_tid.values.roll(1))
+    change[:1].fill_(False)
+    group = torch.cumsum(change, 0)
+    starts = torch.searchsorted(group, span)
+    counts_u = torch.searchsorted(group, span, right=True) - starts
+    inverse = torch.empty_like(order).index_copy_(0, order, group)
+    n_good = good.sum()
+    last = group.index_select(0, (n_good - 1).clamp(min=0).reshape(1))
+    valid = span < torch.where(n_good > 0, last + 1, 0)  # [P]: a real run
+    starts = starts.clamp(max=p - 1)
+    first = order[starts]
+    uk, ut = k[first], tid[first]
+    ut_safe = torch.where(valid, ut, 0)  # a table id every table array has
+    cnt = torch.where(valid, counts_u, 0)
+    tids_arg = st._tids(ut)
+    # 2. find, and the scores of the hits
+    rows, found = t.backend.find(t, uk, tids_arg)
+    found &= valid
+    rows = torch.where(found, rows, -1)
+    hit_rows = rows.clamp(min=0)
+    if st.strategy is ScoreStrategy.LFU:
+        t._row_score.index_add_(0, hit_rows, cnt * found)
+    else:
+        t._row_score.index_add_(0, hit_rows, (score_now - t._row_score[hit_rows]) * found)
+    new = valid & ~found
+    # 3. admission: the counter's totals decide; its hits get them, its new keys are inserted
+    totals, admitted = cnt, new
+    not_admitted = torch.zeros_like(new)
+    counter_counts = counts[1]
+    if st.counter is not None:
+        assert counter_counts is not None
+        totals, admitted, not_admitted, counted = _count(st, uk, ut_safe, tids_arg, cnt, new,
+                                                         counter_counts)  # fmt: skip
+    # 4. the admitted keys into the table (the batch's stored keys pinned)
+    pinned = _row_mask(t.capacity, rows, found)
+    lfu = st.strategy is ScoreStrategy.LFU
+    result = insert_absent(
+        t,
+        t.backend,
+        uk,
+        tids_arg,
+        st._init_rows(uk, ut_safe, st.dim),
+        totals if lfu else score_now.expand(p),
+        admitted,
+        pinned,
+        counts[0],
+    )
+    sink = st._counts_sink
+    evicted = result.evicted_table_ids
+    sink[:, _EVICTIONS].index_add_(0, evicted.remainder(sink.shape[0]), (evicted >= 0).long())
+    both = st._one_hot[result.inserted.to(torch.int64)] * admitted[:, None]
+    st._counts[:, _REFUSALS : _ADMITTED + 1].index_add_(0, ut_safe, both)
+    rows = torch.where(admitted, result.rows, rows)
+    stored = rows >= 0
+    if st.counter is not None:
+        assert counter_counts is not None
+        done = result.inserted & counted  # admitted keys the counter held: forget them
+        erase_present(st.counter.table, t.backend, uk, tids_arg, done, counter_counts)
+    # 5. values: stored rows, else the admission value (waiting) or a fresh init (refused)
+    out = t._values[rows.clamp(min=0)]
+    which = torch.where(valid, ut_safe + n_tables * not_admitted, 0)
+    out = torch.where(stored[:, None], out, st._train_rows(uk, which, st.dim))
+    missed = valid & ~stored
+    looked = torch.stack([not_admitted, missed], 1) * cnt[:, None]
+    st._counts[:, _REJECTIONS : _MISSES + 1].index_add_(0, ut_safe, looked)
+    return StaticPlan(
+        n=0,  # set by the caller (a host value: a replay serves any n of its size)
+        keys=uk,
+        table_ids=ut,
+        rows=rows,
+        order=order,
+        starts=starts,
+        counts=cnt,
+        group=group,
+        rows_out=out.index_select(0, inverse),
+        stored_out=stored.index_select(0, inverse),
+        negative=(real & (keys < 0)).any(),
+    )
+
+
+def _count(
+    st: FusedStorage,
+    uk: torch.Tensor,
+    ut_safe: torch.Tensor,
+    tids_arg: torch.Tensor | None,
+    cnt: torch.Tensor,
+    new: torch.Tensor,
+    counter_counts: DeviceCounts,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FusedStorage._count and FrequencyCounter.remember as masks: (totals, admitted,
+    not_admitted, counted: new keys of a table with admission)."""
+    assert st.counter is not None
+    c = st.counter.table
+    counted = new if st.all_admission else new & st.has_admission[ut_safe]
+    c_rows, c_found = c.backend.find(c, uk, tids_arg)
+    c_found &= counted
+    c_rows = c_rows.clamp(min=0)
+    old = c._row_score[c_rows]
+    totals = torch.where(c_found, cnt + old, cnt)
+    threshold = st.thresholds[ut_safe] if st._one_threshold is None else st._one_threshold
+    admitted = new & (totals >= threshold)
+    c._row_score.index_add_(0, c_rows, (totals - old) * c_found)
+    insert_absent(
+        c,
+        c.backend,
+        uk,
+        tids_arg,
+        torch.zeros(uk.numel(), 0, device=uk.device),
+        totals,
+        counted & ~c_found,
+        _row_mask(c.capacity, c_rows, c_found),
+        counter_counts,
+    )
+    return totals, admitted, new & ~admitted, counted
+
+
+def _row_mask(capacity: int, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[capacity] bool: the rows ``rows[i]`` where ``mask[i]``."""
+    out = torch.zeros(capacity + 1, dtype=torch.bool, device=rows.device)  # the last: a sink
+    out.index_copy_(0, torch.where(mask, rows, capacity), mask)
+    return out[:capacity]
+
+
+def apply_gradients(storage: FusedStorage, plan: StaticPlan, grad: torch.Tensor) -> None:
+    """Backward of :func:`train_lookup`: ``grad`` [P, dim] (zero past the real keys) summed per
+    distinct key, then Adagrad on the rows in place (FusedStorage.apply_gradients)."""
+    t = storage.table
+    p = grad.shape[0]
+    g = storage.backend.segment_sum_sorted(
+        grad.to(torch.float32)[plan.order], plan.starts, plan.counts, plan.group, p
+    )
+    upd = plan.rows >= 0
+    rows = plan.rows.clamp(min=0)
+    accum = t.accumulators
+    assert accum is not None
+    values, state = adagrad_rows(t.values[rows], accum[rows], g, storage.adagrad)
+    put_where(t.values, plan.rows, values, upd)
+    put_where(accum, plan.rows, state, upd)
+
+
+@dataclass
+class _Entry:
+    """One padded size's inputs, plan and graphs."""
+
+    keys: torch.Tensor  # [P] int64
+    tids: torch.Tensor  # [P] int64
+    n_real: torch.Tensor  # [] int64
+    score: torch.Tensor  # [] int64
+    grad: torch.Tensor  # [P, dim] float32
+    plan: StaticPlan | None = None
+    forward: Any = None  # torch.cuda.CUDAGraph
+    backward: Any = None
+
+
+class StaticStep:
+    """The static training lookups of one storage (see the module docstring): one
+    :class:`_Entry` per padded size, captured on CUDA (``capture``), eager elsewhere."""
+
+    def __init__(self, storage: FusedStorage, *, capture: bool) -> None:
+        self.storage = storage
+        self.capture = capture and storage.device.type == "cuda"
+        self._entries: dict[int, _Entry] = {}
+        self._pool: Any = None
+        self._arrays: tuple[Any, ...] = ()
+        self.counts = DeviceCounts(storage.table)
+        counter = storage.counter
+        self.counter_counts = None if counter is None else DeviceCounts(counter.table)
+        self.negative = torch.zeros((), dtype=torch.bool, device=storage.device)
+        self.stats = {"captures": 0, "replays": 0, "eager": 0}
+        self._lookups = 0
+        self.failed: str | None = None  # a capture failed: the eager lookup from then on
+
+    def why_not(self) -> str | None:
+        """Why the next training lookup must be eager (None: it takes this path)."""
+        return self.failed or supports(self.storage)
+
+    def lookup(self, parts: list[tuple[int, torch.Tensor]], score_now: int) -> StaticPlan | None:
+        """The static lookup of ``parts`` (None: a capture failed just now, nothing changed;
+        the caller runs the eager lookup, as every later one)."""
+        st = self.storage
+        n = sum(k.numel() for _, k in parts)
+        entry = self._entry(padded_size(n))
+        keys = [k if k.dtype == torch.int64 else k.to(torch.int64) for _, k in parts]
+        torch.cat(keys, out=entry.keys[:n])
+        entry.tids[:n].copy_(st._part_ids(parts))
+        entry.n_real.fill_(n)
+        entry.score.fill_(score_now)
+        plan = self._forward(entry)
+        if plan is None:
+            return None
+        plan.n = n
+        st.mutations += 1
+        self._lookups += 1
+        if self._lookups % CHECK_EVERY == 0:
+            self.check()
+        for t, k in parts:
+            st._lookups[t][0] += k.numel()
+        return plan
+
+    def apply_gradients(self, plan: StaticPlan, grad: torch.Tensor) -> None:
+        entry = self._entries[plan.keys.numel()]
+        entry.grad[: plan.n].copy_(grad)
+        entry.grad[plan.n :].zero_()
+        if not self.capture:
+            apply_gradients(self.storage, plan, entry.grad)
+            return
+        if entry.backward is None:
+            entry.backward = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(entry.backward, pool=self._pool):
+                apply_gradients(self.storage, plan, entry.grad)
+        entry.backward.replay()
+
+    def check(self) -> None:
+        """Raise if a static lookup met a negative key since the last check (one host read)."""
+        if bool(self.negative):
+            self.negative.zero_()
+            names = ", ".join(repr(n) for n in self.storage.names)
+            raise ValueError(
+                f"a training lookup of {names} got a negative key: keys must be non-negative "
+                "int64 (negative values are reserved: -1 marks an empty slot); the captured "
+                "step refused it (no row, no update). Feature generation maps raw ids into "
+                "[0, 2**63)"
+            )
+
+    # ------------------------------------------------------------------ internals
+
+    def _forward(self, entry: _Entry) -> StaticPlan | None:
+        counts = (self.counts, self.counter_counts)
+        st = self.storage
+        if not self.capture:
+            self.stats["eager"] += 1
+            plan = train_lookup(st, entry.keys, entry.tids, entry.n_real, entry.score, counts)
+            self.negative |= plan.negative
+            return plan
+        if entry.forward is None:
+            graph = torch.cuda.CUDAGraph()
+            try:  # a capture queues nothing: on failure the tables are as they were
+                with torch.cuda.graph(graph, pool=self._pool):
+                    entry.plan = train_lookup(st, entry.keys, entry.tids, entry.n_real,
+                                              entry.score, counts)  # fmt: skip
+                    self.negative |= entry.plan.negative
+            except RuntimeError as e:
+                self.failed = f"capture failed: {e}"
+                logger.warning("static sparse step of %r: %s; the eager lookup takes over",
+                               st.name, self.failed)  # fmt: skip
+                self._entries.clear()
+                return None
+            self._pool = self._pool or graph.pool()
+            entry.forward = graph
+            self.stats["captures"] += 1
+        entry.forward.replay()
+        self.stats["replays"] += 1
+        for c in counts:
+            if c is not None:
+                c.register()  # the replay added to the device counts
+        assert entry.plan is not None
+        return entry.plan
+
+    def _entry(self, size: int) -> _Entry:
+        arrays = self._array_key()
+        if arrays != self._arrays:  # the tables were rebuilt: the graphs read the old arrays
+            self._entries.clear()
+            self._pool = None
+            self._arrays = arrays
+        entry = self._entries.get(size)
+        if entry is None:
+            dev, dim = self.storage.device, self.storage.dim
+            entry = self._entries[size] = _Entry(
+                keys=torch.zeros(size, dtype=torch.int64, device=dev),
+                tids=torch.zeros(size, dtype=torch.int64, device=dev),
+                n_real=torch.zeros((), dtype=torch.int64, device=dev),
+                score=torch.zeros((), dtype=torch.int64, device=dev),
+                grad=torch.zeros(size, dim, dtype=torch.float32, device=dev),
+            )
+        return entry
+
+    def _array_key(self) -> tuple[Any, ...]:
+        tables = [self.storage.table]
+        if self.storage.counter is not None:
+            tables.append(self.storage.counter.table)
+        key: list[Any] = []
+        for t in tables:
+            arrays = (t._slot_fp, t._slot_row, t._row_key, t._row_tid, t._row_score,
+                      t._values, t._accum, t._bucket_count, t._sentinel)  # fmt: skip
+            key += [None if a is None else a.data_ptr() for a in arrays]
+            key += [t._any_tid, t.num_buckets]
+        return tuple(key)

@@ -1,0 +1,162 @@
+"""The static training lookup (shared.hashtable.static_step) against the eager one.
+
+Two DynamicEmbeddingCollections built alike take the same training batches; one runs the
+eager lookup, the other the static step: eagerly on CPU, replayed from CUDA graphs on CUDA
+(against the CUDA backend's eager kernels; marked gpu). After every step the rows, hit flags,
+table contents (keys, values, scores, accumulators), admission counters and stats must be
+equal, bit for bit, through full buckets (evictions and refusals), admission and misses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.features import ScoreStrategy
+from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.static_insert import put_where
+from shared.hashtable.static_step import padded_size, supports
+
+from .conftest import NEEDS_CUDA_KERNELS, dyn_table
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, NEEDS_CUDA_KERNELS]),
+]
+
+
+def _pair(
+    strategy: ScoreStrategy,
+    threshold: int | None,
+    *,
+    init_capacity: int = 256,
+    device: str = "cpu",
+):
+    tables = [
+        dyn_table("a", strategy=strategy, threshold=threshold, max_capacity=256,
+                  init_capacity=init_capacity),
+        dyn_table("b", strategy=strategy, threshold=threshold, max_capacity=256,
+                  init_capacity=init_capacity),
+    ]  # fmt: skip
+
+    def make() -> DynamicEmbeddingCollection:
+        dec = DynamicEmbeddingCollection(tables, {"g": ["a", "b"]}, lr=0.05, seed=3, device=device)
+        dec.train()
+        return dec
+
+    eager, static = make(), make()
+    static.use_static_step(capture=device == "cuda")
+    return eager, static
+
+
+def _batch(gen: torch.Generator, step: int) -> dict[str, torch.Tensor]:
+    # a skewed key range larger than the tables: hits, new keys, full buckets, duplicates
+    span = 400 + 40 * step
+    a = (torch.rand(300, generator=gen) ** 2 * span).long()
+    b = torch.randint(0, 600, (120 + step,), generator=gen)
+    if step % 4 == 3:  # a burst of new keys, each 3 times: more than a bucket takes at once
+        burst = torch.arange(1000 * step, 1000 * step + 400)
+        a = torch.cat([a, burst, burst, burst])
+    return {"a": a, "b": b}
+
+
+def _state(dec: DynamicEmbeddingCollection) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name in dec.tables:
+        s = dec.table_state(name)
+        state = (s.keys, s.values, s.scores, s.accumulators, s.counter_keys, s.counter_counts)
+        out[name] = tuple(None if x is None else x.cpu() for x in state)
+    out["stats"] = dec.stats()
+    return out
+
+
+def _assert_same(x: object, y: object, where: str) -> None:
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, where
+        assert torch.equal(x, y), where
+    elif isinstance(x, tuple | list):
+        assert isinstance(y, tuple | list) and len(x) == len(y), where
+        for i, (a, b) in enumerate(zip(x, y, strict=True)):
+            _assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys(), where
+        for k in x:
+            _assert_same(x[k], y[k], f"{where}.{k}")
+    else:
+        assert x == y, where
+
+
+@pytest.mark.parametrize(
+    "strategy, threshold",
+    [(ScoreStrategy.LFU, 3), (ScoreStrategy.STEP, None), (ScoreStrategy.LFU, None),
+     (ScoreStrategy.STEP, 2)],
+)  # fmt: skip
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_step_equals_eager(
+    strategy: ScoreStrategy, threshold: int | None, device: str
+) -> None:
+    eager, static = _pair(strategy, threshold, device=device)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 9):
+        keys = {n: k.to(device) for n, k in _batch(gen, step).items()}
+        grads = {n: torch.randn(k.numel(), 4, generator=gen).to(device) for n, k in keys.items()}
+        results = []
+        for dec in (eager, static):
+            dec.set_step(step)
+            rows, hits = dec.lookup(keys, hits=True)
+            loss = sum((rows[n] * grads[n]).sum() for n in keys)
+            loss.backward()  # type: ignore[union-attr]
+            results.append(({n: r.cpu() for n, r in rows.items()},
+                            {n: h.cpu() for n, h in hits.items()}))  # fmt: skip
+        _assert_same(results[0], results[1], f"step {step} lookups")
+        _assert_same(_state(eager), _state(static), f"step {step} state")
+    ran = static.static_stats()["g"]
+    if device == "cuda":  # padded sizes repeat: captured once each, replayed every step
+        assert ran["replays"] == 8 and 0 < ran["captures"] < 8
+    else:
+        assert ran["eager"] == 8
+    stats = static.stats()["a"]
+    assert stats["evictions"] + stats["refusals"] > 0  # the full buckets were exercised
+
+
+def test_static_step_waits_for_max_capacity() -> None:
+    eager, static = _pair(ScoreStrategy.LFU, 2, init_capacity=32)
+    storage = static._storages[0]
+    assert supports(storage) == "the table may still grow"
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 7):
+        keys = _batch(gen, step)
+        for dec in (eager, static):
+            dec.set_step(step)
+            rows = dec(keys)
+            sum(r.sum() for r in rows.values()).backward()  # type: ignore[union-attr]
+        _assert_same(_state(eager), _state(static), f"step {step}")
+    assert supports(storage) is None  # it grew to its max: the later steps took the static path
+    assert 0 < static.static_stats()["g"]["eager"] < 6
+
+
+def test_static_step_refuses_a_negative_key_at_the_next_check() -> None:
+    _, static = _pair(ScoreStrategy.LFU, None)
+    static.set_step(1)
+    rows = static({"a": torch.tensor([3, -5, 3]), "b": torch.tensor([1])})
+    assert torch.equal(rows["a"][0], rows["a"][2])
+    with pytest.raises(ValueError, match="negative key"):
+        static.stats()
+
+
+def test_padded_size() -> None:
+    assert padded_size(1) == 16
+    assert padded_size(17) == 18  # 2**4 .. 2**5 in steps of 2
+    assert padded_size(640_000) == 655_360  # steps of 2**16
+    sizes = {padded_size(n) for n in range((1 << 16) + 1, (1 << 17) + 1)}
+    assert len(sizes) == 8
+    assert all(padded_size(n) >= n for n in range(1, 5000))
+
+
+def test_put_where_writes_only_the_selected() -> None:
+    dst = torch.arange(6).float()
+    put_where(dst, torch.tensor([4, -1, 1, 9]), torch.tensor([40.0, 7.0, 10.0, 8.0]),
+              torch.tensor([True, False, True, False]))  # fmt: skip
+    assert dst.tolist() == [0.0, 10.0, 2.0, 3.0, 40.0, 5.0]
+    put_where(dst, torch.tensor([-1, 2]), torch.tensor([7.0, 8.0]), torch.tensor([False, False]))
+    assert dst.tolist() == [0.0, 10.0, 2.0, 3.0, 40.0, 5.0]
