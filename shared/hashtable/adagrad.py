@@ -73,7 +73,11 @@ def adagrad_update(
     grads: torch.Tensor,
     config: AdagradConfig,
 ) -> None:
-    """In place: for distinct ``rows`` [n] and their summed ``grads`` [n, dim] float32."""
+    """In place: for distinct ``rows`` [n] and their summed ``grads`` [n, dim] float32; an
+    entry whose row is -1 is skipped (one host read: the CUDA kernel skips it on the device)."""
+    if rows.numel() and bool((rows < 0).any()):
+        keep = torch.nonzero(rows >= 0).squeeze(1)
+        rows, grads = rows[keep], grads[keep]
     if rows.numel() == 0:
         return
     values[rows], accumulators[rows] = adagrad_rows(values[rows], accumulators[rows], grads, config)

@@ -179,3 +179,74 @@ def merge_full_buckets(
         evicted_rows=r.ref[r.evicted],
         refused=int(r.refused.sum()),
     )
+
+
+SCORE_LIMIT = 1 << 60  # rank_buckets_packed: scores must lie in [0, SCORE_LIMIT)
+
+
+def rank_buckets_packed(
+    e_fp: torch.Tensor,
+    e_row: torch.Tensor,
+    e_valid: torch.Tensor,
+    e_score: torch.Tensor,
+    e_pin: torch.Tensor,
+    n_ref: torch.Tensor,
+    n_fp: torch.Tensor,
+    n_score: torch.Tensor,
+    sentinel: torch.Tensor,
+) -> tuple[Ranked, torch.Tensor]:
+    """:func:`rank_buckets` in one sort instead of five, for newcomer columns in fingerprint
+    order (the stored slots are) and scores in ``[0, SCORE_LIMIT)``: (pinned, score, newcomer)
+    pack into one int64 below the occupied bit, and a stable descending sort of the fingerprint-
+    ordered candidates ranks them by the module's rule. Free rows are compacted by a cumsum, not
+    sorted. Returns (the ranking, [] bool: a valid candidate's score was out of range, so the
+    ranking is not the rule's; the caller reports it)."""
+    n_o, b = e_fp.shape
+    m = n_ref.shape[1]
+    dev = e_fp.device
+    n_valid = n_ref >= 0
+    n_safe = n_ref.clamp(min=0)
+    c_fp = torch.cat([e_fp, n_fp[n_safe]], 1)  # [n_o, b + m] candidates
+    c_score = torch.cat([e_score, n_score[n_safe]], 1)
+    c_valid = torch.cat([e_valid, n_valid], 1)
+    c_pin = torch.cat([e_pin & e_valid, torch.zeros_like(n_valid)], 1)
+    c_ref = torch.cat([e_row, n_safe], 1)  # stored: row; newcomer: position
+    c_new = torch.cat([torch.zeros_like(e_valid), n_valid], 1)
+    out_of_range = (c_valid & ((c_score < 0) | (c_score >= SCORE_LIMIT))).any()
+    key = (c_score.clamp(0, SCORE_LIMIT - 1) << 1) | c_new
+    key = key | (c_pin.to(torch.int64) << 61) | (c_valid.to(torch.int64) << 62)
+    perm = torch.sort(key, dim=1, descending=True, stable=True).indices
+    s_valid, s_new = c_valid.gather(1, perm), c_new.gather(1, perm)
+    s_fp, s_ref = c_fp.gather(1, perm), c_ref.gather(1, perm)
+    col = torch.arange(b + m, device=dev)
+    kept = s_valid & (col < b)  # a prefix of each row
+    lost = s_valid & (col >= b)
+    # rows that are free after the merge (empty slots, evicted entries), in slot order
+    kept_orig = torch.zeros_like(kept)
+    kept_orig.scatter_(1, perm, kept)
+    free = ~kept_orig[:, :b]
+    rank = torch.where(free, torch.cumsum(free, 1) - 1, b)  # column b: a sink
+    free_rows = torch.zeros(n_o, b + 1, dtype=e_row.dtype, device=dev)
+    free_rows.scatter_(1, rank, e_row)
+    free_rows = free_rows[:, :b]
+    kept_new = kept & s_new
+    new_rank = torch.cumsum(kept_new.to(torch.int64), 1) - 1
+    size = kept.sum(1, keepdim=True)
+    n_new = kept_new.sum(1, keepdim=True)
+    assigned = free_rows.gather(1, new_rank.clamp(min=0, max=b - 1))  # [n_o, b + m]
+    filler = free_rows.gather(1, (col[:b] - size + n_new).clamp(min=0, max=b - 1))
+    out_row = torch.where(kept_new, assigned, s_ref)[:, :b]
+    out_row = torch.where(kept[:, :b], out_row, filler)  # empty slots keep the unused rows
+    out_fp = torch.where(kept[:, :b], s_fp[:, :b], sentinel[:, None])
+    fps, order = torch.sort(out_fp, dim=1, stable=True)
+    ranked = Ranked(
+        slot_fp=fps,
+        slot_row=out_row.gather(1, order),
+        size=size.squeeze(1),
+        ref=s_ref,
+        kept_new=kept_new,
+        assigned=assigned,
+        evicted=lost & ~s_new,
+        refused=lost & s_new,
+    )
+    return ranked, out_of_range

@@ -38,9 +38,14 @@ from typing import Any
 import torch
 
 from shared.features import ScoreStrategy
-from shared.hashtable.adagrad import adagrad_rows
 from shared.hashtable.hashing import INT64_MAX
-from shared.hashtable.static_insert import DeviceCounts, erase_present, insert_absent, put_where
+from shared.hashtable.static_insert import (
+    DeviceCounts,
+    erase_present,
+    insert_absent,
+    per_table,
+    put_where,
+)
 from shared.hashtable.storage import (
     _ADMITTED,
     _EVICTIONS,
@@ -91,7 +96,7 @@ class StaticPlan:
     group: torch.Tensor  # [P]
     rows_out: torch.Tensor  # [P, dim] each occurrence's row of values
     stored_out: torch.Tensor  # [P] bool: the occurrence's key has a row
-    negative: torch.Tensor  # [] bool: a real key was negative (refused)
+    errors: torch.Tensor  # [2] bool: a real key was negative (refused), a score out of range
 
     def expanded(self) -> torch.Tensor:
         return self.rows_out[: self.n]
@@ -143,20 +148,22 @@ def train_lookup(
     rows, found = t.backend.find(t, uk, tids_arg)
     found &= valid
     rows = torch.where(found, rows, -1)
-    hit_rows = rows.clamp(min=0)
     if st.strategy is ScoreStrategy.LFU:
-        t._row_score.index_add_(0, hit_rows, cnt * found)
+        put_where(t._row_score, rows, t._row_score[rows.clamp(min=0)] + cnt, found)
     else:
-        t._row_score.index_add_(0, hit_rows, (score_now - t._row_score[hit_rows]) * found)
+        put_where(t._row_score, rows, score_now.expand(p), found)
     new = valid & ~found
     # 3. admission: the counter's totals decide; its hits get them, its new keys are inserted
     totals, admitted = cnt, new
     not_admitted = torch.zeros_like(new)
+    bad_score = torch.zeros((), dtype=torch.bool, device=dev)
     counter_counts = counts[1]
     if st.counter is not None:
         assert counter_counts is not None
-        totals, admitted, not_admitted, counted = _count(st, uk, ut_safe, tids_arg, cnt, new,
-                                                         counter_counts)  # fmt: skip
+        totals, admitted, not_admitted, counted, c_bad = _count(
+            st, uk, ut_safe, tids_arg, cnt, new, counter_counts
+        )
+        bad_score = bad_score | c_bad
     # 4. the admitted keys into the table (the batch's stored keys pinned)
     pinned = _row_mask(t.capacity, rows, found)
     lfu = st.strategy is ScoreStrategy.LFU
@@ -171,11 +178,12 @@ def train_lookup(
         pinned,
         counts[0],
     )
-    sink = st._counts_sink
     evicted = result.evicted_table_ids
-    sink[:, _EVICTIONS].index_add_(0, evicted.remainder(sink.shape[0]), (evicted >= 0).long())
-    both = st._one_hot[result.inserted.to(torch.int64)] * admitted[:, None]
-    st._counts[:, _REFUSALS : _ADMITTED + 1].index_add_(0, ut_safe, both)
+    st._counts[:, _EVICTIONS] += per_table(evicted, torch.ones_like(evicted)[:, None], n_tables)[
+        :, 0
+    ]
+    both = st._one_hot[result.inserted.to(torch.int64)] * admitted[:, None]  # (refused, admitted)
+    st._counts[:, _REFUSALS : _ADMITTED + 1] += per_table(ut_safe, both, n_tables)
     rows = torch.where(admitted, result.rows, rows)
     stored = rows >= 0
     if st.counter is not None:
@@ -188,7 +196,7 @@ def train_lookup(
     out = torch.where(stored[:, None], out, st._train_rows(uk, which, st.dim))
     missed = valid & ~stored
     looked = torch.stack([not_admitted, missed], 1) * cnt[:, None]
-    st._counts[:, _REJECTIONS : _MISSES + 1].index_add_(0, ut_safe, looked)
+    st._counts[:, _REJECTIONS : _MISSES + 1] += per_table(ut_safe, looked, n_tables)
     return StaticPlan(
         n=0,  # set by the caller (a host value: a replay serves any n of its size)
         keys=uk,
@@ -200,7 +208,7 @@ def train_lookup(
         group=group,
         rows_out=out.index_select(0, inverse),
         stored_out=stored.index_select(0, inverse),
-        negative=(real & (keys < 0)).any(),
+        errors=torch.stack([(real & (keys < 0)).any(), bad_score | result.bad_score]),
     )
 
 
@@ -212,9 +220,9 @@ def _count(
     cnt: torch.Tensor,
     new: torch.Tensor,
     counter_counts: DeviceCounts,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FusedStorage._count and FrequencyCounter.remember as masks: (totals, admitted,
-    not_admitted, counted: new keys of a table with admission)."""
+    not_admitted, counted: new keys of a table with admission, a counter score out of range)."""
     assert st.counter is not None
     c = st.counter.table
     counted = new if st.all_admission else new & st.has_admission[ut_safe]
@@ -225,8 +233,8 @@ def _count(
     totals = torch.where(c_found, cnt + old, cnt)
     threshold = st.thresholds[ut_safe] if st._one_threshold is None else st._one_threshold
     admitted = new & (totals >= threshold)
-    c._row_score.index_add_(0, c_rows, (totals - old) * c_found)
-    insert_absent(
+    put_where(c._row_score, c_rows, totals, c_found)
+    result = insert_absent(
         c,
         c.backend,
         uk,
@@ -237,7 +245,7 @@ def _count(
         _row_mask(c.capacity, c_rows, c_found),
         counter_counts,
     )
-    return totals, admitted, new & ~admitted, counted
+    return totals, admitted, new & ~admitted, counted, result.bad_score
 
 
 def _row_mask(capacity: int, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -255,13 +263,10 @@ def apply_gradients(storage: FusedStorage, plan: StaticPlan, grad: torch.Tensor)
     g = storage.backend.segment_sum_sorted(
         grad.to(torch.float32)[plan.order], plan.starts, plan.counts, plan.group, p
     )
-    upd = plan.rows >= 0
-    rows = plan.rows.clamp(min=0)
     accum = t.accumulators
     assert accum is not None
-    values, state = adagrad_rows(t.values[rows], accum[rows], g, storage.adagrad)
-    put_where(t.values, plan.rows, values, upd)
-    put_where(accum, plan.rows, state, upd)
+    # rows of -1 (no row, or not a real run) are skipped: on CUDA in the kernel, no host read
+    storage.backend.adagrad_update(t.values, accum, plan.rows, g, storage.adagrad)
 
 
 @dataclass
@@ -291,7 +296,7 @@ class StaticStep:
         self.counts = DeviceCounts(storage.table)
         counter = storage.counter
         self.counter_counts = None if counter is None else DeviceCounts(counter.table)
-        self.negative = torch.zeros((), dtype=torch.bool, device=storage.device)
+        self.errors = torch.zeros(2, dtype=torch.bool, device=storage.device)  # StaticPlan.errors
         self.stats = {"captures": 0, "replays": 0, "eager": 0}
         self._lookups = 0
         self.failed: str | None = None  # a capture failed: the eager lookup from then on
@@ -331,22 +336,37 @@ class StaticStep:
             apply_gradients(self.storage, plan, entry.grad)
             return
         if entry.backward is None:
-            entry.backward = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(entry.backward, pool=self._pool):
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    apply_gradients(self.storage, plan, entry.grad)
+            except RuntimeError as e:  # nothing ran: update eagerly now, eager lookups from now
+                self._fail(f"backward capture failed: {e}")
                 apply_gradients(self.storage, plan, entry.grad)
+                return
+            entry.backward = graph
         entry.backward.replay()
 
     def check(self) -> None:
-        """Raise if a static lookup met a negative key since the last check (one host read)."""
-        if bool(self.negative):
-            self.negative.zero_()
-            names = ", ".join(repr(n) for n in self.storage.names)
+        """Raise if a static lookup met a negative key or a score outside ``[0, 2**60)`` since
+        the last check (one host read)."""
+        negative, bad_score = self.errors.tolist()
+        if not (negative or bad_score):
+            return
+        self.errors.zero_()
+        names = ", ".join(repr(n) for n in self.storage.names)
+        if negative:
             raise ValueError(
                 f"a training lookup of {names} got a negative key: keys must be non-negative "
                 "int64 (negative values are reserved: -1 marks an empty slot); the captured "
                 "step refused it (no row, no update). Feature generation maps raw ids into "
                 "[0, 2**63)"
             )
+        raise ValueError(
+            f"a training lookup of {names} met a score outside [0, 2**60) (e.g. loaded from a "
+            "checkpoint): the captured step ranks full buckets by scores in that range. Rescale "
+            "the checkpoint's scores, or train with cuda_graphs off (the eager lookup)"
+        )
 
     # ------------------------------------------------------------------ internals
 
@@ -356,20 +376,18 @@ class StaticStep:
         if not self.capture:
             self.stats["eager"] += 1
             plan = train_lookup(st, entry.keys, entry.tids, entry.n_real, entry.score, counts)
-            self.negative |= plan.negative
+            self.errors |= plan.errors
             return plan
         if entry.forward is None:
             graph = torch.cuda.CUDAGraph()
             try:  # a capture queues nothing: on failure the tables are as they were
-                with torch.cuda.graph(graph, pool=self._pool):
-                    entry.plan = train_lookup(st, entry.keys, entry.tids, entry.n_real,
-                                              entry.score, counts)  # fmt: skip
-                    self.negative |= entry.plan.negative
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    entry.plan = train_lookup(
+                        st, entry.keys, entry.tids, entry.n_real, entry.score, counts
+                    )
+                    self.errors |= entry.plan.errors
             except RuntimeError as e:
-                self.failed = f"capture failed: {e}"
-                logger.warning("static sparse step of %r: %s; the eager lookup takes over",
-                               st.name, self.failed)  # fmt: skip
-                self._entries.clear()
+                self._fail(f"capture failed: {e}")
                 return None
             self._pool = self._pool or graph.pool()
             entry.forward = graph
@@ -381,6 +399,12 @@ class StaticStep:
                 c.register()  # the replay added to the device counts
         assert entry.plan is not None
         return entry.plan
+
+    def _fail(self, why: str) -> None:
+        """Every later lookup of this storage runs eagerly (a capture failed)."""
+        self.failed = why
+        logger.warning("static sparse step of %r: %s; the eager lookup takes over",
+                       self.storage.name, why, exc_info=True)  # fmt: skip
 
     def _entry(self, size: int) -> _Entry:
         arrays = self._array_key()

@@ -42,6 +42,7 @@ __device__ __forceinline__ float su_fma_f32(float a, float b, float c) {
 
 // Row-wise Adagrad as adagrad.adagrad_update (torch.optim.Adagrad, lr_decay 0, weight_decay 0)
 // on distinct rows: state = fma(g, g, acc); std = sqrt(state) + eps; v += (neg_lr * g) / std.
+// A row of -1 is skipped (a static-shape caller's unselected entry).
 extern "C" __global__ void su_adagrad(float* __restrict__ values, float* __restrict__ accum,
                                       const i64* __restrict__ rows, const float* __restrict__ grads,
                                       i64 n, i64 dim, float neg_lr, float eps) {
@@ -49,6 +50,7 @@ extern "C" __global__ void su_adagrad(float* __restrict__ values, float* __restr
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
         const i64 i = idx / dim;
+        if (rows[i] < 0) continue;
         const i64 at = rows[i] * dim + (idx - i * dim);
         const float g = grads[idx];
         const float state = su_fma_f32(g, g, accum[at]);

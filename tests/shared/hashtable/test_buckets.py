@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from shared.hashtable.buckets import group_runs, keep_best, merge_full_buckets
+from shared.hashtable.buckets import (
+    group_runs,
+    keep_best,
+    merge_full_buckets,
+    rank_buckets,
+    rank_buckets_packed,
+)
 
 
 def test_group_runs():
@@ -42,3 +48,49 @@ def test_merge_full_bucket_rules():
     assert sorted(m.new_pos.tolist()) == [0, 1]
     assert sorted(m.new_rows.tolist()) == [11, 13]  # the free row and the evicted one
     assert sorted(m.slot_row[0].tolist()) == [10, 11, 12, 13]
+
+
+def _random_buckets(gen: torch.Generator, n_o: int, b: int, m: int):
+    """Buckets of ``b`` sorted slots (a random fill) and up to ``m`` newcomers each, the
+    newcomer columns in fingerprint order, with many equal scores (ties)."""
+    fill = torch.randint(0, b + 1, (n_o, 1), generator=gen)
+    e_valid = torch.arange(b) < fill
+    sentinel = torch.arange(1, n_o + 1) * 10_000 + 9999
+    e_fp = torch.where(e_valid, torch.sort(torch.randint(0, 5000, (n_o, b), generator=gen) * 2
+                                           + torch.arange(n_o)[:, None] * 10_000).values,
+                       sentinel[:, None])  # fmt: skip
+    e_row = torch.stack([torch.randperm(b, generator=gen) + i * b for i in range(n_o)])
+    e_score = torch.randint(0, 4, (n_o, b), generator=gen)
+    e_pin = torch.rand(n_o, b, generator=gen) < 0.2
+    k = torch.randint(0, m + 1, (n_o,), generator=gen)
+    n_fp = torch.sort(torch.randint(0, 5000, (n_o, m), generator=gen) * 2 + 1_000_000
+                      + torch.arange(n_o)[:, None] * 10_000, dim=1).values  # fmt: skip
+    n_ref = torch.where(torch.arange(m) < k[:, None], torch.arange(n_o * m).view(n_o, m), -1)
+    n_score = torch.randint(0, 4, (n_o * m,), generator=gen)
+    return e_fp, e_row, e_valid, e_score, e_pin, n_ref, n_fp.flatten(), n_score, sentinel
+
+
+def test_rank_buckets_packed_equals_the_five_sort_ranking():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        args = _random_buckets(gen, n_o=7, b=8, m=8)
+        want = rank_buckets(*args)
+        got, bad = rank_buckets_packed(*args)
+        assert not bool(bad)
+        for name in ("slot_fp", "size", "ref", "kept_new", "evicted", "refused"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        # rows: the same kept rows per bucket; newcomers take the same free rows
+        assert torch.equal(got.assigned[got.kept_new], want.assigned[want.kept_new])
+        assert torch.equal(torch.sort(got.slot_row, 1).values, torch.sort(want.slot_row, 1).values)
+
+
+def test_rank_buckets_packed_flags_scores_out_of_range():
+    gen = torch.Generator().manual_seed(1)
+    e_fp, e_row, e_valid, e_score, e_pin, n_ref, n_fp, n_score, sentinel = _random_buckets(
+        gen, n_o=2, b=4, m=4
+    )
+    e_valid[0, 0] = True
+    e_score[0, 0] = -1
+    _, bad = rank_buckets_packed(e_fp, e_row, e_valid, e_score, e_pin, n_ref, n_fp, n_score,
+                                 sentinel)  # fmt: skip
+    assert bool(bad)
