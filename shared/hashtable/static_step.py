@@ -54,6 +54,7 @@ from shared.hashtable.storage import (
     _REJECTIONS,
     FusedStorage,
 )
+from shared.hashtable.table import HashTable
 
 logger = logging.getLogger(__name__)
 
@@ -407,10 +408,15 @@ class StaticStep:
                        self.storage.name, why, exc_info=True)  # fmt: skip
 
     def _entry(self, size: int) -> _Entry:
+        if len(self.storage.specs) > 1:
+            # the tables compare table ids from now on (insert_absent sets it; set before a
+            # capture, it does not change the find kernels' arguments after one)
+            for t in self._tables():
+                t._any_tid = True
         arrays = self._array_key()
         if arrays != self._arrays:  # the tables were rebuilt: the graphs read the old arrays
+            # (the pool stays: freeing its memory during a later capture would break it)
             self._entries.clear()
-            self._pool = None
             self._arrays = arrays
         entry = self._entries.get(size)
         if entry is None:
@@ -424,12 +430,13 @@ class StaticStep:
             )
         return entry
 
+    def _tables(self) -> list[HashTable]:
+        counter = self.storage.counter
+        return [self.storage.table] + ([] if counter is None else [counter.table])
+
     def _array_key(self) -> tuple[Any, ...]:
-        tables = [self.storage.table]
-        if self.storage.counter is not None:
-            tables.append(self.storage.counter.table)
         key: list[Any] = []
-        for t in tables:
+        for t in self._tables():
             arrays = (t._slot_fp, t._slot_row, t._row_key, t._row_tid, t._row_score,
                       t._values, t._accum, t._bucket_count, t._sentinel)  # fmt: skip
             key += [None if a is None else a.data_ptr() for a in arrays]
