@@ -25,7 +25,7 @@ import torch
 from shared.features import ScoreStrategy
 from shared.hashtable.backend import Backend
 from shared.hashtable.buckets import rank_buckets_packed
-from shared.hashtable.hashing import INT64_MAX, bucket_of
+from shared.hashtable.hashing import bucket_of
 from shared.hashtable.layout import EMPTY_KEY, Counts, TableLayout
 
 
@@ -99,32 +99,48 @@ class StaticInsert:
     bad_score: torch.Tensor  # [] bool: a score outside [0, 2**60) (the ranking is then not exact)
 
 
+def hash_keys(
+    backend: Backend, keys: torch.Tensor, table_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fingerprints, the order that sorts them): what :func:`insert_absent` needs of its keys,
+    for several tables at once (a table's buckets are fingerprint ranges, whatever its size)."""
+    fp = backend.fingerprint(keys, table_ids)
+    return fp, torch.sort(fp, stable=True).indices
+
+
 def insert_absent(
     t: TableLayout,
-    backend: Backend,
     keys: torch.Tensor,
     table_ids: torch.Tensor | None,
+    hashed: tuple[torch.Tensor, torch.Tensor],
     values: torch.Tensor,
     scores: torch.Tensor,
     mask: torch.Tensor,
     pinned: torch.Tensor | None,
     counts: DeviceCounts,
+    *,
+    equal_scores: bool = False,
 ) -> StaticInsert:
-    """Insert the keys ``keys[i]`` where ``mask[i]`` (distinct, absent from ``t``, non-negative)
-    with ``values`` [M, dim], ``scores`` [M] (in ``[0, 2**60)``) and fresh accumulators into
-    ``t``, which must be at its max capacity (nothing grows here). ``pinned`` [capacity] bool:
-    rows never evicted (the batch's stored keys). Full buckets keep their best entries by the
-    ranking of :mod:`shared.hashtable.buckets`; the size, evictions and refusals go to
-    ``counts``."""
+    """Insert the keys ``keys[i]`` where ``mask[i]`` (distinct, absent from ``t``, non-negative;
+    ``hashed``: their :func:`hash_keys`) with ``values`` [M, dim], ``scores`` [M] (in
+    ``[0, 2**60)``) and fresh accumulators into ``t``, which must be at its max capacity (nothing
+    grows here). ``pinned`` [capacity] bool: rows never evicted (the batch's stored keys).
+    ``equal_scores``: every selected key has the same score (STEP, TIMESTAMP), so none ranks
+    above another. Full buckets keep their best entries by the ranking of
+    :mod:`shared.hashtable.buckets`; the size, evictions and refusals go to ``counts``."""
     assert t.num_buckets == t._max_buckets, "insert_absent needs a table at its max capacity"
     b, nb, m, dev = t.bucket_capacity, t.num_buckets, keys.numel(), t.device
-    fp = backend.fingerprint(keys, table_ids)
-    bucket = torch.where(mask, bucket_of(fp, nb), nb)  # unselected keys: a bucket past the end
-    # a bucket takes its best b newcomers, by score (descending), then fingerprint
-    by_fp = torch.sort(torch.where(mask, fp, INT64_MAX), stable=True).indices
-    order = by_fp[torch.sort(scores[by_fp], descending=True, stable=True).indices]
-    order = order[torch.sort(bucket[order], stable=True).indices]
-    sorted_bucket = bucket[order]
+    fp, by_fp = hashed
+    bucket = bucket_of(fp, nb)
+    # a bucket takes its best b newcomers by score (descending), then fingerprint: one stable
+    # sort of (bucket, score) packed, unselected keys in a bucket past the end
+    shift = 63 - nb.bit_length()
+    limit = 1 << shift
+    rank_score = torch.zeros_like(scores) if equal_scores else scores
+    bad_score = (mask & ((rank_score < 0) | (rank_score >= limit))).any()
+    packed = (torch.where(mask, bucket, nb) << shift) | (limit - 1 - rank_score.clamp(0, limit - 1))
+    order = by_fp[torch.sort(packed[by_fp], stable=True).indices]
+    sorted_bucket = torch.where(mask, bucket, nb)[order]
     first = torch.searchsorted(sorted_bucket, torch.arange(nb + 1, device=dev))
     rank = torch.arange(m, device=dev) - first[sorted_bucket]
     live = sorted_bucket < nb
@@ -135,7 +151,7 @@ def insert_absent(
     seen = torch.cumsum(take_fp, 0)
     start = torch.searchsorted(bucket_fp, torch.arange(nb, device=dev))
     before = torch.where(start > 0, seen[(start - 1).clamp(min=0)], 0)  # taken in lower buckets
-    col = seen - 1 - before[bucket_fp.clamp(max=nb - 1)]
+    col = seen - 1 - before[bucket_fp]
     grid = torch.full((nb * b + 1,), -1, dtype=torch.int64, device=dev)  # the last cell: a sink
     grid.index_copy_(0, torch.where(take_fp, bucket_fp * b + col, nb * b),
                      torch.where(take_fp, by_fp, -1))  # fmt: skip
@@ -145,7 +161,7 @@ def insert_absent(
         e_pin = e_valid
     else:
         e_pin = torch.zeros_like(e_valid) if pinned is None else pinned[e_row]
-    ranked, bad_score = rank_buckets_packed(
+    ranked, bad_rank = rank_buckets_packed(
         t._slot_fp.view(nb, b),
         e_row,
         e_valid,
@@ -187,35 +203,32 @@ def insert_absent(
         evicted.sum(),
         refused_early + ranked.refused.sum(),
     )
-    return StaticInsert(rows, inserted, evicted_tids, bad_score)
+    return StaticInsert(rows, inserted, evicted_tids, bad_score | bad_rank)
 
 
-def erase_present(
-    t: TableLayout,
-    backend: Backend,
-    keys: torch.Tensor,
-    table_ids: torch.Tensor | None,
-    mask: torch.Tensor,
-    counts: DeviceCounts,
+def erase_rows(
+    t: TableLayout, rows: torch.Tensor, mask: torch.Tensor, counts: DeviceCounts
 ) -> None:
-    """Erase the keys ``keys[i]`` where ``mask[i]`` (distinct, non-negative; missing ones are
-    ignored): their slots take the bucket's sentinel and every bucket is sorted again (the
-    stable order the backends' erase leaves)."""
+    """Erase the entries of the rows ``rows[i]`` where ``mask[i]`` (distinct stored rows): their
+    slots take the bucket's sentinel and move behind the bucket's other entries, keeping both
+    groups' order (what the backends' stable re-sort of an erase leaves)."""
     b, nb, cap, dev = t.bucket_capacity, t.num_buckets, t.capacity, t.device
-    rows, found = backend.find(t, keys, table_ids)
-    hit = mask & found
     slot_of_row = torch.empty_like(t._slot_row)
     slot_of_row.index_copy_(0, t._slot_row, torch.arange(cap, device=dev))
-    slots = slot_of_row[rows.clamp(min=0)]
+    slots = slot_of_row[rows.clamp(0, cap - 1)]
     erased = torch.zeros(cap + 1, dtype=torch.bool, device=dev)  # the last one: a sink
-    erased.index_copy_(0, torch.where(hit, slots, cap), hit)
+    erased.index_copy_(0, torch.where(mask, slots, cap), mask)
     erased = erased[:cap].view(nb, b)
     for arr, value in ((t._row_key, EMPTY_KEY), (t._row_tid, 0), (t._row_score, 0)):
-        put_where(arr, rows, torch.full_like(rows, value, dtype=arr.dtype), hit)
-    fp = torch.where(erased, t._sentinel[:, None], t._slot_fp.view(nb, b))
-    fp, order = torch.sort(fp, dim=1, stable=True)
-    t._slot_row.copy_(t._slot_row.view(nb, b).gather(1, order).flatten())
-    t._slot_fp.copy_(fp.flatten())
+        put_where(arr, rows, torch.full_like(rows, value, dtype=arr.dtype), mask)
+    empty = erased | (torch.arange(b, device=dev) >= t._bucket_count[:, None])
+    stays = ~empty
+    n_stay = stays.sum(1, keepdim=True)
+    to = torch.where(stays, torch.cumsum(stays, 1) - 1, n_stay + torch.cumsum(empty, 1) - 1)
+    fp = torch.where(empty, t._sentinel[:, None], t._slot_fp.view(nb, b))
+    t._slot_fp.copy_(torch.empty_like(fp).scatter_(1, to, fp).flatten())
+    slot_row = t._slot_row.view(nb, b)
+    t._slot_row.copy_(torch.empty_like(slot_row).scatter_(1, to, slot_row).flatten())
     gone = erased.sum(1)
     t._bucket_count.sub_(gone)
     zero = gone.new_zeros(())

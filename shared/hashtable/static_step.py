@@ -41,7 +41,8 @@ from shared.features import ScoreStrategy
 from shared.hashtable.hashing import INT64_MAX
 from shared.hashtable.static_insert import (
     DeviceCounts,
-    erase_present,
+    erase_rows,
+    hash_keys,
     insert_absent,
     per_table,
     put_where,
@@ -158,11 +159,12 @@ def train_lookup(
     totals, admitted = cnt, new
     not_admitted = torch.zeros_like(new)
     bad_score = torch.zeros((), dtype=torch.bool, device=dev)
+    hashed = hash_keys(t.backend, uk, tids_arg)  # the table's and the counter's
     counter_counts = counts[1]
     if st.counter is not None:
         assert counter_counts is not None
-        totals, admitted, not_admitted, counted, c_bad = _count(
-            st, uk, ut_safe, tids_arg, cnt, new, counter_counts
+        totals, admitted, not_admitted, counted, c_erase_rows, c_bad = _count(
+            st, uk, tids_arg, hashed, ut_safe, cnt, new, counter_counts
         )
         bad_score = bad_score | c_bad
     # 4. the admitted keys into the table (the batch's stored keys pinned)
@@ -170,14 +172,15 @@ def train_lookup(
     lfu = st.strategy is ScoreStrategy.LFU
     result = insert_absent(
         t,
-        t.backend,
         uk,
         tids_arg,
+        hashed,
         st._init_rows(uk, ut_safe, st.dim),
         totals if lfu else score_now.expand(p),
         admitted,
         pinned,
         counts[0],
+        equal_scores=not lfu,
     )
     evicted = result.evicted_table_ids
     st._counts[:, _EVICTIONS] += per_table(evicted, torch.ones_like(evicted)[:, None], n_tables)[
@@ -189,8 +192,8 @@ def train_lookup(
     stored = rows >= 0
     if st.counter is not None:
         assert counter_counts is not None
-        done = result.inserted & counted  # admitted keys the counter held: forget them
-        erase_present(st.counter.table, t.backend, uk, tids_arg, done, counter_counts)
+        done = result.inserted & counted & (c_erase_rows >= 0)  # now stored: forget them
+        erase_rows(st.counter.table, c_erase_rows, done, counter_counts)
     # 5. values: stored rows, else the admission value (waiting) or a fresh init (refused)
     out = t._values[rows.clamp(min=0)]
     which = torch.where(valid, ut_safe + n_tables * not_admitted, 0)
@@ -216,37 +219,40 @@ def train_lookup(
 def _count(
     st: FusedStorage,
     uk: torch.Tensor,
-    ut_safe: torch.Tensor,
     tids_arg: torch.Tensor | None,
+    hashed: tuple[torch.Tensor, torch.Tensor],
+    ut_safe: torch.Tensor,
     cnt: torch.Tensor,
     new: torch.Tensor,
     counter_counts: DeviceCounts,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FusedStorage._count and FrequencyCounter.remember as masks: (totals, admitted,
-    not_admitted, counted: new keys of a table with admission, a counter score out of range)."""
+    not_admitted, counted: new keys of a table with admission, each key's counter row after
+    the step (-1: none), a counter score out of range)."""
     assert st.counter is not None
     c = st.counter.table
     counted = new if st.all_admission else new & st.has_admission[ut_safe]
     c_rows, c_found = c.backend.find(c, uk, tids_arg)
     c_found &= counted
-    c_rows = c_rows.clamp(min=0)
-    old = c._row_score[c_rows]
+    c_rows = torch.where(c_found, c_rows, -1)
+    old = c._row_score[c_rows.clamp(min=0)]
     totals = torch.where(c_found, cnt + old, cnt)
     threshold = st.thresholds[ut_safe] if st._one_threshold is None else st._one_threshold
     admitted = new & (totals >= threshold)
     put_where(c._row_score, c_rows, totals, c_found)
     result = insert_absent(
         c,
-        c.backend,
         uk,
         tids_arg,
+        hashed,
         torch.zeros(uk.numel(), 0, device=uk.device),
         totals,
         counted & ~c_found,
         _row_mask(c.capacity, c_rows, c_found),
         counter_counts,
     )
-    return totals, admitted, new & ~admitted, counted, result.bad_score
+    rows_after = torch.where(c_found, c_rows, result.rows)
+    return totals, admitted, new & ~admitted, counted, rows_after, result.bad_score
 
 
 def _row_mask(capacity: int, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
