@@ -206,18 +206,18 @@ def rank_buckets_packed(
     dev = e_fp.device
     n_valid = n_ref >= 0
     n_safe = n_ref.clamp(min=0)
-    c_fp = torch.cat([e_fp, n_fp[n_safe]], 1)  # [n_o, b + m] candidates
-    c_score = torch.cat([e_score, n_score[n_safe]], 1)
-    c_valid = torch.cat([e_valid, n_valid], 1)
-    c_pin = torch.cat([e_pin & e_valid, torch.zeros_like(n_valid)], 1)
-    c_ref = torch.cat([e_row, n_safe], 1)  # stored: row; newcomer: position
-    c_new = torch.cat([torch.zeros_like(e_valid), n_valid], 1)
-    out_of_range = (c_valid & ((c_score < 0) | (c_score >= SCORE_LIMIT))).any()
-    key = (c_score.clamp(0, SCORE_LIMIT - 1) << 1) | c_new
-    key = key | (c_pin.to(torch.int64) << 61) | (c_valid.to(torch.int64) << 62)
-    perm = torch.sort(key, dim=1, descending=True, stable=True).indices
-    s_valid, s_new = c_valid.gather(1, perm), c_new.gather(1, perm)
-    s_fp, s_ref = c_fp.gather(1, perm), c_ref.gather(1, perm)
+    n_sc = n_score[n_safe]
+    # the packed keys (occupied, pinned, score, newcomer), stored then newcomers: [n_o, b + m]
+    e_key = (e_score.clamp(0, SCORE_LIMIT - 1) << 1) | (e_pin & e_valid).to(torch.int64) << 61
+    e_key = torch.where(e_valid, e_key | (1 << 62), e_key)
+    n_key = torch.where(n_valid, (n_sc.clamp(0, SCORE_LIMIT - 1) << 1) | 1 | (1 << 62), 0)
+    out_of_range = (e_valid & ((e_score < 0) | (e_score >= SCORE_LIMIT))).any() | (
+        n_valid & ((n_sc < 0) | (n_sc >= SCORE_LIMIT))
+    ).any()
+    keys, perm = torch.sort(torch.cat([e_key, n_key], 1), dim=1, descending=True, stable=True)
+    s_valid, s_new = (keys >> 62).bool(), (keys & 1).bool()
+    s_fp = torch.cat([e_fp, n_fp[n_safe]], 1).gather(1, perm)
+    s_ref = torch.cat([e_row, n_safe], 1).gather(1, perm)  # stored: row; newcomer: position
     col = torch.arange(b + m, device=dev)
     kept = s_valid & (col < b)  # a prefix of each row
     lost = s_valid & (col >= b)

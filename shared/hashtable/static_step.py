@@ -41,11 +41,12 @@ from shared.features import ScoreStrategy
 from shared.hashtable.hashing import INT64_MAX
 from shared.hashtable.static_insert import (
     DeviceCounts,
+    count_per_table,
     erase_rows,
     hash_keys,
     insert_absent,
-    per_table,
     put_where,
+    sum_per_table,
 )
 from shared.hashtable.storage import (
     _ADMITTED,
@@ -183,11 +184,10 @@ def train_lookup(
         equal_scores=not lfu,
     )
     evicted = result.evicted_table_ids
-    st._counts[:, _EVICTIONS] += per_table(evicted, torch.ones_like(evicted)[:, None], n_tables)[
-        :, 0
-    ]
+    st._counts[:, _EVICTIONS] += count_per_table(evicted, n_tables)
     both = st._one_hot[result.inserted.to(torch.int64)] * admitted[:, None]  # (refused, admitted)
-    st._counts[:, _REFUSALS : _ADMITTED + 1] += per_table(ut_safe, both, n_tables)
+    # ut is sorted (the unique's pairs are in table-id order, padding last)
+    st._counts[:, _REFUSALS : _ADMITTED + 1] += sum_per_table(ut, both, n_tables)
     rows = torch.where(admitted, result.rows, rows)
     stored = rows >= 0
     if st.counter is not None:
@@ -200,7 +200,7 @@ def train_lookup(
     out = torch.where(stored[:, None], out, st._train_rows(uk, which, st.dim))
     missed = valid & ~stored
     looked = torch.stack([not_admitted, missed], 1) * cnt[:, None]
-    st._counts[:, _REJECTIONS : _MISSES + 1] += per_table(ut_safe, looked, n_tables)
+    st._counts[:, _REJECTIONS : _MISSES + 1] += sum_per_table(ut, looked, n_tables)
     return StaticPlan(
         n=0,  # set by the caller (a host value: a replay serves any n of its size)
         keys=uk,
