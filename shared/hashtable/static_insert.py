@@ -121,6 +121,46 @@ def hash_keys(
     return fp, torch.sort(fp, stable=True).indices
 
 
+def _newcomer_grid(
+    fp: torch.Tensor,
+    by_fp: torch.Tensor,
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    nb: int,
+    b: int,
+    equal_scores: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The newcomers of every bucket: (grid [nb * b + 1] int64, the key positions of each
+    bucket's best ``b`` selected keys in fingerprint order, -1 padding, then a sink cell; the
+    selected keys beyond a bucket's best ``b``, refused; [] bool: a score out of range)."""
+    m, dev = fp.numel(), fp.device
+    bucket = bucket_of(fp, nb)
+    # a bucket takes its best b newcomers by score (descending), then fingerprint: one stable
+    # sort of (bucket, score) packed, unselected keys in a bucket past the end
+    shift = 63 - nb.bit_length()
+    limit = 1 << shift
+    rank_score = torch.zeros_like(scores) if equal_scores else scores
+    bad_score = (mask & ((rank_score < 0) | (rank_score >= limit))).any()
+    packed = (torch.where(mask, bucket, nb) << shift) | (limit - 1 - rank_score.clamp(0, limit - 1))
+    order = by_fp[torch.sort(packed[by_fp], stable=True).indices]
+    sorted_bucket = torch.where(mask, bucket, nb)[order]
+    first = torch.searchsorted(sorted_bucket, torch.arange(nb + 1, device=dev))
+    rank = torch.arange(m, device=dev) - first[sorted_bucket]
+    live = sorted_bucket < nb
+    refused = (live & (rank >= b)).sum()
+    take = torch.zeros(m, dtype=torch.bool, device=dev).index_copy_(0, order, live & (rank < b))
+    # the taken ones fill their bucket's newcomer columns in fingerprint order
+    take_fp, bucket_fp = take[by_fp], bucket[by_fp]  # bucket_fp is non-decreasing
+    seen = torch.cumsum(take_fp, 0)
+    start = torch.searchsorted(bucket_fp, torch.arange(nb, device=dev))
+    before = torch.where(start > 0, seen[(start - 1).clamp(min=0)], 0)  # taken in lower buckets
+    col = seen - 1 - before[bucket_fp]
+    grid = torch.full((nb * b + 1,), -1, dtype=torch.int64, device=dev)  # the last cell: a sink
+    grid.index_copy_(0, torch.where(take_fp, bucket_fp * b + col, nb * b),
+                     torch.where(take_fp, by_fp, -1))  # fmt: skip
+    return grid, refused, bad_score
+
+
 def insert_absent(
     t: TableLayout,
     keys: torch.Tensor,
@@ -144,30 +184,7 @@ def insert_absent(
     assert t.num_buckets == t._max_buckets, "insert_absent needs a table at its max capacity"
     b, nb, m, dev = t.bucket_capacity, t.num_buckets, keys.numel(), t.device
     fp, by_fp = hashed
-    bucket = bucket_of(fp, nb)
-    # a bucket takes its best b newcomers by score (descending), then fingerprint: one stable
-    # sort of (bucket, score) packed, unselected keys in a bucket past the end
-    shift = 63 - nb.bit_length()
-    limit = 1 << shift
-    rank_score = torch.zeros_like(scores) if equal_scores else scores
-    bad_score = (mask & ((rank_score < 0) | (rank_score >= limit))).any()
-    packed = (torch.where(mask, bucket, nb) << shift) | (limit - 1 - rank_score.clamp(0, limit - 1))
-    order = by_fp[torch.sort(packed[by_fp], stable=True).indices]
-    sorted_bucket = torch.where(mask, bucket, nb)[order]
-    first = torch.searchsorted(sorted_bucket, torch.arange(nb + 1, device=dev))
-    rank = torch.arange(m, device=dev) - first[sorted_bucket]
-    live = sorted_bucket < nb
-    refused_early = (live & (rank >= b)).sum()
-    take = torch.zeros(m, dtype=torch.bool, device=dev).index_copy_(0, order, live & (rank < b))
-    # the taken ones fill their bucket's newcomer columns in fingerprint order
-    take_fp, bucket_fp = take[by_fp], bucket[by_fp]  # bucket_fp is non-decreasing
-    seen = torch.cumsum(take_fp, 0)
-    start = torch.searchsorted(bucket_fp, torch.arange(nb, device=dev))
-    before = torch.where(start > 0, seen[(start - 1).clamp(min=0)], 0)  # taken in lower buckets
-    col = seen - 1 - before[bucket_fp]
-    grid = torch.full((nb * b + 1,), -1, dtype=torch.int64, device=dev)  # the last cell: a sink
-    grid.index_copy_(0, torch.where(take_fp, bucket_fp * b + col, nb * b),
-                     torch.where(take_fp, by_fp, -1))  # fmt: skip
+    grid, refused_early, bad_score = _newcomer_grid(fp, by_fp, scores, mask, nb, b, equal_scores)
     e_row = t._slot_row.view(nb, b)
     e_valid = torch.arange(b, device=dev) < t._bucket_count[:, None]
     if t.score_strategy is ScoreStrategy.NO_EVICTION:

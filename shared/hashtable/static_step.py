@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -108,6 +108,60 @@ class StaticPlan:
         return self.stored_out[: self.n]
 
 
+class Runs(NamedTuple):
+    """:func:`unique_runs`' result: hashing.unique_pairs' tensors at a static size ``P``."""
+
+    valid: torch.Tensor  # [P] bool: run i is a real (table id, key) pair
+    keys: torch.Tensor  # [P] the run's key (INT64_MAX past the real runs)
+    table_ids: torch.Tensor  # [P] its table id (T past the real runs): non-decreasing
+    order: torch.Tensor  # [P] occurrences sorted by (table id, key), padding last
+    starts: torch.Tensor  # [P] each run's first position in ``order`` (clamped to P - 1)
+    counts: torch.Tensor  # [P] its occurrences (0 past the real runs)
+    group: torch.Tensor  # [P] the run of each sorted position
+    inverse: torch.Tensor  # [P] the run of each occurrence
+    negative: torch.Tensor  # [] bool: a real key was negative (it took no run)
+
+
+def unique_runs(
+    keys: torch.Tensor, tids: torch.Tensor, n_real: torch.Tensor, n_tables: int
+) -> Runs:
+    """The distinct (table id, key) pairs of the first ``n_real`` of ``keys`` [P] (table ids
+    ``tids``), by the stable sorts of hashing.unique_pairs, with no host read: padding and
+    negative keys become the pair (``n_tables``, INT64_MAX), which sorts after every real one."""
+    p, dev = keys.numel(), keys.device
+    span = torch.arange(p, device=dev)
+    real = span < n_real
+    good = real & (keys >= 0)
+    k = torch.where(good, keys, INT64_MAX)
+    tid = torch.where(good, tids, n_tables)
+    order = torch.sort(k, stable=True).indices
+    by_tid = torch.sort(tid[order].to(torch.int32), stable=True)
+    order = order[by_tid.indices]
+    ks = k[order]
+    change = (ks != ks.roll(1)) | (by_tid.values != by_tid.values.roll(1))
+    change[:1].fill_(False)
+    group = torch.cumsum(change, 0)
+    starts = torch.searchsorted(group, span)
+    counts = torch.searchsorted(group, span, right=True) - starts
+    inverse = torch.empty_like(order).index_copy_(0, order, group)
+    n_good = good.sum()
+    last = group.index_select(0, (n_good - 1).clamp(min=0).reshape(1))
+    valid = span < torch.where(n_good > 0, last + 1, 0)
+    starts = starts.clamp(max=p - 1)
+    first = order[starts]
+    return Runs(
+        valid=valid,
+        keys=k[first],
+        table_ids=tid[first],
+        order=order,
+        starts=starts,
+        counts=torch.where(valid, counts, 0),
+        group=group,
+        inverse=inverse,
+        negative=(real & (keys < 0)).any(),
+    )
+
+
 def train_lookup(
     storage: FusedStorage,
     keys: torch.Tensor,
@@ -122,30 +176,9 @@ def train_lookup(
     counter's :class:`DeviceCounts`."""
     st, t = storage, storage.table
     n_tables, p, dev = len(st.specs), keys.numel(), keys.device
-    span = torch.arange(p, device=dev)
-    real = span < n_real
-    good = real & (keys >= 0)
-    k = torch.where(good, keys, INT64_MAX)
-    tid = torch.where(good, tids, n_tables)
-    # 1. unique (hashing.unique_pairs' tensors): P runs, the real ones first
-    order = torch.sort(k, stable=True).indices
-    by_tid = torch.sort(tid[order].to(torch.int32), stable=True)
-    order = order[by_tid.indices]
-    ks = k[order]
-    change = (ks != ks.roll(1)) | (by_tid.values != by_tid.values.roll(1))
-    change[:1].fill_(False)
-    group = torch.cumsum(change, 0)
-    starts = torch.searchsorted(group, span)
-    counts_u = torch.searchsorted(group, span, right=True) - starts
-    inverse = torch.empty_like(order).index_copy_(0, order, group)
-    n_good = good.sum()
-    last = group.index_select(0, (n_good - 1).clamp(min=0).reshape(1))
-    valid = span < torch.where(n_good > 0, last + 1, 0)  # [P]: a real run
-    starts = starts.clamp(max=p - 1)
-    first = order[starts]
-    uk, ut = k[first], tid[first]
+    runs = unique_runs(keys, tids, n_real, n_tables)
+    valid, uk, ut, cnt = runs.valid, runs.keys, runs.table_ids, runs.counts
     ut_safe = torch.where(valid, ut, 0)  # a table id every table array has
-    cnt = torch.where(valid, counts_u, 0)
     tids_arg = st._tids(ut)
     # 2. find, and the scores of the hits
     rows, found = t.backend.find(t, uk, tids_arg)
@@ -189,31 +222,47 @@ def train_lookup(
     # ut is sorted (the unique's pairs are in table-id order, padding last)
     st._counts[:, _REFUSALS : _ADMITTED + 1] += sum_per_table(ut, both, n_tables)
     rows = torch.where(admitted, result.rows, rows)
-    stored = rows >= 0
     if st.counter is not None:
         assert counter_counts is not None
         done = result.inserted & counted & (c_erase_rows >= 0)  # now stored: forget them
         erase_rows(st.counter.table, c_erase_rows, done, counter_counts)
     # 5. values: stored rows, else the admission value (waiting) or a fresh init (refused)
-    out = t._values[rows.clamp(min=0)]
-    which = torch.where(valid, ut_safe + n_tables * not_admitted, 0)
-    out = torch.where(stored[:, None], out, st._train_rows(uk, which, st.dim))
-    missed = valid & ~stored
-    looked = torch.stack([not_admitted, missed], 1) * cnt[:, None]
-    st._counts[:, _REJECTIONS : _MISSES + 1] += sum_per_table(ut, looked, n_tables)
+    out = _values(st, uk, ut, ut_safe, valid, cnt, rows, not_admitted)
     return StaticPlan(
         n=0,  # set by the caller (a host value: a replay serves any n of its size)
         keys=uk,
         table_ids=ut,
         rows=rows,
-        order=order,
-        starts=starts,
+        order=runs.order,
+        starts=runs.starts,
         counts=cnt,
-        group=group,
-        rows_out=out.index_select(0, inverse),
-        stored_out=stored.index_select(0, inverse),
-        errors=torch.stack([(real & (keys < 0)).any(), bad_score | result.bad_score]),
+        group=runs.group,
+        rows_out=out.index_select(0, runs.inverse),
+        stored_out=(rows >= 0).index_select(0, runs.inverse),
+        errors=torch.stack([runs.negative, bad_score | result.bad_score]),
     )
+
+
+def _values(
+    st: FusedStorage,
+    uk: torch.Tensor,
+    ut: torch.Tensor,
+    ut_safe: torch.Tensor,
+    valid: torch.Tensor,
+    cnt: torch.Tensor,
+    rows: torch.Tensor,
+    not_admitted: torch.Tensor,
+) -> torch.Tensor:
+    """[P, dim]: each run's row of values, or for a run without one its admission value (not
+    admitted yet) or a fresh initial row (refused); counts the rejections and misses."""
+    n_tables = len(st.specs)
+    stored = rows >= 0
+    out = st.table._values[rows.clamp(min=0)]
+    which = torch.where(valid, ut_safe + n_tables * not_admitted, 0)
+    out = torch.where(stored[:, None], out, st._train_rows(uk, which, st.dim))
+    looked = torch.stack([not_admitted, valid & ~stored], 1) * cnt[:, None]
+    st._counts[:, _REJECTIONS : _MISSES + 1] += sum_per_table(ut, looked, n_tables)
+    return out
 
 
 def _count(

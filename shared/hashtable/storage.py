@@ -210,8 +210,7 @@ class FusedStorage:
         self._id_fills = [
             torch.full((0,), t, dtype=torch.int64, device=device) for t in range(len(specs))
         ]
-        # the static (graph-captured) training lookup, once enabled (use_static_step)
-        self.static: StaticStep | None = None
+        self.static: StaticStep | None = None  # the captured training lookup (use_static_step)
 
     def use_static_step(self, *, capture: bool) -> None:
         """Training lookups take :mod:`shared.hashtable.static_step` whenever it supports the
