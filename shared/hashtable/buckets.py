@@ -107,12 +107,9 @@ def rank_buckets(
     for padding; ``n_fp``/``n_score`` indexed by position) and keep the best ``b`` per bucket.
 
     Newcomers take the rows of the bucket's empty slots and evicted entries, in slot order.
-    Static shapes, no host read: what :func:`merge_full_buckets` reads out, and what a
-    captured insert (``shared.hashtable.static_insert``) takes as it is.
+    Static shapes, no host read: what :func:`merge_full_buckets` reads out. A captured insert
+    (``shared.hashtable.static_insert``) ranks with :func:`rank_buckets_packed` (one sort).
     """
-    n_o, b = e_fp.shape
-    m = n_ref.shape[1]
-    dev = e_fp.device
     n_valid = n_ref >= 0
     n_safe = n_ref.clamp(min=0)
     c_fp = torch.cat([e_fp, n_fp[n_safe]], 1)  # [n_o, b + m] candidates
@@ -126,15 +123,34 @@ def rank_buckets(
     )
     s_valid, s_new = c_valid.gather(1, perm), c_new.gather(1, perm)
     s_fp, s_ref = c_fp.gather(1, perm), c_ref.gather(1, perm)
-    col = torch.arange(b + m, device=dev)
+    return _merged(perm, s_valid, s_new, s_fp, s_ref, e_row, sentinel)
+
+
+def _merged(
+    perm: torch.Tensor,
+    s_valid: torch.Tensor,
+    s_new: torch.Tensor,
+    s_fp: torch.Tensor,
+    s_ref: torch.Tensor,
+    e_row: torch.Tensor,
+    sentinel: torch.Tensor,
+) -> Ranked:
+    """The merge of candidates in rank order (``perm`` [n_o, b + m] sorts them; ``s_*``: their
+    occupied and newcomer flags, fingerprints, refs in that order): the first ``b`` stay."""
+    n_o, b = e_row.shape
+    dev = e_row.device
+    col = torch.arange(s_valid.shape[1], device=dev)
     kept = s_valid & (col < b)  # a prefix of each row
     lost = s_valid & (col >= b)
-
-    # rows that are free after the merge (empty slots, evicted entries), in slot order
+    # rows that are free after the merge (empty slots, evicted entries), in slot order: a
+    # stable compaction by cumsum
     kept_orig = torch.zeros_like(kept)
     kept_orig.scatter_(1, perm, kept)
-    free_first = torch.sort(kept_orig[:, :b].to(torch.int8), dim=1, stable=True).indices
-    free_rows = e_row.gather(1, free_first)  # [n_o, b]
+    free = ~kept_orig[:, :b]
+    rank = torch.where(free, torch.cumsum(free, 1) - 1, b)  # column b: a sink
+    free_rows = torch.zeros(n_o, b + 1, dtype=e_row.dtype, device=dev)
+    free_rows.scatter_(1, rank, e_row)
+    free_rows = free_rows[:, :b]  # past the free rows: unused
     kept_new = kept & s_new
     new_rank = torch.cumsum(kept_new.to(torch.int64), 1) - 1
     size = kept.sum(1, keepdim=True)
@@ -198,12 +214,8 @@ def rank_buckets_packed(
     """:func:`rank_buckets` in one sort instead of five, for newcomer columns in fingerprint
     order (the stored slots are) and scores in ``[0, SCORE_LIMIT)``: (pinned, score, newcomer)
     pack into one int64 below the occupied bit, and a stable descending sort of the fingerprint-
-    ordered candidates ranks them by the module's rule. Free rows are compacted by a cumsum, not
-    sorted. Returns (the ranking, [] bool: a valid candidate's score was out of range, so the
+    ordered candidates ranks them by the module's rule. Returns (the ranking, [] bool: a valid candidate's score was out of range, so the
     ranking is not the rule's; the caller reports it)."""
-    n_o, b = e_fp.shape
-    m = n_ref.shape[1]
-    dev = e_fp.device
     n_valid = n_ref >= 0
     n_safe = n_ref.clamp(min=0)
     n_sc = n_score[n_safe]
@@ -218,35 +230,4 @@ def rank_buckets_packed(
     s_valid, s_new = (keys >> 62).bool(), (keys & 1).bool()
     s_fp = torch.cat([e_fp, n_fp[n_safe]], 1).gather(1, perm)
     s_ref = torch.cat([e_row, n_safe], 1).gather(1, perm)  # stored: row; newcomer: position
-    col = torch.arange(b + m, device=dev)
-    kept = s_valid & (col < b)  # a prefix of each row
-    lost = s_valid & (col >= b)
-    # rows that are free after the merge (empty slots, evicted entries), in slot order
-    kept_orig = torch.zeros_like(kept)
-    kept_orig.scatter_(1, perm, kept)
-    free = ~kept_orig[:, :b]
-    rank = torch.where(free, torch.cumsum(free, 1) - 1, b)  # column b: a sink
-    free_rows = torch.zeros(n_o, b + 1, dtype=e_row.dtype, device=dev)
-    free_rows.scatter_(1, rank, e_row)
-    free_rows = free_rows[:, :b]
-    kept_new = kept & s_new
-    new_rank = torch.cumsum(kept_new.to(torch.int64), 1) - 1
-    size = kept.sum(1, keepdim=True)
-    n_new = kept_new.sum(1, keepdim=True)
-    assigned = free_rows.gather(1, new_rank.clamp(min=0, max=b - 1))  # [n_o, b + m]
-    filler = free_rows.gather(1, (col[:b] - size + n_new).clamp(min=0, max=b - 1))
-    out_row = torch.where(kept_new, assigned, s_ref)[:, :b]
-    out_row = torch.where(kept[:, :b], out_row, filler)  # empty slots keep the unused rows
-    out_fp = torch.where(kept[:, :b], s_fp[:, :b], sentinel[:, None])
-    fps, order = torch.sort(out_fp, dim=1, stable=True)
-    ranked = Ranked(
-        slot_fp=fps,
-        slot_row=out_row.gather(1, order),
-        size=size.squeeze(1),
-        ref=s_ref,
-        kept_new=kept_new,
-        assigned=assigned,
-        evicted=lost & ~s_new,
-        refused=lost & s_new,
-    )
-    return ranked, out_of_range
+    return _merged(perm, s_valid, s_new, s_fp, s_ref, e_row, sentinel), out_of_range

@@ -128,7 +128,9 @@ def count_lookup(
 
 @pytest.mark.parametrize(
     ("max_capacity", "total", "outer"),
-    [(1 << 17, 1290, 99), (1024, 1972, 104)],  # the table not full; full (evicting)
+    # the table not full; full (evicting: the bucket merge frees rows by a cumsum, 5 ops more
+    # than a sort, shared with the static step: buckets._merged)
+    [(1 << 17, 1290, 99), (1024, 1977, 104)],
     ids=["not_full", "full"],
 )
 def test_op_count_of_a_training_and_an_eval_lookup(max_capacity: int, total: int, outer: int):
