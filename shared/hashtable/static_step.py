@@ -60,7 +60,7 @@ from shared.hashtable.table import HashTable
 
 logger = logging.getLogger(__name__)
 
-CHECK_EVERY = 64  # lookups between reads of the negative-key flag (each waits for the device)
+CHECK_EVERY = 64  # lookups between looks at the error flags (a copy read a round later: no wait)
 STEPS_PER_OCTAVE = 8  # padded sizes between two powers of two (as the dense graphs' T buckets)
 
 
@@ -325,6 +325,16 @@ def apply_gradients(storage: FusedStorage, plan: StaticPlan, grad: torch.Tensor)
     storage.backend.adagrad_update(t.values, accum, plan.rows, g, storage.adagrad)
 
 
+class _Done:
+    """A CPU stand-in for the CUDA event of :meth:`StaticStep._check_later` (copies are done)."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 @dataclass
 class _Entry:
     """One padded size's inputs, plan and graphs."""
@@ -355,6 +365,9 @@ class StaticStep:
         self.errors = torch.zeros(2, dtype=torch.bool, device=storage.device)  # StaticPlan.errors
         self.stats = {"captures": 0, "replays": 0, "eager": 0}
         self._lookups = 0
+        pin = storage.device.type == "cuda"
+        self._flags_host = torch.zeros(2, dtype=torch.bool, pin_memory=pin)  # _check_later's
+        self._flags_done: Any = None  # the event after the last copy to _flags_host
         self.failed: str | None = None  # a capture failed: the eager lookup from then on
 
     def why_not(self) -> str | None:
@@ -379,7 +392,7 @@ class StaticStep:
         st.mutations += 1
         self._lookups += 1
         if self._lookups % CHECK_EVERY == 0:
-            self.check()
+            self._check_later()
         for t, k in parts:
             st._lookups[t][0] += k.numel()
         return plan
@@ -406,10 +419,25 @@ class StaticStep:
     def check(self) -> None:
         """Raise if a static lookup met a negative key or a score outside ``[0, 2**60)`` since
         the last check (one host read)."""
-        negative, bad_score = self.errors.tolist()
+        self._raise(*self.errors.tolist())
+
+    def _check_later(self) -> None:
+        """:meth:`check` without waiting for the device: raise for the flags copied to the host
+        at the previous call (if that copy is done; else keep it), then copy them again."""
+        if self._flags_done is not None:
+            if not self._flags_done.query():
+                return  # the device is that far behind: look next time
+            self._raise(*self._flags_host.tolist())
+        self._flags_host.copy_(self.errors, non_blocking=True)
+        self._flags_done = torch.cuda.Event() if self.errors.is_cuda else _Done()
+        self._flags_done.record()
+
+    def _raise(self, negative: bool, bad_score: bool) -> None:
         if not (negative or bad_score):
             return
         self.errors.zero_()
+        self._flags_host.zero_()
+        self._flags_done = None
         names = ", ".join(repr(n) for n in self.storage.names)
         if negative:
             raise ValueError(

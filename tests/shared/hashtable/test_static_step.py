@@ -177,3 +177,16 @@ def test_per_table_counts_and_sums() -> None:
     values = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12], [100, 100]])
     assert sum_per_table(tids, values, 4).tolist() == [[4, 6], [5, 6], [0, 0], [27, 30]]
     assert count_per_table(torch.tensor([3, -1, 0, 3, 9]), 4).tolist() == [1, 0, 0, 2]
+
+
+def test_the_periodic_check_reports_a_negative_key_a_round_later() -> None:
+    _, static = _pair(ScoreStrategy.LFU, None)
+    step = static._storages[0].static
+    assert step is not None
+    static.set_step(1)
+    static({"a": torch.tensor([4, -2]), "b": torch.tensor([1])})
+    step._check_later()  # copies the flags: nothing read yet
+    with pytest.raises(ValueError, match="negative key"):
+        step._check_later()
+    step._check_later()  # reported once: the flags are clear again
+    step._check_later()
