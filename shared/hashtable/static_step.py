@@ -30,6 +30,7 @@ free row a new key takes may differ.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -100,6 +101,8 @@ class StaticPlan:
     rows_out: torch.Tensor  # [P, dim] each occurrence's row of values
     stored_out: torch.Tensor  # [P] bool: the occurrence's key has a row
     errors: torch.Tensor  # [2] bool: a real key was negative (refused), a score out of range
+    serial: int = 0  # which forward of its padded size this is (its buffers are the size's)
+    mutations: int = 0  # FusedStorage.mutations after it: its rows are valid while unchanged
 
     def expanded(self) -> torch.Tensor:
         return self.rows_out[: self.n]
@@ -345,6 +348,7 @@ class _Entry:
     score: torch.Tensor  # [] int64
     grad: torch.Tensor  # [P, dim] float32
     plan: StaticPlan | None = None
+    serial: int = 0  # forwards so far (StaticPlan.serial of the latest)
     forward: Any = None  # torch.cuda.CUDAGraph
     backward: Any = None
 
@@ -385,11 +389,12 @@ class StaticStep:
         entry.tids[:n].copy_(st._part_ids(parts))
         entry.n_real.fill_(n)
         entry.score.fill_(score_now)
-        plan = self._forward(entry)
-        if plan is None:
+        shared = self._forward(entry)
+        if shared is None:
             return None
-        plan.n = n
         st.mutations += 1
+        entry.serial += 1
+        plan = dataclasses.replace(shared, n=n, serial=entry.serial, mutations=st.mutations)
         self._lookups += 1
         if self._lookups % CHECK_EVERY == 0:
             self._check_later()
@@ -398,7 +403,14 @@ class StaticStep:
         return plan
 
     def apply_gradients(self, plan: StaticPlan, grad: torch.Tensor) -> None:
-        entry = self._entries[plan.keys.numel()]
+        entry = self._entries.get(plan.keys.numel())
+        if entry is None or entry.serial != plan.serial or self.storage.mutations != plan.mutations:
+            raise RuntimeError(
+                f"the static sparse step of {self.storage.name!r} takes each lookup's backward "
+                "before the next training lookup of its size or any change of the table (two "
+                "forwards before a backward, or a load between): run that loop with "
+                "cuda_graphs off (the eager lookup), or one backward per forward"
+            )
         entry.grad[: plan.n].copy_(grad)
         entry.grad[plan.n :].zero_()
         if not self.capture:

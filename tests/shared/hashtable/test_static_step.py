@@ -190,3 +190,13 @@ def test_the_periodic_check_reports_a_negative_key_a_round_later() -> None:
         step._check_later()
     step._check_later()  # reported once: the flags are clear again
     step._check_later()
+
+
+def test_two_forwards_before_a_backward_are_refused() -> None:
+    _, static = _pair(ScoreStrategy.LFU, None)
+    static.set_step(1)
+    first = static({"a": torch.tensor([4, 5]), "b": torch.tensor([1])})
+    second = static({"a": torch.tensor([4, 6]), "b": torch.tensor([2])})
+    second["a"].sum().backward()  # the latest lookup's backward is fine
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        first["a"].sum().backward()
