@@ -43,7 +43,8 @@ from shared.hashtable import checkpoint
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import check_key_tensor, check_keys
-from shared.hashtable.storage import FusedStorage, LookupPlan, TableState, compatibility_key
+from shared.hashtable.static_step import StaticStep
+from shared.hashtable.storage import FusedStorage, Plan, TableState, compatibility_key
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,7 @@ class _DynamicLookup(torch.autograd.Function):
     """Rows of the distinct keys expanded to every occurrence; backward runs sparse Adagrad."""
 
     @staticmethod
-    def forward(
-        ctx: Any, dummy: torch.Tensor, storage: FusedStorage, plan: LookupPlan
-    ) -> torch.Tensor:
+    def forward(ctx: Any, dummy: torch.Tensor, storage: FusedStorage, plan: Plan) -> torch.Tensor:
         ctx.storage = storage
         ctx.plan = plan
         return plan.expanded()  # [N, dim]
@@ -216,7 +215,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         max capacity (:mod:`shared.hashtable.static_step`), replayed from CUDA graphs with
         ``capture`` (CUDA tables); the eager lookup otherwise (the default)."""
         for s in self._storages:
-            s.use_static_step(capture=capture)
+            s.static = StaticStep(s, capture=capture)
 
     def static_stats(self) -> dict[str, dict[str, int]]:
         """Storage name → the static step's captures, replays and eager runs (empty: off)."""

@@ -56,6 +56,7 @@ from shared.hashtable.storage import (
     _REFUSALS,
     _REJECTIONS,
     FusedStorage,
+    Plan,
 )
 from shared.hashtable.table import HashTable
 
@@ -402,7 +403,8 @@ class StaticStep:
             st._lookups[t][0] += k.numel()
         return plan
 
-    def apply_gradients(self, plan: StaticPlan, grad: torch.Tensor) -> None:
+    def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:
+        assert isinstance(plan, StaticPlan)  # FusedStorage hands it only what lookup returned
         entry = self._entries.get(plan.keys.numel())
         if entry is None or entry.serial != plan.serial or self.storage.mutations != plan.mutations:
             raise RuntimeError(

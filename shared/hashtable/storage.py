@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,9 +30,6 @@ from shared.hashtable.hashing import (
 )
 from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.table import HashTable
-
-if TYPE_CHECKING:
-    from shared.hashtable.static_step import StaticPlan, StaticStep
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +104,30 @@ class LookupPlan:
     def stored(self) -> torch.Tensor:
         """[N] bool: whether each occurrence's key has a row after the step."""
         return (self.rows >= 0).index_select(0, self.inverse)
+
+
+class Plan(Protocol):
+    """A lookup's plan as the collection reads it (:class:`LookupPlan`, or the static step's
+    ``StaticPlan``)."""
+
+    def expanded(self) -> torch.Tensor: ...
+
+    def stored(self) -> torch.Tensor: ...
+
+
+class StaticLookup(Protocol):
+    """The static (graph-replayed) training lookup of a storage
+    (``shared.hashtable.static_step.StaticStep``; set by the collection's ``use_static_step``)."""
+
+    stats: dict[str, int]  # captures, replays, eager runs
+
+    def why_not(self) -> str | None: ...
+
+    def lookup(self, parts: list[tuple[int, torch.Tensor]], score_now: int) -> Plan | None: ...
+
+    def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None: ...
+
+    def check(self) -> None: ...
 
 
 @dataclass
@@ -210,15 +231,7 @@ class FusedStorage:
         self._id_fills = [
             torch.full((0,), t, dtype=torch.int64, device=device) for t in range(len(specs))
         ]
-        self.static: StaticStep | None = None  # the captured training lookup (use_static_step)
-
-    def use_static_step(self, *, capture: bool) -> None:
-        """Training lookups take :mod:`shared.hashtable.static_step` whenever it supports the
-        storage (its table at max capacity), replayed from CUDA graphs with ``capture`` on a
-        CUDA device; the eager path otherwise."""
-        from shared.hashtable.static_step import StaticStep  # it imports this module
-
-        self.static = StaticStep(self, capture=capture)
+        self.static: StaticLookup | None = None  # the collection's use_static_step sets it
 
     def __repr__(self) -> str:
         return (
@@ -251,9 +264,7 @@ class FusedStorage:
             self._last_ids = (layout, views[0] if len(views) == 1 else torch.cat(views))
         return self._last_ids[1]
 
-    def lookup(
-        self, parts: list[tuple[int, torch.Tensor]], *, train: bool, score_now: int
-    ) -> LookupPlan | StaticPlan:
+    def lookup(self, parts: list[tuple[int, torch.Tensor]], *, train: bool, score_now: int) -> Plan:
         """Look up the keys of several member tables at once (``parts``: (table id, keys)).
 
         Negative keys are refused here (:class:`NegativeKeyError`, read in the same host sync
@@ -474,7 +485,7 @@ class FusedStorage:
 
     # ------------------------------------------------------------------ backward
 
-    def apply_gradients(self, plan: LookupPlan | StaticPlan, grad: torch.Tensor) -> None:
+    def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:
         """Sum the gradients [N, dim] of duplicate keys, then Adagrad the rows in place."""
         if not isinstance(plan, LookupPlan):
             assert self.static is not None
