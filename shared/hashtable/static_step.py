@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -177,26 +178,24 @@ def train_lookup(
     n_real: torch.Tensor,
     score_now: torch.Tensor,
     counts: tuple[DeviceCounts, DeviceCounts | None],
+    mark: Callable[[str], None] = lambda section: None,
 ) -> StaticPlan:
     """The training lookup of ``keys`` [P] (table ids ``tids`` [P]; the first ``n_real`` real)
     with no host read: FusedStorage.lookup's train path (see the module docstring).
     ``score_now`` [] int64: the STEP/TIMESTAMP score; ``counts``: the table's and the
-    counter's :class:`DeviceCounts`."""
+    counter's :class:`DeviceCounts`; ``mark(section)`` is called at the end of each section
+    (``bench.bench_static_step`` times them)."""
     st, t = storage, storage.table
     n_tables, p, dev = len(st.specs), keys.numel(), keys.device
     runs = unique_runs(keys, tids, n_real, n_tables)
+    mark("unique")
     valid, uk, ut, cnt = runs.valid, runs.keys, runs.table_ids, runs.counts
     ut_safe = torch.where(valid, ut, 0)  # a table id every table array has
     tids_arg = st._tids(ut)
     # 2. find, and the scores of the hits
-    rows, found = t.backend.find(t, uk, tids_arg)
-    found &= valid
-    rows = torch.where(found, rows, -1)
-    if st.strategy is ScoreStrategy.LFU:
-        put_where(t._row_score, rows, t._row_score[rows.clamp(min=0)] + cnt, found)
-    else:
-        put_where(t._row_score, rows, score_now.expand(p), found)
+    rows, found = _find(st, uk, tids_arg, valid, cnt, score_now)
     new = valid & ~found
+    mark("find")
     # 3. admission: the counter's totals decide; its hits get them, its new keys are inserted
     totals, admitted = cnt, new
     not_admitted = torch.zeros_like(new)
@@ -205,10 +204,10 @@ def train_lookup(
     counter_counts = counts[1]
     if st.counter is not None:
         assert counter_counts is not None
-        totals, admitted, not_admitted, counted, c_erase_rows, c_bad = _count(
+        totals, admitted, not_admitted, counted, c_erase_rows, bad_score = _count(
             st, uk, tids_arg, hashed, ut_safe, cnt, new, counter_counts
         )
-        bad_score = bad_score | c_bad
+    mark("counter")
     # 4. the admitted keys into the table (the batch's stored keys pinned)
     pinned = _row_mask(t.capacity, rows, found)
     lfu = st.strategy is ScoreStrategy.LFU
@@ -224,19 +223,19 @@ def train_lookup(
         counts[0],
         equal_scores=not lfu,
     )
-    evicted = result.evicted_table_ids
-    st._counts[:, _EVICTIONS] += count_per_table(evicted, n_tables)
+    st._counts[:, _EVICTIONS] += count_per_table(result.evicted_table_ids, n_tables)
     both = st._one_hot[result.inserted.to(torch.int64)] * admitted[:, None]  # (refused, admitted)
-    # ut is sorted (the unique's pairs are in table-id order, padding last)
-    st._counts[:, _REFUSALS : _ADMITTED + 1] += sum_per_table(ut, both, n_tables)
+    st._counts[:, _REFUSALS : _ADMITTED + 1] += sum_per_table(ut, both, n_tables)  # ut: sorted
     rows = torch.where(admitted, result.rows, rows)
+    mark("insert")
     if st.counter is not None:
         assert counter_counts is not None
         done = result.inserted & counted & (c_erase_rows >= 0)  # now stored: forget them
         erase_rows(st.counter.table, c_erase_rows, done, counter_counts)
+    mark("erase")
     # 5. values: stored rows, else the admission value (waiting) or a fresh init (refused)
     out = _values(st, uk, ut, ut_safe, valid, cnt, rows, not_admitted)
-    return StaticPlan(
+    plan = StaticPlan(
         n=0,  # set by the caller (a host value: a replay serves any n of its size)
         keys=uk,
         table_ids=ut,
@@ -249,6 +248,8 @@ def train_lookup(
         stored_out=(rows >= 0).index_select(0, runs.inverse),
         errors=torch.stack([runs.negative, bad_score | result.bad_score]),
     )
+    mark("values")
+    return plan
 
 
 def _values(
@@ -271,6 +272,27 @@ def _values(
     looked = torch.stack([not_admitted, valid & ~stored], 1) * cnt[:, None]
     st._counts[:, _REJECTIONS : _MISSES + 1] += sum_per_table(ut, looked, n_tables)
     return out
+
+
+def _find(
+    st: FusedStorage,
+    uk: torch.Tensor,
+    tids_arg: torch.Tensor | None,
+    valid: torch.Tensor,
+    cnt: torch.Tensor,
+    score_now: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, found) of the runs in the table, -1 and False past the real ones; the found
+    rows' scores updated (LFU: + the batch's count; else the step's score)."""
+    t = st.table
+    rows, found = t.backend.find(t, uk, tids_arg)
+    found &= valid
+    rows = torch.where(found, rows, -1)
+    if st.strategy is ScoreStrategy.LFU:
+        put_where(t._row_score, rows, t._row_score[rows.clamp(min=0)] + cnt, found)
+    else:
+        put_where(t._row_score, rows, score_now.expand(uk.numel()), found)
+    return rows, found
 
 
 def _count(
