@@ -141,6 +141,29 @@ def compact_positions(mask: torch.Tensor, n_true: int) -> torch.Tensor:
     return torch.searchsorted(seen, torch.arange(1, n_true + 1, device=mask.device))
 
 
+def sort_pairs(
+    keys: torch.Tensor, table_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, group, keys sorted by key alone): the stable sort of (table id, key) pairs and
+    the 0-based run index of each sorted position (the part of :func:`unique_pairs` with no host
+    read; the static step's unique takes it too)."""
+    by_key = torch.sort(keys, stable=True)
+    order = by_key.indices
+    k = by_key.values
+    if table_ids is not None:  # ids fit int32 (the tables store them so): half the passes
+        by_tid = torch.sort(table_ids[order].to(torch.int32), stable=True)
+        order = order[by_tid.indices]
+        k = keys[order]
+        # change[i]: pair i differs from pair i - 1 (roll wraps around: position 0 set below)
+        change = (k != k.roll(1)) | (by_tid.values != by_tid.values.roll(1))
+    else:
+        change = k != k.roll(1)
+    # position 0 starts the first run: not counted, so the cumsum is the 0-based unique index
+    change[:1].fill_(False)
+    group = torch.cumsum(change, 0)
+    return order, group, by_key.values
+
+
 def unique_pairs(
     keys: torch.Tensor, table_ids: torch.Tensor | None, *, reject_negative: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,23 +179,10 @@ def unique_pairs(
     same synchronisation, whether any key is negative and raises :class:`NegativeKeyError`.
     """
     n = keys.numel()
-    by_key = torch.sort(keys, stable=True)
-    order = by_key.indices
-    k = by_key.values
-    if table_ids is not None:  # ids fit int32 (the tables store them so): half the passes
-        by_tid = torch.sort(table_ids[order].to(torch.int32), stable=True)
-        order = order[by_tid.indices]
-        k = keys[order]
-        # change[i]: pair i differs from pair i - 1 (roll wraps around: position 0 set below)
-        change = (k != k.roll(1)) | (by_tid.values != by_tid.values.roll(1))
-    else:
-        change = k != k.roll(1)
-    # position 0 starts the first run: not counted, so the cumsum is the 0-based unique index
-    change[:1].fill_(False)
-    group = torch.cumsum(change, 0)
+    order, group, by_key = sort_pairs(keys, table_ids)
     if reject_negative and n:
-        # by_key.values[0] is the smallest key: negative if any is
-        last, smallest = torch.stack([group[-1], by_key.values[0]]).tolist()
+        # by_key[0] is the smallest key: negative if any is
+        last, smallest = torch.stack([group[-1], by_key[0]]).tolist()
         if smallest < 0:
             raise NegativeKeyError("negative key")
         n_unique = last + 1

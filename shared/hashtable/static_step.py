@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shared.features import ScoreStrategy
-from shared.hashtable.hashing import INT64_MAX
+from shared.hashtable.hashing import INT64_MAX, sort_pairs
 from shared.hashtable.static_insert import (
     DeviceCounts,
     count_per_table,
@@ -143,13 +143,7 @@ def unique_runs(
     good = real & (keys >= 0)
     k = torch.where(good, keys, INT64_MAX)
     tid = torch.where(good, tids, n_tables)
-    order = torch.sort(k, stable=True).indices
-    by_tid = torch.sort(tid[order].to(torch.int32), stable=True)
-    order = order[by_tid.indices]
-    ks = k[order]
-    change = (ks != ks.roll(1)) | (by_tid.values != by_tid.values.roll(1))
-    change[:1].fill_(False)
-    group = torch.cumsum(change, 0)
+    order, group, _ = sort_pairs(k, tid)
     starts = torch.searchsorted(group, span)
     counts = torch.searchsorted(group, span, right=True) - starts
     inverse = torch.empty_like(order).index_copy_(0, order, group)
