@@ -75,11 +75,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step(dec: DynamicEmbeddingCollection, keys: dict[str, torch.Tensor], grad_seed: int) -> None:
-    """One training lookup of ``keys`` and its backward with a fixed random gradient."""
+Batch = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (keys, their gradients)
+
+
+def batch_grads(keys: dict[str, torch.Tensor], dim: int, seed: int) -> dict[str, torch.Tensor]:
+    """A fixed random gradient [n, dim] for each table's keys, on their device (made before any
+    timing: the timed steps only compute)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(k.numel(), dim, generator=gen).to(k.device) for n, k in keys.items()}
+
+
+def step(dec: DynamicEmbeddingCollection, batch: Batch) -> None:
+    """One training lookup of the batch's keys and its backward with their gradients."""
+    keys, grads = batch
     rows = dec(keys)
-    gen = torch.Generator().manual_seed(grad_seed)
-    loss = sum((r * torch.randn(r.shape, generator=gen).to(r.device)).sum() for r in rows.values())
+    loss = sum((rows[n] * grads[n]).sum() for n in keys)
     loss.backward()  # type: ignore[union-attr]
 
 
@@ -123,27 +133,23 @@ class Sections:
 
 
 def timed_sections(
-    dec: DynamicEmbeddingCollection, batches: list[dict[str, torch.Tensor]], device: torch.device
+    dec: DynamicEmbeddingCollection, batches: list[Batch], device: torch.device
 ) -> dict[str, float]:
     """Median ms of each section of the static step, run without graphs, over ``batches``."""
     (storage,) = dec._storages
     step_ = static_step.StaticStep(storage, capture=False)
     timer = Sections(device)
-    for i, keys in enumerate(batches):
+    for i, (keys, grads) in enumerate(batches):
         parts = [(storage.names.index(n), k) for n, k in keys.items()]
-        p = static_step.padded_size(sum(k.numel() for _, k in parts))
-        entry = step_._entry(p)
-        n = sum(k.numel() for _, k in parts)
-        torch.cat([k for _, k in parts], out=entry.keys[:n])
-        entry.tids[:n].copy_(storage._part_ids(parts))
-        entry.n_real.fill_(n)
+        entry, n = step_.stage(parts, 1000 + i)
+        grad = torch.cat([grads[name] for name in keys])
         _sync(device)
         timer.start()
         plan = static_step.train_lookup(storage, entry.keys, entry.tids, entry.n_real,
                                         entry.score, (step_.counts, step_.counter_counts),
                                         timer.mark)  # fmt: skip
-        gen = torch.Generator().manual_seed(i)
-        entry.grad.copy_(torch.randn(entry.grad.shape, generator=gen).to(device))
+        entry.grad[:n].copy_(grad)
+        entry.grad[n:].zero_()
         static_step.apply_gradients(storage, plan, entry.grad)
         timer.mark("backward")
         timer.finish()
@@ -151,15 +157,15 @@ def timed_sections(
 
 
 def timed_steps(
-    dec: DynamicEmbeddingCollection, batches: list[dict[str, torch.Tensor]], device: torch.device
+    dec: DynamicEmbeddingCollection, batches: list[Batch], device: torch.device
 ) -> float:
     """Median ms of a training lookup + backward over ``batches``, each up to a device sync."""
     out = []
-    for i, keys in enumerate(batches):
+    for i, batch in enumerate(batches):
         dec.set_step(1000 + i)
         _sync(device)
         t0 = time.perf_counter()
-        step(dec, keys, i)
+        step(dec, batch)
         _sync(device)
         out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out)
@@ -180,11 +186,15 @@ def run(args: Any) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(2)
     warm = [batch_keys(gen, names, args.keys, args.span) for _ in range(args.warmup)]
     timed = [batch_keys(gen, names, args.keys, args.span) for _ in range(args.steps)]
-    dev_batches = [{n: k.to(device) for n, k in b.items()} for b in warm + timed]
+    dim = eager._storages[0].dim
+    dev_batches: list[Batch] = []
+    for i, b in enumerate(warm + timed):
+        keys = {n: k.to(device) for n, k in b.items()}
+        dev_batches.append((keys, batch_grads(keys, dim, seed=i)))
     for dec in decs:
-        for i, keys in enumerate(dev_batches[: args.warmup]):
+        for i, batch in enumerate(dev_batches[: args.warmup]):
             dec.set_step(1 + i)
-            step(dec, keys, i)
+            step(dec, batch)
     static.use_static_step(capture=device.type == "cuda")
     (storage,) = static._storages
     assert static_step.supports(storage) is None, static_step.supports(storage)

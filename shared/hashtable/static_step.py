@@ -403,13 +403,7 @@ class StaticStep:
         """The static lookup of ``parts`` (None: a capture failed just now, nothing changed;
         the caller runs the eager lookup, as every later one)."""
         st = self.storage
-        n = sum(k.numel() for _, k in parts)
-        entry = self._entry(padded_size(n))
-        keys = [k if k.dtype == torch.int64 else k.to(torch.int64) for _, k in parts]
-        torch.cat(keys, out=entry.keys[:n])
-        entry.tids[:n].copy_(st._part_ids(parts))
-        entry.n_real.fill_(n)
-        entry.score.fill_(score_now)
+        entry, n = self.stage(parts, score_now)
         shared = self._forward(entry)
         if shared is None:
             return None
@@ -422,6 +416,18 @@ class StaticStep:
         for t, k in parts:
             st._lookups[t][0] += k.numel()
         return plan
+
+    def stage(self, parts: list[tuple[int, torch.Tensor]], score_now: int) -> tuple[_Entry, int]:
+        """(the entry of the parts' padded size, their key count): the keys, table ids, count
+        and score copied into its inputs, what its graphs (or :func:`train_lookup`) read."""
+        n = sum(k.numel() for _, k in parts)
+        entry = self._entry(padded_size(n))
+        keys = [k if k.dtype == torch.int64 else k.to(torch.int64) for _, k in parts]
+        torch.cat(keys, out=entry.keys[:n])
+        entry.tids[:n].copy_(self.storage._part_ids(parts))
+        entry.n_real.fill_(n)
+        entry.score.fill_(score_now)
+        return entry, n
 
     def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:
         assert isinstance(plan, StaticPlan)  # FusedStorage hands it only what lookup returned
