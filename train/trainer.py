@@ -278,7 +278,7 @@ class Trainer:
             self.model.sparse.dynamic = sharded  # type: ignore[assignment]
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
-        self.graphs = self._dense_graphs()
+        self.graphs = self._cuda_graphs()
         self.loader = Loader(
             self.train_path,
             self.fs,
@@ -295,9 +295,10 @@ class Trainer:
         # rank 0 writes the metrics; the others keep their records in memory only
         self.metrics = MetricsLog(self.model_dir / "metrics.jsonl" if self.rank == 0 else None)
 
-    def _dense_graphs(self) -> DenseArchGraphs | None:
-        """CUDA graphs for the dense part: single-process CUDA training only (DDP-wrapped
-        dense stays eager; its gradient hooks cannot run inside a replayed graph)."""
+    def _cuda_graphs(self) -> DenseArchGraphs | None:
+        """CUDA graphs for the step (the dense part's, returned, and the dynamic tables' static
+        step: :func:`cuda_graphs_for`): single-process CUDA training only (DDP-wrapped dense
+        stays eager; its gradient hooks cannot run inside a replayed graph)."""
         want = self.options.cuda_graphs
         if want is None:
             want = CUDA_GRAPHS_DEFAULT
