@@ -47,6 +47,13 @@ def put_where(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, mask: tor
     dst.index_copy_(0, torch.where(mask, at, at_first), value)
 
 
+def free_rows(t: TableLayout, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """The rows ``rows[i]`` where ``mask[i]`` become free (key -1, table id 0, score 0): the
+    torch backend's ``_free_rows`` by mask."""
+    for arr, value in ((t._row_key, EMPTY_KEY), (t._row_tid, 0), (t._row_score, 0)):
+        put_where(arr, rows, torch.full_like(rows, value, dtype=arr.dtype), mask)
+
+
 def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``mask`` [n] viewed to broadcast over ``like`` [n, ...]."""
     return mask.view(-1, *([1] * (like.dim() - 1)))
@@ -213,8 +220,7 @@ def insert_absent(
     evicted_tids = torch.where(evicted, t._row_tid[ev_rows].to(torch.int64), -1)
     size_before = t._bucket_count.sum()
     # the evicted rows are freed first: a newcomer may take one of them
-    for arr, value in ((t._row_key, EMPTY_KEY), (t._row_tid, 0), (t._row_score, 0)):
-        put_where(arr, ev_rows, torch.full_like(ev_rows, value, dtype=arr.dtype), evicted)
+    free_rows(t, ev_rows, evicted)
     put_where(t._row_key, rows, keys, inserted)
     tids = torch.zeros_like(keys) if table_ids is None else table_ids
     put_where(t._row_tid, rows, tids.to(torch.int32), inserted)
@@ -249,8 +255,7 @@ def erase_rows(
     erased = torch.zeros(cap + 1, dtype=torch.bool, device=dev)  # the last one: a sink
     erased.index_copy_(0, torch.where(mask, slots, cap), mask)
     erased = erased[:cap].view(nb, b)
-    for arr, value in ((t._row_key, EMPTY_KEY), (t._row_tid, 0), (t._row_score, 0)):
-        put_where(arr, rows, torch.full_like(rows, value, dtype=arr.dtype), mask)
+    free_rows(t, rows, mask)
     empty = erased | (torch.arange(b, device=dev) >= t._bucket_count[:, None])
     stays = ~empty
     n_stay = stays.sum(1, keepdim=True)
