@@ -30,7 +30,7 @@ from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.cuda import runtime as cuda_kernels
 from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.initializers import KeyedInitializer, NewRows
-from shared.hashtable.layout import InsertResult, TableLayout
+from shared.hashtable.layout import InsertResult, SelectedInsert, TableLayout
 from shared.hashtable.torch_backend import TorchBackend
 
 L = TypeVar("L", bound=TableLayout)
@@ -109,6 +109,22 @@ class Backend(Protocol):
     ) -> InsertResult:
         """``exact=False``: evictions may come padded (see ``InsertResult``), the table's counts
         then settled later (``TableLayout._defer``)."""
+        ...
+
+    def insert_selected(
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        table_ids: torch.Tensor | None,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        mask: torch.Tensor,
+        pinned: torch.Tensor | None,
+    ) -> SelectedInsert | None:
+        """A captured training step's insert of the selected absent keys at max capacity on this
+        backend's kernels (:func:`shared.hashtable.cuda.insert.insert_selected`), or None where
+        it has none for the call: :func:`shared.hashtable.static_insert.insert_absent` then
+        merges with torch ops."""
         ...
 
     def erase(

@@ -56,6 +56,17 @@ class Counts(NamedTuple):
     refusals: int = 0
 
 
+class SelectedInsert(NamedTuple):
+    """What a backend's ``insert_selected`` did (a captured step's insert; every size static,
+    every count on the device)."""
+
+    rows: torch.Tensor  # [M] int64: each selected key's row, -1 if refused or not selected
+    inserted: torch.Tensor  # [M] bool: selected and now stored
+    counts: torch.Tensor  # [3] int64: the table's size change, its evictions, its refusals
+    evicted_table_ids: torch.Tensor  # [M] int64: each evicted entry's table id, then -1
+    failed: torch.Tensor  # [] bool: the kernels refused the call (nothing changed)
+
+
 class ExportedRows(NamedTuple):
     """Stored entries, sorted by (table id, key). ``accumulators`` is None without optimizer state."""
 

@@ -3,10 +3,15 @@ table operations of a captured training step (:mod:`shared.hashtable.static_step
 
 Every tensor here has a size known before the call (the batch's padded key count, the table's
 buckets), every count stays on the device, and a key takes part or not by a mask, so a CUDA
-graph can replay the call on the next batch of the same padded size. The price is work on every
-bucket of the table, not only the touched ones: a few sorts of ``[buckets, 2 * bucket_capacity]``
-a call, which the GPU has time for while the host would otherwise issue the ~150 ops of the
-eager path (issue #18).
+graph can replay the call on the next batch of the same padded size.
+
+:func:`insert_absent` first keeps each bucket's best ``bucket_capacity`` newcomers (one sort of
+the batch's keys), then hands them to the table's backend (``Backend.insert_selected``): on CUDA
+the eager path's kernels with a mask and device-side counts
+(:func:`shared.hashtable.cuda.insert.insert_selected`: work on the touched buckets only);
+elsewhere, and where the kernels cannot take the call, the torch merge of this module, which
+works on every bucket of the table (a few sorts of ``[buckets, 2 * bucket_capacity]`` a call:
+on the H200 4-6 ms a step for the seed tables, ``bench/results/bench_static_step*.json``).
 
 The content is the backends' (``insert_or_assign`` of absent keys at max capacity, ``erase``):
 the same keys stay, leave or are refused (the ranking of :mod:`shared.hashtable.buckets`, here
@@ -19,6 +24,7 @@ table reads when one of them is next read (``TableLayout._defer``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -27,6 +33,9 @@ from shared.hashtable.backend import Backend
 from shared.hashtable.buckets import rank_buckets_packed
 from shared.hashtable.hashing import bucket_of
 from shared.hashtable.layout import EMPTY_KEY, Counts, TableLayout
+
+if TYPE_CHECKING:
+    from shared.hashtable.table import HashTable
 
 
 def put_where(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
@@ -128,7 +137,16 @@ def hash_keys(
     return fp, torch.sort(fp, stable=True).indices
 
 
-def _newcomer_grid(
+class _Newcomers(NamedTuple):
+    """The newcomers a bucket can take (:func:`_best_newcomers`)."""
+
+    take: torch.Tensor  # [M] bool: selected and among its bucket's best ``b`` newcomers
+    bucket: torch.Tensor  # [M] int64: each key's bucket
+    refused: torch.Tensor  # [] int64: the selected keys beyond their bucket's best ``b``
+    bad_score: torch.Tensor  # [] bool: a selected score outside [0, 2**60)
+
+
+def _best_newcomers(
     fp: torch.Tensor,
     by_fp: torch.Tensor,
     scores: torch.Tensor,
@@ -136,14 +154,13 @@ def _newcomer_grid(
     nb: int,
     b: int,
     equal_scores: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The newcomers of every bucket: (grid [nb * b + 1] int64, the key positions of each
-    bucket's best ``b`` selected keys in fingerprint order, -1 padding, then a sink cell; the
-    selected keys beyond a bucket's best ``b``, refused; [] bool: a score out of range)."""
+) -> _Newcomers:
+    """Each bucket's best ``b`` selected keys by score (descending), then fingerprint: one
+    stable sort of (bucket, score) packed, the unselected keys past the last bucket. The
+    others cannot stay (a bucket keeps ``b`` entries): refused before any merge, as the
+    backends' pre-step refuses them."""
     m, dev = fp.numel(), fp.device
     bucket = bucket_of(fp, nb)
-    # a bucket takes its best b newcomers by score (descending), then fingerprint: one stable
-    # sort of (bucket, score) packed, unselected keys in a bucket past the end
     shift = 63 - nb.bit_length()
     limit = 1 << shift
     rank_score = torch.zeros_like(scores) if equal_scores else scores
@@ -156,7 +173,14 @@ def _newcomer_grid(
     live = sorted_bucket < nb
     refused = (live & (rank >= b)).sum()
     take = torch.zeros(m, dtype=torch.bool, device=dev).index_copy_(0, order, live & (rank < b))
-    # the taken ones fill their bucket's newcomer columns in fingerprint order
+    return _Newcomers(take, bucket, refused, bad_score)
+
+
+def _newcomer_grid(take: torch.Tensor, bucket: torch.Tensor, by_fp: torch.Tensor, nb: int,
+                   b: int) -> torch.Tensor:  # fmt: skip
+    """[nb * b + 1] int64: the key positions of each bucket's taken keys in fingerprint order,
+    -1 padding, then a sink cell (the newcomer columns of :func:`rank_buckets_packed`)."""
+    dev = take.device
     take_fp, bucket_fp = take[by_fp], bucket[by_fp]  # bucket_fp is non-decreasing
     seen = torch.cumsum(take_fp, 0)
     start = torch.searchsorted(bucket_fp, torch.arange(nb, device=dev))
@@ -165,11 +189,11 @@ def _newcomer_grid(
     grid = torch.full((nb * b + 1,), -1, dtype=torch.int64, device=dev)  # the last cell: a sink
     grid.index_copy_(0, torch.where(take_fp, bucket_fp * b + col, nb * b),
                      torch.where(take_fp, by_fp, -1))  # fmt: skip
-    return grid, refused, bad_score
+    return grid
 
 
 def insert_absent(
-    t: TableLayout,
+    t: HashTable,
     keys: torch.Tensor,
     table_ids: torch.Tensor | None,
     hashed: tuple[torch.Tensor, torch.Tensor],
@@ -191,7 +215,15 @@ def insert_absent(
     assert t.num_buckets == t._max_buckets, "insert_absent needs a table at its max capacity"
     b, nb, m, dev = t.bucket_capacity, t.num_buckets, keys.numel(), t.device
     fp, by_fp = hashed
-    grid, refused_early, bad_score = _newcomer_grid(fp, by_fp, scores, mask, nb, b, equal_scores)
+    best = _best_newcomers(fp, by_fp, scores, mask, nb, b, equal_scores)
+    on_kernels = t.backend.insert_selected(t, keys, table_ids, values, scores, best.take, pinned)
+    if on_kernels is not None:
+        size, evictions, refusals = on_kernels.counts.unbind()
+        counts.add(size, evictions, best.refused + refusals)
+        bad = best.bad_score | on_kernels.failed
+        return StaticInsert(on_kernels.rows, on_kernels.inserted, on_kernels.evicted_table_ids, bad)
+    grid = _newcomer_grid(best.take, best.bucket, by_fp, nb, b)
+    refused_early, bad_score = best.refused, best.bad_score
     e_row = t._slot_row.view(nb, b)
     e_valid = torch.arange(b, device=dev) < t._bucket_count[:, None]
     if t.score_strategy is ScoreStrategy.NO_EVICTION:

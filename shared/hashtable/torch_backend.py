@@ -39,7 +39,7 @@ from shared.hashtable.hashing import (
     unique_pairs,
 )
 from shared.hashtable.initializers import KeyedInitializer, NewRows
-from shared.hashtable.layout import EMPTY_KEY, InsertResult, TableLayout
+from shared.hashtable.layout import EMPTY_KEY, InsertResult, SelectedInsert, TableLayout
 
 L = TypeVar("L", bound=TableLayout)
 
@@ -229,6 +229,19 @@ class TorchBackend:
             torch.cat(evicted_t),
             refused,
         )
+
+    def insert_selected(
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        table_ids: torch.Tensor | None,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        mask: torch.Tensor,
+        pinned: torch.Tensor | None,
+    ) -> SelectedInsert | None:
+        """None: no kernels (``static_insert.insert_absent`` merges with torch ops)."""
+        return None
 
     def erase(
         self,

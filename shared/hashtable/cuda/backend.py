@@ -52,7 +52,7 @@ from shared.hashtable.cuda import insert as cuda_insert
 from shared.hashtable.cuda import keyed, sparse_update, unique
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.hashing import fingerprint
-from shared.hashtable.layout import InsertResult, TableLayout
+from shared.hashtable.layout import InsertResult, SelectedInsert, TableLayout
 from shared.hashtable.torch_backend import TorchBackend
 
 if TYPE_CHECKING:
@@ -164,6 +164,18 @@ class CudaBackend(TorchBackend):
             t, keys, values, scores, table_ids=table_ids, accumulators=accumulators,
             pinned_rows=pinned_rows,
         )  # fmt: skip
+
+    def insert_selected(
+        self,
+        t: TableLayout,
+        keys: torch.Tensor,
+        table_ids: torch.Tensor | None,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        mask: torch.Tensor,
+        pinned: torch.Tensor | None,
+    ) -> SelectedInsert | None:
+        return cuda_insert.insert_selected(t, keys, table_ids, values, scores, mask, pinned)
 
     def erase(
         self,

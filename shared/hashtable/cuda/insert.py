@@ -46,6 +46,12 @@ Tables of any dim (0 included: the admission counter) and bucket capacity take t
 bucket capacity whose shared memory exceeds 48 KiB per warp (1024, the counter's default) opts
 in to the device's limit.
 
+**insert_selected** (:func:`insert_selected`): the same kernels inside a captured training
+step (``shared.hashtable.static_insert``): the selected keys of a static-size batch by a mask
+(stage and gather skip the others), at max capacity, with no host read: ``ht_ins2_over`` gets
+a block for every bucket and the blocks past the device count of full buckets return at once;
+the counts stay on the device (``SelectedInsert``).
+
 **erase** (kernels.cu ``ht_erase_*``, :func:`erase`): mark (a thread per key) and apply (a warp
 per bucket holding an erased key: a stable partition of its slots, the rows freed), one host
 read, on the table's scratch; invalid keys raise the torch backend's error with the table
@@ -70,7 +76,7 @@ from shared.features import ScoreStrategy
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda.find import window
 from shared.hashtable.hashing import bucket_of
-from shared.hashtable.layout import Counts, InsertResult, TableLayout
+from shared.hashtable.layout import Counts, InsertResult, SelectedInsert, TableLayout
 
 if TYPE_CHECKING:
     from shared.hashtable.torch_backend import TorchBackend
@@ -94,10 +100,10 @@ ER_NEG_KEY, ER_BAD_TID, ER_ERASED, ER_LISTED = range(4)
 # Parameter types of the kernels launched through runtime.Kernel, in order: p pointer (a tensor
 # or None), q int64, i int32, f float32. Must match kernels.cu (test_cuda_keyed checks them).
 SIGNATURES = {
-    "ht_ins2_stage": "ppiqpppppqqqiqpppppp",
+    "ht_ins2_stage": "ppiqpppppqqqiqppppppp",
     "ht_ins2_place": "ppiqqqipppppppppppiqpppifiiipppppi",
     "ht_ins2_write": "qpppiiiipppppiqqpppi",
-    "ht_ins2_gather": "ppqpp",
+    "ht_ins2_gather": "ppqppp",
     "ht_ins2_over": "pqqppppipppifiipipppppppppippppqp",
     "ht_ins2_over_list": "qpppppp",
     "ht_erase_mark": "ppiqpppppqqqipppp",
@@ -161,9 +167,9 @@ class _Scratch:
         self.over_list = torch.empty(nb, dtype=torch.int64, device=dev)  # buckets without room
         self.stats = torch.zeros(2, ST_LEN, dtype=torch.int64, device=dev)  # alternate per call
         self.stats_of = (self.stats[0], self.stats[1])
-        self.host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        # a deferred erase's stats (erase(count=False)), read when the table's size is needed
-        self.erase_host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._pin = dev.type == "cuda"
+        self._host: torch.Tensor | None = None
+        self._erase_host: torch.Tensor | None = None
         self.rep_of = torch.empty(0, dtype=torch.int32, device=dev)  # grows with the batch
         self.empty = torch.zeros(0, dtype=torch.int64, device=dev)
         self.kernels: dict[str, rt.Kernel] = {}
@@ -172,6 +178,21 @@ class _Scratch:
         self.stream_ptr: int | None = None
         self.event: Any = None
         self.erase_event: Any = None
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The pinned copy of a call's stats (made at the first use: a scratch made inside a
+        captured call, :func:`insert_selected`'s, allocates no host memory)."""
+        if self._host is None:
+            self._host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=self._pin)
+        return self._host
+
+    @property
+    def erase_host(self) -> torch.Tensor:
+        """A deferred erase's stats (erase(count=False)), read when the table's size is needed."""
+        if self._erase_host is None:
+            self._erase_host = torch.zeros(ST_LEN, dtype=torch.int64, pin_memory=self._pin)
+        return self._erase_host
 
     def clear(self) -> None:
         self.scount.zero_()
@@ -434,6 +455,7 @@ def _stage_args(
         sc.scount,
         sc.stage,
         stats,
+        None,  # no mask: every key takes part
     )
 
 
@@ -591,7 +613,7 @@ def _gather(
         sc.kernel(launch, "ht_ins2_gather"),
         b.n_blocks,
         rt.BLOCK,
-        (sc.rep_of, rep_rows, b.n, rows, inserted),
+        (sc.rep_of, rep_rows, b.n, rows, inserted, None),
     )
 
 
@@ -636,7 +658,28 @@ def _overflow(
     ev_tid = torch.empty(over_new, dtype=torch.int64, device=dev)
     ev_meta = torch.empty(2, n_over, dtype=torch.int64, device=dev)  # (start, count) a bucket
     stats = sc.stats_of[1 - sc.parity]  # this call's: ht_ins2_write flipped the parity
-    args = (
+    pins = (pinned, pin_mode)
+    args = _over_args(table, b, sc, over, pins, rep_rows, (ev_key, ev_tid, ev_meta), stats)
+    smem = _over_smem(b.bc, b.S)
+    launch(sc.kernel(launch, "ht_ins2_over"), n_over, _over_threads(b.bc), args, smem)
+    _gather(b, launch, sc, rep_rows, rows, inserted)
+    return _list_evicted(table, b, launch, sc, stats, over_new, ev_meta, (ev_key, ev_tid))
+
+
+def _over_args(
+    table: TableLayout,
+    b: _Batch,
+    sc: _Scratch,
+    over: torch.Tensor,
+    pins: tuple[torch.Tensor | None, int],
+    rep_rows: torch.Tensor,
+    evicted: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    stats: torch.Tensor,
+) -> tuple[Any, ...]:
+    """The arguments of ``ht_ins2_over`` (SIGNATURES order) for the list ``over`` [n_o]:
+    ``pins`` (pinned, mode) of :func:`_pins`, ``evicted`` (ev_key, ev_tid, ev_meta [2, n_o])."""
+    ev_key, ev_tid, ev_meta = evicted
+    return (
         over,
         b.bc,
         b.S,
@@ -652,8 +695,7 @@ def _overflow(
         table.initial_accumulator_value,
         b.dim,
         int(b.vec4),
-        pinned,
-        pin_mode,
+        *pins,
         table._sentinel,
         table._bucket_count,
         table._slot_fp,
@@ -668,13 +710,9 @@ def _overflow(
         ev_key,
         ev_tid,
         ev_meta,
-        n_over,
+        over.numel(),
         stats,
     )
-    smem = _over_smem(b.bc, b.S)
-    launch(sc.kernel(launch, "ht_ins2_over"), n_over, _over_threads(b.bc), args, smem)
-    _gather(b, launch, sc, rep_rows, rows, inserted)
-    return _list_evicted(table, b, launch, sc, stats, over_new, ev_meta, (ev_key, ev_tid))
 
 
 def _list_evicted(
@@ -715,6 +753,117 @@ def _list_evicted(
     table.evictions += evicted
     table.refusals += refused
     return out_key[:evicted], out_tid[:evicted], refused
+
+
+# ------------------------------------------------------------- insert of a captured training step
+
+
+def insert_selected(
+    table: TableLayout,
+    keys: torch.Tensor,
+    table_ids: torch.Tensor | None,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    pinned: torch.Tensor | None,
+) -> SelectedInsert | None:
+    """Insert the keys ``keys[i]`` where ``mask[i]`` (distinct valid pairs absent from the
+    table, fewer than ``2 * bucket_capacity`` selected in a bucket: the staging list) with ``values``, ``scores`` and
+    fresh accumulators into ``table``, at its max capacity, with static shapes and no host read:
+    the insert of a captured training step (:func:`shared.hashtable.static_insert.insert_absent`
+    selects the keys). ``pinned`` [capacity] bool: rows never evicted.
+
+    The kernels of :func:`insert_or_assign`: stage (with the mask), place pass 0 (at max
+    capacity it decides alone), ``ht_ins2_over`` with a block for every bucket (the list of
+    full buckets padded with -1 past its device count: those blocks return at once) and
+    ``ht_ins2_gather``; no ``ht_ins2_write`` (no selected key is stored: there is nothing to
+    assign). The scratch is left as found, both stats buffers zero. None where the kernels
+    cannot take the call (:func:`_batch_of`, shared memory): nothing launched."""
+    if table.num_buckets != table._max_buckets:
+        return None
+    b = _batch_of(table, keys, values, scores, table_ids, None)
+    if b is None:
+        return None
+    launch = rt.Launcher(b.dev)
+    with launch:
+        warps = _block_warps(launch, ("ht_ins2_place0",), b.stride, PLACE_WARPS)
+        over_smem = _over_smem(b.bc, b.S)
+        if warps == 0 or not _block_warps(launch, ("ht_ins2_over",), over_smem, 1):
+            return None
+        sc = _static_scratch(table)
+        stats, rows, inserted, rep_rows = _stage_and_place(table, b, launch, sc, mask, warps)
+        n, nb, dev = b.n, b.nb, b.dev
+        over = torch.where(torch.arange(nb, device=dev) < stats[ST_N_OVER], sc.over_list, -1)
+        ev = torch.empty(2, n, dtype=torch.int64, device=dev)  # keys, table ids: one a new pair
+        ev_meta = torch.empty(2, nb, dtype=torch.int64, device=dev)
+        pins = _static_pins(table, pinned)
+        evicted = (ev[0], ev[1], ev_meta)
+        args = _over_args(table, b, sc, over, pins, rep_rows, evicted, stats)
+        launch(sc.kernel(launch, "ht_ins2_over"), nb, _over_threads(b.bc), args, over_smem)
+        launch(
+            sc.kernel(launch, "ht_ins2_gather"),
+            b.n_blocks,
+            rt.BLOCK,
+            (sc.rep_of, rep_rows, n, rows, inserted, mask),
+        )
+    added = stats[ST_NEW] - stats[ST_OVER_NEW] + stats[ST_OV_ADDED]
+    counts = torch.stack([added, stats[ST_OV_EVICTED], stats[ST_OV_REFUSED]])
+    failed = (stats[ST_STAGED_OVER] | stats[ST_NEG_KEY] | stats[ST_BAD_TID]) != 0
+    tids = torch.where(torch.arange(n, device=dev) < stats[ST_OV_EVICTED], ev[1], -1)
+    sc.stats.zero_()  # queued after every read of this call's stats
+    sc.dirty = False
+    if table_ids is not None:
+        table._any_tid = True  # a superset of the torch rule (new stored pairs): always safe
+    return SelectedInsert(rows, inserted.view(torch.bool), counts, tids, failed)
+
+
+def _static_scratch(table: TableLayout) -> _Scratch:
+    """The table's scratch for :func:`insert_selected`: :func:`_scratch_of` without its host
+    work (no pending counts settled, no stream synchronized: a captured call may do neither;
+    its buffers are device-only, the pinned ones untouched)."""
+    sc = _scratch.get(table)
+    if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
+        sc = _scratch[table] = _Scratch(table)
+    if sc.dirty:
+        sc.clear()
+    return sc
+
+
+def _static_pins(
+    table: TableLayout, pinned: torch.Tensor | None
+) -> tuple[torch.Tensor | None, int]:
+    """(pinned [capacity] bool or None, mode) for ``ht_ins2_over`` (:func:`_pins`' modes)."""
+    if table.score_strategy is ScoreStrategy.NO_EVICTION:
+        return None, 2
+    return (None, 0) if pinned is None else (pinned.contiguous(), 1)
+
+
+def _stage_and_place(
+    table: TableLayout,
+    b: _Batch,
+    launch: rt.Launcher,
+    sc: _Scratch,
+    mask: torch.Tensor,
+    warps: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`insert_selected`'s stage (the keys of ``mask``) and place pass 0 on the first
+    stats buffer: (stats, rows [n] int64, inserted [n] uint8, rep_rows [n] int64 all -1)."""
+    n, dev = b.n, b.dev
+    if sc.rep_of.numel() < n:
+        sc.rep_of = torch.empty(n, dtype=torch.int32, device=dev)
+    sc.rep_of[:n].zero_()  # defined for every key: gather reads it for selected keys only
+    sc.stats.zero_()  # the last call's buffer too (ht_ins2_write clears it only at the next)
+    stats = sc.stats_of[0]
+    rows = torch.empty(n, dtype=torch.int64, device=dev)
+    inserted = torch.empty(n, dtype=torch.uint8, device=dev)
+    rep_rows = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    sc.dirty = True
+    stage_args = (*_stage_args(table, b, sc, stats, rows, inserted)[:-1], mask.contiguous())
+    launch(sc.kernel(launch, f"ht_ins2_stage_w{window(table)}"), b.n_blocks, rt.BLOCK, stage_args)
+    grid, block, smem = math.ceil(b.nb / warps), 32 * warps, warps * b.stride
+    place_args = _place_args(table, b, sc, stats, rows, inserted)
+    launch(sc.kernel(launch, "ht_ins2_place0"), grid, block, place_args, smem)
+    return stats, rows, inserted, rep_rows
 
 
 # ---------------------------------------------------------------------------------------- erase

@@ -213,7 +213,9 @@ extern "C" __global__ void ht_build_place(
 // 1. ht_ins2_stage_w<W> (a thread per key): locate; a stored key marks its row in win
 //    (atomicMax: the last occurrence wins), a new occurrence is staged (input index) in its
 //    bucket's list stage[b * S + arrival]. Counters are aggregated per warp (ballot) and per
-//    block (shared memory): one global atomic per block and counter, not per key.
+//    block (shared memory): one global atomic per block and counter, not per key. With a
+//    mask (insert.py's insert_selected, a captured step's call), an unselected key takes no
+//    part: rows -1, inserted 0.
 // 2. ht_ins2_place0 (a warp per bucket): rank the bucket's staged occurrences by (fingerprint,
 //    table id, key, input index): a 32-bit key per entry (the high bits of its position in the
 //    bucket's fingerprint range, its list index below) ranks them with one shared-memory load
@@ -291,13 +293,17 @@ __device__ __forceinline__ void ht_ins2_stage(
     const i64* __restrict__ row_key, const int* __restrict__ row_tid,
     const i64* __restrict__ bucket_count, i64 nb, i64 bc, i64 cap, int check_tid, i64 S,
     i64* __restrict__ rows, unsigned char* __restrict__ inserted, int* __restrict__ win,
-    unsigned int* __restrict__ scount, int* __restrict__ stage, u64* __restrict__ stats) {
+    unsigned int* __restrict__ scount, int* __restrict__ stage, u64* __restrict__ stats,
+    const unsigned char* __restrict__ mask) {
     __shared__ unsigned int s_cnt[6];  // staged over, neg, bad tid, maybe full, staged, any tid
     if (threadIdx.x < 6) s_cnt[threadIdx.x] = 0;
     __syncthreads();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     bool over = false, neg = false, bad = false, full = false, staged = false, any_tid = false;
-    if (i < n) {
+    if (i < n && mask != nullptr && !mask[i]) {  // a static call's unselected key: no part
+        rows[i] = -1;
+        inserted[i] = 0;
+    } else if (i < n) {
         const i64 key = keys[i];
         const i64 tid = has_tids ? tids[i] : 0;
         neg = key < 0;
@@ -346,10 +352,11 @@ __device__ __forceinline__ void ht_ins2_stage(
         const i64* __restrict__ row_key, const int* __restrict__ row_tid,                      \
         const i64* __restrict__ bucket_count, i64 nb, i64 bc, i64 cap, int check_tid, i64 S,   \
         i64* __restrict__ rows, unsigned char* __restrict__ inserted, int* __restrict__ win,   \
-        unsigned int* __restrict__ scount, int* __restrict__ stage, u64* __restrict__ stats) { \
+        unsigned int* __restrict__ scount, int* __restrict__ stage, u64* __restrict__ stats,  \
+        const unsigned char* __restrict__ mask) {                                              \
         ht_ins2_stage<W>(keys, tids, has_tids, n, slot_fp, slot_row, row_key, row_tid,         \
                          bucket_count, nb, bc, cap, check_tid, S, rows, inserted, win, scount, \
-                         stage, stats);                                                        \
+                         stage, stats, mask);                                                  \
     }
 HT_INS2_STAGE(0)
 HT_INS2_STAGE(4)
@@ -738,11 +745,13 @@ extern "C" __global__ void ht_ins2_write(
 
 // After the eviction pass (ht_ins2_over, buckets in over_list): the occurrences of their new
 // pairs (rows[i] still -1) take their representative's row (-1: refused).
+// mask (a static call's, else null): the selected keys; the others are left as they are.
 extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
                                          const i64* __restrict__ rep_rows, i64 n,
-                                         i64* __restrict__ rows, unsigned char* __restrict__ inserted) {
+                                         i64* __restrict__ rows, unsigned char* __restrict__ inserted,
+                                         const unsigned char* __restrict__ mask) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n || rows[i] >= 0) return;
+    if (i >= n || (mask != nullptr && !mask[i]) || rows[i] >= 0) return;
     const i64 q = rep_rows[rep_of[i]];
     rows[i] = q;
     inserted[i] = q >= 0;
@@ -806,6 +815,13 @@ extern "C" __global__ void ht_ins2_over(
     const unsigned int below = (1u << lane) - 1u;
     const i64 j = blockIdx.x;
     const i64 b = over[j];
+    if (b < 0) {  // past the listed buckets of a static call (its list padded with -1)
+        if (tx == 0) {
+            ev_meta[j] = 0;
+            ev_meta[n_over + j] = 0;
+        }
+        return;  // the whole block, before any barrier
+    }
     const i64 base = b * bc;
     const i64 c64 = bucket_count[b];
     const int c = (int)(c64 > bc ? bc : c64);

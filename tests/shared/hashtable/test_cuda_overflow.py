@@ -382,3 +382,118 @@ def test_padded_evictions_read_the_host_once(monkeypatch: pytest.MonkeyPatch) ->
         _assert_same_table(t, core)  # reads size, evictions, refusals: settled
         assert t._pending == []
     assert backend.paths["insert.overflow"] >= 3 and t.evictions > 0
+
+
+def _selected_batch(
+    core: HashTable, bc: int, dim: int, g: torch.Generator, with_tids: bool
+) -> dict[str, torch.Tensor]:
+    """A static call's inputs: new distinct keys (0 .. 2 * bc - 1 a bucket) interleaved with
+    keys that must take no part (stored keys, copies of the new ones), ``sel`` the new ones."""
+    per = torch.randint(0, 2 * bc, (core.num_buckets,), generator=g)
+    new, new_tids = _new_keys(core, per, g, with_tids)
+    live = torch.nonzero(core.row_keys.cpu() >= 0).squeeze(1)
+    stored = live[torch.randperm(live.numel(), generator=g)[:64]]
+    s_tids = core.row_table_ids.cpu()[stored].to(torch.int64)
+    keys = torch.cat([new, core.row_keys.cpu()[stored], new[:32]])
+    tids = None if new_tids is None else torch.cat([new_tids, s_tids, new_tids[:32]])
+    sel = torch.zeros(keys.numel(), dtype=torch.bool)
+    sel[: new.numel()] = True
+    perm = torch.randperm(keys.numel(), generator=g)
+    n = keys.numel()
+    out = {
+        "keys": keys[perm],
+        "sel": sel[perm],
+        "values": torch.randn(n, dim, generator=g),
+        "scores": torch.randint(0, 4, (n,), generator=g),
+        "pinned": stored[: live.numel() // 8],  # rows that must not be evicted
+    }
+    if tids is not None:
+        out["table_ids"] = tids[perm]
+    return out
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize(
+    "strategy", [ScoreStrategy.LFU, ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION],
+    ids=lambda s: s.name,
+)  # fmt: skip
+@pytest.mark.parametrize("dim, extras", [(0, False), (16, True)], ids=["counter", "tids+accum"])
+def test_the_static_insert_gives_the_torch_table(
+    strategy: ScoreStrategy, dim: int, extras: bool, captured: bool
+) -> None:
+    """insert.insert_selected (a captured training step's insert: a mask, no host read) on a
+    table at max capacity = the torch backend's insert_or_assign of the selected keys: rows,
+    inserted, the table, its size, evictions (and their table ids) and refusals; replayed from
+    a CUDA graph with new inputs each step when ``captured``."""
+    from shared.hashtable.cuda import insert
+
+    bc, nb = 16, 48
+    table = _table(dim, nb, bc, strategy, accum=extras)
+    core = table.to(table.device, backend=TORCH)
+    g = torch.Generator().manual_seed(11)
+    fill = _batches(bc, dim, with_tids=extras, accum=False, pin=False, scores=4)(core, 0, g)
+    for t in (core, table):
+        t.insert_or_assign(**{k: v for k, v in fill.items() if k != "pin"})
+    batches = [_selected_batch(core, bc, dim, g, extras) for _ in range(4)]
+    n = max(b["keys"].numel() for b in batches)
+    buf = {  # a graph's inputs: fixed tensors, each step copied in (padding unselected)
+        "keys": torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        "table_ids": torch.zeros(n, dtype=torch.int64, device=DEVICE) if extras else None,
+        "values": torch.zeros(n, dim, device=DEVICE),
+        "scores": torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        "sel": torch.zeros(n, dtype=torch.bool, device=DEVICE),
+        "pinned": torch.zeros(table.capacity, dtype=torch.bool, device=DEVICE),
+    }
+
+    def call() -> object:
+        return insert.insert_selected(
+            table, buf["keys"], buf["table_ids"], buf["values"], buf["scores"], buf["sel"],
+            buf["pinned"],
+        )  # fmt: skip
+
+    graph, out = None, None
+    for step, bt in enumerate(batches):
+        m = bt["keys"].numel()
+        for name in ("keys", "values", "scores", "sel", "table_ids"):
+            if buf[name] is not None:
+                buf[name].zero_()
+                buf[name][:m].copy_(bt[name])
+        buf["pinned"].zero_()
+        buf["pinned"][bt["pinned"].to(DEVICE)] = True
+        sel = bt["sel"]
+        kw = {"table_ids": bt["table_ids"][sel]} if extras else {}
+        before = (core.size, core.evictions, core.refusals)
+        want = core.insert_or_assign(
+            bt["keys"][sel], bt["values"][sel], bt["scores"][sel],
+            pinned_rows=bt["pinned"].to(DEVICE), **kw,
+        )  # fmt: skip
+        if not captured:
+            out = call()
+        elif graph is None:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = call()
+            graph.replay()  # capturing ran nothing
+        else:
+            graph.replay()
+        assert out is not None, f"step {step}: the kernels did not take the call"
+        rows, inserted, counts, ev_tids, failed = out  # type: ignore[misc]
+        assert not bool(failed)
+        assert torch.equal(rows[:m][sel.to(DEVICE)].cpu(), want.rows.cpu()), f"step {step} rows"
+        assert bool((rows[:m][~sel.to(DEVICE)] == -1).all()) and bool((rows[m:] == -1).all())
+        assert torch.equal(inserted[:m][sel.to(DEVICE)].cpu(), want.inserted.cpu())
+        assert not bool(inserted[:m][~sel.to(DEVICE)].any())
+        after = (core.size, core.evictions, core.refusals)
+        assert counts.tolist() == [a - b for a, b in zip(after, before, strict=True)]
+        got_tids = torch.sort(ev_tids[ev_tids >= 0].cpu()).values
+        assert torch.equal(got_tids, torch.sort(want.evicted_table_ids.cpu()).values)
+        for f in STATE:
+            x, y = getattr(table, f), getattr(core, f)
+            assert (x is None and y is None) or torch.equal(x.cpu(), y.cpu()), f"step {step} {f}"
+        table._size, table.evictions, table.refusals = after  # what DeviceCounts would hand it
+        _assert_scratch_clear(table)
+        sc = insert._scratch[table]
+        assert bool((sc.stats == 0).all())
+    assert strategy is ScoreStrategy.NO_EVICTION or core.evictions > 0
+    assert core.refusals > 0
