@@ -384,8 +384,10 @@ def _batch_of(
     vec4, gshift = _row_layout(dim, aligned)
     nb, cap = table.num_buckets, table.capacity
     may_grow = nb < table._max_buckets
-    # the most new pairs without growth: size + new > lf * nb * bc <=> new > floor(...) - size
-    new_limit = math.floor(table.max_load_factor * nb * bc) - table._size
+    # the most new pairs without growth: size + new > lf * nb * bc <=> new > floor(...) - size;
+    # only read where the table may grow (reading the size settles its pending counts: a host
+    # read, which a captured call, insert_selected's, may not make)
+    new_limit = math.floor(table.max_load_factor * nb * bc) - table._size if may_grow else 0
     stride = _place_stride(S)
     has_t = int(tids is not None)
     limits = (int(may_grow), new_limit)
