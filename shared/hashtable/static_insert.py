@@ -106,16 +106,21 @@ def count_per_table(table_ids: torch.Tensor, n_tables: int) -> torch.Tensor:
 
 def sum_per_table(sorted_ids: torch.Tensor, values: torch.Tensor, n_tables: int) -> torch.Tensor:
     """[n_tables, k] int64: the sums of ``values`` [n, k] by non-decreasing ``sorted_ids`` [n]
-    (ids past ``n_tables - 1`` count nowhere): a cumsum read at each table's bounds.
+    (ids past ``n_tables - 1`` count nowhere): one cumsum read at each table's bounds.
 
-    The cumsum runs along the last dimension of the transposed values: along dim 0 of a tall
-    [n, 2] tensor CUDA's scan parallelizes over the 2 columns only (12 ms for 655K rows on the
-    H200, ``bench_train_full_s10_scan_regression_h200.json``)."""
+    The cumsum is 1-D, over the columns laid end to end (column j's bounds offset by ``j * n``;
+    a difference within one column is that column's sum): a scan along a dimension of only k
+    rows or columns parallelizes over those few (on the H200: 12 ms for dim 0 of [655K, 2],
+    ``bench_train_full_s10_scan_regression_h200.json``; ~0.2 ms for dim 1 of [2, 655K],
+    ``bench_train_full_s11_kernel_insert_h200.json``)."""
     dev = sorted_ids.device
-    columns = values.t().contiguous()  # [k, n]
-    total = torch.cat([columns.new_zeros(columns.shape[0], 1), torch.cumsum(columns, 1)], 1)
+    n, k = values.shape
+    flat = values.t().reshape(-1)  # [k * n]: column 0, then column 1, ...
+    total = torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
     bounds = torch.searchsorted(sorted_ids, torch.arange(n_tables + 1, device=dev))
-    return (total[:, bounds[1:]] - total[:, bounds[:-1]]).t()
+    at = bounds[None, :] + n * torch.arange(k, device=dev)[:, None]  # [k, n_tables + 1]
+    sums = total[at]
+    return (sums[:, 1:] - sums[:, :-1]).t()
 
 
 @dataclass
