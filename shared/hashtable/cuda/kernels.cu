@@ -781,8 +781,10 @@ extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
 //    are freed (key -1, table id 0, score 0); rep_rows[i] of every representative i (-1:
 //    refused). Each bucket's evicted keys and table ids (rank order) go to ev_key / ev_tid at a
 //    base it reserves (stats[HT_ST_OV_EVICTED] is the cursor and the total); ev_meta[j] = that
-//    base, ev_meta[n_over + j] = the count. Every rank is a count (no sort): O(bc^2) compares
-//    a bucket, spread over the block.
+//    base, ev_meta[n_over + j] = the count. The stored entries' ranks among themselves and the
+//    slot order come from block sorts (bitonic, O(bc log^2 bc) a bucket: ht_block_sort); the
+//    newcomers' ranks are counts (O(u^2) and O(c * u)). Counting all of it (O(bc^2) compares a
+//    bucket) took ~0.43 ms a training step on the H200, most for the counter's buckets of 1024.
 // 2. ht_ins2_over_list (a warp per bucket): the evicted keys in bucket order (ends: the
 //    inclusive cumsum of the counts), as the torch code returns them.
 //
@@ -791,6 +793,59 @@ extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
 //   i64: e_fp [B] | e_row [B] | e_score [B] | k_fp [B] (first c_score) | k_row [B] | f_row [B] |
 //        n_score [S];  int: n_idx [S] | by_rank [2B] | e_rank [B] | cand [B] | f_slot [B];
 //   u8: e_pin [B].
+
+// The order of ht_ins2_over's stored entries (slots a, b < c): pinned first, then higher
+// score, then lower slot.
+struct HtStoredOrder {
+    const unsigned char* pin;
+    const i64* score;
+    __device__ __forceinline__ bool operator()(int a, int b) const {
+        if (pin[a] != pin[b]) return pin[a] > pin[b];
+        if (score[a] != score[b]) return score[a] > score[b];
+        return a < b;
+    }
+};
+
+// The order of ht_ins2_over's kept entries (ranks a, b < size) in the slots: fingerprint, then
+// rank.
+struct HtSlotOrder {
+    const i64* fp;
+    __device__ __forceinline__ bool operator()(int a, int b) const {
+        return fp[a] != fp[b] ? fp[a] < fp[b] : a < b;
+    }
+};
+
+#define HT_SORT_PAD 0x7fffffff  // a padding entry of ht_block_sort: after every real one
+
+// buf[0 .. n) = 0 .. n - 1 sorted by the strict total order `before` (a bitonic sort over the
+// next power of two p2 >= n, padded with HT_SORT_PAD; buf holds p2 ints, p2 < 2n for n >= 1).
+// Every thread of the block calls it (barriers inside); it ends with a barrier.
+template <typename Before>
+__device__ __forceinline__ void ht_block_sort(int* buf, int n, Before before) {
+    const int T = blockDim.x, tx = threadIdx.x;
+    int p2 = 1;
+    while (p2 < n) p2 <<= 1;
+    for (int i = tx; i < p2; i += T) buf[i] = i < n ? i : HT_SORT_PAD;
+    __syncthreads();
+    for (int k = 2; k <= p2; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = tx; i < p2; i += T) {
+                const int l = i ^ j;
+                if (l > i) {
+                    const int a = buf[i], b = buf[l];
+                    // ascending where (i & k) == 0: swap when b comes before a; else the reverse
+                    const bool b_first = b != HT_SORT_PAD && (a == HT_SORT_PAD || before(b, a));
+                    const bool a_first = a != HT_SORT_PAD && (b == HT_SORT_PAD || before(a, b));
+                    if ((i & k) == 0 ? b_first : a_first) {
+                        buf[i] = b;
+                        buf[l] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
 
 #define HT_ST_OV_EVICTED 11  // ht_ins2_over: stored entries evicted (the cursor of ev_key)
 #define HT_ST_OV_REFUSED 12  // new pairs of the full buckets left out
@@ -872,17 +927,10 @@ extern "C" __global__ void ht_ins2_over(
             rep_rows[n_idx[q]] = -1;  // refused by the pre-step
         }
     }
-    for (int t = tx; t < c; t += T) {
-        const int pin = e_pin[t];
-        const i64 s = e_score[t];
-        int r = 0;
-        for (int v = 0; v < c; ++v) {
-            const int pv = e_pin[v];
-            const i64 w = e_score[v];
-            r += (pv > pin || (pv == pin && (w > s || (w == s && v < t)))) ? 1 : 0;
-        }
-        e_rank[t] = r;
-    }
+    // the stored entries' ranks among themselves: a block sort in by_rank (free until the
+    // merge ranks below; 2B ints, enough for c <= B padded to a power of two)
+    ht_block_sort(by_rank, c, HtStoredOrder{e_pin, e_score});
+    for (int p = tx; p < c; p += T) e_rank[by_rank[p]] = p;
     __syncthreads();
     // ranks in the merge
     for (int p = tx; p < m; p += T) {
@@ -1003,16 +1051,13 @@ extern "C" __global__ void ht_ins2_over(
         }
     }
     __syncthreads();
-    // the slots: kept entries by (fingerprint, rank), then the sentinels with the unused rows
-    for (int r = tx; r < size; r += T) {
-        const i64 f = k_fp[r];
-        int pos = 0;
-        for (int v = 0; v < size; ++v) {
-            const i64 g = k_fp[v];
-            pos += (g < f || (g == f && v < r)) ? 1 : 0;
-        }
-        slot_fp[base + pos] = f;
-        slot_row[base + pos] = k_row[r];
+    // the slots: kept entries by (fingerprint, rank), a block sort in by_rank (read no more),
+    // then the sentinels with the unused rows
+    ht_block_sort(by_rank, size, HtSlotOrder{k_fp});
+    for (int p = tx; p < size; p += T) {
+        const int r = by_rank[p];
+        slot_fp[base + p] = k_fp[r];
+        slot_row[base + p] = k_row[r];
     }
     const i64 sent = sentinel[b];
     for (int i = size + tx; i < B; i += T) {
