@@ -34,10 +34,12 @@ backward that comes later is refused. On the H200 (2026-12-02) the seed config's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -447,7 +449,7 @@ class StaticStep:
         if entry.backward is None:
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                with self._capturing(graph):
                     apply_gradients(self.storage, plan, entry.grad)
             except RuntimeError as e:  # nothing ran: update eagerly now, eager lookups from now
                 self._fail(f"backward capture failed: {e}")
@@ -505,7 +507,7 @@ class StaticStep:
         if entry.forward is None:
             graph = torch.cuda.CUDAGraph()
             try:  # a capture queues nothing: on failure the tables are as they were
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                with self._capturing(graph):
                     entry.plan = train_lookup(
                         st, entry.keys, entry.tids, entry.n_real, entry.score, counts
                     )
@@ -523,6 +525,22 @@ class StaticStep:
                 c.register()  # the replay added to the device counts
         assert entry.plan is not None
         return entry.plan
+
+    @contextlib.contextmanager
+    def _capturing(self, graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+        """Capture into ``graph`` (the shared pool; this thread's unsafe calls refused), with no
+        garbage collection until it ends: an object collected there may free CUDA resources
+        with calls a capturing thread may not make (on the H200, 2026-12-02: a dead table's
+        scratch, its pinned buffers freed during a capture, aborted the GPU tests). The graph
+        collects once before it begins."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                yield
+        finally:
+            if enabled:
+                gc.enable()
 
     def _fail(self, why: str) -> None:
         """Every later lookup of this storage runs eagerly (a capture failed)."""
