@@ -179,6 +179,15 @@ def test_per_table_counts_and_sums() -> None:
     assert count_per_table(torch.tensor([3, -1, 0, 3, 9]), 4).tolist() == [1, 0, 0, 2]
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_per_table_sums_equal_a_loop_over_random_sorted_ids(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    ids = torch.sort(torch.randint(0, 7, (200,), generator=gen)).values  # 5, 6: past the tables
+    values = torch.randint(-3, 10, (200, k), generator=gen)
+    want = torch.stack([values[ids == t].sum(0) for t in range(5)])
+    assert torch.equal(sum_per_table(ids, values, 5), want)
+
+
 def test_the_periodic_check_reports_a_negative_key_a_round_later() -> None:
     _, static = _pair(ScoreStrategy.LFU, None)
     step = static._storages[0].static
