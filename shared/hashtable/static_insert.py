@@ -181,8 +181,9 @@ def _best_newcomers(
     return _Newcomers(take, bucket, refused, bad_score)
 
 
-def _newcomer_grid(take: torch.Tensor, bucket: torch.Tensor, by_fp: torch.Tensor, nb: int,
-                   b: int) -> torch.Tensor:  # fmt: skip
+def _newcomer_grid(
+    take: torch.Tensor, bucket: torch.Tensor, by_fp: torch.Tensor, nb: int, b: int
+) -> torch.Tensor:
     """[nb * b + 1] int64: the key positions of each bucket's taken keys in fingerprint order,
     -1 padding, then a sink cell (the newcomer columns of :func:`rank_buckets_packed`)."""
     dev = take.device
@@ -216,7 +217,9 @@ def insert_absent(
     grows here). ``pinned`` [capacity] bool: rows never evicted (the batch's stored keys).
     ``equal_scores``: every selected key has the same score (STEP, TIMESTAMP), so none ranks
     above another. Full buckets keep their best entries by the ranking of
-    :mod:`shared.hashtable.buckets`; the size, evictions and refusals go to ``counts``."""
+    :mod:`shared.hashtable.buckets`; the size, evictions and refusals go to ``counts``. Each
+    bucket's best ``bucket_capacity`` newcomers go to the backend's kernels
+    (``Backend.insert_selected``) or, where it has none for the call, to the torch merge."""
     assert t.num_buckets == t._max_buckets, "insert_absent needs a table at its max capacity"
     b, nb, m, dev = t.bucket_capacity, t.num_buckets, keys.numel(), t.device
     fp, by_fp = hashed
