@@ -198,6 +198,25 @@ def _newcomer_grid(
     return grid
 
 
+def _on_kernels(
+    t: HashTable,
+    batch: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    best: _Newcomers,
+    pinned: torch.Tensor | None,
+    counts: DeviceCounts,
+) -> StaticInsert | None:
+    """:func:`insert_absent` of the taken newcomers on the backend's kernels (``batch``: keys,
+    table ids, values, scores), or None where it has none for the call (nothing changed)."""
+    keys, table_ids, values, scores = batch
+    done = t.backend.insert_selected(t, keys, table_ids, values, scores, best.take, pinned)
+    if done is None:
+        return None
+    size, evictions, refusals = done.counts.unbind()
+    counts.add(size, evictions, best.refused + refusals)
+    bad = best.bad_score | done.failed
+    return StaticInsert(done.rows, done.inserted, done.evicted_table_ids, bad)
+
+
 def insert_absent(
     t: HashTable,
     keys: torch.Tensor,
@@ -224,12 +243,9 @@ def insert_absent(
     b, nb, m, dev = t.bucket_capacity, t.num_buckets, keys.numel(), t.device
     fp, by_fp = hashed
     best = _best_newcomers(fp, by_fp, scores, mask, nb, b, equal_scores)
-    on_kernels = t.backend.insert_selected(t, keys, table_ids, values, scores, best.take, pinned)
+    on_kernels = _on_kernels(t, (keys, table_ids, values, scores), best, pinned, counts)
     if on_kernels is not None:
-        size, evictions, refusals = on_kernels.counts.unbind()
-        counts.add(size, evictions, best.refused + refusals)
-        bad = best.bad_score | on_kernels.failed
-        return StaticInsert(on_kernels.rows, on_kernels.inserted, on_kernels.evicted_table_ids, bad)
+        return on_kernels
     grid = _newcomer_grid(best.take, best.bucket, by_fp, nb, b)
     refused_early, bad_score = best.refused, best.bad_score
     e_row = t._slot_row.view(nb, b)
