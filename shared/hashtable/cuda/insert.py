@@ -413,7 +413,7 @@ def _launch_insert(
     sc.dirty = True
     stage_args = _stage_args(table, b, sc, stats, rows, inserted)
     launch(sc.kernel(launch, f"ht_ins2_stage_w{window(table)}"), b.n_blocks, rt.BLOCK, stage_args)
-    place_args = _place_args(table, b, sc, stats, rows, inserted)
+    place_args = _place_args(table, b, sc, stats, rows, inserted, sc.rep_of)
     grid, block, smem = math.ceil(b.nb / warps), 32 * warps, warps * b.stride
     launch(sc.kernel(launch, "ht_ins2_place0"), grid, block, place_args, smem)
     launch.to_host(sc.host, stats, sc.event)
@@ -468,6 +468,7 @@ def _place_args(
     stats: torch.Tensor,
     rows: torch.Tensor,
     inserted: torch.Tensor,
+    rep_of: torch.Tensor,
 ) -> tuple[Any, ...]:
     """The arguments of ``ht_ins2_place0`` and ``ht_ins2_place1`` (SIGNATURES order)."""
     return (
@@ -485,7 +486,7 @@ def _place_args(
         table._slot_row,
         rows,
         inserted,
-        sc.rep_of,
+        rep_of,
         sc.nnew,
         sc.over_list,
         stats,
@@ -793,7 +794,8 @@ def insert_selected(
         if warps == 0 or not _block_warps(launch, ("ht_ins2_over",), over_smem, 1):
             return None
         sc = _static_scratch(table)
-        stats, rows, inserted, rep_rows = _stage_and_place(table, b, launch, sc, mask, warps)
+        staged = _stage_and_place(table, b, launch, sc, mask, warps)
+        stats, rows, inserted, rep_of, rep_rows = staged
         n, nb, dev = b.n, b.nb, b.dev
         over = torch.where(torch.arange(nb, device=dev) < stats[ST_N_OVER], sc.over_list, -1)
         ev = torch.empty(2, n, dtype=torch.int64, device=dev)  # keys, table ids: one a new pair
@@ -806,7 +808,7 @@ def insert_selected(
             sc.kernel(launch, "ht_ins2_gather"),
             b.n_blocks,
             rt.BLOCK,
-            (sc.rep_of, rep_rows, n, rows, inserted, mask),
+            (rep_of, rep_rows, n, rows, inserted, mask),
         )
     added = stats[ST_NEW] - stats[ST_OVER_NEW] + stats[ST_OV_ADDED]
     counts = torch.stack([added, stats[ST_OV_EVICTED], stats[ST_OV_REFUSED]])
@@ -847,13 +849,14 @@ def _stage_and_place(
     sc: _Scratch,
     mask: torch.Tensor,
     warps: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`insert_selected`'s stage (the keys of ``mask``) and place pass 0 on the first
-    stats buffer: (stats, rows [n] int64, inserted [n] uint8, rep_rows [n] int64 all -1)."""
+    stats buffer: (stats, rows [n] int64, inserted [n] uint8, rep_of [n] int32, rep_rows [n]
+    int64 all -1)."""
     n, dev = b.n, b.dev
-    if sc.rep_of.numel() < n:
-        sc.rep_of = torch.empty(n, dtype=torch.int32, device=dev)
-    sc.rep_of[:n].zero_()  # defined for every key: gather reads it for selected keys only
+    # the call's own (not the scratch's, which grows: a graph would keep writing to the freed
+    # buffer), defined for every key: gather reads it for selected keys only
+    rep_of = torch.zeros(n, dtype=torch.int32, device=dev)
     sc.stats.zero_()  # the last call's buffer too (ht_ins2_write clears it only at the next)
     stats = sc.stats_of[0]
     rows = torch.empty(n, dtype=torch.int64, device=dev)
@@ -863,9 +866,9 @@ def _stage_and_place(
     stage_args = (*_stage_args(table, b, sc, stats, rows, inserted)[:-1], mask.contiguous())
     launch(sc.kernel(launch, f"ht_ins2_stage_w{window(table)}"), b.n_blocks, rt.BLOCK, stage_args)
     grid, block, smem = math.ceil(b.nb / warps), 32 * warps, warps * b.stride
-    place_args = _place_args(table, b, sc, stats, rows, inserted)
+    place_args = _place_args(table, b, sc, stats, rows, inserted, rep_of)
     launch(sc.kernel(launch, "ht_ins2_place0"), grid, block, place_args, smem)
-    return stats, rows, inserted, rep_rows
+    return stats, rows, inserted, rep_of, rep_rows
 
 
 # ---------------------------------------------------------------------------------------- erase
