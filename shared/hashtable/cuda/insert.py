@@ -771,10 +771,11 @@ def insert_selected(
     pinned: torch.Tensor | None,
 ) -> SelectedInsert | None:
     """Insert the keys ``keys[i]`` where ``mask[i]`` (distinct valid pairs absent from the
-    table, fewer than ``2 * bucket_capacity`` selected in a bucket: the staging list) with ``values``, ``scores`` and
-    fresh accumulators into ``table``, at its max capacity, with static shapes and no host read:
-    the insert of a captured training step (:func:`shared.hashtable.static_insert.insert_absent`
-    selects the keys). ``pinned`` [capacity] bool: rows never evicted.
+    table, fewer than ``2 * bucket_capacity`` selected in a bucket: the staging list) with
+    ``values``, ``scores`` and fresh accumulators into ``table``, at its max capacity, with
+    static shapes and no host read: the insert of a captured training step
+    (:func:`shared.hashtable.static_insert.insert_absent` selects the keys). ``pinned``
+    [capacity] bool: rows never evicted.
 
     The kernels of :func:`insert_or_assign`: stage (with the mask), place pass 0 (at max
     capacity it decides alone), ``ht_ins2_over`` with a block for every bucket (the list of
@@ -787,6 +788,7 @@ def insert_selected(
     b = _batch_of(table, keys, values, scores, table_ids, None)
     if b is None:
         return None
+    mask = mask.contiguous()  # stage and gather read it as bytes
     launch = rt.Launcher(b.dev)
     with launch:
         warps = _block_warps(launch, ("ht_ins2_place0",), b.stride, PLACE_WARPS)
@@ -863,7 +865,7 @@ def _stage_and_place(
     inserted = torch.empty(n, dtype=torch.uint8, device=dev)
     rep_rows = torch.full((n,), -1, dtype=torch.int64, device=dev)
     sc.dirty = True
-    stage_args = (*_stage_args(table, b, sc, stats, rows, inserted)[:-1], mask.contiguous())
+    stage_args = (*_stage_args(table, b, sc, stats, rows, inserted)[:-1], mask)
     launch(sc.kernel(launch, f"ht_ins2_stage_w{window(table)}"), b.n_blocks, rt.BLOCK, stage_args)
     grid, block, smem = math.ceil(b.nb / warps), 32 * warps, warps * b.stride
     place_args = _place_args(table, b, sc, stats, rows, inserted, rep_of)
