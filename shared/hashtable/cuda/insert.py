@@ -218,9 +218,7 @@ def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
     settled first (a deferred erase reads ``erase_host``, which the next one overwrites)."""
     if table._pending:
         table._settle()
-    sc = _scratch.get(table)
-    if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
-        sc = _scratch[table] = _Scratch(table)  # new, or the table grew (the old one is freed)
+    sc = _table_scratch(table)
     if sc.stream_ptr is not None and sc.stream_ptr != launcher.stream_ptr:
         launcher.synchronize()  # the last call's kernels ran on another stream
     sc.stream_ptr = launcher.stream_ptr
@@ -229,6 +227,14 @@ def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
         sc.erase_event = launcher.event()
     if sc.dirty:
         sc.clear()
+    return sc
+
+
+def _table_scratch(table: TableLayout) -> _Scratch:
+    """The table's kept scratch: new, or made again where the table grew (the old one freed)."""
+    sc = _scratch.get(table)
+    if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
+        sc = _scratch[table] = _Scratch(table)
     return sc
 
 
@@ -623,17 +629,22 @@ def _gather(
 def _pins(
     table: TableLayout, pinned_rows: torch.Tensor | None, dev: torch.device
 ) -> tuple[torch.Tensor | None, int]:
-    """(pinned [capacity] bool or None, mode) for ``ht_ins2_over``: mode 0 nothing pinned, 1
-    the rows of ``pinned``, 2 every stored entry (NO_EVICTION)."""
-    if table.score_strategy is ScoreStrategy.NO_EVICTION:
-        return None, 2
-    if pinned_rows is None:
-        return None, 0
+    """:func:`_pin_mode` of the rows ``pinned_rows`` (made a [capacity] bool mask)."""
+    if table.score_strategy is ScoreStrategy.NO_EVICTION or pinned_rows is None:
+        return _pin_mode(table, None)
     pinned = torch.zeros(table.capacity, dtype=torch.bool, device=dev)
     # index_fill_ takes the value as a scalar: an index_put_ of True copies it from the host,
     # a host sync (two a training step: the table's and the counter's full buckets)
     pinned.index_fill_(0, pinned_rows.to(dev), True)
-    return pinned, 1
+    return _pin_mode(table, pinned)
+
+
+def _pin_mode(table: TableLayout, pinned: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """(pinned [capacity] bool or None, mode) for ``ht_ins2_over``: mode 0 nothing pinned, 1
+    the rows of ``pinned``, 2 every stored entry (NO_EVICTION)."""
+    if table.score_strategy is ScoreStrategy.NO_EVICTION:
+        return None, 2
+    return (None, 0) if pinned is None else (pinned.contiguous(), 1)
 
 
 def _overflow(
@@ -802,7 +813,7 @@ def insert_selected(
         over = torch.where(torch.arange(nb, device=dev) < stats[ST_N_OVER], sc.over_list, -1)
         ev = torch.empty(2, n, dtype=torch.int64, device=dev)  # keys, table ids: one a new pair
         ev_meta = torch.empty(2, nb, dtype=torch.int64, device=dev)
-        pins = _static_pins(table, pinned)
+        pins = _pin_mode(table, pinned)
         evicted = (ev[0], ev[1], ev_meta)
         args = _over_args(table, b, sc, over, pins, rep_rows, evicted, stats)
         launch(sc.kernel(launch, "ht_ins2_over"), nb, _over_threads(b.bc), args, over_smem)
@@ -827,21 +838,10 @@ def _static_scratch(table: TableLayout) -> _Scratch:
     """The table's scratch for :func:`insert_selected`: :func:`_scratch_of` without its host
     work (no pending counts settled, no stream synchronized: a captured call may do neither;
     its buffers are device-only, the pinned ones untouched)."""
-    sc = _scratch.get(table)
-    if sc is None or sc.shape != (table.num_buckets, table.bucket_capacity):
-        sc = _scratch[table] = _Scratch(table)
+    sc = _table_scratch(table)
     if sc.dirty:
         sc.clear()
     return sc
-
-
-def _static_pins(
-    table: TableLayout, pinned: torch.Tensor | None
-) -> tuple[torch.Tensor | None, int]:
-    """(pinned [capacity] bool or None, mode) for ``ht_ins2_over`` (:func:`_pins`' modes)."""
-    if table.score_strategy is ScoreStrategy.NO_EVICTION:
-        return None, 2
-    return (None, 0) if pinned is None else (pinned.contiguous(), 1)
 
 
 def _stage_and_place(
