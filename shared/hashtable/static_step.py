@@ -459,8 +459,8 @@ class StaticStep:
         entry.backward.replay()
 
     def check(self) -> None:
-        """Raise if a static lookup met a negative key or a score outside ``[0, 2**60)`` since
-        the last check (one host read)."""
+        """Raise if a static lookup met a negative key, a score outside ``[0, 2**60)`` or a
+        refusal of the CUDA insert kernels since the last check (one host read)."""
         self._raise(*self.errors.tolist())
 
     def _check_later(self) -> None:
@@ -490,8 +490,9 @@ class StaticStep:
             )
         raise ValueError(
             f"a training lookup of {names} met a score outside [0, 2**60) (e.g. loaded from a "
-            "checkpoint): the captured step ranks full buckets by scores in that range. Rescale "
-            "the checkpoint's scores, or train with cuda_graphs off (the eager lookup)"
+            "checkpoint), or the CUDA kernels refused its insert (nothing inserted that step): "
+            "the captured step ranks full buckets by scores in that range. Rescale the "
+            "checkpoint's scores, or train with cuda_graphs off (the eager lookup)"
         )
 
     # ------------------------------------------------------------------ internals
