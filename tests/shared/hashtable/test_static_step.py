@@ -93,18 +93,8 @@ def _assert_same(x: object, y: object, where: str) -> None:
 )  # fmt: skip
 @pytest.mark.parametrize("device", DEVICES)
 def test_static_step_equals_eager(
-    strategy: ScoreStrategy, threshold: int | None, device: str, request: pytest.FixtureRequest
+    strategy: ScoreStrategy, threshold: int | None, device: str
 ) -> None:
-    if device == "cuda" and strategy is ScoreStrategy.LFU and threshold is None:
-        # on the H200 (2026-12-02, three calls) this case's second capture is invalidated
-        # before the table insert's first kernel (the cause is not found yet); the step then
-        # falls back to the eager lookup, whose results the test still compares, and fails
-        # only on the replay count
-        request.applymarker(pytest.mark.xfail(reason="capture invalidated: see the comment"))
-    _static_step_equals_eager(strategy, threshold, device)
-
-
-def _static_step_equals_eager(strategy: ScoreStrategy, threshold: int | None, device: str) -> None:
     eager, static = _pair(strategy, threshold, device=device)
     gen = torch.Generator().manual_seed(0)
     for step in range(1, 9):
