@@ -166,7 +166,11 @@ def _cuda() -> CudaBackend:
 def backend_for(device: torch.device | str) -> Backend:
     """The backend a table on ``device`` gets by default: the CUDA kernels on a CUDA device
     where CuPy is installed (one :class:`CudaBackend` for every CUDA table), else the torch
-    backend. The one place the choice is made."""
-    if torch.device(device).type == "cuda" and cuda_kernels.available():
-        return _cuda()
+    backend. The one place the choice is made; the kernels are compiled for ``device`` here,
+    before a table's first step."""
+    device = torch.device(device)
+    if device.type == "cuda" and cuda_kernels.available():
+        backend = _cuda()
+        backend.compile_for(device)
+        return backend
     return TORCH

@@ -84,6 +84,10 @@ class CudaBackend(TorchBackend):
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
+    def compile_for(self, device: torch.device) -> None:
+        """Compile every kernel module for ``device`` (``runtime.compile_modules``)."""
+        rt.compile_modules(device, (keyed.SOURCE, sparse_update.SOURCE, unique.SOURCE))
+
     # ------------------------------------------------------------------ hashing, new rows
 
     def fingerprint(self, keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Tensor:

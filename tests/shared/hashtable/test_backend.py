@@ -71,6 +71,23 @@ def test_without_the_kernels_cuda_asks_for_the_torch_backend():
         CudaBackend()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(unavailable_reason() is not None, reason="needs CUDA and CuPy")
+def test_the_cuda_backend_compiles_every_kernel_module_when_chosen():
+    from shared.hashtable.cuda import runtime as rt
+
+    assert isinstance(backend_for("cuda"), CudaBackend)
+    index = torch.cuda.current_device()
+    compiled = rt._source_module.cache_info().currsize  # compile_modules filled the caches
+    assert rt._module.cache_info().currsize >= 1 and compiled >= 3
+    _table(device="cuda").insert_or_assign(
+        torch.tensor([5], device="cuda"),
+        torch.ones(1, 2, device="cuda"),
+        torch.zeros(1, device="cuda"),
+    )
+    assert rt._source_module.cache_info().currsize == compiled, f"device {index}: compiled late"
+
+
 def test_a_passed_backend_runs_every_operation():
     b = CountingBackend()
     t = _table(backend=b)
