@@ -110,12 +110,17 @@ def _source_module(device_index: int, source: Source) -> Any:
     return mod
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device ``device`` names (the current one for plain ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def compile_modules(device: torch.device, sources: Sequence[Source]) -> None:
     """Compile kernels.cu and ``sources`` for ``device`` now (each once a process), not at their
     first launch: a table's first training steps would otherwise stall on NVRTC (1.6 s on the
     H200 host with a cold cache, 2026-12-02, inside the epoch's first 100 steps) and a
     compiler error would surface mid-run."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     _module(index)
     for source in sources:
         _source_module(index, source)
@@ -280,7 +285,7 @@ class Launcher:
 
     def __init__(self, device: torch.device) -> None:
         self.cp = _cupy()
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.index = device_index(device)
         self.stream_ptr = _raw_stream(self.index)
         self._device: Any = None
         self.direct = False
