@@ -275,7 +275,8 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         found no room, e.g. under NO_EVICTION), admitted, lookups and misses (keys looked up in
         training, and those with no row after the step: a backoff's share), eval_lookups and
         eval_misses (the same in eval mode), and counter_size with admission."""
-        return {n: s.stats(t) for n, (s, t) in self._where.items()}
+        per = {s: s.stats() for s in self._storages}  # one read of each storage's counters
+        return {n: per[s][t] for n, (s, t) in self._where.items()}
 
     def table_state(self, name: str) -> TableState:
         storage, tid = self._lookup_table(name)

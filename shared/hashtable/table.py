@@ -171,8 +171,9 @@ class HashTable(TableLayout):
         )
 
     def table_sizes(self, num_tables: int) -> torch.Tensor:
-        """[num_tables] int64: stored keys per table id."""
-        tids = self._row_tid[self._row_key >= 0].to(torch.int64)
+        """[num_tables] int64: stored keys per table id (no host read: free rows count as the
+        id ``num_tables``, which :func:`count_ids` leaves out)."""
+        tids = torch.where(self._row_key >= 0, self._row_tid.to(torch.int64), num_tables)
         return count_ids(tids, num_tables)
 
     # ------------------------------------------------------------------ updates

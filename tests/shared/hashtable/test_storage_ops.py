@@ -181,6 +181,6 @@ def test_counters_of_training_and_eval_lookups():
         for t in range(3):
             want[f"{prefix}misses"][t] += int(missed[plan.table_ids == t].sum())
     for t in range(3):
-        stats = storage.stats(t)
+        stats = storage.stats()[t]
         assert {k: stats[k] for k in want} == {k: float(v[t]) for k, v in want.items()}
         assert 0 < stats["admission_rejections"] <= stats["misses"]
