@@ -96,11 +96,12 @@ CUDA_GRAPHS_DEFAULT = True
 @dataclass
 class LoopTimes:
     """Seconds of the training loop spent outside the steps: ``input_wait`` (blocked on the
-    next batch: the loader is the bound when this is a large share), ``checkpoint`` and
+    next batch: the loader is the bound when this is a large share), ``log`` (the ``train``
+    records: the loss and the tables' statistics read from the device), ``checkpoint`` and
     ``eval`` (on their cadences, inside the loop)."""
 
     seconds: dict[str, float] = field(
-        default_factory=lambda: {"input_wait": 0.0, "checkpoint": 0.0, "eval": 0.0}
+        default_factory=lambda: {"input_wait": 0.0, "log": 0.0, "checkpoint": 0.0, "eval": 0.0}
     )
 
     def timed(self, what: str, call: Callable[[], T]) -> T:
@@ -131,6 +132,7 @@ class _LossWindow:
     steps: int
     since: float  # time.perf_counter()
     samples: int
+    loop: dict[str, float] = field(default_factory=dict)  # LoopTimes.seconds when it opened
 
     @classmethod
     def open(cls, samples: int, device: torch.device) -> _LossWindow:
@@ -140,10 +142,14 @@ class _LossWindow:
         self.loss_sum += loss
         self.steps += 1
 
-    def restart(self, now: float, samples: int) -> None:
+    def restart(self, now: float, samples: int, loop: dict[str, float]) -> None:
         self.loss_sum.zero_()
         self.steps = 0
-        self.since, self.samples = now, samples
+        self.since, self.samples, self.loop = now, samples, dict(loop)
+
+    def loop_seconds(self, loop: dict[str, float]) -> dict[str, float]:
+        """The loop's time outside the steps since this window opened (:class:`LoopTimes`)."""
+        return {k: v - self.loop.get(k, 0.0) for k, v in loop.items()}
 
 
 def _amp_context(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -267,18 +273,6 @@ class Trainer:
         self.checkpoint_every = options.checkpoint_every or tc.save_checkpoints_steps
         self.log_every = options.log_every or tc.log_step_count_steps
         self.amp = tc.mixed_precision
-        self.model = MultiTowerDIN.from_config(cfg, self.fs, device=self.device, seed=options.seed)
-        self.comm: CommStats | None = None
-        self.sync: GradSync | None = None
-        if self.dist is not None:
-            self.comm = CommStats(self.device)
-            local = self.model.sparse.dynamic
-            # same interface as the local collection (forward, set_step, stats, save, load)
-            sharded = ShardedDynamicEmbedding(local, self.dist, self.comm)
-            self.model.sparse.dynamic = sharded  # type: ignore[assignment]
-            self.sync = GradSync(self.model, self.dist)
-        self.optimizers = build_optimizers(self.model, tc)
-        self.graphs = self._cuda_graphs()
         self.loader = Loader(
             self.train_path,
             self.fs,
@@ -292,6 +286,23 @@ class Trainer:
             world_size=self.world_size,
             message_rows=options.message_rows,
         )
+        # a fresh run reads from epoch 0's first batch: its workers start now, before the model
+        # is built (and CUDA initialized), so that they read their first batches meanwhile
+        self._started: tuple[int, Iterator[Batch]] | None = (
+            None if options.resume else (0, self.loader.epoch(0))
+        )
+        self.model = MultiTowerDIN.from_config(cfg, self.fs, device=self.device, seed=options.seed)
+        self.comm: CommStats | None = None
+        self.sync: GradSync | None = None
+        if self.dist is not None:
+            self.comm = CommStats(self.device)
+            local = self.model.sparse.dynamic
+            # same interface as the local collection (forward, set_step, stats, save, load)
+            sharded = ShardedDynamicEmbedding(local, self.dist, self.comm)
+            self.model.sparse.dynamic = sharded  # type: ignore[assignment]
+            self.sync = GradSync(self.model, self.dist)
+        self.optimizers = build_optimizers(self.model, tc)
+        self.graphs = self._cuda_graphs()
         # rank 0 writes the metrics; the others keep their records in memory only
         self.metrics = MetricsLog(self.model_dir / "metrics.jsonl" if self.rank == 0 else None)
 
@@ -448,7 +459,7 @@ class Trainer:
             window.add(self._step(batch, global_rows, progress))
             bar.update(1)
             if progress.step % self.log_every == 0:
-                self._log_train(progress, window, bar)
+                times.timed("log", lambda: self._log_train(progress, window, bar, times))
             if self.checkpoint_every and progress.step % self.checkpoint_every == 0:
                 times.timed("checkpoint", lambda: self._save(progress))
             if opts.eval_every and progress.step % opts.eval_every == 0:
@@ -499,12 +510,20 @@ class Trainer:
             if max_steps and progress.step >= max_steps:
                 return
             rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
-            batches = self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch)
+            batches = self._epoch_batches(progress)
             # on CUDA the next batch's copy overlaps this step (train.data.prefetch)
             for batch in prefetch_to_device(batches, self.device):
                 yield batch, rows[progress.batch_in_epoch]
             progress.epoch += 1
             progress.batch_in_epoch = 0
+
+    def _epoch_batches(self, progress: Progress) -> Iterator[Batch]:
+        """``progress.epoch``'s batches from ``progress.batch_in_epoch`` on: the loader started
+        in ``__init__`` where it starts there, else a new one."""
+        started, self._started = self._started, None
+        if started is not None and started[0] == progress.epoch and progress.batch_in_epoch == 0:
+            return started[1]
+        return self.loader.epoch(progress.epoch, skip_batches=progress.batch_in_epoch)
 
     def _step(self, batch: Batch, global_rows: int, progress: Progress) -> torch.Tensor:
         """One optimizer step on ``batch``, counted in ``progress``; returns the loss (device)."""
@@ -523,9 +542,12 @@ class Trainer:
         progress.samples += global_rows
         return loss
 
-    def _log_train(self, progress: Progress, window: _LossWindow, bar: ProgressLine) -> None:
-        """A ``train`` record (mean loss and throughput since the last one) and the progress
-        line's status; starts the next window."""
+    def _log_train(
+        self, progress: Progress, window: _LossWindow, bar: ProgressLine, times: LoopTimes
+    ) -> None:
+        """A ``train`` record (mean loss and throughput since the last one, and how much of that
+        time the loop waited for input, checkpointed and evaluated) and the progress line's
+        status; starts the next window."""
         now = time.perf_counter()
         rate = (progress.samples - window.samples) / max(now - window.since, 1e-9)
         loss_sum = float(window.loss_sum)  # one host sync per log interval
@@ -540,6 +562,7 @@ class Trainer:
             "loss": loss,
             "samples_per_s": rate,
             "samples": progress.samples,
+            **{f"{k}_seconds": v for k, v in window.loop_seconds(times.seconds).items()},
             "tables": self._table_stats(),
         }
         if self.comm is not None:
@@ -547,7 +570,7 @@ class Trainer:
             record["samples_per_s_per_rank"] = rate / self.world_size
             record["all_to_all"] = self.comm.take(window.steps, now - window.since)
         self.metrics.write(record)
-        window.restart(now, progress.samples)
+        window.restart(now, progress.samples, times.seconds)
 
     def _write_summary(
         self, progress: Progress, seconds: float, rate: float, times: LoopTimes

@@ -110,10 +110,47 @@ def test_summary_splits_the_loop_time(tiny_samples: Path, tmp_path: Path) -> Non
     train_seconds, and the checkpoints of the cadence are counted (every 2 steps of 6)."""
     result = Trainer(_options(tiny_samples, tmp_path / "m", max_steps=6, checkpoint_every=2)).fit()
     summary = next(r for r in result.history if r["kind"] == "summary")
-    parts = [summary[f"{k}_seconds"] for k in ("input_wait", "checkpoint", "eval")]
+    kinds = ("input_wait", "log", "checkpoint", "eval")
+    parts = [summary[f"{k}_seconds"] for k in kinds]
     assert all(p >= 0 for p in parts) and sum(parts) <= summary["train_seconds"]
     assert summary["checkpoint_seconds"] > 0 and summary["eval_seconds"] == 0  # no eval_every
+    assert summary["log_seconds"] > 0  # a train record every 2 steps
     assert result.loop_times.seconds["checkpoint"] == summary["checkpoint_seconds"]
+    # each train record splits its own window the same way; the windows add up to at most the
+    # run's (the last checkpoint, after the last record, is in none)
+    windows = [r for r in result.history if r["kind"] == "train"]
+    assert [r["step"] for r in windows] == [2, 4, 6]
+    for k in kinds:
+        assert all(r[f"{k}_seconds"] >= 0 for r in windows)
+        assert sum(r[f"{k}_seconds"] for r in windows) <= summary[f"{k}_seconds"] + 1e-9
+    # the checkpoint of step 2 (after its record) is in the next window, not in the first
+    assert windows[0]["checkpoint_seconds"] == 0 and windows[1]["checkpoint_seconds"] > 0
+
+
+def test_loader_workers_start_before_the_model_is_built(
+    tiny_samples: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh run's first epoch starts its workers in the constructor, before the model (they
+    read while it is built), and fit() trains on that epoch; a resume starts its own."""
+    import multiprocessing
+
+    from train import trainer as trainer_module
+
+    build = trainer_module.MultiTowerDIN.from_config
+    seen: list[int] = []
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(len(multiprocessing.active_children()))
+        return build(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trainer_module.MultiTowerDIN, "from_config", spy)
+    options = _options(tiny_samples, tmp_path / "m", num_workers=1, max_steps=3)
+    result = Trainer(options).fit()
+    assert seen == [1] and result.progress.step == 3
+    resumed = Trainer(_options(tiny_samples, tmp_path / "m", num_workers=1, max_steps=4,
+                               resume=True))  # fmt: skip
+    assert seen == [1, 0] and resumed._started is None
+    assert resumed.fit().progress.step == 4
 
 
 def test_checkpoints_are_complete_and_pruned(tiny_samples: Path, tmp_path: Path) -> None:

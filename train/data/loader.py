@@ -610,7 +610,11 @@ class Loader:
         )
 
     def epoch(self, epoch: int, *, skip_batches: int = 0) -> Iterator[Batch]:
-        """The batches of ``epoch``, from batch ``skip_batches`` on (same order as without skip)."""
+        """The batches of ``epoch``, from batch ``skip_batches`` on (same order as without skip).
+
+        The workers start at this call, not at the first ``next()``: a caller can start them
+        before other set-up (the trainer does so before it builds the model), so that their
+        first batches are read meanwhile, and they fork from a process without CUDA yet."""
         streams = self._streams(epoch)
         counts = [
             _stream_batches(
@@ -635,7 +639,11 @@ class Loader:
                     worker_init_fn=_worker_init,
                     pin_memory=self.pin_memory,
                 )
-            )
+            )  # the workers start here
+        return self._played(received, messages)
+
+    def _played(self, received: Iterator[_Message], messages: list[int]) -> Iterator[Batch]:
+        """The batches of the workers' ``received`` messages in the epoch plan's order."""
 
         def unpacked() -> Iterator[list[Batch]]:
             for message in received:
