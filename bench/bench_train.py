@@ -137,6 +137,7 @@ def end_to_end(
     """The trainer's loop over one epoch (or ``--e2e-max-steps``), then its final eval; and the
     trainer, its model trained (:func:`warm_step_figures`)."""
     with tempfile.TemporaryDirectory(prefix="bench_train_run_") as model_dir:
+        t0 = time.perf_counter()
         trainer = Trainer(
             TrainOptions(
                 config_path=config_path, model_dir=Path(model_dir), train_path=samples / "train",
@@ -146,6 +147,7 @@ def end_to_end(
                 eval_max_batches=args.eval_max_batches, progress_bar=False,
             )
         )  # fmt: skip
+        setup = time.perf_counter() - t0  # the model, its kernels, the loader's start
         result = trainer.fit()
     backends = {s.backend for s in trainer.model.sparse.dynamic._storages}
     paths = {k: v for b in backends for k, v in getattr(b, "paths", {}).items()}
@@ -157,6 +159,9 @@ def end_to_end(
     figures = {
         "samples_per_s": result.samples_per_second,
         "train_seconds": result.train_seconds,
+        # the Trainer's construction before it (the loader's workers start there, beside the
+        # model's build): what a user waits for before the loop, not part of train_seconds
+        "setup_seconds": setup,
         # the loop without its checkpoints (save_checkpoints_steps) and evaluations
         "samples_per_s_without_checkpoints": result.progress.samples / max(stepping, 1e-9),
         "loop_seconds": loop,
@@ -164,7 +169,11 @@ def end_to_end(
         "samples": result.progress.samples,
         "num_workers": trainer.num_workers,
         # the trainer's log windows: does the step slow down as the tables fill?
-        "windows": [{"step": r["step"], "samples_per_s": r["samples_per_s"]} for r in records],
+        "windows": [
+            {"step": r["step"], "samples_per_s": r["samples_per_s"]}
+            | {k: r[k] for k in r if k.endswith("_seconds")}
+            for r in records
+        ],
         # the steady rate, without the first window's start-up (loader start, graph captures,
         # kernel compilation) that the end-to-end figure includes
         "samples_per_s_median_window": statistics.median(
@@ -173,6 +182,9 @@ def end_to_end(
         if records
         else None,
         "tables": summary.get("tables"),
+        # captures and replays of the dense graphs and of the sparse step
+        "cuda_graphs": summary.get("cuda_graphs"),
+        "sparse_graphs": summary.get("sparse_graphs"),
         "hash_table_paths": paths,  # CudaBackend: which insert/erase paths ran, how often
         "eval": ev.to_dict() if ev is not None else None,
     }
