@@ -70,7 +70,6 @@ swap; so this never happens on the serving path.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import math
 import time
@@ -86,6 +85,7 @@ from serve.batcher import PendingScores
 from serve.host_batch import HostBatch, HostKjt
 from serve.lookup import PAD_ID
 from shared.batch import Batch
+from shared.cuda_capture import capture
 from shared.dense_inputs import DenseLayout, PairPlan, batch_pair_plan
 
 if TYPE_CHECKING:
@@ -260,15 +260,6 @@ def host_pair_plan(batch: HostBatch, lay: DenseLayout) -> PairPlan:
 
 # --------------------------------------------------------------------------- one bucket's graph
 
-_CAPTURE_STREAMS: dict[str, torch.cuda.Stream] = {}
-
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One capture stream per device (a stream per capture would strand allocator blocks)."""
-    if str(device) not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[str(device)] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[str(device)]
-
 
 class BucketGraph:
     """One bucket: its input buffers, the padding of a batch into them (:meth:`fill`, on any
@@ -371,22 +362,10 @@ class BucketGraph:
         self.buffers.copy()
         for _ in range(2):  # lookup plans and allocator blocks made before the capture
             want = run(self.batch, self.pairs)
-        device = self.buffers.device.device
-        stream = _capture_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
         graph = torch.cuda.CUDAGraph()
-        # capture_begin/end, not torch.cuda.graph(): that one also synchronizes the device,
-        # collects garbage and empties the allocator's cache, which the served version feels
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                self.out = run(self.batch, self.pairs)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
-                raise
-            graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        # not torch.cuda.graph(): it synchronizes and empties the caches (shared.cuda_capture)
+        with capture(graph, pool=pool, device=self.buffers.device.device):
+            self.out = run(self.batch, self.pairs)
         graph.replay()
         self.graph = graph
         return float((self.out - want).abs().max())

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shared.cuda_capture import capture
 from shared.features import ScoreStrategy
 from shared.hashtable.hashing import INT64_MAX, sort_pairs
 from shared.hashtable.static_insert import (
@@ -532,12 +533,12 @@ class StaticStep:
         """Capture into ``graph`` (the shared pool; this thread's unsafe calls refused), with no
         garbage collection until it ends: an object collected there may free CUDA resources
         with calls a capturing thread may not make (on the H200, 2026-12-02: a dead table's
-        scratch, its pinned buffers freed during a capture, aborted the GPU tests). The graph
-        collects once before it begins."""
+        scratch, its pinned buffers freed during a capture, aborted the GPU tests).
+        :func:`shared.cuda_capture.capture` neither synchronizes nor empties the caches."""
         enabled = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with capture(graph, pool=self._pool, device=self.storage.table.device):
                 yield
         finally:
             if enabled:

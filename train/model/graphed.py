@@ -66,6 +66,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from shared.cuda_capture import capture, capture_stream
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_GRAPHS = 8
@@ -210,8 +212,7 @@ class _Entry:
             out = self._run()
             grads = self._grad(out, torch.zeros_like(out))
         else:
-            torch.cuda.synchronize(self.device)
-            side = torch.cuda.Stream(self.device)
+            side = capture_stream(self.device)  # the stream the capture then runs on
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # lazy library init off the capture stream
                 for _ in range(self.owner.warmup_iters):
@@ -228,11 +229,12 @@ class _Entry:
         self.grad_ptrs = frozenset(g.data_ptr() for g in self.grads if g is not None)
         del out, grads
         if not emulate:
+            # not torch.cuda.graph(): it empties the caches at each capture (shared.cuda_capture)
             self.fwd_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
+            with capture(self.fwd_graph, pool=pool, device=self.device):
                 self._forward_body()
             self.bwd_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
+            with capture(self.bwd_graph, pool=pool, device=self.device):
                 self._backward_body()
         self.ready = True
 
