@@ -34,6 +34,7 @@ from shared.config import load_config
 from shared.features import build_feature_set
 from shared.progress import ProgressLine
 from train.checkpoint import (
+    BackgroundCheckpoints,
     Progress,
     foreign_checkpoints,
     latest_checkpoint,
@@ -303,6 +304,9 @@ class Trainer:
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
         self.graphs = self._cuda_graphs()
+        # in-loop checkpoints of a single process are written by a thread (distributed ones
+        # are collectives: written in the loop)
+        self._writer = BackgroundCheckpoints(self.model_dir) if self.dist is None else None
         # rank 0 writes the metrics; the others keep their records in memory only
         self.metrics = MetricsLog(self.model_dir / "metrics.jsonl" if self.rank == 0 else None)
 
@@ -461,14 +465,15 @@ class Trainer:
             if progress.step % self.log_every == 0:
                 times.timed("log", lambda: self._log_train(progress, window, bar, times))
             if self.checkpoint_every and progress.step % self.checkpoint_every == 0:
-                times.timed("checkpoint", lambda: self._save(progress))
+                times.timed("checkpoint", lambda: self._save(progress, background=True))
             if opts.eval_every and progress.step % opts.eval_every == 0:
                 times.timed("eval", lambda: self.run_eval(user_counts, progress.step))
             if max_steps and progress.step >= max_steps:
                 break
         bar.close()
         seconds = time.perf_counter() - start
-        ckpt = self._save(progress)
+        ckpt = self._save(progress)  # after the pending background one
+        assert ckpt is not None
         final = self.run_eval(user_counts, progress.step)
         rate = (progress.samples - start_samples) / max(seconds, 1e-9)
         self._write_summary(progress, seconds, rate, times)
@@ -598,7 +603,14 @@ class Trainer:
             }
         )
 
-    def _save(self, progress: Progress) -> Path:
+    def _save(self, progress: Progress, *, background: bool = False) -> Path | None:
+        """Checkpoint ``progress.step``: written by a thread while training goes on when
+        ``background`` (single-process runs; returns None), else now (after any pending one)."""
+        if self._writer is not None:
+            if background:
+                self._writer.save(self.model, self.optimizers, progress)
+                return None
+            self._writer.wait()
         return save_checkpoint(
             self.model_dir,
             self.model,

@@ -73,6 +73,7 @@ __all__ = [
     "CheckpointReader",
     "LoadReport",
     "SavedTable",
+    "TablesSnapshot",
     "TableInfo",
     "collection_paths",
     "load",
@@ -83,8 +84,9 @@ __all__ = [
 ]
 
 
-class DynamicTables(Protocol):
-    """What :func:`save` and :func:`load` use of a ``DynamicEmbeddingCollection``."""
+class SavedTables(Protocol):
+    """What :func:`save` reads of a ``DynamicEmbeddingCollection`` (or of a
+    :class:`TablesSnapshot` of one)."""
 
     @property
     def tables(self) -> Mapping[str, TableSpec]: ...
@@ -102,7 +104,49 @@ class DynamicTables(Protocol):
 
     def table_state(self, name: str) -> TableState: ...
 
+
+class DynamicTables(SavedTables, Protocol):
+    """What :func:`save` and :func:`load` use of a ``DynamicEmbeddingCollection``."""
+
     def load_table_state(self, name: str, state: TableState) -> None: ...
+
+
+@dataclass(frozen=True)
+class TablesSnapshot:
+    """Everything :func:`save` writes of a collection, taken at one moment and held on the host:
+    a background writer saves it while training goes on changing the tables.
+    ``TablesSnapshot.of(collection)`` reads every table (device → host copies)."""
+
+    tables: Mapping[str, TableSpec]
+    adagrad: AdagradConfig
+    id_mode: str
+    step: int
+    clock: int  # score_clock() when it was taken
+    states: Mapping[str, TableState]
+
+    @classmethod
+    def of(cls, dec: SavedTables) -> TablesSnapshot:
+        states = {name: _on_host(dec.table_state(name)) for name in dec.tables}
+        return cls(dict(dec.tables), dec.adagrad, dec.id_mode, dec.step, dec.score_clock(), states)
+
+    def score_clock(self) -> int:
+        return self.clock
+
+    def table_state(self, name: str) -> TableState:
+        return self.states[name]
+
+
+def _on_host(state: TableState) -> TableState:
+    """``state`` on the CPU (its tensors are gathered copies: nothing aliases the table)."""
+    ck, cc = state.counter_keys, state.counter_counts
+    return TableState(
+        state.keys.cpu(),
+        state.values.cpu(),
+        state.scores.cpu(),
+        state.accumulators.cpu(),
+        None if ck is None else ck.cpu(),
+        None if cc is None else cc.cpu(),
+    )
 
 
 def collection_paths(fs: FeatureSet) -> dict[str, str]:
@@ -174,7 +218,7 @@ def write_meta(ckpt_dir: Path, tables: Mapping[str, dict[str, Any]], *, id_mode:
 
 
 def save(
-    dec: DynamicTables,
+    dec: SavedTables,
     ckpt_dir: str | Path,
     collections: str | Mapping[str, str],
     rank: int = 0,

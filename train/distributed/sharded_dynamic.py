@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from shared.features import TableSpec
+from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.checkpoint import LoadReport
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.hashing import check_keys, segment_sum_sorted, unique_pairs
@@ -288,6 +289,13 @@ class ShardedDynamicEmbedding(nn.Module):
     def step(self) -> int:
         """The local collection's STEP score of this step (what id dropout hashes)."""
         return self.local.step
+
+    @property
+    def adagrad(self) -> AdagradConfig:
+        return self.local.adagrad
+
+    def score_clock(self) -> int:
+        return self.local.score_clock()
 
     def stats(self) -> dict[str, dict[str, float]]:
         """This rank's shard (see :meth:`global_stats` for the whole table)."""
