@@ -250,7 +250,9 @@ def cuda_graphs_for(model: MultiTowerDIN) -> DenseArchGraphs:
     (switched on in the model: :mod:`shared.hashtable.static_step`, taken by a storage once its
     table is at max capacity, eager before)."""
     model.sparse.dynamic.use_static_step(capture=True)
-    return DenseArchGraphs(model.dense)
+    # a shape is captured at its second step: the partial last batches of an epoch (one per
+    # loader stream, each seen once) cost a capture each at the first (H200, 2026-12-04)
+    return DenseArchGraphs(model.dense, capture_after=2)
 
 
 class Trainer:

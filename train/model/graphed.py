@@ -28,8 +28,9 @@ cached by (B, T_pad, input widths, dtypes, requires_grad, autocast state), at mo
 What runs eagerly instead (same results, no graph): a module not on CUDA (unless ``emulate``),
 ``user_index`` given, grad mode off, eval mode, a BatchNorm in the module (padding rows would
 enter its batch statistics), an empty batch, a forward while an earlier replay's backward is
-still pending (two forwards before one backward), a failed capture, and new shapes after
-``max_captures`` captures. :attr:`JaggedGraphs.stats` counts replays, captures and eager calls
+still pending (two forwards before one backward), a failed capture, new shapes after
+``max_captures`` captures, and a shape's first ``capture_after - 1`` calls (the trainer
+captures a shape at its second call: an epoch's partial last batches are each seen once). :attr:`JaggedGraphs.stats` counts replays, captures and eager calls
 by reason.
 
 Contract of the outputs (as with ``torch.cuda.make_graphed_callables``): the returned output and
@@ -318,12 +319,19 @@ class JaggedGraphs:
         max_captures: int | None = None,
         min_bucket: int = DEFAULT_MIN_BUCKET,
         warmup_iters: int = 2,
+        capture_after: int = 1,
         emulate: bool = False,
     ) -> None:
-        if max_graphs < 1 or warmup_iters < 1:
+        if max_graphs < 1 or warmup_iters < 1 or capture_after < 1:
             raise ValueError(
-                f"need max_graphs >= 1 and warmup_iters >= 1, got {max_graphs}, {warmup_iters}"
+                "need max_graphs >= 1, warmup_iters >= 1 and capture_after >= 1, got "
+                f"{max_graphs}, {warmup_iters}, {capture_after}"
             )
+        # a shape is captured at its capture_after-th call (the calls before run eagerly): a
+        # capture costs its warm-up runs and the capture, ~3 eager calls, which a shape seen
+        # once (an epoch's partial last batches) never repays
+        self.capture_after = capture_after
+        self._sightings: collections.Counter[tuple] = collections.Counter()
         self.module = module
         self.body = body
         self.max_graphs = max_graphs
@@ -422,6 +430,10 @@ class JaggedGraphs:
                 return eager()
             if self.stats["captures"] >= self.max_captures:
                 self._eager("capture budget spent")
+                return eager()
+            self._sightings[key] += 1
+            if self._sightings[key] < self.capture_after:
+                self._eager("shape not seen often enough yet")
                 return eager()
             entry = self._capture(key, rows, seq, lengths, t_pad, amp)
             if entry is None:

@@ -191,6 +191,20 @@ def test_emulated_graphs_equal_eager_over_steps() -> None:
     assert graphs.stats["replays"] == len(STEPS) and graphs.stats["eager"] == 0
 
 
+def test_emulated_capture_after_runs_a_shape_eagerly_until_its_nth_call() -> None:
+    """capture_after=2: each shape's first call is eager, its second captures; the same
+    results either way (a shape seen once, as STEPS' last, is never captured)."""
+    steps = [*STEPS, [3, 0, 5, 1], [9, 8, 9, 9]]  # two shapes again
+    graphs = run_steps(steps, emulate=True, min_bucket=16, capture_after=2)
+    keys = [(len(s), bucket_rows(sum(s), 16)) for s in steps]
+    again = {k for k in keys if keys.count(k) > 1}
+    assert graphs.stats["captures"] == graphs.num_graphs == len(again)
+    assert graphs.stats["eager:shape not seen often enough yet"] == len(set(keys))
+    assert graphs.stats["replays"] == len(steps) - len(set(keys))
+    with pytest.raises(ValueError, match="capture_after"):
+        DenseArchGraphs(make_arch(torch.float64), capture_after=0)
+
+
 def test_emulated_lru_eviction_and_capture_budget() -> None:
     graphs = run_steps(STEPS, emulate=True, min_bucket=16, max_graphs=2)
     assert graphs.num_graphs == 2 and graphs.stats["evictions"] == graphs.stats["captures"] - 2
