@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,44 @@ def test_consumer_stream_sees_the_copied_batch(tiny_samples: Path, seed_fs: Feat
     assert [tuple(float(x) for x in g) for g in got] == want
     moved = to_device(pinned[0], device)
     assert_same(moved, pinned[0])
+
+
+def test_ahead_keeps_the_order_and_raises_where_the_producer_failed() -> None:
+    from train.data.prefetch import ahead
+
+    assert list(ahead(iter(range(50)), 2)) == list(range(50))
+    assert list(ahead(iter([]), 1)) == []
+
+    def failing() -> Iterator[int]:
+        yield 1
+        yield 2
+        raise ValueError("columns missing")
+
+    got: list[int] = []
+    with pytest.raises(ValueError, match="columns missing"):
+        for x in ahead(failing(), 3):
+            got.append(x)
+    assert got == [1, 2]  # every item before the error, then the error itself
+
+
+def test_ahead_stops_its_producer_when_the_caller_stops() -> None:
+    from train.data.prefetch import ahead
+
+    finished = threading.Event()
+    produced: list[int] = []
+
+    def endless() -> Iterator[int]:
+        try:
+            i = 0
+            while True:
+                produced.append(i)
+                yield i
+                i += 1
+        finally:
+            finished.set()  # the producer let go of it
+
+    items = ahead(endless(), 2)
+    assert [next(items) for _ in range(5)] == [0, 1, 2, 3, 4]
+    items.close()
+    assert finished.wait(10), "the producer thread did not stop"
+    assert produced[:5] == [0, 1, 2, 3, 4] and len(produced) <= 5 + 2 + 1
