@@ -102,7 +102,7 @@ class SavedTables(Protocol):
 
     def score_clock(self) -> int: ...
 
-    def table_state(self, name: str) -> TableState: ...
+    def table_states(self) -> Mapping[str, TableState]: ...
 
 
 class DynamicTables(SavedTables, Protocol):
@@ -126,14 +126,14 @@ class TablesSnapshot:
 
     @classmethod
     def of(cls, dec: SavedTables) -> TablesSnapshot:
-        states = {name: _on_host(dec.table_state(name)) for name in dec.tables}
+        states = {name: _on_host(state) for name, state in dec.table_states().items()}
         return cls(dict(dec.tables), dec.adagrad, dec.id_mode, dec.step, dec.score_clock(), states)
 
     def score_clock(self) -> int:
         return self.clock
 
-    def table_state(self, name: str) -> TableState:
-        return self.states[name]
+    def table_states(self) -> Mapping[str, TableState]:
+        return self.states
 
 
 def _on_host(state: TableState) -> TableState:
@@ -237,6 +237,7 @@ def save(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-rank{rank}-", dir=base))
     try:
         now = dec.score_clock()
+        states = dec.table_states()
         for name, spec in dec.tables.items():
             assert spec.dynamic is not None
             strategy = spec.dynamic.score_strategy
@@ -245,7 +246,7 @@ def save(
             write_table_files(
                 directory,
                 name,
-                dec.table_state(name),
+                states[name],
                 strategy=strategy,
                 now=now,
                 args=opt_args(dec.adagrad, strategy, step_score(strategy, dec.step))

@@ -265,8 +265,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
 
     def export_table(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [N] int64, values [N, dim] float32) of the admitted keys, sorted by key."""
-        storage, tid = self._lookup_table(name)
-        state = storage.state(tid)
+        state = self.table_state(name)
         return state.keys, state.values
 
     def stats(self) -> dict[str, dict[str, float]]:
@@ -280,7 +279,12 @@ class DynamicEmbeddingCollection(torch.nn.Module):
 
     def table_state(self, name: str) -> TableState:
         storage, tid = self._lookup_table(name)
-        return storage.state(tid)
+        return storage.states()[tid]
+
+    def table_states(self) -> dict[str, TableState]:
+        """:meth:`table_state` of every table, each storage exported once."""
+        per = {s: s.states() for s in self._storages}
+        return {n: per[s][t] for n, (s, t) in self._where.items()}
 
     def load_table_state(self, name: str, state: TableState) -> None:
         storage, tid = self._lookup_table(name)

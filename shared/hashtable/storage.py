@@ -12,6 +12,7 @@ sum of their max capacities, and a member may use more than its own share when o
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -545,13 +546,26 @@ class FusedStorage:
             out.append(one)
         return out
 
-    def state(self, tid: int) -> TableState:
-        rows = self.table.export(tid)
+    def states(self) -> list[TableState]:
+        """Each member table's :class:`TableState`, in table-id order, from one export of the
+        table and one of the counter (sorted by table id, then key: each table's part is what
+        an export of that table alone gives)."""
+        n = len(self.specs)
+        rows = self.table.export()
         assert rows.accumulators is not None
-        state = TableState(rows.keys, rows.values, rows.scores, rows.accumulators)
-        if self.counter is not None and self._admits[tid]:
-            state.counter_keys, state.counter_counts = self.counter.export(tid)
-        return state
+        cuts = torch.searchsorted(rows.table_ids, torch.arange(n + 1, device=self.device))
+        out = [
+            TableState(rows.keys[a:b], rows.values[a:b], rows.scores[a:b], rows.accumulators[a:b])
+            for a, b in itertools.pairwise(cuts.tolist())
+        ]
+        if self.counter is not None:
+            counted = self.counter.table.export()
+            cuts = torch.searchsorted(counted.table_ids, torch.arange(n + 1, device=self.device))
+            for tid, (a, b) in enumerate(itertools.pairwise(cuts.tolist())):
+                if self._admits[tid]:
+                    out[tid].counter_keys = counted.keys[a:b]
+                    out[tid].counter_counts = counted.scores[a:b]
+        return out
 
     def load_state(self, tid: int, state: TableState) -> None:
         """Replace the content of table ``tid`` by ``state``."""

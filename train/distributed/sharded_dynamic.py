@@ -321,6 +321,9 @@ class ShardedDynamicEmbedding(nn.Module):
     def table_state(self, name: str) -> TableState:
         return self.local.table_state(name)
 
+    def table_states(self) -> dict[str, TableState]:
+        return self.local.table_states()
+
     def load_table_state(self, name: str, state: TableState) -> None:
         self.local.load_table_state(name, state)
 

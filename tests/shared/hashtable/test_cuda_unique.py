@@ -171,7 +171,7 @@ def test_a_fused_storage_trains_the_same_under_both_backends():
     assert got.table.evictions > 0 and got.table.generation > 0  # the script grows and evicts
     for tid in range(3):
         assert got.stats()[tid] == want.stats()[tid]
-        a, b = got.state(tid), want.state(tid)
+        a, b = got.states()[tid], want.states()[tid]
         for f in ("keys", "values", "scores", "accumulators", "counter_keys", "counter_counts"):
             x, y = getattr(a, f), getattr(b, f)
             assert (x is None and y is None) or torch.equal(x, y), (tid, f)
