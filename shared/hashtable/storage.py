@@ -196,8 +196,7 @@ class FusedStorage:
                 device=device,
                 backend=self.backend,
             )
-        self._admits = [a is not None for a in adm]  # on the host: read without a sync
-        self.has_admission = torch.tensor(self._admits, device=device)
+        self.has_admission = torch.tensor([a is not None for a in adm], device=device)
         self.thresholds = torch.tensor([a.threshold if a else 1 for a in adm], device=device)
         # one threshold for every table (the common case): compared as a number, no gather
         thresholds = {a.threshold if a else 1 for a in adm}
@@ -234,6 +233,11 @@ class FusedStorage:
             torch.full((0,), t, dtype=torch.int64, device=device) for t in range(len(specs))
         ]
         self.static: StaticLookup | None = None  # the collection's use_static_step sets it
+
+    def _admits(self, tid: int) -> bool:
+        """Whether table ``tid`` has frequency admission (read on the host: no sync)."""
+        dynamic = self.specs[tid].dynamic
+        return dynamic is not None and dynamic.admission is not None
 
     def __repr__(self) -> str:
         return (
@@ -541,7 +545,7 @@ class FusedStorage:
             mine.update(zip(_HOST_COUNTERS, self._lookups[tid], strict=True))
             one = {"size": float(row[len(_COLUMNS)]), "capacity": capacity, "load_factor": load}
             one.update({name: float(mine[name]) for name in COUNTERS})
-            if self.counter is not None and self._admits[tid]:
+            if self.counter is not None and self._admits(tid):
                 one["counter_size"] = float(row[len(_COLUMNS) + 1])
             out.append(one)
         return out
@@ -562,7 +566,7 @@ class FusedStorage:
             counted = self.counter.table.export()
             cuts = torch.searchsorted(counted.table_ids, torch.arange(n + 1, device=self.device))
             for tid, (a, b) in enumerate(itertools.pairwise(cuts.tolist())):
-                if self._admits[tid]:
+                if self._admits(tid):
                     out[tid].counter_keys = counted.keys[a:b]
                     out[tid].counter_counts = counted.scores[a:b]
         return out
