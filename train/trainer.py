@@ -467,7 +467,7 @@ class Trainer:
             if progress.step % self.log_every == 0:
                 times.timed("log", lambda: self._log_train(progress, window, bar, times))
             if self.checkpoint_every and progress.step % self.checkpoint_every == 0:
-                times.timed("checkpoint", lambda: self._save(progress, background=True))
+                times.timed("checkpoint", lambda: self._save_in_loop(progress))
             if opts.eval_every and progress.step % opts.eval_every == 0:
                 times.timed("eval", lambda: self.run_eval(user_counts, progress.step))
             if max_steps and progress.step >= max_steps:
@@ -475,7 +475,6 @@ class Trainer:
         bar.close()
         seconds = time.perf_counter() - start
         ckpt = self._save(progress)  # after the pending background one
-        assert ckpt is not None
         final = self.run_eval(user_counts, progress.step)
         rate = (progress.samples - start_samples) / max(seconds, 1e-9)
         self._write_summary(progress, seconds, rate, times)
@@ -518,7 +517,7 @@ class Trainer:
                 return
             rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
             batches = self._epoch_batches(progress)
-            # on CUDA the next batch's copy overlaps this step (train.data.prefetch)
+            # on CUDA a feeder thread copies the next batches during this step (train.data.prefetch)
             for batch in prefetch_to_device(batches, self.device):
                 yield batch, rows[progress.batch_in_epoch]
             progress.epoch += 1
@@ -605,13 +604,9 @@ class Trainer:
             }
         )
 
-    def _save(self, progress: Progress, *, background: bool = False) -> Path | None:
-        """Checkpoint ``progress.step``: written by a thread while training goes on when
-        ``background`` (single-process runs; returns None), else now (after any pending one)."""
+    def _save(self, progress: Progress) -> Path:
+        """Checkpoint ``progress.step`` now (after the pending background one, if any)."""
         if self._writer is not None:
-            if background:
-                self._writer.save(self.model, self.optimizers, progress)
-                return None
             self._writer.wait()
         return save_checkpoint(
             self.model_dir,
@@ -621,3 +616,11 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
         )
+
+    def _save_in_loop(self, progress: Progress) -> None:
+        """Checkpoint ``progress.step`` on the loop's cadence: written by a thread while training
+        goes on in a single process, now when distributed."""
+        if self._writer is not None:
+            self._writer.save(self.model, self.optimizers, progress)
+        else:
+            self._save(progress)
