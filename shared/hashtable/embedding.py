@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +45,8 @@ from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import check_key_tensor, check_keys
 from shared.hashtable.static_step import StaticStep
 from shared.hashtable.storage import FusedStorage, Plan, TableState, compatibility_key
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -274,8 +276,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         found no room, e.g. under NO_EVICTION), admitted, lookups and misses (keys looked up in
         training, and those with no row after the step: a backoff's share), eval_lookups and
         eval_misses (the same in eval mode), and counter_size with admission."""
-        per = {s: s.stats() for s in self._storages}  # one read of each storage's counters
-        return {n: per[s][t] for n, (s, t) in self._where.items()}
+        return self._per_table(FusedStorage.stats)  # one read of each storage's counters
 
     def table_state(self, name: str) -> TableState:
         storage, tid = self._lookup_table(name)
@@ -283,7 +284,11 @@ class DynamicEmbeddingCollection(torch.nn.Module):
 
     def table_states(self) -> dict[str, TableState]:
         """:meth:`table_state` of every table, each storage exported once."""
-        per = {s: s.states() for s in self._storages}
+        return self._per_table(FusedStorage.states)
+
+    def _per_table(self, of_storage: Callable[[FusedStorage], list[T]]) -> dict[str, T]:
+        """Table name → its entry of ``of_storage(storage)``, called once per storage."""
+        per = {s: of_storage(s) for s in self._storages}
         return {n: per[s][t] for n, (s, t) in self._where.items()}
 
     def load_table_state(self, name: str, state: TableState) -> None:

@@ -554,22 +554,24 @@ class FusedStorage:
         """Each member table's :class:`TableState`, in table-id order, from one export of the
         table and one of the counter (sorted by table id, then key: each table's part is what
         an export of that table alone gives)."""
-        n = len(self.specs)
         rows = self.table.export()
         assert rows.accumulators is not None
-        cuts = torch.searchsorted(rows.table_ids, torch.arange(n + 1, device=self.device))
         out = [
             TableState(rows.keys[a:b], rows.values[a:b], rows.scores[a:b], rows.accumulators[a:b])
-            for a, b in itertools.pairwise(cuts.tolist())
+            for a, b in self._table_spans(rows.table_ids)
         ]
         if self.counter is not None:
             counted = self.counter.table.export()
-            cuts = torch.searchsorted(counted.table_ids, torch.arange(n + 1, device=self.device))
-            for tid, (a, b) in enumerate(itertools.pairwise(cuts.tolist())):
+            for tid, (a, b) in enumerate(self._table_spans(counted.table_ids)):
                 if self._admits(tid):
                     out[tid].counter_keys = counted.keys[a:b]
                     out[tid].counter_counts = counted.scores[a:b]
         return out
+
+    def _table_spans(self, sorted_tids: torch.Tensor) -> list[tuple[int, int]]:
+        """Each table id's [start, end) in non-decreasing ``sorted_tids`` (one host read)."""
+        edges = torch.arange(len(self.specs) + 1, device=sorted_tids.device)
+        return list(itertools.pairwise(torch.searchsorted(sorted_tids, edges).tolist()))
 
     def load_state(self, tid: int, state: TableState) -> None:
         """Replace the content of table ``tid`` by ``state``."""

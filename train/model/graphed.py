@@ -30,8 +30,8 @@ What runs eagerly instead (same results, no graph): a module not on CUDA (unless
 enter its batch statistics), an empty batch, a forward while an earlier replay's backward is
 still pending (two forwards before one backward), a failed capture, new shapes after
 ``max_captures`` captures, and a shape's first ``capture_after - 1`` calls (the trainer
-captures a shape at its second call: an epoch's partial last batches are each seen once). :attr:`JaggedGraphs.stats` counts replays, captures and eager calls
-by reason.
+captures a shape at its second call: an epoch's partial last batches are each seen once).
+:attr:`JaggedGraphs.stats` counts replays, captures and eager calls by reason.
 
 Contract of the outputs (as with ``torch.cuda.make_graphed_callables``): the returned output and
 the gradients handed to autograd live in buffers owned by the graph and are overwritten by the
