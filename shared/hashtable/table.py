@@ -247,6 +247,25 @@ class HashTable(TableLayout):
         assert erased is not None  # the backends count when asked to
         return erased
 
+    def reserve_max_capacity(self) -> bool:
+        """Allocate the max capacity now: the buckets inserts would grow the table to on the way
+        there. Stored entries move (:attr:`generation` changes) and keep their values, scores
+        and accumulators. Returns whether the table grew."""
+        if self._num_buckets == self._max_buckets:
+            return False
+        held = self.export() if self.size else None
+        self._allocate(self._max_buckets)
+        self.generation += 1
+        if held is not None:
+            self.insert_or_assign(
+                held.keys,
+                held.values,
+                held.scores,
+                table_ids=held.table_ids,
+                accumulators=held.accumulators,
+            )
+        return True
+
     def clear(self, table_id: int | None = None) -> int:
         """Erase every key (of one key space if ``table_id`` is given); returns how many."""
         live = self._row_key >= 0

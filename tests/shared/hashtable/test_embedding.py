@@ -221,6 +221,20 @@ def test_growth_inside_the_module_keeps_rows():
     assert torch.equal(values, torch.stack([seen[k] for k in keys.tolist()]))
 
 
+def test_reserve_max_capacity_keeps_rows_and_lookups(caplog):
+    dec = _dec([dyn_table("a_emb", init_capacity=16, bucket_capacity=8, max_capacity=4096)])
+    keys = torch.arange(100)
+    with torch.no_grad():
+        want = dec({"a_emb": keys})["a_emb"]
+    with caplog.at_level(logging.INFO, logger="shared.hashtable.embedding"):
+        dec.reserve_max_capacity()
+    assert dec.stats()["a_emb"]["capacity"] == 4096
+    assert "4096 rows allocated" in caplog.text
+    dec.eval()
+    with torch.no_grad():
+        assert torch.equal(dec({"a_emb": keys})["a_emb"], want)  # stored rows, moved
+
+
 def test_step_counts_forwards_unless_set():
     dec = _dec([dyn_table("a_emb")])
     _train(dec, [1])

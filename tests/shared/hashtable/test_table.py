@@ -141,6 +141,35 @@ def test_growth_preserves_every_key_and_row():
     assert torch.equal(exported.keys, keys[order]) and torch.equal(exported.values, vals[order])
 
 
+def test_reserve_max_capacity_keeps_every_entry():
+    t = HashTable(4, init_capacity=16, max_capacity=1 << 12, bucket_capacity=8,
+                  with_accumulator=True)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    keys = torch.unique(torch.randint(0, 1 << 62, (200,), generator=g))
+    tids = torch.randint(0, 3, (keys.numel(),), generator=g)
+    vals = torch.randn(keys.numel(), 4, generator=g)
+    acc = torch.rand(keys.numel(), 4, generator=g)
+    t.insert_or_assign(keys, vals, torch.arange(keys.numel()), table_ids=tids, accumulators=acc)
+    before, generation = t.export(), t.generation
+    assert t.capacity < t.max_capacity
+    assert t.reserve_max_capacity()
+    _check_invariants(t)
+    assert t.capacity == t.max_capacity and t.generation == generation + 1
+    after = t.export()
+    for name in ("keys", "values", "scores", "accumulators", "table_ids"):
+        assert torch.equal(getattr(after, name), getattr(before, name)), name
+    assert t.evictions == 0 and t.refusals == 0
+    assert not t.reserve_max_capacity()  # already there: nothing moves
+    assert t.generation == generation + 1
+
+
+def test_reserve_max_capacity_of_an_empty_table():
+    t = HashTable(2, init_capacity=8, max_capacity=256, bucket_capacity=8)
+    assert t.reserve_max_capacity()
+    _check_invariants(t)
+    assert t.capacity == 256 and t.size == 0
+
+
 def test_growth_stops_at_max_capacity_then_evicts():
     t = HashTable(1, init_capacity=8, max_capacity=64, bucket_capacity=8)
     keys = torch.arange(200)
