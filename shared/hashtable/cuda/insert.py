@@ -93,6 +93,7 @@ OPTIN_SHARED_ATTR = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 ST_STAGED_OVER, ST_NEG_KEY, ST_BAD_TID, ST_MAYBE_FULL, ST_STAGED, ST_ANY_TID = range(6)
 ST_NEW, ST_MAX_FILL, ST_N_OVER, ST_OVER_NEW = range(6, 10)
 ST_OV_EVICTED, ST_OV_REFUSED, ST_OV_ADDED = range(11, 14)  # of ht_ins2_over (full buckets)
+ST_OV_FAST = 14  # of ht_ins2_over: buckets its fast path took (kernels.cu)
 ST_LEN = 16
 # kernels.cu HT_ER_*: the stats of one erase
 ER_NEG_KEY, ER_BAD_TID, ER_ERASED, ER_LISTED = range(4)

@@ -785,6 +785,8 @@ extern "C" __global__ void ht_ins2_gather(const int* __restrict__ rep_of,
 //    slot order come from block sorts (bitonic, O(bc log^2 bc) a bucket: ht_block_sort); the
 //    newcomers' ranks are counts (O(u^2) and O(c * u)). Counting all of it (O(bc^2) compares a
 //    bucket) took ~0.43 ms a training step on the H200, most for the counter's buckets of 1024.
+//    A full bucket with few newcomers (the steady state of training) takes a fast path that
+//    needs neither sort (ht_over_fast_*: the same result).
 // 2. ht_ins2_over_list (a warp per bucket): the evicted keys in bucket order (ends: the
 //    inclusive cumsum of the counts), as the torch code returns them.
 //
@@ -850,6 +852,172 @@ __device__ __forceinline__ void ht_block_sort(int* buf, int n, Before before) {
 #define HT_ST_OV_EVICTED 11  // ht_ins2_over: stored entries evicted (the cursor of ev_key)
 #define HT_ST_OV_REFUSED 12  // new pairs of the full buckets left out
 #define HT_ST_OV_ADDED 13    // entries the full buckets gained
+#define HT_ST_OV_FAST 14     // buckets ht_ins2_over took on its fast path (the tests look)
+
+// ---- ht_ins2_over's fast path: a full bucket, few newcomers, distinct fingerprints
+//
+// A full bucket (c == B) that gets m <= HT_OVER_FAST_M newcomers past the pre-step evicts its
+// nev <= m last stored entries in HtStoredOrder (an entry's merge rank grows with its stored
+// rank, and only the last m stored ranks can reach B), and keeps the newcomers of pre-ranks
+// 0 .. nev - 1, in the freed rows. When no two fingerprints of the merge are equal and the
+// stored ones are strictly increasing in slot order (always, but for a 64-bit fingerprint
+// collision), the kept entries' slots are the stored ones' order merged with the kept
+// newcomers' by fingerprint: the general path's result without its two block sorts of the
+// bucket (bitonic, O(B log^2 B) each: ~0.5 ms a training step on the H200 for the admission
+// counter's buckets of 1024, bench_train_full_s13). Selecting the evicted entries takes at most
+// m + 1 block reductions.
+
+#define HT_OVER_FAST_M 64  // newcomers past the pre-step that the fast path takes
+
+// Whether the fast path applies (the same answer in every thread: __syncthreads_or). On the
+// way, for newcomer p < m: n_fp[p] its fingerprint, n_lb[p] the stored entries below it.
+__device__ __forceinline__ bool ht_over_fast_applies(
+    int B, int c, int m, const i64* __restrict__ keys, const i64* __restrict__ tids,
+    int has_tids, const int* n_idx, const int* cand, const i64* e_fp, i64* n_fp, int* n_lb) {
+    const int T = blockDim.x, tx = threadIdx.x;
+    const bool full = c == B && m <= HT_OVER_FAST_M;
+    int no = 0;
+    if (full) {
+        for (int t = tx + 1; t < c; t += T) no |= e_fp[t] <= e_fp[t - 1];
+        for (int p = tx; p < m; p += T) {
+            const int idx = n_idx[cand[p]];
+            const i64 fp = ht_fingerprint(keys[idx], has_tids ? tids[idx] : 0);
+            int lo = 0, hi = c;
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (e_fp[mid] < fp) lo = mid + 1;
+                else hi = mid;
+            }
+            no |= lo < c && e_fp[lo] == fp;
+            n_fp[p] = fp;
+            n_lb[p] = lo;
+        }
+    }
+    __syncthreads();
+    if (full)
+        for (int p = tx; p < m; p += T)
+            for (int v = 0; v < p; ++v) no |= n_fp[v] == n_fp[p];
+    const int any = __syncthreads_or(no);
+    return full && !any;
+}
+
+// The evicted entries: up to m times, the entry last in HtStoredOrder among those not taken
+// (the k-th has stored rank c - 1 - k) is evicted if its merge rank reaches B, else the
+// selection ends. taken[t] = 1 for an evicted slot t; picks[k] the k-th evicted slot; then
+// f_slot / f_row the evicted slots in slot order and their rows (the freed rows); *s_nev =
+// *s_nfree = nev. Ends with a barrier.
+__device__ __forceinline__ void ht_over_fast_evict(int B, int c, int m, const unsigned char* e_pin,
+                                                   const i64* e_score, const i64* c_score,
+                                                   const i64* e_row, int* taken, int* picks,
+                                                   i64* f_row, int* f_slot, int* s_nev,
+                                                   int* s_nfree) {
+    __shared__ int s_warp_pick[32];
+    __shared__ int s_more;
+    const int T = blockDim.x, tx = threadIdx.x;
+    const int lane = tx & 31, warp = tx >> 5;
+    const HtStoredOrder before{e_pin, e_score};
+    for (int t = tx; t < c; t += T) taken[t] = 0;
+    if (tx == 0) *s_nev = 0;
+    __syncthreads();
+    for (int k = 0; k < m; ++k) {
+        int last = -1;  // this thread's entry last in the stored order
+        for (int t = tx; t < c; t += T)
+            if (!taken[t] && (last < 0 || before(last, t))) last = t;
+        for (int off = 16; off > 0; off >>= 1) {
+            const int o = __shfl_down_sync(0xffffffffu, last, off);
+            if (o >= 0 && (last < 0 || before(last, o))) last = o;
+        }
+        if (lane == 0) s_warp_pick[warp] = last;
+        __syncthreads();
+        if (warp == 0) {
+            last = lane < (T >> 5) ? s_warp_pick[lane] : -1;
+            for (int off = 16; off > 0; off >>= 1) {
+                const int o = __shfl_down_sync(0xffffffffu, last, off);
+                if (o >= 0 && (last < 0 || before(last, o))) last = o;
+            }
+            if (lane == 0) {
+                int r = c - 1 - k;  // its merge rank: its stored rank + the newcomers before it
+                if (!e_pin[last]) {
+                    const i64 s = e_score[last];
+                    for (int p = 0; p < m; ++p) r += c_score[p] >= s ? 1 : 0;
+                }
+                s_more = r >= B;
+                if (r >= B) {
+                    taken[last] = 1;
+                    picks[k] = last;
+                    *s_nev = k + 1;
+                }
+            }
+        }
+        __syncthreads();
+        if (!s_more) break;
+    }
+    const int nev = *s_nev;
+    for (int e = tx; e < nev; e += T) {
+        const int v = picks[e];
+        int at = 0;
+        for (int e2 = 0; e2 < nev; ++e2) at += picks[e2] < v ? 1 : 0;
+        f_slot[at] = v;
+        f_row[at] = e_row[v];
+    }
+    if (tx == 0) *s_nfree = nev;
+    __syncthreads();
+}
+
+// The evicted keys and table ids in merge-rank order (picks reversed) at a base this bucket
+// reserves, as the general path's warp 1 writes them (read before any row is written).
+__device__ __forceinline__ void ht_over_fast_evicted(i64 j, int nev, const int* picks,
+                                                     const i64* e_row,
+                                                     const i64* __restrict__ row_key,
+                                                     const int* __restrict__ row_tid,
+                                                     i64* __restrict__ ev_key,
+                                                     i64* __restrict__ ev_tid,
+                                                     i64* __restrict__ ev_meta, i64 n_over,
+                                                     u64* __restrict__ stats) {
+    __shared__ i64 s_at;
+    const int T = blockDim.x, tx = threadIdx.x;
+    if (tx == 0) {
+        const i64 at = nev > 0 ? (i64)atomicAdd(stats + HT_ST_OV_EVICTED, (u64)nev) : 0;
+        ev_meta[j] = at;
+        ev_meta[n_over + j] = nev;
+        s_at = at;
+    }
+    __syncthreads();
+    const i64 at = s_at;
+    for (int e = tx; e < nev; e += T) {
+        const i64 row = e_row[picks[nev - 1 - e]];
+        ev_key[at + e] = row_key[row];
+        ev_tid[at + e] = (i64)row_tid[row];
+    }
+}
+
+// The slots of the fast path: the kept stored entries (not taken) and the kept newcomers
+// (pre-ranks p < n_new, in rows f_row[p]) merged by fingerprint; the bucket stays full.
+__device__ __forceinline__ void ht_over_fast_slots(int c, int n_new, i64 base, const i64* e_fp,
+                                                   const i64* e_row, const int* taken,
+                                                   const i64* n_fp, const int* n_lb,
+                                                   const i64* f_row, const int* f_slot,
+                                                   i64* __restrict__ slot_fp,
+                                                   i64* __restrict__ slot_row) {
+    const int T = blockDim.x, tx = threadIdx.x;
+    const int nev = n_new;  // a full bucket: every freed row goes to a kept newcomer
+    for (int t = tx; t < c; t += T) {
+        if (taken[t]) continue;
+        int at = t;
+        for (int i = 0; i < nev; ++i) at -= f_slot[i] < t ? 1 : 0;
+        for (int p = 0; p < n_new; ++p) at += n_fp[p] < e_fp[t] ? 1 : 0;
+        slot_fp[base + at] = e_fp[t];
+        slot_row[base + at] = e_row[t];
+    }
+    for (int p = tx; p < n_new; p += T) {
+        const int lb = n_lb[p];
+        int at = lb;
+        for (int i = 0; i < nev; ++i) at -= f_slot[i] < lb ? 1 : 0;
+        for (int v = 0; v < n_new; ++v) at += n_fp[v] < n_fp[p] ? 1 : 0;
+        slot_fp[base + at] = n_fp[p];
+        slot_row[base + at] = f_row[p];
+    }
+}
 
 extern "C" __global__ void ht_ins2_over(
     const i64* __restrict__ over, i64 bc, i64 S, const int* __restrict__ stage,
@@ -927,85 +1095,84 @@ extern "C" __global__ void ht_ins2_over(
             rep_rows[n_idx[q]] = -1;  // refused by the pre-step
         }
     }
-    // the stored entries' ranks among themselves: a block sort in by_rank (free until the
-    // merge ranks below; 2B ints, enough for c <= B padded to a power of two)
-    ht_block_sort(by_rank, c, HtStoredOrder{e_pin, e_score});
-    for (int p = tx; p < c; p += T) e_rank[by_rank[p]] = p;
     __syncthreads();
-    // ranks in the merge
-    for (int p = tx; p < m; p += T) {
-        const i64 s = c_score[p];
-        int r = p;
-        for (int v = 0; v < c; ++v) r += (e_pin[v] || e_score[v] > s) ? 1 : 0;
-        by_rank[r] = B + p;
-    }
-    for (int t = tx; t < c; t += T) {
-        int r = e_rank[t];
-        if (!e_pin[t]) {
-            const i64 s = e_score[t];
-            for (int p = 0; p < m; ++p) r += c_score[p] >= s ? 1 : 0;
+    const bool fast = ht_over_fast_applies(B, c, m, keys, tids, has_tids, n_idx, cand, e_fp,
+                                           k_row, by_rank);
+    if (fast) {
+        // by_rank: [0, m) the newcomers' n_lb, [B, B + m) the evicted slots as picked
+        ht_over_fast_evict(B, c, m, e_pin, e_score, c_score, e_row, e_rank, by_rank + B, f_row,
+                           f_slot, &s_nev, &s_nfree);
+        ht_over_fast_evicted(j, s_nev, by_rank + B, e_row, row_key, row_tid, ev_key, ev_tid,
+                             ev_meta, n_over, stats);
+    } else {
+        // the stored entries' ranks among themselves: a block sort in by_rank (free until the
+        // merge ranks below; 2B ints, enough for c <= B padded to a power of two)
+        ht_block_sort(by_rank, c, HtStoredOrder{e_pin, e_score});
+        for (int p = tx; p < c; p += T) e_rank[by_rank[p]] = p;
+        __syncthreads();
+        // ranks in the merge
+        for (int p = tx; p < m; p += T) {
+            const i64 s = c_score[p];
+            int r = p;
+            for (int v = 0; v < c; ++v) r += (e_pin[v] || e_score[v] > s) ? 1 : 0;
+            by_rank[r] = B + p;
         }
-        by_rank[r] = t;
-        e_rank[t] = r;
-        if (r >= B) atomicAdd(&s_nev, 1);
-    }
-    __syncthreads();
-    if (warp == 0) {
-        // freed rows in slot order: empty slots and evicted entries
-        int nf = 0;
-        for (int t0 = 0; t0 < B; t0 += 32) {
-            const int t = t0 + lane;
-            const bool fr = t < B && (t >= c || e_rank[t] >= B);
-            const unsigned int mk = __ballot_sync(0xffffffffu, fr);
-            if (fr) {
-                const int i = nf + __popc(mk & below);
-                f_row[i] = e_row[t];
-                f_slot[i] = t;
+        for (int t = tx; t < c; t += T) {
+            int r = e_rank[t];
+            if (!e_pin[t]) {
+                const i64 s = e_score[t];
+                for (int p = 0; p < m; ++p) r += c_score[p] >= s ? 1 : 0;
             }
-            nf += __popc(mk);
+            by_rank[r] = t;
+            e_rank[t] = r;
+            if (r >= B) atomicAdd(&s_nev, 1);
         }
-        if (lane == 0) s_nfree = nf;
-    } else if (warp == 1) {
-        // the evicted keys and table ids in rank order, read before any row is written
-        const int nev = s_nev;
-        i64 at = 0;
-        if (lane == 0 && nev > 0) at = (i64)atomicAdd(stats + HT_ST_OV_EVICTED, (u64)nev);
-        at = __shfl_sync(0xffffffffu, at, 0);
-        if (lane == 0) {
-            ev_meta[j] = at;
-            ev_meta[n_over + j] = nev;
-        }
-        const int total = c + m;
-        int e = 0;
-        for (int r0 = B; r0 < total; r0 += 32) {
-            const int r = r0 + lane;
-            const bool ev = r < total && by_rank[r] < B;
-            const unsigned int mk = __ballot_sync(0xffffffffu, ev);
-            if (ev) {
-                const i64 row = e_row[by_rank[r]];
-                const i64 dst = at + e + __popc(mk & below);
-                ev_key[dst] = row_key[row];
-                ev_tid[dst] = (i64)row_tid[row];
+        __syncthreads();
+        if (warp == 0) {
+            // freed rows in slot order: empty slots and evicted entries
+            int nf = 0;
+            for (int t0 = 0; t0 < B; t0 += 32) {
+                const int t = t0 + lane;
+                const bool fr = t < B && (t >= c || e_rank[t] >= B);
+                const unsigned int mk = __ballot_sync(0xffffffffu, fr);
+                if (fr) {
+                    const int i = nf + __popc(mk & below);
+                    f_row[i] = e_row[t];
+                    f_slot[i] = t;
+                }
+                nf += __popc(mk);
             }
-            e += __popc(mk);
+            if (lane == 0) s_nfree = nf;
+        } else if (warp == 1) {
+            // the evicted keys and table ids in rank order, read before any row is written
+            const int nev = s_nev;
+            i64 at = 0;
+            if (lane == 0 && nev > 0) at = (i64)atomicAdd(stats + HT_ST_OV_EVICTED, (u64)nev);
+            at = __shfl_sync(0xffffffffu, at, 0);
+            if (lane == 0) {
+                ev_meta[j] = at;
+                ev_meta[n_over + j] = nev;
+            }
+            const int total = c + m;
+            int e = 0;
+            for (int r0 = B; r0 < total; r0 += 32) {
+                const int r = r0 + lane;
+                const bool ev = r < total && by_rank[r] < B;
+                const unsigned int mk = __ballot_sync(0xffffffffu, ev);
+                if (ev) {
+                    const i64 row = e_row[by_rank[r]];
+                    const i64 dst = at + e + __popc(mk & below);
+                    ev_key[dst] = row_key[row];
+                    ev_tid[dst] = (i64)row_tid[row];
+                }
+                e += __popc(mk);
+            }
         }
     }
     __syncthreads();
     const int nfree = s_nfree;
     const int size = c + m < B ? c + m : B;
     const int n_new = size - (B - nfree);  // kept newcomers: pre-ranks 0 .. n_new - 1
-    for (int r = tx; r < size; r += T) {
-        const int id = by_rank[r];
-        if (id < B) {
-            k_fp[r] = e_fp[id];
-            k_row[r] = e_row[id];
-        } else {
-            const int p = id - B;
-            const int idx = n_idx[cand[p]];
-            k_fp[r] = ht_fingerprint(keys[idx], has_tids ? tids[idx] : 0);
-            k_row[r] = f_row[p];
-        }
-    }
     for (int p = tx; p < m; p += T) {
         const int idx = n_idx[cand[p]];
         if (p < n_new) {
@@ -1051,20 +1218,40 @@ extern "C" __global__ void ht_ins2_over(
         }
     }
     __syncthreads();
-    // the slots: kept entries by (fingerprint, rank), a block sort in by_rank (read no more),
-    // then the sentinels with the unused rows
-    ht_block_sort(by_rank, size, HtSlotOrder{k_fp});
-    for (int p = tx; p < size; p += T) {
-        const int r = by_rank[p];
-        slot_fp[base + p] = k_fp[r];
-        slot_row[base + p] = k_row[r];
-    }
-    const i64 sent = sentinel[b];
-    for (int i = size + tx; i < B; i += T) {
-        slot_fp[base + i] = sent;
-        slot_row[base + i] = f_row[n_new + i - size];
+    if (fast) {
+        ht_over_fast_slots(c, n_new, base, e_fp, e_row, e_rank, k_row, by_rank, f_row, f_slot,
+                           slot_fp, slot_row);
+    } else {
+        // the kept entries by rank: fingerprints and rows
+        for (int r = tx; r < size; r += T) {
+            const int id = by_rank[r];
+            if (id < B) {
+                k_fp[r] = e_fp[id];
+                k_row[r] = e_row[id];
+            } else {
+                const int p = id - B;
+                const int idx = n_idx[cand[p]];
+                k_fp[r] = ht_fingerprint(keys[idx], has_tids ? tids[idx] : 0);
+                k_row[r] = f_row[p];
+            }
+        }
+        __syncthreads();
+        // the slots: kept entries by (fingerprint, rank), a block sort in by_rank (read no more),
+        // then the sentinels with the unused rows
+        ht_block_sort(by_rank, size, HtSlotOrder{k_fp});
+        for (int p = tx; p < size; p += T) {
+            const int r = by_rank[p];
+            slot_fp[base + p] = k_fp[r];
+            slot_row[base + p] = k_row[r];
+        }
+        const i64 sent = sentinel[b];
+        for (int i = size + tx; i < B; i += T) {
+            slot_fp[base + i] = sent;
+            slot_row[base + i] = f_row[n_new + i - size];
+        }
     }
     if (tx == 0) {
+        if (fast) atomicAdd(stats + HT_ST_OV_FAST, 1ULL);
         bucket_count[b] = size;
         if (u > n_new) atomicAdd(stats + HT_ST_OV_REFUSED, (u64)(u - n_new));
         if (size > c) atomicAdd(stats + HT_ST_OV_ADDED, (u64)(size - c));

@@ -87,9 +87,19 @@ def _new_keys(
 Batch = Callable[[HashTable, int, torch.Generator], dict]
 
 
-def _run(table: HashTable, steps: int, make: Batch, *, want_paths: set[str]) -> list[str]:
+def _run(
+    table: HashTable,
+    steps: int,
+    make: Batch,
+    *,
+    want_paths: set[str],
+    fast: list[int] | None = None,
+) -> list[str]:
     """``steps`` inserts from ``make`` on ``table`` (a CUDA backend) and on a torch-backend
-    copy: equal results and tables after each. Returns the CUDA backend's paths, in order."""
+    copy: equal results and tables after each. Returns the CUDA backend's paths, in order;
+    ``fast`` gets, for each overflow call, the buckets ``ht_ins2_over``'s fast path took."""
+    from shared.hashtable.cuda import insert
+
     core = table.to(table.device, backend=TORCH)
     backend = table.backend
     assert isinstance(backend, CudaBackend)
@@ -107,6 +117,8 @@ def _run(table: HashTable, steps: int, make: Batch, *, want_paths: set[str]) -> 
         got = table.insert_or_assign(**kw)
         (path,) = backend.paths - before
         paths.append(path.removeprefix("insert."))
+        if fast is not None and paths[-1] == "overflow":
+            fast.append(int(insert._scratch[table].host[insert.ST_OV_FAST]))
         _assert_scratch_clear(table)
         _assert_same_result(got, want)
         _assert_same_table(table, core)
@@ -128,17 +140,29 @@ def _table(dim: int, nb: int, bc: int, strategy: ScoreStrategy, accum: bool) -> 
     )
 
 
-def _batches(bc: int, dim: int, with_tids: bool, accum: bool, pin: bool, scores: int) -> Batch:
-    """Step 0 fills every bucket to between half and all of its capacity; later steps give each
-    bucket 0 .. 2 * bc - 2 new keys (a duplicate of one of them), stored keys of the table
-    (the first ones pinned when ``pin``) and scores in 0 .. ``scores`` - 1."""
+def _batches(
+    bc: int,
+    dim: int,
+    with_tids: bool,
+    accum: bool,
+    pin: bool,
+    scores: int,
+    *,
+    full_from: float = 0.5,
+    max_new: int | None = None,
+) -> Batch:
+    """Step 0 fills every bucket to between ``full_from`` and all of its capacity; later steps
+    give each bucket 0 .. ``max_new`` (default 2 * bc - 2) new keys (a duplicate of one of
+    them), stored keys of the table (the first ones pinned when ``pin``) and scores in 0 ..
+    ``scores`` - 1."""
 
     def make(core: HashTable, step: int, g: torch.Generator) -> dict:
         nb = core.num_buckets
         if step == 0:
-            per = torch.randint(bc // 2, bc + 1, (nb,), generator=g)
+            per = torch.randint(int(bc * full_from), bc + 1, (nb,), generator=g)
         else:
-            per = torch.randint(0, 2 * bc - 1, (nb,), generator=g)
+            top = 2 * bc - 2 if max_new is None else max_new
+            per = torch.randint(0, top + 1, (nb,), generator=g)
         keys, tids = _new_keys(core, per, g, with_tids)
         bucket = bucket_of(fingerprint(keys, tids), nb)
         by_bucket = torch.sort(bucket, stable=True).indices
@@ -202,6 +226,27 @@ def test_full_buckets_of_the_admission_counter() -> None:
     t = _table(0, 4, bc, ScoreStrategy.LFU, accum=False)
     make = _batches(bc, 0, with_tids=False, accum=False, pin=True, scores=5)
     assert _run(t, 4, make, want_paths={"fast", "overflow"}).count("overflow") >= 2
+
+
+@pytest.mark.parametrize("bc, nb", [(1024, 6), (16, 48)])
+@pytest.mark.parametrize("strategy", [ScoreStrategy.LFU, ScoreStrategy.NO_EVICTION], ids=str)
+def test_full_buckets_with_few_newcomers_take_the_fast_path(
+    bc: int, nb: int, strategy: ScoreStrategy
+) -> None:
+    """Training's steady state: full buckets that each get a few new keys (up to 80 in buckets
+    of 1024: some past HT_OVER_FAST_M = 64 take the general path in the same call), score ties,
+    pinned keys. ht_ins2_over's fast path (no block sorts) gives the torch table too."""
+    dim = 0 if bc == 1024 else 16
+    t = _table(dim, nb, bc, strategy, accum=dim > 0)
+    top = min(80, 2 * bc - 2)  # the staging list holds 2 * bc - 1
+    make = _batches(bc, dim, with_tids=True, accum=dim > 0, pin=True, scores=3, full_from=1.0,
+                    max_new=top)  # fmt: skip
+    fast: list[int] = []
+    paths = _run(t, 6, make, want_paths={"fast", "overflow"}, fast=fast)
+    assert paths.count("overflow") >= 4
+    assert sum(fast) > 0, fast  # some buckets took the fast path
+    if bc == 1024:  # and some the general one: buckets past 64 newcomers, the calls' total
+        assert sum(fast) < nb * paths.count("overflow"), fast
 
 
 def test_equal_fingerprints_and_scores() -> None:
