@@ -69,6 +69,24 @@ class Backend(Protocol):
         once per list: it may copy parameters to the device)."""
         ...
 
+    def expand_rows(
+        self,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        inverse: torch.Tensor,
+        keys: torch.Tensor,
+        which: torch.Tensor,
+        new_rows: NewRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lookup's rows per occurrence: (out [N, dim] float32, stored [N] bool) for the
+        occurrences of runs ``inverse`` [N] (indices into the runs' ``rows``, ``keys``,
+        ``which`` [P]). With ``r = rows[inverse[i]]``: ``out[i] = values[r]`` where ``r >= 0``,
+        else ``new_rows``' row of the run's key from initializer ``which`` (``new_rows`` made by
+        :meth:`keyed_rows`); ``stored[i] = r >= 0``. The same bits as the gather per run, the
+        initial rows of every run and the gather per occurrence of the torch backend; no host
+        read (the static training step captures it)."""
+        ...
+
     def segment_sum_sorted(
         self,
         x: torch.Tensor,
@@ -89,6 +107,28 @@ class Backend(Protocol):
         config: AdagradConfig,
     ) -> None:
         """:func:`shared.hashtable.adagrad.adagrad_update` in place (the same bits)."""
+        ...
+
+    def apply_sparse_gradients(
+        self,
+        values: torch.Tensor,
+        accumulators: torch.Tensor,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        order: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        group: torch.Tensor,
+        max_count: int,
+        config: AdagradConfig,
+    ) -> None:
+        """Adagrad (``config``) in place on row ``rows[j]`` with run j's summed gradient, where
+        run j holds the rows ``grads[order[starts[j] + k]]`` for ``k < counts[j]`` (``group[i]``:
+        the run of sorted position i); rows of -1 are skipped. ``max_count``: the longest run,
+        or any bound >= it (the static step passes its padded size). The same bits as
+        ``adagrad_update(values, accumulators, rows, segment_sum_sorted(grads[order], starts,
+        counts, group, max_count), config)``; the static step's backward, captured: no host read
+        where the kernels run."""
         ...
 
     def find(

@@ -231,7 +231,7 @@ def train_lookup(
         erase_rows(st.counter.table, c_erase_rows, done, counter_counts)
     mark("erase")
     # 5. values: stored rows, else the admission value (waiting) or a fresh init (refused)
-    out = _values(st, uk, ut, ut_safe, valid, cnt, rows, not_admitted)
+    rows_out, stored_out = _values(st, runs, ut_safe, rows, not_admitted)
     plan = StaticPlan(
         n=0,  # set by the caller (a host value: a replay serves any n of its size)
         keys=uk,
@@ -241,8 +241,8 @@ def train_lookup(
         starts=runs.starts,
         counts=cnt,
         group=runs.group,
-        rows_out=out.index_select(0, runs.inverse),
-        stored_out=(rows >= 0).index_select(0, runs.inverse),
+        rows_out=rows_out,
+        stored_out=stored_out,
         errors=torch.stack([runs.negative, bad_score | result.bad_score]),
     )
     mark("values")
@@ -251,24 +251,22 @@ def train_lookup(
 
 def _values(
     st: FusedStorage,
-    uk: torch.Tensor,
-    ut: torch.Tensor,
+    runs: Runs,
     ut_safe: torch.Tensor,
-    valid: torch.Tensor,
-    cnt: torch.Tensor,
     rows: torch.Tensor,
     not_admitted: torch.Tensor,
-) -> torch.Tensor:
-    """[P, dim]: each run's row of values, or for a run without one its admission value (not
-    admitted yet) or a fresh initial row (refused); counts the rejections and misses."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([P, dim], [P] bool) per occurrence: its run's row of values, or for a run without one
+    its admission value (not admitted yet) or a fresh initial row (refused), and whether the
+    run has a row; counts the rejections and misses per run. One pass of the backend's
+    ``expand_rows``: on CUDA initial rows only for occurrences without a row."""
+    uk, ut, valid, cnt = runs.keys, runs.table_ids, runs.valid, runs.counts
     n_tables = len(st.specs)
     stored = rows >= 0
-    out = st.table._values[rows.clamp(min=0)]
-    which = torch.where(valid, ut_safe + n_tables * not_admitted, 0)
-    out = torch.where(stored[:, None], out, st._train_rows(uk, which, st.dim))
+    which = torch.where(valid, ut_safe + n_tables * not_admitted, 0)  # index into train_init
     looked = torch.stack([not_admitted, valid & ~stored], 1) * cnt[:, None]
     st._counts[:, _REJECTIONS : _MISSES + 1] += sum_per_table(ut, looked, n_tables)
-    return out
+    return st.backend.expand_rows(st.table._values, rows, runs.inverse, uk, which, st._train_rows)
 
 
 def _find(
@@ -342,14 +340,14 @@ def apply_gradients(storage: FusedStorage, plan: StaticPlan, grad: torch.Tensor)
     """Backward of :func:`train_lookup`: ``grad`` [P, dim] (zero past the real keys) summed per
     distinct key, then Adagrad on the rows in place (FusedStorage.apply_gradients)."""
     t = storage.table
-    p = grad.shape[0]
-    g = storage.backend.segment_sum_sorted(
-        grad.to(torch.float32)[plan.order], plan.starts, plan.counts, plan.group, p
-    )
     accum = t.accumulators
     assert accum is not None
-    # rows of -1 (no row, or not a real run) are skipped: on CUDA in the kernel, no host read
-    storage.backend.adagrad_update(t.values, accum, plan.rows, g, storage.adagrad)
+    # rows of -1 (no row, or not a real run) are skipped: on CUDA in the kernel, no host read;
+    # P bounds the longest run (its rounds are the eager tree's, with rounds to spare)
+    storage.backend.apply_sparse_gradients(
+        t.values, accum, plan.rows, grad.to(torch.float32), plan.order, plan.starts,
+        plan.counts, plan.group, grad.shape[0], storage.adagrad,
+    )  # fmt: skip
 
 
 class _Done:

@@ -123,6 +123,22 @@ class TorchBackend:
         """The new-row function of table ids ``0 .. len(inits) - 1``, made once per list."""
         return TorchRows(inits, device)
 
+    def expand_rows(
+        self,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        inverse: torch.Tensor,
+        keys: torch.Tensor,
+        which: torch.Tensor,
+        new_rows: NewRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lookup's rows per occurrence (``Backend.expand_rows``): the rows of every run
+        [P, dim] (stored, else initial), then a gather by ``inverse``."""
+        stored = rows >= 0
+        out = values[rows.clamp(min=0)]  # [P, dim]
+        out = torch.where(stored[:, None], out, new_rows(keys, which, values.shape[1]))
+        return out.index_select(0, inverse), stored.index_select(0, inverse)
+
     # ------------------------------------------------------------------ sparse update
 
     def segment_sum_sorted(
@@ -146,6 +162,24 @@ class TorchBackend:
     ) -> None:
         """:func:`shared.hashtable.adagrad.adagrad_update`, in place."""
         adagrad_update(values, accumulators, rows, grads, config)
+
+    def apply_sparse_gradients(
+        self,
+        values: torch.Tensor,
+        accumulators: torch.Tensor,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        order: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        group: torch.Tensor,
+        max_count: int,
+        config: AdagradConfig,
+    ) -> None:
+        """``Backend.apply_sparse_gradients``: the segment sum of ``grads[order]``, then
+        Adagrad (rows of -1 skipped with one host read, as :func:`adagrad_update` does)."""
+        g = hashing.segment_sum_sorted(grads[order], starts, counts, group, max_count)
+        adagrad_update(values, accumulators, rows, g, config)
 
     # ------------------------------------------------------------------ operations
 

@@ -25,10 +25,19 @@ not cover. Those cases are decided here, and nowhere else:
 - ``fingerprint``: ``keyed.cu``'s kernel for int64 keys on CUDA (with table ids of the same
   shape); the inherited algorithms hash with it too (growth, eviction).
 - ``keyed_rows``: ``keyed.cu``'s initializer kernel, all the tables of a list in one launch.
+- ``expand_rows`` (the static training step's rows per occurrence): ``keyed.cu``'s
+  ``kd_expand_rows`` for new rows of :meth:`CudaBackend.keyed_rows` and contiguous float32 values
+  (dim > 0) on CUDA, every tensor on the values' device.
 - ``unique_pairs`` (a storage's deduplication of its lookup): torch's sorts, then ``unique.cu``'s
   kernels, for 1-D int64 keys on CUDA (at least one) with int64 table ids or none.
 - ``segment_sum_sorted`` and ``adagrad_update`` (training's sparse update): ``sparse_update.cu``
-  for float32 tensors on CUDA, one launch per round of the tree and one for Adagrad.
+  for float32 tensors on CUDA: the tree's rounds below 16 in one launch, one launch per later
+  round, one for Adagrad.
+- ``apply_sparse_gradients`` (the static training step's backward): the same kernels, the
+  gradients read through the sort order and the runs' sums where the tree left them, no
+  gathers (on the H200, 0.13 ms a step of 400K keys of dim 16 against 1.4 ms: see
+  ``sparse_update.py``), for contiguous float32 values and accumulators and float32 gradients
+  of their dim on CUDA.
 
 :attr:`CudaBackend.paths` counts what the calls did (``insert.fast``, ``insert.slow``,
 ``insert.overflow``: the kernels stored the call; ``insert.abort``, ``insert.unsupported``: the
@@ -109,6 +118,29 @@ class CudaBackend(TorchBackend):
     def keyed_rows(self, inits: Sequence[KeyedInitializer | None], device: torch.device) -> NewRows:
         return keyed.KernelRows(inits, device)
 
+    def expand_rows(
+        self,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        inverse: torch.Tensor,
+        keys: torch.Tensor,
+        which: torch.Tensor,
+        new_rows: NewRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = values.device
+        if (
+            isinstance(new_rows, keyed.KernelRows)
+            and new_rows.params.prm.device == dev
+            and values.is_cuda
+            and values.dtype == torch.float32
+            and values.dim() == 2
+            and values.shape[1] > 0
+            and values.is_contiguous()
+            and all(t.device == dev for t in (rows, inverse, keys, which))
+        ):
+            return keyed.expand_rows(new_rows.params, values, rows, inverse, keys, which)
+        return super().expand_rows(values, rows, inverse, keys, which, new_rows)
+
     # ------------------------------------------------------------------ sparse update
 
     def segment_sum_sorted(
@@ -137,6 +169,36 @@ class CudaBackend(TorchBackend):
             sparse_update.adagrad_update(values, accumulators, rows, grads, config)
         else:
             super().adagrad_update(values, accumulators, rows, grads, config)
+
+    def apply_sparse_gradients(
+        self,
+        values: torch.Tensor,
+        accumulators: torch.Tensor,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        order: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        group: torch.Tensor,
+        max_count: int,
+        config: AdagradConfig,
+    ) -> None:
+        fast = (
+            all(t.is_cuda and t.dtype == torch.float32 for t in (values, accumulators, grads))
+            and values.is_contiguous()
+            and accumulators.is_contiguous()
+            and values.dim() == grads.dim() == 2
+            and grads.shape[1] == values.shape[1]
+            and order.numel() > 0
+        )
+        if fast:
+            sparse_update.apply_sparse_gradients(
+                values, accumulators, rows, grads, order, starts, counts, group, max_count, config
+            )
+        else:
+            super().apply_sparse_gradients(
+                values, accumulators, rows, grads, order, starts, counts, group, max_count, config
+            )
 
     # ------------------------------------------------------------------ operations
 

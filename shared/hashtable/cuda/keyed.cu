@@ -1,4 +1,5 @@
-// CUDA kernels for keyed initial rows and fingerprints (see cuda/keyed.py).
+// CUDA kernels for keyed initial rows, the rows of a lookup's occurrences (a stored row or an
+// initial one) and fingerprints (see cuda/keyed.py).
 //
 // The same bits as the torch code they replace: KeyedInitializer.__call__ (initializers.py) and
 // fingerprint (hashing.py). The torch code uses only +, -, *, /, sqrt and frexp in float64,
@@ -138,6 +139,74 @@ __device__ __forceinline__ double kd_uniform(u64 key, u64 salt, i64 j) {
     return (double)((h >> 12) * 2 + 1) * 0x1.0p-53;  // < 2**53: both steps exact
 }
 
+// Column j of the initial row of `key` from initializer t (KeyedInitializer.__call__): a pure
+// function of (key, t, j), so any thread layout gives the same bits. NaN for a table without
+// an initializer (or a table id out of range).
+__device__ __forceinline__ float kd_initial_value(u64 key, i64 t, i64 j, i64 num_tables,
+                                                  const double* __restrict__ prm,
+                                                  const i64* __restrict__ iprm) {
+    const int mode = (t >= 0 && t < num_tables) ? (int)iprm[2 * t + 1] : KD_NONE;
+    const double* P = prm + KD_NPARAMS * t;
+    if (mode == KD_CONSTANT) return __uint_as_float((unsigned int)P[KD_VALUE]);  // float32 bits
+    if (mode != KD_UNIFORM && mode != KD_NORMAL && mode != KD_TRUNCATED_NORMAL) {
+        return __int_as_float(0x7fc00000);
+    }
+    const double u = kd_uniform(key, (u64)iprm[2 * t], j);
+    double x;
+    if (mode == KD_UNIFORM) {  // lower + (upper - lower) * u
+        x = kd_add(P[KD_LOWER], kd_mul(P[KD_WIDTH], u));
+    } else if (mode == KD_NORMAL) {  // mean + std_dev * inv_normal_cdf(u)
+        x = kd_add(P[KD_MEAN], kd_mul(P[KD_STD], kd_inv_normal_cdf(u)));
+    } else {  // the normal conditioned on [lower, upper] (std_dev > 0)
+        const double p = kd_clamp(kd_add(P[KD_CDF_LO], kd_mul(P[KD_CDF_WIDTH], u)), KD_P_MIN,
+                                  KD_P_MAX);
+        x = kd_clamp(kd_add(P[KD_MEAN], kd_mul(P[KD_STD], kd_inv_normal_cdf(p))), P[KD_LOWER],
+                     P[KD_UPPER]);
+    }
+    return __double2float_rn(x);
+}
+
+// Occurrence i's W columns c .. c + W - 1 (W divides dim): run g = inverse[i]'s stored row
+// rows[g] of values, or where rows[g] < 0 the initial row of (keys[g], which[g]); stored[i]:
+// rows[g] >= 0. W = 4: one float4 copy (values and out 16-byte aligned).
+template <int W>
+__device__ __forceinline__ void kd_expand(const float* __restrict__ values,
+                                          const i64* __restrict__ rows,
+                                          const i64* __restrict__ inverse,
+                                          const i64* __restrict__ keys,
+                                          const i64* __restrict__ which, i64 n, i64 dim,
+                                          i64 num_tables, const double* __restrict__ prm,
+                                          const i64* __restrict__ iprm, float* __restrict__ out,
+                                          bool* __restrict__ stored) {
+    const i64 units = dim / W;  // thread units a row
+    const i64 total = n * units;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+        const i64 i = idx / units;
+        const i64 c = (idx - i * units) * W;
+        const i64 g = inverse[i];
+        const i64 r = rows[g];
+        float* dst = out + i * dim + c;
+        if (r >= 0) {
+            const float* src = values + r * dim + c;
+            if constexpr (W == 4) {
+                *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
+            } else {
+#pragma unroll
+                for (int k = 0; k < W; ++k) dst[k] = src[k];
+            }
+        } else {
+            const u64 key = (u64)keys[g];
+            const i64 t = which[g];
+#pragma unroll 1  // one inlined copy of the initializer math (registers, code size)
+            for (int k = 0; k < W; ++k) {
+                dst[k] = kd_initial_value(key, t, c + k, num_tables, prm, iprm);
+            }
+        }
+        if (c == 0) stored[i] = r >= 0;
+    }
+}
+
 // ---------------------------------------------------------------- kernels
 
 // out[i, j] (float32, [n, dim] row-major): column j of the initial row of keys[i] in table
@@ -154,29 +223,29 @@ extern "C" __global__ void kd_initial_rows(const i64* __restrict__ keys,
         const i64 i = idx / dim;
         const i64 j = idx - i * dim;
         const i64 t = has_tids ? tids[i] : 0;
-        const int mode = (t >= 0 && t < num_tables) ? (int)iprm[2 * t + 1] : KD_NONE;
-        const double* P = prm + KD_NPARAMS * t;
-        float y;
-        if (mode == KD_CONSTANT) {
-            y = __uint_as_float((unsigned int)P[KD_VALUE]);  // the value's float32 bits
-        } else if (mode == KD_UNIFORM || mode == KD_NORMAL || mode == KD_TRUNCATED_NORMAL) {
-            const double u = kd_uniform((u64)keys[i], (u64)iprm[2 * t], j);
-            double x;
-            if (mode == KD_UNIFORM) {  // lower + (upper - lower) * u
-                x = kd_add(P[KD_LOWER], kd_mul(P[KD_WIDTH], u));
-            } else if (mode == KD_NORMAL) {  // mean + std_dev * inv_normal_cdf(u)
-                x = kd_add(P[KD_MEAN], kd_mul(P[KD_STD], kd_inv_normal_cdf(u)));
-            } else {  // the normal conditioned on [lower, upper] (std_dev > 0)
-                const double p = kd_clamp(kd_add(P[KD_CDF_LO], kd_mul(P[KD_CDF_WIDTH], u)),
-                                          KD_P_MIN, KD_P_MAX);
-                x = kd_clamp(kd_add(P[KD_MEAN], kd_mul(P[KD_STD], kd_inv_normal_cdf(p))),
-                             P[KD_LOWER], P[KD_UPPER]);
-            }
-            y = __double2float_rn(x);
-        } else {  // no initializer for this table (or a table id out of range)
-            y = __int_as_float(0x7fc00000);
-        }
-        out[idx] = y;
+        out[idx] = kd_initial_value((u64)keys[i], t, j, num_tables, prm, iprm);
+    }
+}
+
+// The rows of n occurrences (keyed.expand_rows, Backend.expand_rows): out[i, :] = values[r, :]
+// with r = rows[inverse[i]] (values [*, dim], out [n, dim] float32), or where r < 0 the initial
+// row of (keys[g], which[g]) from the initializers (prm, iprm), g = inverse[i]; stored[i] = r >= 0.
+// rows, keys, which: per run; only occurrences without a row compute an initial row. vec4: dim
+// % 4 == 0 and values 16-byte aligned, a thread per 4 columns (float4 copies); else per column.
+extern "C" __global__ void kd_expand_rows(const float* __restrict__ values,
+                                          const i64* __restrict__ rows,
+                                          const i64* __restrict__ inverse,
+                                          const i64* __restrict__ keys,
+                                          const i64* __restrict__ which, int vec4, i64 n, i64 dim,
+                                          i64 num_tables, const double* __restrict__ prm,
+                                          const i64* __restrict__ iprm, float* __restrict__ out,
+                                          bool* __restrict__ stored) {
+    if (vec4) {
+        kd_expand<4>(values, rows, inverse, keys, which, n, dim, num_tables, prm, iprm, out,
+                     stored);
+    } else {
+        kd_expand<1>(values, rows, inverse, keys, which, n, dim, num_tables, prm, iprm, out,
+                     stored);
     }
 }
 

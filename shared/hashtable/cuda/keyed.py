@@ -1,5 +1,5 @@
-"""Keyed initial rows and fingerprints on CUDA (``keyed.cu``; the CUDA backend's ``keyed_rows``
-and ``fingerprint``): one launch each.
+"""Keyed initial rows, a lookup's rows per occurrence and fingerprints on CUDA (``keyed.cu``; the
+CUDA backend's ``keyed_rows``, ``expand_rows`` and ``fingerprint``): one launch each.
 
 The torch versions (:class:`~shared.hashtable.initializers.KeyedInitializer`, and
 :func:`~shared.hashtable.hashing.fingerprint`) are hundreds of elementwise ops a call: splitmix64
@@ -7,7 +7,9 @@ in int64 and an inverse normal CDF whose polynomials take one op per Horner step
 compute the same bits in one thread per element (the GPU tests compare them with the torch code
 on the device), and an initializer kernel takes a table id per key, so a fused storage fills the
 new rows of all its member tables in one launch, without selecting each table's keys
-(:class:`KernelRows`).
+(:class:`KernelRows`). :func:`expand_rows` gives the static training step its rows per
+occurrence in one pass (a stored row copied, an initial row computed only where there is none)
+instead of a gather per run, the initializer for every run and a gather per occurrence.
 
 The per-table parameters live in two small device arrays (:class:`InitParams`), built once per
 list of initializers (:class:`KernelRows`, made by the storage). Launches go through
@@ -33,7 +35,11 @@ if TYPE_CHECKING:
 SOURCE: rt.Source = ("keyed.cu", ("--fmad=false",))  # no FMA contraction anywhere
 MAX_GRID = 1 << 16  # blocks of a launch; the kernels loop over the rest
 # parameter types for runtime.Kernel (direct launches; checked against keyed.cu by the tests)
-SIGNATURES = {"kd_initial_rows": "ppiqqqppp", "kd_fingerprint": "ppiqp"}
+SIGNATURES = {
+    "kd_initial_rows": "ppiqqqppp",
+    "kd_expand_rows": "pppppiqqqpppp",
+    "kd_fingerprint": "ppiqp",
+}
 
 # keyed.cu KD_* modes and parameter layout
 MODE_CONSTANT, MODE_UNIFORM, MODE_NORMAL, MODE_TRUNCATED_NORMAL, MODE_NONE = range(5)
@@ -135,6 +141,55 @@ def initial_rows(
         source=SOURCE,
     )
     return out
+
+
+def expand_rows(
+    params: InitParams,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    keys: torch.Tensor,
+    which: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Backend.expand_rows`` in one launch: (out [N, dim] float32, stored [N] bool) for the
+    occurrences ``inverse`` [N] of runs ``rows``/``keys``/``which`` [P]: ``values[r]`` with
+    ``r = rows[inverse[i]] >= 0``, else the initial row of the run's key from initializer
+    ``which`` (the same bits as :func:`initial_rows`, computed only for those occurrences).
+    ``values`` [*, dim] contiguous float32 (dim > 0), everything on ``params``' device; indices
+    in range (unchecked). No host read."""
+    dev, n, dim = values.device, inverse.numel(), values.shape[1]
+    out = torch.empty(n, dim, dtype=torch.float32, device=dev)
+    stored = torch.empty(n, dtype=torch.bool, device=dev)
+    if n == 0:
+        return out, stored
+    # float4 copies: a thread per 4 columns of an occurrence (16-byte loads of the gathered
+    # rows, a quarter of the threads and index arithmetic); else a thread per column
+    vec4 = dim % 4 == 0 and values.data_ptr() % 16 == 0
+    units = n * (dim // 4 if vec4 else dim)
+    rt.launch(
+        "kd_expand_rows",
+        SIGNATURES["kd_expand_rows"],
+        min(rt.blocks(units), MAX_GRID),
+        rt.BLOCK,
+        (
+            values,
+            rows.to(torch.int64).contiguous(),
+            inverse.to(torch.int64).contiguous(),
+            keys.to(torch.int64).contiguous(),
+            which.to(torch.int64).contiguous(),
+            rt.i32(vec4),
+            rt.i64(n),
+            rt.i64(dim),
+            rt.i64(params.num_tables),
+            params.prm,
+            params.iprm,
+            out,
+            stored,
+        ),
+        device=dev,
+        source=SOURCE,
+    )
+    return out, stored
 
 
 def fingerprint(keys: torch.Tensor, table_ids: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Backends: chosen once per table (backend_for, or passed), shown in repr, kept by copies."""
+"""Backends: chosen once per table (backend_for, or passed), shown in repr, kept by copies;
+the torch backend's operations that have no table (expand_rows)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from shared.features import InitializerSpec, InitMode
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.admission import FrequencyCounter
 from shared.hashtable.backend import TORCH, backend_for
@@ -14,6 +16,7 @@ from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda import unavailable_reason
 from shared.hashtable.cuda.backend import CudaBackend
 from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.initializers import KeyedInitializer
 from shared.hashtable.layout import InsertResult, TableLayout
 from shared.hashtable.storage import FusedStorage
 from shared.hashtable.table import HashTable
@@ -140,3 +143,36 @@ def test_the_collection_passes_its_backend_to_every_storage():
     assert repr(dec).count("backend=counting") == 2
     plain = DynamicEmbeddingCollection([dyn_table("a_emb")], {}, lr=0.1)
     assert "backend=torch" in repr(plain)
+
+
+def test_expand_rows_gives_each_occurrence_its_runs_row():
+    """TorchBackend.expand_rows: per occurrence, its run's stored row or the new row of the
+    run's (key, initializer), and whether the run has a row: the gathers it composes."""
+    g = torch.Generator().manual_seed(0)
+    specs = [
+        InitializerSpec(InitMode.NORMAL, std_dev=0.1),
+        InitializerSpec(InitMode.UNIFORM, lower=-1.0, upper=2.0),
+        InitializerSpec(InitMode.TRUNCATED_NORMAL, std_dev=1.0, lower=-0.5, upper=0.5),
+        InitializerSpec(InitMode.CONSTANT, value=0.25),
+    ]
+    inits = [KeyedInitializer(s, seed=1, table=f"t{i}") for i, s in enumerate(specs)]
+    new_rows = TORCH.keyed_rows(inits, torch.device("cpu"))
+    dim = 5
+    values = torch.randn(50, dim, generator=g)
+    rows = torch.tensor([3, -1, 0, -1, 49, -1])  # per run
+    keys = torch.tensor([10, 11, 12, 13, 14, 2**62])
+    which = torch.tensor([0, 1, 2, 3, 0, 0])
+    inverse = torch.tensor([1, 0, 5, 1, 2, 3, 3, 4, 1])  # per occurrence, with repeats
+    out, stored = TORCH.expand_rows(values, rows, inverse, keys, which, new_rows)
+    assert out.shape == (9, dim) and out.dtype == torch.float32
+    assert stored.tolist() == [False, True, False, False, True, False, False, True, False]
+    for i, run in enumerate(inverse.tolist()):
+        r = int(rows[run])
+        one = new_rows(keys[run : run + 1], which[run : run + 1], dim)[0]
+        assert torch.equal(out[i], values[r] if r >= 0 else one), i
+    per_run = torch.where(
+        (rows >= 0)[:, None], values[rows.clamp(min=0)], new_rows(keys, which, dim)
+    )
+    assert torch.equal(out, per_run.index_select(0, inverse))
+    out, stored = TORCH.expand_rows(values, rows, inverse[:0], keys, which, new_rows)
+    assert out.shape == (0, dim) and stored.shape == (0,) and stored.dtype == torch.bool

@@ -1,10 +1,10 @@
-"""The keyed-initializer and fingerprint kernels (cuda/keyed.cu) against the torch code.
+"""The keyed-initializer, row-expansion and fingerprint kernels (cuda/keyed.cu) against torch.
 
 The GPU tests run the CUDA backend's kernels and the torch code (``KeyedInitializer``,
-``hashing.fingerprint``, the torch backend's ``keyed_rows``) on the same CUDA tensors and ask
-for bitwise equal results (``torch.equal``). Run on the GPU machine:
+``hashing.fingerprint``, the torch backend's ``keyed_rows`` and ``expand_rows``) on the same
+CUDA tensors and ask for bitwise equal results (``torch.equal``). Run on the GPU machine:
 ``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_keyed.py``. The CPU tests check
-the kernel source's constants and the parameter arrays.
+the kernel source's constants, signatures and the parameter arrays.
 """
 
 from __future__ import annotations
@@ -236,6 +236,19 @@ def _storage(dim: int) -> FusedStorage:
     )
 
 
+def _recorded_launches(monkeypatch) -> list[str]:
+    """The names of the kernels launched from now on (``rt.launch`` wrapped)."""
+    launches: list[str] = []
+    real_launch = rt.launch
+
+    def launch(name: str, *args, **kwargs) -> None:
+        launches.append(name)
+        real_launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(rt, "launch", launch)
+    return launches
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dim", DIMS)
@@ -261,14 +274,7 @@ def test_fused_fill_is_one_launch_with_the_torch_rows(dim: int, monkeypatch):
         (both, both_tids, s._train_rows),
         (s.init, tids[:1], s._init_rows),
     ]
-    launches = []
-    real_launch = rt.launch
-
-    def launch(name: str, *args, **kwargs) -> None:
-        launches.append(name)
-        real_launch(name, *args, **kwargs)
-
-    monkeypatch.setattr(rt, "launch", launch)
+    launches = _recorded_launches(monkeypatch)
     for inits, t, storage_rows in cases:
         k = keys[: t.numel()]
         want = TORCH.keyed_rows(inits, dev)(k, t, s.dim)
@@ -281,6 +287,95 @@ def test_fused_fill_is_one_launch_with_the_torch_rows(dim: int, monkeypatch):
         if storage_rows is not None:
             assert torch.equal(storage_rows(k, t, s.dim), want)
         launches.clear()
+
+
+def _runs(dim: int, n_runs: int, n_occ: int, seed: int, stored: float):
+    """(values, rows, inverse, keys, which) of a lookup's runs on the GPU: a share ``stored``
+    of the runs with a row (else -1), occurrences drawn with repeats, a NaN payload in
+    ``values`` (its bits must survive the copy), ``which`` over every initializer of SPECS."""
+    g = torch.Generator().manual_seed(seed)
+    cap = 3000
+    values = torch.randn(cap, dim, generator=g)
+    values.view(torch.int32)[:, 0] = 0x7FC00123  # a NaN payload in every row's first column
+    rows = torch.randint(0, cap, (n_runs,), generator=g)
+    rows = torch.where(torch.rand(n_runs, generator=g) < stored, rows, -1)
+    inverse = torch.randint(0, max(n_runs, 1), (n_occ,), generator=g)
+    keys = _keys(n_runs, seed)[:n_runs]
+    which = torch.randint(0, len(SPECS), (n_runs,), generator=g)
+    return tuple(x.to(DEVICE) for x in (values, rows, inverse, keys, which))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)  # NaN == NaN, bit for bit
+
+
+def _spec_inits() -> list[KeyedInitializer | None]:
+    return [KeyedInitializer(s, seed=11, table=f"{n}_emb") for n, s in SPECS.items()]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dim", [4, 16, 17])
+@pytest.mark.parametrize(
+    "n_runs, n_occ, stored",
+    [(5000, 12_000, 0.6), (5000, 12_000, 0.0), (5000, 12_000, 1.0), (1, 7, 0.0), (0, 0, 0.5)],
+)
+def test_expand_rows_kernel_matches_torch(
+    dim: int, n_runs: int, n_occ: int, stored: float, monkeypatch
+):
+    """kd_expand_rows (one launch) against the torch backend's gather, initializer over every
+    run and gather per occurrence: every init mode of SPECS, rows of -1, repeated
+    occurrences, float4 (dim % 4 == 0) and per-column copies, no occurrences."""
+    values, rows, inverse, keys, which = _runs(dim, n_runs, n_occ, dim + n_runs, stored)
+    dev = values.device
+    inits = _spec_inits()
+    want_out, want_stored = TORCH.expand_rows(
+        values, rows, inverse, keys, which, TORCH.keyed_rows(inits, dev)
+    )
+    kernels = CudaBackend()
+    new_rows = kernels.keyed_rows(inits, dev)
+    launches = _recorded_launches(monkeypatch)
+    got_out, got_stored = kernels.expand_rows(values, rows, inverse, keys, which, new_rows)
+    assert launches == ([] if n_occ == 0 else ["kd_expand_rows"])
+    assert got_out.shape == want_out.shape == (n_occ, dim) and got_out.dtype == torch.float32
+    assert got_stored.dtype == want_stored.dtype == torch.bool
+    assert torch.equal(_bits(got_out), _bits(want_out))
+    assert torch.equal(got_stored, want_stored)
+    if n_occ and 0 < stored < 1:  # both kinds of occurrence were compared
+        assert bool(got_stored.any()) and not bool(got_stored.all())
+
+
+@gpu
+@needs_cuda
+def test_expand_rows_kernel_misaligned_values_and_fallbacks(monkeypatch):
+    """Values not 16-byte aligned take the per-column copies; new rows that are not the
+    kernel's (the torch backend's) or values that are not contiguous float32 take the torch
+    algorithms; a table without an initializer gives NaN rows, as kd_initial_rows."""
+    values, rows, inverse, keys, which = _runs(16, 2000, 5000, 1, 0.5)
+    dev = values.device
+    inits = _spec_inits()
+    want = TORCH.expand_rows(values, rows, inverse, keys, which, TORCH.keyed_rows(inits, dev))
+    kernels = CudaBackend()
+    new_rows = kernels.keyed_rows(inits, dev)
+    shifted = torch.empty(values.numel() + 1, device=dev)[1:].view(values.shape)
+    shifted.copy_(values)  # contiguous, 4 bytes past a 16-byte boundary
+    launches = _recorded_launches(monkeypatch)
+    for vals, rows_fn, launched in [
+        (shifted, new_rows, ["kd_expand_rows"]),
+        (values, TORCH.keyed_rows(inits, dev), []),
+        (values.t().contiguous().t(), new_rows, ["kd_initial_rows"]),  # not contiguous
+    ]:
+        out, stored = kernels.expand_rows(vals, rows, inverse, keys, which, rows_fn)
+        assert launches == launched
+        assert torch.equal(_bits(out), _bits(want[0])) and torch.equal(stored, want[1])
+        launches.clear()
+    # a table without an initializer (index len(SPECS)): NaN where there is no row
+    p = keyed.init_params([*inits, None], dev)
+    none = torch.full_like(which, len(SPECS))
+    out, stored = keyed.expand_rows(p, values, rows, inverse, keys, none)
+    missing = ~stored
+    assert bool(out[missing].isnan().all()) and bool(missing.any())
+    assert torch.equal(_bits(out[stored]), _bits(values[rows[inverse[stored]]]))
 
 
 @gpu
