@@ -27,9 +27,10 @@ The results are the eager lookup's: the same rows for every key, the same table 
 the step (keys, values, scores, accumulators, admission counts) and the same stats; only which
 free row a new key takes may differ. A lookup's backward must come before the next training
 lookup of its padded size (its buffers are the size's) and before any change of the table; a
-backward that comes later is refused. On the H200 (2026-12-02) the seed config's warm step took
-8.1 ms with this step against 11.1 ms eager, bound by the GPU's work on every bucket
-(``bench/results/bench_train_full_s10_h200.json``).
+backward that comes later is refused. On the H200 the seed config's warm training step took
+8.1 ms with this step against 11.1 ms eager (2026-12-02, ``bench_train_full_s10_h200.json``), and
+4.4 ms (3.4 ms of kernels) after the full-bucket merge's fast path, the one-pass rows and the
+one-call backward (2026-12-04, ``bench_train_full_s14*_h200.json``).
 """
 
 from __future__ import annotations
