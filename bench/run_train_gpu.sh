@@ -25,7 +25,8 @@ if [ -n "$TESTS" ]; then
   grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.log" | tail -20
 fi
 wait
-# the static sparse step against the eager lookup, and its sections' GPU time (after the data: no CPU contention)
+# the static sparse step against the eager lookup, and its sections' GPU time (after the data:
+# no CPU contention)
 timeout 150 python3 -m bench.bench_static_step --device cuda --out "$OUT/bench_static_step.json" \
   > "$OUT/bench_static_step.log" 2>&1
 echo "bench_static_step rc=$?"
