@@ -1000,11 +1000,11 @@ __device__ __forceinline__ void ht_over_fast_slots(int c, int n_new, i64 base, c
                                                    i64* __restrict__ slot_fp,
                                                    i64* __restrict__ slot_row) {
     const int T = blockDim.x, tx = threadIdx.x;
-    const int nev = n_new;  // a full bucket: every freed row goes to a kept newcomer
+    // a full bucket: the n_new freed (evicted) slots f_slot each go to a kept newcomer
     for (int t = tx; t < c; t += T) {
         if (taken[t]) continue;
         int at = t;
-        for (int i = 0; i < nev; ++i) at -= f_slot[i] < t ? 1 : 0;
+        for (int i = 0; i < n_new; ++i) at -= f_slot[i] < t ? 1 : 0;
         for (int p = 0; p < n_new; ++p) at += n_fp[p] < e_fp[t] ? 1 : 0;
         slot_fp[base + at] = e_fp[t];
         slot_row[base + at] = e_row[t];
@@ -1012,7 +1012,7 @@ __device__ __forceinline__ void ht_over_fast_slots(int c, int n_new, i64 base, c
     for (int p = tx; p < n_new; p += T) {
         const int lb = n_lb[p];
         int at = lb;
-        for (int i = 0; i < nev; ++i) at -= f_slot[i] < lb ? 1 : 0;
+        for (int i = 0; i < n_new; ++i) at -= f_slot[i] < lb ? 1 : 0;
         for (int v = 0; v < n_new; ++v) at += n_fp[v] < n_fp[p] ? 1 : 0;
         slot_fp[base + at] = n_fp[p];
         slot_row[base + at] = f_row[p];

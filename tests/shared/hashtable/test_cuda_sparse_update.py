@@ -157,6 +157,14 @@ def test_the_torch_backend_applies_the_sum_then_adagrad() -> None:
 # ---------------------------------------------------------------- GPU
 
 
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` whose data starts 4 bytes past a 16-byte boundary (the
+    kernels' per-float path)."""
+    buf = torch.zeros(x.numel() + 1, dtype=x.dtype, device=x.device)
+    buf[1:] = x.flatten()
+    return buf[1:].view(x.shape)
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dim", [1, 16, 17])
@@ -192,9 +200,7 @@ def test_tree_sums_leave_every_row_as_the_torch_tree(dim: int, aligned: bool) ->
     alignment)."""
     grads, order, starts, counts, group, _ = _plan(MIXES["long"], dim, seed=dim, device=DEVICE)
     if not aligned:
-        buf = torch.zeros(grads.numel() + 1, device=DEVICE)
-        buf[1:] = grads.flatten()
-        grads = buf[1:].view(grads.shape)  # contiguous, its data 4 bytes past the allocation's
+        grads = _misaligned(grads)
     for max_count in (max(MIXES["long"]), grads.shape[0]):
         want = _torch_rows(grads[order], starts, counts, group, max_count)
         got = sparse_update.tree_sums(grads, order, starts, counts, group, max_count)
@@ -274,10 +280,8 @@ def test_adagrad_equals_the_torch_update(initial: float, aligned: bool) -> None:
     scale = torch.exp2(torch.randint(-30, 8, (n, dim), generator=gen).float())
     grads = (torch.randn(n, dim, generator=gen) * scale).to(DEVICE)
     grads[0] = 0.0  # an untouched row stays as it is
-    if not aligned:  # 4 bytes off 16-byte alignment: su_adagrad takes floats
-        buf = torch.zeros(grads.numel() + 1, device=DEVICE)
-        buf[1:] = grads.flatten()
-        grads = buf[1:].view(grads.shape)
+    if not aligned:  # su_adagrad takes floats
+        grads = _misaligned(grads)
     want_v, want_a = values.clone(), accum.clone()
     adagrad_update(want_v, want_a, rows, grads, config)
     sparse_update.adagrad_update(values, accum, rows, grads, config)
