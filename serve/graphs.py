@@ -7,14 +7,17 @@ bucket's graph, whose output holds a score for each padded row; the real rows' s
 
 A :class:`Bucket` holds up to ``candidates`` real candidate rows (and as many users), each KJT key
 up to one id per row (``elements`` per sequence feature) and ``pairs`` (candidate, element) pairs
-(:func:`shared.dense_inputs.pair_index`). Padding never changes a real score::
+(:func:`shared.dense_inputs.pair_index`). The host fills the ids, lengths, ``user_index`` and the
+number of real rows; the graph builds the pairs from them on the device
+(:func:`shared.dense_inputs.padded_pair_index`: a serving batch has ~50 pairs a candidate, which
+the host would write and copy as 16 bytes each). Padding never changes a real score::
 
     rows    real candidates 0..B-1, then dummies; every dummy candidate's user is the dummy user U
     users   real users 0..U-1, then the dummy user U (and rows with no bags after it)
     values  each key's real ids, then PAD_ID (0, a valid row of every table) up to the key's
             capacity, all in a bag of the first dummy row (user U, candidate B)
     pairs   the real pairs (pair_segment < B, pair_element < T), then pairs of the last dummy
-            candidate (row ``candidates``, always a dummy) with element 0
+            candidate (row ``candidates``, always a dummy) with element 0 (built in the graph)
 
 Real bags, real sequence rows (first in each key) and real pairs are where they were, so the
 pooled embeddings, the DIN's softmax over each real candidate's pairs and every real score are
@@ -86,7 +89,7 @@ from serve.host_batch import HostBatch, HostKjt
 from serve.lookup import PAD_ID
 from shared.batch import Batch
 from shared.cuda_capture import capture
-from shared.dense_inputs import DenseLayout, PairPlan, batch_pair_plan
+from shared.dense_inputs import DenseLayout, Pairs, batch_pair_count, padded_pair_index, pair_count
 
 if TYPE_CHECKING:
     from serve.model import LoadedModel
@@ -200,9 +203,9 @@ class _Buffers:
     same layout: the host fills the slots (numpy), one copy moves them, the graph reads them.
     On the CPU (tests of the padding) both are one buffer."""
 
-    def __init__(self, shapes: Sequence[_KjtShape], pairs: int, device: torch.device) -> None:
+    def __init__(self, shapes: Sequence[_KjtShape], device: torch.device) -> None:
         sizes = [n for s in shapes for n in (len(s.keys) * s.per_key, len(s.keys) * s.rows)]
-        sizes += [shapes[1].rows, pairs, pairs]  # user_index, pair_segment, pair_element
+        sizes += [shapes[1].rows, 1]  # user_index, the number of real candidate rows
         cuda = device.type == "cuda"
         self.host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=cuda)
         self.device = self.host.to(device) if cuda else self.host
@@ -249,13 +252,13 @@ def _fill_kjt(
     return pad, (real, per_key)
 
 
-def host_pair_plan(batch: HostBatch, lay: DenseLayout) -> PairPlan:
-    """:func:`shared.dense_inputs.batch_pair_plan` of a host batch: the same pairs."""
+def host_pair_count(batch: HostBatch, lay: DenseLayout) -> int:
+    """:func:`shared.dense_inputs.batch_pair_count` of a host batch: the same count."""
     u = batch.num_users
     if not lay.sequence:
-        return PairPlan.of(np.zeros(u, np.int64), batch.user_index)
+        return 0
     first = batch.sequence.keys.index(lay.sequence[0])
-    return PairPlan.of(batch.sequence.lengths[first * u : (first + 1) * u], batch.user_index)
+    return pair_count(batch.sequence.lengths[first * u : (first + 1) * u], batch.user_index)
 
 
 # --------------------------------------------------------------------------- one bucket's graph
@@ -273,7 +276,7 @@ class BucketGraph:
             _KjtShape(keys[1], rows, rows),
             _KjtShape(keys[2], rows, bucket.elements),
         ]
-        self.buffers = _Buffers(self.shapes, bucket.pairs, model.device)
+        self.buffers = _Buffers(self.shapes, model.device)
         # what a fill of a whole bucket writes (all of it padding): the extents of fresh slots
         self._full: tuple[_Extent, ...] = tuple(
             (s.rows - 1, (s.per_key,) * len(s.keys)) for s in self.shapes
@@ -283,7 +286,8 @@ class BucketGraph:
         # per KJT key: its table, for the padding left out of the statistics
         self.tables = [[fs.features[k].table for k in s.keys] for s in self.shapes]
         self.batch = self._device_batch()
-        self.pairs = (self.buffers.on_device[7], self.buffers.on_device[8])
+        sequence = model.tables.layout.sequence  # the first sequence feature's lengths: T per user
+        self._lengths_key = self.shapes[2].keys.index(sequence[0]) if sequence else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None  # after the last launch's copy of the slots
@@ -318,11 +322,22 @@ class BucketGraph:
     def _dirty(self) -> None:
         """Forget what the slots hold: the next fill pads all of them (as the first one)."""
         self._extents: list[_Extent] = list(self._full)
-        self._pairs = self.bucket.pairs
 
-    def fill(self, batch: Batch | HostBatch, pairs: PairPlan) -> dict[str, int]:
-        """Pad ``batch`` (host) and its ``pairs`` into the host slots; returns the padding ids
-        per table.
+    def device_pairs(self) -> Pairs:
+        """The (pair_segment, pair_element) [pairs] of what the device slots hold, built on the
+        device without a sync (:func:`shared.dense_inputs.padded_pair_index`): inside the graph."""
+        slots, rows = self.buffers.on_device, self.shapes[2].rows
+        key = self._lengths_key
+        lengths = (
+            torch.zeros(rows, dtype=torch.int64, device=slots[5].device)
+            if key is None
+            else slots[5][key * rows : (key + 1) * rows]
+        )  # [candidates + 1] elements per user row
+        return padded_pair_index(lengths, slots[6], slots[7], self.bucket.pairs)
+
+    def fill(self, batch: Batch | HostBatch) -> dict[str, int]:
+        """Pad ``batch`` (host) into the host slots; returns the padding ids per table. The
+        pairs are not written: the graph builds them (:meth:`device_pairs`).
 
         Waits until the last :meth:`launch`'s copy has read the slots (the batch before may
         still be on its way to the device); the padding below relies on what that batch wrote."""
@@ -331,7 +346,7 @@ class BucketGraph:
         views, padding = self.buffers.views, dict[str, int]()
         if isinstance(batch, Batch):
             batch = HostBatch.of(batch)
-        extents, was_pairs = self._extents, self._pairs
+        extents = self._extents
         self._dirty()  # until this fill is complete
         for j, (kjt, shape, tables) in enumerate(
             zip(batch.kjts, self.shapes, self.tables, strict=True)
@@ -339,18 +354,16 @@ class BucketGraph:
             pad, extents[j] = _fill_kjt(kjt, shape, (views[2 * j], views[2 * j + 1]), extents[j])
             for table, p in zip(tables, pad, strict=True):
                 padding[table] = padding.get(table, 0) + p
-        b, u, n = batch.batch_size, batch.num_users, pairs.count
+        b, u = batch.batch_size, batch.num_users
         views[6][:b] = batch.user_index
         views[6][b:] = u  # dummy candidates belong to the dummy user
-        pairs.write(views[7], views[8])
-        if was_pairs > n:  # padded pairs: the last dummy candidate's, with element 0
-            views[7][n:was_pairs], views[8][n:was_pairs] = self.bucket.candidates, 0
-        self._extents, self._pairs = extents, n
+        views[7][0] = b
+        self._extents = extents
         return padding
 
     def capture(
         self,
-        run: Callable[[Batch, tuple[torch.Tensor, torch.Tensor]], torch.Tensor],
+        run: Callable[[Batch, Pairs], torch.Tensor],
         pool: torch.cuda._POOL_HANDLE | None = None,
     ) -> float:
         """Warm up, capture (into the memory ``pool``, shared by the model's graphs: see the
@@ -361,11 +374,11 @@ class BucketGraph:
         while this one loads) use CUDA meanwhile."""
         self.buffers.copy()
         for _ in range(2):  # lookup plans and allocator blocks made before the capture
-            want = run(self.batch, self.pairs)
+            want = run(self.batch, self.device_pairs())
         graph = torch.cuda.CUDAGraph()
         # not torch.cuda.graph(): it synchronizes and empties the caches (shared.cuda_capture)
         with capture(graph, pool=pool, device=self.buffers.device.device):
-            self.out = run(self.batch, self.pairs)
+            self.out = run(self.batch, self.device_pairs())
         graph.replay()
         self.graph = graph
         return float((self.out - want).abs().max())
@@ -438,7 +451,7 @@ class CudaGraphs:
         probe = synthetic_batch(model.fs, 1, 1, (0,))
         graphs = cls(model, [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)])
         graphs._pool = torch.cuda.graph_pool_handle()
-        pairs = batch_pair_plan(probe, model.tables.layout)
+        pairs = batch_pair_count(probe, model.tables.layout)
         torch.cuda.current_stream(model.device).synchronize()
         t0 = time.perf_counter()
         allocated = torch.cuda.memory_allocated(model.device)
@@ -487,10 +500,12 @@ class CudaGraphs:
                 return
             capture_one(bucket)
 
-    def _capture_one(self, bucket: Bucket, probe: Batch, pairs: PairPlan) -> None:
+    def _capture_one(self, bucket: Bucket, probe: Batch, pairs: int) -> None:
         try:
             graph = BucketGraph(self.model, bucket, self.keys)
-            graph.fill(probe, pairs)
+            if pairs > bucket.pairs:
+                raise ValueError(f"the capture batch's {pairs} pairs do not fit")
+            graph.fill(probe)
             diff = graph.capture(self._run, self._pool)
             if not diff <= CHECK_ATOL:  # also NaN
                 raise RuntimeError(f"replay differs from eager by {diff} (> {CHECK_ATOL})")
@@ -505,7 +520,7 @@ class CudaGraphs:
         self.graphs.append(graph)
         self.stats.captures += 1
 
-    def _run(self, batch: Batch, pairs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _run(self, batch: Batch, pairs: Pairs) -> torch.Tensor:
         return scores(self.model, batch, pairs)
 
     def rebind(self, model: LoadedModel) -> None:
@@ -526,7 +541,7 @@ class CudaGraphs:
         assert graph.out is not None, "verify before capture"
         with torch.inference_mode():
             graph.launch()
-            want = self._run(graph.batch, graph.pairs)
+            want = self._run(graph.batch, graph.device_pairs())
             return float((graph.out - want).abs().max())
 
     @property
@@ -556,7 +571,7 @@ class CudaGraphs:
         pending = graph.read_async(batch.batch_size, keep=self)  # self: the model, its tables
         t2 = time.perf_counter()
         self.stats.replays += 1
-        if timings is not None:  # as LoadedModel.predict splits them; h2d: padding + pairs
+        if timings is not None:  # as LoadedModel.predict splits them; h2d: the padding
             timings.update(h2d=t1 - t0, compute=t2 - t1, sync=0.0)
         return pending
 
@@ -569,12 +584,11 @@ class CudaGraphs:
             self._eager(reason)
             return None
         host = batch if isinstance(batch, HostBatch) else HostBatch.of(batch)
-        pairs = host_pair_plan(host, self.model.tables.layout)
-        graph = self._fit(host, pairs.count)
+        graph = self._fit(host, host_pair_count(host, self.model.tables.layout))
         if graph is None:
             self._eager("no bucket fits")
             return None
-        padding = graph.fill(host, pairs)
+        padding = graph.fill(host)
         self.model.tables.discount_padding(padding)
         return graph
 
@@ -603,7 +617,7 @@ class CudaGraphs:
         if self._refusal(batch) is not None:
             return None
         host = batch if isinstance(batch, HostBatch) else HostBatch.of(batch)
-        graph = self._fit(host, host_pair_plan(host, self.model.tables.layout).count)
+        graph = self._fit(host, host_pair_count(host, self.model.tables.layout))
         return None if graph is None else graph.bucket
 
     def _fit(self, batch: HostBatch, pairs: int) -> BucketGraph | None:

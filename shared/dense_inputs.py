@@ -28,9 +28,10 @@ The DIN attends over the N = sum(seq_lengths[user_index]) (candidate, element) p
 candidate, then element. Sizing them on the device needs a host sync (``.item()``), which also
 keeps a program out of a CUDA graph; the host that built the batch knows the lengths, so
 :func:`pair_index` computes the pairs there (numpy, before the batch's one host-to-device copy)
-and programs that take :data:`PAIR_NAMES` get them as inputs (:class:`PairPlan` writes the same
-pairs straight into a CUDA graph's input slots, for serving). :func:`pair_index_torch` is the
-same definition on the device (with the sync), for programs and callers without them::
+and programs that take :data:`PAIR_NAMES` get them as inputs. :func:`pair_index_torch` is the
+same definition on the device (with the sync), for programs and callers without them, and
+:func:`padded_pair_index` the same for a padded batch of static shape, with no sync (serving's
+CUDA graphs build their pairs on the device from the rows and lengths they are given)::
 
     seg, elem = pair_index(np.array([2, 0, 1]), np.array([0, 0, 2, 1]))
     seg   # [0, 0, 1, 1, 2]         candidate 3 (user 1) has no elements
@@ -128,66 +129,17 @@ def pair_index(seq_lengths: np.ndarray, user_index: np.ndarray) -> tuple[np.ndar
     return seg, elem  # [N], [N]
 
 
-# users a batch may have for PairPlan's per-user writes (more: one vectorized pair_index)
-MAX_USER_RUNS = 64
-
-
-@dataclass(frozen=True)
-class PairPlan:
-    """The pairs of ``seq_lengths`` [U] and ``user_index`` [B] before they exist: their
-    :attr:`count` (to size a buffer, or pick a CUDA graph's bucket) and :meth:`write`, which
-    puts :func:`pair_index`'s pairs into given arrays without building them first.
-
-    Serving batches are requests stacked: every user's candidates are one run of rows, in user
-    order (``user_index`` nondecreasing). A user's pairs are then a [c, L] block, candidate-major
-    (its c candidates × its L elements), written as two broadcasts into the output: no
-    intermediate [N] arrays, about a third of :func:`pair_index` plus the copy (110 against
-    306 µs for 84,500 pairs of 3 users on a 2-core CPU). Any other batch (unsorted, or more than
-    :data:`MAX_USER_RUNS` users) gets :func:`pair_index` and a copy. Either way the pairs are
-    :func:`pair_index`'s, and a user index outside [0, U) raises IndexError."""
-
-    lengths: np.ndarray  # [U] int64
-    users: np.ndarray  # [B] int64
-    count: int
-    runs: list[int] | None  # [U + 1] first row of each user's run; None: not runs
-
-    @classmethod
-    def of(cls, seq_lengths: np.ndarray, user_index: np.ndarray) -> PairPlan:
-        lengths = np.asarray(seq_lengths, dtype=np.int64)  # [U]
-        users = np.asarray(user_index, dtype=np.int64)  # [B]
-        u, b = lengths.shape[0], users.shape[0]
-        if b and (users.min() < 0 or users.max() >= u):
-            raise IndexError(f"user_index has values outside [0, {u}) (seq_lengths has {u})")
-        if u <= MAX_USER_RUNS and (b < 2 or bool((users[1:] >= users[:-1]).all())):
-            runs = np.searchsorted(users, np.arange(u + 1)).tolist()  # [U + 1]
-            count = int((np.diff(runs) * lengths).sum()) if u else 0
-            return cls(lengths, users, count, runs)
-        return cls(lengths, users, int(lengths.take(users).sum()), None)
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(pair_segment [N], pair_element [N]): :func:`pair_index`."""
-        return pair_index(self.lengths, self.users)
-
-    def write(self, seg_out: np.ndarray, elem_out: np.ndarray) -> None:
-        """The pairs into ``seg_out[:count]`` and ``elem_out[:count]`` (int64; ValueError when
-        shorter than :attr:`count`)."""
-        n = self.count
-        if seg_out.shape[0] < n or elem_out.shape[0] < n:
-            raise ValueError(
-                f"{n} pairs do not fit arrays of {seg_out.shape[0]}, {elem_out.shape[0]}"
-            )
-        if self.runs is None:
-            seg_out[:n], elem_out[:n] = self.arrays()
-            return
-        runs, at, start = self.runs, 0, 0
-        for u, length in enumerate(self.lengths.tolist()):
-            c = runs[u + 1] - runs[u]
-            if c and length:
-                block = slice(at, at + c * length)
-                seg_out[block].reshape(c, length)[:] = np.arange(runs[u], runs[u + 1])[:, None]
-                elem_out[block].reshape(c, length)[:] = np.arange(start, start + length)
-                at += c * length
-            start += length
+def pair_count(seq_lengths: np.ndarray, user_index: np.ndarray) -> int:
+    """N, the number of :func:`pair_index`'s pairs, without building them (to pick a CUDA
+    graph's bucket). Raises IndexError for a user index outside [0, U)."""
+    lengths = np.asarray(seq_lengths, dtype=np.int64)  # [U]
+    users = np.asarray(user_index, dtype=np.int64)  # [B]
+    if users.shape[0] and (users.min() < 0 or users.max() >= lengths.shape[0]):
+        raise IndexError(
+            f"user_index has values outside [0, {lengths.shape[0]}) "
+            f"(seq_lengths has {lengths.shape[0]})"
+        )
+    return int(lengths.take(users).sum())
 
 
 def pair_index_torch(seq_lengths: torch.Tensor, user_index: torch.Tensor) -> Pairs:
@@ -203,6 +155,29 @@ def pair_index_torch(seq_lengths: torch.Tensor, user_index: torch.Tensor) -> Pai
     user_start = torch.cumsum(seq_lengths, dim=0) - seq_lengths  # [U]
     shift = user_start[user_index] - (torch.cumsum(cand_len, dim=0) - cand_len)  # [B]
     return seg, torch.arange(n, device=user_index.device) + shift[seg]  # [N], [N]
+
+
+def padded_pair_index(
+    seq_lengths: torch.Tensor, user_index: torch.Tensor, real_rows: torch.Tensor, pairs: int
+) -> Pairs:
+    """:func:`pair_index` of a padded batch, on the device, with no host sync: the shapes are
+    static, so a CUDA graph can hold it (serving's buckets, ``serve/graphs.py``).
+
+    ``seq_lengths`` [R'] and ``user_index`` [R] hold a batch padded to R candidate rows (the
+    dummy rows after the first ``real_rows`` [1] ones, the last row always a dummy). The real
+    rows' pairs come first, exactly :func:`pair_index`'s; the rest of the ``pairs`` are the
+    last row's, with element 0. Needs N <= ``pairs``, which the caller checks on the host
+    (:func:`pair_count`); the dummy rows' lengths and users are never read as pairs."""
+    rows = user_index.shape[0]
+    row = torch.arange(rows, device=user_index.device)  # [R]
+    cand_len = torch.where(row < real_rows, seq_lengths[user_index], 0)  # [R], dummies 0
+    last = row == rows - 1
+    cand_len = torch.where(last, pairs - cand_len.sum(), cand_len)  # the last row: the padding
+    seg = torch.repeat_interleave(cand_len, output_size=pairs)  # [P] row of each pair
+    user_start = torch.cumsum(seq_lengths, dim=0) - seq_lengths  # [R']
+    shift = user_start[user_index] - (torch.cumsum(cand_len, dim=0) - cand_len)  # [R]
+    elem = torch.arange(pairs, device=user_index.device) + shift[seg]  # [P]
+    return seg, torch.where(seg == rows - 1, 0, elem)  # [P], [P]
 
 
 @dataclass(frozen=True)
@@ -423,14 +398,17 @@ def sequence_lengths(batch: Batch, lay: DenseLayout) -> torch.Tensor | None:
 
 def batch_pairs(batch: Batch, lay: DenseLayout) -> tuple[np.ndarray, np.ndarray]:
     """:func:`pair_index` of a batch on the host (CPU tensors), as the program's inputs want it."""
-    return batch_pair_plan(batch, lay).arrays()
+    return pair_index(_host_lengths(batch, lay), batch.user_index.numpy())
 
 
-def batch_pair_plan(batch: Batch, lay: DenseLayout) -> PairPlan:
-    """The :class:`PairPlan` of a batch on the host (CPU tensors)."""
+def batch_pair_count(batch: Batch, lay: DenseLayout) -> int:
+    """:func:`pair_count` of a batch on the host (CPU tensors)."""
+    return pair_count(_host_lengths(batch, lay), batch.user_index.numpy())
+
+
+def _host_lengths(batch: Batch, lay: DenseLayout) -> np.ndarray:
     lengths = sequence_lengths(batch, lay)
-    seq = np.zeros(batch.num_users, np.int64) if lengths is None else lengths.numpy()
-    return PairPlan.of(seq, batch.user_index.numpy())
+    return np.zeros(batch.num_users, np.int64) if lengths is None else lengths.numpy()
 
 
 def assemble_dense_inputs(

@@ -23,7 +23,7 @@ from serve.graphs import (
 from serve.host_batch import HostBatch
 from serve.model import LoadedModel, synthetic_batch
 from shared.batch import Batch
-from shared.dense_inputs import batch_pair_plan
+from shared.dense_inputs import pair_index
 from shared.features import FeatureSet
 from shared.fg import table_to_batch
 
@@ -39,9 +39,9 @@ def _keys(batch: Batch) -> list[tuple[str, ...]]:
 
 def _padded_scores(model: LoadedModel, batch: Batch, bucket: Bucket) -> torch.Tensor:
     graph = BucketGraph(model, bucket, _keys(batch))
-    graph.fill(batch, batch_pair_plan(batch, model.tables.layout))
+    graph.fill(batch)
     with torch.inference_mode():
-        out = scores(model, graph.batch, graph.pairs)
+        out = scores(model, graph.batch, graph.device_pairs())
     assert out.shape == (bucket.candidates + 1,)
     return out[: batch.batch_size]
 
@@ -82,10 +82,10 @@ def test_padded_request_rows_and_statistics(model: LoadedModel, table: pa.Table)
     eager = model.table_stats()
     model.tables.reset_stats()
     graph = BucketGraph(model, Bucket(2048, 2048, 64), _keys(batch))
-    padding = graph.fill(batch, batch_pair_plan(batch, model.tables.layout))
+    padding = graph.fill(batch)
     assert sum(padding.values()) > 0
     with torch.inference_mode():
-        got = scores(model, graph.batch, graph.pairs)[: batch.batch_size]
+        got = scores(model, graph.batch, graph.device_pairs())[: batch.batch_size]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert model.table_stats() != eager  # the padding ids were looked up ...
     model.tables.discount_padding(padding)
@@ -98,9 +98,9 @@ def test_a_bucket_is_reused_for_smaller_batches(model: LoadedModel, fs: FeatureS
     bucket = Bucket(256, 64, 16)
     graph = BucketGraph(model, bucket, _keys(big))
     for batch in (big, small, big):
-        graph.fill(batch, batch_pair_plan(batch, model.tables.layout))
+        graph.fill(batch)
         with torch.inference_mode():
-            got = scores(model, graph.batch, graph.pairs)[: batch.batch_size]
+            got = scores(model, graph.batch, graph.device_pairs())[: batch.batch_size]
         torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
 
 
@@ -219,14 +219,13 @@ def test_a_reused_bucket_holds_what_a_fresh_one_does(model: LoadedModel, fs: Fea
     rng = np.random.default_rng(0)
     for i in [*range(len(batches)), *rng.integers(0, len(batches), 12)]:
         batch = batches[i]
-        pairs = batch_pair_plan(batch, model.tables.layout)
-        padding = reused.fill(HostBatch.of(batch), pairs)
+        padding = reused.fill(HostBatch.of(batch))
         fresh = BucketGraph(model, bucket, keys)
-        assert fresh.fill(batch, pairs) == padding
+        assert fresh.fill(batch) == padding
         for got, want in zip(_slots(reused), _slots(fresh), strict=True):
             np.testing.assert_array_equal(got, want)
     with torch.inference_mode():
-        got = scores(model, reused.batch, reused.pairs)[: batch.batch_size]
+        got = scores(model, reused.batch, reused.device_pairs())[: batch.batch_size]
     torch.testing.assert_close(got, model.predict(batch), rtol=0, atol=1e-6)
 
 
@@ -259,7 +258,7 @@ def test_host_batches_fill_as_their_kjt_batches(
         for got, w in zip(_slots(via_host), want, strict=True):
             np.testing.assert_array_equal(got, w)
         with torch.inference_mode():
-            got_scores = scores(model, via_host.batch, via_host.pairs)[: host.batch_size]
+            got_scores = scores(model, via_host.batch, via_host.device_pairs())[: host.batch_size]
         torch.testing.assert_close(got_scores, model.predict(kjt_batch), rtol=0, atol=1e-6)
         torch.testing.assert_close(model.predict(host), model.predict(kjt_batch), rtol=0, atol=0)
     assert graphs.stats.eager == {}
@@ -269,12 +268,10 @@ def test_host_batches_fill_as_their_kjt_batches(
 _SYNTHETIC = [(4, 12, (5, 0, 9, 2)), (1, 2, (3,)), (1, 1, (0,)), (3, 16, (12, 1, 7))]
 
 
-def _defined_slots(
-    graph: BucketGraph, batch: HostBatch, seg: np.ndarray, elem: np.ndarray
-) -> list[np.ndarray]:
+def _defined_slots(graph: BucketGraph, batch: HostBatch) -> list[np.ndarray]:
     """The slots of ``graph`` holding ``batch`` as the module docstring of serve.graphs defines
     them, built key by key: each key's ids then PAD_ID, real bags, the padding's bag in the first
-    dummy row, empty bags after it; dummy candidates of the dummy user; padded pairs."""
+    dummy row, empty bags after it; dummy candidates of the dummy user; the real rows."""
     from serve.lookup import PAD_ID
 
     out = []
@@ -289,13 +286,25 @@ def _defined_slots(
             lens[key, real] = shape.per_key - n
             start += n
         out += [ids.reshape(-1), lens.reshape(-1)]
-    b, pairs = batch.batch_size, graph.bucket.pairs
+    b = batch.batch_size
     user_index = np.full(graph.shapes[1].rows, batch.num_users, np.int64)  # [candidates + 1]
     user_index[:b] = batch.user_index
-    pair_seg = np.full(pairs, graph.bucket.candidates, np.int64)  # [pairs]
-    pair_elem = np.zeros(pairs, np.int64)
+    return [*out, user_index, np.array([b], np.int64)]
+
+
+def _defined_pairs(
+    graph: BucketGraph, batch: HostBatch, sequence_key: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs of a padded batch as the module docstring of serve.graphs defines them:
+    pair_index's (of ``sequence_key``'s lengths), then the last dummy candidate's with element
+    0, up to the bucket's pairs."""
+    u = batch.num_users
+    first = batch.sequence.keys.index(sequence_key)
+    seg, elem = pair_index(batch.sequence.lengths[first * u : (first + 1) * u], batch.user_index)
+    pair_seg = np.full(graph.bucket.pairs, graph.bucket.candidates, np.int64)  # [pairs]
+    pair_elem = np.zeros(graph.bucket.pairs, np.int64)
     pair_seg[: seg.shape[0]], pair_elem[: elem.shape[0]] = seg, elem
-    return [*out, user_index, pair_seg, pair_elem]
+    return pair_seg, pair_elem
 
 
 def test_fills_hold_the_defined_slots_bit_for_bit(
@@ -303,8 +312,8 @@ def test_fills_hold_the_defined_slots_bit_for_bit(
 ) -> None:
     """Request batches (keys with different numbers of ids) and synthetic ones (one id per row),
     alone and merged on the host, filled in turn into one bucket: after every fill its slots
-    are the defined padding of that batch (dtypes and every bit), whatever the fill before."""
-    from serve.graphs import host_pair_plan
+    are the defined padding of that batch (dtypes and every bit), whatever the fill before, and
+    the pairs the graph builds from them are the defined pairs."""
     from serve.limits import Limits
     from serve.validation import request_inputs
     from shared.fg_request import request_columns_to_batch
@@ -321,10 +330,15 @@ def test_fills_hold_the_defined_slots_bit_for_bit(
     rng = np.random.default_rng(1)
     for i in [*range(len(batches)), *rng.integers(0, len(batches), 20)]:
         batch = batches[i]
-        pairs = host_pair_plan(batch, model.tables.layout)
-        graph.fill(batch, pairs)
-        seg, elem = pairs.arrays()
-        want = _defined_slots(graph, batch, seg, elem)
+        graph.fill(batch)
+        want = _defined_slots(graph, batch)
         for got, w in zip(graph.buffers.views, want, strict=True):
             assert got.dtype == w.dtype == np.int64
             np.testing.assert_array_equal(got, w)
+        for got_pairs, want_pairs in zip(
+            graph.device_pairs(),
+            _defined_pairs(graph, batch, model.tables.layout.sequence[0]),
+            strict=True,
+        ):
+            assert got_pairs.dtype == torch.int64
+            np.testing.assert_array_equal(got_pairs.numpy(), want_pairs)

@@ -8,13 +8,13 @@ from serve.model import synthetic_batch
 from shared.dense_inputs import (
     COLD_INPUT_NAMES,
     INPUT_NAMES,
-    MAX_USER_RUNS,
     PAIR_INPUT_NAMES,
-    PairPlan,
     Signature,
     assemble_dense_inputs,
     batch_pairs,
     dense_layout,
+    padded_pair_index,
+    pair_count,
     pair_index,
     pair_index_torch,
     pool,
@@ -129,37 +129,44 @@ def test_pair_index_refuses_a_user_index_out_of_range() -> None:
         pair_index(np.array([1, 2]), np.array([0, 2]))
 
 
-def test_pair_plan_writes_pair_index_in_place() -> None:
-    """Sorted batches of few users (requests stacked) take the per-user writes, others the
-    vectorized pair_index; both write exactly its pairs, and only into [:count]."""
+def test_padded_pairs_are_pair_index_then_the_last_rows() -> None:
+    """Random padded batches (stacked or not, dummy rows of a dummy user with any length):
+    pair_index's pairs first, then the last row's with element 0, up to the capacity; and
+    pair_count is their number."""
     rng = np.random.default_rng(11)
     for trial in range(200):
-        u = int(rng.integers(0, 70)) if trial % 4 else int(rng.integers(1, 4))
+        u = int(rng.integers(0, 12))
         lengths = rng.integers(0, 7, size=u) * (rng.random(u) < 0.8)
         b = int(rng.integers(0, 30)) if u else 0
         user_index = rng.integers(0, max(u, 1), size=b)
         if trial % 2:
             user_index.sort()  # requests stacked: each user's candidates one run, in order
-        plan = PairPlan.of(lengths.astype(np.int32), user_index)
-        sorted_ = b < 2 or bool((np.diff(user_index) >= 0).all())
-        assert (plan.runs is not None) == (sorted_ and u <= MAX_USER_RUNS)
         want = _loop_pairs(lengths.tolist(), user_index.tolist())
-        assert plan.count == len(want[0])
-        seg, elem = np.full(plan.count + 3, -7), np.full(plan.count + 3, -7)
-        plan.write(seg, elem)
-        assert (seg[: plan.count].tolist(), elem[: plan.count].tolist()) == want
-        assert (seg[plan.count :] == -7).all() and (elem[plan.count :] == -7).all()
-        assert [a.tolist() for a in plan.arrays()] == list(want)
+        n = pair_count(lengths.astype(np.int32), user_index)
+        assert n == len(want[0])
+        rows, spare = max(b, u) + int(rng.integers(1, 4)), int(rng.integers(0, 5))
+        padded_lengths = np.zeros(rows, np.int64)  # user rows: real, the dummy user, empty
+        padded_lengths[:u] = lengths
+        padded_lengths[u] = rng.integers(0, 50)  # the dummy user's bag of padding ids
+        padded_users = np.full(rows, u, np.int64)  # dummy candidates: the dummy user
+        padded_users[:b] = user_index
+        seg, elem = padded_pair_index(
+            torch.from_numpy(padded_lengths),
+            torch.from_numpy(padded_users),
+            torch.tensor([b]),
+            n + spare,
+        )
+        assert (seg.dtype, elem.dtype) == (torch.int64, torch.int64)
+        assert (seg[:n].tolist(), elem[:n].tolist()) == want
+        assert seg[n:].tolist() == [rows - 1] * spare and elem[n:].tolist() == [0] * spare
 
 
-def test_pair_plan_refuses_bad_input() -> None:
+def test_pair_count_refuses_a_user_index_out_of_range() -> None:
     with pytest.raises(IndexError, match="outside"):
-        PairPlan.of(np.array([1, 2]), np.array([0, 2]))
+        pair_count(np.array([1, 2]), np.array([0, 2]))
     with pytest.raises(IndexError, match="outside"):
-        PairPlan.of(np.array([1, 2]), np.array([-1, 0]))
-    plan = PairPlan.of(np.array([3, 2]), np.array([0, 0, 1]))
-    with pytest.raises(ValueError, match="8 pairs do not fit"):
-        plan.write(np.empty(7, np.int64), np.empty(8, np.int64))
+        pair_count(np.array([1, 2]), np.array([-1, 0]))
+    assert pair_count(np.array([3, 2]), np.array([0, 0, 1])) == 8
 
 
 def test_batch_pairs_and_assembled_inputs() -> None:
