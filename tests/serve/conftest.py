@@ -350,11 +350,14 @@ def export_din_program(
 
 
 def make_din_bundle(
-    root: Path, fs: FeatureSet, version: str, *, pairs: bool, backoff: str = "none"
+    root: Path, fs: FeatureSet, version: str, *, pairs: bool, backoff: str = "none", seed: int = 0
 ) -> Path:
-    """A bundle with :func:`export_din_program`'s program; the tables depend on ``fs`` only,
-    so the bundles with and without the pairs hold the same model."""
-    program = export_din_program(fs, root / f"dense-{version}.pt2", pairs=pairs, backoff=backoff)
+    """A bundle with :func:`export_din_program`'s program (its weights from ``seed``); the
+    tables depend on ``fs`` only, so the bundles with and without the pairs hold the same
+    model."""
+    program = export_din_program(
+        fs, root / f"dense-{version}.pt2", pairs=pairs, backoff=backoff, seed=seed
+    )
     keys = {t.name: KEYS_PER_TABLE for t in fs.dynamic_tables}
     return write_synthetic_bundle(
         root / "bundles" / version, fs, keys=keys, program_path=program, version=version, seed=5
