@@ -18,9 +18,9 @@ medians::
 ``--predictor fill`` also does a CUDA-graph batch's host work in the device process, on the CPU:
 the stand-in predictor holds :class:`~serve.graphs.CudaGraphs` with the buckets of
 ``--max-batch-rows`` (host buffers only, nothing captured) and pads each batch into the
-smallest that fits (pairs, bucket choice, :meth:`~serve.graphs.BucketGraph.fill`, the padding's
-statistics), then answers zeros: all of the serving path's main-process CPU but the replay and
-the wait for the scores.
+smallest that fits (the pair count, bucket choice, :meth:`~serve.graphs.BucketGraph.fill`, the
+padding's statistics), then answers zeros: all of the serving path's main-process CPU but the
+replay (which builds the pairs on the device) and the wait for the scores.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def _parser() -> Parser:
         "--sequence-length",
         type=int,
         default=5,
-        help="clicks in each request's sequence (the serving bench's traffic has ~50: pairs "
-        "per batch, and so --predictor fill's pair work, grow with it)",
+        help="clicks in each request's sequence (the serving bench's traffic has ~50: the "
+        "sequence ids per batch grow with it, and so did the host's pair work before the graphs "
+        "built the pairs)",
     )
     p.add_argument("--duration-s", type=float, default=3.0, help="seconds of one measured window")
     p.add_argument("--warmup-s", type=float, default=1.0, help="seconds before the first window")
