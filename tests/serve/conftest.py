@@ -8,9 +8,14 @@ everything else only needs a bundle directory and rows whose columns carry the f
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -19,7 +24,7 @@ from torch import nn
 from torch.export import Dim
 
 from bench.synthetic_bundle import SEED_CONFIG, seed_feature_set, write_synthetic_bundle
-from protos import predict_pb2
+from protos import predict_pb2, predict_pb2_grpc
 from shared.dense_inputs import INPUT_NAMES, cold_layout, dense_layout
 from shared.features import FeatureSet, IdTransform, Side, feature_set_from_text
 
@@ -383,3 +388,43 @@ def din_bundles(fs: FeatureSet, tmp_path_factory: pytest.TempPathFactory) -> tup
         make_din_bundle(root, fs, "din-f2", pairs=False),
         make_din_bundle(root, fs, "din-f3", pairs=True),
     )
+
+
+@dataclass
+class Traffic:
+    """What :func:`predict_traffic`'s clients got: (request index, model version, scores) per
+    answer, and the errors."""
+
+    results: list[tuple[int, str, np.ndarray]] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def predict_traffic(port: int, requests: list, clients: int = 4) -> Iterator[Traffic]:
+    """``clients`` threads, each with a channel of its own to 127.0.0.1:``port``, calling
+    Predict with ``requests`` in turn until the block ends (they are joined on the way out)."""
+    traffic, stop = Traffic(), threading.Event()
+
+    def client(k: int) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = predict_pb2_grpc.PredictionServiceStub(channel)
+            i = k
+            while not stop.is_set():
+                try:
+                    r = stub.Predict(requests[i % len(requests)], timeout=10)
+                    traffic.results.append(
+                        (i % len(requests), r.model_version, np.array(r.probabilities))
+                    )
+                except grpc.RpcError as e:
+                    traffic.errors.append(e)
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield traffic
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)

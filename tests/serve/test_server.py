@@ -26,7 +26,7 @@ from serve.server import PredictionServer, ServerConfig
 from serve.servicer import SERVICE_NAME
 from shared.features import FeatureSet
 
-from .conftest import candidate_variants, to_columnar
+from .conftest import candidate_variants, predict_traffic, to_columnar
 
 LIMITS = Limits(max_candidates=8, max_sequence_length=20, max_request_bytes=64 << 10)
 BATCHING = BatcherConfig(max_batch_rows=64, max_wait_us=2000)
@@ -574,40 +574,21 @@ def test_hot_swap_under_traffic_then_corrupt_bundle_refused(
     srv = PredictionServer(_config(model_dir=model_dir, poll_interval_s=0.05)).start()
     assert srv.wait_ready(60), srv.load_error
     expected = {"1": expected_v1, "2": expected_v2}
-    results: list[tuple[int, str, np.ndarray]] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def client(k: int) -> None:
-        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-            stub = predict_pb2_grpc.PredictionServiceStub(channel)
-            i = k
-            while not stop.is_set():
-                try:
-                    r = stub.Predict(requests[i % len(requests)], timeout=10)
-                    results.append((i % len(requests), r.model_version, np.array(r.probabilities)))
-                except grpc.RpcError as e:
-                    errors.append(e)
-                i += 1
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
     try:
-        for t in threads:
-            t.start()
-        time.sleep(0.3)
-        _install(bundle_v2, model_dir, "2")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(v == "2" for _, v, _ in results[-20:]):
-            time.sleep(0.05)
-        time.sleep(0.3)  # traffic on the new version too
-        stop.set()
-        for t in threads:
-            t.join(10)
-        assert not errors, errors[:3]
-        versions = [v for _, v, _ in results]
+        with predict_traffic(srv.port, requests) as traffic:
+            time.sleep(0.3)
+            _install(bundle_v2, model_dir, "2")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(
+                v == "2" for _, v, _ in traffic.results[-20:]
+            ):
+                time.sleep(0.05)
+            time.sleep(0.3)  # traffic on the new version too
+        assert not traffic.errors, traffic.errors[:3]
+        versions = [v for _, v, _ in traffic.results]
         assert versions[0] == "1" and versions[-1] == "2"
         assert versions.index("2") > 0 and "1" not in versions[versions.index("2") + 8 :]
-        for i, v, probs in results:
+        for i, v, probs in traffic.results:
             np.testing.assert_allclose(probs, expected[v][i], rtol=1e-5, atol=1e-6)
 
         # a corrupt version 3: refused, version 2 keeps serving
@@ -633,7 +614,6 @@ def test_hot_swap_under_traffic_then_corrupt_bundle_refused(
         time.sleep(0.2)  # further polls do not retry the refused bundle
         assert loads._value.get() == 1
     finally:
-        stop.set()
         srv.stop(grace=0)
 
 

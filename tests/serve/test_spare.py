@@ -6,11 +6,9 @@ CUDA a hot swap through gRPC that captures no graph. The GPU tests run on the GP
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -18,7 +16,6 @@ import torch
 
 import serve.versions
 from bench.synthetic_bundle import write_synthetic_bundle
-from protos import predict_pb2_grpc
 from serve.delta import apply_delta
 from serve.graphs import Bucket
 from serve.model import LoadedModel, synthetic_batch
@@ -26,7 +23,12 @@ from serve.offline import score_rows
 from serve.server import PredictionServer, ServerConfig
 from serve.spare import Spare, adopt
 from shared.features import FeatureSet
-from tests.serve.conftest import KEYS_PER_TABLE, export_tiny_program, make_din_bundle
+from tests.serve.conftest import (
+    KEYS_PER_TABLE,
+    export_tiny_program,
+    make_din_bundle,
+    predict_traffic,
+)
 
 ATOL = 1e-6
 BUCKETS = (Bucket(64, 64, 8), Bucket(1024, 1024, 64))
@@ -233,43 +235,24 @@ def test_a_swap_under_traffic_on_cuda_loses_no_request(
     shutil.copytree(bundles[0], models / "1")
     config = ServerConfig(model_dir=models, device="cuda", poll_interval_s=0.1, frontends=2)
     server = PredictionServer(config).start()
-    results: list[tuple[int, str, np.ndarray]] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def client(k: int) -> None:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = predict_pb2_grpc.PredictionServiceStub(channel)
-            i = k
-            while not stop.is_set():
-                try:
-                    r = stub.Predict(requests[i % len(requests)], timeout=10)
-                    results.append((i % len(requests), r.model_version, np.array(r.probabilities)))
-                except grpc.RpcError as e:
-                    errors.append(e)
-                i += 1
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
     try:
         assert server.wait_ready(120), server.load_error
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        shutil.copytree(bundles[1], models / ".2.tmp")
-        (models / ".2.tmp").rename(models / "2")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(v == "2" for _, v, _ in results[-20:]):
-            time.sleep(0.05)
-        time.sleep(0.5)  # traffic on the new version too
+        with predict_traffic(server.port, requests) as traffic:
+            time.sleep(0.5)
+            shutil.copytree(bundles[1], models / ".2.tmp")
+            (models / ".2.tmp").rename(models / "2")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(
+                v == "2" for _, v, _ in traffic.results[-20:]
+            ):
+                time.sleep(0.05)
+            time.sleep(0.5)  # traffic on the new version too
+        spare_loads = server.metrics.load_paths.labels("spare")._value.get()
     finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-        paths = server.metrics.load_paths
         server.stop()
-    assert not errors, errors[:3]
-    versions = [v for _, v, _ in results]
+    assert not traffic.errors, traffic.errors[:3]
+    versions = [v for _, v, _ in traffic.results]
     assert versions[0] == "1" and versions[-1] == "2"
-    for i, v, probs in results:
+    for i, v, probs in traffic.results:
         np.testing.assert_allclose(probs, expected[v][i], rtol=1e-5, atol=1e-5)
-    assert paths.labels("spare")._value.get() == 1  # the swap wrote into the spare
+    assert spare_loads == 1  # the swap wrote into the spare
