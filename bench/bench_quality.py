@@ -17,13 +17,20 @@ the embeddings near their initial values in one epoch), and ``--crosses all`` or
 ``--crosses USER:ITEM,...`` adds ``model_config.multi_tower_din.crosses`` (every user × item
 feature cross, or the named ones: ``train/model/crosses.py``).
 
+``--seeds 0,1,2`` trains every variant once per seed (the trainer's seed: initial weights, batch
+order, id dropout) and reports each figure's median over the seeds, beside every seed's run;
+``--jobs N`` runs N of those trainings at once, each in a process of its own (on the H200 two at a
+time gave about 1.5x the runs an hour: an epoch of full data is bound by its loader and Python,
+not the GPU). On full data one seed's tail AUC moves by up to ±0.008 between seeds at a 50×
+sparse rate, so a single run decides nothing there.
+
 Per variant: overall, head and tail AUC (head/tail: users seen at least / fewer than
 train.evaluate.TAIL_THRESHOLD times in training), logloss, the oracle's AUC, rows, train
 seconds, samples/s, and per dynamic table the share of lookups without a row (the backoff's
 share when it is on): misses/lookups in training, eval_misses/eval_lookups in the final eval
 (from the tables' stats(); None where a counter is missing). Then ``on - off`` and the goal of
 issue #22 on ``full`` data: tail AUC >= 0.632 with overall and head AUC not lower than ``off``'s
-(reported as met or not, never asserted).
+(on the medians; reported as met or not, never asserted), and ``on - off`` per seed.
 
     python -m bench.bench_quality --size small --out out/bench_quality.json
     python -m bench.bench_quality --size small --capacity-scale 0.025 --id-dropout 0.2 \\
@@ -32,12 +39,17 @@ issue #22 on ``full`` data: tail AUC >= 0.632 with overall and head AUC not lowe
         --out $OUT/bench_quality_full.json
     python -m bench.bench_quality --size medium --variants off --sparse-lr 0.05 \\
         --crosses cms_group_id:cate_id,cms_group_id:adgroup_id --out /tmp/q_crosses.json
+    python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 6 \\
+        --seeds 0,1,2 --jobs 2 --sparse-lr 0.05 \\
+        --crosses cms_group_id:cate_id,cms_group_id:adgroup_id --out $OUT/q_seeds.json
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,8 +78,8 @@ EXAMPLE = """examples:
   python -m bench.bench_quality --size small --out out/bench_quality.json
   python -m bench.bench_quality --size small --capacity-scale 0.025 --id-dropout 0.2 \\
       --out /tmp/bench_quality_drop.json
-  python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 12 \\
-      --out out/bench_quality_full.json"""
+  python -m bench.bench_quality --samples /tmp/full/samples --device cuda --num-workers 6 \\
+      --seeds 0,1,2 --jobs 2 --out out/bench_quality_full.json"""
 # the figures compared between the variants (on - off)
 COMPARED = ("auc", "head_auc", "tail_auc", "logloss", "train_seconds", "samples_per_s")
 
@@ -153,7 +165,9 @@ def backoff_shares(stats: dict[str, dict[str, float]]) -> dict[str, dict[str, An
     return out
 
 
-def run_variant(config_path: Path, samples: Path, args, model_dir: Path) -> dict[str, Any]:
+def run_variant(
+    config_path: Path, samples: Path, args: Any, model_dir: Path, seed: int
+) -> dict[str, Any]:
     """One epoch (or ``--max-steps``) of the trainer on ``samples/train``, its final eval on
     ``samples/eval``, and the tables' lookup counters after both."""
     trainer = Trainer(
@@ -162,7 +176,7 @@ def run_variant(config_path: Path, samples: Path, args, model_dir: Path) -> dict
             eval_path=samples / "eval", device=str(args.device), batch_size=args.batch,
             num_workers=args.num_workers, max_steps=args.max_steps,
             eval_max_batches=args.eval_max_batches, checkpoint_every=NO_CHECKPOINTS,
-            seed=args.seed, progress_bar=False,
+            seed=seed, progress_bar=False,
         )
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -200,14 +214,51 @@ def differences(variants: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
+def _median(values: list[Any]) -> float | None:
+    numbers = [_number(v) for v in values]
+    found = [n for n in numbers if n is not None]
+    return statistics.median(found) if found and len(found) == len(numbers) else None
+
+
+def aggregate(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One variant over its seeds: every number of a run (and of its ``backoff_share``) as the
+    median over ``runs`` (seed → run), the rest as the lowest seed's; ``runs`` kept as they are."""
+    seeds = sorted(runs)
+    first = runs[seeds[0]]
+    out: dict[str, Any] = {}
+    for k, v in first.items():
+        if k == "backoff_share":
+            out[k] = {
+                table: {c: _median([runs[s][k][table][c] for s in seeds]) for c in row}
+                for table, row in v.items()
+            }
+        elif _number(v) is not None and not isinstance(v, bool):
+            out[k] = _median([runs[s].get(k) for s in seeds])
+        else:
+            out[k] = v
+    out["seeds"] = seeds
+    out["runs"] = {str(s): runs[s] for s in seeds}
+    return out
+
+
+def paired_differences(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """``on - off`` per seed that both variants ran (seed → :func:`differences`)."""
+    off, on = variants.get("off"), variants.get("on")
+    if off is None or on is None:
+        return {}
+    both = [s for s in off["runs"] if s in on["runs"]]
+    return {s: differences({"off": off["runs"][s], "on": on["runs"][s]}) for s in both}
+
+
 def _at_least(got: Any, floor: Any) -> bool | None:
     got, floor = _number(got), _number(floor)
     return None if got is None or floor is None else got >= floor
 
 
 def goal(variants: dict[str, dict[str, Any]], size: str | None) -> dict[str, Any]:
-    """Issue #22's goal for ``on``: tail AUC >= 0.632, overall and head AUC >= ``off``'s.
-    ``met`` is None where a figure is missing; the goal is set for ``full`` data only."""
+    """Issue #22's goal for ``on``: tail AUC >= 0.632, overall and head AUC >= ``off``'s (each
+    variant's figures: the medians over its seeds). ``met`` is None where a figure is missing;
+    the goal is set for ``full`` data only."""
     off, on = variants.get("off", {}), variants.get("on", {})
     checks = {
         "tail_auc": {"goal": f">= {GOAL_TAIL_AUC}", "got": on.get("tail_auc"),
@@ -261,14 +312,21 @@ def summary(result: dict[str, Any]) -> str:
     head = (f"{'':6} {'auc':>7} {'head':>7} {'tail':>7} {'logloss':>8} {'oracle':>7} "
             f"{'rows':>9} {'train_s':>8} {'samples/s':>10} {'miss_tr':>7} {'miss_ev':>7}")  # fmt: skip
     lines = [head]
+    several = len(result["seeds"]) > 1
     for name, v in result["variants"].items():
-        share = v["backoff_share"].get("all", {})
-        lines.append(
-            f"{name:6} {_fmt(v['auc']):>7} {_fmt(v['head_auc']):>7} {_fmt(v['tail_auc']):>7} "
-            f"{_fmt(v['logloss']):>8} {_fmt(v['oracle_auc']):>7} {_fmt(v['rows'], ',d'):>9} "
-            f"{_fmt(v['train_seconds'], '.1f'):>8} {_fmt(v['samples_per_s'], ',.0f'):>10} "
-            f"{_fmt(share.get('train_share'), '.3f'):>7} {_fmt(share.get('eval_share'), '.3f'):>7}"
-        )
+        rows = [(f"{name} med" if several else name, v)]
+        if several:
+            rows += [(f"{name} s{s}", run) for s, run in v["runs"].items()]
+        for label, r in rows:
+            share = r["backoff_share"].get("all", {})
+            lines.append(
+                f"{label:6} {_fmt(r['auc']):>7} {_fmt(r['head_auc']):>7} "
+                f"{_fmt(r['tail_auc']):>7} {_fmt(r['logloss']):>8} {_fmt(r['oracle_auc']):>7} "
+                f"{_fmt(r['rows'], ',d'):>9} {_fmt(r['train_seconds'], '.1f'):>8} "
+                f"{_fmt(r['samples_per_s'], ',.0f'):>10} "
+                f"{_fmt(share.get('train_share'), '.3f'):>7} "
+                f"{_fmt(share.get('eval_share'), '.3f'):>7}"
+            )
     d = result["on_minus_off"]
     if d:
         lines.append(
@@ -281,7 +339,10 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}")
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
-    lines.append(f"goal (issue #22, tail >= {GOAL_TAIL_AUC}, auc and head >= off): {met}"
+    on_medians = (
+        " on the medians over seeds " + ",".join(map(str, result["seeds"])) if several else ""
+    )
+    lines.append(f"goal (issue #22, tail >= {GOAL_TAIL_AUC}, auc and head >= off){on_medians}: {met}"
                  + (f" ({g['note']})" if g["note"] else ""))  # fmt: skip
     return "\n".join(lines)
 
@@ -305,7 +366,12 @@ def _parser() -> Parser:
                    help="stop each variant after N steps (default: one epoch)")  # fmt: skip
     p.add_argument("--eval-max-batches", type=int, default=None,
                    help="evaluate at most N batches (default: the whole eval split)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="the trainer's seed (both variants)")
+    p.add_argument("--seeds", default="0", metavar="S,S,...",
+                   help="the trainer's seeds: every variant trains once per seed, figures are "
+                   "medians over them (default: 0)")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="trainings at once, each in a process of its own with --num-workers "
+                   "loader workers (default: 1, in this process)")  # fmt: skip
     p.add_argument(
         "--capacity-scale",
         type=float,
@@ -326,6 +392,16 @@ def _parser() -> Parser:
     return p
 
 
+def _seeds(spec: str) -> list[int]:
+    try:
+        seeds = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds {spec}: give distinct seeds >= 0, comma-separated (0,1,2)")
+    return seeds
+
+
 def _variants(spec: str) -> list[str]:
     names = [v.strip() for v in spec.split(",") if v.strip()]
     bad = [v for v in names if v not in VARIANTS]
@@ -334,48 +410,125 @@ def _variants(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _parser().parse_args(argv)
-    check_device(args.device)
-    names = _variants(args.variants)
+def _check(args: Any, names: list[str]) -> None:
+    """Every argument error before any data is made or trained on."""
     if not 0.0 <= args.id_dropout < 1.0:
         raise ValueError(f"--id-dropout {args.id_dropout}: give a probability in [0, 1)")
     if args.id_dropout and "on" not in names:
         raise ValueError(f"--id-dropout applies to the on variant: add it to --variants {names}")
     if args.sparse_lr is not None and not args.sparse_lr > 0:
         raise ValueError(f"--sparse-lr {args.sparse_lr}: give a learning rate > 0")
-    if args.crosses is not None:  # a bad spec or feature name fails before any data or training
-        base = load_config(args.config)
-        crosses_of(build_feature_set(base), crosses_config(args.crosses))
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
+    if args.crosses is not None:  # a bad spec or feature name fails here
+        crosses_of(build_feature_set(load_config(args.config)), crosses_config(args.crosses))
+
+
+def _samples(args: Any, work: Path) -> Path:
+    samples = args.samples if args.samples is not None else generate(args.size, work / "data")
+    for split in ("train", "eval"):
+        if not (samples / split).is_dir():
+            raise FileNotFoundError(
+                f"--samples {samples}: no {split}/ in it; make one with `python -m "
+                "train.data all --size small --out DIR` and pass DIR/samples"
+            )
+    return samples
+
+
+def _run_here(name: str, seed: int, samples: Path, args: Any, work: Path) -> dict[str, Any]:
+    """One variant at one seed in this process."""
+    path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
+                          id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
+                          crosses=args.crosses)  # fmt: skip
+    entry = run_variant(path, samples, args, work / f"run_{name}_s{seed}", seed)
+    entry["id_dropout"] = args.id_dropout if name == "on" else None
+    return entry
+
+
+def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> list[str]:
+    """This module's arguments for one variant at one seed (a ``--jobs`` child)."""
+    argv = ["--samples", str(samples), "--config", str(args.config), "--variants", name,
+            "--seeds", str(seed), "--device", str(args.device),
+            "--num-workers", str(args.num_workers), "--capacity-scale", repr(args.capacity_scale),
+            "--out", str(out)]  # fmt: skip
+    optional = {"--batch": args.batch, "--max-steps": args.max_steps,
+                "--eval-max-batches": args.eval_max_batches, "--sparse-lr": args.sparse_lr,
+                "--crosses": args.crosses,
+                "--id-dropout": args.id_dropout if name == "on" and args.id_dropout else None}  # fmt: skip
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, value if isinstance(value, str) else repr(value)]
+    return argv
+
+
+def _run_children(
+    plan: list[tuple[str, int]], samples: Path, args: Any, work: Path
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """``plan``'s runs, ``args.jobs`` at a time, each in a process of its own."""
+    pending = list(plan)
+    running: list[tuple[str, int, subprocess.Popen[bytes], Path, Path]] = []
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                name, seed = pending.pop(0)
+                out, log = work / f"{name}_s{seed}.json", work / f"{name}_s{seed}.log"
+                cmd = [sys.executable, "-m", "bench.bench_quality",
+                       *child_argv(name, seed, samples, args, out)]  # fmt: skip
+                with log.open("wb") as f:
+                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+                running.append((name, seed, proc, out, log))
+            time.sleep(0.2)
+            for run in [r for r in running if r[2].poll() is not None]:
+                running.remove(run)
+                name, seed, proc, out, log = run
+                if proc.returncode != 0:
+                    tail = log.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} at seed {seed} failed (exit {proc.returncode}):"
+                                       f"\n{tail}")  # fmt: skip
+                done[(name, seed)] = json.loads(out.read_text())["variants"][name]["runs"][
+                    str(seed)
+                ]
+                _print_run(name, seed, done[(name, seed)])
+    finally:
+        for _, _, proc, _, _ in running:
+            proc.kill()
+    return done
+
+
+def _print_run(name: str, seed: int, entry: dict[str, Any]) -> None:
+    shown = {k: v for k, v in entry.items() if k != "backoff_share"}
+    print(json.dumps({name: {"seed": seed, **shown}}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    check_device(args.device)
+    names, seeds = _variants(args.variants), _seeds(args.seeds)
+    _check(args, names)
+    plan = [(name, seed) for seed in seeds for name in names]  # a seed's variants together
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         work = Path(tmp)
-        samples = args.samples if args.samples is not None else generate(args.size, work / "data")
-        for split in ("train", "eval"):
-            if not (samples / split).is_dir():
-                raise FileNotFoundError(
-                    f"--samples {samples}: no {split}/ in it; make one with `python -m "
-                    "train.data all --size small --out DIR` and pass DIR/samples"
-                )
+        samples = _samples(args, work)
         info = data_info(samples)
         info["size"] = info["size"] or (args.size if args.samples is None else None)
         info["generated"] = args.samples is None  # into a temp dir, removed at the end
-        result: dict[str, Any] = {
-            "device": str(args.device), "torch": torch.__version__, "data": info,
-            "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seed": args.seed,
-            "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
-            "sparse_lr": args.sparse_lr, "crosses": args.crosses, "variants": {},
-        }  # fmt: skip
-        for name in names:
-            path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
-                                  id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
-                                  crosses=args.crosses)  # fmt: skip
-            entry = run_variant(path, samples, args, work / f"run_{name}")
-            entry["id_dropout"] = args.id_dropout if name == "on" else None
-            result["variants"][name] = entry
-            print(json.dumps({name: {k: v for k, v in entry.items() if k != "backoff_share"}}),
-                  flush=True)  # fmt: skip
-    result["on_minus_off"] = differences(result["variants"])
-    result["goal"] = goal(result["variants"], info["size"])
+        if args.jobs > 1:
+            runs = _run_children(plan, samples, args, work)
+        else:
+            runs = {}
+            for name, seed in plan:
+                runs[(name, seed)] = _run_here(name, seed, samples, args, work)
+                _print_run(name, seed, runs[(name, seed)])
+    variants = {n: aggregate({s: runs[(n, s)] for s in seeds}) for n in names}
+    result: dict[str, Any] = {
+        "device": str(args.device), "torch": torch.__version__, "data": info,
+        "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seeds": seeds,
+        "jobs": args.jobs, "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
+        "sparse_lr": args.sparse_lr, "crosses": args.crosses, "variants": variants,
+        "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
+        "goal": goal(variants, info["size"]),
+    }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = args.out.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(result, indent=2))

@@ -2,12 +2,14 @@
 # One device call (nvidia-h200) for issue #22's figures: full synthetic data (23.2M training rows)
 # in /tmp/full (made here unless a complete one is already there, e.g. from bench/run_train_gpu.sh
 # earlier in the same call or on the same warm machine), then bench_quality: the seed config
-# trained one epoch without and with cold_backoff, both evaluated on the eval split, into
-# $OUT/bench_quality_full.json (log: $OUT/bench_quality_full.log, data: $OUT/data.log).
+# trained one epoch without and with cold_backoff at seeds $SEEDS (0,1,2), two trainings at a
+# time ($JOBS) with 6 loader workers each, all evaluated on the eval split, into
+# $OUT/bench_quality_full.json (medians over the seeds and every run; log:
+# $OUT/bench_quality_full.log, data: $OUT/data.log).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (see
-# bench/run_gpu_suite.sh). About 6 minutes: data 2 (when made), two epochs and evals 3-4.
-# Arguments go to bench_quality, e.g. `bash bench/run_quality_gpu.sh --sparse-lr 0.05
-# --crosses cms_group_id:cate_id,cms_group_id:adgroup_id --seed 1`.
+# bench/run_gpu_suite.sh). About 6 minutes: data 2.5 (when made), 3 pairs of epochs and evals
+# about 1 each (2026-12-04). Arguments go to bench_quality, e.g. `bash bench/run_quality_gpu.sh
+# --sparse-lr 0.03 --crosses cms_group_id:cate_id,cms_group_id:adgroup_id`.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
@@ -23,7 +25,7 @@ else
   echo "data rc=$? in $(( $(date +%s) - t0 )) s"
 fi
 timeout ${BENCH_TIMEOUT:-480} python3 -m bench.bench_quality --samples "$FULL/samples" \
-  --device cuda --num-workers ${NUM_WORKERS:-12} "$@" \
+  --device cuda --num-workers ${NUM_WORKERS:-6} --seeds ${SEEDS:-0,1,2} --jobs ${JOBS:-2} "$@" \
   --out "$OUT/bench_quality_full.json" > "$OUT/bench_quality_full.log" 2>&1
 echo "bench_quality rc=$?"
 tail -20 "$OUT/bench_quality_full.log"

@@ -1,5 +1,6 @@
 """bench/bench_quality.py on tiny data, a few steps: both variants trained and evaluated, the JSON
-with every figure; the on - off differences and issue #22's goal from made-up figures."""
+with every figure, over several seeds and in child processes (``--jobs``); the on - off
+differences, the medians and issue #22's goal from made-up figures."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from typing import Any
 
 import pytest
 
-from bench.bench_quality import crosses_config, differences, goal, main, variant_config
+from bench.bench_quality import (
+    aggregate,
+    child_argv,
+    crosses_config,
+    differences,
+    goal,
+    main,
+    paired_differences,
+    variant_config,
+)
 from shared.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,4 +163,83 @@ def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> N
         main(["--size", "tiny", "--sparse-lr", "0", "--out", str(out)])
     with pytest.raises(ConfigError, match=r"pairs\[0\]\.item_feature.*'nope'"):
         main(["--size", "tiny", "--crosses", "user_id:nope", "--out", str(out)])
+    assert not out.exists()
+
+
+def test_seeds_in_child_processes_equal_the_runs_in_process(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """--seeds 0,1 --jobs 2: every (variant, seed) trains in a process of its own with the same
+    arguments, and gives what the same run in this process gives; the variants' figures are
+    the medians of their seeds' runs."""
+    args = ["--samples", str(tiny_samples), "--seeds", "0,1", *FAST, "--sparse-lr", "0.05",
+            "--crosses", "cms_group_id:cate_id", "--id-dropout", "0.2"]  # fmt: skip
+    here = main([*args, "--out", str(tmp_path / "here.json")])
+    there = main([*args, "--jobs", "2", "--out", str(tmp_path / "there.json")])
+    assert here["seeds"] == there["seeds"] == [0, 1] and there["jobs"] == 2
+    for name in ("off", "on"):
+        a, b = here["variants"][name], there["variants"][name]
+        assert list(a["runs"]) == list(b["runs"]) == ["0", "1"]
+        for seed in ("0", "1"):
+            ra, rb = a["runs"][seed], b["runs"][seed]
+            _check_variant(rb, counted=True)
+            for k in ("auc", "head_auc", "tail_auc", "logloss", "config", "id_dropout"):
+                assert ra[k] == rb[k], (name, seed, k)
+            assert ra["backoff_share"] == rb["backoff_share"]
+        for k in ("auc", "tail_auc", "logloss"):
+            assert a[k] == pytest.approx((a["runs"]["0"][k] + a["runs"]["1"][k]) / 2)
+    assert here["variants"]["on"]["runs"]["0"]["config"].endswith(
+        "_on_slr0.05_crosses_drop0.2_x1.config"
+    )
+    # different seeds, different runs
+    assert (
+        here["variants"]["off"]["runs"]["0"]["logloss"]
+        != here["variants"]["off"]["runs"]["1"]["logloss"]
+    )
+    assert set(there["on_minus_off_by_seed"]) == {"0", "1"}
+
+
+def test_child_argv_passes_every_option_on(tmp_path: Path) -> None:
+    from bench.bench_quality import _parser
+
+    args = _parser().parse_args(
+        ["--size", "tiny", "--batch", "64", "--max-steps", "2", "--eval-max-batches", "1",
+         "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all",
+         "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
+    )  # fmt: skip
+    on = _parser().parse_args(child_argv("on", 4, tmp_path, args, tmp_path / "on.json"))
+    off = _parser().parse_args(child_argv("off", 4, tmp_path, args, tmp_path / "off.json"))
+    for child in (on, off):
+        for k in ("batch", "max_steps", "eval_max_batches", "capacity_scale", "sparse_lr",
+                  "crosses", "num_workers", "device", "config"):  # fmt: skip
+            assert getattr(child, k) == getattr(args, k), k
+        assert child.samples == tmp_path and child.seeds == "4" and child.jobs == 1
+    assert (on.variants, on.id_dropout, off.variants, off.id_dropout) == ("on", 0.1, "off", 0.0)
+
+
+def test_aggregate_takes_medians_and_keeps_the_runs() -> None:
+    def run(auc: float, misses: float | None) -> dict[str, Any]:
+        share = {"t": {"lookups": 10.0, "misses": misses, "train_share": None}}
+        return {**_v(auc, auc, auc - 0.1), "config": "c", "backoff_share": share}
+
+    agg = aggregate({2: run(0.7, 1.0), 0: run(0.6, 3.0), 1: run(0.9, 2.0)})
+    assert agg["seeds"] == [0, 1, 2] and list(agg["runs"]) == ["0", "1", "2"]
+    assert agg["auc"] == pytest.approx(0.7) and agg["tail_auc"] == pytest.approx(0.6)
+    assert agg["config"] == "c" and agg["backoff_share"]["t"] == {
+        "lookups": 10.0, "misses": 2.0, "train_share": None
+    }  # fmt: skip
+    assert aggregate({0: run(0.6, None)})["backoff_share"]["t"]["misses"] is None
+    pair = {"off": aggregate({0: run(0.6, 1.0), 1: run(0.7, 1.0)}),
+            "on": aggregate({1: run(0.75, 1.0), 2: run(0.8, 1.0)})}  # fmt: skip
+    by_seed = paired_differences(pair)
+    assert list(by_seed) == ["1"] and by_seed["1"]["auc"] == pytest.approx(0.05)
+
+
+def test_bad_seeds_and_jobs_fail_before_any_training(tmp_path: Path) -> None:
+    out = tmp_path / "q.json"
+    for seeds in ("", "0,0", "-1", "a"):
+        with pytest.raises(ValueError, match="--seeds .*distinct seeds >= 0"):
+            main(["--size", "tiny", "--seeds", seeds, "--out", str(out)])
+    with pytest.raises(ValueError, match="--jobs 0: give 1 or more"):
+        main(["--size", "tiny", "--jobs", "0", "--out", str(out)])
     assert not out.exists()
