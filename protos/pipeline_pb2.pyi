@@ -77,27 +77,103 @@ class ConstantLR(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ExponentialDecayLR(_message.Message):
+    __slots__ = ("decay_size", "decay_factor", "staircase", "warmup_learning_rate", "warmup_size", "min_learning_rate", "by_epoch")
+    DECAY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    STAIRCASE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    decay_size: int
+    decay_factor: float
+    staircase: bool
+    warmup_learning_rate: float
+    warmup_size: int
+    min_learning_rate: float
+    by_epoch: bool
+    def __init__(self, decay_size: _Optional[int] = ..., decay_factor: _Optional[float] = ..., staircase: _Optional[bool] = ..., warmup_learning_rate: _Optional[float] = ..., warmup_size: _Optional[int] = ..., min_learning_rate: _Optional[float] = ..., by_epoch: _Optional[bool] = ...) -> None: ...
+
+class ManualStepLR(_message.Message):
+    __slots__ = ("schedule_sizes", "learning_rates", "warmup", "by_epoch")
+    SCHEDULE_SIZES_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATES_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    BY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    schedule_sizes: _containers.RepeatedScalarFieldContainer[int]
+    learning_rates: _containers.RepeatedScalarFieldContainer[float]
+    warmup: bool
+    by_epoch: bool
+    def __init__(self, schedule_sizes: _Optional[_Iterable[int]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., warmup: _Optional[bool] = ..., by_epoch: _Optional[bool] = ...) -> None: ...
+
+class CosineAnnealingLR(_message.Message):
+    __slots__ = ("T_max", "min_learning_rate", "warmup_learning_rate", "warmup_size", "by_epoch")
+    T_MAX_FIELD_NUMBER: _ClassVar[int]
+    MIN_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    T_max: int
+    min_learning_rate: float
+    warmup_learning_rate: float
+    warmup_size: int
+    by_epoch: bool
+    def __init__(self, T_max: _Optional[int] = ..., min_learning_rate: _Optional[float] = ..., warmup_learning_rate: _Optional[float] = ..., warmup_size: _Optional[int] = ..., by_epoch: _Optional[bool] = ...) -> None: ...
+
+class CosineAnnealingWarmRestartsLR(_message.Message):
+    __slots__ = ("T_0", "T_mult", "min_learning_rate", "warmup_learning_rate", "warmup_size", "by_epoch")
+    T_0_FIELD_NUMBER: _ClassVar[int]
+    T_MULT_FIELD_NUMBER: _ClassVar[int]
+    MIN_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    T_0: int
+    T_mult: int
+    min_learning_rate: float
+    warmup_learning_rate: float
+    warmup_size: int
+    by_epoch: bool
+    def __init__(self, T_0: _Optional[int] = ..., T_mult: _Optional[int] = ..., min_learning_rate: _Optional[float] = ..., warmup_learning_rate: _Optional[float] = ..., warmup_size: _Optional[int] = ..., by_epoch: _Optional[bool] = ...) -> None: ...
+
 class SparseOptimizer(_message.Message):
-    __slots__ = ("adagrad_optimizer", "sgd_optimizer", "constant_learning_rate")
+    __slots__ = ("adagrad_optimizer", "sgd_optimizer", "constant_learning_rate", "exponential_decay_learning_rate", "manual_step_learning_rate", "cosine_annealing_learning_rate", "cosine_annealing_warm_restarts_learning_rate")
     ADAGRAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SGD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CONSTANT_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EXPONENTIAL_DECAY_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    MANUAL_STEP_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COSINE_ANNEALING_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COSINE_ANNEALING_WARM_RESTARTS_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     adagrad_optimizer: AdagradOptimizer
     sgd_optimizer: SGDOptimizer
     constant_learning_rate: ConstantLR
-    def __init__(self, adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ...) -> None: ...
+    exponential_decay_learning_rate: ExponentialDecayLR
+    manual_step_learning_rate: ManualStepLR
+    cosine_annealing_learning_rate: CosineAnnealingLR
+    cosine_annealing_warm_restarts_learning_rate: CosineAnnealingWarmRestartsLR
+    def __init__(self, adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ...) -> None: ...
 
 class DenseOptimizer(_message.Message):
-    __slots__ = ("adam_optimizer", "sgd_optimizer", "adagrad_optimizer", "constant_learning_rate")
+    __slots__ = ("adam_optimizer", "sgd_optimizer", "adagrad_optimizer", "constant_learning_rate", "exponential_decay_learning_rate", "manual_step_learning_rate", "cosine_annealing_learning_rate", "cosine_annealing_warm_restarts_learning_rate")
     ADAM_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SGD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ADAGRAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CONSTANT_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EXPONENTIAL_DECAY_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    MANUAL_STEP_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COSINE_ANNEALING_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COSINE_ANNEALING_WARM_RESTARTS_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     adam_optimizer: AdamOptimizer
     sgd_optimizer: SGDOptimizer
     adagrad_optimizer: AdagradOptimizer
     constant_learning_rate: ConstantLR
-    def __init__(self, adam_optimizer: _Optional[_Union[AdamOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ...) -> None: ...
+    exponential_decay_learning_rate: ExponentialDecayLR
+    manual_step_learning_rate: ManualStepLR
+    cosine_annealing_learning_rate: CosineAnnealingLR
+    cosine_annealing_warm_restarts_learning_rate: CosineAnnealingWarmRestartsLR
+    def __init__(self, adam_optimizer: _Optional[_Union[AdamOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
     __slots__ = ("sparse_optimizer", "dense_optimizer", "num_steps", "num_epochs", "save_checkpoints_steps", "save_checkpoints_epochs", "log_step_count_steps", "is_profiling", "mixed_precision")

@@ -50,6 +50,7 @@ from train.distributed.replicated import GradSync
 from train.distributed.sharded_dynamic import ShardedDynamicEmbedding
 from train.evaluate import EvalResult, UserCounts, evaluate
 from train.fine_tune import load_weights
+from train.lr_schedule import Schedule, schedule_of
 from train.metrics_log import MetricsLog
 from train.model.fused_tables import keep_per_table_state
 from train.model.graphed import DenseArchGraphs
@@ -197,6 +198,42 @@ def build_optimizers(
     }
 
 
+def learning_rate_schedules(config: pipeline_pb2.TrainConfig) -> dict[str, Schedule]:
+    """The schedules of :func:`build_optimizers`' optimizers (``train_config``'s
+    ``learning_rate`` oneofs, :mod:`train.lr_schedule`); ValueError naming a bad field."""
+    return {
+        "sparse": schedule_of(
+            config.sparse_optimizer, sparse_adagrad(config).lr, "train_config.sparse_optimizer"
+        ),
+        "dense": schedule_of(
+            config.dense_optimizer,
+            config.dense_optimizer.adam_optimizer.lr,
+            "train_config.dense_optimizer",
+        ),
+    }
+
+
+def set_learning_rates(
+    model: MultiTowerDIN,
+    optimizers: dict[str, torch.optim.Optimizer],
+    schedules: dict[str, Schedule],
+    step: int,
+    epoch: int,
+) -> dict[str, float]:
+    """Each optimizer's rate for the step after ``step`` steps (in ``epoch``), the sparse one's
+    on the dynamic tables too; returns them (by optimizer name)."""
+    rates = {}
+    for name, schedule in schedules.items():
+        lr = rates[name] = schedule.rate(step, epoch)
+        if schedule.constant:
+            continue
+        for group in optimizers[name].param_groups:
+            group["lr"] = lr
+        if name == "sparse":
+            model.sparse.dynamic.set_learning_rate(lr)
+    return rates
+
+
 def train_step(
     model: MultiTowerDIN,
     optimizers: dict[str, torch.optim.Optimizer],
@@ -308,6 +345,8 @@ class Trainer:
             self.model.sparse.dynamic = sharded  # type: ignore[assignment]
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
+        self.schedules = learning_rate_schedules(tc)
+        self.rates: dict[str, float] = {}  # of the last step (the train records show them)
         self.graphs = self._cuda_graphs()
         # in-loop checkpoints of a single process are written by a thread (distributed ones
         # are collectives: written in the loop)
@@ -536,6 +575,9 @@ class Trainer:
 
     def _step(self, batch: Batch, global_rows: int, progress: Progress) -> torch.Tensor:
         """One optimizer step on ``batch``, counted in ``progress``; returns the loss (device)."""
+        self.rates = set_learning_rates(
+            self.model, self.optimizers, self.schedules, progress.step, progress.epoch
+        )
         loss = train_step(
             self.model,
             self.optimizers,
@@ -571,6 +613,7 @@ class Trainer:
             "loss": loss,
             "samples_per_s": rate,
             "samples": progress.samples,
+            **{f"{k}_lr": v for k, v in self.rates.items()},
             **{f"{k}_seconds": v for k, v in window.loop_seconds(times.seconds).items()},
             "tables": self._table_stats(),
         }

@@ -16,22 +16,42 @@ vectorized path, and identical between CPU and CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 
 @dataclass(frozen=True)
 class AdagradConfig:
+    """Adagrad's settings. ``rate``: where the CUDA kernels read ``-lr`` (a one-element float32
+    tensor on the table's device, :meth:`on_device`), so that a CUDA graph captured with it
+    sees a rate changed later (:meth:`with_lr`: a learning-rate schedule); None: they take
+    ``lr`` as a launch argument. The CPU code reads ``lr``."""
+
     lr: float
     eps: float = 1e-10
     initial_accumulator_value: float = 0.0
+    rate: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"Adagrad: lr must be > 0, got {self.lr}")
+        if not self.lr >= 0:
+            raise ValueError(f"Adagrad: lr must be >= 0, got {self.lr}")
         if self.eps < 0 or self.initial_accumulator_value < 0:
             raise ValueError("Adagrad: eps and initial_accumulator_value must be >= 0")
+
+    def on_device(self, device: torch.device) -> AdagradConfig:
+        """These settings with their own ``rate`` tensor on ``device``."""
+        return replace(self, rate=torch.full((1,), -self.lr, dtype=torch.float32, device=device))
+
+    def with_lr(self, lr: float) -> AdagradConfig:
+        """These settings at rate ``lr``: the same ``rate`` tensor, written in place (on the
+        device's stream: no host sync)."""
+        if lr == self.lr:
+            return self
+        out = replace(self, lr=lr)
+        if self.rate is not None:
+            self.rate.fill_(-lr)
+        return out
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         """The integer clock used as TIMESTAMP score (tests inject a fake one)."""
         self._clock = clock
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Adagrad's rate from the next update on, in every storage (a learning-rate schedule:
+        :mod:`train.lr_schedule`). Written on the device, so a captured static step sees it;
+        ``adagrad``, the configured settings that checkpoints record, stays as it is."""
+        for s in self._storages:
+            s.adagrad = s.adagrad.with_lr(lr)
+
     @property
     def step(self) -> int:
         """The STEP score of this step (:meth:`set_step`)."""

@@ -170,7 +170,7 @@ class FusedStorage:
         self.specs = specs
         self.names = [s.name for s in specs]
         self.dim = specs[0].dim
-        self.adagrad = adagrad
+        self.adagrad = adagrad.on_device(device)  # its rate: set_learning_rate
         self.device = device
         first = dyn[0]
         self.strategy = first.score_strategy

@@ -259,3 +259,49 @@ def test_progress_total_is_the_run_and_a_log_gets_plain_lines(
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: ")]
     assert lines and lines[-1].startswith("train: step 3/3 (100%) ")
     assert "samples/s, loss " in lines[-1]
+
+
+def test_learning_rate_schedules_drive_every_optimizer_and_resume_where_they_stopped(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """tzrec schedules on both optimizers: the dense optimizer, the num_buckets tables and the
+    dynamic tables take each step's rate (the train records show it), and a resumed run
+    continues the schedule, so it ends where the uninterrupted one does."""
+    text = SEED_CONFIG.read_text()
+    text = text.replace(
+        "constant_learning_rate {}",
+        "manual_step_learning_rate { schedule_sizes: [2, 6] learning_rates: [0.05, 0.01] }",
+        1,
+    ).replace("constant_learning_rate {}", "cosine_annealing_learning_rate { T_max: 10 }")
+    config = tmp_path / "scheduled.config"
+    config.write_text(text)
+    full = Trainer(_options(tiny_samples, tmp_path / "full", config=config, max_steps=10,
+                            checkpoint_every=100))  # fmt: skip
+    full.fit()
+    sparse, dense = full.schedules["sparse"], full.schedules["dense"]
+    assert full.optimizers["dense"].param_groups[0]["lr"] == dense.rate(9, 0) != 0.001
+    last = sparse.rate(9, 0)
+    assert last == pytest.approx(0.01)  # float32 config fields
+    assert full.optimizers["sparse"].param_groups[0]["lr"] == last
+    for storage in full.model.sparse.dynamic._storages:
+        assert storage.adagrad.lr == last and float(storage.adagrad.rate) == pytest.approx(-last)
+    records = [r for r in full.metrics.records if r["kind"] == "train"]
+    assert records and all(
+        r["sparse_lr"] == sparse.rate(r["step"] - 1, 0) and r["dense_lr"] == dense.rate(r["step"] - 1, 0)
+        for r in records
+    )  # fmt: skip
+    first = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=5,
+                             checkpoint_every=5))  # fmt: skip
+    first.fit()
+    second = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=10,
+                              resume=True))  # fmt: skip
+    second.fit()
+    a, b = full.model, second.model
+    for (name, p), (_, q) in zip(
+        a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    for t in ("user_id_emb", "adgroup_id_emb"):
+        torch.testing.assert_close(
+            a.sparse.dynamic.export_table(t)[1], b.sparse.dynamic.export_table(t)[1], msg=t
+        )

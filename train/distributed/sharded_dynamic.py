@@ -285,6 +285,9 @@ class ShardedDynamicEmbedding(nn.Module):
     def set_step(self, step: int) -> None:
         self.local.set_step(step)
 
+    def set_learning_rate(self, lr: float) -> None:
+        self.local.set_learning_rate(lr)  # this rank's shard: its rows are updated here
+
     @property
     def step(self) -> int:
         """The local collection's STEP score of this step (what id dropout hashes)."""

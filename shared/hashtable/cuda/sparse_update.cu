@@ -165,8 +165,9 @@ __device__ __forceinline__ void su_adagrad1(float& v, float& acc, float g, float
 // unselected entry). One thread per (entry, float4 or float: su_vec of the three arrays).
 extern "C" __global__ void su_adagrad(float* __restrict__ values, float* __restrict__ accum,
                                       const i64* __restrict__ rows, const float* __restrict__ grads,
-                                      const i64* __restrict__ from, i64 n, i64 dim, float neg_lr,
-                                      float eps) {
+                                      const i64* __restrict__ from, i64 n, i64 dim,
+                                      const float* __restrict__ neg_lr_at, float eps) {
+    const float neg_lr = *neg_lr_at;  // on the device: a captured graph reads the current rate
     const bool vec = su_vec(dim, values, accum) && su_vec(dim, grads, grads);
     const i64 w = vec ? dim >> 2 : dim;
     const i64 total = n * w;

@@ -40,7 +40,7 @@ LEAF = 16  # SU_LEAF of sparse_update.cu: the ranks su_leaf sums in registers
 SIGNATURES = {
     "su_leaf": "ppppppqq",
     "su_tree_round": "ppppqqq",
-    "su_adagrad": "pppppqqff",
+    "su_adagrad": "pppppqqpf",
 }
 
 
@@ -134,12 +134,20 @@ def adagrad_update(
             src,
             rt.i64(n),
             rt.i64(dim),
-            rt.f32(-config.lr),
+            _neg_lr(config, values.device),
             rt.f32(config.eps),
         ),
         device=values.device,
         source=SOURCE,
     )
+
+
+def _neg_lr(config: AdagradConfig, device: torch.device) -> torch.Tensor:
+    """[1] float32 ``-lr`` on ``device``, which the kernel reads: ``config.rate`` where it is
+    there (a graph captured with it sees later rates), else made now."""
+    if config.rate is not None and config.rate.device == device:
+        return config.rate
+    return torch.full((1,), -config.lr, dtype=torch.float32, device=device)
 
 
 def apply_sparse_gradients(

@@ -287,3 +287,25 @@ def test_adagrad_equals_the_torch_update(initial: float, aligned: bool) -> None:
     sparse_update.adagrad_update(values, accum, rows, grads, config)
     assert torch.equal(values.view(torch.int32), want_v.view(torch.int32))
     assert torch.equal(accum.view(torch.int32), want_a.view(torch.int32))
+
+
+@gpu
+@needs_cuda
+def test_the_kernel_reads_the_rate_from_the_device() -> None:
+    """A config's ``rate`` tensor, rewritten by ``with_lr``, is what the kernel applies: the
+    same bits as the torch code at the new rate."""
+    grads, order, starts, counts, group, rows = _plan([3, 1, 40], 16, seed=5, device=DEVICE)
+    p = grads.shape[0]
+    config = AdagradConfig(lr=0.1).on_device(torch.device(DEVICE))
+    moved = config.with_lr(0.003)
+    assert moved.rate is config.rate and float(moved.rate) == pytest.approx(-0.003)
+    values, accum = _tables(p, 16)
+    want_v, want_a = values.clone(), accum.clone()
+    g = segment_sum_sorted(grads[order], starts, counts, group, p)
+    adagrad_update(want_v, want_a, rows, g, AdagradConfig(lr=0.003))
+    # the stale lr on the config the kernel gets: only the device rate may decide
+    sparse_update.apply_sparse_gradients(
+        values, accum, rows, grads, order, starts, counts, group, p, config
+    )
+    assert torch.equal(values.view(torch.int32), want_v.view(torch.int32))
+    assert torch.equal(accum.view(torch.int32), want_a.view(torch.int32))

@@ -304,3 +304,16 @@ def test_cpu_and_cuda_give_identical_tables():
             x, y = getattr(s1, f), getattr(s2, f)
             torch.testing.assert_close(x, y.cpu(), rtol=1e-6, atol=1e-7, msg=f"{t}.{f}")
     assert cpu["stats"] == gpu["stats"]
+
+
+def test_set_learning_rate_updates_as_a_collection_made_at_that_rate():
+    tables = [dyn_table("a_emb", dim=8)]
+    moved, made = _dec(tables, lr=0.5), _dec(tables, lr=0.02)
+    moved.set_learning_rate(0.02)
+    keys = {"a_emb": torch.tensor([4, 8, 4, 15])}
+    for dec in (moved, made):
+        out = dec(keys)["a_emb"]
+        (out * torch.linspace(-1, 1, 8)).sum().backward()
+    a, b = moved.table_state("a_emb"), made.table_state("a_emb")
+    assert torch.equal(a.values, b.values) and torch.equal(a.accumulators, b.accumulators)
+    assert moved.adagrad.lr == 0.5  # the configured rate, which checkpoints record

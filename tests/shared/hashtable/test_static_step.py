@@ -199,3 +199,27 @@ def test_two_forwards_before_a_backward_are_refused() -> None:
     second["a"].sum().backward()  # the latest lookup's backward is fine
     with pytest.raises(RuntimeError, match="one backward per forward"):
         first["a"].sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_new_learning_rate_reaches_the_captured_step(device: str) -> None:
+    """The rate changes after the graphs were captured (a schedule): the replayed static
+    step applies it as the eager one does, and not the rate it was captured with."""
+    eager, static = _pair(ScoreStrategy.LFU, None, device=device)
+    frozen, _ = _pair(ScoreStrategy.LFU, None, device=device)  # keeps lr 0.05
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 7):
+        keys = {n: k.to(device) for n, k in _batch(gen, step).items()}
+        grads = {n: torch.randn(k.numel(), 4, generator=gen).to(device) for n, k in keys.items()}
+        if step >= 4:  # padded sizes captured in steps 1-3 are replayed at the new rate
+            for dec in (eager, static):
+                dec.set_learning_rate(0.05 * 0.5 ** (step - 3))
+        for dec in (eager, static, frozen):
+            dec.set_step(step)
+            rows, _ = dec.lookup(keys, hits=True)
+            sum((rows[n] * grads[n]).sum() for n in keys).backward()  # type: ignore[union-attr]
+        _assert_same(_state(eager), _state(static), f"step {step} state")
+        values = [_state(dec)["a"][1] for dec in (eager, frozen)]  # type: ignore[index]
+        assert torch.equal(*values) == (step < 4), step
+    if device == "cuda":
+        assert static.static_stats()["g"]["replays"] == 6
