@@ -313,6 +313,7 @@ class Trainer:
         )
         self.num_workers = workers
         tc = cfg.train_config
+        self.schedules = learning_rate_schedules(tc)  # a bad one fails before any data is read
         self.checkpoint_every = options.checkpoint_every or tc.save_checkpoints_steps
         self.log_every = options.log_every or tc.log_step_count_steps
         self.amp = tc.mixed_precision
@@ -345,7 +346,6 @@ class Trainer:
             self.model.sparse.dynamic = sharded  # type: ignore[assignment]
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
-        self.schedules = learning_rate_schedules(tc)
         self.rates: dict[str, float] = {}  # of the last step (the train records show them)
         self.graphs = self._cuda_graphs()
         # in-loop checkpoints of a single process are written by a thread (distributed ones
