@@ -155,8 +155,14 @@ class SparseOptimizer(_message.Message):
     cosine_annealing_warm_restarts_learning_rate: CosineAnnealingWarmRestartsLR
     def __init__(self, adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ...) -> None: ...
 
+class EMAConfig(_message.Message):
+    __slots__ = ("decay",)
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    decay: float
+    def __init__(self, decay: _Optional[float] = ...) -> None: ...
+
 class DenseOptimizer(_message.Message):
-    __slots__ = ("adam_optimizer", "sgd_optimizer", "adagrad_optimizer", "constant_learning_rate", "exponential_decay_learning_rate", "manual_step_learning_rate", "cosine_annealing_learning_rate", "cosine_annealing_warm_restarts_learning_rate")
+    __slots__ = ("adam_optimizer", "sgd_optimizer", "adagrad_optimizer", "constant_learning_rate", "exponential_decay_learning_rate", "manual_step_learning_rate", "cosine_annealing_learning_rate", "cosine_annealing_warm_restarts_learning_rate", "ema")
     ADAM_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SGD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ADAGRAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +171,7 @@ class DenseOptimizer(_message.Message):
     MANUAL_STEP_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     COSINE_ANNEALING_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     COSINE_ANNEALING_WARM_RESTARTS_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EMA_FIELD_NUMBER: _ClassVar[int]
     adam_optimizer: AdamOptimizer
     sgd_optimizer: SGDOptimizer
     adagrad_optimizer: AdagradOptimizer
@@ -173,7 +180,8 @@ class DenseOptimizer(_message.Message):
     manual_step_learning_rate: ManualStepLR
     cosine_annealing_learning_rate: CosineAnnealingLR
     cosine_annealing_warm_restarts_learning_rate: CosineAnnealingWarmRestartsLR
-    def __init__(self, adam_optimizer: _Optional[_Union[AdamOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ...) -> None: ...
+    ema: EMAConfig
+    def __init__(self, adam_optimizer: _Optional[_Union[AdamOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ..., ema: _Optional[_Union[EMAConfig, _Mapping]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
     __slots__ = ("sparse_optimizer", "dense_optimizer", "num_steps", "num_epochs", "save_checkpoints_steps", "save_checkpoints_epochs", "log_step_count_steps", "is_profiling", "mixed_precision")
@@ -198,10 +206,18 @@ class TrainConfig(_message.Message):
     def __init__(self, sparse_optimizer: _Optional[_Union[SparseOptimizer, _Mapping]] = ..., dense_optimizer: _Optional[_Union[DenseOptimizer, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_epochs: _Optional[int] = ..., save_checkpoints_steps: _Optional[int] = ..., save_checkpoints_epochs: _Optional[int] = ..., log_step_count_steps: _Optional[int] = ..., is_profiling: _Optional[bool] = ..., mixed_precision: _Optional[str] = ...) -> None: ...
 
 class EvalConfig(_message.Message):
-    __slots__ = ("num_steps",)
+    __slots__ = ("num_steps", "use_dense_ema")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    USE_DENSE_EMA_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
-    def __init__(self, num_steps: _Optional[int] = ...) -> None: ...
+    use_dense_ema: bool
+    def __init__(self, num_steps: _Optional[int] = ..., use_dense_ema: _Optional[bool] = ...) -> None: ...
+
+class ExportConfig(_message.Message):
+    __slots__ = ("use_dense_ema",)
+    USE_DENSE_EMA_FIELD_NUMBER: _ClassVar[int]
+    use_dense_ema: bool
+    def __init__(self, use_dense_ema: _Optional[bool] = ...) -> None: ...
 
 class DataConfig(_message.Message):
     __slots__ = ("batch_size", "dataset_type", "fg_mode", "label_fields", "num_workers", "drop_remainder", "shuffle", "shuffle_buffer_size", "dynrec_id_mode")
@@ -464,7 +480,7 @@ class ModelConfig(_message.Message):
     def __init__(self, feature_groups: _Optional[_Iterable[_Union[FeatureGroupConfig, _Mapping]]] = ..., multi_tower_din: _Optional[_Union[MultiTowerDIN, _Mapping]] = ..., num_class: _Optional[int] = ..., metrics: _Optional[_Iterable[_Union[MetricConfig, _Mapping]]] = ..., losses: _Optional[_Iterable[_Union[LossConfig, _Mapping]]] = ...) -> None: ...
 
 class EasyRecConfig(_message.Message):
-    __slots__ = ("train_input_path", "eval_input_path", "model_dir", "train_config", "eval_config", "data_config", "feature_configs", "model_config")
+    __slots__ = ("train_input_path", "eval_input_path", "model_dir", "train_config", "eval_config", "data_config", "feature_configs", "model_config", "export_config")
     TRAIN_INPUT_PATH_FIELD_NUMBER: _ClassVar[int]
     EVAL_INPUT_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +489,7 @@ class EasyRecConfig(_message.Message):
     DATA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     FEATURE_CONFIGS_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_CONFIG_FIELD_NUMBER: _ClassVar[int]
     train_input_path: str
     eval_input_path: str
     model_dir: str
@@ -481,4 +498,5 @@ class EasyRecConfig(_message.Message):
     data_config: DataConfig
     feature_configs: _containers.RepeatedCompositeFieldContainer[FeatureConfig]
     model_config: ModelConfig
-    def __init__(self, train_input_path: _Optional[str] = ..., eval_input_path: _Optional[str] = ..., model_dir: _Optional[str] = ..., train_config: _Optional[_Union[TrainConfig, _Mapping]] = ..., eval_config: _Optional[_Union[EvalConfig, _Mapping]] = ..., data_config: _Optional[_Union[DataConfig, _Mapping]] = ..., feature_configs: _Optional[_Iterable[_Union[FeatureConfig, _Mapping]]] = ..., model_config: _Optional[_Union[ModelConfig, _Mapping]] = ...) -> None: ...
+    export_config: ExportConfig
+    def __init__(self, train_input_path: _Optional[str] = ..., eval_input_path: _Optional[str] = ..., model_dir: _Optional[str] = ..., train_config: _Optional[_Union[TrainConfig, _Mapping]] = ..., eval_config: _Optional[_Union[EvalConfig, _Mapping]] = ..., data_config: _Optional[_Union[DataConfig, _Mapping]] = ..., feature_configs: _Optional[_Iterable[_Union[FeatureConfig, _Mapping]]] = ..., model_config: _Optional[_Union[ModelConfig, _Mapping]] = ..., export_config: _Optional[_Union[ExportConfig, _Mapping]] = ...) -> None: ...

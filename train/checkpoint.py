@@ -4,7 +4,8 @@ Layout of one checkpoint (written into a temp dir, then renamed, so a crash neve
 half-written checkpoint that looks complete)::
 
     <model_dir>/checkpoints/step_<N>/
-        dense.pt             model dense weights, num_buckets tables, optimizer states, progress
+        dense.pt             model dense weights, num_buckets tables, optimizer states, progress,
+                             the dense EMA (train.dense_ema) when the config has one
         dynamic_tables.json  per dynamic table: collection, dim, score strategy, capacity
         dynamicemb/model.model.embedding_group.emb_impls.__BASE__.ebc/
             user_id_emb_emb_keys.rank_R.world_size_W ...   dynamicemb's files exactly
@@ -24,6 +25,7 @@ Loading under any world size re-shards the dynamic tables by ``key % world_size`
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -44,8 +46,12 @@ from shared.hashtable.checkpoint import (
     select_tables,
 )
 from shared.hashtable.checkpoint import save as save_tables
+from shared.hashtable.checkpoint_io import CheckpointError
 from shared.stale_dirs import remove_stale_dirs
+from train.dense_ema import DenseEMA
 from train.model.multi_tower_din import MultiTowerDIN
+
+log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TZREC_DIR = re.compile(r"^model\.ckpt-(\d+)$")
@@ -88,7 +94,10 @@ def _on_host(obj: Any) -> Any:
 
 
 def snapshot(
-    model: MultiTowerDIN, optimizers: dict[str, torch.optim.Optimizer], progress: Progress
+    model: MultiTowerDIN,
+    optimizers: dict[str, torch.optim.Optimizer],
+    progress: Progress,
+    dense_ema: DenseEMA | None = None,
 ) -> Snapshot:
     """The state :func:`write_checkpoint` writes, on the host (device -> host copies)."""
     dense = {
@@ -98,6 +107,8 @@ def snapshot(
         "progress": asdict(progress),
         "rng": torch.get_rng_state(),
     }
+    if dense_ema is not None:
+        dense["dense_ema"] = dense_ema.state_dict()
     tables = TablesSnapshot.of(model.sparse.dynamic)
     return Snapshot(progress.step, _on_host(dense), tables, collection_paths(model.fs))
 
@@ -111,12 +122,13 @@ def save_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     keep: int = 3,
+    dense_ema: DenseEMA | None = None,
 ) -> Path:
     """Write ``checkpoints/step_<N>`` atomically and prune all but the ``keep`` newest.
 
     With ``world_size > 1`` every rank calls this (a collective; see the module docstring).
     """
-    state = snapshot(model, optimizers, progress)
+    state = snapshot(model, optimizers, progress, dense_ema)
     return write_checkpoint(model_dir, state, rank=rank, world_size=world_size, keep=keep)
 
 
@@ -181,10 +193,14 @@ class BackgroundCheckpoints:
         self._pending: Future[Path] | None = None
 
     def save(
-        self, model: MultiTowerDIN, optimizers: dict[str, torch.optim.Optimizer], progress: Progress
+        self,
+        model: MultiTowerDIN,
+        optimizers: dict[str, torch.optim.Optimizer],
+        progress: Progress,
+        dense_ema: DenseEMA | None = None,
     ) -> None:
         self.wait()
-        state = snapshot(model, optimizers, progress)
+        state = snapshot(model, optimizers, progress, dense_ema)
         self._pending = self._pool.submit(write_checkpoint, self.model_dir, state, keep=self.keep)
 
     def wait(self) -> Path | None:
@@ -241,8 +257,12 @@ def load_checkpoint(
     *,
     rank: int = 0,
     world_size: int = 1,
+    dense_ema: DenseEMA | None = None,
+    ema_weights: bool = False,
 ) -> Progress:
-    """Restore ``model`` (and optimizers) from ``path``; returns the saved progress."""
+    """Restore ``model`` (and optimizers, and ``dense_ema``'s average) from ``path``; returns
+    the saved progress. ``ema_weights``: the dense part takes the saved dense EMA's averages
+    instead of its trained values (evaluation and export: :mod:`train.dense_ema`)."""
     path = Path(path)
     if not (path / "DONE").exists():
         raise FileNotFoundError(
@@ -250,7 +270,19 @@ def load_checkpoint(
             "that holds DONE, or leave --checkpoint out for the newest complete one"
         )
     state = torch.load(path / "dense.pt", map_location="cpu", weights_only=False)
-    model.dense.load_state_dict(state["dense"])
+    saved_ema = state.get("dense_ema")
+    if ema_weights and saved_ema is None:
+        raise CheckpointError(
+            f"{path} holds no dense EMA (it was trained without "
+            "train_config.dense_optimizer.ema); set use_dense_ema: false in the config's "
+            "eval_config / export_config to use its trained weights"
+        )
+    averages = saved_ema["params"] if ema_weights else {}
+    model.dense.load_state_dict({**state["dense"], **averages})
+    if dense_ema is not None and saved_ema is not None:
+        dense_ema.load_state_dict(saved_ema)
+    elif dense_ema is not None:
+        log.info("%s holds no dense EMA: the average starts at the next step", path)
     model.sparse.dense.load_state_dict(state["dense_tables"])
     if model.fs.dynamic_tables:  # every table must be there (a resume continues all of them)
         model.sparse.dynamic.load(

@@ -36,6 +36,7 @@ from train.checkpoint import (
     saved_parts,
 )
 from train.data.loader import Loader
+from train.dense_ema import use_dense_ema
 from train.evaluate import EvalResult, UserCounts, evaluate
 from train.model.dense_arch import example_inputs, export_dense_arch
 from train.model.multi_tower_din import MultiTowerDIN
@@ -47,9 +48,15 @@ def restore_model(
     model_dir: Path | None = None,
     checkpoint: Path | None = None,
     device: str = "cpu",
+    for_eval: bool = False,
 ) -> tuple[MultiTowerDIN, Progress, Path]:
-    """The model of ``config_path`` with the weights of ``checkpoint`` (default: the newest)."""
+    """The model of ``config_path`` with the weights of ``checkpoint`` (default: the newest):
+    the dense EMA's averages where the config's ``export_config`` (``eval_config`` with
+    ``for_eval``) uses them (:func:`train.dense_ema.use_dense_ema`)."""
     config = load_config(config_path)
+    which = config.eval_config if for_eval else config.export_config
+    which_set = config.HasField("eval_config" if for_eval else "export_config")
+    ema_weights = use_dense_ema(which if which_set else None, config.train_config)
     fs = build_feature_set(config)
     model_dir = Path(model_dir or config.model_dir)
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(model_dir)
@@ -58,7 +65,7 @@ def restore_model(
             f"no complete checkpoint under {model_dir}/checkpoints; train first or pass --checkpoint"
         )
     model = MultiTowerDIN.from_config(config, fs, device=device)
-    progress = load_checkpoint(ckpt, model)
+    progress = load_checkpoint(ckpt, model, ema_weights=ema_weights)
     model.eval()
     return model, progress, ckpt
 
@@ -119,7 +126,7 @@ def evaluate_checkpoint(
 ) -> EvalResult:
     config = load_config(config_path)
     model, _progress, _ckpt = restore_model(
-        config_path, model_dir=model_dir, checkpoint=checkpoint, device=device
+        config_path, model_dir=model_dir, checkpoint=checkpoint, device=device, for_eval=True
     )
     loader = Loader(
         Path(eval_path or config.eval_input_path),

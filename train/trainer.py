@@ -44,6 +44,7 @@ from train.checkpoint import (
 )
 from train.data.loader import MESSAGE_ROWS, Loader
 from train.data.prefetch import prefetch_to_device
+from train.dense_ema import DenseEMA, use_dense_ema
 from train.distributed.comm import CommStats
 from train.distributed.env import DistEnv
 from train.distributed.replicated import GradSync
@@ -346,7 +347,12 @@ class Trainer:
             self.model.sparse.dynamic = sharded  # type: ignore[assignment]
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
-        self.rates: dict[str, float] = {}  # of the last step (the train records show them)
+        self.rates: dict[str, float] = {}
+        self.dense_ema = DenseEMA.of_config(self.model.dense, tc)
+        eval_cfg = cfg.eval_config if cfg.HasField("eval_config") else None
+        self.eval_with_ema = self.dense_ema is not None and use_dense_ema(
+            eval_cfg, tc
+        )  # of the last step (the train records show them)
         self.graphs = self._cuda_graphs()
         # in-loop checkpoints of a single process are written by a thread (distributed ones
         # are collectives: written in the loop)
@@ -391,13 +397,16 @@ class Trainer:
             yield batch
 
     def run_eval(self, user_counts: UserCounts | None, step: int) -> EvalResult:
-        result = evaluate(
-            self.model,
-            self._eval_batches(),
-            device=self.device,
-            user_counts=user_counts,
-            dist=self.dist,
-        )
+        """Evaluate (with the dense EMA's averages where the config says: train.dense_ema)."""
+        ema = self.dense_ema if self.eval_with_ema else None
+        with ema.average_parameters() if ema is not None else contextlib.nullcontext():
+            result = evaluate(
+                self.model,
+                self._eval_batches(),
+                device=self.device,
+                user_counts=user_counts,
+                dist=self.dist,
+            )
         self.metrics.write({"kind": "eval", "step": step, **result.to_dict()})
         log.info("eval step %d: %s", step, json.dumps(result.to_dict()))
         return result
@@ -440,8 +449,9 @@ class Trainer:
                          self.model_dir)  # fmt: skip
             return progress
         progress = load_checkpoint(
-            ckpt, self.model, self.optimizers, rank=self.rank, world_size=self.world_size
-        )
+            ckpt, self.model, self.optimizers, rank=self.rank, world_size=self.world_size,
+            dense_ema=self.dense_ema,
+        )  # fmt: skip
         log.info("resumed from %s at step %d", ckpt, progress.step)
         size = self.loader.global_batch_size
         if progress.global_batch_size and progress.global_batch_size != size:
@@ -588,6 +598,8 @@ class Trainer:
             global_rows=global_rows,
             graphs=self.graphs,
         )
+        if self.dense_ema is not None:
+            self.dense_ema.update()
         progress.step += 1
         progress.batch_in_epoch += 1
         progress.samples += global_rows
@@ -661,12 +673,13 @@ class Trainer:
             progress,
             rank=self.rank,
             world_size=self.world_size,
+            dense_ema=self.dense_ema,
         )
 
     def _save_in_loop(self, progress: Progress) -> None:
         """Checkpoint ``progress.step`` on the loop's cadence: written by a thread while training
         goes on in a single process, now when distributed."""
         if self._writer is not None:
-            self._writer.save(self.model, self.optimizers, progress)
+            self._writer.save(self.model, self.optimizers, progress, self.dense_ema)
         else:
             self._save(progress)

@@ -305,3 +305,61 @@ def test_learning_rate_schedules_drive_every_optimizer_and_resume_where_they_sto
         torch.testing.assert_close(
             a.sparse.dynamic.export_table(t)[1], b.sparse.dynamic.export_table(t)[1], msg=t
         )
+
+
+def _ema_config(tmp_path: Path, extra: str = "") -> Path:
+    text = SEED_CONFIG.read_text().replace(
+        "adam_optimizer { lr: 0.001 }", "adam_optimizer { lr: 0.001 }\nema { decay: 0.5 }", 1
+    )
+    path = tmp_path / f"ema{len(extra)}.config"
+    path.write_text(text + extra)
+    return path
+
+
+def test_dense_ema_evaluates_checkpoints_resumes_and_exports(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """With dense_optimizer.ema the final eval scores the averages, a checkpoint keeps them
+    (a resumed run ends with the uninterrupted run's average), and a restored model takes
+    them where export_config says so (by default), its trained values where it says not."""
+    from shared.hashtable.checkpoint_io import CheckpointError
+    from train.export import evaluate_checkpoint, restore_model
+
+    config = _ema_config(tmp_path)
+    full = Trainer(_options(tiny_samples, tmp_path / "full", config=config, max_steps=8,
+                            checkpoint_every=100))  # fmt: skip
+    result = full.fit()
+    ema = full.dense_ema
+    assert ema is not None and ema.updates == 8 and full.eval_with_ema
+    averages = {n: a.detach().clone() for n, a in ema.averaged().items()}
+    trained = {n: p.detach().clone() for n, p in full.model.dense.named_parameters()}
+    assert any(not torch.equal(averages[n], trained[n]) for n in trained)
+    assert result.final_eval is not None
+    offline = evaluate_checkpoint(config, model_dir=tmp_path / "full", train_path=tiny_samples /
+                                  "train", eval_path=tiny_samples / "eval")  # fmt: skip
+    assert offline.auc == pytest.approx(result.final_eval.auc, abs=1e-6)
+    full.eval_with_ema = False
+    assert full.run_eval(None, 8).auc != pytest.approx(result.final_eval.auc, abs=1e-6)
+
+    first = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=4,
+                             checkpoint_every=4))  # fmt: skip
+    first.fit()
+    second = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=8,
+                              resume=True))  # fmt: skip
+    second.fit()
+    assert second.dense_ema is not None and second.dense_ema.updates == 8
+    for n, a in second.dense_ema.averaged().items():
+        torch.testing.assert_close(a, averages[n], rtol=1e-5, atol=1e-6, msg=n)
+
+    exported, _, _ = restore_model(config, model_dir=tmp_path / "full")
+    no_ema = _ema_config(tmp_path, "\nexport_config { use_dense_ema: false }\n")
+    as_trained, _, _ = restore_model(no_ema, model_dir=tmp_path / "full")
+    for n, p in exported.dense.named_parameters():
+        assert torch.equal(p, averages[n]), n
+    for n, p in as_trained.dense.named_parameters():
+        assert torch.equal(p, trained[n]), n
+
+    plain = Trainer(_options(tiny_samples, tmp_path / "plain", max_steps=2, checkpoint_every=100))
+    plain.fit()
+    with pytest.raises(CheckpointError, match="holds no dense EMA.*use_dense_ema: false"):
+        restore_model(config, model_dir=tmp_path / "plain")
