@@ -61,6 +61,7 @@ from shared.dense_inputs import (
 )
 from shared.features import FeatureSet, GroupType
 from train.model.backoff import ColdBackoff, SpaceBackoff, backoff_spaces
+from train.model.cold_head import ColdHead
 from train.model.crosses import Cross, FeatureCrosses, crosses_of
 from train.model.din import JaggedDIN
 from train.model.mlp import MLP, MLPConfig
@@ -84,6 +85,7 @@ class DenseArchConfig:
     final: MLPConfig | None  # None: the output Linear reads concat(tower, din) directly
     backoff: tuple[SpaceBackoff, ...] = ()  # cold-id backoff (train.model.backoff); () off
     crosses: tuple[Cross, ...] = ()  # feature crosses (train.model.crosses); () off
+    cold_head: MLPConfig | None = None  # the cold users' logit term (train.model.cold_head)
 
     def to_dict(self) -> dict[str, object]:
         def mlp(c: MLPConfig | None) -> dict[str, object] | None:
@@ -104,6 +106,7 @@ class DenseArchConfig:
             "final": mlp(self.final),
             "backoff": [s.to_dict() for s in self.backoff],
             "crosses": [c.to_dict() for c in self.crosses],
+            "cold_head": mlp(self.cold_head),
         }
 
     @classmethod
@@ -113,7 +116,7 @@ class DenseArchConfig:
                 tuple(v["hidden_units"]), tuple(v.get("dropout_ratio", ())), bool(v.get("use_bn"))
             )
 
-        final = d.get("final")
+        final, cold_head = d.get("final"), d.get("cold_head")
         return cls(
             int(d["user_deep_dim"]),
             int(d["item_deep_dim"]),
@@ -123,6 +126,7 @@ class DenseArchConfig:
             None if final is None else mlp(final),
             tuple(SpaceBackoff.from_dict(s) for s in d.get("backoff", ())),
             tuple(Cross.from_dict(c) for c in d.get("crosses", ())),
+            None if cold_head is None else mlp(cold_head),
         )
 
 
@@ -145,8 +149,14 @@ class DenseArch(nn.Module):
         final_units: MLPConfig | Sequence[int] | None,
         backoff: Sequence[SpaceBackoff] = (),
         crosses: Sequence[Cross] = (),
+        cold_head: MLPConfig | None = None,
     ) -> None:
         super().__init__()
+        if cold_head is not None and not any(s.space == "user" for s in backoff):
+            raise ValueError(
+                "a cold head needs the user cold mask: a cold_backoff over a dynamic USER "
+                "feature (train.model.cold_head)"
+            )
         final = MLPConfig.of(final_units) if final_units else None
         self.config = DenseArchConfig(
             user_deep_dim,
@@ -157,6 +167,7 @@ class DenseArch(nn.Module):
             final,
             tuple(backoff),
             tuple(crosses),
+            cold_head,
         )
         self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
         self.din = JaggedDIN(seq_dim, self.config.attn)
@@ -166,6 +177,8 @@ class DenseArch(nn.Module):
         # last, and drawing nothing: the layers above keep their seeded initial values
         self.backoff = ColdBackoff(backoff) if backoff else None
         self.crosses = FeatureCrosses(crosses, user_deep_dim) if crosses else None
+        width = user_deep_dim + item_deep_dim
+        self.cold_head = ColdHead(width, cold_head) if cold_head is not None else None
 
     @property
     def takes_cold(self) -> bool:
@@ -183,6 +196,7 @@ class DenseArch(nn.Module):
             config.final,
             config.backoff,
             config.crosses,
+            config.cold_head,
         )
 
     @classmethod
@@ -223,6 +237,17 @@ class DenseArch(nn.Module):
         )
         layout = dense_layout(feature_set)
         final = MLPConfig.from_proto(mtd.final, f"{path}.final") if mtd.HasField("final") else None
+        backoff = mtd.cold_backoff
+        head = f"{path}.cold_backoff.cold_head"
+        cold_head = (
+            MLPConfig.from_proto(backoff.cold_head, head) if backoff.HasField("cold_head") else None
+        )
+        spaces = backoff_spaces(feature_set, backoff) if mtd.HasField("cold_backoff") else ()
+        check(
+            head,
+            cold_head is None or any(s.space == "user" for s in spaces),
+            "needs a dynamic USER feature (its cold flag); this feature set has none",
+        )
         return cls(
             layout.user_deep_dim,
             layout.item_deep_dim,
@@ -230,8 +255,9 @@ class DenseArch(nn.Module):
             MLPConfig.from_proto(mtd.towers[0].mlp, f"{path}.towers[0].mlp"),
             MLPConfig.from_proto(mtd.din_towers[0].attn_mlp, f"{path}.din_towers[0].attn_mlp"),
             final,
-            backoff_spaces(feature_set, mtd.cold_backoff) if mtd.HasField("cold_backoff") else (),
+            spaces,
             crosses_of(feature_set, mtd.crosses) if mtd.HasField("crosses") else (),
+            cold_head,
         )
 
     def forward(
@@ -257,7 +283,7 @@ class DenseArch(nn.Module):
             dict(user_deep=user_deep, item_deep=item_deep, query=query, seq_values=seq_values),
             dict(user_cold=user_cold, item_cold=item_cold, seq_cold=seq_cold),
         )
-        return self.score(
+        logits = self.score(
             embedded["user_deep"],
             embedded["item_deep"],
             embedded["query"],
@@ -267,6 +293,13 @@ class DenseArch(nn.Module):
             pair_segment,
             pair_element,
         )
+        if self.cold_head is None or user_cold is None:
+            return logits
+        user, cold = embedded["user_deep"], user_cold.any(1)  # [U, Du], [U]
+        if user_index is not None:
+            user, cold = user[user_index], cold[user_index]
+        deep_in = torch.cat([user, embedded["item_deep"]], dim=1)  # [B, Du + Di]
+        return logits + self.cold_head(deep_in, cold)
 
     def back_off(
         self, embedded: dict[str, torch.Tensor], cold: Mapping[str, torch.Tensor | None]
