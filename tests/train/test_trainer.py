@@ -261,6 +261,15 @@ def test_progress_total_is_the_run_and_a_log_gets_plain_lines(
     assert "samples/s, loss " in lines[-1]
 
 
+def _interrupted(tiny: Path, model_dir: Path, config: Path, *, at: int, end: int) -> Trainer:
+    """A run of ``config`` stopped (and checkpointed) at step ``at``, then resumed to ``end``:
+    the resumed trainer."""
+    Trainer(_options(tiny, model_dir, config=config, max_steps=at, checkpoint_every=at)).fit()
+    second = Trainer(_options(tiny, model_dir, config=config, max_steps=end, resume=True))
+    second.fit()
+    return second
+
+
 def test_learning_rate_schedules_drive_every_optimizer_and_resume_where_they_stopped(
     tiny_samples: Path, tmp_path: Path
 ) -> None:
@@ -290,12 +299,7 @@ def test_learning_rate_schedules_drive_every_optimizer_and_resume_where_they_sto
         r["sparse_lr"] == sparse.rate(r["step"] - 1, 0) and r["dense_lr"] == dense.rate(r["step"] - 1, 0)
         for r in records
     )  # fmt: skip
-    first = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=5,
-                             checkpoint_every=5))  # fmt: skip
-    first.fit()
-    second = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=10,
-                              resume=True))  # fmt: skip
-    second.fit()
+    second = _interrupted(tiny_samples, tmp_path / "resumed", config, at=5, end=10)
     a, b = full.model, second.model
     for (name, p), (_, q) in zip(
         a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
@@ -341,12 +345,7 @@ def test_dense_ema_evaluates_checkpoints_resumes_and_exports(
     full.eval_with_ema = False
     assert full.run_eval(None, 8).auc != pytest.approx(result.final_eval.auc, abs=1e-6)
 
-    first = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=4,
-                             checkpoint_every=4))  # fmt: skip
-    first.fit()
-    second = Trainer(_options(tiny_samples, tmp_path / "resumed", config=config, max_steps=8,
-                              resume=True))  # fmt: skip
-    second.fit()
+    second = _interrupted(tiny_samples, tmp_path / "resumed", config, at=4, end=8)
     assert second.dense_ema is not None and second.dense_ema.updates == 8
     for n, a in second.dense_ema.averaged().items():
         torch.testing.assert_close(a, averages[n], rtol=1e-5, atol=1e-6, msg=n)

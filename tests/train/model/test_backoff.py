@@ -3,9 +3,6 @@ gets, the gradients, and that the switch off (or zero weights) leaves the model 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pyarrow.dataset as ds
 import pytest
 import torch
 
@@ -14,7 +11,6 @@ from shared.batch import Batch
 from shared.config import ConfigError, load_config
 from shared.dense_inputs import COLD_NAMES
 from shared.features import FeatureSet, build_feature_set
-from shared.fg import table_to_batch
 from tests.conftest import SEED_CONFIG
 from train.model.backoff import ColdBackoff, backoff_spaces
 from train.model.dense_arch import DenseArch, DenseArchConfig, example_inputs
@@ -110,12 +106,6 @@ def test_gradients_reach_the_backoff_and_side_features_of_cold_rows_only(
     assert (layer.weight.grad[16:] == 0).all()  # only adgroup_id's map was used
     assert layer.weight.grad[:16, :16].abs().sum() == 0  # its own (cold) column: no gradient
     assert item.grad is not None and not item.grad[1, :16].any()  # the cold key: none
-
-
-@pytest.fixture(scope="module")
-def tiny_batch(tiny_samples: Path, seed_fs: FeatureSet) -> Batch:
-    rows = ds.dataset(str(tiny_samples / "eval"), format="parquet").head(64)
-    return table_to_batch(seed_fs, rows)
 
 
 def test_zero_backoff_scores_as_the_switch_off_at_the_start(tiny_batch: Batch) -> None:

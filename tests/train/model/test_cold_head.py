@@ -4,9 +4,6 @@ equal to the module with a trained head."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pyarrow.dataset as ds
 import pytest
 import torch
 from google.protobuf import text_format
@@ -14,7 +11,6 @@ from google.protobuf import text_format
 from shared.batch import Batch
 from shared.config import ConfigError, load_config
 from shared.features import FeatureSet, build_feature_set
-from shared.fg import table_to_batch
 from tests.conftest import SEED_CONFIG
 from train.model.cold_head import ColdHead
 from train.model.dense_arch import DenseArch, DenseArchConfig, example_inputs, export_dense_arch
@@ -26,12 +22,6 @@ def _config(head: str = "cold_head { hidden_units: [8] }"):
     config = load_config(SEED_CONFIG)
     text_format.Merge(head, config.model_config.multi_tower_din.cold_backoff)
     return config
-
-
-@pytest.fixture(scope="module")
-def tiny_batch(tiny_samples: Path, seed_fs: FeatureSet) -> Batch:
-    rows = ds.dataset(str(tiny_samples / "eval"), format="parquet").head(64)
-    return table_to_batch(seed_fs, rows)
 
 
 def test_the_head_changes_nothing_at_the_start(tiny_batch: Batch) -> None:

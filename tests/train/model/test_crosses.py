@@ -3,9 +3,6 @@ and that a model without them is the model as it was."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pyarrow.dataset as ds
 import pytest
 import torch
 
@@ -13,7 +10,6 @@ from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.config import ConfigError, load_config
 from shared.features import FeatureSet, build_feature_set
-from shared.fg import table_to_batch
 from tests.conftest import SEED_CONFIG
 from train.model.crosses import FeatureCrosses, crosses_of
 from train.model.dense_arch import DenseArch, DenseArchConfig, example_inputs
@@ -66,12 +62,6 @@ def test_the_term_is_the_weighted_sum_of_the_pairs_dot_products(seed_fs: Feature
     torch.testing.assert_close(
         module.weight.grad, torch.stack([(group * cate).sum(), (age * ad).sum()])
     )
-
-
-@pytest.fixture(scope="module")
-def tiny_batch(tiny_samples: Path, seed_fs: FeatureSet) -> Batch:
-    rows = ds.dataset(str(tiny_samples / "eval"), format="parquet").head(64)
-    return table_to_batch(seed_fs, rows)
 
 
 def test_the_switch_adds_the_term_and_changes_no_other_weight(tiny_batch: Batch) -> None:
