@@ -17,8 +17,10 @@ path on warm rows as well cost tail AUC on full data (id dropout, a residual bac
 CPU (sparse lr 0.05, the two crosses, the user backoff, ``--capacity-scale 0.125``) gave tail
 AUC +0.0028, +0.0035, +0.0046 and +0.0016 over seeds 0-3 against the same runs without it,
 overall AUC -0.0002, -0.0002, -0.0005 and +0.0006
-(``bench/results/bench_quality_medium_slr0.05_crosses_user_backoff_cold_head_s17_cpu.json``).
-Not yet measured on full data.
+(``bench/results/bench_quality_medium_slr0.05_crosses_user_backoff_cold_head_s17_cpu.json``);
+at sparse lr 0.03, seeds 0 and 1, tail +0.0041 and +0.0043, overall -0.0002 and +0.0003
+(``bench_quality_medium_slr0.03_crosses_user_backoff_*_s17_cpu.json``). Not yet measured on
+full data.
 
 The head is part of the exported dense program (``user_cold`` is an input of bundle format 4),
 so serving needs nothing new. Its hidden layers are initialised from a fixed seed without
