@@ -177,8 +177,8 @@ class DenseArch(nn.Module):
         # last, and drawing nothing: the layers above keep their seeded initial values
         self.backoff = ColdBackoff(backoff) if backoff else None
         self.crosses = FeatureCrosses(crosses, user_deep_dim) if crosses else None
-        width = user_deep_dim + item_deep_dim
-        self.cold_head = ColdHead(width, cold_head) if cold_head is not None else None
+        deep_width = user_deep_dim + item_deep_dim
+        self.cold_head = ColdHead(deep_width, cold_head) if cold_head is not None else None
 
     @property
     def takes_cold(self) -> bool:
@@ -283,7 +283,7 @@ class DenseArch(nn.Module):
             dict(user_deep=user_deep, item_deep=item_deep, query=query, seq_values=seq_values),
             dict(user_cold=user_cold, item_cold=item_cold, seq_cold=seq_cold),
         )
-        logits = self.score(
+        return self.score(
             embedded["user_deep"],
             embedded["item_deep"],
             embedded["query"],
@@ -292,14 +292,18 @@ class DenseArch(nn.Module):
             user_index,
             pair_segment,
             pair_element,
+            cold_users=self.cold_users(user_cold, user_index),
         )
+
+    def cold_users(
+        self, user_cold: torch.Tensor | None, user_index: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """[B] bool, whether each candidate row's user is cold (any dynamic USER feature: the
+        cold head's flag, :mod:`train.model.cold_head`); None without a cold head."""
         if self.cold_head is None or user_cold is None:
-            return logits
-        user, cold = embedded["user_deep"], user_cold.any(1)  # [U, Du], [U]
-        if user_index is not None:
-            user, cold = user[user_index], cold[user_index]
-        deep_in = torch.cat([user, embedded["item_deep"]], dim=1)  # [B, Du + Di]
-        return logits + self.cold_head(deep_in, cold)
+            return None
+        cold = user_cold.any(1)  # [U]
+        return cold if user_index is None else cold[user_index]  # [B]
 
     def back_off(
         self, embedded: dict[str, torch.Tensor], cold: Mapping[str, torch.Tensor | None]
@@ -332,9 +336,12 @@ class DenseArch(nn.Module):
         user_index: torch.Tensor | None,
         pair_segment: torch.Tensor | None = None,
         pair_element: torch.Tensor | None = None,
+        cold_users: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits [B] of embeddings already backed off (:meth:`back_off`): towers, DIN,
-        final MLP, and the feature crosses when on (:mod:`train.model.crosses`). Same inputs as :meth:`forward` without the cold masks."""
+        final MLP, the feature crosses when on (:mod:`train.model.crosses`), and the cold head's
+        term on the rows ``cold_users`` flags ([B], :meth:`cold_users`; None: none). Same
+        inputs as :meth:`forward` without the cold masks."""
         if (pair_segment is None) != (pair_element is None):
             raise ValueError(
                 "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
@@ -356,7 +363,11 @@ class DenseArch(nn.Module):
         din = self.din(query, seq_values, seq_lengths, user_index, pairs)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]
         logits = self.output(h).squeeze(1)  # [B]
-        return logits if self.crosses is None else logits + self.crosses(deep_in)
+        if self.crosses is not None:
+            logits = logits + self.crosses(deep_in)
+        if self.cold_head is not None and cold_users is not None:
+            logits = logits + self.cold_head(deep_in, cold_users)
+        return logits
 
 
 # --------------------------------------------------------------------------- export
