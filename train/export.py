@@ -54,9 +54,8 @@ def restore_model(
     the dense EMA's averages where the config's ``export_config`` (``eval_config`` with
     ``for_eval``) uses them (:func:`train.dense_ema.use_dense_ema`)."""
     config = load_config(config_path)
-    which = config.eval_config if for_eval else config.export_config
-    which_set = config.HasField("eval_config" if for_eval else "export_config")
-    ema_weights = use_dense_ema(which if which_set else None, config.train_config)
+    which = config.eval_config if for_eval else config.export_config  # unset: the default
+    ema_weights = use_dense_ema(which, config.train_config)
     fs = build_feature_set(config)
     model_dir = Path(model_dir or config.model_dir)
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(model_dir)

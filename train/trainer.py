@@ -347,12 +347,9 @@ class Trainer:
             self.model.sparse.dynamic = sharded  # type: ignore[assignment]
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
-        self.rates: dict[str, float] = {}
+        self.rates: dict[str, float] = {}  # of the last step (the train records show them)
         self.dense_ema = DenseEMA.of_config(self.model.dense, tc)
-        eval_cfg = cfg.eval_config if cfg.HasField("eval_config") else None
-        self.eval_with_ema = self.dense_ema is not None and use_dense_ema(
-            eval_cfg, tc
-        )  # of the last step (the train records show them)
+        self.eval_with_ema = self.dense_ema is not None and use_dense_ema(cfg.eval_config, tc)
         self.graphs = self._cuda_graphs()
         # in-loop checkpoints of a single process are written by a thread (distributed ones
         # are collectives: written in the loop)

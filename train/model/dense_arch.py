@@ -154,8 +154,9 @@ class DenseArch(nn.Module):
         super().__init__()
         if cold_head is not None and not any(s.space == "user" for s in backoff):
             raise ValueError(
-                "a cold head needs the user cold mask: a cold_backoff over a dynamic USER "
-                "feature (train.model.cold_head)"
+                "model_config.multi_tower_din.cold_backoff.cold_head needs the user cold mask: "
+                "a dynamic USER feature, which backs off (train.model.cold_head); this feature "
+                "set has none"
             )
         final = MLPConfig.of(final_units) if final_units else None
         self.config = DenseArchConfig(
@@ -243,11 +244,6 @@ class DenseArch(nn.Module):
             MLPConfig.from_proto(backoff.cold_head, head) if backoff.HasField("cold_head") else None
         )
         spaces = backoff_spaces(feature_set, backoff) if mtd.HasField("cold_backoff") else ()
-        check(
-            head,
-            cold_head is None or any(s.space == "user" for s in spaces),
-            "needs a dynamic USER feature (its cold flag); this feature set has none",
-        )
         return cls(
             layout.user_deep_dim,
             layout.item_deep_dim,
