@@ -400,14 +400,12 @@ class DINTower(_message.Message):
     def __init__(self, input: _Optional[str] = ..., attn_mlp: _Optional[_Union[MLP, _Mapping]] = ...) -> None: ...
 
 class ColdBackoff(_message.Message):
-    __slots__ = ("sources", "id_dropout", "cold_head")
+    __slots__ = ("sources", "id_dropout")
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     ID_DROPOUT_FIELD_NUMBER: _ClassVar[int]
-    COLD_HEAD_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedCompositeFieldContainer[BackoffSources]
     id_dropout: float
-    cold_head: MLP
-    def __init__(self, sources: _Optional[_Iterable[_Union[BackoffSources, _Mapping]]] = ..., id_dropout: _Optional[float] = ..., cold_head: _Optional[_Union[MLP, _Mapping]] = ...) -> None: ...
+    def __init__(self, sources: _Optional[_Iterable[_Union[BackoffSources, _Mapping]]] = ..., id_dropout: _Optional[float] = ...) -> None: ...
 
 class BackoffSources(_message.Message):
     __slots__ = ("feature_name", "side_features")

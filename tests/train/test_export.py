@@ -141,22 +141,16 @@ def test_tzrec_named_bundle_serves_and_scores_like_ours(
 
 @pytest.fixture(
     scope="module",
-    params=[
-        "cold_backoff {}",
-        "cold_backoff { id_dropout: 0.4 }",
-        "cold_backoff {}\ncrosses {}",
-        "cold_backoff { cold_head { hidden_units: [16] } }",
-    ],
-    ids=["backoff", "id_dropout", "crosses", "cold_head"],
+    params=["cold_backoff {}", "cold_backoff { id_dropout: 0.4 }", "cold_backoff {}\ncrosses {}"],
+    ids=["backoff", "id_dropout", "crosses"],
 )
 def trained_cold(
     request: pytest.FixtureRequest, tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:
     """The seed config with the cold-id backoff on (and, for ``id_dropout``, 0.4 of the warm
     user ids treated as cold in training: train.model.id_dropout; for ``crosses``, every
-    user × item feature cross: train.model.crosses; for ``cold_head``, the cold users' logit
-    term: train.model.cold_head), trained and exported (bundle format 4, the same either way:
-    the program never drops)."""
+    user × item feature cross: train.model.crosses), trained and exported (bundle format 4,
+    the same either way: the program never drops)."""
     root = tmp_path_factory.mktemp("export_cold")
     backoff = request.param
     config = write_config(
@@ -186,9 +180,6 @@ def test_exported_backoff_scores_as_trained(
     if model.dense.crosses is not None:  # learned away from its initial 1s
         assert "crosses" in config.read_text() and (model.dense.crosses.weight != 1).all()
     assert any(p.abs().sum() > 0 for p in model.dense.backoff.parameters())
-    assert (model.dense.cold_head is not None) == ("cold_head" in config.read_text())
-    if model.dense.cold_head is not None:  # learned away from its zero output
-        assert model.dense.cold_head.output.weight.abs().sum() > 0
     with torch.no_grad():
         expected = torch.sigmoid(model(table_to_batch(model.fs, rows))).numpy()
     served = score_table(LoadedModel.load(bundle, device="cpu", warmup_rounds=0), rows, tiled=True)

@@ -61,7 +61,6 @@ from shared.dense_inputs import (
 )
 from shared.features import FeatureSet, GroupType
 from train.model.backoff import ColdBackoff, SpaceBackoff, backoff_spaces
-from train.model.cold_head import ColdHead
 from train.model.crosses import Cross, FeatureCrosses, crosses_of
 from train.model.din import JaggedDIN
 from train.model.mlp import MLP, MLPConfig
@@ -85,7 +84,6 @@ class DenseArchConfig:
     final: MLPConfig | None  # None: the output Linear reads concat(tower, din) directly
     backoff: tuple[SpaceBackoff, ...] = ()  # cold-id backoff (train.model.backoff); () off
     crosses: tuple[Cross, ...] = ()  # feature crosses (train.model.crosses); () off
-    cold_head: MLPConfig | None = None  # the cold users' logit term (train.model.cold_head)
 
     def to_dict(self) -> dict[str, object]:
         def mlp(c: MLPConfig | None) -> dict[str, object] | None:
@@ -106,7 +104,6 @@ class DenseArchConfig:
             "final": mlp(self.final),
             "backoff": [s.to_dict() for s in self.backoff],
             "crosses": [c.to_dict() for c in self.crosses],
-            "cold_head": mlp(self.cold_head),
         }
 
     @classmethod
@@ -116,7 +113,7 @@ class DenseArchConfig:
                 tuple(v["hidden_units"]), tuple(v.get("dropout_ratio", ())), bool(v.get("use_bn"))
             )
 
-        final, cold_head = d.get("final"), d.get("cold_head")
+        final = d.get("final")
         return cls(
             int(d["user_deep_dim"]),
             int(d["item_deep_dim"]),
@@ -126,7 +123,6 @@ class DenseArchConfig:
             None if final is None else mlp(final),
             tuple(SpaceBackoff.from_dict(s) for s in d.get("backoff", ())),
             tuple(Cross.from_dict(c) for c in d.get("crosses", ())),
-            None if cold_head is None else mlp(cold_head),
         )
 
 
@@ -149,15 +145,8 @@ class DenseArch(nn.Module):
         final_units: MLPConfig | Sequence[int] | None,
         backoff: Sequence[SpaceBackoff] = (),
         crosses: Sequence[Cross] = (),
-        cold_head: MLPConfig | None = None,
     ) -> None:
         super().__init__()
-        if cold_head is not None and not any(s.space == "user" for s in backoff):
-            raise ValueError(
-                "model_config.multi_tower_din.cold_backoff.cold_head needs the user cold mask: "
-                "a dynamic USER feature, which backs off (train.model.cold_head); this feature "
-                "set has none"
-            )
         final = MLPConfig.of(final_units) if final_units else None
         self.config = DenseArchConfig(
             user_deep_dim,
@@ -168,7 +157,6 @@ class DenseArch(nn.Module):
             final,
             tuple(backoff),
             tuple(crosses),
-            cold_head,
         )
         self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
         self.din = JaggedDIN(seq_dim, self.config.attn)
@@ -178,8 +166,6 @@ class DenseArch(nn.Module):
         # last, and drawing nothing: the layers above keep their seeded initial values
         self.backoff = ColdBackoff(backoff) if backoff else None
         self.crosses = FeatureCrosses(crosses, user_deep_dim) if crosses else None
-        deep_width = user_deep_dim + item_deep_dim
-        self.cold_head = ColdHead(deep_width, cold_head) if cold_head is not None else None
 
     @property
     def takes_cold(self) -> bool:
@@ -197,7 +183,6 @@ class DenseArch(nn.Module):
             config.final,
             config.backoff,
             config.crosses,
-            config.cold_head,
         )
 
     @classmethod
@@ -238,12 +223,6 @@ class DenseArch(nn.Module):
         )
         layout = dense_layout(feature_set)
         final = MLPConfig.from_proto(mtd.final, f"{path}.final") if mtd.HasField("final") else None
-        backoff = mtd.cold_backoff
-        head = f"{path}.cold_backoff.cold_head"
-        cold_head = (
-            MLPConfig.from_proto(backoff.cold_head, head) if backoff.HasField("cold_head") else None
-        )
-        spaces = backoff_spaces(feature_set, backoff) if mtd.HasField("cold_backoff") else ()
         return cls(
             layout.user_deep_dim,
             layout.item_deep_dim,
@@ -251,9 +230,8 @@ class DenseArch(nn.Module):
             MLPConfig.from_proto(mtd.towers[0].mlp, f"{path}.towers[0].mlp"),
             MLPConfig.from_proto(mtd.din_towers[0].attn_mlp, f"{path}.din_towers[0].attn_mlp"),
             final,
-            spaces,
+            backoff_spaces(feature_set, mtd.cold_backoff) if mtd.HasField("cold_backoff") else (),
             crosses_of(feature_set, mtd.crosses) if mtd.HasField("crosses") else (),
-            cold_head,
         )
 
     def forward(
@@ -288,18 +266,7 @@ class DenseArch(nn.Module):
             user_index,
             pair_segment,
             pair_element,
-            cold_users=self.cold_users(user_cold, user_index),
         )
-
-    def cold_users(
-        self, user_cold: torch.Tensor | None, user_index: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """[B] bool, whether each candidate row's user is cold (any dynamic USER feature: the
-        cold head's flag, :mod:`train.model.cold_head`); None without a cold head."""
-        if self.cold_head is None or user_cold is None:
-            return None
-        cold = user_cold.any(1)  # [U]
-        return cold if user_index is None else cold[user_index]  # [B]
 
     def back_off(
         self, embedded: dict[str, torch.Tensor], cold: Mapping[str, torch.Tensor | None]
@@ -332,12 +299,10 @@ class DenseArch(nn.Module):
         user_index: torch.Tensor | None,
         pair_segment: torch.Tensor | None = None,
         pair_element: torch.Tensor | None = None,
-        cold_users: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits [B] of embeddings already backed off (:meth:`back_off`): towers, DIN,
-        final MLP, the feature crosses when on (:mod:`train.model.crosses`), and the cold head's
-        term on the rows ``cold_users`` flags ([B], :meth:`cold_users`; None: none). Same
-        inputs as :meth:`forward` without the cold masks."""
+        final MLP, and the feature crosses when on (:mod:`train.model.crosses`). Same inputs as
+        :meth:`forward` without the cold masks."""
         if (pair_segment is None) != (pair_element is None):
             raise ValueError(
                 "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
@@ -359,11 +324,7 @@ class DenseArch(nn.Module):
         din = self.din(query, seq_values, seq_lengths, user_index, pairs)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]
         logits = self.output(h).squeeze(1)  # [B]
-        if self.crosses is not None:
-            logits = logits + self.crosses(deep_in)
-        if self.cold_head is not None and cold_users is not None:
-            logits = logits + self.cold_head(deep_in, cold_users)
-        return logits
+        return logits if self.crosses is None else logits + self.crosses(deep_in)
 
 
 # --------------------------------------------------------------------------- export

@@ -496,8 +496,7 @@ class DenseArchGraphs(JaggedGraphs):
     masks of a module with a backoff); only the training layout (``user_index=None``) is
     graphed. A module's cold-id backoff (:mod:`train.model.backoff`, a dozen ops) runs eagerly
     before the graph, which then scores the backed-off embeddings (their gradients flow back
-    through the backoff as autograd inputs); a cold head's row flags enter the graph as a
-    fourth row input (:mod:`train.model.cold_head`). Not an ``nn.Module``: keep it beside the model
+    through the backoff as autograd inputs). Not an ``nn.Module``: keep it beside the model
     (the trainer does), never inside it.
     """
 
@@ -505,9 +504,7 @@ class DenseArchGraphs(JaggedGraphs):
         arch: Any = dense  # a DenseArch (not imported: graphs work on any such module)
 
         def body(rows: Sequence[torch.Tensor], seq: torch.Tensor, lengths: torch.Tensor):
-            # rows[3], with a cold head: [B + 1, 1] its flags (the dummy row's 0: no term)
-            cold = rows[3].squeeze(1) if len(rows) > 3 else None
-            return arch.score(rows[0], rows[1], rows[2], seq, lengths, None, cold_users=cold)
+            return arch.score(rows[0], rows[1], rows[2], seq, lengths, None)  # [B + 1]
 
         super().__init__(dense, body, **kw)
 
@@ -536,12 +533,7 @@ class DenseArchGraphs(JaggedGraphs):
             return eager()  # the module raises its own error
         embedded = dict(user_deep=user_deep, item_deep=item_deep, query=query)
         embedded = cast(Any, self.module).back_off({**embedded, "seq_values": seq_values}, cold)
-        rows: tuple[torch.Tensor, ...] = (
-            embedded["user_deep"], embedded["item_deep"], embedded["query"]
-        )  # fmt: skip
-        cold_users = cast(Any, self.module).cold_users(cold.get("user_cold"), None)
-        if cold_users is not None:  # a graph input of its own, as a float column
-            rows += (cold_users.to(embedded["user_deep"].dtype).unsqueeze(1),)
+        rows = (embedded["user_deep"], embedded["item_deep"], embedded["query"])
         return self.run(rows, embedded["seq_values"], seq_lengths, eager)  # [B]
 
 

@@ -381,12 +381,7 @@ def test_din_graphs_emulated() -> None:
 
 # the dense part's options a whole training step is checked with: none, the cold-id backoff,
 # the feature crosses (every user x item pair)
-DENSE_OPTIONS = {
-    "plain": "",
-    "backoff": "cold_backoff {}",
-    "crosses": "crosses {}",
-    "cold_head": "cold_backoff { cold_head { hidden_units: [16] } }",
-}
+DENSE_OPTIONS = {"plain": "", "backoff": "cold_backoff {}", "crosses": "crosses {}"}
 
 
 # the seed config's dynamic tables small and at their max capacity from the start, admitting
