@@ -53,6 +53,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -461,38 +463,78 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
     return argv
 
 
+@dataclass(frozen=True)
+class ChildRun:
+    """``python -m bench.bench_quality ARGV`` in a process of its own, writing ``out`` (JSON) and
+    its output to ``log``; ``key`` names it to the caller."""
+
+    key: tuple[str, int]
+    argv: list[str]
+    out: Path
+    log: Path
+
+
+def run_children(
+    runs: list[ChildRun],
+    jobs: int,
+    finished: Callable[[ChildRun, dict[str, Any]], None],
+    *,
+    start_until: float | None = None,
+) -> list[ChildRun]:
+    """``runs`` in order, ``jobs`` at a time, ``finished(run, its JSON)`` as each ends. None
+    starts once ``time.monotonic()`` has passed ``start_until``: those are returned, not run. A
+    run that fails raises with the tail of its log, and stops the others."""
+    pending = list(runs)
+    running: list[tuple[ChildRun, subprocess.Popen[bytes]]] = []
+
+    def may_start() -> bool:
+        return bool(pending) and (start_until is None or time.monotonic() <= start_until)
+
+    try:
+        while running or may_start():
+            while len(running) < jobs and may_start():
+                run = pending.pop(0)
+                cmd = [sys.executable, "-m", "bench.bench_quality", *run.argv]
+                with run.log.open("wb") as f:
+                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+                running.append((run, proc))
+            time.sleep(0.2)
+            _collect(running, finished)
+    finally:
+        for _, proc in running:
+            proc.kill()
+    return pending
+
+
+def _collect(
+    running: list[tuple[ChildRun, subprocess.Popen[bytes]]],
+    finished: Callable[[ChildRun, dict[str, Any]], None],
+) -> None:
+    for run, proc in [r for r in running if r[1].poll() is not None]:
+        running.remove((run, proc))
+        if proc.returncode != 0:
+            tail = run.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{' '.join(run.argv)} failed (exit {proc.returncode}):\n{tail}")
+        finished(run, json.loads(run.out.read_text()))
+
+
 def _run_children(
     plan: list[tuple[str, int]], samples: Path, args: Any, work: Path
 ) -> dict[tuple[str, int], dict[str, Any]]:
     """``plan``'s runs, ``args.jobs`` at a time, each in a process of its own."""
-    pending = list(plan)
-    running: list[tuple[str, int, subprocess.Popen[bytes], Path, Path]] = []
     done: dict[tuple[str, int], dict[str, Any]] = {}
-    try:
-        while pending or running:
-            while pending and len(running) < args.jobs:
-                name, seed = pending.pop(0)
-                out, log = work / f"{name}_s{seed}.json", work / f"{name}_s{seed}.log"
-                cmd = [sys.executable, "-m", "bench.bench_quality",
-                       *child_argv(name, seed, samples, args, out)]  # fmt: skip
-                with log.open("wb") as f:
-                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-                running.append((name, seed, proc, out, log))
-            time.sleep(0.2)
-            for run in [r for r in running if r[2].poll() is not None]:
-                running.remove(run)
-                name, seed, proc, out, log = run
-                if proc.returncode != 0:
-                    tail = log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{name} at seed {seed} failed (exit {proc.returncode}):"
-                                       f"\n{tail}")  # fmt: skip
-                done[(name, seed)] = json.loads(out.read_text())["variants"][name]["runs"][
-                    str(seed)
-                ]
-                _print_run(name, seed, done[(name, seed)])
-    finally:
-        for _, _, proc, _, _ in running:
-            proc.kill()
+
+    def finished(run: ChildRun, result: dict[str, Any]) -> None:
+        name, seed = run.key
+        done[run.key] = result["variants"][name]["runs"][str(seed)]
+        _print_run(name, seed, done[run.key])
+
+    runs = [
+        ChildRun((name, seed), child_argv(name, seed, samples, args, work / f"{name}_s{seed}.json"),
+                 work / f"{name}_s{seed}.json", work / f"{name}_s{seed}.log")
+        for name, seed in plan
+    ]  # fmt: skip
+    run_children(runs, args.jobs, finished)
     return done
 
 

@@ -10,6 +10,10 @@
 # bench/run_gpu_suite.sh). About 6 minutes: data 2.5 (when made), 3 pairs of epochs and evals
 # about 1 each (2026-12-04). Arguments go to bench_quality, e.g. `bash bench/run_quality_gpu.sh
 # --sparse-lr 0.03 --crosses cms_group_id:cate_id,cms_group_id:adgroup_id`.
+# With SWEEP=bench/sweeps/NAME.toml it runs that sweep instead (bench/quality_sweep.py: several
+# recipes over seeds, $JOBS at a time, no run started after $STOP_AFTER s, default 420) into
+# $OUT/quality_sweep.json; RESUME=path/to/an/earlier/quality_sweep.json (carried: e.g. under
+# out/) runs only the seeds it lacks. On a warm machine /tmp/full is still there.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
@@ -23,6 +27,14 @@ else
   python3 -m train.data all --size full --out "$FULL" \
     --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1
   echo "data rc=$? in $(( $(date +%s) - t0 )) s"
+fi
+if [ -n "$SWEEP" ]; then
+  timeout ${BENCH_TIMEOUT:-580} python3 -m bench.quality_sweep "$SWEEP" --jobs ${JOBS:-2} \
+    --stop-after ${STOP_AFTER:-420} ${RESUME:+--resume "$RESUME"} --out "$OUT/quality_sweep.json" \
+    > "$OUT/quality_sweep.log" 2>&1
+  echo "quality_sweep rc=$?"
+  tail -20 "$OUT/quality_sweep.log"
+  exit 0
 fi
 timeout ${BENCH_TIMEOUT:-480} python3 -m bench.bench_quality --samples "$FULL/samples" \
   --device cuda --num-workers ${NUM_WORKERS:-6} --seeds ${SEEDS:-0,1,2} --jobs ${JOBS:-2} "$@" \

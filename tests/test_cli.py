@@ -210,6 +210,7 @@ BENCH_CLIS = [
     "bench.bench_train",
     "bench.profile_request",
     "bench.profile_train",
+    "bench.quality_sweep",
     "bench.soak_serving",
     "bench.summarize_gpu_suite",
 ]
