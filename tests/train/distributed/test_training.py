@@ -36,9 +36,11 @@ GLOBAL_BATCH = 48
 STEPS = 4
 
 
-def _argv(tiny: Path, model_dir: Path, batch: int, *extra: str) -> list[str]:
+def _argv(
+    tiny: Path, model_dir: Path, batch: int, *extra: str, config: Path = SEED_CONFIG
+) -> list[str]:
     return [
-        "--config", str(SEED_CONFIG), "--train", str(tiny / "train"), "--eval", str(tiny / "eval"),
+        "--config", str(config), "--train", str(tiny / "train"), "--eval", str(tiny / "eval"),
         "--model-dir", str(model_dir), "--device", "cpu", "--batch-size", str(batch),
         "--num-workers", "0", "--max-steps", str(STEPS), "--log-every", "1",
         "--checkpoint-every", "2", "--no-progress", *extra,
@@ -58,10 +60,12 @@ def _torchrun(ranks: int, argv: list[str]) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
-def _one_process(tiny: Path, model_dir: Path, *, resume: bool = False) -> None:
+def _one_process(
+    tiny: Path, model_dir: Path, *, resume: bool = False, config: Path = SEED_CONFIG
+) -> None:
     Trainer(
         TrainOptions(
-            config_path=SEED_CONFIG,
+            config_path=config,
             model_dir=model_dir,
             train_path=tiny / "train",
             eval_path=tiny / "eval",
@@ -180,3 +184,32 @@ def test_bundle_of_two_ranks_scores_like_the_one_process_bundle(
     with torch.no_grad():
         direct = torch.sigmoid(model(table_to_batch(model.fs, table))).numpy()
     np.testing.assert_allclose(scores["two"], direct, rtol=1e-6, atol=1e-7)
+
+
+def test_schedules_and_the_dense_ema_train_on_two_ranks_as_on_one(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """Learning-rate schedules on both optimizers (the sharded dynamic tables take each step's
+    rate through the distributed collection) and the dense EMA: two ranks log the same rates and
+    end with the one process's model and averages."""
+    text = (
+        SEED_CONFIG.read_text()
+        .replace("constant_learning_rate {}",
+                 "manual_step_learning_rate { schedule_sizes: [2] learning_rates: [0.05] }", 1)
+        .replace("constant_learning_rate {}", "cosine_annealing_learning_rate { T_max: 4 }")
+        .replace("adam_optimizer { lr: 0.001 }", "adam_optimizer { lr: 0.001 }\nema { decay: 0.5 }")
+    )  # fmt: skip
+    config = tmp_path / "scheduled.config"
+    config.write_text(text)
+    _one_process(tiny_samples, tmp_path / "one", config=config)
+    _torchrun(2, _argv(tiny_samples, tmp_path / "two", GLOBAL_BATCH // 2, config=config))
+    one, two = (tmp_path / n / "checkpoints" / "step_4" for n in ("one", "two"))
+    assert_same_model(one, two)
+    t1, t2 = _records(tmp_path / "one", "train"), _records(tmp_path / "two", "train")
+    rates = [(r["sparse_lr"], r["dense_lr"]) for r in t1]
+    assert [(r["sparse_lr"], r["dense_lr"]) for r in t2] == rates
+    assert len({s for s, _ in rates}) == 2 and len({d for _, d in rates}) == STEPS
+    e1, e2 = (torch.load(c / "dense.pt", weights_only=False)["dense_ema"] for c in (one, two))
+    assert e1.keys() == e2.keys() and e1
+    for name, value in e1.items():
+        torch.testing.assert_close(e2[name], value, rtol=1e-4, atol=1e-5, msg=name)
