@@ -465,13 +465,16 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
 
 @dataclass(frozen=True)
 class ChildRun:
-    """``python -m bench.bench_quality ARGV`` in a process of its own, writing ``out`` (JSON) and
-    its output to ``log``; ``key`` names it to the caller."""
+    """``python -m bench.bench_quality ARGV`` in a process of its own, whose ``argv`` writes the
+    JSON ``out``; its output goes to :attr:`log` beside it. ``key`` names it to the caller."""
 
     key: tuple[str, int]
     argv: list[str]
     out: Path
-    log: Path
+
+    @property
+    def log(self) -> Path:
+        return self.out.with_suffix(".log")
 
 
 def run_children(
@@ -529,11 +532,10 @@ def _run_children(
         done[run.key] = result["variants"][name]["runs"][str(seed)]
         _print_run(name, seed, done[run.key])
 
-    runs = [
-        ChildRun((name, seed), child_argv(name, seed, samples, args, work / f"{name}_s{seed}.json"),
-                 work / f"{name}_s{seed}.json", work / f"{name}_s{seed}.log")
-        for name, seed in plan
-    ]  # fmt: skip
+    runs = []
+    for name, seed in plan:
+        out = work / f"{name}_s{seed}.json"
+        runs.append(ChildRun((name, seed), child_argv(name, seed, samples, args, out), out))
     run_children(runs, args.jobs, finished)
     return done
 

@@ -230,13 +230,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="quality_sweep_") as tmp:
         work = Path(tmp)
-        children = [
-            ChildRun((r.name, seed), [*common, *r.args, "--seeds", str(seed), "--out",
-                                      str(work / f"{r.name}_s{seed}.json")],
-                     work / f"{r.name}_s{seed}.json", work / f"{r.name}_s{seed}.log")
-            for r, seed in plan(recipes)
-            if (r.name, seed) not in runs
-        ]  # fmt: skip
+        children = []
+        for r, seed in plan(recipes):
+            if (r.name, seed) not in runs:
+                out = work / f"{r.name}_s{seed}.json"
+                argv = [*common, *r.args, "--seeds", str(seed), "--out", str(out)]
+                children.append(ChildRun((r.name, seed), argv, out))
         skipped = run_children(children, args.jobs, finished, start_until=until)
     doc = result(common, recipes, runs, info)
     _write(args.out, doc)
