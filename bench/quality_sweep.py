@@ -70,6 +70,14 @@ def _field(path: Path, where: str, value: Any, kind: type, what: str) -> Any:
     return value
 
 
+def _args(path: Path, where: str, value: Any) -> list[str]:
+    """bench_quality's arguments from a string, without the ones the sweep sets itself."""
+    args = shlex.split(_field(path, where, value, str, "a string of arguments"))
+    if {"--seeds", "--out", "--jobs"} & set(args):
+        raise ValueError(f"{path}: {where}: the sweep sets --seeds, --jobs and --out")
+    return args
+
+
 def load_sweep(path: Path) -> tuple[list[str], list[Recipe]]:
     """The common arguments and the recipes of a sweep file; every error names its field."""
     try:
@@ -79,7 +87,7 @@ def load_sweep(path: Path) -> tuple[list[str], list[Recipe]]:
     unknown = set(doc) - {"args", "recipes"}
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}: give args and [recipes.NAME]")
-    common = shlex.split(_field(path, "args", doc.get("args", ""), str, "a string of arguments"))
+    common = _args(path, "args", doc.get("args", ""))
     tables = _field(path, "recipes", doc.get("recipes"), dict, "one or more [recipes.NAME]")
     if not tables:
         raise ValueError(f"{path}: recipes: give one or more [recipes.NAME]")
@@ -105,9 +113,7 @@ def _recipe(path: Path, name: str, table: Any) -> Recipe:
         or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
     ):
         raise ValueError(f"{path}: {where}.seeds: give distinct seeds >= 0, [0, 1, 2]")
-    args = shlex.split(_field(path, f"{where}.args", table.get("args", ""), str, "a string"))
-    if "--seeds" in args or "--out" in args or "--jobs" in args:
-        raise ValueError(f"{path}: {where}.args: the sweep sets --seeds, --jobs and --out")
+    args = _args(path, f"{where}.args", table.get("args", ""))
     reference = table.get("reference")
     if reference is not None:
         _field(path, f"{where}.reference", reference, str, "another recipe's name")

@@ -51,6 +51,7 @@ reference = "a"
         ('[recipes.a]\nseeds = [0]\nreference = "a"\n', r"recipes\.a\.reference: give another"),
         ('[recipes.a]\nseeds = [0]\nargs = "--seeds 1"\n', r"recipes\.a\.args: the sweep sets"),
         ('args = "x"\n', r"recipes: give one or more"),
+        ('args = "--out x"\n[recipes.a]\nseeds = [0]\n', r"sweep\.toml: args: the sweep sets"),
         ("seed = 1\n[recipes.a]\nseeds = [0]\n", r"unknown key\(s\) \['seed'\]"),
         ("[recipes.a\n", r"not TOML"),
     ],
