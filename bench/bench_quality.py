@@ -13,9 +13,10 @@ samples with the same seed, one epoch each (or ``--max-steps``), with the projec
 
 Both variants can also change the base config the same way, recorded in the JSON:
 ``--sparse-lr LR`` sets the sparse optimizer's learning rate (the seed's Adagrad at 0.001 leaves
-the embeddings near their initial values in one epoch), and ``--crosses all`` or
+the embeddings near their initial values in one epoch), ``--crosses all`` or
 ``--crosses USER:ITEM,...`` adds ``model_config.multi_tower_din.crosses`` (every user × item
-feature cross, or the named ones: ``train/model/crosses.py``).
+feature cross, or the named ones: ``train/model/crosses.py``), and ``--ema-decay D`` sets (or
+turns on) the dense parameters' EMA, ``train_config.dense_optimizer.ema`` (``train/dense_ema.py``).
 
 ``--seeds 0,1,2`` trains every variant once per seed (the trainer's seed: initial weights, batch
 order, id dropout) and reports each figure's median over the seeds, beside every seed's run;
@@ -95,15 +96,17 @@ def variant_config(
     id_dropout: float = 0.0,
     sparse_lr: float | None = None,
     crosses: str | None = None,
+    ema_decay: float | None = None,
 ) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
     trainer reads a config path): for ``on`` with ``cold_backoff {}`` set (``{ id_dropout: P }``
     for ``id_dropout`` P > 0; ``off`` ignores it), and with every dynamic table's max_capacity
     scaled by ``capacity_scale`` (init capacity at most that), so that small data meets the
     table pressure of the full data's capacities; with ``sparse_lr`` as the sparse optimizer's
-    learning rate and with the feature crosses of ``crosses`` (:func:`crosses_config`), both
-    variants alike."""
-    if variant == "off" and capacity_scale == 1.0 and sparse_lr is None and crosses is None:
+    learning rate, with the feature crosses of ``crosses`` (:func:`crosses_config`) and with
+    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``), both variants alike."""
+    changes = (sparse_lr, crosses, ema_decay)
+    if variant == "off" and capacity_scale == 1.0 and all(c is None for c in changes):
         return base
     config = load_config(base)
     suffix = ""
@@ -116,6 +119,9 @@ def variant_config(
     if crosses is not None:
         config.model_config.multi_tower_din.crosses.CopyFrom(crosses_config(crosses))
         suffix += "_crosses"
+    if ema_decay is not None:
+        config.train_config.dense_optimizer.ema.decay = ema_decay
+        suffix += f"_ema{ema_decay:g}"
     if variant == "on":
         config.model_config.multi_tower_din.cold_backoff.SetInParent()
         if id_dropout:
@@ -337,8 +343,9 @@ def summary(result: dict[str, Any]) -> str:
         )
     if result.get("id_dropout"):
         lines.append(f"on: cold_backoff {{ id_dropout: {result['id_dropout']:g} }}")
-    if result.get("sparse_lr") is not None or result.get("crosses") is not None:
-        lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}")
+    if any(result.get(k) is not None for k in ("sparse_lr", "crosses", "ema_decay")):
+        lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}, "
+                     f"dense EMA decay {result.get('ema_decay')}")  # fmt: skip
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
     on_medians = (
@@ -390,6 +397,9 @@ def _parser() -> Parser:
     p.add_argument("--crosses", default=None, metavar="SPEC",
                    help="both variants: feature crosses, 'all' or USER:ITEM,... "
                    "(model_config.multi_tower_din.crosses; default: the config's)")  # fmt: skip
+    p.add_argument("--ema-decay", type=float, default=None, metavar="D",
+                   help="both variants: the dense EMA's decay (train_config.dense_optimizer.ema; "
+                   "on where the config has none; default: the config's)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -420,6 +430,8 @@ def _check(args: Any, names: list[str]) -> None:
         raise ValueError(f"--id-dropout applies to the on variant: add it to --variants {names}")
     if args.sparse_lr is not None and not args.sparse_lr > 0:
         raise ValueError(f"--sparse-lr {args.sparse_lr}: give a learning rate > 0")
+    if args.ema_decay is not None and not 0.0 < args.ema_decay < 1.0:
+        raise ValueError(f"--ema-decay {args.ema_decay}: give a decay in (0, 1), e.g. 0.999")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
     if args.crosses is not None:  # a bad spec or feature name fails here
@@ -441,7 +453,7 @@ def _run_here(name: str, seed: int, samples: Path, args: Any, work: Path) -> dic
     """One variant at one seed in this process."""
     path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
                           id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
-                          crosses=args.crosses)  # fmt: skip
+                          crosses=args.crosses, ema_decay=args.ema_decay)  # fmt: skip
     entry = run_variant(path, samples, args, work / f"run_{name}_s{seed}", seed)
     entry["id_dropout"] = args.id_dropout if name == "on" else None
     return entry
@@ -455,7 +467,7 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
             "--out", str(out)]  # fmt: skip
     optional = {"--batch": args.batch, "--max-steps": args.max_steps,
                 "--eval-max-batches": args.eval_max_batches, "--sparse-lr": args.sparse_lr,
-                "--crosses": args.crosses,
+                "--crosses": args.crosses, "--ema-decay": args.ema_decay,
                 "--id-dropout": args.id_dropout if name == "on" and args.id_dropout else None}  # fmt: skip
     for flag, value in optional.items():
         if value is not None:
@@ -569,7 +581,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": str(args.device), "torch": torch.__version__, "data": info,
         "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seeds": seeds,
         "jobs": args.jobs, "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
-        "sparse_lr": args.sparse_lr, "crosses": args.crosses, "variants": variants,
+        "sparse_lr": args.sparse_lr, "crosses": args.crosses, "ema_decay": args.ema_decay,
+        "variants": variants,
         "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
         "goal": goal(variants, info["size"]),
     }  # fmt: skip

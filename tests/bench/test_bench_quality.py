@@ -157,12 +157,30 @@ def test_sparse_lr_and_crosses_change_both_variants_alike(tmp_path: Path) -> Non
         crosses_config("cms_group_id")
 
 
+def test_ema_decay_sets_or_turns_on_the_dense_ema_in_both_variants(tmp_path: Path) -> None:
+    cold_ids = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb_cold_ids.config"
+    for base in (SEED_CONFIG, cold_ids):  # without an EMA, and with one at 0.999
+        for name in ("off", "on"):
+            path = variant_config(base, name, tmp_path, ema_decay=0.9995)
+            assert path.name.endswith(f"_{name}_ema0.9995_x1.config")
+            config = load_config(path)
+            assert config.train_config.dense_optimizer.ema.decay == pytest.approx(0.9995)
+            rest = load_config(base)
+            rest.train_config.dense_optimizer.ema.decay = 0.9995
+            if name == "on":
+                rest.model_config.multi_tower_din.cold_backoff.SetInParent()
+            assert config == rest  # nothing else changed
+
+
 def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> None:
     out = tmp_path / "q.json"
     with pytest.raises(ValueError, match="--sparse-lr 0.0: give a learning rate > 0"):
         main(["--size", "tiny", "--sparse-lr", "0", "--out", str(out)])
     with pytest.raises(ConfigError, match=r"pairs\[0\]\.item_feature.*'nope'"):
         main(["--size", "tiny", "--crosses", "user_id:nope", "--out", str(out)])
+    for decay in ("0", "1", "1.5"):
+        with pytest.raises(ValueError, match=f"--ema-decay {float(decay)}: give a decay in"):
+            main(["--size", "tiny", "--ema-decay", decay, "--out", str(out)])
     assert not out.exists()
 
 
@@ -204,14 +222,14 @@ def test_child_argv_passes_every_option_on(tmp_path: Path) -> None:
 
     args = _parser().parse_args(
         ["--size", "tiny", "--batch", "64", "--max-steps", "2", "--eval-max-batches", "1",
-         "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all",
+         "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all", "--ema-decay", "0.99",
          "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
     )  # fmt: skip
     on = _parser().parse_args(child_argv("on", 4, tmp_path, args, tmp_path / "on.json"))
     off = _parser().parse_args(child_argv("off", 4, tmp_path, args, tmp_path / "off.json"))
     for child in (on, off):
         for k in ("batch", "max_steps", "eval_max_batches", "capacity_scale", "sparse_lr",
-                  "crosses", "num_workers", "device", "config"):  # fmt: skip
+                  "crosses", "ema_decay", "num_workers", "device", "config"):  # fmt: skip
             assert getattr(child, k) == getattr(args, k), k
         assert child.samples == tmp_path and child.seeds == "4" and child.jobs == 1
     assert (on.variants, on.id_dropout, off.variants, off.id_dropout) == ("on", 0.1, "off", 0.0)
