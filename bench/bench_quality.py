@@ -16,7 +16,8 @@ Both variants can also change the base config the same way, recorded in the JSON
 the embeddings near their initial values in one epoch), ``--crosses all`` or
 ``--crosses USER:ITEM,...`` adds ``model_config.multi_tower_din.crosses`` (every user × item
 feature cross, or the named ones: ``train/model/crosses.py``), and ``--ema-decay D`` sets (or
-turns on) the dense parameters' EMA, ``train_config.dense_optimizer.ema`` (``train/dense_ema.py``).
+turns on) the dense parameters' EMA, ``train_config.dense_optimizer.ema`` (``train/dense_ema.py``),
+and ``--admission user_id:5`` a dynamic feature's ``frequency_admission_strategy.threshold``.
 
 ``--seeds 0,1,2`` trains every variant once per seed (the trainer's seed: initial weights, batch
 order, id dropout) and reports each figure's median over the seeds, beside every seed's run;
@@ -97,6 +98,7 @@ def variant_config(
     sparse_lr: float | None = None,
     crosses: str | None = None,
     ema_decay: float | None = None,
+    admission: str | None = None,
 ) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
     trainer reads a config path): for ``on`` with ``cold_backoff {}`` set (``{ id_dropout: P }``
@@ -104,8 +106,9 @@ def variant_config(
     scaled by ``capacity_scale`` (init capacity at most that), so that small data meets the
     table pressure of the full data's capacities; with ``sparse_lr`` as the sparse optimizer's
     learning rate, with the feature crosses of ``crosses`` (:func:`crosses_config`) and with
-    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``), both variants alike."""
-    changes = (sparse_lr, crosses, ema_decay)
+    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``) and with the admission
+    thresholds of ``admission`` (:func:`set_admission`), both variants alike."""
+    changes = (sparse_lr, crosses, ema_decay, admission)
     if variant == "off" and capacity_scale == 1.0 and all(c is None for c in changes):
         return base
     config = load_config(base)
@@ -122,6 +125,9 @@ def variant_config(
     if ema_decay is not None:
         config.train_config.dense_optimizer.ema.decay = ema_decay
         suffix += f"_ema{ema_decay:g}"
+    if admission is not None:
+        thresholds = set_admission(config, admission)
+        suffix += "_adm" + "_".join(f"{name}{n}" for name, n in thresholds.items())
     if variant == "on":
         config.model_config.multi_tower_din.cold_backoff.SetInParent()
         if id_dropout:
@@ -136,6 +142,29 @@ def variant_config(
     path = out_dir / f"{base.stem}_{variant}{suffix}_x{capacity_scale:g}.config"
     path.write_text(text_format.MessageToString(config))
     return path
+
+
+def set_admission(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, int]:
+    """``FEATURE:N,...``: set each named dynamic feature's frequency admission threshold to N
+    (a key gets a row once seen N times; before that it takes the backoff, or 0 without one).
+    Returns the thresholds set."""
+    wanted: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        feature, sep, count = part.partition(":")
+        if not sep or not feature.strip() or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--admission {spec}: give FEATURE:N pairs (N >= 1), comma-separated")
+        wanted[feature.strip()] = int(count)
+    dynamic = {
+        fc.id_feature.feature_name: fc.id_feature.dynamicemb
+        for fc in config.feature_configs
+        if fc.WhichOneof("feature") == "id_feature" and fc.id_feature.HasField("dynamicemb")
+    }
+    for name, n in wanted.items():
+        if name not in dynamic:
+            raise ValueError(f"--admission {spec}: {name!r} is not a dynamic id feature of the "
+                             f"config (those are {', '.join(dynamic)})")  # fmt: skip
+        dynamic[name].frequency_admission_strategy.threshold = n
+    return wanted
 
 
 def crosses_config(spec: str) -> pipeline_pb2.FeatureCrosses:
@@ -343,9 +372,10 @@ def summary(result: dict[str, Any]) -> str:
         )
     if result.get("id_dropout"):
         lines.append(f"on: cold_backoff {{ id_dropout: {result['id_dropout']:g} }}")
-    if any(result.get(k) is not None for k in ("sparse_lr", "crosses", "ema_decay")):
+    if any(result.get(k) is not None for k in ("sparse_lr", "crosses", "ema_decay", "admission")):
         lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}, "
-                     f"dense EMA decay {result.get('ema_decay')}")  # fmt: skip
+                     f"dense EMA decay {result.get('ema_decay')}, "
+                     f"admission {result.get('admission')}")  # fmt: skip
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
     on_medians = (
@@ -400,6 +430,9 @@ def _parser() -> Parser:
     p.add_argument("--ema-decay", type=float, default=None, metavar="D",
                    help="both variants: the dense EMA's decay (train_config.dense_optimizer.ema; "
                    "on where the config has none; default: the config's)")  # fmt: skip
+    p.add_argument("--admission", default=None, metavar="SPEC",
+                   help="both variants: frequency admission thresholds, FEATURE:N,... of dynamic "
+                   "id features (a key gets a row once seen N times; default: the config's)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -434,6 +467,8 @@ def _check(args: Any, names: list[str]) -> None:
         raise ValueError(f"--ema-decay {args.ema_decay}: give a decay in (0, 1), e.g. 0.999")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
+    if args.admission is not None:  # a bad spec or feature name fails here
+        set_admission(load_config(args.config), args.admission)
     if args.crosses is not None:  # a bad spec or feature name fails here
         crosses_of(build_feature_set(load_config(args.config)), crosses_config(args.crosses))
 
@@ -453,7 +488,8 @@ def _run_here(name: str, seed: int, samples: Path, args: Any, work: Path) -> dic
     """One variant at one seed in this process."""
     path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
                           id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
-                          crosses=args.crosses, ema_decay=args.ema_decay)  # fmt: skip
+                          crosses=args.crosses, ema_decay=args.ema_decay,
+                          admission=args.admission)  # fmt: skip
     entry = run_variant(path, samples, args, work / f"run_{name}_s{seed}", seed)
     entry["id_dropout"] = args.id_dropout if name == "on" else None
     return entry
@@ -468,6 +504,7 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
     optional = {"--batch": args.batch, "--max-steps": args.max_steps,
                 "--eval-max-batches": args.eval_max_batches, "--sparse-lr": args.sparse_lr,
                 "--crosses": args.crosses, "--ema-decay": args.ema_decay,
+                "--admission": args.admission,
                 "--id-dropout": args.id_dropout if name == "on" and args.id_dropout else None}  # fmt: skip
     for flag, value in optional.items():
         if value is not None:
@@ -582,7 +619,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seeds": seeds,
         "jobs": args.jobs, "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
         "sparse_lr": args.sparse_lr, "crosses": args.crosses, "ema_decay": args.ema_decay,
-        "variants": variants,
+        "admission": args.admission, "variants": variants,
         "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
         "goal": goal(variants, info["size"]),
     }  # fmt: skip

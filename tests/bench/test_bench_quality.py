@@ -172,12 +172,30 @@ def test_ema_decay_sets_or_turns_on_the_dense_ema_in_both_variants(tmp_path: Pat
             assert config == rest  # nothing else changed
 
 
+def test_admission_sets_the_named_dynamic_features_thresholds_only(tmp_path: Path) -> None:
+    path = variant_config(SEED_CONFIG, "off", tmp_path, admission="user_id:5, brand:1")
+    assert path.name.endswith("_off_admuser_id5_brand1_x1.config")
+    config, base = load_config(path), load_config(SEED_CONFIG)
+    for fc in base.feature_configs:
+        if fc.id_feature.feature_name in ("user_id", "brand"):
+            assert fc.id_feature.dynamicemb.frequency_admission_strategy.threshold == 3
+            fc.id_feature.dynamicemb.frequency_admission_strategy.threshold = (
+                5 if fc.id_feature.feature_name == "user_id" else 1
+            )
+    assert config == base  # nothing else changed
+
+
 def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> None:
     out = tmp_path / "q.json"
     with pytest.raises(ValueError, match="--sparse-lr 0.0: give a learning rate > 0"):
         main(["--size", "tiny", "--sparse-lr", "0", "--out", str(out)])
     with pytest.raises(ConfigError, match=r"pairs\[0\]\.item_feature.*'nope'"):
         main(["--size", "tiny", "--crosses", "user_id:nope", "--out", str(out)])
+    for spec, error in (("user_id", "give FEATURE:N pairs"), ("user_id:0", "give FEATURE:N"),
+                        ("cms_segid:5", "'cms_segid' is not a dynamic id feature of the config "
+                         r"\(those are user_id, adgroup_id")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"--admission {spec}: {error}"):
+            main(["--size", "tiny", "--admission", spec, "--out", str(out)])
     for decay in ("0", "1", "1.5"):
         with pytest.raises(ValueError, match=f"--ema-decay {float(decay)}: give a decay in"):
             main(["--size", "tiny", "--ema-decay", decay, "--out", str(out)])
@@ -223,13 +241,14 @@ def test_child_argv_passes_every_option_on(tmp_path: Path) -> None:
     args = _parser().parse_args(
         ["--size", "tiny", "--batch", "64", "--max-steps", "2", "--eval-max-batches", "1",
          "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all", "--ema-decay", "0.99",
+         "--admission", "user_id:5",
          "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
     )  # fmt: skip
     on = _parser().parse_args(child_argv("on", 4, tmp_path, args, tmp_path / "on.json"))
     off = _parser().parse_args(child_argv("off", 4, tmp_path, args, tmp_path / "off.json"))
     for child in (on, off):
         for k in ("batch", "max_steps", "eval_max_batches", "capacity_scale", "sparse_lr",
-                  "crosses", "ema_decay", "num_workers", "device", "config"):  # fmt: skip
+                  "crosses", "ema_decay", "admission", "num_workers", "device", "config"):  # fmt: skip
             assert getattr(child, k) == getattr(args, k), k
         assert child.samples == tmp_path and child.seeds == "4" and child.jobs == 1
     assert (on.variants, on.id_dropout, off.variants, off.id_dropout) == ("on", 0.1, "off", 0.0)
