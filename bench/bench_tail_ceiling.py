@@ -17,7 +17,11 @@ does not write), takes the eval split's rows as :func:`train.data.taobao.build_s
 - ``no_match`` (d): (b) without the match term: b0, ad bias, pid, price × pvalue sensitivity and
   the history terms only (the favourite cates are themselves seen only through clicks);
 - ``demographic_match`` (e): (b) with ``user_emb`` = 0.5·the demographic embedding alone: the
-  part of the match a user's profile (``cms_group_id``) tells without any click.
+  part of the match a user's profile (``cms_group_id``) tells without any click;
+- ``demographic_no_price`` (f): (e) without the price term (the ad's log price × the
+  sensitivity of the user's ``pvalue_level``): what a model that cannot cross the two loses;
+- ``demographic_cate_match`` (g): (e) with the ad's vector replaced by its cate's (no per-ad
+  part): what a model that learns the demographics' taste per cate only is left with.
 
 The logits (b)-(d) are the planted terms recomputed in float64 from the world and the
 impressions (the history counts the simulation recorded), summed in the simulation's order;
@@ -58,6 +62,8 @@ VARIANTS = {
     "(no per-user noise)",
     "no_match": "(d) (b) without the match term (b0, ad bias, pid, price, history terms)",
     "demographic_match": "(e) (b) with user_emb = 0.5*demo_emb only (what the profile tells)",
+    "demographic_no_price": "(f) (e) without the price x pvalue sensitivity term",
+    "demographic_cate_match": "(g) (e) with the ad's vector = its cate's (no per-ad part)",
 }
 EXAMPLE = """examples:
   python -m bench.bench_tail_ceiling --size small --out bench/results/tail_ceiling_small.json
@@ -78,10 +84,17 @@ def tail_of(users: np.ndarray, train: np.ndarray, rows: np.ndarray, n_users: int
     return train_counts[users[rows]] < TAIL_THRESHOLD
 
 
-def _match(user_emb: np.ndarray, sim: synthetic.Simulation, rows: np.ndarray) -> np.ndarray:
-    """The match term with user vectors ``user_emb`` [U, d], for impressions ``rows``."""
+def _match(
+    user_emb: np.ndarray,
+    sim: synthetic.Simulation,
+    rows: np.ndarray,
+    ad_emb: np.ndarray | None = None,
+) -> np.ndarray:
+    """The match term with user vectors ``user_emb`` [U, d] and ad vectors ``ad_emb`` [A, d]
+    (default: the world's), for impressions ``rows``."""
     w, imp = sim.world, sim.impressions
-    dot = (user_emb[imp.user[rows]] * w.ad_emb[imp.ad[rows]]).sum(1)
+    ads = w.ad_emb if ad_emb is None else ad_emb
+    dot = (user_emb[imp.user[rows]] * ads[imp.ad[rows]]).sum(1)
     return sim.model.match * dot / w.match_scale
 
 
@@ -130,12 +143,18 @@ def ceiling_scores(sim: synthetic.Simulation, rows: np.ndarray) -> dict[str, np.
     no_match = {k: v for k, v in no_bias.items() if k != "match"}
     demo = 0.5 * sim.world.demo_emb[sim.world.profile["cms_group_id"]]
     demographic = no_bias | {"match": _match(demo, sim, rows)}
+    no_price = {k: v for k, v in demographic.items() if k != "price"}
+    by_cate = demographic | {
+        "match": _match(demo, sim, rows, sim.world.cate_emb[sim.world.ad_cate])
+    }
     return {
         "oracle_p": sim.impressions.p[rows],
         "no_user_bias": _sigmoid(_total(no_bias)),
         "knowable_user_emb": _sigmoid(_total(knowable)),
         "no_match": _sigmoid(_total(no_match)),
         "demographic_match": _sigmoid(_total(demographic)),
+        "demographic_no_price": _sigmoid(_total(no_price)),
+        "demographic_cate_match": _sigmoid(_total(by_cate)),
     }
 
 

@@ -76,13 +76,17 @@ def test_each_variant_drops_only_its_terms(sim: synthetic.Simulation) -> None:
         "user_emb": rng.normal(size=w.user_emb.shape),
         "demo_emb": rng.normal(size=w.demo_emb.shape),
         "user_fav": rng.integers(len(w.cate_emb), size=w.user_fav.shape),
+        "user_price_sens": rng.normal(size=w.user_price_sens.shape),
     }
+    price = {"user_price_sens"}
     reads = {  # (a) is the stored p: no world array is read again
         "oracle_p": set(),
-        "no_user_bias": {"user_emb"},
-        "knowable_user_emb": {"demo_emb", "user_fav"},
-        "no_match": set(),
-        "demographic_match": {"demo_emb"},
+        "no_user_bias": {"user_emb"} | price,
+        "knowable_user_emb": {"demo_emb", "user_fav"} | price,
+        "no_match": price,
+        "demographic_match": {"demo_emb"} | price,
+        "demographic_no_price": {"demo_emb"},
+        "demographic_cate_match": {"demo_emb"} | price,
     }
     for field, value in replaced.items():
         other = _scores(sim, field, value)
