@@ -133,15 +133,22 @@ def variant_config(
         if id_dropout:
             config.model_config.multi_tower_din.cold_backoff.id_dropout = id_dropout
             suffix += f"_drop{id_dropout:g}"
-    for fc in config.feature_configs:
-        if fc.WhichOneof("feature") == "id_feature" and fc.id_feature.HasField("dynamicemb"):
-            dyn = fc.id_feature.dynamicemb
-            dyn.max_capacity = max(1, round(dyn.max_capacity * capacity_scale))
-            if dyn.HasField("init_capacity_per_rank"):
-                dyn.init_capacity_per_rank = min(dyn.init_capacity_per_rank, dyn.max_capacity)
+    for dyn in dynamic_tables(config).values():
+        dyn.max_capacity = max(1, round(dyn.max_capacity * capacity_scale))
+        if dyn.HasField("init_capacity_per_rank"):
+            dyn.init_capacity_per_rank = min(dyn.init_capacity_per_rank, dyn.max_capacity)
     path = out_dir / f"{base.stem}_{variant}{suffix}_x{capacity_scale:g}.config"
     path.write_text(text_format.MessageToString(config))
     return path
+
+
+def dynamic_tables(config: pipeline_pb2.EasyRecConfig) -> dict[str, Any]:
+    """Feature name → the ``dynamicemb`` message of each dynamic id feature (in place)."""
+    return {
+        fc.id_feature.feature_name: fc.id_feature.dynamicemb
+        for fc in config.feature_configs
+        if fc.WhichOneof("feature") == "id_feature" and fc.id_feature.HasField("dynamicemb")
+    }
 
 
 def set_admission(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, int]:
@@ -154,11 +161,7 @@ def set_admission(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, in
         if not sep or not feature.strip() or not count.strip().isdigit() or int(count) < 1:
             raise ValueError(f"--admission {spec}: give FEATURE:N pairs (N >= 1), comma-separated")
         wanted[feature.strip()] = int(count)
-    dynamic = {
-        fc.id_feature.feature_name: fc.id_feature.dynamicemb
-        for fc in config.feature_configs
-        if fc.WhichOneof("feature") == "id_feature" and fc.id_feature.HasField("dynamicemb")
-    }
+    dynamic = dynamic_tables(config)
     for name, n in wanted.items():
         if name not in dynamic:
             raise ValueError(f"--admission {spec}: {name!r} is not a dynamic id feature of the "
@@ -467,10 +470,13 @@ def _check(args: Any, names: list[str]) -> None:
         raise ValueError(f"--ema-decay {args.ema_decay}: give a decay in (0, 1), e.g. 0.999")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
-    if args.admission is not None:  # a bad spec or feature name fails here
-        set_admission(load_config(args.config), args.admission)
-    if args.crosses is not None:  # a bad spec or feature name fails here
-        crosses_of(build_feature_set(load_config(args.config)), crosses_config(args.crosses))
+    if args.crosses is None and args.admission is None:
+        return
+    config = load_config(args.config)  # a bad spec or feature name fails here
+    if args.crosses is not None:
+        crosses_of(build_feature_set(config), crosses_config(args.crosses))
+    if args.admission is not None:
+        set_admission(config, args.admission)
 
 
 def _samples(args: Any, work: Path) -> Path:
