@@ -479,6 +479,14 @@ def _check(args: Any, names: list[str]) -> None:
         set_admission(config, args.admission)
 
 
+def check_args(argv: list[str]) -> None:
+    """Every error of a bench_quality command line that shows before it runs, but the device's
+    (a sweep checks all its recipes on any host before the first training)."""
+    args = _parser().parse_args(argv)
+    _seeds(args.seeds)
+    _check(args, _variants(args.variants))
+
+
 def _samples(args: Any, work: Path) -> Path:
     samples = args.samples if args.samples is not None else generate(args.size, work / "data")
     for split in ("train", "eval"):

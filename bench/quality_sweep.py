@@ -34,6 +34,7 @@ device call.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.bench_quality import ChildRun, aggregate, goal, run_children
+from bench.bench_quality import ChildRun, aggregate, check_args, goal, run_children
 from shared.cli import Parser, exit_code, plain, run_cli
 
 EXAMPLE = """examples:
@@ -98,6 +99,19 @@ def load_sweep(path: Path) -> tuple[list[str], list[Recipe]]:
         if r.reference == r.name:
             raise ValueError(f"{path}: recipes.{r.name}.reference: give another recipe")
     return common, recipes
+
+
+def check_recipes(path: Path, common: list[str], recipes: list[Recipe]) -> None:
+    """Each recipe's bench_quality arguments checked before any run starts, so that a mistake
+    in the last recipe does not surface after the device time of the first ones."""
+    for r in recipes:
+        try:
+            check_args([*common, *r.args, "--seeds", str(r.seeds[0]), "--out", os.devnull])
+        except SystemExit as e:  # argparse's error, already printed as one "error:" line
+            raise ValueError(f"{path}: recipes.{r.name}: args and the common args are "
+                             "not bench_quality's (its error is printed above)") from e  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"{path}: recipes.{r.name}: {e}") from e
 
 
 def _recipe(path: Path, name: str, table: Any) -> Recipe:
@@ -218,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
     common, recipes = load_sweep(args.sweep)
+    check_recipes(args.sweep, common, recipes)
     started = time.monotonic()
     until = None if args.stop_after is None else started + args.stop_after
     runs = resumed(args.resume, common, recipes) if args.resume else {}

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from bench import bench_quality
-from bench.quality_sweep import Recipe, load_sweep, main, minus_reference, plan
+from bench.quality_sweep import Recipe, check_recipes, load_sweep, main, minus_reference, plan
 
+ROOT = Path(__file__).resolve().parents[2]
 FAST = "--batch 256 --max-steps 3 --num-workers 0 --device cpu --variants on"
 
 
@@ -59,6 +60,35 @@ reference = "a"
 def test_bad_sweep_files_name_the_field(tmp_path: Path, text: str, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         load_sweep(_sweep(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "sweep", sorted((ROOT / "bench" / "sweeps").glob("*.toml")), ids=lambda p: p.name
+)
+def test_the_committed_sweeps_are_bench_quality_commands(
+    sweep: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep file is the plan of a device call: its mistakes must show here, not there."""
+    monkeypatch.chdir(ROOT)  # the device runs the files' relative config paths from the root
+    check_recipes(sweep, *load_sweep(sweep))
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ('"--crosses cms_group_id:nope"', r"recipes\.b: .*nope"),
+        ('"--admission pvalue_level:5"', r"recipes\.b: .*pvalue_level"),
+        ('"--sparse-lr 0"', r"recipes\.b: --sparse-lr 0"),
+        ('"--no-such-flag"', r"recipes\.b: args and the common args are not bench_quality's"),
+    ],
+)
+def test_a_bad_recipe_fails_before_any_run(tmp_path: Path, args: str, error: str) -> None:
+    sweep = _sweep(tmp_path, f'args = "{FAST}"\n[recipes.a]\nseeds = [0]\n'
+                             f"[recipes.b]\nargs = {args}\nseeds = [0]\n")  # fmt: skip
+    out = tmp_path / "sweep.json"
+    with pytest.raises(ValueError, match=error):
+        main([str(sweep), "--out", str(out)])
+    assert not out.exists()  # recipe a did not run either
 
 
 def test_plan_goes_seed_by_seed() -> None:
