@@ -22,7 +22,9 @@ Per recipe the JSON has its command, every variant's medians over the seeds with
 tail AUC): on full data one seed's tail moves by up to ±0.008, so the paired differences are what
 decide a change.
 
-Runs go seed by seed (every recipe at its first seed, then at its second, ...), so a sweep cut
+Before the first run every recipe's arguments pass bench_quality's own checks (flags, crosses,
+admission, ...; not the device), so a mistake in the last recipe costs no device time. Runs go
+seed by seed (every recipe at its first seed, then at its second, ...), so a sweep cut
 short by ``--stop-after`` (no run starts after that many seconds: the device's time limit) still
 has paired runs; the seeds not run are listed per recipe. The JSON is written again after every
 run (temp + rename), so a sweep killed by a time limit keeps what it finished, and
