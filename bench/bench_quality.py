@@ -479,12 +479,15 @@ def _check(args: Any, names: list[str]) -> None:
         set_admission(config, args.admission)
 
 
-def check_args(argv: list[str]) -> None:
-    """Every error of a bench_quality command line that shows before it runs, but the device's
-    (a sweep checks all its recipes on any host before the first training)."""
+def check_args(argv: list[str] | None, device: bool = False) -> tuple[Any, list[str], list[int]]:
+    """The parsed command line, its variants and seeds, after every check that can fail before a
+    run; the device's only with ``device`` (a sweep checks its recipes on any host)."""
     args = _parser().parse_args(argv)
-    _seeds(args.seeds)
-    _check(args, _variants(args.variants))
+    if device:
+        check_device(args.device)
+    names, seeds = _variants(args.variants), _seeds(args.seeds)
+    _check(args, names)
+    return args, names, seeds
 
 
 def _samples(args: Any, work: Path) -> Path:
@@ -609,10 +612,7 @@ def _print_run(name: str, seed: int, entry: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _parser().parse_args(argv)
-    check_device(args.device)
-    names, seeds = _variants(args.variants), _seeds(args.seeds)
-    _check(args, names)
+    args, names, seeds = check_args(argv, device=True)
     plan = [(name, seed) for seed in seeds for name in names]  # a seed's variants together
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         work = Path(tmp)
