@@ -99,7 +99,6 @@ def variant_config(
     crosses: str | None = None,
     ema_decay: float | None = None,
     admission: str | None = None,
-    table_scale: str | None = None,
 ) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
     trainer reads a config path): for ``on`` with ``cold_backoff {}`` set (``{ id_dropout: P }``
@@ -107,10 +106,9 @@ def variant_config(
     scaled by ``capacity_scale`` (init capacity at most that), so that small data meets the
     table pressure of the full data's capacities; with ``sparse_lr`` as the sparse optimizer's
     learning rate, with the feature crosses of ``crosses`` (:func:`crosses_config`) and with
-    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``), with the admission
-    thresholds of ``admission`` (:func:`set_admission`) and with the named tables scaled
-    further by ``table_scale`` (:func:`table_scales`), both variants alike."""
-    changes = (sparse_lr, crosses, ema_decay, admission, table_scale)
+    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``) and with the admission
+    thresholds of ``admission`` (:func:`set_admission`), both variants alike."""
+    changes = (sparse_lr, crosses, ema_decay, admission)
     if variant == "off" and capacity_scale == 1.0 and all(c is None for c in changes):
         return base
     config = load_config(base)
@@ -130,16 +128,13 @@ def variant_config(
     if admission is not None:
         thresholds = set_admission(config, admission)
         suffix += "_adm" + "_".join(f"{name}{n}" for name, n in thresholds.items())
-    scales = table_scales(config, table_scale) if table_scale is not None else {}
-    suffix += "".join(f"_{name}x{x:g}" for name, x in scales.items())
     if variant == "on":
         config.model_config.multi_tower_din.cold_backoff.SetInParent()
         if id_dropout:
             config.model_config.multi_tower_din.cold_backoff.id_dropout = id_dropout
             suffix += f"_drop{id_dropout:g}"
-    for name, dyn in dynamic_tables(config).items():
-        scale = capacity_scale * scales.get(name, 1.0)
-        dyn.max_capacity = max(1, round(dyn.max_capacity * scale))
+    for dyn in dynamic_tables(config).values():
+        dyn.max_capacity = max(1, round(dyn.max_capacity * capacity_scale))
         if dyn.HasField("init_capacity_per_rank"):
             dyn.init_capacity_per_rank = min(dyn.init_capacity_per_rank, dyn.max_capacity)
     path = out_dir / f"{base.stem}_{variant}{suffix}_x{capacity_scale:g}.config"
@@ -156,57 +151,23 @@ def dynamic_tables(config: pipeline_pb2.EasyRecConfig) -> dict[str, Any]:
     }
 
 
-def _feature_values(
-    config: pipeline_pb2.EasyRecConfig,
-    flag: str,
-    spec: str,
-    value: Callable[[str], Any],
-    what: str,
-) -> dict[str, Any]:
-    """``FEATURE:V,...`` of dynamic id features, each V through ``value`` (None: not valid);
-    every error names ``flag`` and says to give ``what``."""
-    wanted: dict[str, Any] = {}
-    for part in (p.strip() for p in spec.split(",")):
-        feature, sep, text = part.partition(":")
-        parsed = value(text.strip()) if sep and feature.strip() else None
-        if parsed is None:
-            raise ValueError(f"{flag} {spec}: give {what}, comma-separated")
-        wanted[feature.strip()] = parsed
-    dynamic = dynamic_tables(config)
-    for name in wanted:
-        if name not in dynamic:
-            raise ValueError(f"{flag} {spec}: {name!r} is not a dynamic id feature of the "
-                             f"config (those are {', '.join(dynamic)})")  # fmt: skip
-    return wanted
-
-
-def _threshold(text: str) -> int | None:
-    return int(text) if text.isdigit() and int(text) >= 1 else None
-
-
-def _scale(text: str) -> float | None:
-    try:
-        x = float(text)
-    except ValueError:
-        return None
-    return x if 0 < x < math.inf else None
-
-
 def set_admission(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, int]:
     """``FEATURE:N,...``: set each named dynamic feature's frequency admission threshold to N
     (a key gets a row once seen N times; before that it takes the backoff, or 0 without one).
     Returns the thresholds set."""
-    wanted = _feature_values(config, "--admission", spec, _threshold, "FEATURE:N pairs (N >= 1)")
+    wanted: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        feature, sep, count = part.partition(":")
+        if not sep or not feature.strip() or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--admission {spec}: give FEATURE:N pairs (N >= 1), comma-separated")
+        wanted[feature.strip()] = int(count)
     dynamic = dynamic_tables(config)
     for name, n in wanted.items():
+        if name not in dynamic:
+            raise ValueError(f"--admission {spec}: {name!r} is not a dynamic id feature of the "
+                             f"config (those are {', '.join(dynamic)})")  # fmt: skip
         dynamic[name].frequency_admission_strategy.threshold = n
     return wanted
-
-
-def table_scales(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, float]:
-    """``FEATURE:X,...``: the factor of each named dynamic feature's max_capacity (on top of
-    ``--capacity-scale``), checked against the config."""
-    return _feature_values(config, "--table-scale", spec, _scale, "FEATURE:X pairs (X > 0)")
 
 
 def crosses_config(spec: str) -> pipeline_pb2.FeatureCrosses:
@@ -475,9 +436,6 @@ def _parser() -> Parser:
     p.add_argument("--admission", default=None, metavar="SPEC",
                    help="both variants: frequency admission thresholds, FEATURE:N,... of dynamic "
                    "id features (a key gets a row once seen N times; default: the config's)")  # fmt: skip
-    p.add_argument("--table-scale", default=None, metavar="SPEC",
-                   help="both variants: FEATURE:X,... scale the named dynamic tables' max_capacity "
-                   "by X (on top of --capacity-scale)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -512,15 +470,13 @@ def _check(args: Any, names: list[str]) -> None:
         raise ValueError(f"--ema-decay {args.ema_decay}: give a decay in (0, 1), e.g. 0.999")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
-    if args.crosses is None and args.admission is None and args.table_scale is None:
+    if args.crosses is None and args.admission is None:
         return
     config = load_config(args.config)  # a bad spec or feature name fails here
     if args.crosses is not None:
         crosses_of(build_feature_set(config), crosses_config(args.crosses))
     if args.admission is not None:
         set_admission(config, args.admission)
-    if args.table_scale is not None:
-        table_scales(config, args.table_scale)
 
 
 def check_args(argv: list[str] | None, device: bool = False) -> tuple[Any, list[str], list[int]]:
@@ -550,7 +506,7 @@ def _run_here(name: str, seed: int, samples: Path, args: Any, work: Path) -> dic
     path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
                           id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
                           crosses=args.crosses, ema_decay=args.ema_decay,
-                          admission=args.admission, table_scale=args.table_scale)  # fmt: skip
+                          admission=args.admission)  # fmt: skip
     entry = run_variant(path, samples, args, work / f"run_{name}_s{seed}", seed)
     entry["id_dropout"] = args.id_dropout if name == "on" else None
     return entry
@@ -565,7 +521,7 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
     optional = {"--batch": args.batch, "--max-steps": args.max_steps,
                 "--eval-max-batches": args.eval_max_batches, "--sparse-lr": args.sparse_lr,
                 "--crosses": args.crosses, "--ema-decay": args.ema_decay,
-                "--admission": args.admission, "--table-scale": args.table_scale,
+                "--admission": args.admission,
                 "--id-dropout": args.id_dropout if name == "on" and args.id_dropout else None}  # fmt: skip
     for flag, value in optional.items():
         if value is not None:
@@ -677,7 +633,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seeds": seeds,
         "jobs": args.jobs, "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
         "sparse_lr": args.sparse_lr, "crosses": args.crosses, "ema_decay": args.ema_decay,
-        "admission": args.admission, "table_scale": args.table_scale, "variants": variants,
+        "admission": args.admission, "variants": variants,
         "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
         "goal": goal(variants, info["size"]),
     }  # fmt: skip

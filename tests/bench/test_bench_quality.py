@@ -16,7 +16,6 @@ from bench.bench_quality import (
     child_argv,
     crosses_config,
     differences,
-    dynamic_tables,
     goal,
     main,
     paired_differences,
@@ -186,24 +185,6 @@ def test_admission_sets_the_named_dynamic_features_thresholds_only(tmp_path: Pat
     assert config == base  # nothing else changed
 
 
-def test_table_scale_scales_the_named_dynamic_tables_on_top_of_capacity_scale(
-    tmp_path: Path,
-) -> None:
-    path = variant_config(SEED_CONFIG, "off", tmp_path, capacity_scale=0.5,
-                          table_scale="adgroup_id:4, brand:0.5")  # fmt: skip
-    assert path.name.endswith("_off_adgroup_idx4_brandx0.5_x0.5.config")
-    scaled, base = dynamic_tables(load_config(path)), dynamic_tables(load_config(SEED_CONFIG))
-    factor = {"adgroup_id": 2.0, "brand": 0.25}
-    for name, dyn in base.items():
-        assert scaled[name].max_capacity == round(dyn.max_capacity * factor.get(name, 0.5)), name
-    out = tmp_path / "q.json"
-    for spec, error in (("adgroup_id:0", "give FEATURE:X pairs"), ("adgroup_id:x", "give FEATURE:X"),
-                        ("cms_segid:2", "'cms_segid' is not a dynamic id feature")):  # fmt: skip
-        with pytest.raises(ValueError, match=f"--table-scale {spec}: {error}"):
-            main(["--size", "tiny", "--table-scale", spec, "--out", str(out)])
-    assert not out.exists()
-
-
 def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> None:
     out = tmp_path / "q.json"
     with pytest.raises(ValueError, match="--sparse-lr 0.0: give a learning rate > 0"):
@@ -260,15 +241,14 @@ def test_child_argv_passes_every_option_on(tmp_path: Path) -> None:
     args = _parser().parse_args(
         ["--size", "tiny", "--batch", "64", "--max-steps", "2", "--eval-max-batches", "1",
          "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all", "--ema-decay", "0.99",
-         "--admission", "user_id:5", "--table-scale", "adgroup_id:4",
+         "--admission", "user_id:5",
          "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
     )  # fmt: skip
     on = _parser().parse_args(child_argv("on", 4, tmp_path, args, tmp_path / "on.json"))
     off = _parser().parse_args(child_argv("off", 4, tmp_path, args, tmp_path / "off.json"))
     for child in (on, off):
         for k in ("batch", "max_steps", "eval_max_batches", "capacity_scale", "sparse_lr",
-                  "crosses", "ema_decay", "admission", "table_scale", "num_workers", "device",
-                  "config"):  # fmt: skip
+                  "crosses", "ema_decay", "admission", "num_workers", "device", "config"):  # fmt: skip
             assert getattr(child, k) == getattr(args, k), k
         assert child.samples == tmp_path and child.seeds == "4" and child.jobs == 1
     assert (on.variants, on.id_dropout, off.variants, off.id_dropout) == ("on", 0.1, "off", 0.0)
