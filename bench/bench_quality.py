@@ -328,14 +328,16 @@ def data_info(samples: Path) -> dict[str, Any]:
     return info
 
 
-def generate(size: str, out: Path) -> Path:
-    """Synthetic ``size`` data built for the seed config into ``out``; returns its samples."""
+def generate(size: str, out: Path, config: Path) -> Path:
+    """Synthetic ``size`` data built for ``config``'s features into ``out`` (a config that
+    names a feature the seed config lacks, e.g. a second embedding of one input, gets its
+    column); returns its samples."""
     from shared.features import build_feature_set
     from train.data import synthetic, taobao
 
     t0 = time.perf_counter()
     synthetic.generate(size, out, seed=0)
-    taobao.build_samples(out / "raw", out / "samples", build_feature_set(load_config(SEED_CONFIG)))
+    taobao.build_samples(out / "raw", out / "samples", build_feature_set(load_config(config)))
     print(f"generated {size} in {time.perf_counter() - t0:.1f}s", flush=True)
     return out / "samples"
 
@@ -491,7 +493,11 @@ def check_args(argv: list[str] | None, device: bool = False) -> tuple[Any, list[
 
 
 def _samples(args: Any, work: Path) -> Path:
-    samples = args.samples if args.samples is not None else generate(args.size, work / "data")
+    samples = (
+        args.samples
+        if args.samples is not None
+        else generate(args.size, work / "data", args.config)
+    )
     for split in ("train", "eval"):
         if not (samples / split).is_dir():
             raise FileNotFoundError(

@@ -14,6 +14,9 @@
 # recipes over seeds, $JOBS at a time, no run started after $STOP_AFTER s, default 420) into
 # $OUT/quality_sweep.json; RESUME=path/to/an/earlier/quality_sweep.json (carried: e.g. under
 # out/) runs only the seeds it lacks. On a warm machine /tmp/full is still there.
+# DATA_CONFIG=path builds the samples for that config's features instead of the seed config's
+# (a config with a feature of its own name, e.g. a second embedding of one input, needs its
+# column; the seed config's columns come out the same, row for row).
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
@@ -21,12 +24,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc
 FULL=${FULL_DIR:-/tmp/full}
 t0=$(date +%s)
-if [ -f "$FULL/samples/_build_report.json" ] && [ -f "$FULL/generate_report.json" ]; then
+DATA_CONFIG=${DATA_CONFIG:-configs/multi_tower_din_taobao_dynamicemb.config}
+if [ -f "$FULL/samples/_build_report.json" ] && [ -f "$FULL/generate_report.json" ] \
+    && [ "$(cat "$FULL/data_config" 2>/dev/null)" = "$DATA_CONFIG" ]; then
   echo "reusing $FULL"
 else
-  python3 -m train.data all --size full --out "$FULL" \
-    --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1
+  python3 -m train.data all --size full --out "$FULL" --config "$DATA_CONFIG" \
+    > "$OUT/data.log" 2>&1
   echo "data rc=$? in $(( $(date +%s) - t0 )) s"
+  echo "$DATA_CONFIG" > "$FULL/data_config"
 fi
 if [ -n "$SWEEP" ]; then
   timeout ${BENCH_TIMEOUT:-580} python3 -m bench.quality_sweep "$SWEEP" --jobs ${JOBS:-2} \

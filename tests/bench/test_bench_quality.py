@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
 from bench.bench_quality import (
@@ -16,6 +17,7 @@ from bench.bench_quality import (
     child_argv,
     crosses_config,
     differences,
+    generate,
     goal,
     main,
     paired_differences,
@@ -294,3 +296,19 @@ def test_the_cold_ids_config_is_the_measured_recipe(tmp_path: Path) -> None:
     assert shipped.model_dir != measured.model_dir
     shipped.model_dir = measured.model_dir
     assert shipped == measured
+
+
+def test_generated_data_has_the_columns_of_the_configs_own_features(tmp_path: Path) -> None:
+    """A config with a second embedding of one input (the field-aware sweep's) trains on
+    generated data: the samples are built for its features, the seed config's columns alike."""
+    config = ROOT / "bench" / "sweeps" / "issue22_field_cross.config"
+    own = generate("tiny", tmp_path / "own", config)
+    seed = generate("tiny", tmp_path / "seed", SEED_CONFIG)
+    for part in sorted((seed / "train").glob("*.parquet")):
+        a, b = pq.read_table(part), pq.read_table(own / "train" / part.name)
+        assert set(b.column_names) - set(a.column_names) == {"adgroup_id_x", "cms_group_id_x"}
+        assert b.select(a.column_names).equals(a)
+        assert b.column("adgroup_id_x").equals(b.column("adgroup_id"))
+    out = tmp_path / "q.json"
+    main(["--size", "tiny", *FAST, "--variants", "on", "--config", str(config), "--out", str(out)])
+    _check_variant(json.loads(out.read_text())["variants"]["on"], counted=True)
