@@ -362,3 +362,44 @@ def test_dense_ema_evaluates_checkpoints_resumes_and_exports(
     plain.fit()
     with pytest.raises(CheckpointError, match="holds no dense EMA.*use_dense_ema: false"):
         restore_model(config, model_dir=tmp_path / "plain")
+
+
+def test_ema_fixed_tables_averages_the_fixed_tables_for_eval_and_export(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """``ema { fixed_tables: true }``: the fixed-size tables are in the average as well; the
+    final eval scores them, a restored model (what export writes) holds them, and with
+    use_dense_ema: false the trained tables come back."""
+    from train.export import evaluate_checkpoint, restore_model
+
+    config = tmp_path / "ema_tables.config"
+    config.write_text(
+        _ema_config(tmp_path).read_text().replace("ema { decay: 0.5 }",
+                                                  "ema { decay: 0.5 fixed_tables: true }")
+    )  # fmt: skip
+    run = Trainer(_options(tiny_samples, tmp_path / "run", config=config, max_steps=6,
+                           checkpoint_every=100))  # fmt: skip
+    result = run.fit()
+    ema = run.dense_ema
+    assert ema is not None
+    averages = {n: a.detach().clone() for n, a in ema.averaged().items()}
+    table_names = [n for n in averages if n.startswith("fixed_tables.")]
+    tables = dict(run.model.sparse.dense.named_parameters())
+    assert sorted(table_names) == sorted(f"fixed_tables.{n}" for n in tables)
+    trained = {n: p.detach().clone() for n, p in tables.items()}
+    assert any(not torch.equal(averages[f"fixed_tables.{n}"], trained[n]) for n in trained)
+    assert result.final_eval is not None
+    offline = evaluate_checkpoint(config, model_dir=tmp_path / "run", train_path=tiny_samples /
+                                  "train", eval_path=tiny_samples / "eval")  # fmt: skip
+    assert offline.auc == pytest.approx(result.final_eval.auc, abs=1e-6)
+
+    exported, _, _ = restore_model(config, model_dir=tmp_path / "run")
+    for n, p in exported.sparse.dense.named_parameters():
+        assert torch.equal(p, averages[f"fixed_tables.{n}"]), n
+    for n, p in exported.dense.named_parameters():
+        assert torch.equal(p, averages[n]), n
+    no_ema = tmp_path / "as_trained.config"
+    no_ema.write_text(config.read_text() + "\nexport_config { use_dense_ema: false }\n")
+    as_trained, _, _ = restore_model(no_ema, model_dir=tmp_path / "run")
+    for n, p in as_trained.sparse.dense.named_parameters():
+        assert torch.equal(p, trained[n]), n
