@@ -17,7 +17,6 @@ the embeddings near their initial values in one epoch), ``--crosses all`` or
 ``--crosses USER:ITEM,...`` adds ``model_config.multi_tower_din.crosses`` (every user × item
 feature cross, or the named ones: ``train/model/crosses.py``), and ``--ema-decay D`` sets (or
 turns on) the dense parameters' EMA, ``train_config.dense_optimizer.ema`` (``train/dense_ema.py``),
-``--ema-fixed-tables`` averages the fixed-size tables in it too (``ema.fixed_tables``),
 and ``--admission user_id:5`` a dynamic feature's ``frequency_admission_strategy.threshold``.
 
 ``--seeds 0,1,2`` trains every variant once per seed (the trainer's seed: initial weights, batch
@@ -99,7 +98,6 @@ def variant_config(
     sparse_lr: float | None = None,
     crosses: str | None = None,
     ema_decay: float | None = None,
-    ema_fixed_tables: bool = False,
     admission: str | None = None,
 ) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
@@ -108,13 +106,10 @@ def variant_config(
     scaled by ``capacity_scale`` (init capacity at most that), so that small data meets the
     table pressure of the full data's capacities; with ``sparse_lr`` as the sparse optimizer's
     learning rate, with the feature crosses of ``crosses`` (:func:`crosses_config`) and with
-    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``; ``ema_fixed_tables``:
-    over the fixed-size tables too, the EMA on at its default decay where the config has none)
-    and with the admission
+    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``) and with the admission
     thresholds of ``admission`` (:func:`set_admission`), both variants alike."""
     changes = (sparse_lr, crosses, ema_decay, admission)
-    unchanged = all(c is None for c in changes) and not ema_fixed_tables
-    if variant == "off" and capacity_scale == 1.0 and unchanged:
+    if variant == "off" and capacity_scale == 1.0 and all(c is None for c in changes):
         return base
     config = load_config(base)
     suffix = ""
@@ -130,9 +125,6 @@ def variant_config(
     if ema_decay is not None:
         config.train_config.dense_optimizer.ema.decay = ema_decay
         suffix += f"_ema{ema_decay:g}"
-    if ema_fixed_tables:
-        config.train_config.dense_optimizer.ema.fixed_tables = True
-        suffix += "_ematables"
     if admission is not None:
         thresholds = set_admission(config, admission)
         suffix += "_adm" + "_".join(f"{name}{n}" for name, n in thresholds.items())
@@ -385,12 +377,9 @@ def summary(result: dict[str, Any]) -> str:
         )
     if result.get("id_dropout"):
         lines.append(f"on: cold_backoff {{ id_dropout: {result['id_dropout']:g} }}")
-    if any(
-        result.get(k) is not None for k in ("sparse_lr", "crosses", "ema_decay", "admission")
-    ) or result.get("ema_fixed_tables"):
+    if any(result.get(k) is not None for k in ("sparse_lr", "crosses", "ema_decay", "admission")):
         lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}, "
                      f"dense EMA decay {result.get('ema_decay')}, "
-                     f"EMA over the fixed tables {bool(result.get('ema_fixed_tables'))}, "
                      f"admission {result.get('admission')}")  # fmt: skip
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
@@ -446,9 +435,6 @@ def _parser() -> Parser:
     p.add_argument("--ema-decay", type=float, default=None, metavar="D",
                    help="both variants: the dense EMA's decay (train_config.dense_optimizer.ema; "
                    "on where the config has none; default: the config's)")  # fmt: skip
-    p.add_argument("--ema-fixed-tables", action="store_true",
-                   help="both variants: the EMA averages the fixed-size (num_buckets) tables too "
-                   "(ema.fixed_tables; the EMA on at decay 0.999 where the config has none)")  # fmt: skip
     p.add_argument("--admission", default=None, metavar="SPEC",
                    help="both variants: frequency admission thresholds, FEATURE:N,... of dynamic "
                    "id features (a key gets a row once seen N times; default: the config's)")  # fmt: skip
@@ -526,7 +512,6 @@ def _run_here(name: str, seed: int, samples: Path, args: Any, work: Path) -> dic
     path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
                           id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
                           crosses=args.crosses, ema_decay=args.ema_decay,
-                          ema_fixed_tables=args.ema_fixed_tables,
                           admission=args.admission)  # fmt: skip
     entry = run_variant(path, samples, args, work / f"run_{name}_s{seed}", seed)
     entry["id_dropout"] = args.id_dropout if name == "on" else None
@@ -547,7 +532,7 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, value if isinstance(value, str) else repr(value)]
-    return argv + (["--ema-fixed-tables"] if args.ema_fixed_tables else [])
+    return argv
 
 
 @dataclass(frozen=True)
@@ -654,8 +639,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seeds": seeds,
         "jobs": args.jobs, "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
         "sparse_lr": args.sparse_lr, "crosses": args.crosses, "ema_decay": args.ema_decay,
-        "ema_fixed_tables": args.ema_fixed_tables, "admission": args.admission,
-        "variants": variants,
+        "admission": args.admission, "variants": variants,
         "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
         "goal": goal(variants, info["size"]),
     }  # fmt: skip

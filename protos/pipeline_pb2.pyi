@@ -156,12 +156,10 @@ class SparseOptimizer(_message.Message):
     def __init__(self, adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ...) -> None: ...
 
 class EMAConfig(_message.Message):
-    __slots__ = ("decay", "fixed_tables")
+    __slots__ = ("decay",)
     DECAY_FIELD_NUMBER: _ClassVar[int]
-    FIXED_TABLES_FIELD_NUMBER: _ClassVar[int]
     decay: float
-    fixed_tables: bool
-    def __init__(self, decay: _Optional[float] = ..., fixed_tables: _Optional[bool] = ...) -> None: ...
+    def __init__(self, decay: _Optional[float] = ...) -> None: ...
 
 class DenseOptimizer(_message.Message):
     __slots__ = ("adam_optimizer", "sgd_optimizer", "adagrad_optimizer", "constant_learning_rate", "exponential_decay_learning_rate", "manual_step_learning_rate", "cosine_annealing_learning_rate", "cosine_annealing_warm_restarts_learning_rate", "ema")

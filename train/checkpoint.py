@@ -48,7 +48,7 @@ from shared.hashtable.checkpoint import (
 from shared.hashtable.checkpoint import save as save_tables
 from shared.hashtable.checkpoint_io import CheckpointError
 from shared.stale_dirs import remove_stale_dirs
-from train.dense_ema import DenseEMA, load_averages
+from train.dense_ema import DenseEMA
 from train.model.multi_tower_din import MultiTowerDIN
 
 log = logging.getLogger(__name__)
@@ -277,14 +277,13 @@ def load_checkpoint(
             "train_config.dense_optimizer.ema); set use_dense_ema: false in the config's "
             "eval_config / export_config to use its trained weights"
         )
-    model.dense.load_state_dict(state["dense"])
-    model.sparse.dense.load_state_dict(state["dense_tables"])
-    if ema_weights:  # the dense part (and with ema.fixed_tables the fixed tables) averaged
-        load_averages(model.dense, model.sparse.dense, saved_ema["params"])
+    averages = saved_ema["params"] if ema_weights else {}
+    model.dense.load_state_dict({**state["dense"], **averages})
     if dense_ema is not None and saved_ema is not None:
         dense_ema.load_state_dict(saved_ema)
     elif dense_ema is not None:
         log.info("%s holds no dense EMA: the average starts at the next step", path)
+    model.sparse.dense.load_state_dict(state["dense_tables"])
     if model.fs.dynamic_tables:  # every table must be there (a resume continues all of them)
         model.sparse.dynamic.load(
             path, collection_paths(model.fs), rank=rank, world_size=world_size

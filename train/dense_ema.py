@@ -7,9 +7,6 @@ export can use instead of the last step's values, as TorchEasyRec's.
 
 over the parameters of the dense part (the towers, the DIN, the backoff and crosses: what the
 dense Adam updates; the embedding tables are not averaged, as tzrec averages no fused table).
-``ema { fixed_tables: true }`` (not in tzrec) averages the fixed-size tables as well (num_buckets,
-hash_bucket_size, boundaries: the profile and context features, which the sparse optimizer
-trains), under the names ``fixed_tables.<parameter>``; the dynamic tables never are.
 ``eval_config.use_dense_ema`` and ``export_config.use_dense_ema`` choose the averaged values for
 evaluation and for the exported bundle; unset, both follow whether ``ema`` is there
 (:func:`use_dense_ema`, tzrec's ``config_util.use_dense_ema``). Checkpoints keep the average,
@@ -31,7 +28,6 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from protos import pipeline_pb2
 
 FIELD = "train_config.dense_optimizer.ema"
-TABLES = "fixed_tables."  # the prefix of the fixed tables' parameters in the average
 
 
 def use_dense_ema(
@@ -48,12 +44,10 @@ def use_dense_ema(
 class DenseEMA:
     """The moving average of ``module``'s parameters (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, decay: float, tables: nn.Module | None = None) -> None:
+    def __init__(self, module: nn.Module, decay: float) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"{FIELD}.decay: {decay} is not in [0, 1]")
         named = dict(module.named_parameters())
-        if tables is not None:  # ema.fixed_tables
-            named |= {TABLES + n: p for n, p in tables.named_parameters()}
         self.names = list(named)
         self._source = nn.ParameterList(named.values())  # the module's own parameters
         self._average = AveragedModel(
@@ -63,15 +57,11 @@ class DenseEMA:
 
     @classmethod
     def of_config(
-        cls, module: nn.Module, tables: nn.Module, train_config: pipeline_pb2.TrainConfig
+        cls, module: nn.Module, train_config: pipeline_pb2.TrainConfig
     ) -> DenseEMA | None:
-        """The EMA ``train_config`` asks for over ``module`` (the dense part), and over
-        ``tables`` (the fixed-size tables) with ``ema.fixed_tables``; None without
-        ``dense_optimizer.ema``."""
+        """The EMA ``train_config`` asks for, None without ``dense_optimizer.ema``."""
         dense = train_config.dense_optimizer
-        if not dense.HasField("ema"):
-            return None
-        return cls(module, dense.ema.decay, tables if dense.ema.fixed_tables else None)
+        return cls(module, dense.ema.decay) if dense.HasField("ema") else None
 
     @property
     def updates(self) -> int:
@@ -114,24 +104,6 @@ class DenseEMA:
             with torch.no_grad():
                 for source, average in zip(self._source, self.averaged().values(), strict=True):
                     _swap(source, average)
-
-
-def load_averages(
-    module: nn.Module, tables: nn.Module, averages: Mapping[str, torch.Tensor]
-) -> None:
-    """Copy a saved average (:meth:`DenseEMA.state_dict`'s ``params``) into the parameters of
-    ``module`` (the dense part) and, for the ``fixed_tables.`` names, of ``tables``."""
-    params = dict(module.named_parameters())
-    params |= {TABLES + n: p for n, p in tables.named_parameters()}
-    unknown = sorted(set(averages) - set(params))
-    if unknown:
-        raise ValueError(
-            f"{FIELD}: the saved average has parameters this model lacks ({unknown[:3]}); "
-            "it was saved by another model config"
-        )
-    with torch.no_grad():
-        for name, average in averages.items():
-            params[name].copy_(average)
 
 
 def _swap(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -348,7 +348,7 @@ class Trainer:
             self.sync = GradSync(self.model, self.dist)
         self.optimizers = build_optimizers(self.model, tc)
         self.rates: dict[str, float] = {}  # of the last step (the train records show them)
-        self.dense_ema = DenseEMA.of_config(self.model.dense, self.model.sparse.dense, tc)
+        self.dense_ema = DenseEMA.of_config(self.model.dense, tc)
         self.eval_with_ema = self.dense_ema is not None and use_dense_ema(cfg.eval_config, tc)
         self.graphs = self._cuda_graphs()
         # in-loop checkpoints of a single process are written by a thread (distributed ones

@@ -174,19 +174,6 @@ def test_ema_decay_sets_or_turns_on_the_dense_ema_in_both_variants(tmp_path: Pat
             assert config == rest  # nothing else changed
 
 
-def test_ema_fixed_tables_sets_the_switch_in_both_variants(tmp_path: Path) -> None:
-    cold_ids = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb_cold_ids.config"
-    for name in ("off", "on"):
-        path = variant_config(cold_ids, name, tmp_path, ema_fixed_tables=True)
-        assert path.name.endswith(f"_{name}_ematables_x1.config")
-        config, rest = load_config(path), load_config(cold_ids)
-        assert config.train_config.dense_optimizer.ema.fixed_tables
-        rest.train_config.dense_optimizer.ema.fixed_tables = True
-        if name == "on":
-            rest.model_config.multi_tower_din.cold_backoff.SetInParent()
-        assert config == rest  # nothing else changed
-
-
 def test_admission_sets_the_named_dynamic_features_thresholds_only(tmp_path: Path) -> None:
     path = variant_config(SEED_CONFIG, "off", tmp_path, admission="user_id:5, brand:1")
     assert path.name.endswith("_off_admuser_id5_brand1_x1.config")
@@ -256,15 +243,14 @@ def test_child_argv_passes_every_option_on(tmp_path: Path) -> None:
     args = _parser().parse_args(
         ["--size", "tiny", "--batch", "64", "--max-steps", "2", "--eval-max-batches", "1",
          "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all", "--ema-decay", "0.99",
-         "--admission", "user_id:5", "--ema-fixed-tables",
+         "--admission", "user_id:5",
          "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
     )  # fmt: skip
     on = _parser().parse_args(child_argv("on", 4, tmp_path, args, tmp_path / "on.json"))
     off = _parser().parse_args(child_argv("off", 4, tmp_path, args, tmp_path / "off.json"))
     for child in (on, off):
         for k in ("batch", "max_steps", "eval_max_batches", "capacity_scale", "sparse_lr",
-                  "crosses", "ema_decay", "ema_fixed_tables", "admission", "num_workers",
-                  "device", "config"):  # fmt: skip
+                  "crosses", "ema_decay", "admission", "num_workers", "device", "config"):  # fmt: skip
             assert getattr(child, k) == getattr(args, k), k
         assert child.samples == tmp_path and child.seeds == "4" and child.jobs == 1
     assert (on.variants, on.id_dropout, off.variants, off.id_dropout) == ("on", 0.1, "off", 0.0)

@@ -84,7 +84,7 @@ def test_use_dense_ema_follows_the_ema_unless_set() -> None:
     assert use_dense_ema(None, train) and use_dense_ema(unset, train)
     assert not use_dense_ema(None, plain) and not use_dense_ema(off, train)
     assert use_dense_ema(on, plain)  # asked for: the checkpoint must then hold one
-    assert DenseEMA.of_config(_module(), _module(), plain) is None
+    assert DenseEMA.of_config(_module(), plain) is None
 
 
 def test_a_tzrec_config_with_dense_ema_parses() -> None:
@@ -95,24 +95,3 @@ def test_a_tzrec_config_with_dense_ema_parses() -> None:
     config = parse_config(text, "tzrec_ema.config")
     assert config.train_config.dense_optimizer.ema.decay == pytest.approx(0.99)
     assert config.eval_config.use_dense_ema and not config.export_config.use_dense_ema
-
-
-def test_fixed_tables_join_the_average_under_their_prefix_only_when_asked() -> None:
-    dense, tables = _module(), torch.nn.Embedding(5, 2)
-    train = text_format.Parse(
-        "dense_optimizer { ema { decay: 0.5 fixed_tables: true } }", pipeline_pb2.TrainConfig()
-    )
-    ema = DenseEMA.of_config(dense, tables, train)
-    assert ema is not None
-    dense_names = [n for n, _ in dense.named_parameters()]
-    assert ema.names == [*dense_names, "fixed_tables.weight"]
-    ema.update()
-    with torch.no_grad():
-        tables.weight.add_(1.0)
-    ema.update()
-    torch.testing.assert_close(ema.averaged()["fixed_tables.weight"], tables.weight - 0.5)
-    train.dense_optimizer.ema.fixed_tables = False
-    without = DenseEMA.of_config(dense, tables, train)
-    assert without is not None and without.names == dense_names
-    with pytest.raises(ValueError, match="state_dict|saved average"):
-        without.load_state_dict(ema.state_dict())  # a resume cannot switch it
