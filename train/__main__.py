@@ -115,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--train", type=Path, help="train samples (for head/tail user counts)")
     e.add_argument("--eval", type=Path, help="eval samples dir; default: eval_input_path")
     e.add_argument("--checkpoint", type=Path, help="checkpoint dir; default: newest in --model-dir")
+    e.add_argument(
+        "--predictions",
+        type=Path,
+        help="also write every eval row's prediction to this Parquet file (row, user_id, label, "
+        "probability, tail), in the eval samples' order",
+    )
 
     x = sub.add_parser(
         "export",
@@ -212,6 +218,7 @@ def _evaluate(args: argparse.Namespace) -> None:
         eval_path=args.eval,
         device=args.device,
         batch_size=args.batch_size,
+        predictions=args.predictions,
     )
     print(json.dumps(evaluated.to_dict()))
 

@@ -1,4 +1,5 @@
-"""Evaluation: AUC (torchmetrics), log loss, the oracle's AUC on the same rows, head/tail AUC."""
+"""Evaluation: AUC (torchmetrics), log loss, the oracle's AUC on the same rows, head/tail AUC;
+optionally every row's prediction in a Parquet file (:func:`write_predictions`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
@@ -73,6 +76,34 @@ def _user_ids(batch: Batch) -> np.ndarray:
     return per_user[batch.user_index.cpu()].numpy()
 
 
+def write_predictions(
+    path: Path,
+    user_ids: np.ndarray,
+    labels: torch.Tensor,
+    probs: torch.Tensor,
+    tail: np.ndarray | None,
+) -> None:
+    """One Parquet row per evaluated row, in the eval loader's order (unshuffled: the samples'
+    files in name order, each file's rows in order): ``row`` (that position), ``user_id`` (-1
+    where missing), ``label``, ``probability``, and ``tail`` (the user had fewer than
+    TAIL_THRESHOLD training samples; null without the training samples' counts). Written to a
+    temp file and renamed, so a file at ``path`` is always complete."""
+    n = len(labels)
+    tail_column = pa.nulls(n, pa.bool_()) if tail is None else pa.array(tail)
+    table = pa.table({
+        "row": pa.array(np.arange(n, dtype=np.int64)),
+        "user_id": pa.array(user_ids.astype(np.int64)),
+        "label": pa.array(labels.numpy().astype(np.int8)),
+        "probability": pa.array(probs.numpy().astype(np.float32)),
+        "tail": tail_column,
+    })  # fmt: skip
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
 def _global_order(per_rank: list[list[T]]) -> list[T]:
     """Batch 0 of every rank in rank order, then batch 1, ...: the order of the global batches."""
     return [x for batch in zip(*per_rank, strict=True) for x in batch]
@@ -86,12 +117,15 @@ def evaluate(
     device: torch.device | str = "cpu",
     user_counts: UserCounts | None = None,
     dist: DistEnv | None = None,
+    predictions: Path | None = None,
 ) -> EvalResult:
     """Score every batch in eval mode (no table inserts, no score changes) and compute metrics.
 
     Distributed (``dist``): a collective; each rank scores its part of every global batch, the
     parts are gathered in (batch, rank) order, i.e. the rows in the order one process with the
     global batch sees them, and every rank returns the metrics of all rows.
+    ``predictions``: also write every row's prediction there (:func:`write_predictions`; rank
+    0 only).
     """
     was_training = model.training
     model.eval()
@@ -105,7 +139,7 @@ def evaluate(
             labels.append(batch.labels.cpu())
             if batch.oracle is not None:
                 oracle.append(batch.oracle.cpu())
-            if user_counts is not None:
+            if user_counts is not None or predictions is not None:
                 users.append(_user_ids(batch))
     finally:
         model.train(was_training)
@@ -126,10 +160,14 @@ def evaluate(
     oracle_auc = _auc(torch.cat(oracle), y) if oracle and len(oracle) == len(probs) else None
     head_auc = tail_auc = None
     tail_rows = 0
+    user_ids = np.concatenate(users) if users else np.zeros(0, np.int64)
+    tail = None
     if user_counts is not None and users:
-        tail = torch.from_numpy(user_counts.lookup(np.concatenate(users)) < TAIL_THRESHOLD)
+        tail = torch.from_numpy(user_counts.lookup(user_ids) < TAIL_THRESHOLD)
         tail_rows = int(tail.sum())
         head_auc, tail_auc = _auc(p[~tail], y[~tail]), _auc(p[tail], y[tail])
+    if predictions is not None and (dist is None or dist.rank == 0):
+        write_predictions(predictions, user_ids, y, p, None if tail is None else tail.numpy())
     return EvalResult(
         rows=len(y),
         auc=float("nan") if auc is None else auc,

@@ -122,7 +122,11 @@ def evaluate_checkpoint(
     eval_path: Path | None = None,
     device: str = "cpu",
     batch_size: int | None = None,
+    predictions: Path | None = None,
 ) -> EvalResult:
+    """The metrics of a checkpoint on the eval samples (head/tail where the training samples
+    are there), and with ``predictions`` every row's prediction in that Parquet file
+    (:func:`train.evaluate.write_predictions`)."""
     config = load_config(config_path)
     model, _progress, _ckpt = restore_model(
         config_path, model_dir=model_dir, checkpoint=checkpoint, device=device, for_eval=True
@@ -138,4 +142,6 @@ def evaluate_checkpoint(
     )
     train_path = Path(train_path or config.train_input_path)
     counts = UserCounts.from_samples(train_path) if train_path.exists() else None
-    return evaluate(model, loader.epoch(0), device=device, user_counts=counts)
+    return evaluate(
+        model, loader.epoch(0), device=device, user_counts=counts, predictions=predictions
+    )

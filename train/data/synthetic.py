@@ -506,6 +506,17 @@ def _write_behavior(
     _write_csv(out / tb.BEHAVIOR_LOG, tb.BEHAVIOR_LOG_HEADER, log.take(rng.permutation(len(rows))))
 
 
+def _files_rng(seed: int) -> np.random.Generator:
+    """The generator of the written files' draws (ids first, then the files' own)."""
+    return np.random.default_rng([seed, 4])
+
+
+def public_ids(spec: SizeSpec, seed: int) -> _Ids:
+    """The ids :func:`generate` writes for world indices (``ids.user[i]`` is user i's id in the
+    files), drawn as it draws them: to join diagnostics on :func:`simulate_world` to the files."""
+    return _Ids.draw(spec, _files_rng(seed))
+
+
 def _write_files(
     out: Path,
     spec: SizeSpec,
@@ -515,7 +526,7 @@ def _write_files(
     rng: np.random.Generator,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    ids = _Ids.draw(spec, rng)
+    ids = _Ids.draw(spec, rng)  # the first draws of rng: public_ids
     _write_ads(out, world, ids, rng)
     _write_profiles(out, model, world, ids, rng)
     _write_samples(out, imp, ids, rng)
@@ -561,7 +572,7 @@ def generate(
     sim = simulate_world(size, seed=seed, model=model)
     spec, model, world, b0, imp = sim.spec, sim.model, sim.world, sim.b0, sim.impressions
     out = Path(out_dir)
-    _write_files(out / "raw", spec, model, world, imp, np.random.default_rng([seed, 4]))
+    _write_files(out / "raw", spec, model, world, imp, _files_rng(seed))
     ads_seen = np.bincount(imp.ad, minlength=spec.ads)
     users_seen = np.bincount(imp.user, minlength=spec.users)
     seq = np.minimum(imp.prior_clicks, 100)

@@ -110,3 +110,18 @@ def test_sizes_match_the_public_dataset() -> None:
     full = synthetic.SIZES["full"]
     assert (full.samples, full.users, full.ads) == (26_557_961, 1_141_729, 846_811)
     assert synthetic.SIZES["small"].samples <= 400_000
+
+
+def test_public_ids_are_the_ids_of_the_files(tiny: tuple[Path, synthetic.GenerateReport]) -> None:
+    """Impression i of the simulation is the raw sample of its user's and ad's public ids at its
+    second: the join :mod:`bench.bench_tail_misses` makes."""
+    raw, _ = tiny
+    sim = synthetic.simulate_world("tiny", seed=0)
+    ids = synthetic.public_ids(sim.spec, seed=0)
+    imp = sim.impressions
+    rows = taobao.read_raw_sample(raw)
+    want = sorted(zip(ids.user[imp.user].tolist(), ids.ad[imp.ad].tolist(), imp.time.tolist(),
+                      imp.clk.tolist(), strict=True))  # fmt: skip
+    got = sorted(zip(rows.user.tolist(), rows.adgroup_id.tolist(), rows.time_stamp.tolist(),
+                     rows.clk.tolist(), strict=True))  # fmt: skip
+    assert got == want

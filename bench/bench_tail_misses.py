@@ -1,0 +1,243 @@
+"""Which planted terms a trained model's scores miss on the tail (issue #22): per-row regression.
+
+:mod:`bench.bench_tail_ceiling` says what the tail can reach at all; this says where a trained
+model stands against it, term by term. It joins a model's prediction of every eval row
+(``python -m train evaluate --predictions FILE``) to the planted click model's terms of the same
+impression (:func:`train.data.synthetic.simulate_world` regenerates the world; rows are joined on
+the public user and ad ids, the second, the label and the stored oracle p, and every eval row
+must join), then fits, on the tail rows (the prediction file's ``tail``), a logistic regression
+of the label on the model's logit plus one planted term at a time::
+
+    label ~ a + b * logit + c * term
+
+and reports the AUC of that score beside the model's own. A term whose ``c`` is near 0 and which
+adds no AUC is one the model's logit already carries; one that adds AUC is information the
+model lacks. The fits are two-fold by user (fit on one half of the users, score the other), so
+no row scores with coefficients fitted on itself. Terms (float64, as in the ceiling bench):
+``demographic_match`` (the match with ``user_emb`` = 0.5·the ``cms_group_id`` embedding: what a
+profile tells), ``other_match`` (the rest of the match: favourite cates and per-user noise,
+knowable only from clicks), ``price`` (the ad's log price × the ``pvalue_level`` sensitivity),
+``ad_bias``, ``pid``, ``history`` (the two click-history terms), ``user_bias`` (unknowable
+for a user not seen), and ``knowable``: ``demographic_match`` + ``price`` + ``ad_bias`` + ``pid``
++ ``history``, fitted as one term per part. Measured on full data (seed 0, CPU, 2 cores): about
+70 s and 5 GB::
+
+    python -m train evaluate --config C --model-dir M --train /tmp/full/samples/train \\
+        --eval /tmp/full/samples/eval --predictions /tmp/preds.parquet
+    python -m bench.bench_tail_misses --size full --samples /tmp/full/samples \\
+        --predictions /tmp/preds.parquet --out bench/results/tail_misses_full.json
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from bench.bench_tail_ceiling import _match, auc, logit_terms, split_rows
+from shared.cli import Parser, plain, run_cli
+from shared.cli import exit_code as _exit_code
+from train.data import synthetic
+from train.data import taobao as tb
+
+TERMS = ("demographic_match", "other_match", "price", "ad_bias", "pid", "history", "user_bias")
+KNOWABLE = ("demographic_match", "price", "ad_bias", "pid", "history")
+EXAMPLE = """example:
+  python -m bench.bench_tail_misses --size full --samples /tmp/full/samples \\
+      --predictions /tmp/preds.parquet --out bench/results/tail_misses_full.json"""
+
+
+def eval_terms(sim: synthetic.Simulation, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The terms of :data:`TERMS` (float64) for impressions ``rows``."""
+    t = logit_terms(sim, rows)
+    demo = _match(0.5 * sim.world.demo_emb[sim.world.profile["cms_group_id"]], sim, rows)
+    return {
+        "demographic_match": demo,
+        "other_match": t["match"] - demo,
+        "price": t["price"],
+        "ad_bias": t["ad_bias"],
+        "pid": t["pid"],
+        "history": t["hist_cate"] + t["hist_brand"],
+        "user_bias": t["user_bias"],
+    }
+
+
+def _keys(*columns: np.ndarray) -> np.ndarray:
+    """The row order that sorts by ``columns`` (the last the primary key)."""
+    return np.lexsort(columns)
+
+
+def join_rows(sim: synthetic.Simulation, rows: np.ndarray, samples: Path, seed: int) -> np.ndarray:
+    """For each eval sample (``samples/eval``, files in name order, as the unshuffled eval loader
+    reads them), the impression index into ``rows`` it was built from; ValueError if any sample
+    does not join."""
+    ids = synthetic.public_ids(sim.spec, seed)
+    imp = sim.impressions
+    files = sorted((samples / "eval").glob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"{samples}/eval: no Parquet files; build the samples first")
+    cols = ["user_id", "adgroup_id", "time_stamp", tb.LABEL_COLUMN, tb.ORACLE_COLUMN]
+    table = pq.read_table(files, columns=cols)
+    if table.num_rows != len(rows):
+        raise ValueError(
+            f"{samples}/eval has {table.num_rows} rows, the simulation's eval day {len(rows)}: "
+            "were the samples generated with this --size and --seed?"
+        )
+    mine = [
+        ids.user[imp.user[rows]],
+        ids.ad[imp.ad[rows]],
+        imp.time[rows],
+        imp.clk[rows].astype(np.int64),
+        imp.p[rows].view(np.int32).astype(np.int64),
+    ]
+    theirs = [table[c].fill_null(-1).to_numpy().astype(np.int64) for c in cols[:-1]] + [
+        table[tb.ORACLE_COLUMN].to_numpy().astype(np.float32).view(np.int32).astype(np.int64)
+    ]
+    a, b = _keys(*mine), _keys(*theirs)
+    for m, t, name in zip(mine, theirs, ["user_id", *cols[1:]], strict=True):
+        if not np.array_equal(m[a], t[b]):
+            raise ValueError(
+                f"{samples}/eval does not join the simulation's eval impressions on {name}: "
+                "were the samples generated with this --size and --seed?"
+            )
+    out = np.empty(len(rows), np.int64)
+    out[b] = a
+    return out
+
+
+def _fit_logistic(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Weights w (with the intercept last) of the logistic regression of ``y`` on ``x``."""
+    xb = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    w = torch.zeros(xb.shape[1], dtype=x.dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(xb @ w, y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach()
+
+
+def cross_fitted(features: np.ndarray, labels: np.ndarray, fold: np.ndarray) -> dict[str, Any]:
+    """Two-fold fit of ``labels`` on ``features`` [N, K] (fold: bool per row): the out-of-fold
+    score's AUC and each fold's coefficients."""
+    x = torch.from_numpy(features.astype(np.float64))
+    y = torch.from_numpy(labels.astype(np.float64))
+    score = torch.empty(len(y), dtype=torch.float64)
+    coefs = []
+    for f in (True, False):
+        train = torch.from_numpy(fold != f)
+        w = _fit_logistic(x[train], y[train])
+        score[~train] = x[~train] @ w[:-1] + w[-1]
+        coefs.append([round(float(c), 5) for c in w])
+    return {"auc": auc(score.numpy(), labels), "coefficients": coefs}
+
+
+def misses(
+    logit: np.ndarray, labels: np.ndarray, terms: dict[str, np.ndarray], users: np.ndarray
+) -> dict[str, Any]:
+    """The model alone, then + each term, then + the knowable terms, on one set of rows."""
+    fold = (users % 2) == 0
+    base = cross_fitted(logit[:, None], labels, fold)
+    out: dict[str, Any] = {"rows": len(labels), "model_auc": auc(logit, labels),
+                           "model_refit": base, "plus": {}}  # fmt: skip
+    for name in TERMS:
+        fit = cross_fitted(np.stack([logit, terms[name]], 1), labels, fold)
+        fit["auc_gain"] = fit["auc"] - base["auc"]
+        fit["term_alone_auc"] = auc(terms[name], labels)
+        out["plus"][name] = fit
+    fit = cross_fitted(np.stack([logit, *(terms[k] for k in KNOWABLE)], 1), labels, fold)
+    fit["auc_gain"] = fit["auc"] - base["auc"]
+    out["plus"]["knowable"] = fit
+    return out
+
+
+def tail_misses(size: str, seed: int, samples: Path, predictions: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    sim = synthetic.simulate_world(size, seed=seed)
+    _, evaluation = split_rows(sim.impressions.time)
+    rows = np.flatnonzero(evaluation)
+    order = join_rows(sim, rows, samples, seed)  # sample i is impression rows[order[i]]
+    preds = pq.read_table(predictions)
+    if preds.num_rows != len(rows):
+        raise ValueError(f"{predictions}: {preds.num_rows} rows, the eval samples {len(rows)}")
+    labels = preds["label"].to_numpy().astype(np.int8)
+    if not np.array_equal(labels, sim.impressions.clk[rows][order]):
+        raise ValueError(
+            f"{predictions}: its labels are not the eval samples' in order; write it with "
+            "python -m train evaluate --predictions on these samples"
+        )
+    if preds["tail"].null_count:
+        raise ValueError(f"{predictions}: no tail column; evaluate with --train")
+    tail = preds["tail"].to_numpy(zero_copy_only=False).astype(bool)
+    p = np.clip(preds["probability"].to_numpy().astype(np.float64), 1e-7, 1 - 1e-7)
+    logit = np.log(p) - np.log1p(-p)
+    terms = {k: v[order] for k, v in eval_terms(sim, rows).items()}
+    users = sim.impressions.user[rows][order]
+    return {
+        "bench": "tail_misses",
+        "size": size,
+        "seed": seed,
+        "samples": str(samples),
+        "predictions": str(predictions),
+        "eval_rows": len(rows),
+        "tail": misses(logit[tail], labels[tail], {k: v[tail] for k, v in terms.items()},
+                       users[tail]),
+        "head": misses(logit[~tail], labels[~tail], {k: v[~tail] for k, v in terms.items()},
+                       users[~tail]),
+        "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = []
+    for part in ("tail", "head"):
+        r = result[part]
+        lines.append(f"{part}: {r['rows']:,} rows, model AUC {r['model_auc']:.4f} "
+                     f"(refit {r['model_refit']['auc']:.4f})")  # fmt: skip
+        lines.append(f"  {'+ term':18} {'auc':>8} {'gain':>8} {'alone':>8}  coef (fold 1)")
+        for name, fit in r["plus"].items():
+            alone = fit.get("term_alone_auc")
+            lines.append(f"  {name:18} {fit['auc']:8.4f} {fit['auc_gain']:+8.4f} "
+                         f"{'       -' if alone is None else f'{alone:8.4f}'}  "
+                         f"{fit['coefficients'][0][:-1]}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_tail_misses", description=plain(__doc__),
+               epilog=EXAMPLE)  # fmt: skip
+    p.add_argument("--size", default="small", choices=list(synthetic.SIZES),
+                   help="the synthetic data size the samples were generated at")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    p.add_argument("--samples", type=Path, required=True, help="the samples dir (with eval/)")
+    p.add_argument("--predictions", type=Path, required=True,
+                   help="python -m train evaluate --predictions's file for these samples")  # fmt: skip
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    result = tail_misses(args.size, args.seed, args.samples, args.predictions)
+    result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(args.out)
+    print(summary(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -1,0 +1,92 @@
+"""bench/bench_tail_misses.py on small data (tiny's eval day has too few rows for a fit): every
+eval sample joins its impression; a "model"
+that is the oracle misses nothing, one without a term misses that term (its coefficient near 1);
+a prediction file of other rows is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from bench.bench_tail_ceiling import split_rows
+from bench.bench_tail_misses import eval_terms, join_rows, main
+from shared.features import FeatureSet
+from train.data import synthetic
+from train.evaluate import TAIL_THRESHOLD, UserCounts, write_predictions
+
+SIZE = "small"
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory: pytest.TempPathFactory, seed_fs: FeatureSet) -> Path:
+    from train.data.taobao import build_samples
+
+    root = tmp_path_factory.mktemp("small")
+    synthetic.generate(SIZE, root, seed=0)
+    build_samples(root / "raw", root / "samples", seed_fs)
+    return root / "samples"
+
+
+def _predictions(samples: Path, out: Path, logit: np.ndarray | None = None) -> Path:
+    """A prediction file in the eval samples' order: the oracle's p, or sigmoid(logit)."""
+    table = pq.read_table(sorted((samples / "eval").glob("*.parquet")))
+    users = table["user_id"].to_numpy()
+    p = table["_oracle_p"].to_numpy().astype(np.float32)
+    if logit is not None:
+        p = (1 / (1 + np.exp(-logit))).astype(np.float32)
+    tail = UserCounts.from_samples(samples / "train").lookup(users) < TAIL_THRESHOLD
+    labels = torch.from_numpy(table["clk"].to_numpy().astype(np.float32))
+    write_predictions(out, users, labels, torch.from_numpy(p), tail)
+    return out
+
+
+def test_every_sample_joins_its_impression(samples: Path) -> None:
+    sim = synthetic.simulate_world(SIZE, seed=0)
+    rows = np.flatnonzero(split_rows(sim.impressions.time)[1])
+    order = join_rows(sim, rows, samples, seed=0)
+    assert sorted(order.tolist()) == list(range(len(rows)))
+    table = pq.read_table(sorted((samples / "eval").glob("*.parquet")))
+    np.testing.assert_array_equal(table["_oracle_p"].to_numpy(), sim.impressions.p[rows][order])
+    with pytest.raises(ValueError, match="this --size and --seed"):
+        join_rows(synthetic.simulate_world(SIZE, seed=1), rows, samples, seed=1)
+
+
+def test_the_oracle_misses_nothing_and_a_dropped_term_is_found(
+    samples: Path, tmp_path: Path
+) -> None:
+    oracle = _predictions(samples, tmp_path / "oracle.parquet")
+    result = main(["--size", SIZE, "--samples", str(samples), "--predictions", str(oracle),
+                   "--out", str(tmp_path / "o.json")])  # fmt: skip
+    head = result["head"]
+    assert head["rows"] > 1000
+    assert all(abs(fit["auc_gain"]) < 0.01 for fit in head["plus"].values())
+
+    sim = synthetic.simulate_world(SIZE, seed=0)
+    rows = np.flatnonzero(split_rows(sim.impressions.time)[1])
+    order = join_rows(sim, rows, samples, seed=0)
+    terms = eval_terms(sim, rows)
+    p = sim.impressions.p[rows].astype(np.float64)
+    without = (np.log(p / (1 - p)) - terms["ad_bias"])[order]
+    dropped = _predictions(samples, tmp_path / "dropped.parquet", without)
+    result = main(["--size", SIZE, "--samples", str(samples), "--predictions", str(dropped),
+                   "--out", str(tmp_path / "d.json")])  # fmt: skip
+    fit = result["head"]["plus"]["ad_bias"]
+    assert fit["auc_gain"] > 0.005
+    model_coef, term_coef = fit["coefficients"][0][:2]
+    assert model_coef == pytest.approx(1.0, abs=0.25) and term_coef == pytest.approx(1.0, abs=0.25)
+    assert max(abs(f["auc_gain"]) for k, f in result["head"]["plus"].items()
+               if k not in ("ad_bias", "knowable")) < fit["auc_gain"]  # fmt: skip
+
+
+def test_predictions_of_other_rows_are_refused(samples: Path, tmp_path: Path) -> None:
+    path = _predictions(samples, tmp_path / "p.parquet")
+    table = pq.read_table(path)
+    shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))
+    pq.write_table(shuffled, path)
+    with pytest.raises(ValueError, match="not the eval samples' in order"):
+        main(["--size", SIZE, "--samples", str(samples), "--predictions", str(path),
+              "--out", str(tmp_path / "x.json")])  # fmt: skip
