@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if raw is None:
             synthetic.generate(args.size, work / "gen", seed=0)
             raw = work / "gen" / "raw"
-        result = {"bench": "build_samples", "raw": str(args.raw), "size": args.size,
+        size = None if args.raw else args.size  # --raw: whatever was generated there
+        result = {"bench": "build_samples", "raw": str(args.raw), "size": size,
                   **measure(raw, work, threads, args.repeats)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = args.out.with_name(args.out.name + ".tmp")
