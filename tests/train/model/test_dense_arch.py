@@ -243,3 +243,41 @@ def test_training_fast_path_equals_general_path(lengths: list[int]) -> None:
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
     with pytest.raises(ValueError, match="one user per candidate row"):
         arch(**{**x, "user_deep": x["user_deep"].repeat(2, 1), "user_index": None})
+
+
+def test_linear_terms_start_at_zero_and_add_w_dot_the_towers_input() -> None:
+    """linear_terms: the same seeded weights as without them (the term draws nothing and starts
+    at 0, so the switch off is the model as it was); then logit += w . [user_deep[ui], item_deep],
+    in eager and in the exported program; the arch config carries it (old configs: off)."""
+    torch.manual_seed(0)
+    off = DenseArch(24, 20, 12, [32, 16], [16, 8], [8]).eval()
+    torch.manual_seed(0)
+    on = DenseArch(24, 20, 12, [32, 16], [16, 8], [8], linear=True).eval()
+    a, b = off.state_dict(), on.state_dict()
+    assert set(b) - set(a) == {"linear.weight"} and all(torch.equal(a[k], b[k]) for k in a)
+    x = inputs(on, torch.Generator().manual_seed(5), [3, 0, 2], [0, 1, 2, 2, 0])
+    with torch.no_grad():
+        torch.testing.assert_close(on(**x), off(**x), rtol=0, atol=0)
+        assert on.linear is not None
+        on.linear.weight.normal_()
+        deep_in = torch.cat([x["user_deep"][x["user_index"]], x["item_deep"]], dim=1)
+        want = off(**x) + deep_in @ on.linear.weight[0]
+        torch.testing.assert_close(on(**x), want, rtol=1e-5, atol=1e-5)
+    program = export_dense_arch(on, example_inputs(on))
+    torch.testing.assert_close(program.module()(**x), on(**x), rtol=1e-6, atol=1e-6)
+    assert on.config.linear and DenseArchConfig.from_dict(on.config.to_dict()) == on.config
+    old = {k: v for k, v in on.config.to_dict().items() if k != "linear"}
+    assert not DenseArchConfig.from_dict(old).linear
+
+
+def test_linear_terms_come_from_the_config(
+    seed_config: tuple[FeatureSet, pipeline_pb2.EasyRecConfig],
+) -> None:
+    fs, config = seed_config
+    assert DenseArch.from_config(fs, config.model_config).linear is None
+    with_terms = pipeline_pb2.ModelConfig()
+    with_terms.CopyFrom(config.model_config)
+    with_terms.multi_tower_din.linear_terms.SetInParent()
+    arch = DenseArch.from_config(fs, with_terms)
+    assert arch.linear is not None and arch.config.linear
+    assert arch.linear.in_features == arch.config.user_deep_dim + arch.config.item_deep_dim
