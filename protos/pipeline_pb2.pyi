@@ -429,25 +429,19 @@ class FeatureCross(_message.Message):
     item_feature: str
     def __init__(self, user_feature: _Optional[str] = ..., item_feature: _Optional[str] = ...) -> None: ...
 
-class LinearTerms(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class MultiTowerDIN(_message.Message):
-    __slots__ = ("towers", "din_towers", "final", "cold_backoff", "crosses", "linear_terms")
+    __slots__ = ("towers", "din_towers", "final", "cold_backoff", "crosses")
     TOWERS_FIELD_NUMBER: _ClassVar[int]
     DIN_TOWERS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     COLD_BACKOFF_FIELD_NUMBER: _ClassVar[int]
     CROSSES_FIELD_NUMBER: _ClassVar[int]
-    LINEAR_TERMS_FIELD_NUMBER: _ClassVar[int]
     towers: _containers.RepeatedCompositeFieldContainer[Tower]
     din_towers: _containers.RepeatedCompositeFieldContainer[DINTower]
     final: MLP
     cold_backoff: ColdBackoff
     crosses: FeatureCrosses
-    linear_terms: LinearTerms
-    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ..., cold_backoff: _Optional[_Union[ColdBackoff, _Mapping]] = ..., crosses: _Optional[_Union[FeatureCrosses, _Mapping]] = ..., linear_terms: _Optional[_Union[LinearTerms, _Mapping]] = ...) -> None: ...
+    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ..., cold_backoff: _Optional[_Union[ColdBackoff, _Mapping]] = ..., crosses: _Optional[_Union[FeatureCrosses, _Mapping]] = ...) -> None: ...
 
 class AUC(_message.Message):
     __slots__ = ("thresholds",)

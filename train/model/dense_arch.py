@@ -84,7 +84,6 @@ class DenseArchConfig:
     final: MLPConfig | None  # None: the output Linear reads concat(tower, din) directly
     backoff: tuple[SpaceBackoff, ...] = ()  # cold-id backoff (train.model.backoff); () off
     crosses: tuple[Cross, ...] = ()  # feature crosses (train.model.crosses); () off
-    linear: bool = False  # first-order terms w . deep_in added to the logit (linear_terms)
 
     def to_dict(self) -> dict[str, object]:
         def mlp(c: MLPConfig | None) -> dict[str, object] | None:
@@ -105,7 +104,6 @@ class DenseArchConfig:
             "final": mlp(self.final),
             "backoff": [s.to_dict() for s in self.backoff],
             "crosses": [c.to_dict() for c in self.crosses],
-            "linear": self.linear,
         }
 
     @classmethod
@@ -125,7 +123,6 @@ class DenseArchConfig:
             None if final is None else mlp(final),
             tuple(SpaceBackoff.from_dict(s) for s in d.get("backoff", ())),
             tuple(Cross.from_dict(c) for c in d.get("crosses", ())),
-            bool(d.get("linear", False)),
         )
 
 
@@ -148,7 +145,6 @@ class DenseArch(nn.Module):
         final_units: MLPConfig | Sequence[int] | None,
         backoff: Sequence[SpaceBackoff] = (),
         crosses: Sequence[Cross] = (),
-        linear: bool = False,
     ) -> None:
         super().__init__()
         final = MLPConfig.of(final_units) if final_units else None
@@ -161,7 +157,6 @@ class DenseArch(nn.Module):
             final,
             tuple(backoff),
             tuple(crosses),
-            linear,
         )
         self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
         self.din = JaggedDIN(seq_dim, self.config.attn)
@@ -171,9 +166,6 @@ class DenseArch(nn.Module):
         # last, and drawing nothing: the layers above keep their seeded initial values
         self.backoff = ColdBackoff(backoff) if backoff else None
         self.crosses = FeatureCrosses(crosses, user_deep_dim) if crosses else None
-        self.linear = nn.Linear(user_deep_dim + item_deep_dim, 1, bias=False) if linear else None
-        if self.linear is not None:
-            nn.init.zeros_(self.linear.weight)  # learned from zero; draws nothing
 
     @property
     def takes_cold(self) -> bool:
@@ -191,7 +183,6 @@ class DenseArch(nn.Module):
             config.final,
             config.backoff,
             config.crosses,
-            config.linear,
         )
 
     @classmethod
@@ -241,7 +232,6 @@ class DenseArch(nn.Module):
             final,
             backoff_spaces(feature_set, mtd.cold_backoff) if mtd.HasField("cold_backoff") else (),
             crosses_of(feature_set, mtd.crosses) if mtd.HasField("crosses") else (),
-            mtd.HasField("linear_terms"),
         )
 
     def forward(
@@ -311,8 +301,8 @@ class DenseArch(nn.Module):
         pair_element: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits [B] of embeddings already backed off (:meth:`back_off`): towers, DIN,
-        final MLP, and the feature crosses (:mod:`train.model.crosses`) and first-order terms
-        (``linear_terms``) when on. Same inputs as :meth:`forward` without the cold masks."""
+        final MLP, and the feature crosses when on (:mod:`train.model.crosses`). Same inputs as
+        :meth:`forward` without the cold masks."""
         if (pair_segment is None) != (pair_element is None):
             raise ValueError(
                 "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
@@ -334,11 +324,7 @@ class DenseArch(nn.Module):
         din = self.din(query, seq_values, seq_lengths, user_index, pairs)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]
         logits = self.output(h).squeeze(1)  # [B]
-        if self.crosses is not None:
-            logits = logits + self.crosses(deep_in)
-        if self.linear is not None:
-            logits = logits + self.linear(deep_in).squeeze(1)
-        return logits
+        return logits if self.crosses is None else logits + self.crosses(deep_in)
 
 
 # --------------------------------------------------------------------------- export
