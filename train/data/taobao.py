@@ -527,6 +527,27 @@ class _PartWriter:
         return len(self.writers)
 
 
+def _write_splits(
+    writers: list[_PartWriter],
+    table: pa.Table,
+    seq_len: np.ndarray,
+    split: np.ndarray,
+    seq_cap: int,
+    seq_sum: list[int],
+    report: BuildReport,
+) -> None:
+    """A chunk's rows to their split's writer (``split``: index into ``writers`` per row, -1 =
+    none), counting their sequence lengths into ``seq_sum`` and ``report``."""
+    for i, writer in enumerate(writers):
+        mask = split == i
+        if mask.any():
+            kept = seq_len[mask]
+            seq_sum[i] += int(kept.sum())
+            report.samples_at_sequence_cap += int((kept >= seq_cap).sum())
+            report.max_sequence_length = max(report.max_sequence_length, int(kept.max()))
+            writer.write(table.filter(pa.array(mask)))
+
+
 def _null_bad_prices(ads: pa.Table) -> tuple[pa.Table, int]:
     """NaN or negative prices → null (feature generation would refuse them); returns the count."""
     price = ads.column("price")
@@ -606,14 +627,7 @@ def build_samples(
     for lo, hi, table, seq_len, missing in _in_order(chunk, len(cols.user), chunk_rows, threads):
         missing_tokens.update(missing)
         nulls.update({c: table.column(c).null_count for c in table.column_names})
-        for i, writer in enumerate(writers):
-            mask = split_of[lo:hi] == i
-            if mask.any():
-                kept = seq_len[mask]
-                seq_sum[i] += int(kept.sum())
-                report.samples_at_sequence_cap += int((kept >= seq_cap).sum())
-                report.max_sequence_length = max(report.max_sequence_length, int(kept.max()))
-                writer.write(table.filter(pa.array(mask)))
+        _write_splits(writers, table, seq_len, split_of[lo:hi], seq_cap, seq_sum, report)
     report.parts = {name: w.close() for name, w in zip(SPLITS, writers, strict=True)}
     report.nulls = {k: v for k, v in sorted(nulls.items()) if v}
     report.missing_sequence_tokens = {k: v for k, v in missing_tokens.items() if v}
