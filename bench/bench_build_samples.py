@@ -12,7 +12,6 @@ full build is the largest part of the data a device call makes before it trains:
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.cli import Parser, plain, run_cli
+from shared.cli import Parser, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
@@ -94,10 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         size = None if args.raw else args.size  # --raw: whatever was generated there
         result = {"bench": "build_samples", "raw": str(args.raw), "size": size,
                   **measure(raw, work, threads, args.repeats)}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_name(args.out.name + ".tmp")
-    tmp_out.write_text(json.dumps(result, indent=2))
-    tmp_out.replace(args.out)
+    write_result(args.out, result)
     print(f"build: 1 thread {result['median_one_thread']:.1f} s, {threads} threads "
           f"{result['median_threads']:.1f} s ({result['speedup']:.2f}x), identical files: "
           f"{result['identical_files']}", flush=True)  # fmt: skip

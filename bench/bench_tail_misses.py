@@ -30,7 +30,6 @@ for a user not seen), and ``knowable``: ``demographic_match`` + ``price`` + ``ad
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
@@ -42,7 +41,7 @@ import pyarrow.parquet as pq
 import torch
 
 from bench.bench_tail_ceiling import _match, auc, logit_terms, split_rows
-from shared.cli import Parser, plain, run_cli
+from shared.cli import Parser, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from train.data import synthetic
 from train.data import taobao as tb
@@ -231,10 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     result = tail_misses(args.size, args.seed, args.samples, args.predictions)
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
+    write_result(args.out, result)
     print(summary(result), flush=True)
     return result
 

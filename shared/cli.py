@@ -13,12 +13,14 @@ code 2. ``--debug`` anywhere on the command line shows the traceback instead::
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 EXIT_ERROR = 2  # argparse's exit code for usage errors; ours for every expected error
 DEBUG_FLAG = "--debug"
@@ -196,3 +198,12 @@ def exit_code(result: object) -> int:
     """A ``main``'s result as an exit code: ints as they are, anything else (a benchmark's
     result dict, None) 0."""
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def write_result(path: Path, result: Any) -> None:
+    """A command's JSON result at ``path`` (parents made), written to a temp file and renamed:
+    a file there is always complete, and an earlier one stays until the new one is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import errno
+import json
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from shared.cli import Parser, check_port, plain, run_cli
+from shared.cli import Parser, check_port, plain, run_cli, write_result
 
 
 def _raises(err: BaseException) -> Callable[[list[str]], int]:
@@ -76,3 +78,11 @@ def test_check_port_names_the_flag() -> None:
             check_port("127.0.0.1", port, "--metrics-port")
     check_port("127.0.0.1", 0, "--port")  # any free port: not checked
     check_port("127.0.0.1", None, "--metrics-port")  # off
+
+
+def test_write_result_replaces_a_file_whole(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "r.json"
+    write_result(path, {"a": 1})
+    write_result(path, {"b": [2, 3]})
+    assert json.loads(path.read_text()) == {"b": [2, 3]}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temp file left
