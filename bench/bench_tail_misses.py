@@ -19,8 +19,8 @@ profile tells), ``other_match`` (the rest of the match: favourite cates and per-
 knowable only from clicks), ``price`` (the ad's log price × the ``pvalue_level`` sensitivity),
 ``ad_bias``, ``pid``, ``history`` (the two click-history terms), ``user_bias`` (unknowable
 for a user not seen), and ``knowable``: ``demographic_match`` + ``price`` + ``ad_bias`` + ``pid``
-+ ``history``, fitted as one term per part. Measured on full data (seed 0, CPU, 2 cores): about
-70 s and 5 GB::
++ ``history``, fitted as one term per part. Measured on full data (seed 0, CPU, 2 cores): 57 s
+and 3.6 GB peak RSS (``tail_misses_full_cold_ids_s22_cpu.json``)::
 
     python -m train evaluate --config C --model-dir M --train /tmp/full/samples/train \\
         --eval /tmp/full/samples/eval --predictions /tmp/preds.parquet
