@@ -64,7 +64,7 @@ import torch
 from google.protobuf import text_format
 
 from protos import pipeline_pb2
-from shared.cli import Parser, check_device, plain, run_cli
+from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
@@ -643,10 +643,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
         "goal": goal(variants, info["size"]),
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(result, indent=2))
-    tmp_out.replace(args.out)
+    write_result(args.out, result)
     print(summary(result), flush=True)
     return result
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shared.cli import Parser, check_device, plain, run_cli
+from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import TableSpec, build_feature_set
@@ -238,10 +238,7 @@ def _parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
+    write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "stats"}, indent=2))
     return 0
 

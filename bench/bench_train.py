@@ -50,7 +50,7 @@ import torch
 from bench.bench_loader import measure as measure_loader
 from bench.profile_train import batches_needed, device_batches, profile_model
 from bench.py_spy import by_thread, find_py_spy, record_stacks
-from shared.cli import Parser, plain, run_cli
+from shared.cli import Parser, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
@@ -358,9 +358,7 @@ def run_child_part(args, device: torch.device) -> int:
             figures["padded_step_ms_median"] = padded_step_ms(
                 path, batches, args.padded_steps, device
             )
-    tmp = args.child_out.with_name(args.child_out.name + ".tmp")
-    tmp.write_text(json.dumps(figures))
-    tmp.replace(args.child_out)
+    write_result(args.child_out, figures, indent=None)
     return 0
 
 
@@ -398,10 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),
               flush=True)  # fmt: skip
     result.update(ratios(result["configs"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(result, indent=2))
-    tmp_out.replace(args.out)
+    write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "configs"}, indent=2))
     if tmp is not None:
         tmp.cleanup()

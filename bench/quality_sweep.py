@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_quality import ChildRun, aggregate, check_args, goal, run_children
-from shared.cli import Parser, exit_code, plain, run_cli
+from shared.cli import Parser, exit_code, plain, run_cli, write_result
 
 EXAMPLE = """examples:
   python -m bench.quality_sweep bench/sweeps/issue22_batch_ema.toml --jobs 2 \\
@@ -211,10 +211,7 @@ def resumed(
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
+    write_result(path, doc, indent=1)  # indent 1: a sweep's file is large
 
 
 def _parser() -> Parser:

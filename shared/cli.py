@@ -200,10 +200,10 @@ def exit_code(result: object) -> int:
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
-def write_result(path: Path, result: Any) -> None:
+def write_result(path: Path, result: Any, *, indent: int | None = 2) -> None:
     """A command's JSON result at ``path`` (parents made), written to a temp file and renamed:
     a file there is always complete, and an earlier one stays until the new one is."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.write_text(json.dumps(result, indent=indent) + "\n")
     tmp.replace(path)
