@@ -79,7 +79,7 @@ def _parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
-    threads = args.threads or min(8, os.cpu_count() or 1)
+    threads = args.threads or taobao.build_threads()
     if threads < 2 or args.repeats < 1:
         raise ValueError(
             f"--threads {threads} --repeats {args.repeats}: give 2+ threads, 1+ repeats"

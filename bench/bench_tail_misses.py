@@ -68,11 +68,6 @@ def eval_terms(sim: synthetic.Simulation, rows: np.ndarray) -> dict[str, np.ndar
     }
 
 
-def _keys(*columns: np.ndarray) -> np.ndarray:
-    """The row order that sorts by ``columns`` (the last the primary key)."""
-    return np.lexsort(columns)
-
-
 def join_rows(sim: synthetic.Simulation, rows: np.ndarray, samples: Path, seed: int) -> np.ndarray:
     """For each eval sample (``samples/eval``, files in name order, as the unshuffled eval loader
     reads them), the impression index into ``rows`` it was built from; ValueError if any sample
@@ -99,7 +94,7 @@ def join_rows(sim: synthetic.Simulation, rows: np.ndarray, samples: Path, seed: 
     theirs = [table[c].fill_null(-1).to_numpy().astype(np.int64) for c in cols[:-1]] + [
         table[tb.ORACLE_COLUMN].to_numpy().astype(np.float32).view(np.int32).astype(np.int64)
     ]
-    a, b = _keys(*mine), _keys(*theirs)
+    a, b = np.lexsort(mine), np.lexsort(theirs)  # the same order of the same keys
     for m, t, name in zip(mine, theirs, ["user_id", *cols[1:]], strict=True):
         if not np.array_equal(m[a], t[b]):
             raise ValueError(

@@ -1,7 +1,6 @@
 """bench/bench_tail_misses.py on small data (tiny's eval day has too few rows for a fit): every
-eval sample joins its impression; a "model"
-that is the oracle misses nothing, one without a term misses that term (its coefficient near 1);
-a prediction file of other rows is refused."""
+eval sample joins its impression; a "model" that is the oracle misses nothing, one without a term
+misses that term (its coefficient near 1); a prediction file of other rows is refused."""
 
 from __future__ import annotations
 

@@ -467,6 +467,11 @@ def _chunk_table(
     return pa.table(out), seq_len, missing_tokens
 
 
+def build_threads() -> int:
+    """The threads :func:`build_samples` builds its chunks on by default: the CPUs, at most 8."""
+    return min(8, os.cpu_count() or 1)
+
+
 def _in_order(
     build: Callable[[int, int], T], total: int, chunk_rows: int, threads: int
 ) -> Iterator[T]:
@@ -623,7 +628,7 @@ def build_samples(
     def chunk(lo: int, hi: int) -> tuple[int, int, pa.Table, np.ndarray, Counter[str]]:
         return lo, hi, *_chunk_table(fs, sequences, cols, lo, hi, ads, profiles, pid_values)
 
-    threads = min(8, os.cpu_count() or 1) if threads is None else threads
+    threads = build_threads() if threads is None else threads
     for lo, hi, table, seq_len, missing in _in_order(chunk, len(cols.user), chunk_rows, threads):
         missing_tokens.update(missing)
         nulls.update({c: table.column(c).null_count for c in table.column_names})
