@@ -17,7 +17,9 @@ the embeddings near their initial values in one epoch), ``--crosses all`` or
 ``--crosses USER:ITEM,...`` adds ``model_config.multi_tower_din.crosses`` (every user × item
 feature cross, or the named ones: ``train/model/crosses.py``), and ``--ema-decay D`` sets (or
 turns on) the dense parameters' EMA, ``train_config.dense_optimizer.ema`` (``train/dense_ema.py``),
-and ``--admission user_id:5`` a dynamic feature's ``frequency_admission_strategy.threshold``.
+``--admission user_id:5`` a dynamic feature's ``frequency_admission_strategy.threshold``, and
+``--item-tower 64`` adds ``model_config.multi_tower_din.item_tower`` (an MLP of those hidden
+units over the item side's embeddings, to a logit term: ``train/model/dense_arch.py``).
 
 ``--seeds 0,1,2`` trains every variant once per seed (the trainer's seed: initial weights, batch
 order, id dropout) and reports each figure's median over the seeds, beside every seed's run;
@@ -77,6 +79,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 VARIANTS = ("off", "on")
 GOAL_TAIL_AUC = 0.632  # issue #22, full data
+# the changes made to both variants alike, by their key in the result
+BOTH = ("sparse_lr", "crosses", "ema_decay", "admission", "item_tower")
 NO_CHECKPOINTS = 10**9  # checkpoint_every: none inside the epoch (the final one is written)
 EXAMPLE = """examples:
   python -m bench.bench_quality --size small --out out/bench_quality.json
@@ -99,6 +103,7 @@ def variant_config(
     crosses: str | None = None,
     ema_decay: float | None = None,
     admission: str | None = None,
+    item_tower: str | None = None,
 ) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
     trainer reads a config path): for ``on`` with ``cold_backoff {}`` set (``{ id_dropout: P }``
@@ -106,9 +111,10 @@ def variant_config(
     scaled by ``capacity_scale`` (init capacity at most that), so that small data meets the
     table pressure of the full data's capacities; with ``sparse_lr`` as the sparse optimizer's
     learning rate, with the feature crosses of ``crosses`` (:func:`crosses_config`) and with
-    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``) and with the admission
-    thresholds of ``admission`` (:func:`set_admission`), both variants alike."""
-    changes = (sparse_lr, crosses, ema_decay, admission)
+    the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``), with the admission
+    thresholds of ``admission`` (:func:`set_admission`) and with the item-only tower of
+    ``item_tower`` (:func:`item_tower_units`), both variants alike."""
+    changes = (sparse_lr, crosses, ema_decay, admission, item_tower)
     if variant == "off" and capacity_scale == 1.0 and all(c is None for c in changes):
         return base
     config = load_config(base)
@@ -128,6 +134,12 @@ def variant_config(
     if admission is not None:
         thresholds = set_admission(config, admission)
         suffix += "_adm" + "_".join(f"{name}{n}" for name, n in thresholds.items())
+    if item_tower is not None:
+        units = item_tower_units(item_tower)
+        tower = config.model_config.multi_tower_din.item_tower
+        tower.Clear()
+        tower.hidden_units.extend(units)
+        suffix += "_it" + "-".join(map(str, units))
     if variant == "on":
         config.model_config.multi_tower_din.cold_backoff.SetInParent()
         if id_dropout:
@@ -168,6 +180,14 @@ def set_admission(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, in
                              f"config (those are {', '.join(dynamic)})")  # fmt: skip
         dynamic[name].frequency_admission_strategy.threshold = n
     return wanted
+
+
+def item_tower_units(spec: str) -> list[int]:
+    """``64`` or ``64,32``: the item-only tower's hidden units."""
+    parts = [p.strip() for p in spec.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--item-tower {spec}: give hidden units > 0, comma-separated (e.g. 64)")
+    return [int(p) for p in parts]
 
 
 def crosses_config(spec: str) -> pipeline_pb2.FeatureCrosses:
@@ -377,10 +397,11 @@ def summary(result: dict[str, Any]) -> str:
         )
     if result.get("id_dropout"):
         lines.append(f"on: cold_backoff {{ id_dropout: {result['id_dropout']:g} }}")
-    if any(result.get(k) is not None for k in ("sparse_lr", "crosses", "ema_decay", "admission")):
+    if any(result.get(k) is not None for k in BOTH):
         lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}, "
                      f"dense EMA decay {result.get('ema_decay')}, "
-                     f"admission {result.get('admission')}")  # fmt: skip
+                     f"admission {result.get('admission')}, "
+                     f"item tower {result.get('item_tower')}")  # fmt: skip
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
     on_medians = (
@@ -438,6 +459,9 @@ def _parser() -> Parser:
     p.add_argument("--admission", default=None, metavar="SPEC",
                    help="both variants: frequency admission thresholds, FEATURE:N,... of dynamic "
                    "id features (a key gets a row once seen N times; default: the config's)")  # fmt: skip
+    p.add_argument("--item-tower", default=None, metavar="UNITS",
+                   help="both variants: an item-only tower of these hidden units, e.g. 64 or "
+                   "64,32 (model_config.multi_tower_din.item_tower; default: the config's)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -472,6 +496,8 @@ def _check(args: Any, names: list[str]) -> None:
         raise ValueError(f"--ema-decay {args.ema_decay}: give a decay in (0, 1), e.g. 0.999")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
+    if args.item_tower is not None:
+        item_tower_units(args.item_tower)
     if args.crosses is None and args.admission is None:
         return
     config = load_config(args.config)  # a bad spec or feature name fails here
@@ -512,7 +538,7 @@ def _run_here(name: str, seed: int, samples: Path, args: Any, work: Path) -> dic
     path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
                           id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
                           crosses=args.crosses, ema_decay=args.ema_decay,
-                          admission=args.admission)  # fmt: skip
+                          admission=args.admission, item_tower=args.item_tower)  # fmt: skip
     entry = run_variant(path, samples, args, work / f"run_{name}_s{seed}", seed)
     entry["id_dropout"] = args.id_dropout if name == "on" else None
     return entry
@@ -527,7 +553,7 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
     optional = {"--batch": args.batch, "--max-steps": args.max_steps,
                 "--eval-max-batches": args.eval_max_batches, "--sparse-lr": args.sparse_lr,
                 "--crosses": args.crosses, "--ema-decay": args.ema_decay,
-                "--admission": args.admission,
+                "--admission": args.admission, "--item-tower": args.item_tower,
                 "--id-dropout": args.id_dropout if name == "on" and args.id_dropout else None}  # fmt: skip
     for flag, value in optional.items():
         if value is not None:
@@ -639,7 +665,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seeds": seeds,
         "jobs": args.jobs, "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
         "sparse_lr": args.sparse_lr, "crosses": args.crosses, "ema_decay": args.ema_decay,
-        "admission": args.admission, "variants": variants,
+        "admission": args.admission, "item_tower": args.item_tower, "variants": variants,
         "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
         "goal": goal(variants, info["size"]),
     }  # fmt: skip

@@ -430,18 +430,20 @@ class FeatureCross(_message.Message):
     def __init__(self, user_feature: _Optional[str] = ..., item_feature: _Optional[str] = ...) -> None: ...
 
 class MultiTowerDIN(_message.Message):
-    __slots__ = ("towers", "din_towers", "final", "cold_backoff", "crosses")
+    __slots__ = ("towers", "din_towers", "final", "cold_backoff", "crosses", "item_tower")
     TOWERS_FIELD_NUMBER: _ClassVar[int]
     DIN_TOWERS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     COLD_BACKOFF_FIELD_NUMBER: _ClassVar[int]
     CROSSES_FIELD_NUMBER: _ClassVar[int]
+    ITEM_TOWER_FIELD_NUMBER: _ClassVar[int]
     towers: _containers.RepeatedCompositeFieldContainer[Tower]
     din_towers: _containers.RepeatedCompositeFieldContainer[DINTower]
     final: MLP
     cold_backoff: ColdBackoff
     crosses: FeatureCrosses
-    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ..., cold_backoff: _Optional[_Union[ColdBackoff, _Mapping]] = ..., crosses: _Optional[_Union[FeatureCrosses, _Mapping]] = ...) -> None: ...
+    item_tower: MLP
+    def __init__(self, towers: _Optional[_Iterable[_Union[Tower, _Mapping]]] = ..., din_towers: _Optional[_Iterable[_Union[DINTower, _Mapping]]] = ..., final: _Optional[_Union[MLP, _Mapping]] = ..., cold_backoff: _Optional[_Union[ColdBackoff, _Mapping]] = ..., crosses: _Optional[_Union[FeatureCrosses, _Mapping]] = ..., item_tower: _Optional[_Union[MLP, _Mapping]] = ...) -> None: ...
 
 class AUC(_message.Message):
     __slots__ = ("thresholds",)

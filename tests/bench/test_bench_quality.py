@@ -187,6 +187,18 @@ def test_admission_sets_the_named_dynamic_features_thresholds_only(tmp_path: Pat
     assert config == base  # nothing else changed
 
 
+def test_item_tower_adds_the_item_only_tower_to_both_variants_only(tmp_path: Path) -> None:
+    for name in ("off", "on"):
+        path = variant_config(SEED_CONFIG, name, tmp_path, item_tower="64, 32")
+        assert path.name.endswith(f"_{name}_it64-32_x1.config")
+        config, base = load_config(path), load_config(SEED_CONFIG)
+        assert list(config.model_config.multi_tower_din.item_tower.hidden_units) == [64, 32]
+        base.model_config.multi_tower_din.item_tower.hidden_units.extend([64, 32])
+        if name == "on":
+            base.model_config.multi_tower_din.cold_backoff.SetInParent()
+        assert config == base  # nothing else changed
+
+
 def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> None:
     out = tmp_path / "q.json"
     with pytest.raises(ValueError, match="--sparse-lr 0.0: give a learning rate > 0"):
@@ -201,6 +213,9 @@ def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> N
     for decay in ("0", "1", "1.5"):
         with pytest.raises(ValueError, match=f"--ema-decay {float(decay)}: give a decay in"):
             main(["--size", "tiny", "--ema-decay", decay, "--out", str(out)])
+    for units in ("0", "64,x", ""):
+        with pytest.raises(ValueError, match=f"--item-tower {units}: give hidden units > 0"):
+            main(["--size", "tiny", "--item-tower", units, "--out", str(out)])
     assert not out.exists()
 
 
@@ -243,14 +258,15 @@ def test_child_argv_passes_every_option_on(tmp_path: Path) -> None:
     args = _parser().parse_args(
         ["--size", "tiny", "--batch", "64", "--max-steps", "2", "--eval-max-batches", "1",
          "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all", "--ema-decay", "0.99",
-         "--admission", "user_id:5",
+         "--admission", "user_id:5", "--item-tower", "64",
          "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
     )  # fmt: skip
     on = _parser().parse_args(child_argv("on", 4, tmp_path, args, tmp_path / "on.json"))
     off = _parser().parse_args(child_argv("off", 4, tmp_path, args, tmp_path / "off.json"))
     for child in (on, off):
         for k in ("batch", "max_steps", "eval_max_batches", "capacity_scale", "sparse_lr",
-                  "crosses", "ema_decay", "admission", "num_workers", "device", "config"):  # fmt: skip
+                  "crosses", "ema_decay", "admission", "item_tower", "num_workers", "device",
+                  "config"):  # fmt: skip
             assert getattr(child, k) == getattr(args, k), k
         assert child.samples == tmp_path and child.seeds == "4" and child.jobs == 1
     assert (on.variants, on.id_dropout, off.variants, off.id_dropout) == ("on", 0.1, "off", 0.0)

@@ -84,6 +84,7 @@ class DenseArchConfig:
     final: MLPConfig | None  # None: the output Linear reads concat(tower, din) directly
     backoff: tuple[SpaceBackoff, ...] = ()  # cold-id backoff (train.model.backoff); () off
     crosses: tuple[Cross, ...] = ()  # feature crosses (train.model.crosses); () off
+    item_tower: MLPConfig | None = None  # the item-only tower's MLP (model_config); None off
 
     def to_dict(self) -> dict[str, object]:
         def mlp(c: MLPConfig | None) -> dict[str, object] | None:
@@ -104,6 +105,7 @@ class DenseArchConfig:
             "final": mlp(self.final),
             "backoff": [s.to_dict() for s in self.backoff],
             "crosses": [c.to_dict() for c in self.crosses],
+            "item_tower": mlp(self.item_tower),
         }
 
     @classmethod
@@ -113,7 +115,7 @@ class DenseArchConfig:
                 tuple(v["hidden_units"]), tuple(v.get("dropout_ratio", ())), bool(v.get("use_bn"))
             )
 
-        final = d.get("final")
+        final, item_tower = d.get("final"), d.get("item_tower")
         return cls(
             int(d["user_deep_dim"]),
             int(d["item_deep_dim"]),
@@ -123,6 +125,7 @@ class DenseArchConfig:
             None if final is None else mlp(final),
             tuple(SpaceBackoff.from_dict(s) for s in d.get("backoff", ())),
             tuple(Cross.from_dict(c) for c in d.get("crosses", ())),
+            None if item_tower is None else mlp(item_tower),
         )
 
 
@@ -145,9 +148,11 @@ class DenseArch(nn.Module):
         final_units: MLPConfig | Sequence[int] | None,
         backoff: Sequence[SpaceBackoff] = (),
         crosses: Sequence[Cross] = (),
+        item_tower_units: MLPConfig | Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         final = MLPConfig.of(final_units) if final_units else None
+        item_tower = MLPConfig.of(item_tower_units) if item_tower_units else None
         self.config = DenseArchConfig(
             user_deep_dim,
             item_deep_dim,
@@ -157,6 +162,7 @@ class DenseArch(nn.Module):
             final,
             tuple(backoff),
             tuple(crosses),
+            item_tower,
         )
         self.tower = MLP(user_deep_dim + item_deep_dim, self.config.tower)
         self.din = JaggedDIN(seq_dim, self.config.attn)
@@ -166,6 +172,9 @@ class DenseArch(nn.Module):
         # last, and drawing nothing: the layers above keep their seeded initial values
         self.backoff = ColdBackoff(backoff) if backoff else None
         self.crosses = FeatureCrosses(crosses, user_deep_dim) if crosses else None
+        # after every other layer, so those keep their seeded initial values; its output layer
+        # starts at zero, so the model starts as the one without it
+        self.item_tower = ItemTower(item_deep_dim, item_tower) if item_tower else None
 
     @property
     def takes_cold(self) -> bool:
@@ -183,6 +192,7 @@ class DenseArch(nn.Module):
             config.final,
             config.backoff,
             config.crosses,
+            config.item_tower,
         )
 
     @classmethod
@@ -223,6 +233,11 @@ class DenseArch(nn.Module):
         )
         layout = dense_layout(feature_set)
         final = MLPConfig.from_proto(mtd.final, f"{path}.final") if mtd.HasField("final") else None
+        item_tower = (
+            MLPConfig.from_proto(mtd.item_tower, f"{path}.item_tower")
+            if mtd.HasField("item_tower")
+            else None
+        )
         return cls(
             layout.user_deep_dim,
             layout.item_deep_dim,
@@ -232,6 +247,7 @@ class DenseArch(nn.Module):
             final,
             backoff_spaces(feature_set, mtd.cold_backoff) if mtd.HasField("cold_backoff") else (),
             crosses_of(feature_set, mtd.crosses) if mtd.HasField("crosses") else (),
+            item_tower,
         )
 
     def forward(
@@ -301,8 +317,9 @@ class DenseArch(nn.Module):
         pair_element: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits [B] of embeddings already backed off (:meth:`back_off`): towers, DIN,
-        final MLP, and the feature crosses when on (:mod:`train.model.crosses`). Same inputs as
-        :meth:`forward` without the cold masks."""
+        final MLP, and the item-only tower (:class:`ItemTower`) and feature crosses
+        (:mod:`train.model.crosses`) when on. Same inputs as :meth:`forward` without the cold
+        masks."""
         if (pair_segment is None) != (pair_element is None):
             raise ValueError(
                 "pass both pair_segment and pair_element (shared.dense_inputs.pair_index) or "
@@ -324,7 +341,35 @@ class DenseArch(nn.Module):
         din = self.din(query, seq_values, seq_lengths, user_index, pairs)  # [B, Dq]
         h = self.final(torch.cat([deep, din], dim=1))  # [B, final_out]
         logits = self.output(h).squeeze(1)  # [B]
+        if self.item_tower is not None:
+            logits = logits + self.item_tower(item_deep)
         return logits if self.crosses is None else logits + self.crosses(deep_in)
+
+
+class ItemTower(nn.Module):
+    """A logit term from the item side alone: ``MLP(item_deep) -> Linear(., 1)``, the Linear's
+    weight and bias from zero (the model starts as the one without the tower).
+
+    The main tower sees the item's embeddings beside the user's, so what it learns of an ad is
+    mixed with who the user is, and for a cold user (whose embeddings are a backoff) the ad's
+    own effect arrives weakened (issue #22: ``bench/bench_tail_misses.py`` finds half of the
+    ad's bias missing from cold users' logits). This tower has no user input. What it gains,
+    and whether it closes that gap, is measured in the README's #22 section. Example::
+
+        tower = ItemTower(112, MLPConfig((64,)))
+        term = tower(item_deep)  # [B, 112] -> [B]
+    """
+
+    def __init__(self, in_features: int, config: MLPConfig) -> None:
+        super().__init__()
+        self.mlp = MLP(in_features, config)
+        self.output = nn.Linear(config.out_features, 1)
+        nn.init.zeros_(self.output.weight)
+        nn.init.zeros_(self.output.bias)
+
+    def forward(self, item_deep: torch.Tensor) -> torch.Tensor:
+        # item_deep: [B, Di]
+        return self.output(self.mlp(item_deep)).squeeze(1)  # [B]
 
 
 # --------------------------------------------------------------------------- export

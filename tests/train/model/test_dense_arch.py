@@ -243,3 +243,62 @@ def test_training_fast_path_equals_general_path(lengths: list[int]) -> None:
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
     with pytest.raises(ValueError, match="one user per candidate row"):
         arch(**{**x, "user_deep": x["user_deep"].repeat(2, 1), "user_index": None})
+
+
+def test_item_tower_starts_at_zero_and_adds_a_term_of_the_item_side_alone() -> None:
+    """item_tower: the other layers keep their seeded weights (the tower draws last) and its
+    output layer starts at zero, so the switch off is the model as it was; trained, it adds a
+    term that depends on item_deep alone (the same whatever the user), in eager and in the
+    exported program; the arch config carries it (old configs: off)."""
+    torch.manual_seed(0)
+    off = DenseArch(24, 20, 12, [32, 16], [16, 8], [8]).eval()
+    torch.manual_seed(0)
+    on = DenseArch(24, 20, 12, [32, 16], [16, 8], [8], item_tower_units=[6]).eval()
+    a, b = off.state_dict(), on.state_dict()
+    assert {k for k in b if k not in a} == {
+        "item_tower.mlp.layers.0.weight",
+        "item_tower.mlp.layers.0.bias",
+        "item_tower.output.weight",
+        "item_tower.output.bias",
+    }
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    x = inputs(on, torch.Generator().manual_seed(5), [3, 0, 2], [0, 1, 2, 2, 0])
+    with torch.no_grad():
+        torch.testing.assert_close(on(**x), off(**x), rtol=0, atol=0)
+        assert on.item_tower is not None
+        on.item_tower.output.weight.normal_()
+        on.item_tower.output.bias.fill_(0.25)
+        hidden = torch.relu(
+            x["item_deep"] @ b["item_tower.mlp.layers.0.weight"].T
+            + b["item_tower.mlp.layers.0.bias"]
+        )
+        term = hidden @ on.item_tower.output.weight[0] + 0.25
+        torch.testing.assert_close(on(**x) - off(**x), term, rtol=1e-5, atol=1e-5)
+        other_users = {**x, "user_deep": torch.randn_like(x["user_deep"])}
+        torch.testing.assert_close(
+            on(**other_users) - off(**other_users), term, rtol=1e-5, atol=1e-5
+        )
+    for pairs in (False, True):
+        example = example_inputs(on, pairs=pairs)
+        program = export_dense_arch(on, example).module()
+        torch.testing.assert_close(program(**example), on(**example), rtol=1e-6, atol=1e-6)
+    assert on.config.item_tower == MLPConfig((6,))
+    assert DenseArchConfig.from_dict(on.config.to_dict()) == on.config
+    old = {k: v for k, v in on.config.to_dict().items() if k != "item_tower"}
+    assert DenseArchConfig.from_dict(old).item_tower is None
+
+
+def test_item_tower_comes_from_the_config(
+    seed_config: tuple[FeatureSet, pipeline_pb2.EasyRecConfig],
+) -> None:
+    fs, config = seed_config
+    assert DenseArch.from_config(fs, config.model_config).item_tower is None
+    with_tower = pipeline_pb2.ModelConfig()
+    with_tower.CopyFrom(config.model_config)
+    with_tower.multi_tower_din.item_tower.hidden_units.extend([64])
+    arch = DenseArch.from_config(fs, with_tower)
+    assert arch.item_tower is not None and arch.config.item_tower == MLPConfig((64,))
+    assert arch.item_tower.mlp.in_features == arch.config.item_deep_dim
+    with_tower.multi_tower_din.item_tower.activation = "nn.Tanh"
+    with pytest.raises(ConfigError, match=r"multi_tower_din\.item_tower\.activation"):
+        DenseArch.from_config(fs, with_tower)
