@@ -326,7 +326,8 @@ def export_din_program(
     """The model's real dense part (:class:`train.model.dense_arch.DenseArch`, small units),
     exported with the pair inputs (bundle format 3) or without (format 2), same weights.
     ``backoff``: "none", or a cold-id backoff (:mod:`train.model.backoff`, bundle format 4)
-    with "random" weights or "zero" ones (scores then as without it)."""
+    with "random" weights or "zero" ones (scores then as without it); the models with a
+    backoff also have an item-only tower (``item_tower``), the same in both."""
     from protos import pipeline_pb2
     from train.model.backoff import backoff_sides, backoff_spaces
     from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
@@ -340,7 +341,14 @@ def export_din_program(
         config.sources.add(feature_name=f, side_features=spaces_of)
     spaces = () if backoff == "none" else backoff_spaces(fs, config)
     arch = DenseArch(
-        lay.user_deep_dim, lay.item_deep_dim, lay.seq_dim, [32, 16], [16, 8], [8], spaces
+        lay.user_deep_dim,
+        lay.item_deep_dim,
+        lay.seq_dim,
+        [32, 16],
+        [16, 8],
+        [8],
+        spaces,
+        item_tower_units=[8] if spaces else None,
     )
     with torch.no_grad():
         for p in arch.parameters():
@@ -348,6 +356,10 @@ def export_din_program(
         if backoff == "random":  # after the others: the same weights in all variants
             generator = torch.Generator().manual_seed(seed + 1)
             for p in arch.backoff.parameters() if arch.backoff is not None else ():
+                p.copy_(torch.randn(p.shape, generator=generator))
+        if arch.item_tower is not None:  # its output starts at zero: give it a term to add
+            generator = torch.Generator().manual_seed(seed + 2)
+            for p in arch.item_tower.output.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator))
     program = export_dense_arch(arch.eval(), example_inputs(arch, pairs=pairs))
     torch.export.save(program, path)

@@ -141,15 +141,20 @@ def test_tzrec_named_bundle_serves_and_scores_like_ours(
 
 @pytest.fixture(
     scope="module",
-    params=["cold_backoff {}", "cold_backoff { id_dropout: 0.4 }", "cold_backoff {}\ncrosses {}"],
-    ids=["backoff", "id_dropout", "crosses"],
+    params=[
+        "cold_backoff {}",
+        "cold_backoff { id_dropout: 0.4 }",
+        "cold_backoff {}\ncrosses {}\nitem_tower { hidden_units: [8] }",
+    ],
+    ids=["backoff", "id_dropout", "crosses_item_tower"],
 )
 def trained_cold(
     request: pytest.FixtureRequest, tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:
     """The seed config with the cold-id backoff on (and, for ``id_dropout``, 0.4 of the warm
-    user ids treated as cold in training: train.model.id_dropout; for ``crosses``, every
-    user × item feature cross: train.model.crosses), trained and exported (bundle format 4,
+    user ids treated as cold in training: train.model.id_dropout; for ``crosses_item_tower``,
+    every user × item feature cross, train.model.crosses, and an item-only tower,
+    train.model.dense_arch.ItemTower), trained and exported (bundle format 4,
     the same either way: the program never drops)."""
     root = tmp_path_factory.mktemp("export_cold")
     backoff = request.param
@@ -179,6 +184,9 @@ def test_exported_backoff_scores_as_trained(
     assert (model.sparse.id_dropout is not None) == ("id_dropout" in config.read_text())
     if model.dense.crosses is not None:  # learned away from its initial 1s
         assert "crosses" in config.read_text() and (model.dense.crosses.weight != 1).all()
+    if model.dense.item_tower is not None:  # learned away from its initial 0s
+        assert "item_tower" in config.read_text()
+        assert model.dense.item_tower.output.weight.abs().sum() > 0
     assert any(p.abs().sum() > 0 for p in model.dense.backoff.parameters())
     with torch.no_grad():
         expected = torch.sigmoid(model(table_to_batch(model.fs, rows))).numpy()
