@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.bench_tail_ceiling import split_rows
-from bench.bench_tail_misses import eval_terms, join_rows, main
+from bench.bench_tail_misses import eval_terms, join_rows, learnable_ad_terms, main
 from shared.features import FeatureSet
 from train.data import synthetic
 from train.evaluate import TAIL_THRESHOLD, UserCounts, write_predictions
@@ -77,8 +77,31 @@ def test_the_oracle_misses_nothing_and_a_dropped_term_is_found(
     assert fit["auc_gain"] > 0.005
     model_coef, term_coef = fit["coefficients"][0][:2]
     assert model_coef == pytest.approx(1.0, abs=0.25) and term_coef == pytest.approx(1.0, abs=0.25)
+    found = ("ad_bias", "ad_bias_learnable", "knowable", "learnable")
     assert max(abs(f["auc_gain"]) for k, f in result["head"]["plus"].items()
-               if k not in ("ad_bias", "knowable")) < fit["auc_gain"]  # fmt: skip
+               if k not in found) < fit["auc_gain"]  # fmt: skip
+    learnable = result["head"]["plus"]["ad_bias_learnable"]  # what the data tell of it: part
+    assert 0.0 < learnable["auc_gain"] < fit["auc_gain"]
+
+
+def test_learnable_ad_terms_shrink_towards_the_prior_as_the_impressions_allow() -> None:
+    """An ad with no training impression keeps the prior's mean (0); the estimates follow the
+    true terms, closer for ads seen more often, and shrunk (slope under 1), as a posterior's
+    mode is."""
+    sim = synthetic.simulate_world(SIZE, seed=0)
+    train, _ = split_rows(sim.impressions.time)
+    bias, offset = learnable_ad_terms(sim, train)
+    w = sim.world
+    seen = np.bincount(sim.impressions.ad[train], minlength=len(w.ad_bias))
+    assert (seen == 0).sum() > 1000
+    assert (bias[seen == 0] == 0).all() and (offset[seen == 0] == 0).all()
+    true_offset = w.ad_emb - w.cate_emb[w.ad_cate]
+    rare, common = (seen > 0) & (seen < 10), seen >= 300
+    assert rare.sum() > 1000 and common.sum() > 50
+    slopes = [np.polyfit(w.ad_bias[m], bias[m], 1)[0] for m in (rare, common)]
+    assert 0.0 < slopes[0] < slopes[1] < 1.0 and slopes[1] > 0.3
+    corr = [np.corrcoef(true_offset[m].ravel(), offset[m].ravel())[0, 1] for m in (rare, common)]
+    assert 0.0 < corr[0] < corr[1]
 
 
 def test_predictions_of_other_rows_are_refused(samples: Path, tmp_path: Path) -> None:
