@@ -222,6 +222,25 @@ def misses(
         fit["auc_gain"] = fit["auc"] - base["auc"]
         out["plus"][name] = fit
     out["learnable_alone"] = cross_fitted(np.stack([terms[k] for k in LEARNABLE], 1), labels, fold)
+    out["expressed"] = expressed(logit, terms)
+    return out
+
+
+def expressed(logit: np.ndarray, terms: dict[str, np.ndarray]) -> dict[str, Any]:
+    """How strongly the logit carries each true term: its least-squares coefficients on the
+    true terms of :data:`TERMS` at once (1 for the oracle's logit); and how strongly the
+    learnable ad terms carry the true ones (the slope of each on its true term: the most a
+    model of this data can express)."""
+    true = [k for k in TERMS if not k.endswith("_learnable")]
+    x = np.stack([*(terms[k] for k in true), np.ones(len(logit))], 1)
+    coef = np.linalg.lstsq(x, logit, rcond=None)[0]
+    carried = {k: round(float(c), 4) for k, c in zip(true, coef[:-1], strict=True)}
+    out: dict[str, Any] = {"logit": carried}
+    out["learnable"] = {
+        k: round(float(np.polyfit(terms[k], terms[f"{k}_learnable"], 1)[0]), 4)
+        for k in ("ad_bias", "demographic_match")
+        if f"{k}_learnable" in terms
+    }
     return out
 
 
@@ -270,6 +289,8 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"{part}: {r['rows']:,} rows, model AUC {r['model_auc']:.4f} "
                      f"(refit {r['model_refit']['auc']:.4f}); the learnable terms alone "
                      f"{r['learnable_alone']['auc']:.4f}")  # fmt: skip
+        lines.append(f"  the logit carries the terms at {r['expressed']['logit']}; the learnable "
+                     f"ad terms carry theirs at {r['expressed']['learnable']}")  # fmt: skip
         lines.append(f"  {'+ term':18} {'auc':>8} {'gain':>8} {'alone':>8}  coef (fold 1)")
         for name, fit in r["plus"].items():
             alone = fit.get("term_alone_auc")

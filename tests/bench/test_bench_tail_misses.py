@@ -63,6 +63,9 @@ def test_the_oracle_misses_nothing_and_a_dropped_term_is_found(
     head = result["head"]
     assert head["rows"] > 1000
     assert all(abs(fit["auc_gain"]) < 0.01 for fit in head["plus"].values())
+    carried = head["expressed"]["logit"]  # the oracle's logit is the terms' sum
+    assert all(c == pytest.approx(1.0, abs=1e-3) for c in carried.values()), carried
+    assert 0.0 < head["expressed"]["learnable"]["ad_bias"] < 1.0
 
     sim = synthetic.simulate_world(SIZE, seed=0)
     rows = np.flatnonzero(split_rows(sim.impressions.time)[1])
