@@ -27,8 +27,10 @@ seen only through its few impressions. ``ad_bias_learnable`` and
 training impressions (:func:`learnable_ad_terms`: every other term known exactly, the world's
 priors), and ``learnable`` is ``knowable`` with them. ``learnable_alone`` fits the label on
 those terms without the model: what a model that learned every term as well as the data allow,
-from the profile and the ad, would score (no user bias, no clicks). Measured on full data
-(seed 0, CPU, 2 cores): about 4 minutes and 5 GB peak RSS::
+from the profile and the ad, would score (no user bias, no clicks). ``expressed`` says how
+strongly the model's logit carries each true term (its least-squares coefficients on them all)
+and the learnable ad terms theirs. Measured on full data (seed 0, CPU, 2 cores, beside a
+training): 286 s and 5.1 GB peak RSS (``tail_misses_full_cold_ids_s23_cpu.json``)::
 
     python -m train evaluate --config C --model-dir M --train /tmp/full/samples/train \\
         --eval /tmp/full/samples/eval --predictions /tmp/preds.parquet
