@@ -115,19 +115,27 @@ def learnable_ad_terms(sim: synthetic.Simulation, train: np.ndarray, iterations:
     scale = m.match / w.match_scale
     precision = torch.tensor([1 / m.ad_bias_sd**2] + [d / 0.7**2] * d, dtype=torch.float64)
     true_offset = w.ad_emb - w.cate_emb[w.ad_cate]  # [A, d]
+    chunks = np.array_split(rows, max(1, len(rows) // 2_000_000))
+
+    def user_of(chunk: np.ndarray) -> np.ndarray:
+        return scale * w.user_emb[imp.user[chunk]]  # [n, d]: the match's weight of the offset
+
+    # per chunk, the planted logit without the ad's two terms being estimated (fixed: once)
+    known = []
+    for chunk in chunks:
+        t = logit_terms(sim, chunk)
+        known.append(
+            _total(t) - t["ad_bias"] - (user_of(chunk) * true_offset[imp.ad[chunk]]).sum(1)
+        )
     theta = torch.zeros(n_ads, d + 1, dtype=torch.float64)  # [A, 1 + d]: bias, offset
     for _ in range(iterations):
         grad = -theta * precision
         hess = torch.diag_embed(precision.expand(n_ads, d + 1)).clone()
-        for chunk in np.array_split(rows, max(1, len(rows) // 2_000_000)):
+        for chunk, offset in zip(chunks, known, strict=True):
             ad = torch.from_numpy(imp.ad[chunk])
-            user = scale * w.user_emb[imp.user[chunk]]  # [n, d]: the match's weight of the offset
-            t = logit_terms(sim, chunk)
-            # the planted logit without the ad's two terms being estimated
-            known = _total(t) - t["ad_bias"] - (user * true_offset[imp.ad[chunk]]).sum(1)
             z = torch.cat([torch.ones(len(chunk), 1, dtype=torch.float64),
-                           torch.from_numpy(user)], 1)  # fmt: skip
-            p = torch.sigmoid(torch.from_numpy(known) + (z * theta[ad]).sum(1))
+                           torch.from_numpy(user_of(chunk))], 1)  # fmt: skip
+            p = torch.sigmoid(torch.from_numpy(offset) + (z * theta[ad]).sum(1))
             y = torch.from_numpy(imp.clk[chunk].astype(np.float64))
             grad.index_add_(0, ad, z * (y - p)[:, None])
             weight = (p * (1 - p))[:, None, None]
