@@ -22,9 +22,10 @@ for a user not seen), and ``knowable``: ``demographic_match`` + ``price`` + ``ad
 + ``history``, fitted as one term per part.
 
 The true ad terms are more than any learner can know: an ad has a bias and a vector of its own,
-seen only through its few impressions. ``ad_bias_learnable`` and
+seen only through its few impressions, and its cate's vector is seen only through the cate's
+impressions (few for most cates: their popularity is Zipf). ``ad_bias_learnable`` and
 ``demographic_match_learnable`` put in their place what an idealised learner gets from the
-training impressions (:func:`learnable_ad_terms`: every other term known exactly, the world's
+training impressions (:func:`learned_terms`: every other term known exactly, the world's
 priors), and ``learnable`` is ``knowable`` with them. ``learnable_alone`` fits the label on
 those terms without the model: what a model that learned every term as well as the data allow,
 from the profile and the ad, would score (no user bias, no clicks). ``expressed`` says how
@@ -44,8 +45,9 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -66,28 +68,40 @@ EXAMPLE = """example:
       --predictions /tmp/preds.parquet --out bench/results/tail_misses_full.json"""
 
 
+class Learned(NamedTuple):
+    """What an idealised learner gets from the training impressions (:func:`learned_terms`)."""
+
+    ad_bias: np.ndarray  # [A]
+    ad_offset: np.ndarray  # [A, d]: the ad-specific part of its vector, ad_emb - cate_emb[cate]
+    cate_emb: np.ndarray  # [C, d]: each cate's vector
+
+
 def eval_terms(
     sim: synthetic.Simulation,
     rows: np.ndarray,
-    learned: tuple[np.ndarray, np.ndarray] | None = None,
+    learned: Learned | None = None,
 ) -> dict[str, np.ndarray]:
-    """The terms of :data:`TERMS` (float64) for impressions ``rows``; the two learnable ones
-    only given ``learned``, :func:`learnable_ad_terms`'s estimates."""
+    """The terms of :data:`TERMS` (float64) for impressions ``rows``, and the demographic
+    match's cate part (``demographic_cate``: its match with the cate's vector, without the
+    ad's own); the learnable ones only given ``learned``, :func:`learned_terms`'s estimates."""
     w = sim.world
     t = logit_terms(sim, rows)
     demo_user = 0.5 * w.demo_emb[w.profile["cms_group_id"]]
     demo = _match(demo_user, sim, rows)
     learnable = {}
     if learned is not None:
-        bias, offset = learned
         learnable = {
-            "demographic_match_learnable": _match(
-                demo_user, sim, rows, ad_emb=w.cate_emb[w.ad_cate] + offset
+            "demographic_cate_learnable": _match(
+                demo_user, sim, rows, ad_emb=learned.cate_emb[w.ad_cate]
             ),
-            "ad_bias_learnable": bias[sim.impressions.ad[rows]],
+            "demographic_match_learnable": _match(
+                demo_user, sim, rows, ad_emb=learned.cate_emb[w.ad_cate] + learned.ad_offset
+            ),
+            "ad_bias_learnable": learned.ad_bias[sim.impressions.ad[rows]],
         }
     return {
         "demographic_match": demo,
+        "demographic_cate": _match(demo_user, sim, rows, ad_emb=w.cate_emb[w.ad_cate]),
         "other_match": t["match"] - demo,
         "price": t["price"],
         "ad_bias": t["ad_bias"],
@@ -98,51 +112,85 @@ def eval_terms(
     }
 
 
-def learnable_ad_terms(sim: synthetic.Simulation, train: np.ndarray, iterations: int = 3
-                       ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """(ad_bias [A], ad_offset [A, d]): each ad's bias and the ad-specific part of its vector
-    (``ad_emb - cate_emb[cate]``) as well as the training impressions ``train`` (mask) tell them:
-    the posterior mode under the world's own priors (the bias N(0, ad_bias_sd²), the offset
-    N(0, 0.7²/d) per dim) of the logistic model of the clicks with every other term of the
-    planted logit known exactly (the user's whole vector too), by ``iterations`` Newton steps
-    from 0, per ad. An idealised learner: no model trained on the same rows can know an ad's
-    terms better, so a term built from these bounds what the ad's side can add. (At a CTR of
-    6 % each impression adds about 0.057 to the precision of an ad's bias, and the prior's is
-    11: an ad needs about 200 impressions before its data weigh as much as the prior.)"""
+def learned_terms(sim: synthetic.Simulation, train: np.ndarray, iterations: int = 3) -> Learned:
+    """Each ad's bias and own vector, and each cate's vector, as well as the training
+    impressions ``train`` (mask) tell them: posterior modes under the world's own priors (the
+    bias N(0, ad_bias_sd²), the ad's offset N(0, 0.7²/d) and the cate's vector N(0, 1/d) per
+    dim) of the logistic model of the clicks with every other term of the planted logit known
+    exactly (the user's whole vector too), by ``iterations`` Newton steps from 0, per ad and
+    per cate (each estimated with the other's true value). An idealised learner: no model
+    trained on the same rows can know these terms better, so a term built from them bounds what
+    the ad's side can add. (At a CTR of 6 % each impression adds about 0.057 to the precision of
+    an ad's bias, and the prior's is 11: an ad needs about 200 impressions before its data weigh
+    as much as the prior. A cate's vector pools every impression of its ads.)"""
     w, m, imp = sim.world, sim.model, sim.impressions
     rows = np.flatnonzero(train)
     d = w.ad_emb.shape[1]
-    n_ads = len(w.ad_bias)
     scale = m.match / w.match_scale
-    precision = torch.tensor([1 / m.ad_bias_sd**2] + [d / 0.7**2] * d, dtype=torch.float64)
     true_offset = w.ad_emb - w.cate_emb[w.ad_cate]  # [A, d]
     chunks = np.array_split(rows, max(1, len(rows) // 2_000_000))
+    totals = [_total(logit_terms(sim, chunk)) for chunk in chunks]  # once: 23M rows on full
 
     def user_of(chunk: np.ndarray) -> np.ndarray:
-        return scale * w.user_emb[imp.user[chunk]]  # [n, d]: the match's weight of the offset
+        return scale * w.user_emb[imp.user[chunk]]  # [n, d]: the match's weight of a vector
 
-    # per chunk, the planted logit without the ad's two terms being estimated (fixed: once)
-    known = []
-    for chunk in chunks:
-        t = logit_terms(sim, chunk)
-        known.append(
-            _total(t) - t["ad_bias"] - (user_of(chunk) * true_offset[imp.ad[chunk]]).sum(1)
-        )
-    theta = torch.zeros(n_ads, d + 1, dtype=torch.float64)  # [A, 1 + d]: bias, offset
+    def ad_design(chunk: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.ones((len(chunk), 1)), user_of(chunk)], 1)  # bias, offset
+
+    ad = _posterior_modes(
+        imp,
+        chunks,
+        [t - w.ad_bias[imp.ad[c]] - (user_of(c) * true_offset[imp.ad[c]]).sum(1)
+         for c, t in zip(chunks, totals, strict=True)],
+        lambda c: imp.ad[c],
+        ad_design,
+        np.array([1 / m.ad_bias_sd**2] + [d / 0.7**2] * d),
+        len(w.ad_bias),
+        iterations,
+    )  # fmt: skip
+    cate = _posterior_modes(
+        imp,
+        chunks,
+        [t - (user_of(c) * w.cate_emb[w.ad_cate[imp.ad[c]]]).sum(1)
+         for c, t in zip(chunks, totals, strict=True)],
+        lambda c: w.ad_cate[imp.ad[c]],
+        user_of,
+        np.full(d, float(d)),
+        len(w.cate_emb),
+        iterations,
+    )  # fmt: skip
+    return Learned(ad[:, 0], ad[:, 1:], cate)
+
+
+def _posterior_modes(
+    imp: synthetic._Impressions,
+    chunks: list[np.ndarray],
+    known: list[np.ndarray],
+    key_of: Callable[[np.ndarray], np.ndarray],
+    design_of: Callable[[np.ndarray], np.ndarray],
+    precision: np.ndarray,
+    n_keys: int,
+    iterations: int,
+) -> np.ndarray:
+    """[n_keys, k]: per key, the mode of N(0, diag(1/precision)) × the logistic likelihood of
+    the clicks of the impressions ``chunks`` (arrays of impression rows), whose logit is
+    ``known + design_of(rows) · theta[key_of(rows)]`` (``known``: per chunk, [n]; the design
+    [n, k] is made again per step, not kept: 23M × k float64 on full data), by Newton from 0
+    (batched k×k solves)."""
+    prec = torch.from_numpy(precision)
+    k = len(precision)
+    theta = torch.zeros(n_keys, k, dtype=torch.float64)
     for _ in range(iterations):
-        grad = -theta * precision
-        hess = torch.diag_embed(precision.expand(n_ads, d + 1)).clone()
+        grad = -theta * prec
+        hess = torch.diag_embed(prec.expand(n_keys, k)).clone()
         for chunk, offset in zip(chunks, known, strict=True):
-            ad = torch.from_numpy(imp.ad[chunk])
-            z = torch.cat([torch.ones(len(chunk), 1, dtype=torch.float64),
-                           torch.from_numpy(user_of(chunk))], 1)  # fmt: skip
-            p = torch.sigmoid(torch.from_numpy(offset) + (z * theta[ad]).sum(1))
+            keys, z = torch.from_numpy(key_of(chunk)), torch.from_numpy(design_of(chunk))
+            p = torch.sigmoid(torch.from_numpy(offset) + (z * theta[keys]).sum(1))
             y = torch.from_numpy(imp.clk[chunk].astype(np.float64))
-            grad.index_add_(0, ad, z * (y - p)[:, None])
-            weight = (p * (1 - p))[:, None, None]
-            hess.index_add_(0, ad, weight * z[:, :, None] * z[:, None, :])
+            grad.index_add_(0, keys, z * (y - p)[:, None])
+            hess.index_add_(0, keys, (p * (1 - p))[:, None, None] * z[:, :, None] * z[:, None, :])
         theta += torch.linalg.solve(hess, grad)
-    return theta[:, 0].numpy(), theta[:, 1:].numpy()
+    return theta.numpy()
 
 
 def join_rows(sim: synthetic.Simulation, rows: np.ndarray, samples: Path, seed: int) -> np.ndarray:
@@ -215,10 +263,15 @@ def cross_fitted(features: np.ndarray, labels: np.ndarray, fold: np.ndarray) -> 
 
 
 def misses(
-    logit: np.ndarray, labels: np.ndarray, terms: dict[str, np.ndarray], users: np.ndarray
+    logit: np.ndarray,
+    labels: np.ndarray,
+    terms: dict[str, np.ndarray],
+    users: np.ndarray,
+    cate_seen: np.ndarray,
 ) -> dict[str, Any]:
     """The model alone, then + each term, + the knowable terms, + the learnable terms, on one
-    set of rows; and the learnable terms alone (no model)."""
+    set of rows; the learnable terms alone (no model); the terms the logit carries, overall
+    and by the popularity of the row's cate (``cate_seen``: its training impressions)."""
     fold = (users % 2) == 0
     base = cross_fitted(logit[:, None], labels, fold)
     out: dict[str, Any] = {"rows": len(labels), "model_auc": auc(logit, labels),
@@ -234,6 +287,7 @@ def misses(
         out["plus"][name] = fit
     out["learnable_alone"] = cross_fitted(np.stack([terms[k] for k in LEARNABLE], 1), labels, fold)
     out["expressed"] = expressed(logit, terms)
+    out["by_cate_popularity"] = by_cate_popularity(logit, terms, cate_seen)
     return out
 
 
@@ -252,6 +306,36 @@ def expressed(logit: np.ndarray, terms: dict[str, np.ndarray]) -> dict[str, Any]
         for k in ("ad_bias", "demographic_match")
         if f"{k}_learnable" in terms
     }
+    return out
+
+
+CATE_BUCKETS = (0, 1_000, 10_000, 100_000)  # a cate's training impressions: bucket edges
+
+
+def by_cate_popularity(
+    logit: np.ndarray, terms: dict[str, np.ndarray], cate_seen: np.ndarray
+) -> dict[str, Any]:
+    """Per bucket of the row's cate's training impressions (:data:`CATE_BUCKETS`): how strongly
+    the logit carries the demographic match's cate part and its ad part (least-squares
+    coefficients on the true terms, the match split in two), and how strongly the learnable
+    cate part carries the true one. A bucket of fewer than 1,000 rows is left out."""
+    parts = [k for k in TERMS if not k.endswith("_learnable") and k != "demographic_match"]
+    cate = terms["demographic_cate"]
+    split = {"demographic_cate": cate, "demographic_ad": terms["demographic_match"] - cate}
+    named = {**split, **{k: terms[k] for k in parts}}
+    out: dict[str, Any] = {}
+    for lo, hi in zip(CATE_BUCKETS, (*CATE_BUCKETS[1:], None), strict=True):
+        rows = (cate_seen >= lo) & (cate_seen < (hi or np.inf))
+        if rows.sum() < 1000:
+            continue
+        x = np.stack([*(v[rows] for v in named.values()), np.ones(int(rows.sum()))], 1)
+        coef = np.linalg.lstsq(x, logit[rows], rcond=None)[0]
+        out[f"[{lo}, {hi or 'inf'})"] = {
+            "rows": int(rows.sum()),
+            "logit": {k: round(float(coef[i]), 4) for i, k in enumerate(split)},
+            "learnable_cate": round(float(np.polyfit(
+                cate[rows], terms["demographic_cate_learnable"][rows], 1)[0]), 4),
+        }  # fmt: skip
     return out
 
 
@@ -275,9 +359,12 @@ def tail_misses(size: str, seed: int, samples: Path, predictions: Path) -> dict[
     tail = preds["tail"].to_numpy(zero_copy_only=False).astype(bool)
     p = np.clip(preds["probability"].to_numpy().astype(np.float64), 1e-7, 1 - 1e-7)
     logit = np.log(p) - np.log1p(-p)
-    learned = learnable_ad_terms(sim, train)
+    learned = learned_terms(sim, train)
     terms = {k: v[order] for k, v in eval_terms(sim, rows, learned).items()}
     users = sim.impressions.user[rows][order]
+    w, imp = sim.world, sim.impressions
+    cate_seen = np.bincount(w.ad_cate[imp.ad[train]], minlength=len(w.cate_emb))
+    row_cate_seen = cate_seen[w.ad_cate[imp.ad[rows]]][order]
     return {
         "bench": "tail_misses",
         "size": size,
@@ -286,9 +373,9 @@ def tail_misses(size: str, seed: int, samples: Path, predictions: Path) -> dict[
         "predictions": str(predictions),
         "eval_rows": len(rows),
         "tail": misses(logit[tail], labels[tail], {k: v[tail] for k, v in terms.items()},
-                       users[tail]),
+                       users[tail], row_cate_seen[tail]),
         "head": misses(logit[~tail], labels[~tail], {k: v[~tail] for k, v in terms.items()},
-                       users[~tail]),
+                       users[~tail], row_cate_seen[~tail]),
         "seconds": time.perf_counter() - t0,
     }  # fmt: skip
 
@@ -308,6 +395,11 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(f"  {name:18} {fit['auc']:8.4f} {fit['auc_gain']:+8.4f} "
                          f"{'       -' if alone is None else f'{alone:8.4f}'}  "
                          f"{fit['coefficients'][0][:-1]}")  # fmt: skip
+        lines.append("  by the cate's training impressions: the logit carries the demographic "
+                     "match's cate and ad parts at; the learnable cate part carries it at")  # fmt: skip
+        for bucket, b in r["by_cate_popularity"].items():
+            lines.append(f"    {bucket:18} {b['rows']:>9,} rows  {b['logit']}  "
+                         f"{b['learnable_cate']}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.bench_tail_ceiling import split_rows
-from bench.bench_tail_misses import eval_terms, join_rows, learnable_ad_terms, main
+from bench.bench_tail_misses import Learned, eval_terms, join_rows, learned_terms, main
 from shared.features import FeatureSet
 from train.data import synthetic
 from train.evaluate import TAIL_THRESHOLD, UserCounts, write_predictions
@@ -66,6 +66,12 @@ def test_the_oracle_misses_nothing_and_a_dropped_term_is_found(
     carried = head["expressed"]["logit"]  # the oracle's logit is the terms' sum
     assert all(c == pytest.approx(1.0, abs=1e-3) for c in carried.values()), carried
     assert 0.0 < head["expressed"]["learnable"]["ad_bias"] < 1.0
+    buckets = head["by_cate_popularity"]  # small data: cates of fewer than 100K impressions
+    assert buckets and sum(b["rows"] for b in buckets.values()) == head["rows"]
+    for b in buckets.values():
+        assert all(c == pytest.approx(1.0, abs=1e-3) for c in b["logit"].values()), b
+    rare, common = (buckets[k]["learnable_cate"] for k in ("[0, 1000)", "[10000, 100000)"))
+    assert 0.0 < rare < common < 1.0
 
     sim = synthetic.simulate_world(SIZE, seed=0)
     rows = np.flatnonzero(split_rows(sim.impressions.time)[1])
@@ -87,24 +93,47 @@ def test_the_oracle_misses_nothing_and_a_dropped_term_is_found(
     assert 0.0 < learnable["auc_gain"] < fit["auc_gain"]
 
 
-def test_learnable_ad_terms_shrink_towards_the_prior_as_the_impressions_allow() -> None:
+@pytest.fixture(scope="module")
+def learned() -> tuple[synthetic.Simulation, np.ndarray, Learned]:
+    sim = synthetic.simulate_world(SIZE, seed=0)
+    train, _ = split_rows(sim.impressions.time)
+    return sim, train, learned_terms(sim, train)
+
+
+def test_learned_ad_terms_shrink_towards_the_prior_as_the_impressions_allow(
+    learned: tuple[synthetic.Simulation, np.ndarray, Learned],
+) -> None:
     """An ad with no training impression keeps the prior's mean (0); the estimates follow the
     true terms, closer for ads seen more often, and shrunk (slope under 1), as a posterior's
     mode is."""
-    sim = synthetic.simulate_world(SIZE, seed=0)
-    train, _ = split_rows(sim.impressions.time)
-    bias, offset = learnable_ad_terms(sim, train)
+    sim, train, est = learned
     w = sim.world
     seen = np.bincount(sim.impressions.ad[train], minlength=len(w.ad_bias))
     assert (seen == 0).sum() > 1000
-    assert (bias[seen == 0] == 0).all() and (offset[seen == 0] == 0).all()
+    assert (est.ad_bias[seen == 0] == 0).all() and (est.ad_offset[seen == 0] == 0).all()
     true_offset = w.ad_emb - w.cate_emb[w.ad_cate]
     rare, common = (seen > 0) & (seen < 10), seen >= 300
     assert rare.sum() > 1000 and common.sum() > 50
-    slopes = [np.polyfit(w.ad_bias[m], bias[m], 1)[0] for m in (rare, common)]
+    slopes = [np.polyfit(w.ad_bias[m], est.ad_bias[m], 1)[0] for m in (rare, common)]
     assert 0.0 < slopes[0] < slopes[1] < 1.0 and slopes[1] > 0.3
-    corr = [np.corrcoef(true_offset[m].ravel(), offset[m].ravel())[0, 1] for m in (rare, common)]
+    corr = [np.corrcoef(true_offset[m].ravel(), est.ad_offset[m].ravel())[0, 1]
+            for m in (rare, common)]  # fmt: skip
     assert 0.0 < corr[0] < corr[1]
+
+
+def test_learned_cate_vectors_are_as_good_as_their_cate_is_common(
+    learned: tuple[synthetic.Simulation, np.ndarray, Learned],
+) -> None:
+    """A cate's vector pools the impressions of all its ads: a common cate's estimate is near
+    its true vector, a rare one's shrunk towards 0 (small data: every cate is seen)."""
+    sim, train, est = learned
+    w = sim.world
+    seen = np.bincount(w.ad_cate[sim.impressions.ad[train]], minlength=len(w.cate_emb))
+    rare, common = seen < 100, seen >= 1000
+    assert rare.sum() > 100 and common.sum() > 20
+    slopes = [np.polyfit(w.cate_emb[m].ravel(), est.cate_emb[m].ravel(), 1)[0]
+              for m in (rare, common)]  # fmt: skip
+    assert 0.0 < slopes[0] < slopes[1] < 1.0 and slopes[1] > 0.6
 
 
 def test_predictions_of_other_rows_are_refused(samples: Path, tmp_path: Path) -> None:
