@@ -138,7 +138,7 @@ class CosineAnnealingWarmRestartsLR(_message.Message):
     def __init__(self, T_0: _Optional[int] = ..., T_mult: _Optional[int] = ..., min_learning_rate: _Optional[float] = ..., warmup_learning_rate: _Optional[float] = ..., warmup_size: _Optional[int] = ..., by_epoch: _Optional[bool] = ...) -> None: ...
 
 class SparseOptimizer(_message.Message):
-    __slots__ = ("adagrad_optimizer", "sgd_optimizer", "constant_learning_rate", "exponential_decay_learning_rate", "manual_step_learning_rate", "cosine_annealing_learning_rate", "cosine_annealing_warm_restarts_learning_rate")
+    __slots__ = ("adagrad_optimizer", "sgd_optimizer", "constant_learning_rate", "exponential_decay_learning_rate", "manual_step_learning_rate", "cosine_annealing_learning_rate", "cosine_annealing_warm_restarts_learning_rate", "table_learning_rates")
     ADAGRAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SGD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CONSTANT_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class SparseOptimizer(_message.Message):
     MANUAL_STEP_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     COSINE_ANNEALING_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     COSINE_ANNEALING_WARM_RESTARTS_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_LEARNING_RATES_FIELD_NUMBER: _ClassVar[int]
     adagrad_optimizer: AdagradOptimizer
     sgd_optimizer: SGDOptimizer
     constant_learning_rate: ConstantLR
@@ -153,7 +154,16 @@ class SparseOptimizer(_message.Message):
     manual_step_learning_rate: ManualStepLR
     cosine_annealing_learning_rate: CosineAnnealingLR
     cosine_annealing_warm_restarts_learning_rate: CosineAnnealingWarmRestartsLR
-    def __init__(self, adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ...) -> None: ...
+    table_learning_rates: _containers.RepeatedCompositeFieldContainer[TableLearningRate]
+    def __init__(self, adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ..., table_learning_rates: _Optional[_Iterable[_Union[TableLearningRate, _Mapping]]] = ...) -> None: ...
+
+class TableLearningRate(_message.Message):
+    __slots__ = ("feature_name", "lr_scale")
+    FEATURE_NAME_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    feature_name: str
+    lr_scale: float
+    def __init__(self, feature_name: _Optional[str] = ..., lr_scale: _Optional[float] = ...) -> None: ...
 
 class EMAConfig(_message.Message):
     __slots__ = ("decay",)

@@ -94,6 +94,8 @@ class SavedTables(Protocol):
     @property
     def adagrad(self) -> AdagradConfig: ...
 
+    def table_adagrad(self, name: str) -> AdagradConfig: ...  # at the table's own rate
+
     @property
     def id_mode(self) -> str: ...  # the IdMode value its keys are made in
 
@@ -123,11 +125,17 @@ class TablesSnapshot:
     step: int
     clock: int  # score_clock() when it was taken
     states: Mapping[str, TableState]
+    table_adagrads: Mapping[str, AdagradConfig]
 
     @classmethod
     def of(cls, dec: SavedTables) -> TablesSnapshot:
         states = {name: _on_host(state) for name, state in dec.table_states().items()}
-        return cls(dict(dec.tables), dec.adagrad, dec.id_mode, dec.step, dec.score_clock(), states)
+        rates = {name: dec.table_adagrad(name) for name in dec.tables}
+        return cls(dict(dec.tables), dec.adagrad, dec.id_mode, dec.step, dec.score_clock(),
+                   states, rates)  # fmt: skip
+
+    def table_adagrad(self, name: str) -> AdagradConfig:
+        return self.table_adagrads[name]
 
     def score_clock(self) -> int:
         return self.clock
@@ -249,7 +257,7 @@ def save(
                 states[name],
                 strategy=strategy,
                 now=now,
-                args=opt_args(dec.adagrad, strategy, step_score(strategy, dec.step))
+                args=opt_args(dec.table_adagrad(name), strategy, step_score(strategy, dec.step))
                 if rank == 0
                 else None,
                 rank=rank,

@@ -31,8 +31,10 @@ it into a checkpoint, which training loads with ``--fine_tune_checkpoint``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -123,6 +125,26 @@ def plan_storages(
     return out
 
 
+def _checked_scales(scales: Mapping[str, float], names: Sequence[str]) -> dict[str, float]:
+    """``scales`` checked: ValueError for a table not given or a scale not > 0."""
+    for name, scale in scales.items():
+        if name not in names:
+            raise ValueError(
+                f"lr_scales names table {name!r}, which is not among the dynamic tables given "
+                f"({', '.join(names)})"
+            )
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"lr_scales[{name!r}] = {scale}: give a finite scale > 0")
+    return {name: float(scale) for name, scale in scales.items()}
+
+
+def _without(
+    fusion_groups: Mapping[str, Sequence[str]], alone: Collection[str]
+) -> dict[str, list[str]]:
+    """``fusion_groups`` without the tables ``alone`` (each then gets a storage of its own)."""
+    return {g: [n for n in names if n not in alone] for g, names in fusion_groups.items()}
+
+
 class DynamicEmbeddingCollection(torch.nn.Module):
     """Dynamic hash-table embeddings of several tables (see the module docstring)."""
 
@@ -140,11 +162,16 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         max_load_factor: float = 0.5,
         backend: Backend | None = None,
         id_mode: str = IdMode.DYNREC.value,
+        lr_scales: Mapping[str, float] | None = None,
     ) -> None:
         """``backend``: every storage's hash-table backend (default: ``backend_for`` the
         device; e.g. ``TorchBackend()`` for the torch code on a GPU). ``id_mode``: the
         :class:`~shared.features.IdMode` value the keys are made in (``fs.id_mode.value``);
-        checkpoints record it and a load refuses another."""
+        checkpoints record it and a load refuses another. ``lr_scales``: table name → its
+        Adagrad rate as a multiple of ``lr`` (and of every rate :meth:`set_learning_rate` sets
+        later); such a table, at any scale (1 too), leaves its fusion group for a storage of
+        its own (a storage has one rate), and so holds its own ``max_capacity``, not a share
+        of the group's."""
         super().__init__()
         modes = [m.value for m in IdMode]
         if id_mode not in modes:
@@ -160,6 +187,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 )
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
         self.adagrad = AdagradConfig(lr, eps, initial_accumulator_value)
+        self.lr_scales = _checked_scales(lr_scales or {}, names)
         self.id_mode = id_mode
         self.device = torch.device(device)
         self.seed = seed
@@ -170,13 +198,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
             FusedStorage(
                 name,
                 members,
-                adagrad=self.adagrad,
+                adagrad=self.table_adagrad(members[0].name),
                 seed=seed,
                 device=self.device,
                 max_load_factor=max_load_factor,
                 backend=backend,
             )
-            for name, members in plan_storages(tables, fusion_groups)
+            for name, members in plan_storages(tables, _without(fusion_groups, self.lr_scales))
         ]
         self._where: dict[str, tuple[FusedStorage, int]] = {
             n: (s, i) for s in self._storages for i, n in enumerate(s.names)
@@ -208,7 +236,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         :mod:`train.lr_schedule`). Written on the device, so a captured static step sees it;
         ``adagrad``, the configured settings that checkpoints record, stays as it is."""
         for s in self._storages:
-            s.adagrad = s.adagrad.with_lr(lr)
+            s.adagrad = s.adagrad.with_lr(lr * self.lr_scales.get(s.names[0], 1.0))
+
+    def table_adagrad(self, name: str) -> AdagradConfig:
+        """The configured Adagrad settings of table ``name``: :attr:`adagrad` at its rate
+        (``lr_scales``), what checkpoints record of it."""
+        scale = self.lr_scales.get(name)
+        return self.adagrad if scale is None else replace(self.adagrad, lr=self.adagrad.lr * scale)
 
     @property
     def step(self) -> int:

@@ -297,6 +297,9 @@ class ShardedDynamicEmbedding(nn.Module):
     def adagrad(self) -> AdagradConfig:
         return self.local.adagrad
 
+    def table_adagrad(self, name: str) -> AdagradConfig:
+        return self.local.table_adagrad(name)
+
     def score_clock(self) -> int:
         return self.local.score_clock()
 

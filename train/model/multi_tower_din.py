@@ -11,7 +11,7 @@ from shared.dense_inputs import assemble_dense_inputs
 from shared.features import FeatureSet
 from train.model.dense_arch import DenseArch
 from train.model.id_dropout import IdDropout
-from train.model.sparse_arch import Embedded, SparseArch
+from train.model.sparse_arch import Embedded, SparseArch, table_lr_scales
 
 
 class MultiTowerDIN(nn.Module):
@@ -27,6 +27,7 @@ class MultiTowerDIN(nn.Module):
         initial_accumulator_value: float = 0.0,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        sparse_lr_scales: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.fs = fs
@@ -41,6 +42,7 @@ class MultiTowerDIN(nn.Module):
             device=device,
             seed=seed,
             id_dropout=None if backoff is None else IdDropout.from_config(fs, backoff, seed=seed),
+            lr_scales=sparse_lr_scales,
         )
         self.dense = DenseArch.from_config(fs, model_config).to(device)
 
@@ -63,6 +65,7 @@ class MultiTowerDIN(nn.Module):
             initial_accumulator_value=ada.initial_accumulator_value,
             device=device,
             seed=seed,
+            sparse_lr_scales=table_lr_scales(fs, config.train_config.sparse_optimizer),
         )
 
     def dense_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -6,17 +6,25 @@ core (:class:`DynamicEmbeddingCollection`, fused sparse Adagrad in its backward)
 dense gradient, large ones with row-sparse gradients; updated by ``torch.optim.Adagrad``).
 Every lookup of a table in one step goes through one call, so a sequence feature and its top-level
 feature (``click_50_seq__adgroup_id`` and ``adgroup_id``) update the same rows, with the gradients
-of duplicate ids summed before the optimizer step."""
+of duplicate ids summed before the optimizer step.
+
+A dynamic table may train at its own multiple of the sparse rate
+(``train_config.sparse_optimizer.table_learning_rates``, :func:`table_lr_scales`), as
+TorchRec's per-table optimizer settings allow: the tables' rows see very different numbers of
+rows in an epoch, and one rate does not suit them all (README, #22)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from protos import pipeline_pb2
 from shared.batch import Batch
+from shared.config import ConfigError
 from shared.dense_inputs import (
     FeaturePart,
     cold_rows,
@@ -44,6 +52,44 @@ def uses_sparse_grad(rows: int, dim: int, device: torch.device | str) -> bool:
     """
     kind = torch.device(device).type
     return rows * dim > DENSE_GRAD_MAX_ELEMENTS.get(kind, DENSE_GRAD_MAX_ELEMENTS["cpu"])
+
+
+LR_FIELD = "train_config.sparse_optimizer.table_learning_rates"
+
+
+def table_lr_scales(fs: FeatureSet, config: pipeline_pb2.SparseOptimizer) -> dict[str, float]:
+    """Table name -> its sparse rate as a multiple of the optimizer's, from
+    ``config.table_learning_rates``; ConfigError naming the field for a feature that is not
+    there or not dynamic, a scale not > 0, or a table named twice."""
+    scales: dict[str, float] = {}
+    for k, entry in enumerate(config.table_learning_rates):
+        field = f"{LR_FIELD}[{k}]"
+        name = entry.feature_name
+        feature = fs.features.get(name)
+        if feature is None:
+            raise ConfigError(
+                "<config>", None, f"{field}.feature_name",
+                f"{name!r} is not a feature of this config (those are {sorted(fs.features)})",
+            )  # fmt: skip
+        table = fs.tables[feature.table]
+        if not table.is_dynamic:
+            raise ConfigError(
+                "<config>", None, f"{field}.feature_name",
+                f"{name!r} has a num_buckets table ({table.name}); only dynamic (dynamicemb) "
+                "tables take a rate of their own",
+            )  # fmt: skip
+        if not (math.isfinite(entry.lr_scale) and entry.lr_scale > 0):
+            raise ConfigError(
+                "<config>", None, f"{field}.lr_scale", f"{entry.lr_scale}: give a scale > 0"
+            )
+        if table.name in scales:
+            raise ConfigError(
+                "<config>", None, f"{field}.feature_name",
+                f"{name!r} uses table {table.name}, whose rate an earlier entry sets; name "
+                "each table once",
+            )  # fmt: skip
+        scales[table.name] = entry.lr_scale
+    return scales
 
 
 class Embedded(NamedTuple):
@@ -77,6 +123,7 @@ class SparseArch(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         id_dropout: IdDropout | None = None,
+        lr_scales: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.fs = fs
@@ -104,6 +151,7 @@ class SparseArch(nn.Module):
             device=device,
             seed=seed,
             id_mode=fs.id_mode.value,
+            lr_scales=lr_scales,
         )
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:

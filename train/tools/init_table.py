@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from shared.hashtable.checkpoint import collection_paths, table_meta, write_meta
 from shared.hashtable.checkpoint_dynamicemb import opt_args, step_score, write_table_files
 from shared.hashtable.storage import TableState
 from train.model.multi_tower_din import sparse_adagrad
+from train.model.sparse_arch import table_lr_scales
 
 MANIFEST = "init_ckpt.json"
 _INT_RE = r"^\s*[+-]?\d+\s*$"
@@ -397,6 +398,7 @@ def write_init_checkpoint(
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
     ada = sparse_adagrad(train_config)
     adagrad = AdagradConfig(ada.lr, ada.eps, ada.initial_accumulator_value)
+    scales = table_lr_scales(fs, train_config.sparse_optimizer)  # recorded per table
     manifest: dict[str, Any] = {"format": "dynrec-init-ckpt/1", "world_size": world_size}
     summary: dict[str, Any] = {}
     for name, init in tables.items():
@@ -415,7 +417,8 @@ def write_init_checkpoint(
     collections = collection_paths(fs)
     try:
         for name, init in tables.items():
-            _write_table(tmp / "dynamicemb" / collections[name], fs.tables[name], init, adagrad,
+            rate = replace(adagrad, lr=adagrad.lr * scales.get(name, 1.0))
+            _write_table(tmp / "dynamicemb" / collections[name], fs.tables[name], init, rate,
                          world_size)  # fmt: skip
         meta = {n: table_meta(fs.tables[n], collections[n]) for n in tables}
         write_meta(tmp, meta, id_mode=fs.id_mode.value)  # DYNREC: init tables hold raw ids

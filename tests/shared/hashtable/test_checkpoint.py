@@ -181,6 +181,15 @@ def test_opt_args_per_strategy_and_rank0_only(tmp_path):
     assert (ts["evict_strategy"], ts["step_score"]) == ("EvictStrategy.KLru", 0)
 
 
+def test_opt_args_record_each_tables_own_rate(tmp_path):
+    dec = DynamicEmbeddingCollection(TABLES, GROUPS, lr=0.1, lr_scales={"brand_emb": 2.5})
+    dec.save(tmp_path, "c")
+    d = tmp_path / "dynamicemb" / "c"
+    brand = json.loads((d / "brand_emb_opt_args.json").read_text())
+    user = json.loads((d / "user_id_emb_opt_args.json").read_text())
+    assert (brand["lr"], user["lr"]) == (pytest.approx(0.25), pytest.approx(0.1))
+
+
 def test_timestamp_scores_are_ages_restored_at_load_time(tmp_path):
     tables = [dyn_table("user_id_emb", strategy=ScoreStrategy.TIMESTAMP), TABLES[1]]
     t = {"now": 1_000_000}

@@ -317,3 +317,41 @@ def test_set_learning_rate_updates_as_a_collection_made_at_that_rate():
     a, b = moved.table_state("a_emb"), made.table_state("a_emb")
     assert torch.equal(a.values, b.values) and torch.equal(a.accumulators, b.accumulators)
     assert moved.adagrad.lr == 0.5  # the configured rate, which checkpoints record
+
+
+def test_a_table_at_its_own_rate_trains_as_a_collection_made_at_that_rate():
+    """lr_scales: the scaled table leaves its fusion group for a storage of its own and updates
+    as a collection at lr × scale does, in every later set_learning_rate too; the other tables
+    keep the group's storage and rate."""
+    tables = [dyn_table("a_emb", dim=8), dyn_table("b_emb", dim=8)]
+    scaled = _dec(tables, {"g": ["a_emb", "b_emb"]}, lr=0.02, lr_scales={"a_emb": 4.0})
+    assert scaled.storages == {"g": ["b_emb"], "a_emb": ["a_emb"]}
+    assert scaled.table_adagrad("a_emb").lr == pytest.approx(0.08)
+    assert scaled.table_adagrad("b_emb") == scaled.adagrad
+    at_a, at_b = _dec(tables[:1], lr=0.02 * 4), _dec(tables[1:], lr=0.02)
+    for lr in (None, 0.005):
+        if lr is not None:
+            scaled.set_learning_rate(lr)
+            at_a.set_learning_rate(lr * 4)
+            at_b.set_learning_rate(lr)
+        keys = {"a_emb": torch.tensor([4, 8, 4, 15]), "b_emb": torch.tensor([4, 9])}
+        weight = torch.linspace(-1, 1, 8)
+        out = scaled(keys)
+        sum((v * weight).sum() for v in out.values()).backward()
+        for dec, name in ((at_a, "a_emb"), (at_b, "b_emb")):
+            (dec({name: keys[name]})[name] * weight).sum().backward()
+            a, b = scaled.table_state(name), dec.table_state(name)
+            assert torch.equal(a.values, b.values), (lr, name)
+            assert torch.equal(a.accumulators, b.accumulators), (lr, name)
+    alone = _dec(tables, {"g": ["a_emb", "b_emb"]}, lr_scales={"a_emb": 1.0})
+    assert alone.storages == {"g": ["b_emb"], "a_emb": ["a_emb"]}  # named: alone, at any scale
+    assert alone.table_adagrad("a_emb") == alone.adagrad
+
+
+def test_lr_scales_errors():
+    tables = [dyn_table("a_emb")]
+    with pytest.raises(ValueError, match="'c_emb', which is not among the dynamic tables"):
+        _dec(tables, lr_scales={"c_emb": 2.0})
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="give a finite scale > 0"):
+            _dec(tables, lr_scales={"a_emb": bad})

@@ -39,6 +39,25 @@ def _read_rank(directory: Path, table: str, kind: str, rank: int, world: int, dt
     return np.fromfile(directory / emb_file(table, kind, rank, world), dtype=dtype)
 
 
+def test_init_ckpt_records_a_tables_own_rate(tmp_path: Path) -> None:
+    """table_learning_rates: the table's opt_args.json says its own rate, as training's do."""
+    ids, emb = _table()
+    src = tmp_path / "user.parquet"
+    pq.write_table(pa.table({"user_id": ids, "emb": list(emb)}), src)
+    config = write_config(
+        SEED_CONFIG, tmp_path / "c.config", train=tmp_path, eval_=tmp_path,
+        replace={"adagrad_optimizer { lr: 0.001 }": "adagrad_optimizer { lr: 0.001 }\n"
+                 'table_learning_rates { feature_name: "user_id" lr_scale: 3 }'},
+    )  # fmt: skip
+    out = tmp_path / "init"
+    assert main(["init-ckpt", "--config", str(config), "--table", f"user_id={src}",
+                 "--out", str(out)]) == 0  # fmt: skip
+    args = json.loads(
+        (out / "dynamicemb" / DEEP_COLLECTION / "user_id_emb_opt_args.json").read_text()
+    )
+    assert args["lr"] == pytest.approx(0.003)
+
+
 @pytest.mark.parametrize("fmt", ["parquet_list", "csv_string"])
 def test_init_ckpt_values_equal_the_table(tmp_path: Path, fmt: str, capsys) -> None:
     ids, emb = _table()
