@@ -19,7 +19,11 @@ feature cross, or the named ones: ``train/model/crosses.py``), and ``--ema-decay
 turns on) the dense parameters' EMA, ``train_config.dense_optimizer.ema`` (``train/dense_ema.py``),
 ``--admission user_id:5`` a dynamic feature's ``frequency_admission_strategy.threshold``, and
 ``--item-tower 64`` adds ``model_config.multi_tower_din.item_tower`` (an MLP of those hidden
-units over the item side's embeddings, to a logit term: ``train/model/dense_arch.py``).
+units over the item side's embeddings, to a logit term: ``train/model/dense_arch.py``),
+``--table-lr cate_id:4`` gives a dynamic feature's table its own multiple of the sparse rate
+(``train_config.sparse_optimizer.table_learning_rates``: the table then has a storage of its
+own, holding its own capacity), and ``--max-capacity cate_id:10000`` sets a dynamic feature's
+``max_capacity``.
 
 ``--seeds 0,1,2`` trains every variant once per seed (the trainer's seed: initial weights, batch
 order, id dropout) and reports each figure's median over the seeds, beside every seed's run;
@@ -80,7 +84,7 @@ SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 VARIANTS = ("off", "on")
 GOAL_TAIL_AUC = 0.632  # issue #22, full data
 # the changes made to both variants alike, by their key in the result
-BOTH = ("sparse_lr", "crosses", "ema_decay", "admission", "item_tower")
+BOTH = ("sparse_lr", "crosses", "ema_decay", "admission", "item_tower", "table_lr", "max_capacity")
 NO_CHECKPOINTS = 10**9  # checkpoint_every: none inside the epoch (the final one is written)
 EXAMPLE = """examples:
   python -m bench.bench_quality --size small --out out/bench_quality.json
@@ -104,6 +108,8 @@ def variant_config(
     ema_decay: float | None = None,
     admission: str | None = None,
     item_tower: str | None = None,
+    table_lr: str | None = None,
+    max_capacity: str | None = None,
 ) -> Path:
     """``base`` itself for ``off`` at scale 1; else a copy written under ``out_dir`` (the
     trainer reads a config path): for ``on`` with ``cold_backoff {}`` set (``{ id_dropout: P }``
@@ -112,9 +118,11 @@ def variant_config(
     table pressure of the full data's capacities; with ``sparse_lr`` as the sparse optimizer's
     learning rate, with the feature crosses of ``crosses`` (:func:`crosses_config`) and with
     the dense EMA at ``ema_decay`` (``train_config.dense_optimizer.ema``), with the admission
-    thresholds of ``admission`` (:func:`set_admission`) and with the item-only tower of
-    ``item_tower`` (:func:`item_tower_units`), both variants alike."""
-    changes = (sparse_lr, crosses, ema_decay, admission, item_tower)
+    thresholds of ``admission`` (:func:`set_admission`), with the item-only tower of
+    ``item_tower`` (:func:`item_tower_units`), with the table rates of ``table_lr``
+    (:func:`set_table_lr`) and with the capacities of ``max_capacity`` (applied before
+    ``capacity_scale``), both variants alike."""
+    changes = (sparse_lr, crosses, ema_decay, admission, item_tower, table_lr, max_capacity)
     if variant == "off" and capacity_scale == 1.0 and all(c is None for c in changes):
         return base
     config = load_config(base)
@@ -140,6 +148,12 @@ def variant_config(
         tower.Clear()
         tower.hidden_units.extend(units)
         suffix += "_it" + "-".join(map(str, units))
+    if table_lr is not None:
+        scales = set_table_lr(config, table_lr)
+        suffix += "_tlr" + "_".join(f"{name}{v:g}" for name, v in scales.items())
+    if max_capacity is not None:
+        capacities = set_max_capacity(config, max_capacity)
+        suffix += "_cap" + "_".join(f"{name}{n}" for name, n in capacities.items())
     if variant == "on":
         config.model_config.multi_tower_din.cold_backoff.SetInParent()
         if id_dropout:
@@ -167,19 +181,65 @@ def set_admission(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, in
     """``FEATURE:N,...``: set each named dynamic feature's frequency admission threshold to N
     (a key gets a row once seen N times; before that it takes the backoff, or 0 without one).
     Returns the thresholds set."""
-    wanted: dict[str, int] = {}
-    for part in (p.strip() for p in spec.split(",")):
-        feature, sep, count = part.partition(":")
-        if not sep or not feature.strip() or not count.strip().isdigit() or int(count) < 1:
-            raise ValueError(f"--admission {spec}: give FEATURE:N pairs (N >= 1), comma-separated")
-        wanted[feature.strip()] = int(count)
-    dynamic = dynamic_tables(config)
+    wanted = _pairs("--admission", spec, int, "N", ">= 1")
+    dynamic = _dynamic(config, "--admission", spec, list(wanted))
     for name, n in wanted.items():
-        if name not in dynamic:
-            raise ValueError(f"--admission {spec}: {name!r} is not a dynamic id feature of the "
-                             f"config (those are {', '.join(dynamic)})")  # fmt: skip
         dynamic[name].frequency_admission_strategy.threshold = n
     return wanted
+
+
+def _pairs(
+    flag: str, spec: str, value: Callable[[str], float], what: str, bound: str
+) -> dict[str, Any]:
+    """``FEATURE:V,...`` → {feature: value(V)}; ValueError naming ``flag`` for a bad part."""
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        feature, sep, text = part.partition(":")
+        try:
+            v = value(text.strip()) if sep and feature.strip() else None
+        except ValueError:
+            v = None
+        if v is None or not (math.isfinite(v) and v > 0):
+            raise ValueError(
+                f"{flag} {spec}: give FEATURE:{what} pairs ({what} {bound}), comma-separated"
+            )
+        out[feature.strip()] = v
+    return out
+
+
+def _dynamic(
+    config: pipeline_pb2.EasyRecConfig, flag: str, spec: str, names: list[str]
+) -> dict[str, Any]:
+    """:func:`dynamic_tables` of ``config``; ValueError naming ``flag`` if one of ``names`` is
+    not a dynamic id feature."""
+    dynamic = dynamic_tables(config)
+    for name in names:
+        if name not in dynamic:
+            raise ValueError(f"{flag} {spec}: {name!r} is not a dynamic id feature of the "
+                             f"config (those are {', '.join(dynamic)})")  # fmt: skip
+    return dynamic
+
+
+def set_table_lr(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, float]:
+    """``FEATURE:SCALE,...``: each named dynamic feature's table at SCALE × the sparse rate
+    (``train_config.sparse_optimizer.table_learning_rates``, replacing the config's entries).
+    Returns the scales set."""
+    scales = _pairs("--table-lr", spec, float, "SCALE", "> 0")
+    _dynamic(config, "--table-lr", spec, list(scales))
+    entries = config.train_config.sparse_optimizer.table_learning_rates
+    del entries[:]
+    for name, scale in scales.items():
+        entries.add(feature_name=name, lr_scale=scale)
+    return scales
+
+
+def set_max_capacity(config: pipeline_pb2.EasyRecConfig, spec: str) -> dict[str, int]:
+    """``FEATURE:N,...``: each named dynamic feature's ``max_capacity``. Returns them."""
+    capacities = _pairs("--max-capacity", spec, int, "N", ">= 1")
+    dynamic = _dynamic(config, "--max-capacity", spec, list(capacities))
+    for name, n in capacities.items():
+        dynamic[name].max_capacity = n
+    return capacities
 
 
 def item_tower_units(spec: str) -> list[int]:
@@ -401,7 +461,9 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"both: sparse lr {result.get('sparse_lr')}, crosses {result.get('crosses')}, "
                      f"dense EMA decay {result.get('ema_decay')}, "
                      f"admission {result.get('admission')}, "
-                     f"item tower {result.get('item_tower')}")  # fmt: skip
+                     f"item tower {result.get('item_tower')}, "
+                     f"table lr {result.get('table_lr')}, "
+                     f"max capacity {result.get('max_capacity')}")  # fmt: skip
     g = result["goal"]
     met = {True: "met", False: "not met", None: "unknown"}[g["met"]]
     on_medians = (
@@ -462,6 +524,12 @@ def _parser() -> Parser:
     p.add_argument("--item-tower", default=None, metavar="UNITS",
                    help="both variants: an item-only tower of these hidden units, e.g. 64 or "
                    "64,32 (model_config.multi_tower_din.item_tower; default: the config's)")  # fmt: skip
+    p.add_argument("--table-lr", default=None, metavar="SPEC",
+                   help="both variants: FEATURE:SCALE,... a dynamic feature's table at SCALE x the "
+                   "sparse rate, in a storage of its own (default: the config's)")  # fmt: skip
+    p.add_argument("--max-capacity", default=None, metavar="SPEC",
+                   help="both variants: FEATURE:N,... a dynamic feature's max_capacity "
+                   "(default: the config's)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -498,13 +566,18 @@ def _check(args: Any, names: list[str]) -> None:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more trainings at once")
     if args.item_tower is not None:
         item_tower_units(args.item_tower)
-    if args.crosses is None and args.admission is None:
+    specs = (args.crosses, args.admission, args.table_lr, args.max_capacity)
+    if all(spec is None for spec in specs):
         return
     config = load_config(args.config)  # a bad spec or feature name fails here
     if args.crosses is not None:
         crosses_of(build_feature_set(config), crosses_config(args.crosses))
     if args.admission is not None:
         set_admission(config, args.admission)
+    if args.table_lr is not None:
+        set_table_lr(config, args.table_lr)
+    if args.max_capacity is not None:
+        set_max_capacity(config, args.max_capacity)
 
 
 def check_args(argv: list[str] | None, device: bool = False) -> tuple[Any, list[str], list[int]]:
@@ -538,7 +611,8 @@ def _run_here(name: str, seed: int, samples: Path, args: Any, work: Path) -> dic
     path = variant_config(args.config, name, work, capacity_scale=args.capacity_scale,
                           id_dropout=args.id_dropout, sparse_lr=args.sparse_lr,
                           crosses=args.crosses, ema_decay=args.ema_decay,
-                          admission=args.admission, item_tower=args.item_tower)  # fmt: skip
+                          admission=args.admission, item_tower=args.item_tower,
+                          table_lr=args.table_lr, max_capacity=args.max_capacity)  # fmt: skip
     entry = run_variant(path, samples, args, work / f"run_{name}_s{seed}", seed)
     entry["id_dropout"] = args.id_dropout if name == "on" else None
     return entry
@@ -554,6 +628,7 @@ def child_argv(name: str, seed: int, samples: Path, args: Any, out: Path) -> lis
                 "--eval-max-batches": args.eval_max_batches, "--sparse-lr": args.sparse_lr,
                 "--crosses": args.crosses, "--ema-decay": args.ema_decay,
                 "--admission": args.admission, "--item-tower": args.item_tower,
+                "--table-lr": args.table_lr, "--max-capacity": args.max_capacity,
                 "--id-dropout": args.id_dropout if name == "on" and args.id_dropout else None}  # fmt: skip
     for flag, value in optional.items():
         if value is not None:
@@ -665,7 +740,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tail_threshold": TAIL_THRESHOLD, "max_steps": args.max_steps, "seeds": seeds,
         "jobs": args.jobs, "capacity_scale": args.capacity_scale, "id_dropout": args.id_dropout,
         "sparse_lr": args.sparse_lr, "crosses": args.crosses, "ema_decay": args.ema_decay,
-        "admission": args.admission, "item_tower": args.item_tower, "variants": variants,
+        "admission": args.admission, "item_tower": args.item_tower, "table_lr": args.table_lr,
+        "max_capacity": args.max_capacity, "variants": variants,
         "on_minus_off": differences(variants), "on_minus_off_by_seed": paired_differences(variants),
         "goal": goal(variants, info["size"]),
     }  # fmt: skip

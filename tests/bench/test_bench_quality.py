@@ -24,6 +24,8 @@ from bench.bench_quality import (
     variant_config,
 )
 from shared.config import ConfigError, load_config
+from shared.features import build_feature_set
+from train.model.sparse_arch import table_lr_scales
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
@@ -199,6 +201,21 @@ def test_item_tower_adds_the_item_only_tower_to_both_variants_only(tmp_path: Pat
         assert config == base  # nothing else changed
 
 
+def test_table_lr_and_max_capacity_set_the_named_tables_only(tmp_path: Path) -> None:
+    path = variant_config(SEED_CONFIG, "on", tmp_path, table_lr="cate_id:4",
+                          max_capacity="cate_id:10000")  # fmt: skip
+    assert path.name.endswith("_on_tlrcate_id4_capcate_id10000_x1.config")
+    config, base = load_config(path), load_config(SEED_CONFIG)
+    base.train_config.sparse_optimizer.table_learning_rates.add(feature_name="cate_id", lr_scale=4)
+    for fc in base.feature_configs:
+        if fc.id_feature.feature_name == "cate_id":
+            fc.id_feature.dynamicemb.max_capacity = 10000
+    base.model_config.multi_tower_din.cold_backoff.SetInParent()
+    assert config == base  # nothing else changed
+    fs = build_feature_set(config)
+    assert table_lr_scales(fs, config.train_config.sparse_optimizer) == {"cate_id_emb": 4.0}
+
+
 def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> None:
     out = tmp_path / "q.json"
     with pytest.raises(ValueError, match="--sparse-lr 0.0: give a learning rate > 0"):
@@ -213,6 +230,15 @@ def test_bad_sparse_lr_and_crosses_fail_before_any_training(tmp_path: Path) -> N
     for decay in ("0", "1", "1.5"):
         with pytest.raises(ValueError, match=f"--ema-decay {float(decay)}: give a decay in"):
             main(["--size", "tiny", "--ema-decay", decay, "--out", str(out)])
+    for flag, spec, error in (
+        ("--table-lr", "cate_id", r"give FEATURE:SCALE pairs \(SCALE > 0\)"),
+        ("--table-lr", "cate_id:0", "give FEATURE:SCALE pairs"),
+        ("--table-lr", "pid:2", "'pid' is not a dynamic id feature"),
+        ("--max-capacity", "cate_id:1.5", r"give FEATURE:N pairs \(N >= 1\)"),
+        ("--max-capacity", "nope:10", "'nope' is not a dynamic id feature"),
+    ):
+        with pytest.raises(ValueError, match=f"{flag} {spec}: {error}"):
+            main(["--size", "tiny", flag, spec, "--out", str(out)])
     for units in ("0", "64,x", ""):
         with pytest.raises(ValueError, match=f"--item-tower {units}: give hidden units > 0"):
             main(["--size", "tiny", "--item-tower", units, "--out", str(out)])
@@ -258,15 +284,15 @@ def test_child_argv_passes_every_option_on(tmp_path: Path) -> None:
     args = _parser().parse_args(
         ["--size", "tiny", "--batch", "64", "--max-steps", "2", "--eval-max-batches", "1",
          "--capacity-scale", "0.5", "--sparse-lr", "0.02", "--crosses", "all", "--ema-decay", "0.99",
-         "--admission", "user_id:5", "--item-tower", "64",
-         "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
+         "--admission", "user_id:5", "--item-tower", "64", "--table-lr", "cate_id:2",
+         "--max-capacity", "cate_id:9000", "--id-dropout", "0.1", "--num-workers", "3", "--device", "cpu", "--out", "x.json"]
     )  # fmt: skip
     on = _parser().parse_args(child_argv("on", 4, tmp_path, args, tmp_path / "on.json"))
     off = _parser().parse_args(child_argv("off", 4, tmp_path, args, tmp_path / "off.json"))
     for child in (on, off):
         for k in ("batch", "max_steps", "eval_max_batches", "capacity_scale", "sparse_lr",
-                  "crosses", "ema_decay", "admission", "item_tower", "num_workers", "device",
-                  "config"):  # fmt: skip
+                  "crosses", "ema_decay", "admission", "item_tower", "table_lr",
+                  "max_capacity", "num_workers", "device", "config"):  # fmt: skip
             assert getattr(child, k) == getattr(args, k), k
         assert child.samples == tmp_path and child.seeds == "4" and child.jobs == 1
     assert (on.variants, on.id_dropout, off.variants, off.id_dropout) == ("on", 0.1, "off", 0.0)
