@@ -30,9 +30,10 @@ priors), and ``learnable`` is ``knowable`` with them. ``learnable_alone`` fits t
 those terms without the model: what a model that learned every term as well as the data allow,
 from the profile and the ad, would score (no user bias, no clicks). ``expressed`` says how
 strongly the model's logit carries each true term (its least-squares coefficients on them all)
-and the learnable ad terms theirs. Measured on full data (seed 0, CPU, 2 cores, idle): 127 s
-and 5.4 GB peak RSS, the same figures as ``tail_misses_full_cold_ids_s23_cpu.json`` (whose
-286 s ran beside a training, before the fixed logit terms were computed once)::
+and the learnable ad terms theirs; ``by_cate_popularity`` splits the demographic match into its
+cate and ad parts by the cate's training impressions (:func:`by_cate_popularity`). Measured on
+full data (seed 0, CPU, 2 cores): 166 s idle (7.1 GB peak RSS while the Newton designs were
+kept; 5.3 GB since they are made per step, 335 s beside a training)::
 
     python -m train evaluate --config C --model-dir M --train /tmp/full/samples/train \\
         --eval /tmp/full/samples/eval --predictions /tmp/preds.parquet
