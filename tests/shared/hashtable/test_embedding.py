@@ -11,7 +11,7 @@ from shared.features import InitializerSpec, InitMode, ScoreStrategy
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.initializers import KeyedInitializer
 
-from .conftest import NORMAL, dyn_table
+from .conftest import NEEDS_CUDA_KERNELS, NORMAL, dyn_table
 
 
 def _dec(tables, groups=None, **kw) -> DynamicEmbeddingCollection:
@@ -319,23 +319,31 @@ def test_set_learning_rate_updates_as_a_collection_made_at_that_rate():
     assert moved.adagrad.lr == 0.5  # the configured rate, which checkpoints record
 
 
-def test_a_table_at_its_own_rate_trains_as_a_collection_made_at_that_rate():
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_CUDA_KERNELS])],
+)
+def test_a_table_at_its_own_rate_trains_as_a_collection_made_at_that_rate(device: str):
     """lr_scales: the scaled table leaves its fusion group for a storage of its own and updates
     as a collection at lr × scale does, in every later set_learning_rate too; the other tables
-    keep the group's storage and rate."""
+    keep the group's storage and rate. On CUDA through the kernels' per-storage rate."""
     tables = [dyn_table("a_emb", dim=8), dyn_table("b_emb", dim=8)]
-    scaled = _dec(tables, {"g": ["a_emb", "b_emb"]}, lr=0.02, lr_scales={"a_emb": 4.0})
+    scaled = _dec(
+        tables, {"g": ["a_emb", "b_emb"]}, lr=0.02, lr_scales={"a_emb": 4.0}, device=device
+    )
     assert scaled.storages == {"g": ["b_emb"], "a_emb": ["a_emb"]}
     assert scaled.table_adagrad("a_emb").lr == pytest.approx(0.08)
     assert scaled.table_adagrad("b_emb") == scaled.adagrad
-    at_a, at_b = _dec(tables[:1], lr=0.02 * 4), _dec(tables[1:], lr=0.02)
+    at_a = _dec(tables[:1], lr=0.02 * 4, device=device)
+    at_b = _dec(tables[1:], lr=0.02, device=device)
     for lr in (None, 0.005):
         if lr is not None:
             scaled.set_learning_rate(lr)
             at_a.set_learning_rate(lr * 4)
             at_b.set_learning_rate(lr)
         keys = {"a_emb": torch.tensor([4, 8, 4, 15]), "b_emb": torch.tensor([4, 9])}
-        weight = torch.linspace(-1, 1, 8)
+        keys = {t: k.to(device) for t, k in keys.items()}
+        weight = torch.linspace(-1, 1, 8, device=device)
         out = scaled(keys)
         sum((v * weight).sum() for v in out.values()).backward()
         for dec, name in ((at_a, "a_emb"), (at_b, "b_emb")):

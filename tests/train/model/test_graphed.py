@@ -563,14 +563,21 @@ def _table_states(model) -> list[torch.Tensor]:
     return out
 
 
-def _static_runs(tiny: Path, tmp: Path, device: str, steps: int):
+# cate_id's table at its own sparse rate: a storage of its own beside the fused groups
+TABLE_RATE = {
+    "constant_learning_rate {}\n}\ndense_optimizer": "constant_learning_rate {}\n"
+    'table_learning_rates { feature_name: "cate_id" lr_scale: 4 }\n}\ndense_optimizer'
+}
+
+
+def _static_runs(tiny: Path, tmp: Path, device: str, steps: int, replace: dict[str, str]):
     """(losses, table states, model) of ``steps`` training steps with full tables, eager and
     with the static sparse step (and, on CUDA, the dense graphs: cuda_graphs_for)."""
     from train.trainer import cuda_graphs_for, train_step
 
     runs = []
     for static in (False, True):
-        trainer = _tiny_model(tiny, tmp / f"s{static}", device, replace=FULL_TABLES)
+        trainer = _tiny_model(tiny, tmp / f"s{static}", device, replace=replace)
         model, opts = trainer.model, trainer.optimizers
         graphs = None
         if static and device == "cuda":
@@ -585,12 +592,19 @@ def _static_runs(tiny: Path, tmp: Path, device: str, steps: int):
     return runs
 
 
+STATIC_CASES = {"seed": FULL_TABLES, "table_rate": {**FULL_TABLES, **TABLE_RATE}}
+
+
+@pytest.mark.parametrize("replace", STATIC_CASES.values(), ids=STATIC_CASES.keys())
 def test_train_steps_with_the_static_sparse_step_equal_eager(
-    tiny_samples: Path, tmp_path: Path
+    tiny_samples: Path, tmp_path: Path, replace: dict[str, str]
 ) -> None:
     """Whole training steps of the seed model with full tables (evictions, admission) through
-    the static sparse step on CPU: the same losses and tables as the eager lookup, bit for bit."""
-    (want, want_t, _), (got, got_t, model) = _static_runs(tiny_samples, tmp_path, "cpu", 4)
+    the static sparse step on CPU: the same losses and tables as the eager lookup, bit for bit;
+    also with a table at its own sparse rate (one more storage)."""
+    (want, want_t, _), (got, got_t, model) = _static_runs(tiny_samples, tmp_path, "cpu", 4, replace)
+    if replace is not FULL_TABLES:
+        assert "cate_id_emb" in model.sparse.dynamic.storages
     assert got == want
     for a, b in zip(got_t, want_t, strict=True):
         assert torch.equal(a, b)
@@ -601,12 +615,15 @@ def test_train_steps_with_the_static_sparse_step_equal_eager(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures CUDA graphs")
+@pytest.mark.parametrize("replace", STATIC_CASES.values(), ids=STATIC_CASES.keys())
 def test_cuda_train_steps_with_the_captured_sparse_step_match_eager(
-    tiny_samples: Path, tmp_path: Path
+    tiny_samples: Path, tmp_path: Path, replace: dict[str, str]
 ) -> None:
     """The same on CUDA, the sparse step and the dense part replayed from CUDA graphs against
     eager CUDA: losses to the dense graphs' rounding, the tables' keys exactly."""
-    (want, want_t, _), (got, got_t, model) = _static_runs(tiny_samples, tmp_path, "cuda", 6)
+    (want, want_t, _), (got, got_t, model) = _static_runs(
+        tiny_samples, tmp_path, "cuda", 6, replace
+    )
     for a, b in zip(got, want, strict=True):
         assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (got, want)
     for a, b in zip(got_t, want_t, strict=True):
