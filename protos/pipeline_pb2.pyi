@@ -426,10 +426,12 @@ class BackoffSources(_message.Message):
     def __init__(self, feature_name: _Optional[str] = ..., side_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FeatureCrosses(_message.Message):
-    __slots__ = ("pairs",)
+    __slots__ = ("pairs", "bilinear")
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    BILINEAR_FIELD_NUMBER: _ClassVar[int]
     pairs: _containers.RepeatedCompositeFieldContainer[FeatureCross]
-    def __init__(self, pairs: _Optional[_Iterable[_Union[FeatureCross, _Mapping]]] = ...) -> None: ...
+    bilinear: bool
+    def __init__(self, pairs: _Optional[_Iterable[_Union[FeatureCross, _Mapping]]] = ..., bilinear: _Optional[bool] = ...) -> None: ...
 
 class FeatureCross(_message.Message):
     __slots__ = ("user_feature", "item_feature")
