@@ -15,8 +15,7 @@ Both variants can also change the base config the same way, recorded in the JSON
 ``--sparse-lr LR`` sets the sparse optimizer's learning rate (the seed's Adagrad at 0.001 leaves
 the embeddings near their initial values in one epoch), ``--crosses all`` or
 ``--crosses USER:ITEM,...`` adds ``model_config.multi_tower_din.crosses`` (every user × item
-feature cross, or the named ones: ``train/model/crosses.py``; ``bilinear:`` before either, e.g.
-``--crosses bilinear:cms_group_id:cate_id``, gives them the bilinear form), and ``--ema-decay D`` sets (or
+feature cross, or the named ones: ``train/model/crosses.py``), and ``--ema-decay D`` sets (or
 turns on) the dense parameters' EMA, ``train_config.dense_optimizer.ema`` (``train/dense_ema.py``),
 ``--admission user_id:5`` a dynamic feature's ``frequency_admission_strategy.threshold``, and
 ``--item-tower 64`` adds ``model_config.multi_tower_din.item_tower`` (an MLP of those hidden
@@ -252,14 +251,9 @@ def item_tower_units(spec: str) -> list[int]:
 
 
 def crosses_config(spec: str) -> pipeline_pb2.FeatureCrosses:
-    """``all`` (every user × item pair: no pairs named) or ``USER:ITEM,USER:ITEM``, either
-    after ``bilinear:`` for the bilinear form (``bilinear: true``)."""
+    """``all`` (every user × item pair: no pairs named) or ``USER:ITEM,USER:ITEM``."""
     config = pipeline_pb2.FeatureCrosses()
-    spec = spec.strip()
-    if spec.startswith("bilinear:"):
-        config.bilinear = True
-        spec = spec.removeprefix("bilinear:").strip()
-    if spec == "all":
+    if spec.strip() == "all":
         return config
     for part in (p.strip() for p in spec.split(",")):
         user, sep, item = part.partition(":")
@@ -519,9 +513,8 @@ def _parser() -> Parser:
                    help="both variants: the sparse optimizer's learning rate "
                    "(default: the config's)")  # fmt: skip
     p.add_argument("--crosses", default=None, metavar="SPEC",
-                   help="both variants: feature crosses, 'all' or USER:ITEM,..., either after "
-                   "'bilinear:' for the bilinear form (model_config.multi_tower_din.crosses; "
-                   "default: the config's)")  # fmt: skip
+                   help="both variants: feature crosses, 'all' or USER:ITEM,... "
+                   "(model_config.multi_tower_din.crosses; default: the config's)")  # fmt: skip
     p.add_argument("--ema-decay", type=float, default=None, metavar="D",
                    help="both variants: the dense EMA's decay (train_config.dense_optimizer.ema; "
                    "on where the config has none; default: the config's)")  # fmt: skip

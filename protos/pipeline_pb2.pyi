@@ -426,12 +426,10 @@ class BackoffSources(_message.Message):
     def __init__(self, feature_name: _Optional[str] = ..., side_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FeatureCrosses(_message.Message):
-    __slots__ = ("pairs", "bilinear")
+    __slots__ = ("pairs",)
     PAIRS_FIELD_NUMBER: _ClassVar[int]
-    BILINEAR_FIELD_NUMBER: _ClassVar[int]
     pairs: _containers.RepeatedCompositeFieldContainer[FeatureCross]
-    bilinear: bool
-    def __init__(self, pairs: _Optional[_Iterable[_Union[FeatureCross, _Mapping]]] = ..., bilinear: _Optional[bool] = ...) -> None: ...
+    def __init__(self, pairs: _Optional[_Iterable[_Union[FeatureCross, _Mapping]]] = ...) -> None: ...
 
 class FeatureCross(_message.Message):
     __slots__ = ("user_feature", "item_feature")

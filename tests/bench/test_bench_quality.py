@@ -23,7 +23,6 @@ from bench.bench_quality import (
     paired_differences,
     variant_config,
 )
-from protos import pipeline_pb2
 from shared.config import ConfigError, load_config
 from shared.features import build_feature_set
 from train.model.sparse_arch import table_lr_scales
@@ -160,12 +159,6 @@ def test_sparse_lr_and_crosses_change_both_variants_alike(tmp_path: Path) -> Non
     ]  # fmt: skip
     with pytest.raises(ValueError, match="USER:ITEM pairs"):
         crosses_config("cms_group_id")
-    bilinear = crosses_config("bilinear:cms_group_id:cate_id")
-    assert bilinear.bilinear and [(p.user_feature, p.item_feature) for p in bilinear.pairs] == [
-        ("cms_group_id", "cate_id")
-    ]  # fmt: skip
-    assert crosses_config("bilinear:all") == pipeline_pb2.FeatureCrosses(bilinear=True)
-    assert not named.bilinear
 
 
 def test_ema_decay_sets_or_turns_on_the_dense_ema_in_both_variants(tmp_path: Path) -> None:

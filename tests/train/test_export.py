@@ -145,11 +145,8 @@ def test_tzrec_named_bundle_serves_and_scores_like_ours(
         "cold_backoff {}",
         "cold_backoff { id_dropout: 0.4 }",
         "cold_backoff {}\ncrosses {}\nitem_tower { hidden_units: [8] }",
-        "cold_backoff {}\ncrosses { bilinear: true "
-        'pairs { user_feature: "cms_group_id" item_feature: "cate_id" } '
-        'pairs { user_feature: "age_level" item_feature: "adgroup_id" } }',
     ],
-    ids=["backoff", "id_dropout", "crosses_item_tower", "bilinear_crosses"],
+    ids=["backoff", "id_dropout", "crosses_item_tower"],
 )
 def trained_cold(
     request: pytest.FixtureRequest, tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory
@@ -157,8 +154,7 @@ def trained_cold(
     """The seed config with the cold-id backoff on (and, for ``id_dropout``, 0.4 of the warm
     user ids treated as cold in training: train.model.id_dropout; for ``crosses_item_tower``,
     every user × item feature cross, train.model.crosses, and an item-only tower,
-    train.model.dense_arch.ItemTower; for ``bilinear_crosses``, two crosses in the bilinear
-    form), trained and exported (bundle format 4,
+    train.model.dense_arch.ItemTower), trained and exported (bundle format 4,
     the same either way: the program never drops)."""
     root = tmp_path_factory.mktemp("export_cold")
     backoff = request.param
@@ -186,13 +182,8 @@ def test_exported_backoff_scores_as_trained(
     model, _progress, _ckpt = restore_model(config, model_dir=bundle.parent / "model")
     assert model.dense.backoff is not None
     assert (model.sparse.id_dropout is not None) == ("id_dropout" in config.read_text())
-    crosses = model.dense.crosses
-    if crosses is not None and crosses.bilinear:  # each W_p learned away from the identity
-        assert "bilinear" in config.read_text()
-        learned = (crosses.matrix - torch.eye(len(crosses.matrix))) * crosses.blocks
-        assert (learned[:16, :16] != 0).any() and (learned[16:, 16:] != 0).any()
-    elif crosses is not None:  # learned away from its initial 1s
-        assert "crosses" in config.read_text() and (crosses.weight != 1).all()
+    if model.dense.crosses is not None:  # learned away from its initial 1s
+        assert "crosses" in config.read_text() and (model.dense.crosses.weight != 1).all()
     if model.dense.item_tower is not None:  # learned away from its initial 0s
         assert "item_tower" in config.read_text()
         assert model.dense.item_tower.output.weight.abs().sum() > 0

@@ -4,7 +4,6 @@ With ``model_config.multi_tower_din.crosses`` on, the dense part adds, for each 
 USER feature and an ITEM/CONTEXT feature of the DEEP group (embeddings of equal width)::
 
     logit += w_p * <e_user, e_item>        # w_p learned, initially 1
-    logit += e_user^T W_p e_item           # with ``bilinear: true``: W_p learned, initially I
 
 The embeddings are the ones the deep tower reads (after the cold-id backoff, when it is on), so
 the term is part of :class:`~train.model.dense_arch.DenseArch` and of the exported program, and
@@ -23,11 +22,6 @@ the two pairs ``cms_group_id`` × ``cate_id`` and ``cms_group_id`` × ``adgroup_
 - at the seed's rate (Adagrad 0.001, where the embeddings barely move in one epoch), nothing:
   0.6108 against 0.6118;
 - every user × item pair (``crosses {}``, 63 pairs) at 0.05: tail 0.6192, no better than none.
-
-``bilinear: true`` gives each pair a d × d matrix (FiBiNET's bilinear interaction, "field
-each"): the shared embeddings also serve the tower, the DIN and (for ``cate_id``) the sequences,
-and with ``W_p`` the cross reads its own mix of their dimensions instead of their plain dot
-product. ``W_p`` starts at the identity, so the model starts where the scalar form starts.
 
 A pair is a :class:`Cross` of column offsets into ``[user_deep[user_index], item_deep]`` (the
 tower's input). :class:`FeatureCrosses` computes all pairs at once: one gather of each side's
@@ -62,7 +56,6 @@ class Cross:
     user_column: int  # first column in user_deep (and so in the tower's input)
     item_column: int  # first column in item_deep (the tower's input: + user_deep_dim)
     dim: int
-    bilinear: bool = False  # e_user^T W e_item (W learned, d x d) instead of w <e_user, e_item>
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -75,7 +68,6 @@ class Cross:
             int(d["user_column"]),
             int(d["item_column"]),
             int(d["dim"]),
-            bool(d.get("bilinear", False)),  # older configs: the scalar form
         )
 
 
@@ -116,46 +108,30 @@ def crosses_of(fs: FeatureSet, config: pipeline_pb2.FeatureCrosses) -> tuple[Cro
             )  # fmt: skip
     if len(set(pairs)) != len(pairs):
         raise ConfigError("<config>", None, f"{FIELD}.pairs", "a pair is named twice")
-    return tuple(Cross(u, i, user[u], item[i], dim(u), config.bilinear) for u, i in pairs)
+    return tuple(Cross(u, i, user[u], item[i], dim(u)) for u, i in pairs)
 
 
 class FeatureCrosses(nn.Module):
-    """The crosses' logit term of the tower's input ``x`` ([B, Du + Di]) → [B]:
-    ``sum_p w_p * <x[:, user cols of p], x[:, item cols of p]>`` (``weight``, [P], starts at 1),
-    or with bilinear pairs ``sum_p x[:, user cols of p] @ W_p @ x[:, item cols of p]`` (``matrix``,
-    [C, C] with the W_p on its diagonal blocks and zeros elsewhere, starts at the identity). The
-    pairs take one form; it draws nothing from the global generator."""
+    """``sum_p w_p * <x[:, user cols of p], x[:, item cols of p]>`` of the tower's input ``x``
+    ([B, Du + Di]) → [B]. ``w`` starts at 1; it draws nothing from the global generator."""
 
     user_columns: torch.Tensor  # [C] int64, C = sum of the pairs' dims
     item_columns: torch.Tensor  # [C] int64
     pair_of_column: torch.Tensor  # [C] int64
-    blocks: torch.Tensor  # [C, C] float, 1 on the pairs' diagonal blocks (bilinear only)
 
     def __init__(self, crosses: Sequence[Cross], user_deep_dim: int) -> None:
         super().__init__()
         if not crosses:
             raise ValueError("FeatureCrosses needs at least one pair")
-        forms = {c.bilinear for c in crosses}
-        if len(forms) != 1:
-            raise ValueError("the pairs mix the scalar and the bilinear form; give them one")
         user = [c.user_column + j for c in crosses for j in range(c.dim)]
         item = [user_deep_dim + c.item_column + j for c in crosses for j in range(c.dim)]
         pair = [p for p, c in enumerate(crosses) for _ in range(c.dim)]
         self.register_buffer("user_columns", torch.tensor(user, dtype=torch.int64), False)
         self.register_buffer("item_columns", torch.tensor(item, dtype=torch.int64), False)
         self.register_buffer("pair_of_column", torch.tensor(pair, dtype=torch.int64), False)
-        self.bilinear = forms == {True}
-        if self.bilinear:
-            of = torch.tensor(pair)
-            blocks = (of[:, None] == of[None, :]).to(torch.float32)
-            self.register_buffer("blocks", blocks, False)
-            self.matrix = nn.Parameter(torch.eye(len(pair)))
-        else:
-            self.weight = nn.Parameter(torch.ones(len(crosses)))
+        self.weight = nn.Parameter(torch.ones(len(crosses)))
 
     def forward(self, deep_in: torch.Tensor) -> torch.Tensor:
         # deep_in: [B, Du + Di] -> [B]
-        user, item = deep_in[:, self.user_columns], deep_in[:, self.item_columns]  # [B, C] each
-        if self.bilinear:  # the mask keeps the off-block entries at 0 (and their gradients)
-            return ((user @ (self.matrix * self.blocks)) * item).sum(1)
-        return (user * item) @ self.weight[self.pair_of_column]
+        products = deep_in[:, self.user_columns] * deep_in[:, self.item_columns]  # [B, C]
+        return products @ self.weight[self.pair_of_column]

@@ -11,7 +11,7 @@ from shared.batch import Batch
 from shared.config import ConfigError, load_config
 from shared.features import FeatureSet, build_feature_set
 from tests.conftest import SEED_CONFIG
-from train.model.crosses import Cross, FeatureCrosses, crosses_of
+from train.model.crosses import FeatureCrosses, crosses_of
 from train.model.dense_arch import DenseArch, DenseArchConfig, example_inputs
 from train.model.multi_tower_din import MultiTowerDIN
 
@@ -64,48 +64,6 @@ def test_the_term_is_the_weighted_sum_of_the_pairs_dot_products(seed_fs: Feature
     )
 
 
-def _bilinear(fs: FeatureSet, *pairs: tuple[str, str]):
-    config = pipeline_pb2.FeatureCrosses(bilinear=True)
-    for u, i in pairs:
-        config.pairs.add(user_feature=u, item_feature=i)
-    return crosses_of(fs, config)
-
-
-def test_the_bilinear_term_is_the_sum_of_the_pairs_bilinear_forms(seed_fs: FeatureSet) -> None:
-    crosses = _bilinear(seed_fs, ("cms_group_id", "cate_id"), ("age_level", "adgroup_id"))
-    assert all(c.bilinear for c in crosses)
-    module = FeatureCrosses(crosses, user_deep_dim=144)
-    assert not hasattr(module, "weight") and module.matrix.shape == (32, 32)
-    x = torch.randn(5, 144 + 112)
-    group, age = x[:, 32:48], x[:, 64:80]  # cms_group_id, age_level (user_deep)
-    cate, ad = x[:, 144 + 64 : 144 + 80], x[:, 144 : 144 + 16]  # cate_id, adgroup_id
-    # it starts at the identity: the scalar form's start (w = 1)
-    scalar = FeatureCrosses(
-        _crosses(seed_fs, ("cms_group_id", "cate_id"), ("age_level", "adgroup_id")), 144
-    )
-    torch.testing.assert_close(module(x), scalar(x))
-    w1, w2 = torch.randn(16, 16), torch.randn(16, 16)
-    with torch.no_grad():
-        module.matrix.copy_(torch.randn(32, 32))  # the off-block entries do not count
-        module.matrix[:16, :16], module.matrix[16:, 16:] = w1, w2
-    want = ((group @ w1) * cate).sum(1) + ((age @ w2) * ad).sum(1)
-    torch.testing.assert_close(module(x), want)
-    module(x).sum().backward()
-    grad = module.matrix.grad
-    assert grad is not None
-    torch.testing.assert_close(grad[:16, :16], group.T @ cate)
-    torch.testing.assert_close(grad[16:, 16:], age.T @ ad)
-    assert not grad[:16, 16:].any() and not grad[16:, :16].any()
-
-
-def test_the_pairs_take_one_form(seed_fs: FeatureSet) -> None:
-    mixed = _crosses(seed_fs, ("cms_group_id", "cate_id")) + _bilinear(
-        seed_fs, ("age_level", "adgroup_id")
-    )
-    with pytest.raises(ValueError, match="mix the scalar and the bilinear form"):
-        FeatureCrosses(mixed, user_deep_dim=144)
-
-
 def test_the_switch_adds_the_term_and_changes_no_other_weight(tiny_batch: Batch) -> None:
     """Same seed: the crosses draw nothing, so every other weight is as without them, and the
     logits differ by exactly the term."""
@@ -141,24 +99,3 @@ def test_arch_config_round_trips_with_the_crosses(seed_fs: FeatureSet) -> None:
     # a checkpoint's config from before the crosses existed still reads, without them
     old = {k: v for k, v in arch.config.to_dict().items() if k != "crosses"}
     assert DenseArchConfig.from_dict(old).crosses == ()
-
-
-def test_arch_config_round_trips_with_bilinear_crosses(seed_fs: FeatureSet) -> None:
-    config = load_config(SEED_CONFIG)
-    crosses = config.model_config.multi_tower_din.crosses
-    crosses.bilinear = True
-    crosses.pairs.add(user_feature="cms_group_id", item_feature="cate_id")
-    arch = DenseArch.from_config(seed_fs, config.model_config)
-    assert arch.config.crosses[0].bilinear
-    assert DenseArchConfig.from_dict(arch.config.to_dict()) == arch.config
-    with torch.no_grad():
-        arch.crosses.matrix.add_(torch.randn(16, 16))  # a learned W, not the identity
-    rebuilt = DenseArch.from_arch_config(arch.config)
-    rebuilt.load_state_dict(arch.state_dict())
-    example = example_inputs(arch, pairs=True)
-    with torch.no_grad():
-        torch.testing.assert_close(rebuilt(**example), arch(**example), rtol=0, atol=0)
-    # a pair from before the bilinear form existed reads as the scalar form
-    pair = arch.config.crosses[0].to_dict()
-    del pair["bilinear"]
-    assert not Cross.from_dict(pair).bilinear
