@@ -1,11 +1,41 @@
-"""The committed *_pb2 files must be what protos/build.py generates from the .proto sources."""
+"""The committed *_pb2 files must be what protos/build.py generates from the .proto sources,
+and pyproject.toml must ask for the runtimes they were generated for."""
 
+import re
 import tempfile
+import tomllib
 from pathlib import Path
 
 import pytest
 
-PROTOS = Path(__file__).resolve().parents[2] / "protos"
+ROOT = Path(__file__).resolve().parents[2]
+PROTOS = ROOT / "protos"
+
+
+def _floor(package: str) -> tuple[int, ...]:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        m = re.fullmatch(rf"{re.escape(package)}>=([\d.]+)", dep)
+        if m:
+            return tuple(int(x) for x in m.group(1).split("."))
+    raise AssertionError(f"pyproject.toml names no {package}>=VERSION")
+
+
+def test_pyproject_asks_for_the_runtimes_the_generated_code_checks() -> None:
+    """grpcio and protobuf refuse to import generated code newer than themselves: an install
+    that meets pyproject.toml must import protos/ (a floor below these fails at import)."""
+    grpc_gen = re.search(
+        r"GRPC_GENERATED_VERSION = '([\d.]+)'", (PROTOS / "predict_pb2_grpc.py").read_text()
+    )
+    assert grpc_gen is not None
+    want = tuple(int(x) for x in grpc_gen.group(1).split("."))
+    for package in ("grpcio", "grpcio-tools", "grpcio-health-checking", "grpcio-reflection"):
+        assert _floor(package) >= want, f"pyproject.toml: {package}>={grpc_gen.group(1)}"
+    for pb2 in sorted(PROTOS.glob("*_pb2.py")):
+        gen = re.search(r"Protobuf Python Version: ([\d.]+)", pb2.read_text())
+        assert gen is not None, pb2.name
+        need = tuple(int(x) for x in gen.group(1).split("."))
+        assert _floor("protobuf") >= need, f"pyproject.toml: protobuf>={gen.group(1)} ({pb2.name})"
 
 
 def test_generated_code_is_fresh() -> None:

@@ -5,6 +5,7 @@ CUDA a hot swap through gRPC that captures no graph. The GPU tests run on the GP
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -216,10 +217,12 @@ def test_a_swap_under_traffic_on_cuda_loses_no_request(
     requests: list,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """As deployed: CUDA graphs, the spare and frontends. Clients send requests while the next
     version is installed; every request is answered OK, by one version or the other, with that
     version's offline scores, and the swap wrote into the spare (no capture)."""
+    caplog.set_level(logging.INFO, logger="serve")  # loads, swaps, retirements: in a failure
     monkeypatch.setattr(serve.versions, "RETIRE_AFTER_S", 0.2)
     bundles = [
         make_din_bundle(tmp_path, fs, v, pairs=True, seed=s) for v, s in (("1", 0), ("2", 1))
