@@ -565,13 +565,24 @@ def _install(src: Path, model_dir: Path, version: str, corrupt: bool = False) ->
     tmp.rename(model_dir / version)
 
 
+@pytest.mark.parametrize("frontends", [0, 2], ids=["one_process", "two_frontends"])
 def test_hot_swap_under_traffic_then_corrupt_bundle_refused(
-    tmp_path: Path, bundle_v1: Path, bundle_v2: Path, requests, expected_v1, expected_v2
+    tmp_path: Path,
+    bundle_v1: Path,
+    bundle_v2: Path,
+    requests,
+    expected_v1,
+    expected_v2,
+    frontends: int,
 ) -> None:
+    """Clients call while version 2 is installed: every answer is OK and has its version's
+    offline scores (also through frontends, whose batches reach the device process in shared
+    memory); then a corrupt version 3 is refused and version 2 keeps serving."""
     model_dir = tmp_path / "models"
     model_dir.mkdir()
     _install(bundle_v1, model_dir, "1")
-    srv = PredictionServer(_config(model_dir=model_dir, poll_interval_s=0.05)).start()
+    config = _config(model_dir=model_dir, poll_interval_s=0.05, frontends=frontends)
+    srv = PredictionServer(config).start()
     assert srv.wait_ready(60), srv.load_error
     expected = {"1": expected_v1, "2": expected_v2}
     try:
