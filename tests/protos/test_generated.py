@@ -12,12 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
 def _floor(package: str) -> tuple[int, ...]:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     for dep in deps:
         m = re.fullmatch(rf"{re.escape(package)}>=([\d.]+)", dep)
         if m:
-            return tuple(int(x) for x in m.group(1).split("."))
+            return _version(m.group(1))
     raise AssertionError(f"pyproject.toml names no {package}>=VERSION")
 
 
@@ -28,14 +32,15 @@ def test_pyproject_asks_for_the_runtimes_the_generated_code_checks() -> None:
         r"GRPC_GENERATED_VERSION = '([\d.]+)'", (PROTOS / "predict_pb2_grpc.py").read_text()
     )
     assert grpc_gen is not None
-    want = tuple(int(x) for x in grpc_gen.group(1).split("."))
+    want = _version(grpc_gen.group(1))
     for package in ("grpcio", "grpcio-tools", "grpcio-health-checking", "grpcio-reflection"):
         assert _floor(package) >= want, f"pyproject.toml: {package}>={grpc_gen.group(1)}"
     for pb2 in sorted(PROTOS.glob("*_pb2.py")):
         gen = re.search(r"Protobuf Python Version: ([\d.]+)", pb2.read_text())
         assert gen is not None, pb2.name
-        need = tuple(int(x) for x in gen.group(1).split("."))
-        assert _floor("protobuf") >= need, f"pyproject.toml: protobuf>={gen.group(1)} ({pb2.name})"
+        assert _floor("protobuf") >= _version(gen.group(1)), (
+            f"pyproject.toml: protobuf>={gen.group(1)} ({pb2.name})"
+        )
 
 
 def test_generated_code_is_fresh() -> None:
