@@ -40,8 +40,8 @@ Steps (one call, everything under ``--work`` except what lands in ``--out``):
    does), when py-spy is installed. Servers are always stopped (SIGTERM, then SIGKILL).
 
 Writes ``<out>/bench_serving.json`` and ``<out>/pyspy_raw.txt`` (collapsed stacks per run) and
-prints a table last. On the GPU machine (no locust there): carry the wheels of locust and its
-needs, and py-spy, in ``.whl`` (see ``bench/run_serving_gpu.sh``).
+prints a table last. On the GPU machine (no locust there): carry the wheels of
+``scripts/gpu_wheels.py`` in ``.whl`` (see ``bench/run_serving_gpu.sh``).
 """
 
 from __future__ import annotations

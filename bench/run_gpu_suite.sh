@@ -2,10 +2,8 @@
 # One device call (nvidia-h200): GPU tests, then the hash-table, DIN and training benchmarks and
 # the training-step profile, each under its own timeout so the call ends inside 10 minutes.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (wheels from
-# ../shared/device/fetch-wheels.sh, plus grpcio==1.85.3 grpcio-health-checking==1.85.1
-# grpcio-reflection==1.85.1 prometheus-client==0.26.0: the machine's grpcio (1.84 on 2026-12-05)
-# is older than the generated stubs want and it has no grpc_health, so without them the serving
-# tests fail to import; see README "Contributing"). Writes JSON and logs under $OUT.
+# `python scripts/gpu_wheels.py`: the lock's versions of everything the machine lacks, grpc and
+# locust included). Writes JSON and logs under $OUT.
 # (at most 8 files come back: gpu_tests.log, suite.log, the JSONs, profile_train.txt.)
 # The serving benchmark needs a call of its own: bench/run_serving_gpu.sh.
 set -x

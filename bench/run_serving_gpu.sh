@@ -3,14 +3,8 @@
 # under locust, GPU against the CPU baseline on the same machine and load, with the server's
 # stage profile and a py-spy GIL profile (bench/bench_serving.py), then the latency of a hot
 # swap under traffic (bench/bench_swap.py). Run from the repo root on the
-# GPU machine with $OUT set, after fetching the wheels here and `carry: [".whl"]`:
-#   ../shared/device/fetch-wheels.sh locust==2.47.0 gevent==26.9.0 geventhttpclient==2.6.1 \
-#     greenlet==3.5.6 zope.event==6.2 zope.interface==8.7 flask==3.1.3 flask-cors==6.0.5 \
-#     flask-login==0.6.3 blinker==1.9.0 itsdangerous==2.2.0 pyzmq==27.3.0 configargparse==1.9.0 \
-#     brotli==1.2.1 python-engineio==4.15.1 python-socketio==5.18.1 bidict==0.24.1 \
-#     simple-websocket==1.1.0 wsproto==1.3.2 websocket-client==1.9.2 py-spy==0.4.3
-# (plus grpcio==1.85.3 grpcio-health-checking grpcio-reflection prometheus-client, already in .whl:
-# the generated stubs want grpcio >= 1.85.1). About 8 minutes; writes under $OUT:
+# GPU machine with $OUT set, after `python scripts/gpu_wheels.py` here (the lock's versions of
+# locust, grpc, py-spy and the rest) and `carry: [".whl"]`. About 8 minutes; writes under $OUT:
 # bench_serving.json, pyspy_raw.txt, bench_serving.log, swap_gpu.json, bench_swap.log.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2

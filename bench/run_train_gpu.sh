@@ -5,7 +5,7 @@
 # eval) and the loader alone, into $OUT/bench_train_full.json (+ the warm steps' kernel tables).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (see
 # bench/run_gpu_suite.sh; py-spy's wheel in .whl adds the wall-clock stacks of each end-to-end run
-# with PY_SPY_S=10; tests/serve needs the grpc wheels of bench/run_serving_gpu.sh).
+# with PY_SPY_S=10).
 # TESTS: the GPU test paths ("" skips them; default tests/shared tests/train). About 5 minutes
 # (2026-12-04): data 2.3 with the tests beside it, bench_static_step 0.2, bench_train 2.4.
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2

@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
-# Create (or refresh) the project's virtual environment in .venv and print its python.
-# Idempotent: reinstalls only when pyproject.toml changed since the last install.
+# Create (or rebuild) the project's virtual environment in .venv from requirements/lock.txt, and
+# print its python. Idempotent: the venv's stamp is a hash of the lock, pyproject.toml and this
+# script; when any of them changes, the venv is deleted and built again, so `pip freeze` of it is
+# always exactly the lock (plus the editable project). Regenerate the lock with scripts/lock.sh.
+#
+# The lock is for CPython 3.11 on Linux x86_64. torch's CPU build (torch==2.13.0+cpu) comes from the
+# pip configuration of this machine (/opt/wheels); elsewhere, point pip at PyTorch's CPU index:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV" >&2
+LOCK=requirements/lock.txt
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "env.sh: $LOCK is for CPython 3.11, but $PY is $("$PY" -V 2>&1); set PYTHON=python3.11" >&2
+  exit 1
 fi
-STAMP="$VENV/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+STAMP="$VENV/.installed-$(cat "$LOCK" pyproject.toml scripts/env.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-  # torch first and pinned, so nothing later pulls a multi-GB CUDA build.
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
-  "$VENV/bin/python" -m pip install -q -e ".[dev]" >&2
-  NODEPS=$("$VENV/bin/python" -c 'import tomllib;print(" ".join(tomllib.load(open("pyproject.toml","rb"))["tool"]["dynrec"]["no-deps"]))')
-  "$VENV/bin/python" -m pip install -q --no-deps $NODEPS >&2
-  rm -f "$VENV"/.installed-*
+  if [ -e "$VENV" ]; then
+    [ -f "$VENV/pyvenv.cfg" ] || { echo "env.sh: $VENV exists and is not a venv; remove it" >&2; exit 1; }
+    echo "env.sh: $LOCK, pyproject.toml or env.sh changed: rebuilding $VENV" >&2
+    rm -rf "$VENV"
+  fi
+  "$PY" -m venv "$VENV" >&2
+  # Exactly the lock: no resolution, every file checked against its hash. The build backend
+  # (setuptools) is in the lock too, so the editable install needs no isolated build environment.
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes \
+    -r "$LOCK" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -e . >&2
   touch "$STAMP"
 fi
 echo "$VENV/bin/python"
