@@ -194,7 +194,7 @@ class DenseOptimizer(_message.Message):
     def __init__(self, adam_optimizer: _Optional[_Union[AdamOptimizer, _Mapping]] = ..., sgd_optimizer: _Optional[_Union[SGDOptimizer, _Mapping]] = ..., adagrad_optimizer: _Optional[_Union[AdagradOptimizer, _Mapping]] = ..., constant_learning_rate: _Optional[_Union[ConstantLR, _Mapping]] = ..., exponential_decay_learning_rate: _Optional[_Union[ExponentialDecayLR, _Mapping]] = ..., manual_step_learning_rate: _Optional[_Union[ManualStepLR, _Mapping]] = ..., cosine_annealing_learning_rate: _Optional[_Union[CosineAnnealingLR, _Mapping]] = ..., cosine_annealing_warm_restarts_learning_rate: _Optional[_Union[CosineAnnealingWarmRestartsLR, _Mapping]] = ..., ema: _Optional[_Union[EMAConfig, _Mapping]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("sparse_optimizer", "dense_optimizer", "num_steps", "num_epochs", "save_checkpoints_steps", "save_checkpoints_epochs", "log_step_count_steps", "is_profiling", "mixed_precision")
+    __slots__ = ("sparse_optimizer", "dense_optimizer", "num_steps", "num_epochs", "save_checkpoints_steps", "save_checkpoints_epochs", "log_step_count_steps", "is_profiling", "mixed_precision", "table_hbm_budget_gib")
     SPARSE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     DENSE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class TrainConfig(_message.Message):
     LOG_STEP_COUNT_STEPS_FIELD_NUMBER: _ClassVar[int]
     IS_PROFILING_FIELD_NUMBER: _ClassVar[int]
     MIXED_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_HBM_BUDGET_GIB_FIELD_NUMBER: _ClassVar[int]
     sparse_optimizer: SparseOptimizer
     dense_optimizer: DenseOptimizer
     num_steps: int
@@ -213,7 +214,8 @@ class TrainConfig(_message.Message):
     log_step_count_steps: int
     is_profiling: bool
     mixed_precision: str
-    def __init__(self, sparse_optimizer: _Optional[_Union[SparseOptimizer, _Mapping]] = ..., dense_optimizer: _Optional[_Union[DenseOptimizer, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_epochs: _Optional[int] = ..., save_checkpoints_steps: _Optional[int] = ..., save_checkpoints_epochs: _Optional[int] = ..., log_step_count_steps: _Optional[int] = ..., is_profiling: _Optional[bool] = ..., mixed_precision: _Optional[str] = ...) -> None: ...
+    table_hbm_budget_gib: float
+    def __init__(self, sparse_optimizer: _Optional[_Union[SparseOptimizer, _Mapping]] = ..., dense_optimizer: _Optional[_Union[DenseOptimizer, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_epochs: _Optional[int] = ..., save_checkpoints_steps: _Optional[int] = ..., save_checkpoints_epochs: _Optional[int] = ..., log_step_count_steps: _Optional[int] = ..., is_profiling: _Optional[bool] = ..., mixed_precision: _Optional[str] = ..., table_hbm_budget_gib: _Optional[float] = ...) -> None: ...
 
 class EvalConfig(_message.Message):
     __slots__ = ("num_steps", "use_dense_ema")

@@ -121,6 +121,9 @@ class DynamicTableSpec:
     eval_initializer: InitializerSpec
     admission: AdmissionSpec | None
     init_table: str | None
+    # the share of rows whose values live in device memory (tzrec's field); None: unset, i.e. 1.0
+    # (shared.hashtable.placement plans it and refuses what this build cannot run)
+    cache_load_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -424,7 +427,23 @@ def _dynamic_spec(
         eval_initializer=init("eval_initializer_args", InitMode.CONSTANT, "eval_initializer_args"),
         admission=admission,
         init_table=de.init_table if de.HasField("init_table") else None,
+        cache_load_factor=_cache_load_factor(de, err),
     )
+
+
+def _cache_load_factor(
+    de: pipeline_pb2.DynamicEmbedding, err: Callable[[str, str], ConfigError]
+) -> float | None:
+    if not de.HasField("cache_load_factor"):
+        return None
+    factor = float(de.cache_load_factor)
+    if not 0.0 < factor <= 1.0:
+        raise err(
+            "cache_load_factor",
+            f"must be in (0, 1], got {factor}; it is the share of the table's rows kept in "
+            "device memory (1.0: all of them)",
+        )
+    return factor
 
 
 def _register_table(

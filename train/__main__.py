@@ -44,8 +44,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         choices=["cpu", "cuda"],
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="where the model runs (default here: %(default)s)",
+        help="where the model runs (default: cuda if this machine has one, else cpu)",
     )
     p.add_argument("--batch-size", type=int, help="rows per batch; default: data_config.batch_size")
     p.add_argument(
@@ -104,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
         help="dense forward+backward through CUDA graphs (default: on for single-process CUDA "
         "training; never on CPU or distributed)",
     )
+    t.add_argument(
+        "--hbm-budget-gib",
+        type=float,
+        help="device memory (GiB) the dynamic tables may use; default: the config's "
+        "train_config.table_hbm_budget_gib, else none (see python -m train.tools plan)",
+    )
 
     e = sub.add_parser(
         "evaluate",
@@ -151,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.device is None:  # resolved here, not in the parser, so that --help is the same anywhere
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(args.device)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -192,6 +199,7 @@ def _train(args: argparse.Namespace) -> None:
                 progress_bar=not args.no_progress,
                 dist=env,
                 cuda_graphs=args.cuda_graphs,
+                hbm_budget_gib=args.hbm_budget_gib,
             )
         ).fit()
     finally:

@@ -90,6 +90,8 @@ class TrainOptions:
     # dense forward+backward through CUDA graphs (train.model.graphed); None: CUDA_GRAPHS_DEFAULT.
     # Only single-process CUDA training uses them (CPU and distributed runs are always eager).
     cuda_graphs: bool | None = None
+    # device memory (GiB) the dynamic tables may use; None: train_config.table_hbm_budget_gib
+    hbm_budget_gib: float | None = None
 
 
 # CUDA graphs for the dense part when TrainOptions.cuda_graphs is None: on (single-process CUDA)
@@ -336,7 +338,13 @@ class Trainer:
         self._started: tuple[int, Iterator[Batch]] | None = (
             None if options.resume else (0, self.loader.epoch(0))
         )
-        self.model = MultiTowerDIN.from_config(cfg, self.fs, device=self.device, seed=options.seed)
+        self.model = MultiTowerDIN.from_config(
+            cfg,
+            self.fs,
+            device=self.device,
+            seed=options.seed,
+            hbm_budget_gib=options.hbm_budget_gib,
+        )
         self.comm: CommStats | None = None
         self.sync: GradSync | None = None
         if self.dist is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -9,9 +11,12 @@ from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import FeatureSet
+from shared.hashtable.placement import GIB, describe, plan_placement, require_hbm_only
 from train.model.dense_arch import DenseArch
 from train.model.id_dropout import IdDropout
 from train.model.sparse_arch import Embedded, SparseArch, table_lr_scales
+
+log = logging.getLogger(__name__)
 
 
 class MultiTowerDIN(nn.Module):
@@ -54,8 +59,13 @@ class MultiTowerDIN(nn.Module):
         *,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        hbm_budget_gib: float | None = None,
     ) -> MultiTowerDIN:
-        """The model of ``config`` with its sparse optimizer settings."""
+        """The model of ``config`` with its sparse optimizer settings, once the dynamic tables'
+        placement is planned (one log line per table) and runs in this build.
+        ``hbm_budget_gib``: the tables' device budget, over the config's
+        ``train_config.table_hbm_budget_gib``."""
+        plan_tables(config, fs, hbm_budget_gib)
         ada = sparse_adagrad(config.train_config)
         return cls(
             fs,
@@ -82,6 +92,21 @@ class MultiTowerDIN(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.dense(**self.dense_inputs(batch))  # [B]
+
+
+def plan_tables(
+    config: pipeline_pb2.EasyRecConfig, fs: FeatureSet, hbm_budget_gib: float | None
+) -> None:
+    """Log the dynamic tables' placement (shared.hashtable.placement) and refuse what this build
+    cannot run: a budget they cannot fit, or a cache_load_factor below 1."""
+    tc = config.train_config
+    if hbm_budget_gib is None and tc.HasField("table_hbm_budget_gib"):
+        hbm_budget_gib = tc.table_hbm_budget_gib
+    budget = None if hbm_budget_gib is None else int(hbm_budget_gib * GIB)
+    plans = plan_placement(fs.dynamic_tables, hbm_budget=budget)
+    for line in describe(plans):
+        log.info("table plan: %s", line)
+    require_hbm_only(plans)
 
 
 def sparse_adagrad(config: pipeline_pb2.TrainConfig) -> pipeline_pb2.AdagradOptimizer:

@@ -1,4 +1,5 @@
-"""``python -m train.tools {init-ckpt,convert,inspect,delta-export,delta-apply}``: checkpoint tools.
+"""``python -m train.tools {init-ckpt,convert,inspect,delta-export,delta-apply,plan}``: checkpoint
+and table tools.
 
 Examples::
 
@@ -15,6 +16,7 @@ Examples::
         --out /srv/deltas/step-2000
     python -m train.tools delta-apply --server 127.0.0.1:8501 --token-file token \\
         --delta step-2000
+    python -m train.tools plan --config cfg --device cuda
 
 ``--server`` is the server's admin address (``serve --admin-address``), not its public port;
 ``--delta`` is relative to the server's ``--delta-root`` (:mod:`train.tools.admin_client`).
@@ -116,7 +118,20 @@ def _parser() -> argparse.ArgumentParser:
         help="the delta directory relative to the server's --delta-root, e.g. step-2000",
     )
     a.add_argument("--timeout", type=float, default=300.0, help="seconds the call may take")
-    for command in (i, c, d, a):
+    pl = add_command("plan", "each dynamic table's placement and memory, before a run")
+    pl.add_argument("--config", type=Path, required=True, help="pipeline config")
+    pl.add_argument(
+        "--device",
+        default="cpu",
+        help="the training device; with cuda and no budget, its free memory is the budget",
+    )
+    pl.add_argument(
+        "--hbm-gib",
+        type=float,
+        help="device memory (GiB) the tables may use; default: the config's "
+        "train_config.table_hbm_budget_gib",
+    )
+    for command in (i, c, d, a, pl):
         command.add_argument("--json", action="store_true", help="JSON instead of text")
     for command in (s, a):
         _admin_arguments(command)
@@ -304,6 +319,11 @@ def run(args: argparse.Namespace) -> str:
         return (
             json.dumps(report, indent=1) if args.json else format_report(report, top_k=args.top_k)
         )
+    if args.cmd == "plan":
+        from train.tools.plan import plan_report, plan_text
+
+        report = plan_report(args.config, device=args.device, hbm_gib=args.hbm_gib)
+        return json.dumps(report, indent=1) if args.json else plan_text(report)
     if args.cmd == "init-ckpt":
         out = _init_ckpt(args)
     elif args.cmd == "convert":
