@@ -331,7 +331,7 @@ def test_the_cold_ids_config_is_the_measured_recipe(tmp_path: Path) -> None:
     (bench/results/bench_quality_full_s18_h200.json: the EMA config, the on variant, sparse lr
     0.05, the two crosses, --batch 4096) with the item tower of recipe it64
     (bench/results/bench_quality_full_bilinear_s26_h100.json: --item-tower 64)."""
-    base = ROOT / "bench" / "results" / "bench_quality_full_s18_ema0.999.config"
+    base = ROOT / "bench" / "sweeps" / "bench_quality_full_s18_ema0.999.config"
     crosses = "cms_group_id:cate_id,cms_group_id:adgroup_id"
     measured = load_config(
         variant_config(base, "on", tmp_path, sparse_lr=0.05, crosses=crosses, item_tower="64")
