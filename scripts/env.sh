@@ -26,10 +26,12 @@ if [ ! -f "$STAMP" ]; then
   "$PY" -m venv "$VENV" >&2
   # Exactly the lock: no resolution, every file checked against its hash. The build backend
   # (setuptools) is in the lock too, so the editable install needs no isolated build environment.
+  # (this machine's pip.conf names local file:// indexes that lack most packages; pip warns once
+  # per package and index, 250 lines that say nothing: they are dropped, every other line kept)
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes \
-    -r "$LOCK" >&2
+    -r "$LOCK" 2> >(grep -v "^WARNING: Location 'file://" >&2) >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -e . >&2
+    -e . 2> >(grep -v "^WARNING: Location 'file://" >&2) >&2
   touch "$STAMP"
 fi
 echo "$VENV/bin/python"
