@@ -188,7 +188,7 @@ class TableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., is_hashmap: _Optional[bool] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., load_factor: _Optional[float] = ...) -> None: ...
 
 class ModelMetadata(_message.Message):
-    __slots__ = ("model_version", "config_digest", "features", "tables", "loaded_at_unix", "startup_seconds", "device", "max_candidates", "max_sequence_length", "base_version", "deltas", "limits", "sequences", "last_refusal")
+    __slots__ = ("model_version", "config_digest", "features", "tables", "loaded_at_unix", "startup_seconds", "device", "max_candidates", "max_sequence_length", "base_version", "deltas", "limits", "sequences", "last_refusal", "event_time_unix", "freshness_seconds")
     class StartupSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,8 @@ class ModelMetadata(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LAST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FRESHNESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model_version: str
     config_digest: str
     features: _containers.RepeatedCompositeFieldContainer[FeatureInfo]
@@ -224,7 +226,9 @@ class ModelMetadata(_message.Message):
     limits: ServingLimits
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
     last_refusal: ModelRefusal
-    def __init__(self, model_version: _Optional[str] = ..., config_digest: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., loaded_at_unix: _Optional[float] = ..., startup_seconds: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., max_candidates: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., base_version: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[ServingLimits, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., last_refusal: _Optional[_Union[ModelRefusal, _Mapping]] = ...) -> None: ...
+    event_time_unix: float
+    freshness_seconds: float
+    def __init__(self, model_version: _Optional[str] = ..., config_digest: _Optional[str] = ..., features: _Optional[_Iterable[_Union[FeatureInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., loaded_at_unix: _Optional[float] = ..., startup_seconds: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., max_candidates: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., base_version: _Optional[str] = ..., deltas: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[ServingLimits, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., last_refusal: _Optional[_Union[ModelRefusal, _Mapping]] = ..., event_time_unix: _Optional[float] = ..., freshness_seconds: _Optional[float] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("top_k",)

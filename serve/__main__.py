@@ -53,6 +53,12 @@ def parser() -> argparse.ArgumentParser:
         default=2.0,
         help="--model-dir: seconds between looks for new versions (default %(default)s)",
     )
+    p.add_argument(
+        "--watch-deltas",
+        type=Path,
+        help="apply the newest delta under <dir>/<base version>/ as it lands (what train stream "
+        "--publish-root R writes to R/deltas; serve R/full with --model-dir)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     p.add_argument(
         "--cuda-graphs",
@@ -248,6 +254,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         reserve_threads=a.reserve_threads,
         torch_threads=a.torch_threads or None,
         poll_interval_s=a.poll_interval_s,
+        watch_deltas=a.watch_deltas,
         reuse_port=a.reuse_port,
         frontends=a.frontends,
         handoff=HandoffConfig(a.handoff_slots, a.handoff_slot_kib << 10, a.handoff_inflight),

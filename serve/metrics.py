@@ -23,6 +23,7 @@ minus cpu is time spent waiting, e.g. for the GIL). Exposed over HTTP by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from serve.batcher import BatchStats
+from serve.freshness import event_time, model_age
 from serve.model import LoadedModel
 
 _LATENCY_BUCKETS = (
@@ -148,6 +150,7 @@ class ServingMetrics:
             f"{p}expired_requests", "Requests dropped in the queue past their deadline", registry=r
         )
         self._version_metrics(r, p)
+        self._freshness_metrics(r, p, current_model)
         self.stage_seconds = Histogram(
             f"{p}stage_seconds",
             "Serving time per request (validate, fg, wait, respond) and per batch (queue_wait, "
@@ -179,6 +182,11 @@ class ServingMetrics:
             ["path"],
             registry=r,
         )
+        self.delta_refusals = Counter(
+            f"{p}delta_refusals",
+            "Published deltas refused by the delta watcher (serve.delta_watch)",
+            registry=r,
+        )
         self.last_refusal = Gauge(
             f"{p}model_last_refusal_timestamp_seconds",
             "Unix time of the last refused model version (its name in the label)",
@@ -197,6 +205,33 @@ class ServingMetrics:
             ["stage"],
             registry=r,
         )
+
+    def _freshness_metrics(
+        self, r: CollectorRegistry, p: str, current: Callable[[], LoadedModel | None]
+    ) -> None:
+        """The served model's freshness (serve.freshness); NaN while unknown."""
+
+        def stamp() -> float:
+            model = current()
+            t = None if model is None else event_time(model)
+            return math.nan if t is None else t
+
+        def age() -> float:
+            a = model_age(current())
+            return math.nan if a is None else a
+
+        self.event_time = Gauge(
+            f"{p}model_event_time_seconds",
+            "Unix time of the newest training row in the served model (online training)",
+            registry=r,
+        )
+        self.event_time.set_function(stamp)
+        self.model_age = Gauge(
+            f"{p}model_age_seconds",
+            "Now minus the event time of the newest training row in the served model",
+            registry=r,
+        )
+        self.model_age.set_function(age)
 
     def _stage(self, stage: str, clock: str) -> Any:
         child = self._stages.get((stage, clock))

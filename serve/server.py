@@ -41,6 +41,8 @@ from protos import predict_pb2
 from serve.admin import AdminConfig, AdminServer
 from serve.admission import Admission
 from serve.batcher import Batcher, BatcherConfig
+from serve.delta import Applied, apply_delta
+from serve.delta_watch import DeltaWatcher
 from serve.frontend import FrontendPool, FrontendSettings, MergedRegistry
 from serve.graphs import Bucket, default_buckets
 from serve.health import NOT_SERVING, SERVING, add_health
@@ -87,6 +89,9 @@ class ServerConfig:
     verify_checksums: bool = True
     tls: TlsConfig | None = None  # None: plaintext public port
     admin: AdminConfig | None = None  # None: no ModelAdminService at all
+    # follow the deltas an online trainer publishes under <dir>/<base version>/ (every
+    # poll_interval_s; serve.delta_watch); None: deltas only through the admin's ApplyDelta
+    watch_deltas: Path | None = None
     reuse_port: bool = False  # SO_REUSEPORT: several server processes on one port
     switch_interval_s: float | None = None  # sys.setswitchinterval (None: Python's, 5 ms)
     # the switch interval while a version loads (and captures its graphs) beside the one serving:
@@ -177,6 +182,7 @@ class PredictionServer:
         self._loading: threading.Thread | None = None
         self._load_done = threading.Event()
         self.spare = Spare()  # the replaced version, for the next one (serve.spare)
+        self.delta_watcher: DeltaWatcher | None = None
 
     def _outstanding(self) -> int:
         """Predicts admitted and not answered (the batcher's hint: who could still join)."""
@@ -392,11 +398,36 @@ class PredictionServer:
             if not ok:
                 where = cfg.bundle or cfg.model_dir
                 self.load_error = RuntimeError(f"no loadable model bundle in {where} (see log)")
+            if cfg.watch_deltas is not None and not self._stopping:
+                self._watch_deltas(cfg.watch_deltas)
         except Exception as err:  # keep the server up (NOT_SERVING) and say why
             log.exception("initial model load failed")
             self.load_error = err
         finally:
             self._load_done.set()
+
+    def _watch_deltas(self, root: Path) -> None:
+        """Apply the newest published delta of the served base, now and on every poll."""
+        cfg = self.config
+
+        def apply(model: LoadedModel, path: Path) -> Applied:
+            with _switch_interval(cfg.load_switch_interval_s):
+                return apply_delta(
+                    model,
+                    path,
+                    verify_checksums=cfg.verify_checksums,
+                    warmup_candidates=self._warmup_candidates(),
+                    label=f"delta {path.parent.name}/{path.name}",
+                )
+
+        self.delta_watcher = DeltaWatcher(
+            self.manager,
+            root,
+            apply=apply,
+            on_applied=lambda a: self.metrics.on_delta(a.path.value),
+            on_refused=lambda _path, _err: self.metrics.delta_refusals.inc(),
+        )
+        self.delta_watcher.start(cfg.poll_interval_s)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until a model serves (True) or the first load attempt failed / timed out;
@@ -428,6 +459,8 @@ class PredictionServer:
             self._loading.join(STOP_LOAD_WAIT_S)
             if self._loading.is_alive():
                 log.warning("the first model load is still running after %.0fs", STOP_LOAD_WAIT_S)
+        if self.delta_watcher is not None:  # started by the first load, joined above
+            self.delta_watcher.stop()
         self.spare.clear()
         if self.admin is not None:
             self.admin.stop(grace)

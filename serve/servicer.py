@@ -26,6 +26,7 @@ import grpc
 from protos import predict_pb2
 from serve.admission import Admission
 from serve.batcher import Batcher, BatcherClosedError, DeadlineExpiredError
+from serve.freshness import event_time, model_age
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel
@@ -196,6 +197,8 @@ def model_metadata(
             max_pending=limits.max_pending,
         ),
         sequences=sequences,
+        event_time_unix=event_time(model) or 0.0,
+        freshness_seconds=model_age(model) or 0.0,
     )
     if refusal is not None:
         md.last_refusal.CopyFrom(

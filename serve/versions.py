@@ -122,6 +122,11 @@ def _dir_stamp(path: Path) -> _Stamp:
     return tuple(sorted(found))
 
 
+def dir_stamp(path: Path) -> _Stamp:
+    """The stamp of ``path`` (:func:`_dir_stamp`): what tells a changed directory."""
+    return _dir_stamp(path)
+
+
 def _one_line(err: BaseException, limit: int = REASON_CHARS) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     return text if len(text) <= limit else text[: limit - 1] + "…"

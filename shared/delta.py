@@ -14,7 +14,12 @@ directory (the manifest's ``files`` names the other two; a reader opens no other
     manifest.json       format and format_version, delta id, base (version, manifest digest, config digest), target
                         version, per-table counts (new, updated, evicted, rows; base and target
                         row counts), table summaries, size + sha256 of every other file;
-                        written last
+                        optionally ``event_time`` (int, Unix seconds: the newest row trained
+                        into it, written by online training, :mod:`train.stream`); written last
+
+``evict_keys`` are the tombstones: keys of the base that the trainer no longer holds (evicted,
+or never admitted past the base); a key added after the base and evicted since is simply absent
+from the upserts.
 
 ``format_version`` is 1, :data:`COLD_PROGRAM_DELTA_FORMAT` (3) when the delta's ``dense.pt2``
 takes the cold masks too (as a bundle of format 4 does), or :data:`PAIR_PROGRAM_DELTA_FORMAT` (2)
@@ -147,6 +152,7 @@ class Delta:
     manifest: dict[str, Any] = field(repr=False)
     format_version: int = DELTA_FORMAT_VERSION  # its program's signature (DELTA_FORMATS)
     label: str = ""  # how messages name the delta ("": by its path); the server: request path
+    event_time: int | None = None  # Unix seconds of the newest row trained into it (None: unsaid)
 
     @property
     def program_signature(self) -> Signature:
@@ -260,10 +266,12 @@ def write_delta(
     dense_program_path: str | os.PathLike[str] | None = None,
     table_summaries: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    event_time: int | None = None,
 ) -> Path:
     """Write a delta directory atomically (see the module docstring); returns its path. Its
     ``format_version`` follows the inputs ``dense_program_path`` takes (:data:`DELTA_FORMATS`;
-    :data:`DELTA_FORMAT_VERSION` without a program)."""
+    :data:`DELTA_FORMAT_VERSION` without a program). ``event_time``: the Unix time of the
+    newest row trained into it (online training; the server reports its age)."""
     out = Path(out_dir)
     if not DELTA_ID_RE.match(delta_id):
         raise DeltaError(f"delta id {delta_id!r} must be 1-64 characters of A-Z a-z 0-9 . _ : -")
@@ -299,6 +307,7 @@ def write_delta(
             "tables": {n: t.counts() for n, t in tables.items()},
             "table_summaries": dict(table_summaries or {}),
             "files": files,
+            **({"event_time": int(event_time)} if event_time is not None else {}),
         }
         write_json(tmp / DELTA_MANIFEST, manifest)
         old = None

@@ -145,6 +145,8 @@ def _manifest(root: Path, where: str) -> dict[str, Any]:
                 f"{w}: {key!r} is {_show(obj[key])}, not a sha256 hex digest; re-export the delta"
             )
     _get(m, "target_version", str, where)
+    if "event_time" in m:
+        _count(m, "event_time", where)
     if version != DELTA_FORMAT_VERSION and not _get(m, "dense_program", bool, where):
         raise DeltaError(
             f"{where}: format_version {version} (a dense program taking the pairs) but "
@@ -306,4 +308,5 @@ def read_delta(
         manifest=m,
         format_version=m["format_version"],
         label=label,
+        event_time=m.get("event_time"),
     )

@@ -1,4 +1,5 @@
-"""python -m train {train,evaluate,export}: train a model, evaluate a checkpoint, export a bundle.
+"""python -m train {train,stream,evaluate,export}: train a model (once, or online on arriving
+data), evaluate a checkpoint, export a bundle.
 
 examples:
   python -m train train --config configs/multi_tower_din_taobao_dynamicemb.config \\
@@ -6,6 +7,8 @@ examples:
   python -m train train ... --resume            # continue from the newest checkpoint
   python -m train train ... --fine-tune-checkpoint runs/init   # start from these weights
   python -m train train ... --no-cuda-graphs    # dense part eagerly (default on CUDA: graphs)
+  python -m train stream --config ... --source data/incoming --model-dir runs/online \\
+      --publish-root runs/online/publish --publish-every-s 10   # online training
   python -m train evaluate --config ... --model-dir runs/dyn
   python -m train export --config ... --model-dir runs/dyn --out runs/dyn/bundle
   torchrun --nproc_per_node 2 -m train train ...   # distributed: gloo on cpu, NCCL on cuda;
@@ -28,6 +31,8 @@ CONFIG = "configs/multi_tower_din_taobao_dynamicemb.config"
 EXAMPLES = {
     "train": f"example:\n  python -m train train --config {CONFIG} \\\n"
     "      --train data/small/samples/train --eval data/small/samples/eval --model-dir runs/dyn",
+    "stream": f"example:\n  python -m train stream --config {CONFIG} --source data/incoming \\\n"
+    "      --model-dir runs/online --publish-root runs/online/publish --publish-every-s 10",
     "evaluate": f"example:\n  python -m train evaluate --config {CONFIG} --model-dir runs/dyn",
     "export": f"example:\n  python -m train export --config {CONFIG} --model-dir runs/dyn \\\n"
     "      --out runs/dyn/bundle",
@@ -110,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         "train_config.table_hbm_budget_gib, else none (see python -m train.tools plan)",
     )
 
+    _stream_parser(sub)
     e = sub.add_parser(
         "evaluate",
         help="evaluate a checkpoint",
@@ -150,6 +156,35 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stream_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "stream",
+        help="train online on Parquet partitions as they land; publish deltas",
+        description="train online: follow the complete partitions (sub-directories with "
+        "_SUCCESS) under --source in name order, checkpoint the position (a restart resumes "
+        "exactly there), publish deltas and full bundles; SIGTERM stops cleanly",
+        epilog=EXAMPLES["stream"],
+    )
+    _common(s)
+    s.add_argument("--source", type=Path, required=True, help="directory partitions land in")
+    s.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
+    s.add_argument("--poll-s", type=float, default=1.0, help="wait between looks at the source")
+    s.add_argument(
+        "--idle-exit-s", type=float, help="stop after this long without new rows (default: never)"
+    )
+    s.add_argument("--log-every-s", type=float, default=10.0, help="seconds between stream logs")
+    s.add_argument("--publish-root", type=Path, help="publish full bundles and deltas here")
+    s.add_argument("--publish-every-s", type=float, help="seconds between publishes")
+    s.add_argument("--publish-every-steps", type=int, help="steps between publishes")
+    s.add_argument(
+        "--full-every", type=int, default=10, help="a full bundle after this many deltas"
+    )
+    s.add_argument(
+        "--row-log", type=Path, help="log the rows of each committed step here (JSON lines)"
+    )
+    s.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_cli(_main, argv)
 
@@ -164,7 +199,8 @@ def _main(argv: list[str]) -> int:
     )
     for name in ("train", "shared"):  # ours at INFO; third-party (fbgemm's loader) stays quiet
         logging.getLogger(name).setLevel(logging.INFO)
-    command = {"train": _train, "evaluate": _evaluate, "export": _export}[args.cmd]
+    commands = {"train": _train, "stream": _stream, "evaluate": _evaluate, "export": _export}
+    command = commands[args.cmd]
     command(args)
     return 0
 
@@ -213,6 +249,49 @@ def _train(args: argparse.Namespace) -> None:
         "eval": result.final_eval.to_dict() if result.final_eval else None,
     }
     print(json.dumps(summary))
+
+
+def _stream(args: argparse.Namespace) -> None:
+    from shared.config import load_config
+    from train.stream.publish import PublishOptions
+    from train.stream.trainer import StreamOptions, StreamTrainer
+
+    publish = None
+    if args.publish_root is not None:
+        publish = PublishOptions(
+            root=args.publish_root,
+            every_s=args.publish_every_s,
+            every_steps=args.publish_every_steps,
+            full_every=args.full_every,
+        )
+    elif args.publish_every_s is not None or args.publish_every_steps is not None:
+        raise ValueError("--publish-every-s/--publish-every-steps need --publish-root DIR")
+    if args.num_workers is not None:
+        raise ValueError(
+            "train stream reads its source in order in one process: drop --num-workers"
+        )
+    model_dir = args.model_dir or Path(load_config(args.config).model_dir or "")
+    if not str(model_dir) or str(model_dir) == ".":
+        raise ValueError("train stream needs --model-dir (its checkpoints hold the position)")
+    result = StreamTrainer(
+        StreamOptions(
+            config_path=args.config,
+            source=args.source,
+            model_dir=model_dir,
+            device=args.device,
+            batch_size=args.batch_size,
+            checkpoint_every=args.checkpoint_every,
+            poll_s=args.poll_s,
+            idle_exit_s=args.idle_exit_s,
+            log_every_s=args.log_every_s,
+            publish=publish,
+            row_log=args.row_log,
+            seed=args.seed,
+        )
+    ).run()
+    p = result.progress
+    print(json.dumps({"step": p.step, "samples": p.samples, "publishes": result.publishes,
+                      "partition": p.source_partition, "row": p.source_row}))  # fmt: skip
 
 
 def _evaluate(args: argparse.Namespace) -> None:

@@ -68,6 +68,12 @@ class Progress:
     batch_in_epoch: int = 0  # batches of `epoch` already consumed
     samples: int = 0
     global_batch_size: int = 0  # rows per step over all ranks (0: unknown, older checkpoints)
+    # online training (train.stream): the source position committed with this checkpoint (the
+    # partition read last and the rows of it trained) and the event time (time_stamp, Unix
+    # seconds) of the newest row trained; empty / 0 for batch training
+    source_partition: str = ""
+    source_row: int = 0
+    event_time: int = 0
 
 
 @dataclass

@@ -107,7 +107,11 @@ def export_bundle(
             config_digest=config_digest(config),
             version=version or f"step-{progress.step}",
             # scores and admission counters stay in training: serving shows this summary
-            extra={"table_summaries": checkpoint_summaries(ckpt)},
+            extra={
+                "table_summaries": checkpoint_summaries(ckpt),
+                # online training: the newest trained row's time (freshness, serve.freshness)
+                **({"event_time": progress.event_time} if progress.event_time else {}),
+            },
             overwrite=overwrite,
             naming=naming.for_tables(collection_paths(fs)),  # tzrec: the checkpoint's dirs
         )

@@ -91,6 +91,7 @@ def export_delta(
             dense_program_path=program,
             table_summaries=summaries,
             overwrite=overwrite,
+            event_time=progress.event_time or None,
         )
     manifest = read_delta(path, verify_checksums=False).manifest
     size = sum(f.stat().st_size for f in path.iterdir())

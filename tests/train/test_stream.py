@@ -1,0 +1,185 @@
+"""Online training (train.stream): the partition source, the row log, exactly once across
+kill -9, SIGTERM, eviction over a long stream, publishing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SEED_CONFIG, write_config
+from tests.train.stream_data import (
+    records,
+    split,
+    start_stream,
+    train_rows,
+    wait_for,
+    write_partition,
+)
+from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.stream.publish import Publisher, PublishOptions
+from train.stream.row_log import RowLog
+from train.stream.source import PartitionSource, Position
+from train.stream.trainer import StreamOptions, StreamTrainer
+
+
+def _progress(ckpt: Path) -> dict:
+    import torch
+
+    return torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False)["progress"]
+
+
+def test_source_reads_complete_partitions_in_order(tiny_samples: Path, tmp_path: Path) -> None:
+    rows = train_rows(tiny_samples).slice(0, 500)
+    write_partition(tmp_path, "p1", rows.slice(0, 300), event_time=200)
+    write_partition(tmp_path, "p0", rows.slice(300, 150), event_time=100)
+    (tmp_path / "p2").mkdir()  # no _SUCCESS yet: not read
+    source = PartitionSource(tmp_path, columns=["user_id", "time_stamp"])
+    assert source.partitions() == ["p0", "p1"]
+    assert source.pending_rows(Position()) == 450
+    seen, pos = [], Position()
+    while (chunk := source.next_chunk(pos, 128)) is not None:
+        seen.append((chunk.start.partition, chunk.start.row, chunk.end.row, chunk.event_time))
+        assert chunk.table.num_rows == chunk.end.row - chunk.start.row
+        pos = chunk.end
+    assert seen == [("p0", 0, 128, 100), ("p0", 128, 150, 100), ("p1", 0, 128, 200),
+                    ("p1", 128, 256, 200), ("p1", 256, 300, 200)]  # fmt: skip
+    assert source.pending_rows(pos) == 0
+    chunk = source.next_chunk(Position("p1", 250), 10)  # the rows of p1 in file order
+    assert chunk is not None
+    assert chunk.table["user_id"].to_pylist() == rows.slice(250, 10)["user_id"].to_pylist()
+    with pytest.raises(ValueError, match="a complete partition changed"):
+        source.next_chunk(Position("p0", 151), 10)
+
+
+def test_row_log_cuts_uncommitted_steps(tmp_path: Path, tiny_samples: Path) -> None:
+    write_partition(tmp_path / "src", "p0", train_rows(tiny_samples).slice(0, 30))
+    source = PartitionSource(tmp_path / "src", columns=["user_id"])
+    log = RowLog(tmp_path / "rows.jsonl", 0)
+    pos = Position()
+    for step in (1, 2, 3):
+        chunk = source.next_chunk(pos, 10)
+        assert chunk is not None
+        log.add(step, chunk)
+        pos = chunk.end
+    log.flush()
+    log.close()
+    with (tmp_path / "rows.jsonl").open("a") as f:
+        f.write('{"step": 4, "partit')  # torn by a kill
+    RowLog(tmp_path / "rows.jsonl", 2).close()  # restored at step 2
+    assert RowLog.read(tmp_path / "rows.jsonl") == [("p0", 0, 10), ("p0", 10, 20)]
+
+
+def _covered(rows_log: Path) -> dict[str, list[tuple[int, int]]]:
+    by: dict[str, list[tuple[int, int]]] = {}
+    for partition, start, end in RowLog.read(rows_log):
+        by.setdefault(partition, []).append((start, end))
+    return by
+
+
+def test_kill9_and_restart_train_every_row_once(tiny_samples: Path, tmp_path: Path) -> None:
+    """Killed at random points twice, restarted: the committed state holds each row once."""
+    seed = int(os.environ.get("STREAM_KILL_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    source, model_dir = tmp_path / "src", tmp_path / "model"
+    parts = split(train_rows(tiny_samples), 4)
+    for i, part in enumerate(parts):
+        write_partition(source, f"p{i:04d}", part)
+    total = sum(p.num_rows for p in parts)
+    args = ("--checkpoint-every", "2", "--row-log", str(tmp_path / "rows.jsonl"))
+    for run in range(2):
+        proc = start_stream(source, model_dir, *args)
+        wait_for("a checkpoint", lambda n=run: len(list_checkpoints(model_dir)) > n, 60, proc)
+        time.sleep(rng.uniform(0.0, 1.5))  # a random point: in a step, a checkpoint, a poll
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    proc = start_stream(source, model_dir, *args, "--idle-exit-s", "0.5")
+    assert proc.wait(timeout=90) == 0, f"seed {seed}"
+    progress = _progress(latest_checkpoint(model_dir))  # type: ignore[arg-type]
+    assert progress["samples"] == total, f"seed {seed}"
+    assert (progress["source_partition"], progress["source_row"]) == ("p0003", parts[3].num_rows)
+    covered = _covered(tmp_path / "rows.jsonl")
+    for i, part in enumerate(parts):  # contiguous ranges from 0 to the end: each row once
+        ranges = covered[f"p{i:04d}"]
+        assert ranges[0][0] == 0 and ranges[-1][1] == part.num_rows, f"seed {seed}"
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), seed
+    assert sum(e - s for r in covered.values() for s, e in r) == total
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_0(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    source, model_dir = tmp_path / "src", tmp_path / "model"
+    write_partition(source, "p0000", train_rows(tiny_samples).slice(0, 600))
+    proc = start_stream(source, model_dir, "--checkpoint-every", "1000")
+    wait_for("idle", lambda: any(r["lag_rows"] == 0 for r in records(model_dir, "stream")),
+             60, proc)  # fmt: skip
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    progress = _progress(latest_checkpoint(model_dir))  # type: ignore[arg-type]
+    assert (progress["step"], progress["samples"], progress["source_row"]) == (3, 600, 600)
+    assert progress["event_time"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["STEP", "TIMESTAMP"])
+def test_tables_stay_within_max_capacity_on_a_long_stream(
+    tiny_samples: Path, tmp_path: Path, strategy: str
+) -> None:
+    """user_id capped at 256 keys (2 buckets) over 3 passes of the rows: the lowest score of a
+    full bucket is evicted (STEP and TIMESTAMP scores age with the stream), the table never
+    grows past its max_capacity. (Its own storage: the seed config's LFU tables are fused, and
+    a fused storage holds the sum of its tables' max_capacity.)"""
+    old = (
+        'max_capacity: 300000\ninitializer_args { mode: "NORMAL"; std_dev: 0.05 }\n'
+        'score_strategy: "LFU"\ninit_capacity_per_rank: 1024'
+    )
+    new = (
+        f'max_capacity: 256\ninitializer_args {{ mode: "NORMAL"; std_dev: 0.05 }}\n'
+        f'score_strategy: "{strategy}"\ninit_capacity_per_rank: 256'
+    )
+    config = write_config(SEED_CONFIG, tmp_path / "small.config",
+                          train=tiny_samples / "train", eval_=tiny_samples / "eval",
+                          replace={old: new})  # fmt: skip
+    rows = train_rows(tiny_samples)
+    for i in range(3):
+        write_partition(tmp_path / "src", f"p{i}", rows)
+    trainer = StreamTrainer(StreamOptions(config_path=config, source=tmp_path / "src",
+                                          model_dir=tmp_path / "m", batch_size=512,
+                                          idle_exit_s=0.0, log_every_s=1e9))  # fmt: skip
+    result = trainer.run()
+    assert result.progress.samples == 3 * rows.num_rows
+    stats = trainer.model.sparse.dynamic.stats()["user_id_emb"]
+    assert stats["size"] <= 256 and stats["evictions"] > 0, stats
+
+
+def test_publisher_full_then_deltas_then_full(tiny_samples: Path, tmp_path: Path) -> None:
+    """Full bundle, K deltas against it (event time in each), then a new full bundle; a new
+    publisher reads its state back from the root."""
+    from shared.bundle import read_bundle
+    from shared.delta_reader import read_delta
+
+    rows = train_rows(tiny_samples).slice(0, 1024)
+    for i, part in enumerate(split(rows, 4)):
+        write_partition(tmp_path / "src", f"p{i}", part, event_time=1000 + i)
+    pub = PublishOptions(root=tmp_path / "pub", every_steps=1, full_every=2)
+    trainer = StreamTrainer(StreamOptions(config_path=SEED_CONFIG, source=tmp_path / "src",
+                                          model_dir=tmp_path / "m", batch_size=256,
+                                          idle_exit_s=0.0, log_every_s=1e9,
+                                          publish=pub))  # fmt: skip
+    assert trainer.run().publishes == 4
+    full = read_bundle(tmp_path / "pub" / "full" / "step-1", verify_checksums=False)
+    assert full.manifest["extra"]["event_time"] == 1000
+    deltas = sorted((tmp_path / "pub" / "deltas" / "step-1").iterdir())
+    assert [d.name for d in deltas] == ["step-2", "step-3"]
+    assert [read_delta(d).event_time for d in deltas] == [1001, 1002]
+    assert (tmp_path / "pub" / "full" / "step-4" / "manifest.json").is_file()
+    again = Publisher(SEED_CONFIG, pub)
+    assert again.last_step == 4 and not again.due(4, time.monotonic())
+    published = [r["version"] for r in records(tmp_path / "m", "publish")]
+    assert published == ["step-1", "step-1+step-2", "step-1+step-3", "step-4"]
+    assert json.loads((deltas[0] / "manifest.json").read_text())["event_time"] == 1001

@@ -1,0 +1,1 @@
+"""Online training (``python -m train stream``): follow arriving partitions, publish deltas."""
