@@ -13,6 +13,12 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
+# Protos whose package other installed libraries also register in protobuf's default descriptor
+# pool: the Open Inference Protocol's `inference` package is Triton's (tritonclient.grpc) and
+# KServe's too, under other file names, so both in one pool is "duplicate symbol" at import.
+# Their modules build their messages in a pool of their own (``POOL``); the wire is the same.
+PRIVATE_POOL = ("grpc_predict_v2_pb2.py",)
+_DEFAULT_POOL_LINE = "DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile("
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -39,6 +45,13 @@ def generate(out_dir: Path) -> list[Path]:
         text = path.read_text()
         if path.name.endswith("_pb2_grpc.py") and not re.search(r"class \w+Stub", text):
             path.unlink()
+        elif path.name in PRIVATE_POOL:
+            if _DEFAULT_POOL_LINE not in text:
+                raise RuntimeError(f"{path.name}: no '{_DEFAULT_POOL_LINE}' line to move")
+            private = (
+                "POOL = _descriptor_pool.DescriptorPool()\nDESCRIPTOR = POOL.AddSerializedFile("
+            )
+            path.write_text(text.replace(_DEFAULT_POOL_LINE, private, 1))
     return sorted((out_dir / "protos").glob("*_pb2*.py*"))
 
 

@@ -1,8 +1,9 @@
 """``python -m serve --bundle DIR | --model-dir DIR --port P [--metrics-port M] ...``
 
-Limits, admission, TLS and the admin service are flags here; ``GetModelMetadata`` reports the
-limits a client must keep to. The admin service (delta updates, table inspection) is off unless
-``--admin-address`` is given.
+The port serves Predict and the Open Inference Protocol (``inference.GRPCInferenceService``;
+its HTTP/JSON form on ``--http-port``). Limits, admission, TLS and the admin service are flags
+here; ``GetModelMetadata`` reports the limits a client must keep to. The admin service (delta
+updates, table inspection) is off unless ``--admin-address`` is given.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from serve.admin import AdminConfig
 from serve.batcher import BatcherConfig
 from serve.limits import Limits
 from serve.model import default_device
+from serve.oip_servicer import DEFAULT_MODEL_NAME
 from serve.security import TlsConfig
 from serve.server import PredictionServer, ServerConfig
 from serve.slots import HandoffConfig
@@ -25,7 +27,8 @@ from shared.cli import Parser, check_device, check_port, plain, run_cli
 
 EXAMPLE = """examples:
   python -m serve --bundle runs/dyn/bundle --port 8500 --metrics-port 9100
-  python -m serve --model-dir /srv/models --port 8500 --device cuda   # hot-swaps new versions"""
+  python -m serve --model-dir /srv/models --port 8500 --device cuda   # hot-swaps new versions
+  python -m serve --bundle runs/dyn/bundle --port 8500 --http-port 8000   # + KServe v2 REST"""
 
 # one request of 500-1000 candidates fills a CPU batch; a GPU runs 8K rows in about the time of 1K
 DEFAULT_BATCH_ROWS = {"cpu": 1024, "cuda": 8192}
@@ -46,6 +49,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8500, help="gRPC port (0: any free one)")
     p.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off)"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="the Open Inference Protocol's HTTP/JSON form (KServe v2 REST) on this port, with "
+        "the TLS and limits of --port (default: off; gRPC's inference.GRPCInferenceService is "
+        "always on --port)",
+    )
+    p.add_argument(
+        "--model-name",
+        default=DEFAULT_MODEL_NAME,
+        help="the model's name in the Open Inference Protocol (default %(default)s)",
     )
     p.add_argument(
         "--poll-interval-s",
@@ -239,6 +255,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         host=a.host,
         port=a.port,
         metrics_port=a.metrics_port,
+        http_port=a.http_port,
+        model_name=a.model_name,
         device=a.device,
         cuda_graphs=a.cuda_graphs == "on",
         reuse_graphs=a.reuse_graphs == "on",
@@ -314,6 +332,7 @@ def _check_machine(config: ServerConfig) -> None:
     reuse = config.reuse_port or config.frontends > 0
     check_port(config.host, config.port, "--port", reuse_port=reuse)
     check_port(config.host, config.metrics_port, "--metrics-port")
+    check_port(config.host, config.http_port, "--http-port")
 
 
 def main(argv: list[str] | None = None) -> int:

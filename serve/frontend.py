@@ -35,6 +35,9 @@ Where things run, and why:
   validates against the latest it got and sends the token with the batch, so the batch runs on
   the version it was built for (:class:`serve.handoff.ModelRegistry`). ``GetModelMetadata`` is
   answered by the device process (live table stats, refusals), relayed by the frontend.
+- **Open Inference Protocol**: each frontend serves ``inference.GRPCInferenceService`` beside
+  Predict (:mod:`serve.oip_servicer`, ModelInfer on the same servicer path and admission); its
+  HTTP form (``--http-port``) is served by the device process.
 - **Admin**: the admin service is the device process's own server (``--admin-address``), as
   before; frontends never serve it.
 - **Health**: a frontend is SERVING once it has a model and is bound; NOT_SERVING while it
@@ -84,6 +87,7 @@ from serve.handoff import HandoffClient, HandoffServer, ModelRegistry
 from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
+from serve.oip_servicer import DEFAULT_MODEL_NAME, InferenceService, InferenceServicer
 from serve.reflection import enable_reflection
 from serve.rpc import Method, RpcError, unary_service
 from serve.security import TlsConfig, bind
@@ -109,6 +113,7 @@ class FrontendSettings:
     switch_interval_s: float | None
     parent_pid: int
     metadata_timeout_s: float = 10.0
+    model_name: str = DEFAULT_MODEL_NAME  # the Open Inference Protocol's name of the model
 
 
 @dataclass(frozen=True)
@@ -222,9 +227,11 @@ def _handler(
 
 
 def _grpc_server(
-    settings: FrontendSettings, handler: grpc.GenericRpcHandler, checks: health.HealthServicer
+    settings: FrontendSettings,
+    handlers: tuple[grpc.GenericRpcHandler, ...],
+    checks: health.HealthServicer,
 ) -> grpc.Server:
-    """The frontend's gRPC server on the shared port (not started): the service, health and
+    """The frontend's gRPC server on the shared port (not started): the services, health and
     reflection."""
     limits = settings.limits
     transport = limits.transport_bytes
@@ -238,7 +245,7 @@ def _grpc_server(
             ("grpc.so_reuseport", 1),
         ],
     )
-    server.add_generic_rpc_handlers((handler,))
+    server.add_generic_rpc_handlers(handlers)
     add_health(server, checks)
     enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
     return server
@@ -299,7 +306,9 @@ def _serve_frontend(
     )
 
     handler = _handler(servicer, client, settings, metrics, admission)
-    server = _grpc_server(settings, handler, checks)
+    inference = InferenceService(servicer, lambda: current[0], settings.model_name)
+    oip = InferenceServicer(inference, admission).handler(metrics, limits)
+    server = _grpc_server(settings, (handler, oip), checks)
     client.start()
     bind(server, f"{settings.host}:{settings.port}", settings.tls)
     server.start()

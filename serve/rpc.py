@@ -67,7 +67,7 @@ class Method:
 
     name: str
     request_type: type[Message]
-    behavior: Callable[[Any, grpc.ServicerContext], Message]
+    behavior: Callable[[Any, grpc.ServicerContext], Any]  # gRPC: a Message
     admission: Admission | None = None
 
 
@@ -109,7 +109,11 @@ def _decode(request_type: type[Message], raw: bytes) -> Message:
         ) from None
 
 
-class _Handler:
+class MethodRunner:
+    """One method's calls: admission, parse, behavior, status mapping and metrics. gRPC calls
+    it with the raw bytes (:func:`unary_service`); another transport (:mod:`serve.oip_http`)
+    calls :meth:`run` with its own parse and a context whose ``abort`` raises."""
+
     def __init__(
         self,
         method: Method,
@@ -124,14 +128,18 @@ class _Handler:
         self._limits = limits
 
     def __call__(self, raw: bytes, context: grpc.ServicerContext) -> Message:
+        return self.run(context, lambda: _parse(self._method, raw, self._limits))
+
+    def run(self, context: grpc.ServicerContext, parse: Callable[[], Any]) -> Any:
+        """``behavior(parse(), context)`` inside the admission bound; a failure aborts
+        ``context`` with its status (counted, INTERNAL logged under a request id)."""
         method = self._method
         self._metrics.requests.labels(method.name).inc()
         start = time.perf_counter()
         try:
             gate = method.admission.admit() if method.admission is not None else nullcontext()
             with gate:
-                request = _parse(method, raw, self._limits)
-                return method.behavior(request, context)
+                return method.behavior(parse(), context)
         except Exception as err:
             status = self._status(err)
             self._metrics.errors.labels(method.name, status.code.name).inc()
@@ -176,7 +184,7 @@ def unary_service(
     """The generic handler of ``service`` (full name) serving ``methods`` from raw bytes."""
     handlers: dict[str, grpc.RpcMethodHandler[bytes, Message]] = {
         m.name: grpc.unary_unary_rpc_method_handler(
-            _Handler(m, metrics=metrics, status_of=status_of, limits=limits),
+            MethodRunner(m, metrics=metrics, status_of=status_of, limits=limits),
             request_deserializer=None,  # the raw bytes: parsed (and refused) by the handler
             response_serializer=lambda msg: msg.SerializeToString(),
         )

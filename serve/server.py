@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import grpc
 import torch
@@ -49,12 +49,16 @@ from serve.health import NOT_SERVING, SERVING, add_health
 from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel, default_device
+from serve.oip_servicer import DEFAULT_MODEL_NAME, InferenceService, InferenceServicer
 from serve.reflection import enable_reflection
 from serve.security import TlsConfig, bind
 from serve.servicer import SERVICE_NAME, PredictionServicer
 from serve.slots import HandoffConfig
 from serve.spare import Spare, adopt
 from serve.versions import ModelManager
+
+if TYPE_CHECKING:
+    from serve.oip_http import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,10 @@ class ServerConfig:
     frontends: int = 0
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     restart_frontends: bool = True  # a frontend that exits is started again
+    # the Open Inference Protocol (serve.oip_servicer) serves the model under this name
+    model_name: str = DEFAULT_MODEL_NAME
+    # its HTTP/JSON form on this port (None: off; 0: ephemeral), served by this process
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.bundle is None) == (self.model_dir is None):
@@ -113,6 +121,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 (or None), got {value}")
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
         if self.frontends < 0:
             raise ValueError(f"frontends must be >= 0, got {self.frontends}")
         if self.reserve_threads < 1:
@@ -176,6 +186,8 @@ class PredictionServer:
         self.load_error: Exception | None = None
         self.port = 0
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._http: HttpServer | None = None
         self._grpc: grpc.Server | None = None
         self.frontends: FrontendPool | None = None
         self._stopping = False
@@ -286,6 +298,8 @@ class PredictionServer:
             self._start_frontends()
         else:
             self._start_grpc()
+        if cfg.http_port is not None:
+            self._start_http()
         if cfg.admin is not None:
             self.admin = AdminServer(
                 cfg.admin,
@@ -302,11 +316,12 @@ class PredictionServer:
                 registry = MergedRegistry(self.metrics.registry, self.frontends.metrics_texts)
             self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.host, registry)
         log.info(
-            "listening on %s:%d (%s; metrics: %s; admin: %s), device %s, at most %d requests "
-            "in flight",
+            "listening on %s:%d (%s; HTTP: %s; metrics: %s; admin: %s), device %s, at most %d "
+            "requests in flight",
             cfg.host,
             self.port,
             "TLS" if cfg.tls is not None else "plaintext",
+            self.http_port,
             self.metrics_port,
             "off" if cfg.admin is None else cfg.admin.address,
             self.device,
@@ -330,7 +345,8 @@ class PredictionServer:
             options=opts,
         )
         servicer = self._servicer()
-        server.add_generic_rpc_handlers((servicer.handler(),))
+        oip = InferenceServicer(self._inference(servicer), self.admission)
+        server.add_generic_rpc_handlers((servicer.handler(), oip.handler(self.metrics, cfg.limits)))
         add_health(server, self.health)
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
@@ -349,6 +365,26 @@ class PredictionServer:
             self.admission,
             last_refusal=lambda: self.manager.last_refusal,
         )
+
+    def _inference(self, servicer: PredictionServicer) -> InferenceService:
+        """The Open Inference Protocol over ``servicer``'s Predict path and this server's models."""
+        return InferenceService(servicer, lambda: self.manager.current, self.config.model_name)
+
+    def _start_http(self) -> None:
+        """The protocol's HTTP/JSON form (serve.oip_http) on ``http_port``, served by this
+        process (with frontends: the device process, its batcher directly)."""
+        from serve.oip_http import HttpServer  # FastAPI + uvicorn: only when asked for
+
+        cfg = self.config
+        assert cfg.http_port is not None
+        self._http = HttpServer(
+            self._inference(self._servicer()),
+            host=cfg.host,
+            port=cfg.http_port,
+            tls=cfg.tls,
+            threads=cfg.rpc_threads,
+        ).start()
+        self.http_port = self._http.port
 
     def _start_frontends(self) -> None:
         """The public port served by ``frontends`` processes (serve.frontend); this one keeps
@@ -371,6 +407,7 @@ class PredictionServer:
             reserve_threads=cfg.reserve_threads,
             switch_interval_s=cfg.switch_interval_s,
             parent_pid=os.getpid(),
+            model_name=cfg.model_name,
         )
         self.frontends = FrontendPool(
             cfg.frontends,
@@ -466,6 +503,8 @@ class PredictionServer:
             self.admin.stop(grace)
         if self.frontends is not None:  # they finish their requests on the batcher: first
             self.frontends.stop(grace)
+        if self._http is not None:
+            self._http.stop(grace)
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
         self.batcher.close()

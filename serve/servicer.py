@@ -20,8 +20,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
 
 import grpc
+import numpy as np
 
 from protos import predict_pb2
 from serve.admission import Admission
@@ -38,6 +40,7 @@ from shared.fg import FeatureError
 from shared.fg_request import request_columns_to_batch
 
 SERVICE_NAME = predict_pb2.DESCRIPTOR.services_by_name["PredictionService"].full_name
+M = TypeVar("M")
 
 
 def status_of(err: BaseException) -> RpcError | None:
@@ -70,6 +73,18 @@ class PredictionServicer:
         self._metrics = metrics
         self._admission = admission
 
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    @property
+    def metrics(self) -> ServingMetrics:
+        return self._metrics
+
+    @property
+    def admission(self) -> Admission:
+        return self._admission
+
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods, served from raw bytes (see :mod:`serve.rpc`)."""
         return unary_service(
@@ -92,6 +107,24 @@ class PredictionServicer:
     def predict(
         self, request: predict_pb2.PredictRequest, context: grpc.ServicerContext
     ) -> predict_pb2.PredictResponse:
+        def respond(probs: np.ndarray, model: LoadedModel) -> predict_pb2.PredictResponse:
+            return predict_pb2.PredictResponse(
+                probabilities=probs.tolist(),
+                model_version=model.version,
+                request_id=request.request_id,
+            )
+
+        return self.score(request, context, respond)
+
+    def score(
+        self,
+        request: predict_pb2.PredictRequest,
+        context: grpc.ServicerContext,
+        respond: Callable[[np.ndarray, LoadedModel], M],
+    ) -> M:
+        """Predict's path up to the scores, answered by ``respond(probabilities float32 [N],
+        the model version that scored them)``: the other protocols (:mod:`serve.oip`) come
+        in here with the PredictRequest their request stands for."""
         deadline = deadline_of(context)
         model = self._model()
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -113,11 +146,7 @@ class PredictionServicer:
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         probs = future.result(timeout=timeout)
         t3, c3 = time.perf_counter(), time.thread_time()
-        response = predict_pb2.PredictResponse(
-            probabilities=probs.tolist(),
-            model_version=model.version,
-            request_id=request.request_id,
-        )
+        response = respond(probs, model)
         t4, c4 = time.perf_counter(), time.thread_time()
         self._metrics.on_request(
             {

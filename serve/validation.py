@@ -48,6 +48,7 @@ class RequestError(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,20 @@ _ACCEPTED_BY_TRANSFORM = {  # string DYNAMIC ids are hashed to int64
 
 def _accepted(spec: FeatureSpec) -> tuple[str, ...]:
     return _ACCEPTED_BY_TRANSFORM[spec.transform]
+
+
+def accepted_kinds(spec: FeatureSpec) -> tuple[str, ...]:
+    """The Value kinds a feature takes (``int64_value``, ``double_value``, ``string_value``);
+    the first is its :func:`value_type`'s, except for dynamic ids (int64 first, strings hashed)."""
+    return _accepted(spec)
+
+
+def check_candidate_count(field: str, n: int, limits: Limits) -> None:
+    """``n`` candidates are at least one and within ``limits.max_candidates``."""
+    if n == 0:
+        raise RequestError(field, "empty; send at least one candidate ad")
+    if n > limits.max_candidates:
+        raise RequestError(field, f"{n} candidates, more than the limit {limits.max_candidates}")
 
 
 # --------------------------------------------------------------------------- shared checks
@@ -356,10 +371,7 @@ def _num_candidates(request: predict_pb2.PredictRequest, limits: Limits) -> int:
         field, n = "candidate_columns.num_candidates", request.candidate_columns.num_candidates
     else:
         field, n = "candidates", len(request.candidates)
-    if n == 0:
-        raise RequestError(field, "empty; send at least one candidate ad")
-    if n > limits.max_candidates:
-        raise RequestError(field, f"{n} candidates, more than the limit {limits.max_candidates}")
+    check_candidate_count(field, n, limits)
     return n
 
 

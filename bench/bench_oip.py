@@ -1,0 +1,255 @@
+"""Open Inference Protocol (gRPC ModelInfer) against Predict at the same load, in the same run.
+
+    python -m bench.bench_oip --device cpu --out bench/results/bench_oip_cpu.json
+    python -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --frontends 4 \\
+        --out bench/results/bench_oip_h100.json
+
+One ``python -m serve`` (``bench.bench_serving``'s synthetic bundle with the real MultiTowerDIN
+dense part, and eval rows of ``train.data`` as requests, ``loadtest.requests``); per
+concurrency, closed-loop clients (``--procs`` processes x threads, raw bytes on the wire, no
+parsing of the answers) send Predict and ModelInfer in alternating phases (``--rounds`` of each,
+``--duration`` s after ``--warmup`` s), the same requests: Predict's columnar PredictRequest and
+the ModelInferRequest of the same features (``loadtest.oip``, tensors in raw_input_contents).
+The scores of both are checked equal first. Per protocol and concurrency: candidates/s and
+p50/p99 latency (all rounds pooled); the ratios OIP/Predict. The issue's bar: OIP
+candidates/s >= 0.9x Predict's at equal p99 (closed loop at equal concurrency: p99 ratio ~1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from bench.bench_serving import ServerGroup, _machine, _pct, make_bundle, make_samples, work_dir
+from shared.cli import Parser, plain, run_cli
+
+PREDICT = "/dynrec.serving.PredictionService/Predict"
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+GOAL_RATIO = 0.9
+
+
+def _client(
+    host: str, method: str, payloads: list[bytes], threads: int, start: float, stop: float, out: Any
+) -> None:
+    """A client process: ``threads`` closed loops from ``start`` to ``stop`` (perf_counter of
+    this host); sends (latencies of the answers started in the window, errors)."""
+    import threading
+
+    lat: list[float] = []
+    errors: list[str] = []
+
+    def loop(k: int) -> None:
+        with grpc.insecure_channel(host) as channel:
+            call: Any = channel.unary_unary(
+                method, request_serializer=None, response_deserializer=None
+            )
+            i = k
+            while time.perf_counter() < start:
+                call(payloads[i % len(payloads)], timeout=60)  # warm-up, not counted
+                i += 1
+            while (t := time.perf_counter()) < stop:
+                try:
+                    call(payloads[i % len(payloads)], timeout=60)
+                    lat.append(time.perf_counter() - t)
+                except grpc.RpcError as err:
+                    errors.append(f"{err.code().name}: {(err.details() or '')[:200]}")
+                i += 1
+
+    ts = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    out.put((lat, errors[:20]))
+
+
+def phase(
+    host: str, method: str, payloads: list[bytes], clients: int, a: argparse.Namespace
+) -> dict[str, Any]:
+    """One closed-loop phase of ``clients`` concurrent calls; latencies in seconds."""
+    ctx = mp.get_context("spawn")
+    procs = min(a.procs, clients)
+    per = [clients // procs + (i < clients % procs) for i in range(procs)]
+    queue = ctx.Queue()
+    start = time.perf_counter() + a.warmup + 2.0  # spawn time
+    stop = start + a.duration
+    ps = [
+        ctx.Process(target=_client, args=(host, method, payloads, n, start, stop, queue))
+        for n in per
+    ]
+    for p in ps:
+        p.start()
+    results = [queue.get(timeout=a.warmup + a.duration + 120) for _ in ps]
+    for p in ps:
+        p.join(30)
+    lat = [x for r, _ in results for x in r]
+    return {"latencies": lat, "errors": [e for _, es in results for e in es], "seconds": a.duration}
+
+
+def summarize(phases: list[dict[str, Any]], candidates: int) -> dict[str, Any]:
+    lat = np.array([x for p in phases for x in p["latencies"]]) * 1e3
+    seconds = sum(p["seconds"] for p in phases)
+    return {
+        "requests": len(lat),
+        "candidates_per_s": len(lat) * candidates / seconds,
+        "latency_ms": _pct(lat),
+        "errors": [e for p in phases for e in p["errors"]][:10],
+    }
+
+
+def _payloads(host: str, samples: Path, a: argparse.Namespace) -> tuple[list[bytes], list[bytes]]:
+    """(Predict payloads, ModelInfer payloads) of the same requests."""
+    from loadtest.oip import infer_request
+    from loadtest.requests import (
+        build_request_pool,
+        sequence_formats_from_metadata,
+        sides_from_metadata,
+        value_types_from_metadata,
+    )
+    from protos import predict_pb2, predict_pb2_grpc
+
+    with grpc.insecure_channel(host) as channel:
+        md = predict_pb2_grpc.PredictionServiceStub(channel).GetModelMetadata(
+            predict_pb2.ModelMetadataRequest(), timeout=60
+        )
+    pool = build_request_pool(
+        samples,
+        sides_from_metadata(md),
+        value_types=value_types_from_metadata(md),
+        num_requests=a.requests,
+        num_candidates=a.candidates,
+        sequence_formats=sequence_formats_from_metadata(md),
+    )
+    predict = list(pool.payloads)
+    infer = [
+        infer_request(predict_pb2.PredictRequest.FromString(p), "dynrec").SerializeToString()
+        for p in predict
+    ]
+    return predict, infer
+
+
+def check_same_scores(host: str, predict: list[bytes], infer: list[bytes], n: int = 20) -> int:
+    from protos import grpc_predict_v2_pb2 as v2
+    from protos import predict_pb2
+
+    with grpc.insecure_channel(host) as channel:
+        p: Any = channel.unary_unary(
+            PREDICT,
+            request_serializer=None,
+            response_deserializer=predict_pb2.PredictResponse.FromString,
+        )
+        o: Any = channel.unary_unary(
+            INFER, request_serializer=None, response_deserializer=v2.ModelInferResponse.FromString
+        )
+        for a, b in zip(predict[:n], infer[:n], strict=True):
+            want = np.asarray(p(a, timeout=60).probabilities, np.float32)
+            got = np.frombuffer(o(b, timeout=60).raw_output_contents[0], "<f4")
+            if not np.array_equal(want, got):
+                raise SystemExit("ModelInfer and Predict disagree on the same request")
+    return n
+
+
+def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    bundle, bundle_info = (
+        make_bundle(work, a.keys) if a.bundle is None else (a.bundle, {"path": str(a.bundle)})
+    )
+    samples = a.samples or make_samples(work, a.size)
+    extra = [
+        "--max-candidates",
+        str(max(a.candidates, 1000)),
+        "--torch-threads",
+        str(a.torch_threads),
+    ]
+    if a.frontends:
+        extra += ["--frontends", str(a.frontends)]
+    group = ServerGroup(["--bundle", str(bundle)], a.device, 1, work, extra)
+    startup = group.start()
+    try:
+        predict, infer = _payloads(group.host, samples, a)
+        checked = check_same_scores(group.host, predict, infer)
+        runs = []
+        for clients in a.clients:
+            by: dict[str, list[dict[str, Any]]] = {"predict": [], "oip": []}
+            for _ in range(a.rounds):
+                for name, method, payloads in (
+                    ("predict", PREDICT, predict),
+                    ("oip", INFER, infer),
+                ):
+                    by[name].append(phase(group.host, method, payloads, clients, a))
+            summary = {k: summarize(v, a.candidates) for k, v in by.items()}
+            p99 = {k: s["latency_ms"]["p99"] or float("nan") for k, s in summary.items()}
+            ratio = summary["oip"]["candidates_per_s"] / max(
+                summary["predict"]["candidates_per_s"], 1e-9
+            )
+            runs.append({
+                "clients": clients,
+                **summary,
+                "ratio_candidates_per_s": ratio,
+                "ratio_p99": p99["oip"] / p99["predict"],
+                "meets_goal": ratio >= GOAL_RATIO,
+            })  # fmt: skip
+            print(f"clients {clients}: predict {summary['predict']['candidates_per_s']:,.0f} cand/s p99 {p99['predict']:.2f} ms; oip {summary['oip']['candidates_per_s']:,.0f} cand/s p99 {p99['oip']:.2f} ms; ratio {ratio:.3f}", flush=True)  # fmt: skip
+    finally:
+        group.stop()
+    return {
+        "command": "python -m bench.bench_oip " + " ".join(sys.argv[1:]),
+        "machine": _machine(),
+        "device": a.device,
+        "bundle": bundle_info,
+        "startup_s": startup,
+        "candidates": a.candidates,
+        "requests": a.requests,
+        "scores_checked_equal": checked,
+        "settings": {
+            k: v for k, v in vars(a).items() if k not in ("out",) and not isinstance(v, Path)
+        },
+        "goal": f"OIP candidates/s >= {GOAL_RATIO} x Predict's at the same concurrency",
+        "runs": runs,
+    }
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_oip", description=plain(__doc__))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument("--bundle", type=Path, help="serve this bundle (default: a synthetic one)")
+    p.add_argument("--keys", type=int, default=200_000, help="synthetic bundle: dynamic keys")
+    p.add_argument("--samples", type=Path, help="eval samples (default: train.data --size)")
+    p.add_argument("--size", default="tiny", help="train.data size for the samples")
+    p.add_argument("--candidates", type=int, default=100)
+    p.add_argument("--requests", type=int, default=200, help="distinct requests in the pool")
+    p.add_argument("--clients", type=int, nargs="+", default=[4], help="concurrent calls")
+    p.add_argument("--procs", type=int, default=2, help="client processes")
+    p.add_argument("--rounds", type=int, default=2, help="phases of each protocol, alternating")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds measured per phase")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds before each phase")
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--frontends", type=int, default=0, help="serve --frontends N")
+    p.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    with work_dir(a.work, "bench_oip-") as work:
+        result = run(a, work)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call (about 6 minutes): the wheels of scripts/gpu_wheels.py (the lock's versions)
+# installed and imported, the GPU tests, the table plan against the card's free memory, then
+# bench/bench_oip.py on CUDA: ModelInfer against Predict at the same load, same run.
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: wheels.log, gpu_tests.log,
+# plan_cuda.txt, bench_oip_gpu.json, bench_oip.log.
+set -x
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
+  > "$OUT/wheels.log" 2>&1
+export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 - >> "$OUT/wheels.log" 2>&1 <<'PY'
+import importlib.metadata as md
+for name in ("grpcio", "protobuf", "torchrec", "locust", "tritonclient", "fastapi", "uvicorn"):
+    print(name, md.version(name))
+import protos.grpc_predict_v2_pb2_grpc, protos.predict_pb2_grpc, torch  # noqa: E401,F401
+print("torch", torch.__version__, torch.cuda.get_device_name())
+PY
+tail -9 "$OUT/wheels.log"
+python3 -m train.data all --size small --out /tmp/small \
+  --config configs/multi_tower_din_taobao_dynamicemb.config > /dev/null 2>&1
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
+python3 -m train.tools plan --config configs/multi_tower_din_taobao_dynamicemb.config \
+  --device cuda > "$OUT/plan_cuda.txt" 2>&1
+cat "$OUT/plan_cuda.txt"
+timeout 240 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 \
+  --frontends 4 --duration 8 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
+echo "bench_oip rc=$?"; tail -15 "$OUT/bench_oip.log"
