@@ -355,7 +355,8 @@ class ItemTower(nn.Module):
     users' rows (whose user embeddings are a backoff) as it reaches warm ones. It was built for
     issue #22 when the ad's bias looked half missing from cold users' logits; measured against
     what the data can tell of an ad (``bench/bench_tail_misses.py``), it is not, and the tower's
-    gain (two CPU seeds: tail +0.0020 and +0.0007) lies elsewhere. README, #22. Example::
+    gain (two CPU seeds: tail +0.0020 and +0.0007) lies elsewhere (docs/guide/training.md, #22).
+    Example::
 
         tower = ItemTower(112, MLPConfig((64,)))
         term = tower(item_deep)  # [B, 112] -> [B]

@@ -11,7 +11,7 @@ of duplicate ids summed before the optimizer step.
 A dynamic table may train at its own multiple of the sparse rate
 (``train_config.sparse_optimizer.table_learning_rates``, :func:`table_lr_scales`), as
 TorchRec's per-table optimizer settings allow: the tables' rows see very different numbers of
-rows in an epoch, and one rate does not suit them all (README, #22)."""
+rows in an epoch, and one rate does not suit them all (docs/guide/training.md, #22)."""
 
 from __future__ import annotations
 
