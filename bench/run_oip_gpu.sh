@@ -25,6 +25,6 @@ echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 python3 -m train.tools plan --config configs/multi_tower_din_taobao_dynamicemb.config \
   --device cuda > "$OUT/plan_cuda.txt" 2>&1
 cat "$OUT/plan_cuda.txt"
-timeout 240 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 \
-  --frontends 4 --duration 8 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
+timeout 260 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
+  --keys 2000000 --rounds 2 --frontends 4 --duration 10 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
 echo "bench_oip rc=$?"; tail -15 "$OUT/bench_oip.log"
