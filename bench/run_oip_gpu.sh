@@ -4,7 +4,7 @@
 # bench/bench_oip.py on CUDA: ModelInfer against Predict at the same load, same run.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: wheels.log, gpu_tests.log,
-# plan_cuda.txt, bench_oip_gpu.json, bench_oip.log.
+# plan_cuda.txt, bench_oip_gpu.json, bench_oip.log, bench_stream_gpu.json, bench_stream.log.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
   > "$OUT/wheels.log" 2>&1
@@ -28,3 +28,9 @@ cat "$OUT/plan_cuda.txt"
 timeout 260 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
   --keys 2000000 --rounds 2 --frontends 4 --duration 10 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
 echo "bench_oip rc=$?"; tail -15 "$OUT/bench_oip.log"
+# Online training on the card, small data (263K rows) replayed as 20 partitions 3 s apart:
+# freshness of what a watching server serves (not the full-data run).
+timeout 120 python3 -m bench.bench_stream --samples /tmp/small/samples/train --device cuda \
+  --batch-size 4096 --partitions 20 --partition-every-s 3 --publish-every-s 5 \
+  --out "$OUT/bench_stream_gpu.json" > "$OUT/bench_stream.log" 2>&1
+echo "bench_stream rc=$?"; tail -5 "$OUT/bench_stream.log"
