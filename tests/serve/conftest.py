@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -25,6 +26,9 @@ from torch.export import Dim
 
 from bench.synthetic_bundle import SEED_CONFIG, seed_feature_set, write_synthetic_bundle
 from protos import predict_pb2, predict_pb2_grpc
+from serve.batcher import BatcherConfig
+from serve.limits import Limits
+from serve.server import PredictionServer, ServerConfig
 from shared.dense_inputs import INPUT_NAMES, cold_layout, dense_layout
 from shared.features import FeatureSet, IdTransform, Side, feature_set_from_text
 
@@ -440,3 +444,17 @@ def predict_traffic(port: int, requests: list, clients: int = 4) -> Iterator[Tra
         stop.set()
         for t in threads:
             t.join(10)
+
+
+@contextlib.contextmanager
+def running_server(bundle: Path, limits: Limits, **config: Any) -> Iterator[PredictionServer]:
+    """A started CPU server of ``bundle`` with small batches (64 rows, 500 µs), ready, stopped on
+    exit. ``config``: more ServerConfig fields (``http_port=0``, ``model_name=...``)."""
+    batching = BatcherConfig(max_batch_rows=64, max_wait_us=500)
+    cfg = ServerConfig(bundle=bundle, device="cpu", limits=limits, batching=batching, **config)
+    srv = PredictionServer(cfg).start()
+    try:
+        assert srv.wait_ready(60), srv.load_error
+        yield srv
+    finally:
+        srv.stop(grace=0)

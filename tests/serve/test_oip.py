@@ -20,12 +20,11 @@ from loadtest.oip import OipTensor, infer_request, tensors_of_predict
 from protos import grpc_predict_v2_pb2 as v2
 from protos import grpc_predict_v2_pb2_grpc as v2_grpc
 from protos import predict_pb2, predict_pb2_grpc
-from serve.batcher import BatcherConfig
 from serve.limits import Limits
 from serve.server import PredictionServer, ServerConfig
 from shared.features import FeatureSet
 
-from .conftest import candidate_variants, to_columnar
+from .conftest import candidate_variants, running_server, to_columnar
 
 tg = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -36,16 +35,8 @@ TIMEOUT_S = 30.0
 
 @pytest.fixture(scope="module")
 def server(bundle_v1: Path) -> Iterator[PredictionServer]:
-    config = ServerConfig(
-        bundle=bundle_v1,
-        device="cpu",
-        limits=LIMITS,
-        batching=BatcherConfig(max_batch_rows=64, max_wait_us=500),
-    )
-    srv = PredictionServer(config).start()
-    assert srv.wait_ready(60), srv.load_error
-    yield srv
-    srv.stop(grace=0)
+    with running_server(bundle_v1, LIMITS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,10 @@ import pytest
 
 from loadtest.oip import tensors_of_predict
 from protos import predict_pb2
-from serve.batcher import BatcherConfig
 from serve.limits import Limits
-from serve.server import PredictionServer, ServerConfig
+from serve.server import PredictionServer
 
-from .conftest import candidate_variants, to_columnar
+from .conftest import candidate_variants, running_server, to_columnar
 from .test_oip import predict_scores
 
 th = pytest.importorskip("tritonclient.http")
@@ -36,18 +35,8 @@ LIMITS = Limits(max_candidates=8, max_sequence_length=20, max_request_bytes=64 <
 
 @pytest.fixture(scope="module")
 def server(bundle_v1: Path) -> Iterator[PredictionServer]:
-    config = ServerConfig(
-        bundle=bundle_v1,
-        device="cpu",
-        limits=LIMITS,
-        http_port=0,
-        model_name="ctr",
-        batching=BatcherConfig(max_batch_rows=64, max_wait_us=500),
-    )
-    srv = PredictionServer(config).start()
-    assert srv.wait_ready(60), srv.load_error
-    yield srv
-    srv.stop(grace=0)
+    with running_server(bundle_v1, LIMITS, http_port=0, model_name="ctr") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,10 @@ import pytest
 
 from loadtest.oip import infer_request
 from protos import grpc_predict_v2_pb2 as v2
-from serve.batcher import BatcherConfig
 from serve.limits import Limits
-from serve.server import PredictionServer, ServerConfig
+from serve.server import PredictionServer
 
-from .conftest import candidate_variants, to_columnar
+from .conftest import candidate_variants, running_server, to_columnar
 
 LIMITS = Limits(
     max_candidates=8,
@@ -56,16 +55,8 @@ class Case:
 
 @pytest.fixture(scope="module")
 def server(bundle_v1: Path) -> Iterator[PredictionServer]:
-    config = ServerConfig(
-        bundle=bundle_v1,
-        device="cpu",
-        limits=LIMITS,
-        batching=BatcherConfig(max_batch_rows=64, max_wait_us=500),
-    )
-    srv = PredictionServer(config).start()
-    assert srv.wait_ready(60), srv.load_error
-    yield srv
-    srv.stop(grace=0)
+    with running_server(bundle_v1, LIMITS) as srv:
+        yield srv
 
 
 class Generator:

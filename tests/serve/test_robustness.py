@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 
 from protos import predict_pb2, predict_pb2_grpc
-from serve.batcher import BatcherConfig
 from serve.limits import Limits
-from serve.server import PredictionServer, ServerConfig
+from serve.server import PredictionServer
 from shared.features import FeatureSet
 
-from .conftest import candidate_variants, to_columnar
+from .conftest import candidate_variants, running_server, to_columnar
 from .hostile import (
     FAMILIES,
     OK,
@@ -56,16 +55,8 @@ Answer = tuple[grpc.StatusCode, str | None, predict_pb2.PredictResponse | None]
 
 @pytest.fixture(scope="module")
 def server(bundle_v1: Path) -> Iterator[PredictionServer]:
-    config = ServerConfig(
-        bundle=bundle_v1,
-        device="cpu",
-        limits=LIMITS,
-        batching=BatcherConfig(max_batch_rows=64, max_wait_us=500),
-    )
-    srv = PredictionServer(config).start()
-    assert srv.wait_ready(60), srv.load_error
-    yield srv
-    srv.stop(grace=0)
+    with running_server(bundle_v1, LIMITS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
