@@ -13,7 +13,8 @@ Reading is strict: a missing or unknown key, a wrong type or a dangling referenc
 table is not declared) raises :class:`FgSpecError` with the path of the bad key, e.g.
 ``fg.json: tables.user_id_emb.dynamic: missing key 'max_capacity'``. The one exception are the
 keys added since format 1 (:data:`_ADDED_KEYS`): an fg.json written before them lacks them and
-means what the code did then, their dataclass default (no ``id_mode``: ``"dynrec"``).
+means what the code did then, their dataclass default (no ``id_mode``: ``"dynrec"``; no
+``cache_load_factor``: unset, every row in device memory).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ import typing
 from enum import Enum
 from typing import Any
 
-from shared.features import FeatureSet, FeatureSpec
+from shared.features import DynamicTableSpec, FeatureSet, FeatureSpec
 
 FG_FORMAT_VERSION = 1
 # keys added after format 1 was first written; absent, they take their dataclass default
-_ADDED_KEYS: dict[type, frozenset[str]] = {FeatureSpec: frozenset({"id_mode"})}
+_ADDED_KEYS: dict[type, frozenset[str]] = {
+    FeatureSpec: frozenset({"id_mode"}),
+    DynamicTableSpec: frozenset({"cache_load_factor"}),
+}
 
 
 class FgSpecError(ValueError):

@@ -174,6 +174,7 @@ GOLDEN = {
                 },
                 "admission": None,
                 "init_table": None,
+                "cache_load_factor": None,
             },
             "pooling": "sum",
         },
@@ -295,6 +296,17 @@ def test_an_fg_json_without_id_mode_means_todays_ids() -> None:
         del f["id_mode"]
     fs = feature_set_from_dict(old)
     assert fs == _small() and fs.id_mode is IdMode.DYNREC
+
+
+def test_an_fg_json_without_cache_load_factor_means_every_row_in_device_memory() -> None:
+    """Bundles written before the factor was read lack it: unset, as it was then."""
+    old = copy.deepcopy(GOLDEN)
+    for t in old["tables"].values():
+        if t["dynamic"] is not None:
+            del t["dynamic"]["cache_load_factor"]
+    fs = feature_set_from_dict(old)
+    assert fs == _small()
+    assert all(t.dynamic.cache_load_factor is None for t in fs.dynamic_tables if t.dynamic)
 
 
 def test_the_tzrec_id_mode_round_trips() -> None:
