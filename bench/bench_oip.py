@@ -10,7 +10,8 @@ concurrency, closed-loop clients (``--procs`` processes x threads, raw bytes on 
 parsing of the answers) send Predict and ModelInfer in alternating phases (``--rounds`` of each,
 ``--duration`` s after ``--warmup`` s), the same requests: Predict's columnar PredictRequest and
 the ModelInferRequest of the same features (``loadtest.oip``, tensors in raw_input_contents).
-The scores of both are checked equal first. Per protocol and concurrency: candidates/s and
+The scores of both are compared first (bit-equal on CPU; on CUDA within ``MAX_SCORE_GAP``, next
+to Predict's own gap between two calls). Per protocol and concurrency: candidates/s and
 p50/p99 latency (all rounds pooled); the ratios OIP/Predict. The issue's bar: OIP
 candidates/s >= 0.9x Predict's at equal p99 (closed loop at equal concurrency: p99 ratio ~1).
 """
@@ -136,10 +137,20 @@ def _payloads(host: str, samples: Path, a: argparse.Namespace) -> tuple[list[byt
     return predict, infer
 
 
-def check_same_scores(host: str, predict: list[bytes], infer: list[bytes], n: int = 20) -> int:
+# Scores of the two protocols on one request: bit-equal on CPU (the tests assert it); on CUDA a
+# GPU reduction may round differently from one call to the next, so the check compares the gap
+# with Predict's own gap between two calls of the same request. A translation error (a feature
+# hashed differently, a value lost) moves scores by far more than this bound.
+MAX_SCORE_GAP = 1e-4
+
+
+def check_same_scores(
+    host: str, predict: list[bytes], infer: list[bytes], n: int = 20
+) -> dict[str, Any]:
     from protos import grpc_predict_v2_pb2 as v2
     from protos import predict_pb2
 
+    gap = repeat_gap = 0.0
     with grpc.insecure_channel(host) as channel:
         p: Any = channel.unary_unary(
             PREDICT,
@@ -151,10 +162,18 @@ def check_same_scores(host: str, predict: list[bytes], infer: list[bytes], n: in
         )
         for a, b in zip(predict[:n], infer[:n], strict=True):
             want = np.asarray(p(a, timeout=60).probabilities, np.float32)
+            again = np.asarray(p(a, timeout=60).probabilities, np.float32)
             got = np.frombuffer(o(b, timeout=60).raw_output_contents[0], "<f4")
-            if not np.array_equal(want, got):
-                raise SystemExit("ModelInfer and Predict disagree on the same request")
-    return n
+            if want.shape != got.shape:
+                raise SystemExit(f"ModelInfer gave {got.shape} scores, Predict {want.shape}")
+            gap = max(gap, float(np.abs(want - got).max(initial=0.0)))
+            repeat_gap = max(repeat_gap, float(np.abs(want - again).max(initial=0.0)))
+    if gap > MAX_SCORE_GAP:
+        raise SystemExit(
+            f"ModelInfer and Predict disagree on the same request: max |gap| {gap:.3g} (Predict "
+            f"against itself: {repeat_gap:.3g})"
+        )
+    return {"requests": n, "max_abs_gap": gap, "predict_repeat_max_abs_gap": repeat_gap}
 
 
 def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -207,7 +226,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "startup_s": startup,
         "candidates": a.candidates,
         "requests": a.requests,
-        "scores_checked_equal": checked,
+        "scores_checked": checked,
         "settings": {
             k: v for k, v in vars(a).items() if k not in ("out",) and not isinstance(v, Path)
         },
