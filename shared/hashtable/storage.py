@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from shared.features import InitializerSpec, ScoreStrategy, TableSpec
+from shared.features import DynamicTableSpec, InitializerSpec, ScoreStrategy, TableSpec
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.admission import FrequencyCounter
 from shared.hashtable.backend import Backend
@@ -29,7 +31,10 @@ from shared.hashtable.hashing import (
     compact_positions,
     split_mask,
 )
+from shared.hashtable.host_store import TensorHostStore
 from shared.hashtable.initializers import KeyedInitializer
+from shared.hashtable.payload import DevicePayload, RowPayload
+from shared.hashtable.row_cache import RowCache
 from shared.hashtable.table import HashTable
 
 logger = logging.getLogger(__name__)
@@ -151,6 +156,12 @@ class FusedStorage:
 
     The hash table's backend (``backend``, default ``backend_for`` the device) also runs the
     admission counter and computes new rows (all member tables in one call).
+
+    The rows' payload lives where the members' ``cache_load_factor`` says
+    (:mod:`shared.hashtable.payload`, chosen here once): HBM_ONLY when every factor is 1.0 (or
+    unset), else CACHING with ``sum(ceil(factor * max_capacity))`` cache lines over a host tier
+    (:mod:`shared.hashtable.row_cache`). ``cache_load_factors`` (one per member, e.g. a budget's
+    plan) replaces the specs' own.
     """
 
     def __init__(
@@ -163,6 +174,7 @@ class FusedStorage:
         device: torch.device,
         max_load_factor: float = 0.5,
         backend: Backend | None = None,
+        cache_load_factors: Sequence[float] | None = None,
     ) -> None:
         dyn = [s.dynamic for s in specs if s.dynamic is not None]
         assert len(dyn) == len(specs) and len({compatibility_key(s) for s in specs}) == 1
@@ -174,19 +186,37 @@ class FusedStorage:
         self.device = device
         first = dyn[0]
         self.strategy = first.score_strategy
+        if cache_load_factors is None:
+            cache_load_factors = [
+                1.0 if d.cache_load_factor is None else d.cache_load_factor for d in dyn
+            ]
+        if len(cache_load_factors) != len(dyn) or not all(
+            0.0 < f <= 1.0 for f in cache_load_factors
+        ):
+            raise ValueError(
+                f"storage {name!r}: cache_load_factors {list(cache_load_factors)} must give one "
+                f"factor in (0, 1] per table of {self.names}"
+            )
+        self.cache_load_factors = list(cache_load_factors)
+        cached = any(f < 1.0 for f in cache_load_factors)
         self.table = HashTable(
-            self.dim,
+            0 if cached else self.dim,  # CACHING: the index alone, the payload in RowCache
             init_capacity=sum(d.init_capacity for d in dyn),
             max_capacity=sum(d.max_capacity for d in dyn),
             bucket_capacity=first.bucket_capacity,
             score_strategy=self.strategy,
             max_load_factor=max_load_factor,
-            with_accumulator=True,
+            with_accumulator=not cached,
             initial_accumulator_value=adagrad.initial_accumulator_value,
             device=device,
             backend=backend,
         )
         self.backend = self.table.backend
+        self.payload: RowPayload = (
+            self._cache(cache_load_factors, dyn)
+            if cached
+            else DevicePayload(self.table, self.backend)
+        )
         adm = [d.admission for d in dyn]
         self.counter: FrequencyCounter | None = None
         if any(adm):
@@ -234,6 +264,21 @@ class FusedStorage:
         ]
         self.static: StaticLookup | None = None  # the collection's use_static_step sets it
 
+    def _cache(self, factors: Sequence[float], dyn: Sequence[DynamicTableSpec]) -> RowCache:
+        """The CACHING payload: ``ceil(factor * max_capacity)`` lines per member table."""
+        lines = sum(math.ceil(f * d.max_capacity) for f, d in zip(factors, dyn, strict=True))
+        store = TensorHostStore(
+            self.dim, capacity=self.table.capacity, pin=self.device.type == "cuda"
+        )
+        return RowCache(
+            self.table,
+            self.backend,
+            dim=self.dim,
+            lines=min(lines, self.table.max_capacity),
+            store=store,
+            initial_accumulator_value=self.adagrad.initial_accumulator_value,
+        )
+
     def _admits(self, tid: int) -> bool:
         """Whether table ``tid`` has frequency admission (read on the host: no sync)."""
         dynamic = self.specs[tid].dynamic
@@ -242,7 +287,7 @@ class FusedStorage:
     def __repr__(self) -> str:
         return (
             f"FusedStorage({self.name!r}, tables={self.names}, capacity={self.table.capacity}, "
-            f"backend={self.backend.name})"
+            f"backend={self.backend.name}, payload={self.payload.name})"
         )
 
     # ------------------------------------------------------------------ forward
@@ -321,7 +366,7 @@ class FusedStorage:
             assert self.counter is not None
             # valid keys (checked above, or the table's own ids): no count, no host read
             self.counter.erase(erase.keys[done], self._tids(erase.table_ids[done]), count=False)
-        out = self.table.values[rows.clamp(min=0)]  # [U, dim]
+        out = self.payload.gather(rows)  # [U, dim]
         if n_miss:  # not stored: admission value (train), fresh init (refused), eval value
             self._fill_misses(out, uk, ut, counts, invalid, not_admitted, n_miss)
         for t, k in parts:
@@ -341,6 +386,26 @@ class FusedStorage:
             updated=uk.numel() - n_miss,
             max_count=max_count,
         )
+
+    def prefetch(self, parts: list[tuple[int, torch.Tensor]]) -> None:
+        """Bring the rows of ``parts``' stored keys to the device tier before their training
+        lookup (a CACHING storage; nothing to do for HBM_ONLY): a find, with no insert, no score
+        change and no admission count, so the step's own lookup does all that and hits. Keys
+        not stored yet are left to the step (their payload is new). Negative keys are left to
+        the step's lookup, which names them."""
+        if not self.payload.tiered:
+            return
+        keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
+        keys = keys.to(self.device, torch.int64)
+        tids = self._part_ids(parts)
+        order, starts, _, _, _ = self.backend.unique_pairs(keys, self._tids(tids))
+        first = order[starts]
+        rows, found = self.table.find(keys[first], self._tids(tids[first]), validate=False)
+        self.payload.prefetch(rows[found])
+
+    def tier_stats(self) -> dict[str, float]:
+        """The payload tier's counters and bytes (:meth:`RowPayload.stats`)."""
+        return self.payload.stats()
 
     def _fill_misses(
         self,
@@ -405,7 +470,7 @@ class FusedStorage:
             return rows, found, not_admitted, None
         generation = self.table.generation
         self.mutations += 1
-        result = self.table.insert_or_assign(  # new, nk, nt: the admitted keys from here on
+        result = self.payload.insert_or_assign(  # new, nk, nt: the admitted keys from here on
             nk,
             self._init_rows(nk, nt, self.dim),
             totals if lfu else torch.full_like(nk, score_now),
@@ -513,9 +578,7 @@ class FusedStorage:
             rows, found = self.table.find(keys, self._tids(tids), validate=False)  # rows moved
             ok = torch.nonzero(found).squeeze(1)
             rows, g = rows[ok], g[ok]
-        accum = self.table.accumulators
-        assert accum is not None
-        self.backend.adagrad_update(self.table.values, accum, rows, g, self.adagrad)
+        self.payload.adagrad(rows, g, self.adagrad)
 
     def _rows_hold(
         self, rows: torch.Tensor, keys: torch.Tensor, tids: torch.Tensor
@@ -554,7 +617,7 @@ class FusedStorage:
         """Each member table's :class:`TableState`, in table-id order, from one export of the
         table and one of the counter (sorted by table id, then key: each table's part is what
         an export of that table alone gives)."""
-        rows = self.table.export()
+        rows = self.payload.export()
         assert rows.accumulators is not None
         out = [
             TableState(rows.keys[a:b], rows.values[a:b], rows.scores[a:b], rows.accumulators[a:b])
@@ -580,7 +643,7 @@ class FusedStorage:
         keys = check_keys(state.keys.to(self.device), f"load {self.names[tid]}")
         if keys.numel():
             ids = torch.full_like(keys, tid)
-            self.table.insert_or_assign(
+            self.payload.insert_or_assign(
                 keys,
                 state.values,
                 state.scores,

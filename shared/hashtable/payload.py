@@ -1,0 +1,139 @@
+"""Where a storage's row payload (values and Adagrad state) lives: the storage's one tier seam.
+
+A :class:`~shared.hashtable.storage.FusedStorage` reads and writes its rows' payload only through
+a :class:`RowPayload`, chosen once, when the storage is made, from its tables'
+``cache_load_factor`` (:mod:`shared.hashtable.placement`), as TorchRec's compute kernel is chosen
+in its plan:
+
+- :class:`DevicePayload` (HBM_ONLY, factor absent or 1.0): the hash table's own ``values`` and
+  ``accumulators`` arrays, every row on the device; each method is the single table call the
+  storage made before this seam existed, so this path is today's, unchanged.
+- :class:`~shared.hashtable.row_cache.RowCache` (CACHING): the index keeps no payload; an HBM
+  cache of hot rows over a host tier (:mod:`shared.hashtable.host_store`) that holds every row.
+
+Both give the same rows bit for bit (on CPU; within the kernels' tolerances on CUDA): the tier is
+transparent. Keys, scores, evictions, admission and stats are the index's, and the index is the
+same object in both.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from shared.hashtable.adagrad import AdagradConfig
+from shared.hashtable.backend import Backend
+from shared.hashtable.layout import ExportedRows, InsertResult
+from shared.hashtable.table import HashTable
+
+
+class RowPayload(Protocol):
+    """The payload of a storage's rows, by row of its :class:`HashTable` (see module doc)."""
+
+    name: str  # "HBM_ONLY", "CACHING": what the storage's repr shows
+    tiered: bool  # whether some rows live off the device (then prefetch is worth a find)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """[U, dim] float32: the values of distinct ``rows`` [U] (entries of -1 give any row:
+        the caller overwrites them)."""
+        ...
+
+    def adagrad(self, rows: torch.Tensor, grads: torch.Tensor, config: AdagradConfig) -> None:
+        """Adagrad in place on distinct ``rows`` [n] with their summed ``grads`` [n, dim]."""
+        ...
+
+    def insert_or_assign(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        *,
+        table_ids: torch.Tensor | None,
+        accumulators: torch.Tensor | None = None,
+        pinned_rows: torch.Tensor | None = None,
+        exact: bool = True,
+    ) -> InsertResult:
+        """``HashTable.insert_or_assign`` of distinct keys, their payload stored in this tier."""
+        ...
+
+    def export(self) -> ExportedRows:
+        """``HashTable.export()`` with every row's values and accumulators."""
+        ...
+
+    def reserve_max_capacity(self) -> bool:
+        """``HashTable.reserve_max_capacity()``, the payload moved with the rows."""
+        ...
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Bring distinct ``rows`` [n] (all >= 0) to the device tier before a step needs them."""
+        ...
+
+    def why_not_static(self) -> str | None:
+        """Why the captured static step cannot run on this tier (None: it can)."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative tier counters and bytes per tier (empty where there is nothing to say)."""
+        ...
+
+
+class DevicePayload:
+    """HBM_ONLY: the payload is the table's own ``values`` / ``accumulators`` arrays."""
+
+    name = "HBM_ONLY"
+    tiered = False
+
+    def __init__(self, table: HashTable, backend: Backend) -> None:
+        assert table.accumulators is not None, "a storage's table keeps Adagrad state"
+        self.table = table
+        self.backend = backend
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.table.values[rows.clamp(min=0)]  # [U, dim]
+
+    def adagrad(self, rows: torch.Tensor, grads: torch.Tensor, config: AdagradConfig) -> None:
+        accum = self.table.accumulators
+        assert accum is not None
+        self.backend.adagrad_update(self.table.values, accum, rows, grads, config)
+
+    def insert_or_assign(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        *,
+        table_ids: torch.Tensor | None,
+        accumulators: torch.Tensor | None = None,
+        pinned_rows: torch.Tensor | None = None,
+        exact: bool = True,
+    ) -> InsertResult:
+        return self.table.insert_or_assign(
+            keys,
+            values,
+            scores,
+            table_ids=table_ids,
+            accumulators=accumulators,
+            pinned_rows=pinned_rows,
+            exact=exact,
+        )
+
+    def export(self) -> ExportedRows:
+        return self.table.export()
+
+    def reserve_max_capacity(self) -> bool:
+        return self.table.reserve_max_capacity()
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        return None  # every row is on the device already
+
+    def why_not_static(self) -> str | None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        t = self.table
+        return {
+            "hbm_payload_bytes": float(
+                t.values.nbytes + (t.accumulators.nbytes if t.accumulators is not None else 0)
+            )
+        }
