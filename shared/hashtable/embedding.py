@@ -53,6 +53,16 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
+def _factors(members: Sequence[TableSpec], override: Mapping[str, float]) -> list[float]:
+    """Each member's cache_load_factor: ``override``'s, else its spec's (unset: 1.0)."""
+    out = []
+    for t in members:
+        assert t.dynamic is not None
+        own = t.dynamic.cache_load_factor
+        out.append(override.get(t.name, 1.0 if own is None else own))
+    return out
+
+
 def default_clock() -> int:
     """Microseconds since the epoch (TIMESTAMP scores)."""
     return time.time_ns() // 1000
@@ -163,6 +173,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         backend: Backend | None = None,
         id_mode: str = IdMode.DYNREC.value,
         lr_scales: Mapping[str, float] | None = None,
+        cache_load_factors: Mapping[str, float] | None = None,
     ) -> None:
         """``backend``: every storage's hash-table backend (default: ``backend_for`` the
         device; e.g. ``TorchBackend()`` for the torch code on a GPU). ``id_mode``: the
@@ -171,7 +182,10 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         Adagrad rate as a multiple of ``lr`` (and of every rate :meth:`set_learning_rate` sets
         later); such a table, at any scale (1 too), leaves its fusion group for a storage of
         its own (a storage has one rate), and so holds its own ``max_capacity``, not a share
-        of the group's."""
+        of the group's. ``cache_load_factors``: table name → the share of its rows cached in
+        device memory (a plan's, :mod:`shared.hashtable.placement`), over the specs' own
+        ``cache_load_factor``; a storage with a factor below 1 is CACHING
+        (:mod:`shared.hashtable.row_cache`), its results the same as HBM_ONLY's."""
         super().__init__()
         modes = [m.value for m in IdMode]
         if id_mode not in modes:
@@ -186,6 +200,12 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                     "FeatureSet.dynamic_tables"
                 )
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
+        stray = sorted(set(cache_load_factors or {}) - set(self.tables))
+        if stray:
+            raise ValueError(
+                f"cache_load_factors name tables {stray} that are not dynamic tables here "
+                f"({', '.join(self.tables)}); pass factors of these tables only"
+            )
         self.adagrad = AdagradConfig(lr, eps, initial_accumulator_value)
         self.lr_scales = _checked_scales(lr_scales or {}, names)
         self.id_mode = id_mode
@@ -203,6 +223,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 device=self.device,
                 max_load_factor=max_load_factor,
                 backend=backend,
+                cache_load_factors=_factors(members, cache_load_factors or {}),
             )
             for name, members in plan_storages(tables, _without(fusion_groups, self.lr_scales))
         ]
@@ -265,12 +286,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         The static step runs only there: growing during training takes eager steps until then
         (on the seed config's full data, the first 128 steps at about twice the step time)."""
         for s in self._storages:
-            if s.table.reserve_max_capacity():
+            if s.payload.reserve_max_capacity():
                 s.mutations += 1  # the rows moved
                 t = s.table
-                mib = t.capacity * t.dim * (8 if t.with_accumulator else 4) / 2**20
+                mib = s.tier_stats()["hbm_payload_bytes"] / 2**20
                 logger.info("dynamic storage %r: %d rows allocated (its max capacity, "
-                            "%.0f MiB of values and accumulators)", s.name, t.capacity, mib)  # fmt: skip
+                            "%.0f MiB of values and accumulators on the device, %s)", s.name,
+                            t.capacity, mib, s.payload.name)  # fmt: skip
 
     def static_stats(self) -> dict[str, dict[str, int]]:
         """Storage name → the static step's captures, replays and eager runs (empty: off)."""
@@ -315,6 +337,32 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 stored = plan.stored()  # [N]
                 found.update(zip(names, torch.split(stored, sizes), strict=True))
         return {n: out[n] for n in keys}, {n: found[n] for n in keys if n in found}
+
+    def prefetch(self, keys: Mapping[str, torch.Tensor]) -> None:
+        """Bring the rows of a coming training batch's stored keys (table name → keys, as
+        :meth:`forward` takes them) into the device tier of every CACHING storage, so that the
+        batch's own lookup hits (:meth:`FusedStorage.prefetch`: a find, no insert, no score or
+        admission change). Nothing to do, and no op, where every storage is HBM_ONLY."""
+        if not self.tiered:
+            return
+        tables_of: dict[FusedStorage, list[str]] = {}
+        for n in keys:
+            if n in self._where:
+                tables_of.setdefault(self._where[n][0], []).append(n)
+        for storage, names in tables_of.items():
+            if storage.payload.tiered:
+                parts = [(self._where[n][1], keys[n].to(self.device)) for n in names]
+                storage.prefetch(parts)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether some storage is CACHING (rows off the device: :meth:`prefetch` pays)."""
+        return any(s.payload.tiered for s in self._storages)
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Storage name → its payload tier's counters and bytes (cache hit rate, evictions,
+        write-backs, HBM and host bytes)."""
+        return {s.name: s.tier_stats() for s in self._storages}
 
     # ------------------------------------------------------------------ inspection
 

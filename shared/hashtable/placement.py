@@ -14,8 +14,8 @@ once per table, before anything is allocated, from the config alone:
   the index and the counters stay in HBM (as tzrec accounts them) and one common share of the values
   is cached. A budget the indexes alone exceed is refused, naming the biggest table.
 
-The host tier is not built yet: :func:`require_hbm_only` refuses a plan with a CACHING table, with
-the plan's own figures, so that a config asking for a cache is an error, never ignored.
+A CACHING table's storage (:mod:`shared.hashtable.row_cache`) gets ``ceil(factor * max_capacity)``
+cache lines on the device over a host tier of every row: what ``hbm_bytes`` and ``host_bytes`` count.
 
     >>> lines = describe(plan_placement(fs.dynamic_tables, hbm_budget=None))
 """
@@ -168,15 +168,3 @@ def describe(plans: Sequence[TablePlacement]) -> list[str]:
     host = sum(p.host_bytes for p in plans)
     total = f"total: hbm={hbm / GIB:.3f}GiB host={host / GIB:.3f}GiB ({len(plans)} dynamic tables)"
     return [p.line() for p in plans] + [total]
-
-
-def require_hbm_only(plans: Sequence[TablePlacement]) -> None:
-    """Refuse a plan with a CACHING table: the host tier is not built yet (issue #52)."""
-    cached = [p for p in plans if p.mode is StorageMode.CACHING]
-    if cached:
-        lines = "; ".join(p.line() for p in cached)
-        raise PlacementError(
-            f"CACHING (cache_load_factor < 1) is not available in this version: {lines}. Every "
-            "row lives in device memory: set cache_load_factor to 1.0 or remove it, lower "
-            "max_capacity, or raise the HBM budget (see `python -m train.tools plan`)"
-        )

@@ -93,7 +93,7 @@ def supports(storage: FusedStorage) -> str | None:
         return "Adagrad eps is 0 (a masked row's zero update would divide 0 by 0)"
     if storage.dim == 0:
         return "the table has no values"
-    return None
+    return storage.payload.why_not_static()
 
 
 @dataclass

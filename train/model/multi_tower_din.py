@@ -11,7 +11,7 @@ from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import FeatureSet
-from shared.hashtable.placement import GIB, describe, plan_placement, require_hbm_only
+from shared.hashtable.placement import GIB, describe, plan_placement
 from train.model.dense_arch import DenseArch
 from train.model.id_dropout import IdDropout
 from train.model.sparse_arch import Embedded, SparseArch, table_lr_scales
@@ -33,6 +33,7 @@ class MultiTowerDIN(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         sparse_lr_scales: dict[str, float] | None = None,
+        cache_load_factors: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.fs = fs
@@ -48,6 +49,7 @@ class MultiTowerDIN(nn.Module):
             seed=seed,
             id_dropout=None if backoff is None else IdDropout.from_config(fs, backoff, seed=seed),
             lr_scales=sparse_lr_scales,
+            cache_load_factors=cache_load_factors,
         )
         self.dense = DenseArch.from_config(fs, model_config).to(device)
 
@@ -62,10 +64,10 @@ class MultiTowerDIN(nn.Module):
         hbm_budget_gib: float | None = None,
     ) -> MultiTowerDIN:
         """The model of ``config`` with its sparse optimizer settings, once the dynamic tables'
-        placement is planned (one log line per table) and runs in this build.
+        placement is planned (one log line per table); CACHING tables get their planned factor.
         ``hbm_budget_gib``: the tables' device budget, over the config's
         ``train_config.table_hbm_budget_gib``."""
-        plan_tables(config, fs, hbm_budget_gib)
+        factors = plan_tables(config, fs, hbm_budget_gib)
         ada = sparse_adagrad(config.train_config)
         return cls(
             fs,
@@ -76,6 +78,7 @@ class MultiTowerDIN(nn.Module):
             device=device,
             seed=seed,
             sparse_lr_scales=table_lr_scales(fs, config.train_config.sparse_optimizer),
+            cache_load_factors=factors,
         )
 
     def dense_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -96,9 +99,9 @@ class MultiTowerDIN(nn.Module):
 
 def plan_tables(
     config: pipeline_pb2.EasyRecConfig, fs: FeatureSet, hbm_budget_gib: float | None
-) -> None:
-    """Log the dynamic tables' placement (shared.hashtable.placement) and refuse what this build
-    cannot run: a budget they cannot fit, or a cache_load_factor below 1."""
+) -> dict[str, float]:
+    """Log the dynamic tables' placement (shared.hashtable.placement), refuse a budget they
+    cannot fit, and return each table's planned cache_load_factor (1.0: HBM_ONLY)."""
     tc = config.train_config
     if hbm_budget_gib is None and tc.HasField("table_hbm_budget_gib"):
         hbm_budget_gib = tc.table_hbm_budget_gib
@@ -106,7 +109,7 @@ def plan_tables(
     plans = plan_placement(fs.dynamic_tables, hbm_budget=budget)
     for line in describe(plans):
         log.info("table plan: %s", line)
-    require_hbm_only(plans)
+    return {p.table: p.cache_load_factor for p in plans}
 
 
 def sparse_adagrad(config: pipeline_pb2.TrainConfig) -> pipeline_pb2.AdagradOptimizer:

@@ -124,6 +124,7 @@ class SparseArch(nn.Module):
         seed: int = 0,
         id_dropout: IdDropout | None = None,
         lr_scales: dict[str, float] | None = None,
+        cache_load_factors: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.fs = fs
@@ -152,6 +153,7 @@ class SparseArch(nn.Module):
             seed=seed,
             id_mode=fs.id_mode.value,
             lr_scales=lr_scales,
+            cache_load_factors=cache_load_factors,
         )
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:

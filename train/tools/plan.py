@@ -14,7 +14,7 @@ from typing import Any
 
 from shared.config import load_config
 from shared.features import build_feature_set
-from shared.hashtable.placement import GIB, StorageMode, describe, plan_placement
+from shared.hashtable.placement import GIB, describe, plan_placement
 
 
 def _budget(
@@ -44,7 +44,6 @@ def plan_report(
     config_budget = tc.table_hbm_budget_gib if tc.HasField("table_hbm_budget_gib") else None
     budget, source = _budget(config_budget, hbm_gib, device)
     plans = plan_placement(build_feature_set(config).dynamic_tables, hbm_budget=budget)
-    cached = [p.table for p in plans if p.mode is StorageMode.CACHING]
     return {
         "budget_bytes": budget,
         "budget_source": source,
@@ -62,7 +61,6 @@ def plan_report(
         },
         "hbm_bytes": sum(p.hbm_bytes for p in plans),
         "host_bytes": sum(p.host_bytes for p in plans),
-        "runs_in_this_build": not cached,
         "text": describe(plans),
     }
 
@@ -71,9 +69,4 @@ def plan_text(report: dict[str, Any]) -> str:
     budget = report["budget_bytes"]
     head = "budget: none" if budget is None else f"budget: {budget / GIB:.3f}GiB"
     lines = [f"{head} ({report['budget_source']})", *report["text"]]
-    if not report["runs_in_this_build"]:
-        lines.append(
-            "this build keeps every row in device memory: CACHING (cache_load_factor < 1) is "
-            "refused at training start; lower max_capacity or raise the budget"
-        )
     return "\n".join(lines)

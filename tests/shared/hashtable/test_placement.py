@@ -14,7 +14,6 @@ from shared.hashtable.placement import (
     StorageMode,
     describe,
     plan_placement,
-    require_hbm_only,
 )
 
 
@@ -78,8 +77,9 @@ def test_a_budget_the_indexes_alone_exceed_is_refused_naming_the_biggest_table(
     assert "Lower its max_capacity (or dim), or raise the budget" in message
 
 
-def test_caching_is_refused_by_this_build_with_the_plan(seed_fs: FeatureSet) -> None:
-    require_hbm_only(plan_placement(seed_fs.dynamic_tables, hbm_budget=None))
+def test_a_config_factor_below_one_plans_caching(seed_fs: FeatureSet) -> None:
     tables = [_with_factor(t, 0.1) if t.name == "brand_emb" else t for t in seed_fs.dynamic_tables]
-    with pytest.raises(PlacementError, match=r"CACHING .* not available .*brand_emb: mode=CACHING"):
-        require_hbm_only(plan_placement(tables, hbm_budget=None))
+    plans = {p.table: p for p in plan_placement(tables, hbm_budget=None)}
+    assert plans["brand_emb"].mode is StorageMode.CACHING
+    assert plans["brand_emb"].host_bytes == plans["brand_emb"].value_bytes
+    assert {p.mode for n, p in plans.items() if n != "brand_emb"} == {StorageMode.HBM_ONLY}

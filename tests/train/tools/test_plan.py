@@ -10,7 +10,6 @@ import pytest
 
 from shared.config import load_config
 from shared.features import build_feature_set
-from shared.hashtable.placement import PlacementError
 from tests.conftest import SEED_CONFIG
 from train.model.multi_tower_din import MultiTowerDIN
 from train.tools.__main__ import main
@@ -40,7 +39,6 @@ def test_plan_json_with_a_budget_plans_a_cache(capsys: pytest.CaptureFixture[str
     assert report["budget_source"] == "--hbm-gib"
     assert report["tables"]["user_id_emb"]["mode"] == "CACHING"
     assert report["hbm_bytes"] <= report["budget_bytes"]
-    assert report["runs_in_this_build"] is False
 
 
 def test_plan_refuses_an_unfittable_budget(capsys: pytest.CaptureFixture[str]) -> None:
@@ -58,7 +56,7 @@ def test_cache_load_factor_out_of_range_is_a_config_error_naming_the_field(
         build_feature_set(load_config(path))
 
 
-def test_the_model_logs_its_plan_and_refuses_a_cache(
+def test_the_model_logs_its_plan_and_builds_the_planned_tiers(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = load_config(SEED_CONFIG)
@@ -69,11 +67,20 @@ def test_the_model_logs_its_plan_and_refuses_a_cache(
 
     path = _config(tmp_path, USER_ID_BLOCK, USER_ID_BLOCK + "\ncache_load_factor: 0.1")
     cfg = load_config(path)
-    with pytest.raises(PlacementError, match="user_id_emb: mode=CACHING cache_load_factor=0.10"):
-        MultiTowerDIN.from_config(cfg, build_feature_set(cfg))
-    # a budget the config sets is planned, then refused the same way
+    model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg))
+    assert "user_id_emb" in _names(model, "CACHING")  # its storage (fused with others) caches
+    # a budget the config sets is planned (every table without its own factor cached)
     path = _config(tmp_path, "train_config {", "train_config {\ntable_hbm_budget_gib: 0.1")
     cfg = load_config(path)
-    with pytest.raises(PlacementError, match="cache_load_factor=0.31 \\(planned\\)"):
-        MultiTowerDIN.from_config(cfg, build_feature_set(cfg))
-    MultiTowerDIN.from_config(cfg, build_feature_set(cfg), hbm_budget_gib=1.0)  # the flag wins
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="train.model.multi_tower_din"):
+        model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg))
+    assert any("cache_load_factor=0.31 (planned)" in r.getMessage() for r in caplog.records)
+    assert set(_names(model, "CACHING")) == {t.name for t in build_feature_set(cfg).dynamic_tables}
+    model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg), hbm_budget_gib=1.0)  # flag wins
+    assert _names(model, "CACHING") == []
+
+
+def _names(model: MultiTowerDIN, mode: str) -> list[str]:
+    """The dynamic tables whose storage's payload is ``mode``."""
+    return [n for s in model.sparse.dynamic._storages if s.payload.name == mode for n in s.names]
