@@ -18,26 +18,40 @@ pass as "missing"), and an optional BOOL tensor ``<feature>.missing`` of the sam
 elements that are missing (their placeholders are ignored). v2 tensors have no null, and no
 sentinel value is free: any int64 is an id of a dynamic table, and "" is a string id.
 
-:func:`predict_request` checks what only this protocol has (names, datatypes, shapes, element
-counts, UTF-8) and builds the columnar ``PredictRequest`` Predict would get for the same features;
-Predict's own validation, limits, feature generation and batching then run unchanged
-(:meth:`serve.servicer.PredictionServicer.score`), so the same features give the same scores.
-Errors are :class:`~serve.validation.RequestError` named by tensor (``price: ...``, ``request:``
-for the request as a whole); :func:`tensor_error` renames Predict's field paths to tensors.
+:func:`fg_inputs` turns the tensors straight into the inputs of feature generation: it checks
+what only this protocol has (names, datatypes, shapes, element counts, masks, UTF-8), and the
+values with the functions of Predict's own validation (:mod:`serve.validation`), so the limits
+and messages are Predict's; then Predict's path runs unchanged (feature generation, deadlines,
+batching, versions: :meth:`serve.servicer.PredictionServicer.score`), so the same features give
+the same scores. No PredictRequest is built on the way, and nothing is parsed twice. Errors are
+:class:`~serve.validation.RequestError` named by tensor (``price: ...``, ``price: ... (candidate
+3)``, ``request:`` for the request as a whole).
+
+gRPC answers ``probabilities`` as its request came: in ``raw_output_contents`` for a request
+in ``raw_input_contents`` (what tritonclient sends and reads), in typed ``contents`` for a
+request in typed contents (KServe's model server does the same).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from protos import grpc_predict_v2_pb2 as v2
-from protos import predict_pb2
 from serve.limits import Limits
-from serve.validation import RequestError, accepted_kinds, check_candidate_count
+from serve.validation import (
+    TENSORS,
+    FgInputs,
+    RequestError,
+    accepted_kinds,
+    check_candidate_count,
+    item_column,
+    scalar_value,
+    sequence_ids,
+)
 from shared.features import FeatureSet, FeatureSpec, Side
 from shared.fg_plan import per_feature_set
 
@@ -46,16 +60,18 @@ MISSING = ".missing"  # suffix of a feature's optional BOOL missing-value mask
 # numeric datatypes: their little-endian dtype on the wire
 DTYPES = {"INT64": "<i8", "FP64": "<f8", "FP32": "<f4", "BOOL": "|b1"}
 DATATYPES = (*DTYPES, "BYTES")
+_ITEMSIZE = {d: np.dtype(t).itemsize for d, t in DTYPES.items()}
 # the datatypes standing for each Value kind of Predict
 _DATATYPES_OF_KIND = {
     "int64_value": ("INT64",),
     "double_value": ("FP64", "FP32"),
     "string_value": ("BYTES",),
 }
+_KIND_OF_DATATYPE = {d: k for k, ds in _DATATYPES_OF_KIND.items() for d in ds}
 _MAX_RANK = 8
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per input of every request: not frozen, its __init__ is cheaper
 class Tensor:
     """An input as sent: ``values`` is a numpy array for numbers and BOOL, a list of bytes for
     BYTES (as many as the shape holds, checked by :func:`decode_raw` / :func:`decode_list`)."""
@@ -75,7 +91,7 @@ class InferCall:
     id: str
     tensors: list[Tensor]
     outputs: list[str] = field(default_factory=list)  # requested ([]: all)
-    binary_output: bool = False  # HTTP: answer the outputs in the binary extension
+    binary_output: bool = False  # answer the outputs as raw bytes (gRPC raw, HTTP binary)
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,7 @@ class _Contract:
 
     features: dict[str, FeatureSpec]
     datatypes: dict[str, tuple[str, ...]]
+    sequences: dict[str, FeatureSpec]
 
     @classmethod
     def of(cls, fs: FeatureSet) -> _Contract:
@@ -107,7 +124,8 @@ class _Contract:
             else:
                 kinds = accepted_kinds(spec)
                 datatypes[name] = tuple(d for k in kinds for d in _DATATYPES_OF_KIND[k])
-        return cls(features, datatypes)
+        sequences = {name: spec for name, spec in features.items() if spec.is_sequence}
+        return cls(features, datatypes, sequences)
 
 
 _contract = per_feature_set(_Contract.of)
@@ -137,6 +155,8 @@ def output_metadata() -> list[tuple[str, str, list[int]]]:
 
 def element_count(name: str, shape: Sequence[int]) -> int:
     """The elements of ``shape`` (dims >= 0, rank within reason)."""
+    if len(shape) == 1 and shape[0] >= 0:  # the common case
+        return shape[0]
     if len(shape) > _MAX_RANK:
         raise RequestError(name, f"shape of rank {len(shape)}; inputs are 1-D ([1] or [N])")
     count = 1
@@ -159,19 +179,20 @@ def decode_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes) -> Te
     length, then that many bytes), as gRPC's ``raw_input_contents`` and HTTP's binary extension
     carry it."""
     _check_datatype(name, datatype)
+    shape = tuple(shape)
     n = element_count(name, shape)
     if datatype == "BYTES":
-        return Tensor(name, datatype, tuple(shape), _split_bytes(name, n, raw))
-    size = np.dtype(DTYPES[datatype]).itemsize
+        return Tensor(name, datatype, shape, _split_bytes(name, n, raw))
+    size = _ITEMSIZE[datatype]
     if len(raw) != n * size:
         raise RequestError(
             name,
             f"{len(raw)} raw bytes, expected {n * size} ({n} {datatype} of shape {list(shape)})",
         )
-    values = np.frombuffer(raw, DTYPES[datatype])
     if datatype == "BOOL" and len(raw) and max(raw) > 1:
         raise RequestError(name, "BOOL bytes must be 0 or 1")
-    return Tensor(name, datatype, tuple(shape), values)
+    values = np.frombuffer(raw, DTYPES[datatype]).copy()  # writable, as a parsed message's
+    return Tensor(name, datatype, shape, values)
 
 
 def _split_bytes(name: str, n: int, raw: bytes) -> list[bytes]:
@@ -219,14 +240,19 @@ def _kind_word(datatype: str) -> str:
     return {"BOOL": "true/false", "INT64": "integers"}.get(datatype, "numbers")
 
 
-# --------------------------------------------------------------------------- → PredictRequest
+# --------------------------------------------------------------------------- → feature generation
 
 
-def predict_request(
-    tensors: Sequence[Tensor], fs: FeatureSet, limits: Limits, request_id: str
-) -> tuple[predict_pb2.PredictRequest, str | None]:
-    """The columnar PredictRequest of ``tensors`` and the candidate tensor that set N (for
-    errors about the count); raises RequestError naming the tensor."""
+def fg_inputs(tensors: Sequence[Tensor], fs: FeatureSet, limits: Limits) -> FgInputs:
+    """The inputs of feature generation that ``tensors`` stand for, checked; raises
+    :class:`RequestError` naming the tensor.
+
+    What only this protocol has is checked here: names (every feature's tensor present, each
+    once, nothing unknown), datatypes, shapes, masks, UTF-8. The values are then checked by the
+    functions Predict's validation uses (:mod:`serve.validation`: :func:`check_candidate_count`,
+    :func:`item_column`, :func:`scalar_value`, :func:`sequence_ids`), straight from the tensors'
+    arrays: the same limits and messages, no PredictRequest in between.
+    """
     c = _contract(fs)
     by_name = _by_name(tensors, c)
     masks = {
@@ -240,7 +266,10 @@ def predict_request(
                 f"missing input; send it ({dtype}; ModelMetadata lists every input), with "
                 f"{feature}{MISSING} (BOOL) marking missing values",
             )
-    request = predict_pb2.PredictRequest(request_id=request_id)
+    user: dict[str, object] = {}
+    context: dict[str, object] = {}
+    items: dict[str, list[object] | pa.Array | np.ndarray] = {}
+    sequences: dict[str, list[int] | np.ndarray] = {}
     n_from: str | None = None
     n = 0
     for name, spec in c.features.items():
@@ -254,8 +283,9 @@ def predict_request(
         if len(t.shape) != 1:
             raise RequestError(name, f"shape {list(t.shape)}; expected {_shape_word(spec)}")
         missing = _mask(masks.get(name), t)
+        kind = _KIND_OF_DATATYPE[t.datatype]
         if spec.is_sequence:
-            request.sequences[name].ids.extend(t.values.tolist())  # type: ignore[union-attr]
+            sequences[name] = t.values  # type: ignore[assignment]  # INT64: an int64 array
         elif spec.side is Side.ITEM:
             if n_from is None:
                 n_from, n = name, t.shape[0]
@@ -264,16 +294,18 @@ def predict_request(
                 raise RequestError(
                     name, f"shape [{t.shape[0]}], but {n_from} has [{n}]: one per candidate"
                 )
-            _column(request.candidate_columns.columns[name], t, missing)
+            items[name] = item_column(spec, kind, _column(t, missing), missing, name, limits)
         else:
             if t.shape != (1,):
                 raise RequestError(
                     name, f"shape {list(t.shape)}; expected [1] (one {spec.side.value} value)"
                 )
-            target = request.user if spec.side is Side.USER else request.context
-            target.values[name].CopyFrom(_value(t, missing))
-    request.candidate_columns.num_candidates = n
-    return request, n_from
+            side = user if spec.side is Side.USER else context
+            side[name] = None if missing is not None else scalar_value(
+                spec, kind, _scalar(t), name, limits
+            )  # fmt: skip
+    sequences = sequence_ids(sequences, c.sequences, TENSORS, limits)
+    return FgInputs(user, sequences, context, items, n)
 
 
 def _shape_word(spec: FeatureSpec) -> str:
@@ -317,63 +349,34 @@ def _mask(mask: Tensor | None, t: Tensor) -> np.ndarray | None:
     return m if m.any() else None
 
 
-def _strings(t: Tensor) -> list[str]:
+def _strings(t: Tensor, missing: np.ndarray | None = None) -> list[str]:
+    """BYTES elements as text; those ``missing`` marks are "" (not even decoded)."""
+    skip = [False] * len(t.values) if missing is None else missing.tolist()
     out = []
-    for i, raw in enumerate(t.values):
+    for i, (raw, m) in enumerate(zip(t.values, skip, strict=True)):
         try:
-            out.append(raw.decode("utf-8"))
+            out.append("" if m else raw.decode("utf-8"))
         except UnicodeDecodeError:
             at = f" (element {i})" if len(t.values) > 1 else ""
             raise RequestError(t.name, f"BYTES not valid UTF-8{at}") from None
     return out
 
 
-def _column(col: predict_pb2.Column, t: Tensor, missing: np.ndarray | None) -> None:
+def _column(t: Tensor, missing: np.ndarray | None) -> np.ndarray | list[str]:
+    """A candidate tensor's values as :func:`~serve.validation.item_column` takes them."""
     if t.datatype == "BYTES":
-        strings = _strings(t)
-        if missing is not None:  # placeholders of missing values: not even decoded
-            strings = ["" if m else s for s, m in zip(strings, missing.tolist(), strict=True)]
-        col.strings.values.extend(strings)
-    elif t.datatype == "INT64":
-        col.int64s.values.extend(t.values.tolist())  # type: ignore[union-attr]
-    else:
-        values = np.asarray(t.values, np.float64)
-        if missing is not None:
-            values = np.where(missing, 0.0, values)
-        col.doubles.values.extend(values.tolist())
-    if missing is not None:
-        col.missing.extend(missing.tolist())
+        return _strings(t, missing)
+    values = t.values
+    assert isinstance(values, np.ndarray)
+    return values if t.datatype == "INT64" else values.astype(np.float64)
 
 
-def _value(t: Tensor, missing: np.ndarray | None) -> predict_pb2.Value:
-    if missing is not None:
-        return predict_pb2.Value()  # an explicit missing value
+def _scalar(t: Tensor) -> object:
+    """The one value of a [1] tensor as Predict's Value holds it (int, float or str)."""
     if t.datatype == "BYTES":
-        return predict_pb2.Value(string_value=_strings(t)[0])
+        return _strings(t)[0]
     x = t.values[0]
-    if t.datatype == "INT64":
-        return predict_pb2.Value(int64_value=int(x))
-    return predict_pb2.Value(double_value=float(x))
-
-
-# --------------------------------------------------------------------------- errors
-
-
-_FIELD = re.compile(
-    r'^(?:(?:user|context|sequences)\.(.*)|candidate_columns\.columns\["(.*)"\])$', re.S
-)
-
-
-def tensor_error(err: RequestError, candidates: str | None) -> RequestError:
-    """A RequestError of Predict's validation renamed to the tensor it is about:
-    ``user.user_id`` → ``user_id``, ``candidate_columns.columns["price"]`` → ``price``, the
-    candidate count → ``candidates`` (the candidate tensor that set N)."""
-    m = _FIELD.match(err.field)
-    if m is not None:
-        return RequestError(m.group(1) if m.group(1) is not None else m.group(2), err.problem)
-    if err.field.startswith("candidate_columns") and candidates is not None:
-        return RequestError(candidates, err.problem)
-    return err
+    return int(x) if t.datatype == "INT64" else float(x)
 
 
 # --------------------------------------------------------------------------- gRPC messages
@@ -391,7 +394,7 @@ _CONTENT_FIELDS = (*_CONTENTS.values(), "int_contents", "uint_contents", "uint64
 
 def _typed(t: v2.ModelInferRequest.InferInputTensor) -> Tensor:
     """A tensor from its typed ``contents`` (the "row" encoding of gRPC)."""
-    name, shape = t.name, tuple(t.shape)
+    name, shape = t.name, tuple(t.shape[:])
     _check_datatype(name, t.datatype)
     n = element_count(name, shape)
     wanted = _CONTENTS[t.datatype]
@@ -410,7 +413,7 @@ def _typed(t: v2.ModelInferRequest.InferInputTensor) -> Tensor:
 
 def call_of_grpc(request: v2.ModelInferRequest) -> InferCall:
     """A gRPC ModelInferRequest as an InferCall: tensors from ``raw_input_contents`` (one per
-    input, in order) or from each input's typed ``contents``."""
+    input, in order; the answer raw too) or from each input's typed ``contents``."""
     raw = request.raw_input_contents
     inputs = request.inputs
     if len(raw):
@@ -419,15 +422,12 @@ def call_of_grpc(request: v2.ModelInferRequest) -> InferCall:
                 "request",
                 f"{len(raw)} raw_input_contents for {len(inputs)} inputs; send one per input, in order",
             )
-        for t in inputs:
+        tensors = []
+        for t, r in zip(inputs, raw, strict=True):
+            name = short_name(t.name)
             if t.HasField("contents"):
-                raise RequestError(
-                    short_name(t.name), "contents set beside raw_input_contents; send one of them"
-                )
-        tensors = [
-            decode_raw(short_name(t.name), t.datatype, tuple(t.shape), r)
-            for t, r in zip(inputs, raw, strict=True)
-        ]
+                raise RequestError(name, "contents set beside raw_input_contents; send one of them")
+            tensors.append(decode_raw(name, t.datatype, t.shape[:], r))  # [:]: a list, fast
     else:
         tensors = [_typed(t) for t in inputs]
     return InferCall(
@@ -436,21 +436,26 @@ def call_of_grpc(request: v2.ModelInferRequest) -> InferCall:
         request.id,
         tensors,
         [o.name for o in request.outputs],
+        binary_output=bool(len(raw)),
     )
 
 
 def grpc_response(result: InferResult) -> v2.ModelInferResponse:
-    """The answer: ``probabilities`` FP32 [N] in ``raw_output_contents`` (what Triton sends and
-    tritonclient reads)."""
+    """The answer: ``probabilities`` FP32 [N], in ``raw_output_contents`` when the request's
+    inputs were raw (what Triton sends and tritonclient reads), else in typed
+    ``contents.fp32_contents``."""
     probs = np.ascontiguousarray(result.probabilities, dtype="<f4")
-    return v2.ModelInferResponse(
+    output = v2.ModelInferResponse.InferOutputTensor(
+        name=OUTPUT, datatype="FP32", shape=[len(probs)]
+    )
+    response = v2.ModelInferResponse(
         model_name=result.model_name,
         model_version=result.model_version,
         id=result.id,
-        outputs=[
-            v2.ModelInferResponse.InferOutputTensor(
-                name=OUTPUT, datatype="FP32", shape=[len(probs)]
-            )
-        ],
-        raw_output_contents=[probs.tobytes()],
+        outputs=[output],
     )
+    if result.binary_output:
+        response.raw_output_contents.append(probs.tobytes())
+    else:
+        response.outputs[0].contents.fp32_contents.extend(probs.tolist())
+    return response

@@ -1,9 +1,10 @@
 """``inference.GRPCInferenceService`` (the Open Inference Protocol, KServe v2) beside Predict.
 
-Thin: each RPC parses, calls one function and formats the answer. ``ModelInfer`` turns the
-tensors into the PredictRequest they stand for (:mod:`serve.oip`) and scores it on Predict's own
-path (:meth:`serve.servicer.PredictionServicer.score`: validation, limits, feature generation,
-deadlines, batching, model versions); it shares Predict's admission bound, and its RPCs are
+Thin: each RPC parses, calls one function and formats the answer. ``ModelInfer`` scores its
+tensors on Predict's own path (:meth:`serve.servicer.PredictionServicer.score`), the tensors
+checked and turned into feature generation's inputs by :func:`serve.oip.fg_inputs` with
+Predict's validation functions (limits, messages), then feature generation, deadlines,
+batching, model versions as Predict; it shares Predict's admission bound, and its RPCs are
 counted under their own method names (``ModelInfer``...; the HTTP form's as ``http/...``).
 Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer; the
 protocol's other RPCs (streaming, repository, shared memory) answer UNIMPLEMENTED. Statuses:
@@ -18,7 +19,6 @@ The same :class:`InferenceService` answers the HTTP/JSON form (:mod:`serve.oip_h
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata as _pkg
@@ -34,7 +34,7 @@ from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.rpc import Method, RpcError, unary_service
 from serve.servicer import PredictionServicer, status_of
-from serve.validation import RequestError
+from serve.validation import TENSORS, RequestError
 from shared.features import FeatureSet
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -128,30 +128,24 @@ class InferenceService:
         )
 
     def infer(self, call: oip.InferCall, context: grpc.ServicerContext) -> oip.InferResult:
-        """Score ``call`` on Predict's path; errors name the tensor."""
-        model = self.model(call.model_name, call.model_version)
+        """Score ``call`` on Predict's path (its tensors checked by :func:`serve.oip.fg_inputs`);
+        errors name the tensor."""
+        self.model(call.model_name, call.model_version)
         for name in call.outputs:
             if name != oip.OUTPUT:
                 raise RequestError(
                     oip.short_name(name), f"unknown output; this model has one, {oip.OUTPUT!r}"
                 )
-        t0, c0 = time.perf_counter(), time.thread_time()
-        request, candidates = oip.predict_request(
-            call.tensors, model.fs, self.predictor.limits, call.id
-        )
-        self.predictor.metrics.on_request(
-            {"oip_decode": (time.perf_counter() - t0, time.thread_time() - c0)}
-        )
+        limits = self.predictor.limits
 
         def respond(probs: np.ndarray, served: Any) -> oip.InferResult:
             return oip.InferResult(
                 self.model_name, served.version, call.id, probs, call.binary_output
             )
 
-        try:
-            return self.predictor.score(request, context, respond)
-        except RequestError as err:
-            raise oip.tensor_error(err, candidates) from err
+        return self.predictor.score(
+            lambda fs: oip.fg_inputs(call.tensors, fs, limits), TENSORS, context, respond
+        )
 
 
 class InferenceServicer:

@@ -33,9 +33,17 @@ from serve.limits import Limits
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel
 from serve.rpc import Method, RpcError, check_deadline, deadline_of, unary_service
-from serve.validation import RequestError, feature_error, request_inputs, value_type
+from serve.validation import (
+    FgInputs,
+    Fields,
+    RequestError,
+    feature_error,
+    fields_of,
+    request_inputs,
+    value_type,
+)
 from serve.versions import Refusal
-from shared.features import FeatureSpec
+from shared.features import FeatureSet, FeatureSpec
 from shared.fg import FeatureError
 from shared.fg_request import request_columns_to_batch
 
@@ -114,27 +122,34 @@ class PredictionServicer:
                 request_id=request.request_id,
             )
 
-        return self.score(request, context, respond)
+        limits = self._limits
+        return self.score(
+            lambda fs: request_inputs(request, fs, limits), fields_of(request), context, respond
+        )
 
     def score(
         self,
-        request: predict_pb2.PredictRequest,
+        check: Callable[[FeatureSet], FgInputs],
+        fields: Fields,
         context: grpc.ServicerContext,
         respond: Callable[[np.ndarray, LoadedModel], M],
     ) -> M:
-        """Predict's path up to the scores, answered by ``respond(probabilities float32 [N],
-        the model version that scored them)``: the other protocols (:mod:`serve.oip`) come
-        in here with the PredictRequest their request stands for."""
+        """Predict's path from the request's content to the scores, for every protocol:
+        ``check(the served version's features)`` is the request's validation (raises
+        :class:`RequestError`; Predict's :func:`~serve.validation.request_inputs`, the Open
+        Inference Protocol's :func:`serve.oip.fg_inputs`, both over the checks of
+        :mod:`serve.validation`), ``fields`` how the request names its values in errors; then
+        feature generation, deadlines, batching, and ``respond(probabilities float32 [N], the
+        model version that scored them)``."""
         deadline = deadline_of(context)
         model = self._model()
         t0, c0 = time.perf_counter(), time.thread_time()
-        inputs = request_inputs(request, model.fs, self._limits)
+        inputs = check(model.fs)
         t1, c1 = time.perf_counter(), time.thread_time()
         try:
             batch = request_columns_to_batch(model.fs, **vars(inputs))
         except FeatureError as err:
-            columnar = request.HasField("candidate_columns")
-            raise feature_error(model.fs, inputs, err, columnar=columnar) from err
+            raise feature_error(model.fs, inputs, err, fields) from err
         t2, c2 = time.perf_counter(), time.thread_time()
         check_deadline(deadline, "before batching (validation and feature generation)")
         future = self._batcher.submit(model, batch, deadline=deadline)

@@ -7,6 +7,12 @@ within ``max_sequence_length``, and nothing unknown is sent. Value semantics tha
 generation owns (negative price, ids out of range) are reported by :mod:`shared.fg` as
 ``FeatureError`` and mapped the same way by the servicer (:func:`request_field`).
 
+The checks of values are functions over plain values, shared by every protocol: the Open
+Inference Protocol (:func:`serve.oip.fg_inputs`) calls :func:`check_candidate_count`,
+:func:`item_column`, :func:`scalar_value` and :func:`sequence_ids` with its tensors' arrays, so
+the limits and messages are one implementation; :class:`Fields` says how each encoding names a
+value in errors (Predict's field paths, or the tensor's name).
+
 Candidates come in one of two encodings, checked by the same column checks (:func:`_check_names`,
 :func:`_check_kind`, :func:`_check_finite`) and giving the same feature-generation inputs:
 ``candidates`` (one ``Features`` map per candidate; the common case is checked a column at a time
@@ -62,7 +68,7 @@ class FgInputs:
     """
 
     user: dict[str, object]
-    sequences: dict[str, list[int]]
+    sequences: dict[str, list[int] | np.ndarray]  # int64 ids, oldest first
     context: dict[str, object]
     items: dict[str, list[object] | pa.Array | np.ndarray]
     num_candidates: int
@@ -88,6 +94,49 @@ class _Specs:
 
 
 _specs = per_feature_set(_Specs.of)
+
+
+@dataclass(frozen=True)
+class Fields:
+    """How one request encoding names where a feature's value is, in errors: Predict's
+    (:data:`PREDICT_COLUMNS`, :data:`PREDICT_ROWS`) or the Open Inference Protocol's (every
+    feature a tensor of its own name, :data:`TENSORS`). ``candidate`` names one candidate's
+    value (rows); None: the column's name, its problem ending in ``(candidate i)``."""
+
+    user: Callable[[str], str]
+    context: Callable[[str], str]
+    sequence: Callable[[str], str]
+    column: Callable[[str], str]
+    candidate: Callable[[int, str], str] | None = None
+
+    def side(self, side: Side) -> Callable[[str], str]:
+        return self.context if side is Side.CONTEXT else self.user
+
+
+def column_field(name: str) -> str:
+    """How errors name the column of feature ``name`` in ``candidate_columns``."""
+    return f'candidate_columns.columns["{name}"]'
+
+
+PREDICT_COLUMNS = Fields(
+    user="user.{}".format,
+    context="context.{}".format,
+    sequence="sequences.{}".format,
+    column=column_field,
+)
+PREDICT_ROWS = Fields(
+    user="user.{}".format,
+    context="context.{}".format,
+    sequence="sequences.{}".format,
+    column="candidates.{}".format,
+    candidate="candidates[{}].{}".format,
+)
+TENSORS = Fields(user=str, context=str, sequence=str, column=str)
+
+
+def fields_of(request: predict_pb2.PredictRequest) -> Fields:
+    """The names of ``request``'s encoding (columns or rows)."""
+    return PREDICT_COLUMNS if request.HasField("candidate_columns") else PREDICT_ROWS
 
 
 def value_type(spec: FeatureSpec) -> str:
@@ -213,17 +262,23 @@ def _name(name: str) -> str:
 # --------------------------------------------------------------------------- row format
 
 
+def scalar_value(spec: FeatureSpec, kind: str, raw: object, field: str, limits: Limits) -> object:
+    """One value of Value kind ``kind`` (``int64_value``...) for ``spec``, checked: an accepted
+    kind, a finite number, a string within ``max_string_bytes``. Both protocols' one check of
+    a user, context or (rows) candidate value."""
+    _check_kind(spec, kind, field, raw)
+    if kind == "double_value" and not math.isfinite(raw):  # type: ignore[arg-type]
+        _check_finite(field, np.array((raw,)))
+    elif kind == "string_value":
+        _check_strings(field, (raw,), limits.max_string_bytes)  # type: ignore[arg-type]
+    return raw
+
+
 def _value(v: predict_pb2.Value, spec: FeatureSpec, field: str, limits: Limits) -> object:
     kind = v.WhichOneof("kind")
     if kind is None:
         return None  # explicit missing value → zero embedding
-    raw = getattr(v, kind)
-    _check_kind(spec, kind, field, raw)
-    if kind == "double_value" and not math.isfinite(raw):
-        _check_finite(field, np.array((raw,)))
-    elif kind == "string_value":
-        _check_strings(field, (raw,), limits.max_string_bytes)
-    return raw
+    return scalar_value(spec, kind, getattr(v, kind), field, limits)
 
 
 def _features(
@@ -293,17 +348,11 @@ def _item_columns(
 # --------------------------------------------------------------------------- columnar format
 
 
-def column_field(name: str) -> str:
-    """How errors name the column of feature ``name`` in ``candidate_columns``."""
-    return f'candidate_columns.columns["{name}"]'
-
-
 def _column_array(
     col: predict_pb2.Column, spec: FeatureSpec, n: int, field: str, limits: Limits
 ) -> pa.Array | np.ndarray:
-    """One column → its ``n`` values with one conversion call: numbers without missing values
-    as a numpy array (feature generation takes it as it is), others as an Arrow array (null
-    where ``missing``; strings via a list)."""
+    """One column of ``candidate_columns`` → its ``n`` values with one conversion call
+    (:func:`item_column`)."""
     kind = col.WhichOneof("kind")
     if kind is None:
         wanted = " or ".join(_COLUMN_KINDS[k] for k in _accepted(spec))
@@ -322,18 +371,37 @@ def _column_array(
                 f"missing has {len(col.missing)} entries, expected none or num_candidates {n}",
             )
         missing = np.array(col.missing, dtype=bool)
-        if not missing.any():
-            missing = None
     if kind == "strings":
-        strings = list(values)
-        if missing is not None:  # placeholders of missing rows are ignored, whatever they hold
-            strings = ["" if m else v for v, m in zip(strings, missing.tolist(), strict=True)]
-        _check_strings(field, strings, limits.max_string_bytes)
-        return pa.array(strings, pa.string(), mask=missing)
+        return item_column(spec, "string_value", list(values), missing, field, limits)
     arr = np.array(values, dtype=_COLUMN_DTYPES[kind])
-    if kind == "doubles":
-        _check_finite(field, arr, missing)
-    return arr if missing is None else pa.array(arr, mask=missing)
+    return item_column(spec, _VALUE_KINDS[kind], arr, missing, field, limits)
+
+
+def item_column(
+    spec: FeatureSpec,
+    kind: str,
+    values: np.ndarray | list[str],
+    missing: np.ndarray | None,
+    field: str,
+    limits: Limits,
+) -> pa.Array | np.ndarray:
+    """One ITEM-side feature's column (one value per candidate, counted by the caller) in
+    the form feature generation takes: numbers without missing values as the numpy array
+    they are (int64, float64), others as an Arrow array (null where ``missing``; the
+    placeholders of missing values are ignored, whatever they hold). Checked: an accepted
+    Value kind (``int64_value``...), finite numbers, strings within ``max_string_bytes``;
+    an error names the first bad candidate. Both protocols' one check of a column."""
+    _check_kind(spec, kind, field, None)
+    if missing is not None and not missing.any():
+        missing = None
+    if isinstance(values, list):  # strings
+        if missing is not None:
+            values = ["" if m else v for v, m in zip(values, missing.tolist(), strict=True)]
+        _check_strings(field, values, limits.max_string_bytes)
+        return pa.array(values, pa.string(), mask=missing)
+    if kind == "double_value":
+        _check_finite(field, values, missing)
+    return values if missing is None else pa.array(values, mask=missing)
 
 
 def _candidate_columns(
@@ -377,36 +445,53 @@ def _num_candidates(request: predict_pb2.PredictRequest, limits: Limits) -> int:
 
 def _sequences(
     request: predict_pb2.PredictRequest, specs: Mapping[str, FeatureSpec], limits: Limits
-) -> dict[str, list[int]]:
+) -> dict[str, list[int] | np.ndarray]:
     for name in request.sequences:
         if name not in specs:
             raise RequestError(
                 f"sequences.{_name(name)}", f"unknown sequence feature; expected {sorted(specs)}"
             )
-    out: dict[str, list[int]] = {}
+    ids: dict[str, list[int] | np.ndarray] = {}
+    for name in specs:
+        if name not in request.sequences:
+            raise RequestError(
+                f"sequences.{name}", "missing required sequence; send an empty list if none"
+            )
+        ids[name] = list(request.sequences[name].ids)
+    return sequence_ids(ids, specs, PREDICT_COLUMNS, limits)
+
+
+def sequence_ids(
+    ids: Mapping[str, list[int] | np.ndarray],
+    specs: Mapping[str, FeatureSpec],
+    fields: Fields,
+    limits: Limits,
+) -> dict[str, list[int] | np.ndarray]:
+    """Every sequence sub-feature's ids (all present), checked: at most the limit of its
+    sequence, and the sub-sequences of one sequence of equal lengths. Both protocols' one
+    check of the sequences."""
+    out: dict[str, list[int] | np.ndarray] = {}
     first_of: dict[str, str] = {}  # sequence_name → first sub-feature seen
     for name, spec in specs.items():
-        field = f"sequences.{name}"
-        if name not in request.sequences:
-            raise RequestError(field, "missing required sequence; send an empty list if none")
-        ids = list(request.sequences[name].ids)
+        field = fields.sequence(name)
+        seq = ids[name]
         cap = limits.sequence_cap(spec.sequence_length)
-        if len(ids) > cap:
+        if len(seq) > cap:
             raise RequestError(
                 field,
-                f"{len(ids)} elements, more than the limit {cap}; send the most recent {cap} "
+                f"{len(seq)} elements, more than the limit {cap}; send the most recent {cap} "
                 "(GetModelMetadata lists each sequence's max_length)",
             )
         group = spec.sequence_name or name
-        if group in first_of and len(ids) != len(out[first_of[group]]):
+        if group in first_of and len(seq) != len(out[first_of[group]]):
             other = first_of[group]
             raise RequestError(
                 field,
-                f"{len(ids)} elements but sequences.{other} has {len(out[other])}; the "
+                f"{len(seq)} elements but {fields.sequence(other)} has {len(out[other])}; the "
                 f"sub-sequences of {group} must have equal lengths (element i is one click)",
             )
         first_of.setdefault(group, name)
-        out[name] = ids
+        out[name] = seq
     return out
 
 
@@ -432,27 +517,25 @@ def request_inputs(request: predict_pb2.PredictRequest, fs: FeatureSet, limits: 
 
 
 def feature_error(
-    fs: FeatureSet, inputs: FgInputs, err: FeatureError, *, columnar: bool
+    fs: FeatureSet, inputs: FgInputs, err: FeatureError, fields: Fields
 ) -> RequestError:
     """A feature-generation error (a value semantics check, e.g. a negative id) as a
-    :class:`RequestError` naming where the value is in the request: for an ITEM-side feature
-    the first bad candidate is found by running the feature's column one value at a time (an
-    error path only; at most ``max_candidates`` values)."""
+    :class:`RequestError` naming where the value is in the request (``fields``: how the
+    request's encoding names it): for an ITEM-side feature the first bad candidate is found by
+    running the feature's column one value at a time (an error path only; at most
+    ``max_candidates`` values)."""
     spec = fs.features.get(err.field)
     if spec is None:
         return RequestError(err.field, err.message)
     if spec.is_sequence:
-        return RequestError(f"sequences.{spec.name}", err.message)
+        return RequestError(fields.sequence(spec.name), err.message)
     if spec.side is not Side.ITEM:
-        side = {Side.USER: "user", Side.CONTEXT: "context"}[spec.side]
-        return RequestError(f"{side}.{spec.name}", err.message)
-    values = inputs.items[spec.name]
-    bad = _first_bad_value(spec, values)
-    if columnar:
+        return RequestError(fields.side(spec.side)(spec.name), err.message)
+    bad = _first_bad_value(spec, inputs.items[spec.name])
+    if fields.candidate is None or bad is None:
         at = "" if bad is None else f" (candidate {bad})"
-        return RequestError(column_field(spec.name), err.message + at)
-    where = "candidates" if bad is None else f"candidates[{bad}]"
-    return RequestError(f"{where}.{spec.name}", err.message)
+        return RequestError(fields.column(spec.name), err.message + at)
+    return RequestError(fields.candidate(bad, spec.name), err.message)
 
 
 def _first_bad_value(spec: FeatureSpec, values: list[object] | pa.Array | np.ndarray) -> int | None:

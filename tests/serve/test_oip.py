@@ -2,8 +2,9 @@
 client (tritonclient.grpc) against a real server on 127.0.0.1.
 
 Liveness, readiness and metadata; ModelInfer gives Predict's scores bit for bit for the same
-rows, with the tensors in ``raw_input_contents`` and in typed ``contents``; malformed tensors
-are INVALID_ARGUMENT naming the tensor; other models and versions NOT_FOUND; the protocol's
+rows, with the tensors in ``raw_input_contents`` and in typed ``contents`` (their tensors give
+the batch of Predict's validation); malformed tensors and bad values are INVALID_ARGUMENT naming
+the tensor; other models and versions NOT_FOUND; the protocol's
 other RPCs UNIMPLEMENTED.
 """
 
@@ -15,14 +16,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from loadtest.oip import OipTensor, infer_request, tensors_of_predict
 from protos import grpc_predict_v2_pb2 as v2
 from protos import grpc_predict_v2_pb2_grpc as v2_grpc
 from protos import predict_pb2, predict_pb2_grpc
+from serve import oip
 from serve.limits import Limits
 from serve.server import PredictionServer, ServerConfig
+from serve.validation import FgInputs, request_inputs
 from shared.features import FeatureSet
+from shared.fg_request import request_columns_to_batch
 
 from .conftest import candidate_variants, running_server, to_columnar
 
@@ -62,8 +67,9 @@ def triton_inputs(tensors: list[OipTensor]) -> list[object]:
 
 
 def infer_scores(client, request: predict_pb2.PredictRequest, *, raw: bool) -> bytes:
-    """ModelInfer's probabilities as float32 bytes: tritonclient's InferInputs (raw) or its
-    stub with a request of typed contents (tritonclient builds only raw ones)."""
+    """ModelInfer's probabilities as float32 bytes: tritonclient's InferInputs (raw, answered
+    raw) or its stub with a request of typed contents (tritonclient builds only raw ones),
+    answered in typed contents."""
     if raw:
         result = client.infer(
             "dynrec",
@@ -77,7 +83,15 @@ def infer_scores(client, request: predict_pb2.PredictRequest, *, raw: bool) -> b
     triton_msg = tg.service_pb2.ModelInferRequest.FromString(msg.SerializeToString())
     response = client._client_stub.ModelInfer(triton_msg, timeout=TIMEOUT_S)
     assert response.id == request.request_id
-    return tg.InferResult(response).as_numpy("probabilities").astype(np.float32).tobytes()
+    # typed contents in, typed contents out (as KServe's server; tritonclient reads only raw)
+    assert not response.raw_output_contents
+    (output,) = response.outputs
+    assert (output.name, output.datatype, list(output.shape)) == (
+        "probabilities",
+        "FP32",
+        [len(output.contents.fp32_contents)],
+    )
+    return np.array(output.contents.fp32_contents, np.float32).tobytes()
 
 
 def predict_scores(channel: grpc.Channel, request: predict_pb2.PredictRequest) -> bytes:
@@ -269,3 +283,40 @@ def test_infer_through_frontends(bundle_v1: Path, requests) -> None:
                 assert got == predict_scores(ch, req) and answer.id == req.request_id
     finally:
         srv.stop(grace=0)
+
+
+def _batch(inputs: FgInputs, fs: FeatureSet):
+    return request_columns_to_batch(fs, **vars(inputs))
+
+
+def test_tensors_give_the_batch_of_predicts_validation(fs: FeatureSet, requests) -> None:
+    """fg_inputs (no PredictRequest in between) and Predict's request_inputs of the same
+    features build the very same batch: rows and columns, missing values, string ids."""
+    variants = candidate_variants(requests)
+    cases = [*requests, *variants.values(), *(to_columnar(fs, r) for r in variants.values())]
+    for req in cases:
+        call = oip.call_of_grpc(infer_request(req, "dynrec"))
+        got = _batch(oip.fg_inputs(call.tensors, fs, LIMITS), fs)
+        want = _batch(request_inputs(req, fs, LIMITS), fs)
+        for side in ("user", "item", "sequence"):
+            a, b = getattr(got, side), getattr(want, side)
+            assert a.keys() == b.keys(), (req.request_id, side)
+            assert torch.equal(a.values(), b.values()), (req.request_id, side)
+            assert torch.equal(a.lengths(), b.lengths()), (req.request_id, side)
+
+
+def test_a_bad_value_names_the_tensor_and_candidate(channel, requests) -> None:
+    """A value feature generation refuses (a negative id) is named as Predict names it, with
+    the tensor for the field: ``adgroup_id: ... (candidate i)``."""
+    msg = _good(requests)
+    (raw,) = [
+        r for t, r in zip(msg.inputs, msg.raw_input_contents, strict=True) if t.name == "adgroup_id"
+    ]
+    ids = np.frombuffer(raw, "<i8").copy()
+    ids[-1] = -7
+    bad = _edit(msg, "adgroup_id", raw=ids.tobytes())
+    with pytest.raises(grpc.RpcError) as err:
+        v2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(bad, timeout=TIMEOUT_S)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details()
+    assert details.startswith("adgroup_id: ") and details.endswith(f"(candidate {len(ids) - 1})")

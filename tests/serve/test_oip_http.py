@@ -4,7 +4,7 @@ and plain HTTP for what the docs show with curl.
 Health, readiness and metadata (plain and versioned paths); infer gives Predict's scores bit
 for bit with the tensors as JSON ``data`` and as binary data (tritonclient's default), answered
 in JSON or binary; malformed tensors are 400 naming the tensor, other models 404, a body over
-the limit 413.
+the limit 413; with the server's TLS (mutual too), HTTPS only.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import pytest
 from loadtest.oip import tensors_of_predict
 from protos import predict_pb2
 from serve.limits import Limits
+from serve.security import TlsConfig
 from serve.server import PredictionServer
 
 from .conftest import candidate_variants, running_server, to_columnar
 from .test_oip import predict_scores
+from .test_tls import _issue
 
 th = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -165,3 +167,43 @@ def test_limits_as_on_grpc(client, server: PredictionServer, requests) -> None:
         {"method": "http/ModelInfer", "reason": "request_too_large"},
     )
     assert rejected == 1.0
+
+
+def test_http_serves_tls_when_the_server_has_tls(bundle_v1: Path, tmp_path: Path, requests) -> None:
+    """--tls-cert/--tls-key (and --tls-client-ca) cover --http-port as they cover gRPC: HTTPS
+    with the server's certificate, plain HTTP and clients that trust another root refused, a
+    client certificate required under mutual TLS; infer over HTTPS gives Predict's scores."""
+    ca_pem, ca_cert, ca_key = _issue(tmp_path, "ca", issuer=None, ca=True)
+    server_pem = _issue(tmp_path, "server", issuer=(ca_cert, ca_key), server=True)[0]
+    client_pem = _issue(tmp_path, "client", issuer=(ca_cert, ca_key))[0]
+    other_ca = _issue(tmp_path, "other-ca", issuer=None, ca=True)[0]
+    tls = TlsConfig(cert=server_pem.cert, key=server_pem.key, client_ca=ca_pem.cert)
+    with running_server(bundle_v1, LIMITS, http_port=0, model_name="ctr", tls=tls) as srv:
+        url = f"127.0.0.1:{srv.http_port}"
+        mine = {"ca_certs": str(ca_pem.cert)}
+        with_cert = mine | {"certfile": str(client_pem.cert), "keyfile": str(client_pem.key)}
+        client = th.InferenceServerClient(url, ssl=True, ssl_options=with_cert)
+        try:
+            assert client.is_server_ready() and client.is_model_ready("ctr")
+            req = requests[1]
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=ca_pem.cert.read_bytes(),
+                private_key=client_pem.key.read_bytes(),
+                certificate_chain=client_pem.cert.read_bytes(),
+            )
+            with grpc.secure_channel(f"127.0.0.1:{srv.port}", creds) as secure:
+                assert _infer(client, req, True, True) == predict_scores(secure, req)
+        finally:
+            client.close()
+        refused = [
+            {"ssl": True, "ssl_options": mine},  # no client certificate
+            {"ssl": True, "ssl_options": with_cert | {"ca_certs": str(other_ca.cert)}},
+            {"ssl": False},  # plain HTTP to a TLS port
+        ]
+        for options in refused:
+            other = th.InferenceServerClient(url, **options)
+            try:
+                with pytest.raises(Exception):  # noqa: B017  # TLS alerts, resets: the OS's words
+                    other.is_server_live()
+            finally:
+                other.close()

@@ -10,7 +10,14 @@ import torch
 
 from protos import predict_pb2
 from serve.limits import Limits
-from serve.validation import RequestError, _features, feature_error, request_inputs
+from serve.validation import (
+    PREDICT_COLUMNS,
+    PREDICT_ROWS,
+    RequestError,
+    _features,
+    feature_error,
+    request_inputs,
+)
 from shared.features import FeatureSet, Side
 from shared.fg import FeatureError
 from shared.fg_request import request_columns_to_batch
@@ -115,7 +122,7 @@ def test_a_bad_id_is_named_by_its_candidate_in_either_encoding(
     assert isinstance(inputs.items["adgroup_id"], np.ndarray if columnar else list)
     with pytest.raises(FeatureError) as info:
         request_columns_to_batch(fs, **vars(inputs))
-    err = feature_error(fs, inputs, info.value, columnar=columnar)
+    err = feature_error(fs, inputs, info.value, PREDICT_COLUMNS if columnar else PREDICT_ROWS)
     if columnar:
         assert err.field == 'candidate_columns.columns["adgroup_id"]'
         assert str(err).endswith(f"negative id -7; ids must be >= 0 (candidate {last})")
