@@ -183,6 +183,13 @@ def _stream_parser(sub: argparse._SubParsersAction) -> None:
         "--row-log", type=Path, help="log the rows of each committed step here (JSON lines)"
     )
     s.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    s.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA: the dense step and the tables' static step as CUDA graphs "
+        "(default: %(default)s)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,10 +273,6 @@ def _stream(args: argparse.Namespace) -> None:
         )
     elif args.publish_every_s is not None or args.publish_every_steps is not None:
         raise ValueError("--publish-every-s/--publish-every-steps need --publish-root DIR")
-    if args.num_workers is not None:
-        raise ValueError(
-            "train stream reads its source in order in one process: drop --num-workers"
-        )
     model_dir = args.model_dir or Path(load_config(args.config).model_dir or "")
     if not str(model_dir) or str(model_dir) == ".":
         raise ValueError("train stream needs --model-dir (its checkpoints hold the position)")
@@ -280,6 +283,7 @@ def _stream(args: argparse.Namespace) -> None:
             model_dir=model_dir,
             device=args.device,
             batch_size=args.batch_size,
+            num_workers=args.num_workers,
             checkpoint_every=args.checkpoint_every,
             poll_s=args.poll_s,
             idle_exit_s=args.idle_exit_s,
@@ -287,11 +291,13 @@ def _stream(args: argparse.Namespace) -> None:
             publish=publish,
             row_log=args.row_log,
             seed=args.seed,
+            cuda_graphs=args.cuda_graphs,
         )
     ).run()
     p = result.progress
     print(json.dumps({"step": p.step, "samples": p.samples, "publishes": result.publishes,
-                      "partition": p.source_partition, "row": p.source_row}))  # fmt: skip
+                      "partition": p.source_partition, "row": p.source_row,
+                      "stall_seconds": result.stall_seconds}))  # fmt: skip
 
 
 def _evaluate(args: argparse.Namespace) -> None:

@@ -10,8 +10,11 @@ import signal
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
+import torch
 
+from shared.batch import Batch
 from tests.conftest import SEED_CONFIG, write_config
 from tests.train.stream_data import (
     records,
@@ -22,9 +25,10 @@ from tests.train.stream_data import (
     write_partition,
 )
 from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.data.loader import InOrderLoader
 from train.stream.publish import Publisher, PublishOptions
 from train.stream.row_log import RowLog
-from train.stream.source import PartitionSource, Position
+from train.stream.source import PartitionSource, Position, Span, StreamReader
 from train.stream.trainer import StreamOptions, StreamTrainer
 
 
@@ -34,39 +38,74 @@ def _progress(ckpt: Path) -> dict:
     return torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False)["progress"]
 
 
-def test_source_reads_complete_partitions_in_order(tiny_samples: Path, tmp_path: Path) -> None:
+def _read_all(reader: StreamReader) -> list[tuple[Span, Batch]]:
+    out = []
+    batches = reader.batches()
+    while reader.plan():
+        batch = next(batches)
+        out.append((reader.take(), batch))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_source_reads_complete_partitions_in_order(
+    tiny_samples: Path, tmp_path: Path, workers: int
+) -> None:
+    """Batches in partition then row order through the loader's workers (slices of 2 batches
+    handed to them in turn), each batch's span exact, a restart mid-partition reads on there."""
+    from shared.config import load_config
+    from shared.features import build_feature_set
+    from shared.fg import table_to_batch
+
+    fs = build_feature_set(load_config(SEED_CONFIG))
     rows = train_rows(tiny_samples).slice(0, 500)
     write_partition(tmp_path, "p1", rows.slice(0, 300), event_time=200)
     write_partition(tmp_path, "p0", rows.slice(300, 150), event_time=100)
     (tmp_path / "p2").mkdir()  # no _SUCCESS yet: not read
-    source = PartitionSource(tmp_path, columns=["user_id", "time_stamp"])
+    source = PartitionSource(tmp_path)
     assert source.partitions() == ["p0", "p1"]
     assert source.pending_rows(Position()) == 450
-    seen, pos = [], Position()
-    while (chunk := source.next_chunk(pos, 128)) is not None:
-        seen.append((chunk.start.partition, chunk.start.row, chunk.end.row, chunk.event_time))
-        assert chunk.table.num_rows == chunk.end.row - chunk.start.row
-        pos = chunk.end
-    assert seen == [("p0", 0, 128, 100), ("p0", 128, 150, 100), ("p1", 0, 128, 200),
-                    ("p1", 128, 256, 200), ("p1", 256, 300, 200)]  # fmt: skip
-    assert source.pending_rows(pos) == 0
-    chunk = source.next_chunk(Position("p1", 250), 10)  # the rows of p1 in file order
-    assert chunk is not None
-    assert chunk.table["user_id"].to_pylist() == rows.slice(250, 10)["user_id"].to_pylist()
-    with pytest.raises(ValueError, match="a complete partition changed"):
-        source.next_chunk(Position("p0", 151), 10)
+
+    def reader(pos: Position) -> StreamReader:
+        loader = InOrderLoader(fs, batch_size=64, num_workers=workers, message_rows=128)
+        return StreamReader(source, loader, pos, ahead_slices=2)
+
+    first = reader(Position())
+    try:
+        seen = _read_all(first)
+    finally:
+        first.close()
+    spans = [(s.partition, s.start, s.end, s.event_time) for s, _ in seen]
+    assert spans == [("p0", 0, 64, 100), ("p0", 64, 128, 100), ("p0", 128, 150, 100)] + [
+        ("p1", a, min(a + 64, 300), 200) for a in range(0, 300, 64)
+    ]
+    ordered = pa.concat_tables([rows.slice(300, 150), rows.slice(0, 300)])
+    start = 0
+    for span, batch in seen:  # each batch is its span's rows, as batch training builds them
+        want = table_to_batch(fs, ordered.slice(start, span.rows))
+        assert torch.equal(batch.item.values(), want.item.values()), span
+        assert torch.equal(batch.labels, want.labels), span
+        start += span.rows
+    assert source.pending_rows(Position("p1", 300)) == 0
+    again = reader(Position("p1", 256))  # a restart: the rows of p1 from 256 on, in file order
+    try:
+        rest = _read_all(again)
+    finally:
+        again.close()
+    assert [(s.partition, s.start, s.end) for s, _ in rest] == [("p1", 256, 300)]
+    assert rest[0][1].labels.tolist() == rows.slice(256, 44)["clk"].to_pylist()
+    changed = reader(Position("p0", 151))
+    try:
+        with pytest.raises(ValueError, match="a complete partition changed"):
+            changed.plan()
+    finally:
+        changed.close()
 
 
-def test_row_log_cuts_uncommitted_steps(tmp_path: Path, tiny_samples: Path) -> None:
-    write_partition(tmp_path / "src", "p0", train_rows(tiny_samples).slice(0, 30))
-    source = PartitionSource(tmp_path / "src", columns=["user_id"])
+def test_row_log_cuts_uncommitted_steps(tmp_path: Path) -> None:
     log = RowLog(tmp_path / "rows.jsonl", 0)
-    pos = Position()
     for step in (1, 2, 3):
-        chunk = source.next_chunk(pos, 10)
-        assert chunk is not None
-        log.add(step, chunk)
-        pos = chunk.end
+        log.add(step, Span("p0", 10 * (step - 1), 10 * step, 0))
     log.flush()
     log.close()
     with (tmp_path / "rows.jsonl").open("a") as f:
@@ -158,20 +197,22 @@ def test_tables_stay_within_max_capacity_on_a_long_stream(
 
 
 def test_publisher_full_then_deltas_then_full(tiny_samples: Path, tmp_path: Path) -> None:
-    """Full bundle, K deltas against it (event time in each), then a new full bundle; a new
-    publisher reads its state back from the root."""
+    """Full bundle, K deltas against it (event time in each), then a new full bundle, over four
+    runs of the trainer that each train one new partition and publish at the end: each run's
+    publisher reads the state back from the root."""
     from shared.bundle import read_bundle
     from shared.delta_reader import read_delta
 
     rows = train_rows(tiny_samples).slice(0, 1024)
+    pub = PublishOptions(root=tmp_path / "pub", every_steps=1, full_every=2)
     for i, part in enumerate(split(rows, 4)):
         write_partition(tmp_path / "src", f"p{i}", part, event_time=1000 + i)
-    pub = PublishOptions(root=tmp_path / "pub", every_steps=1, full_every=2)
-    trainer = StreamTrainer(StreamOptions(config_path=SEED_CONFIG, source=tmp_path / "src",
-                                          model_dir=tmp_path / "m", batch_size=256,
-                                          idle_exit_s=0.0, log_every_s=1e9,
-                                          publish=pub))  # fmt: skip
-    assert trainer.run().publishes == 4
+        trainer = StreamTrainer(StreamOptions(config_path=SEED_CONFIG, source=tmp_path / "src",
+                                              model_dir=tmp_path / "m", batch_size=256,
+                                              idle_exit_s=0.0, log_every_s=1e9, num_workers=0,
+                                              publish=pub))  # fmt: skip
+        result = trainer.run()
+        assert (result.progress.step, result.publishes) == (i + 1, 1)
     full = read_bundle(tmp_path / "pub" / "full" / "step-1", verify_checksums=False)
     assert full.manifest["extra"]["event_time"] == 1000
     deltas = sorted((tmp_path / "pub" / "deltas" / "step-1").iterdir())

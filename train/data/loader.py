@@ -657,3 +657,156 @@ class Loader:
                 "loader: the workers sent more messages than the epoch plan's; were the Parquet "
                 "files changed during the epoch?"
             )
+
+
+# --------------------------------------------------------------------------- in order
+# Online training (train.stream) reads a growing source in row order: no shuffle, no epochs,
+# and the rows to read are known only as they land. The same workers, messages and pinned
+# copies as above play *slices* (consecutive rows of a partition's files) that the caller
+# hands out while the loader runs, slice ``i`` to worker ``i % W``: the DataLoader's
+# round-robin over its workers then returns the messages in slice order, so the batches come
+# in row order and the caller knows which rows each batch holds.
+
+
+@dataclass(frozen=True)
+class RowSlice:
+    """Rows ``start .. start + rows`` of ``files`` (``(path, rows)`` each, read as one row
+    sequence in this order), cut into batches of ``batch_size`` (the last may be short)."""
+
+    files: tuple[tuple[str, int], ...]
+    start: int
+    rows: int
+    batch_size: int
+
+    def batch_rows(self) -> list[int]:
+        full, rest = divmod(self.rows, self.batch_size)
+        return [self.batch_size] * full + ([rest] if rest else [])
+
+
+class _InOrder(IterableDataset):
+    """One DataLoader worker slot: plays the slices its task queue hands it (None: the end)."""
+
+    def __init__(
+        self, fs: FeatureSet, columns: list[str], tasks: list[object], pin_memory: bool
+    ) -> None:
+        self.fs, self.columns, self.tasks, self.pin_memory = fs, columns, tasks, pin_memory
+
+    def __iter__(self) -> Iterator[_Message]:
+        info = get_worker_info()
+        tasks = self.tasks[info.id if info is not None else 0]
+        kept: collections.deque[torch.Tensor] = collections.deque(maxlen=KEPT_BUFFERS)
+        files: dict[str, pq.ParquetFile] = {}
+        while (task := tasks.get()) is not None:  # type: ignore[attr-defined]
+            table, start = self._read(task, files), 0
+            batches, stats = [], FgStats()
+            for rows in task.batch_rows():
+                batches.append(table_to_batch(self.fs, table.slice(start, rows), stats=stats))
+                start += rows
+            if info is not None:
+                packed = _Packed.of(batches, shared_buffer)
+                kept.append(packed.buffer)
+                yield _Message(packed, stats)
+            else:
+                yield _Message(pack(batches, _pinned_buffer) if self.pin_memory else batches, stats)
+
+    def _read(self, task: RowSlice, files: dict[str, pq.ParquetFile]) -> pa.Table:
+        """The slice's rows: only the row groups they lie in are decoded."""
+        parts, start, left = [], task.start, task.rows
+        for path, n in task.files:
+            if start >= n:
+                start -= n
+                continue
+            if path not in files:
+                if len(files) >= 64:  # a long stream: forget the oldest partitions' files
+                    files.pop(next(iter(files)))
+                files[path] = pq.ParquetFile(path)
+            f, seen, first = files[path], 0, 0
+            groups: list[int] = []
+            for i in range(f.metadata.num_row_groups):
+                g = f.metadata.row_group(i).num_rows
+                if seen + g > start and seen < start + left:
+                    first = seen if not groups else first
+                    groups.append(i)
+                seen += g
+            table = f.read_row_groups(groups, columns=self.columns, use_threads=False)
+            parts.append(table.slice(start - first, min(left, n - start)))
+            left -= parts[-1].num_rows
+            start = 0
+            if left == 0:
+                break
+        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+class InOrderLoader:
+    """Batches of the slices handed to :meth:`put`, in the order they were put, read by
+    ``num_workers`` processes (0: in this process) as :class:`Loader`'s are. The workers start
+    here and wait for slices; :meth:`batches` yields each slice's batches once it is read (ask
+    only for batches of slices already put: it waits for them), :meth:`close` ends the workers.
+    A slice is one worker message: :meth:`slices` cuts rows into slices of whole batches of
+    about ``message_rows``. Example::
+
+        loader = InOrderLoader(fs, batch_size=8192, num_workers=4)
+        for s in loader.slices(files, start=0, rows=100_000):
+            loader.put(s)
+        batches = loader.batches()
+        first = next(batches)   # rows 0 .. 8192 of files
+        loader.close()
+    """
+
+    def __init__(
+        self,
+        fs: FeatureSet,
+        *,
+        batch_size: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        message_rows: int = MESSAGE_ROWS,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.num_workers = batch_size, usable_workers(num_workers)
+        self.slice_rows = message_batches(batch_size, message_rows) * batch_size
+        context = torch.multiprocessing.get_context("fork")
+        self._tasks = [context.SimpleQueue() for _ in range(max(self.num_workers, 1))]
+        self._put = 0
+        self.stats = FgStats()
+        dataset = _InOrder(fs, fs.columns(), list(self._tasks), pin_memory)
+        if self.num_workers == 0:
+            self._received: Iterator[_Message] = iter(dataset)
+        else:
+            _freeze_inherited_objects_at_fork()
+            self._received = iter(
+                DataLoader(
+                    dataset,
+                    batch_size=None,
+                    num_workers=self.num_workers,
+                    collate_fn=_identity,
+                    worker_init_fn=_worker_init,
+                    pin_memory=pin_memory,
+                    multiprocessing_context=context,  # the workers inherit the task queues
+                )
+            )  # the workers start here
+
+    def slices(
+        self, files: tuple[tuple[str, int], ...], start: int, rows: int
+    ) -> Iterator[RowSlice]:
+        """Rows ``start .. start + rows`` of ``files`` as slices of :attr:`slice_rows`."""
+        end = start + rows
+        for first in range(start, end, self.slice_rows):
+            yield RowSlice(files, first, min(self.slice_rows, end - first), self.batch_size)
+
+    def put(self, piece: RowSlice) -> None:
+        """Read ``piece`` next (by the worker whose turn it is)."""
+        self._tasks[self._put % len(self._tasks)].put(piece)
+        self._put += 1
+
+    def batches(self) -> Iterator[Batch]:
+        """The batches of the slices put, in order, as they are read."""
+        for message in self._received:
+            self.stats.merge(message.stats)
+            yield from message.unpacked()
+
+    def close(self) -> None:
+        """End the workers (each after the slices put to it)."""
+        for tasks in self._tasks:
+            tasks.put(None)

@@ -7,7 +7,7 @@ since those steps are trained again. So after any number of kill -9 and restarts
 for the committed state, which rows went into it: each source row once. Example::
 
     rows = RowLog(Path("runs/online/rows.jsonl"), restored_step)
-    rows.add(step, chunk)
+    rows.add(step, span)
     rows.flush()                   # before the checkpoint of `step`
     RowLog.read(path)              # [(partition, start, end), ...] in step order
 """
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import IO
 
-from train.stream.source import Chunk
+from train.stream.source import Span
 
 
 class RowLog:
@@ -44,9 +44,8 @@ class RowLog:
         tmp.write_text("".join(f"{line}\n" for line in kept))
         os.replace(tmp, self.path)
 
-    def add(self, step: int, chunk: Chunk) -> None:
-        line = {"step": step, "partition": chunk.start.partition,
-                "start": chunk.start.row, "end": chunk.end.row}  # fmt: skip
+    def add(self, step: int, span: Span) -> None:
+        line = {"step": step, "partition": span.partition, "start": span.start, "end": span.end}
         self._file.write(json.dumps(line) + "\n")
 
     def flush(self) -> None:

@@ -1,4 +1,5 @@
-"""A growing source of training rows: Parquet partitions landing under a directory.
+"""A growing source of training rows: Parquet partitions landing under a directory, read in
+order by the loader's worker processes.
 
 A partition is a sub-directory of the source, complete once its ``_SUCCESS`` marker exists (as
 Hadoop, Hive and ODPS jobs write it, after the data files). Complete partitions are read in
@@ -8,31 +9,47 @@ complete partition must not change afterwards; partitions without the marker are
 
 The reading position is a :class:`Position`: the partition read last and how many of its rows
 were consumed. It is all a restart needs (``train.stream`` commits it with each checkpoint):
-the rows before it were trained, the rows after it were not. Example::
+the rows before it were trained, the rows after it were not.
 
-    source = PartitionSource(Path("/data/samples"), columns=fs.columns())
-    pos = Position()
-    chunk = source.next_chunk(pos, rows=8192)   # None: nothing new yet
-    if chunk is not None:
-        train_on(chunk.table)
-        pos = chunk.end
+:class:`StreamReader` plans the reading: from a position it hands the rows of the complete
+partitions, in order, to an :class:`~train.data.loader.InOrderLoader` (the batch trainer's
+worker processes, messages and pinned copies; its slices never span two partitions, so the
+last batch of a partition may be short) a few slices ahead of training, and keeps for each
+batch it planned a :class:`Span`: which rows it holds and their newest event time. The
+batches come back in that order, so the position after a batch is its span's end, exactly.
+Example::
+
+    source = PartitionSource(Path("/data/samples"))
+    reader = StreamReader(source, InOrderLoader(fs, batch_size=8192, num_workers=8), Position())
+    batches = reader.batches()
+    if reader.plan():                  # False: nothing new yet
+        batch, span = next(batches), reader.take()
+        train_on(batch)
+        pos = span.end
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
+from functools import lru_cache
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
+import numpy as np
 import pyarrow.parquet as pq
+
+from shared.batch import Batch
+from train.data.loader import InOrderLoader, RowSlice
 
 log = logging.getLogger(__name__)
 
 SUCCESS_MARKER = "_SUCCESS"
 EVENT_TIME_COLUMN = "time_stamp"  # Unix seconds of the impression (the samples' column)
+AHEAD_SLICES_PER_WORKER = 3  # slices handed to the loader ahead of training, per worker
+RELIST_S = 0.05  # while batches are planned, look for new partitions at most this often
 
 
 @dataclass(frozen=True, order=True)
@@ -45,33 +62,40 @@ class Position:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Consecutive rows of one partition: ``table`` holds rows ``start.row .. end.row``."""
+class Span:
+    """The rows of one batch: ``partition``'s rows ``start .. end``."""
 
-    table: pa.Table
-    start: Position
-    end: Position
+    partition: str
+    start: int
+    end: int
     event_time: int  # the newest time_stamp of its rows (0: the column is absent)
 
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
 
-@cache
-def _files(partition: Path) -> tuple[tuple[Path, int], ...]:
+    @property
+    def end_position(self) -> Position:
+        return Position(self.partition, self.end)
+
+
+@lru_cache(maxsize=4096)
+def _files(partition: Path) -> tuple[tuple[str, int], ...]:
     """(file, rows) of a complete partition, in name order (cached: it never changes)."""
     files = sorted(partition.glob("*.parquet"))
-    return tuple((f, pq.ParquetFile(f).metadata.num_rows) for f in files)
+    return tuple((str(f), pq.ParquetFile(f).metadata.num_rows) for f in files)
 
 
 class PartitionSource:
     """The complete partitions under ``root`` and their rows (module doc)."""
 
-    def __init__(self, root: Path, *, columns: list[str]) -> None:
+    def __init__(self, root: Path) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(
                 f"--source {self.root}: no such directory; create it (partitions land there as "
                 f"sub-directories, each complete once its {SUCCESS_MARKER} file exists)"
             )
-        self.columns = columns
 
     def partitions(self) -> list[str]:
         """Names of the complete partitions, in reading order."""
@@ -81,8 +105,24 @@ class PartitionSource:
             if p.is_dir() and not p.name.startswith((".", "_")) and (p / SUCCESS_MARKER).exists()
         )
 
+    def files(self, partition: str) -> tuple[tuple[str, int], ...]:
+        """(file, rows) of ``partition``, in reading order."""
+        return _files(self.root / partition)
+
     def rows(self, partition: str) -> int:
-        return sum(n for _, n in _files(self.root / partition))
+        return sum(n for _, n in self.files(partition))
+
+    def event_times(self, partition: str) -> np.ndarray:
+        """Each row's time_stamp, in reading order (zeros where the column is absent)."""
+        out = []
+        for path, n in self.files(partition):
+            f = pq.ParquetFile(path)
+            if EVENT_TIME_COLUMN not in f.schema_arrow.names:
+                out.append(np.zeros(n, np.int64))
+                continue
+            column = f.read([EVENT_TIME_COLUMN], use_threads=False).column(0)
+            out.append(column.fill_null(0).to_numpy().astype(np.int64))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def pending_rows(self, pos: Position) -> int:
         """Rows of complete partitions not consumed yet (the lag behind the source, in rows)."""
@@ -92,61 +132,93 @@ class PartitionSource:
             left += self.rows(pos.partition) - pos.row
         return left
 
-    def next_chunk(self, pos: Position, rows: int) -> Chunk | None:
-        """Up to ``rows`` rows from ``pos`` on, never crossing a partition (the last chunk of
-        one may be short); None when no complete partition has rows after ``pos``."""
-        for name in self.partitions():
-            if name < pos.partition:
-                continue
-            start = pos.row if name == pos.partition else 0
-            total = self.rows(name)
-            if start > total:
-                raise ValueError(
-                    f"{self.root / name}: holds {total} rows, but training already consumed "
-                    f"{start} of it: a complete partition changed; restore it or start a new "
-                    "--model-dir"
-                )
-            if start == total:
-                continue
-            table = self._read(name, start, min(rows, total - start))
-            end = Position(name, start + table.num_rows)
-            return Chunk(table, Position(name, start), end, _newest(table))
-        return None
 
-    def _read(self, name: str, start: int, rows: int) -> pa.Table:
-        """Rows ``start .. start + rows`` of partition ``name`` (across its files)."""
-        parts = []
-        for path, n in _files(self.root / name):
-            if start >= n:
-                start -= n
-                continue
-            parts.append(_read_rows(path, start, min(rows, n - start), self.columns))
-            rows -= parts[-1].num_rows
-            start = 0
-            if rows == 0:
+class StreamReader:
+    """Plans the source's rows from ``position`` on into ``loader`` and says which rows each of
+    its batches holds (module doc). ``ahead_slices``: slices handed out ahead of training
+    (default: :data:`AHEAD_SLICES_PER_WORKER` per worker)."""
+
+    def __init__(
+        self,
+        source: PartitionSource,
+        loader: InOrderLoader,
+        position: Position,
+        *,
+        ahead_slices: int | None = None,
+    ) -> None:
+        self.source, self.loader = source, loader
+        self.ahead = ahead_slices or AHEAD_SLICES_PER_WORKER * max(loader.num_workers, 1)
+        self._planned: collections.deque[Span] = collections.deque()
+        self._slice_ends: collections.deque[int] = collections.deque()  # planned counts at ends
+        self._taken = 0  # spans taken since the start
+        self._next = position  # where planning goes on
+        self._times: tuple[str, np.ndarray] | None = None  # the planned partition's event times
+        self._listed = 0.0
+
+    def batches(self) -> Iterator[Batch]:
+        """The batches of the planned spans, in order (ask only while :meth:`plan` is True)."""
+        return self.loader.batches()
+
+    def take(self) -> Span:
+        """The span of the batch just taken from :meth:`batches`."""
+        self._taken += 1
+        while self._slice_ends and self._slice_ends[0] <= self._taken:
+            self._slice_ends.popleft()
+        return self._planned.popleft()
+
+    def plan(self) -> bool:
+        """Hand out slices of new rows (up to ``ahead`` in flight); True when a batch is
+        planned and not taken yet."""
+        now = time.monotonic()
+        relist = not self._planned or now - self._listed >= RELIST_S
+        while len(self._slice_ends) < self.ahead:
+            name, start, total = self._next_rows(relist)
+            if name is None:
                 break
-        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+            relist = False
+            for piece in self.loader.slices(self.source.files(name), start, total - start):
+                self._hand_out(name, piece.start, piece.batch_rows())
+                if len(self._slice_ends) >= self.ahead:
+                    break
+        return bool(self._planned)
 
+    def _hand_out(self, name: str, start: int, batch_rows: list[int]) -> None:
+        times = self._event_times(name)
+        piece = RowSlice(self.source.files(name), start, sum(batch_rows), self.loader.batch_size)
+        self.loader.put(piece)
+        for rows in batch_rows:
+            newest = int(times[start : start + rows].max()) if rows else 0
+            self._planned.append(Span(name, start, start + rows, newest))
+            start += rows
+        self._slice_ends.append(self._taken + len(self._planned))
+        self._next = Position(name, start)
 
-def _read_rows(path: Path, start: int, rows: int, columns: list[str]) -> pa.Table:
-    """Rows ``start .. start + rows`` of one file, reading only the row groups they are in."""
-    f = pq.ParquetFile(path)
-    names = [c for c in columns if c in f.schema_arrow.names]
-    groups: list[int] = []
-    first = seen = 0
-    for i in range(f.metadata.num_row_groups):
-        n = f.metadata.row_group(i).num_rows
-        if seen + n > start and seen < start + rows:
-            if not groups:
-                first = seen
-            groups.append(i)
-        seen += n
-    table = f.read_row_groups(groups, columns=names, use_threads=False)
-    return table.slice(start - first, rows)
+    def _next_rows(self, relist: bool) -> tuple[str | None, int, int]:
+        """(partition, first row not planned, its rows) of the next rows to plan, or None."""
+        name, row = self._next.partition, self._next.row
+        if name:
+            total = self.source.rows(name)
+            if row > total:
+                raise ValueError(
+                    f"{self.source.root / name}: holds {total} rows, but training already "
+                    f"consumed {row} of it: a complete partition changed; restore it or start "
+                    "a new --model-dir"
+                )
+            if row < total:
+                return name, row, total
+        if not relist:
+            return None, 0, 0
+        self._listed = time.monotonic()
+        for later in self.source.partitions():
+            if later > name and self.source.rows(later) > 0:
+                return later, 0, self.source.rows(later)
+        return None, 0, 0
 
+    def _event_times(self, name: str) -> np.ndarray:
+        if self._times is None or self._times[0] != name:
+            self._times = (name, self.source.event_times(name))
+        return self._times[1]
 
-def _newest(table: pa.Table) -> int:
-    if EVENT_TIME_COLUMN not in table.column_names or table.num_rows == 0:
-        return 0
-    value = pc.max(table.column(EVENT_TIME_COLUMN)).as_py()
-    return int(value or 0)
+    def close(self) -> None:
+        """End the loader's workers."""
+        self.loader.close()
