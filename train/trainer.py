@@ -17,6 +17,7 @@ the exported program are the same either way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import resource
@@ -43,7 +44,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.data.loader import MESSAGE_ROWS, Loader
-from train.data.prefetch import prefetch_to_device
+from train.data.prefetch import prefetch_to_device, with_next
 from train.dense_ema import DenseEMA, use_dense_ema
 from train.distributed.comm import CommStats
 from train.distributed.env import DistEnv
@@ -103,10 +104,13 @@ class LoopTimes:
     """Seconds of the training loop spent outside the steps: ``input_wait`` (blocked on the
     next batch: the loader is the bound when this is a large share), ``log`` (the ``train``
     records: the loss and the tables' statistics read from the device), ``checkpoint`` and
-    ``eval`` (on their cadences, inside the loop)."""
+    ``eval`` (on their cadences, inside the loop), ``row_prefetch`` (CACHING tables: the next
+    batch's rows brought to the device tier, ``SparseArch.prefetch``; 0 without such tables)."""
 
     seconds: dict[str, float] = field(
-        default_factory=lambda: {"input_wait": 0.0, "log": 0.0, "checkpoint": 0.0, "eval": 0.0}
+        default_factory=lambda: dict.fromkeys(
+            ("input_wait", "log", "checkpoint", "eval", "row_prefetch"), 0.0
+        )
     )
 
     def timed(self, what: str, call: Callable[[], T]) -> T:
@@ -518,8 +522,10 @@ class Trainer:
         times = LoopTimes()
         batches = self._batches(progress, max_steps)
         while (item := times.timed("input_wait", lambda: next(batches, None))) is not None:
-            batch, global_rows = item
+            batch, global_rows, upcoming = item
             window.add(self._step(batch, global_rows, progress))
+            if upcoming is not None:  # CACHING tables: batch i+1's rows, once step i is issued
+                times.timed("row_prefetch", functools.partial(self.model.sparse.prefetch, upcoming))
             bar.update(1)
             if progress.step % self.log_every == 0:
                 times.timed("log", lambda: self._log_train(progress, window, bar, times))
@@ -562,9 +568,11 @@ class Trainer:
 
     def _batches(
         self, progress: Progress, max_steps: int | None = None
-    ) -> Iterator[tuple[Batch, int]]:
-        """(batch on the device, global rows of its step) from ``progress`` to the last epoch,
-        none once ``progress.step`` reached ``max_steps`` (a resume of a finished run trains 0).
+    ) -> Iterator[tuple[Batch, int, Batch | None]]:
+        """(batch on the device, global rows of its step, the next batch of the epoch when the
+        model has CACHING tables to prefetch its rows, else None) from ``progress`` to the last
+        epoch, none once ``progress.step`` reached ``max_steps`` (a resume of a finished run
+        trains 0).
 
         An epoch read to its end advances ``progress`` to the next; a caller that stops early
         (``max_steps``) leaves it inside the epoch, where a resume continues."""
@@ -575,8 +583,13 @@ class Trainer:
             rows = self.loader.batch_rows(progress.epoch)  # global rows of each batch
             batches = self._epoch_batches(progress)
             # on CUDA a feeder thread copies the next batches during this step (train.data.prefetch)
-            for batch in prefetch_to_device(batches, self.device):
-                yield batch, rows[progress.batch_in_epoch]
+            on_device = prefetch_to_device(batches, self.device)
+            if not self.model.sparse.tiered:  # HBM_ONLY: no look-ahead
+                for batch in on_device:
+                    yield batch, rows[progress.batch_in_epoch], None
+            else:
+                for batch, upcoming in with_next(on_device):
+                    yield batch, rows[progress.batch_in_epoch], upcoming
             progress.epoch += 1
             progress.batch_in_epoch = 0
 

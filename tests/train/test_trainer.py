@@ -362,3 +362,35 @@ def test_dense_ema_evaluates_checkpoints_resumes_and_exports(
     plain.fit()
     with pytest.raises(CheckpointError, match="holds no dense EMA.*use_dense_ema: false"):
         restore_model(config, model_dir=tmp_path / "plain")
+
+
+def test_a_cached_run_equals_the_hbm_only_run(tiny_samples: Path, tmp_path: Path) -> None:
+    """A device budget that caches every dynamic table (CACHING, rows over a host tier) changes
+    where rows live, not the run: the same dense weights and tables, bit for bit on CPU, and
+    the loop runs the next batch's row prefetch."""
+    hbm = Trainer(_options(tiny_samples, tmp_path / "hbm", max_steps=6, checkpoint_every=100))
+    hbm.fit()
+    cached = Trainer(
+        _options(
+            tiny_samples,
+            tmp_path / "cached",
+            max_steps=6,
+            checkpoint_every=100,
+            hbm_budget_gib=0.08,
+        )
+    )
+    result = cached.fit()
+    assert not hbm.model.sparse.tiered and cached.model.sparse.tiered
+    a, b = hbm.model, cached.model
+    for (name, p), (_, q) in zip(
+        a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    sa, sb = a.sparse.dynamic.table_states(), b.sparse.dynamic.table_states()
+    for t, state in sa.items():
+        for field in ("keys", "values", "scores", "accumulators"):
+            assert torch.equal(getattr(state, field), getattr(sb[t], field)), (t, field)
+    tiers = b.sparse.dynamic.tier_stats()
+    assert {s["cache_lines"] > 0 for s in tiers.values()} == {True}
+    assert sum(s["cache_hits"] for s in tiers.values()) > 0
+    assert result.loop_times.seconds["row_prefetch"] > 0

@@ -148,6 +148,18 @@ def ahead(items: Iterator[T], depth: int, *, name: str = "prefetch") -> Iterator
         stop.set()  # the thread ends at its next hand-over (a caller that stopped early)
 
 
+def with_next(items: Iterable[T]) -> Iterator[tuple[T, T | None]]:
+    """Each item with the one after it (None for the last): what a caller needs to start
+    work on item i+1 (a CACHING table's row prefetch, ``Trainer``) once item i's is issued.
+    Takes item i+1 from ``items`` before handing out item i."""
+    it = iter(items)
+    current = next(it, _END)
+    while current is not _END:
+        upcoming = next(it, _END)
+        yield current, None if upcoming is _END else upcoming  # type: ignore[misc]
+        current = upcoming
+
+
 def prefetch_to_device(
     batches: Iterable[Batch],
     device: torch.device,

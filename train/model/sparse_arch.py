@@ -184,6 +184,26 @@ class SparseArch(nn.Module):
         }
         return Embedded(pooled, sequences, flags)
 
+    def prefetch(self, batch: Batch) -> None:
+        """Bring the rows of ``batch``'s stored dynamic keys into the device tier of the CACHING
+        storages (:meth:`DynamicEmbeddingCollection.prefetch`: no insert, no score change), so
+        that the batch's own lookup hits. The trainer calls it for batch i+1 once step i is
+        issued, when :attr:`tiered`."""
+        parts = feature_parts(batch)
+        keys: dict[str, torch.Tensor] = {}
+        for table, idx in parts_by_table(self.fs, parts).items():
+            if self.fs.tables[table].is_dynamic:
+                got = [parts[i][2] for i in idx]
+                keys[table] = torch.cat(got) if len(got) > 1 else got[0]
+        assert isinstance(self.dynamic, DynamicEmbeddingCollection)
+        self.dynamic.prefetch(keys)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether a dynamic storage of this process is CACHING (and not sharded: the sharded
+        lookup's owners would prefetch, which is not built)."""
+        return isinstance(self.dynamic, DynamicEmbeddingCollection) and self.dynamic.tiered
+
     def _lookup(
         self, parts: list[FeaturePart], *, hits: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
