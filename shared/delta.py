@@ -192,7 +192,7 @@ def _diff_hash(
     kb_sorted = kb[order]
     pos = np.searchsorted(kb_sorted, kn).clip(max=max(kb.size - 1, 0))
     in_base = (kb_sorted[pos] == kn) if kb.size else np.zeros(kn.size, bool)
-    base_row = order[pos]
+    base_row = order[pos] if kb.size else np.zeros(kn.size, np.int64)  # an empty base table
     changed = np.ones(kn.size, bool)  # new keys always go in
     common = np.flatnonzero(in_base)
     if common.size:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serve.freshness import event_time, model_age
-from shared.delta import DeltaError, TableDelta, write_delta
+from shared.delta import DeltaError, TableDelta, diff_tables, write_delta
 from shared.delta_reader import read_delta
 
 BASE = {"version": "step-1", "config_digest": "c" * 64, "files": {}}
@@ -73,3 +73,13 @@ def test_served_event_time_is_the_last_delta_s_else_the_bundle_s() -> None:
     assert event_time(with_delta) == 160.0
     assert model_age(with_delta, now=200.0) == 40.0
     assert event_time(_Model({"extra": {"event_time": "x"}})) is None
+
+
+def test_a_table_empty_in_the_base_diffs_to_all_new_keys() -> None:
+    """A base exported before a table saw any key (online training's first hour): every key
+    of the new table is new, none evicted."""
+    empty = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4))
+    new = (torch.tensor([7, 3]), torch.ones(2, 4))
+    delta = diff_tables({}, {"t": empty}, {}, {"t": new})["t"]
+    assert delta.upsert_keys.tolist() == [7, 3] and delta.new == 2
+    assert delta.evict_keys.numel() == 0
