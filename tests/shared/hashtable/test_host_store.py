@@ -1,0 +1,51 @@
+"""TensorHostStore: the host tier's rows by row id (read, write, permute on growth)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.hashtable.host_store import HostStore, TensorHostStore
+
+
+def _store(pin: bool = False) -> TensorHostStore:
+    store = TensorHostStore(3, capacity=6, pin=pin)
+    store.write(torch.arange(6), torch.arange(36, dtype=torch.float32).reshape(6, 6))
+    return store
+
+
+def test_read_gathers_the_packed_rows_and_write_scatters_them() -> None:
+    store: HostStore = _store()
+    assert store.capacity == 6
+    got = store.read(torch.tensor([4, 0, 4]))
+    assert got.shape == (3, 6) and got[:, 0].tolist() == [24.0, 0.0, 24.0]
+    store.write(torch.tensor([1, 5]), torch.full((2, 6), -1.0))
+    assert store.read(torch.tensor([1, 5])).eq(-1).all()
+    assert store.read(torch.tensor([0]))[0, 0] == 0  # other rows untouched
+
+
+def test_permute_moves_rows_to_their_new_ids_and_drops_the_others() -> None:
+    store = _store()
+    before = store.read(torch.arange(6))
+    store.permute(12, torch.tensor([0, 2, 5]), torch.tensor([11, 3, 0]))
+    assert store.capacity == 12
+    after = store.read(torch.tensor([11, 3, 0]))
+    assert torch.equal(after, before[[0, 2, 5]])
+    rest = [r for r in range(12) if r not in (11, 3, 0)]
+    assert store.read(torch.tensor(rest)).eq(0).all()  # rows no key moved to: zeros
+
+
+def test_store_reports_its_bytes_and_pinning() -> None:
+    store = _store()
+    assert store.nbytes == 6 * 6 * 4
+    assert "capacity=6" in repr(store) and "pinned=False" in repr(store)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host memory")
+def test_a_cuda_storage_store_is_pinned_and_takes_device_row_ids() -> None:
+    store = _store(pin=True)
+    got = store.read(torch.tensor([2, 3], device="cuda"))
+    assert got.is_pinned() and got[:, 0].tolist() == [12.0, 18.0]
+    store.write(torch.tensor([2], device="cuda"), torch.zeros(1, 6, device="cuda"))
+    assert store.read(torch.tensor([2])).eq(0).all()

@@ -1,0 +1,280 @@
+"""CACHING (RowCache over a host tier) equals HBM_ONLY step by step, bit for bit on CPU.
+
+A cache of a few lines, through growth, each score strategy, admission, prefetch, checkpoints
+at W = 1, 2, 3 and export; ``cache_load_factor`` changes placement, not results. The same
+scripts run on CUDA (``gpu``), compared within the CUDA tests' tolerances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+from shared.features import ScoreStrategy, TableSpec
+from shared.hashtable.adagrad import AdagradConfig, adagrad_update
+from shared.hashtable.backend import TorchBackend
+from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.host_store import TensorHostStore
+from shared.hashtable.row_cache import RowCache
+from shared.hashtable.static_step import supports
+from shared.hashtable.table import HashTable
+
+from .conftest import dyn_table
+
+FIELDS = ("keys", "values", "scores", "accumulators", "counter_keys", "counter_counts")
+STRATEGIES = list(ScoreStrategy)
+
+
+def _cached(t: TableSpec, factor: float | None) -> TableSpec:
+    assert t.dynamic is not None
+    return dataclasses.replace(t, dynamic=dataclasses.replace(t.dynamic, cache_load_factor=factor))
+
+
+def _tables(strategy: ScoreStrategy, factor: float | None) -> list[TableSpec]:
+    """Two fused tables that grow (16 -> 256 slots) and evict, one with admission."""
+    kw = dict(init_capacity=16, bucket_capacity=8, max_capacity=256, strategy=strategy)
+    tables = [dyn_table("a_emb", **kw), dyn_table("b_emb", threshold=2, **kw)]  # type: ignore[arg-type]
+    return [_cached(t, factor) for t in tables]
+
+
+def _dec(
+    strategy: ScoreStrategy, factor: float | None, device: str = "cpu"
+) -> DynamicEmbeddingCollection:
+    clock = itertools.count(1000, 7)
+    dec = DynamicEmbeddingCollection(
+        _tables(strategy, factor), {"g": ["a_emb", "b_emb"]}, lr=0.03,
+        initial_accumulator_value=0.1, device=device, clock=lambda: next(clock),
+    )  # fmt: skip
+    return dec
+
+
+def _batches(steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{t: torch.randint(0, 400, (300,), generator=g) for t in ("a_emb", "b_emb")} for _ in range(steps)]  # fmt: skip
+
+
+def _run(dec: DynamicEmbeddingCollection, steps: int = 8, *, prefetch: bool = False) -> list[dict[str, torch.Tensor]]:  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    batches = _batches(steps)
+    outs = []
+    for step, batch in enumerate(batches):
+        dec.set_step(step)
+        dev = {t: k.to(dec.device) for t, k in batch.items()}
+        out = dec(dev)
+        coef = {t: torch.randn(300, 4, generator=g).to(dec.device) for t in batch}
+        sum((out[t] * coef[t]).sum() for t in batch).backward()
+        if prefetch and step + 1 < steps:
+            dec.prefetch(batches[step + 1])
+        outs.append({t: v.detach().cpu() for t, v in out.items()})
+        if step == steps // 2:  # an eval lookup between training steps reads the same rows
+            dec.eval()
+            outs.append({t: v.cpu() for t, v in dec(dev).items()})
+            dec.train()
+    return outs
+
+
+def _assert_equal(a: DynamicEmbeddingCollection, b: DynamicEmbeddingCollection) -> None:
+    sa, sb = a.table_states(), b.table_states()
+    for t in sa:
+        for f in FIELDS:
+            x, y = getattr(sa[t], f), getattr(sb[t], f)
+            assert (x is None and y is None) or torch.equal(x.cpu(), y.cpu()), (t, f)
+    assert a.stats() == b.stats()
+
+
+def _lines(dec: DynamicEmbeddingCollection) -> int:
+    return int(dec.tier_stats()["g"]["cache_lines"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
+def test_a_cache_of_a_few_rows_equals_hbm_only_step_by_step(strategy: ScoreStrategy) -> None:
+    hbm, cached = _dec(strategy, None), _dec(strategy, 0.01)
+    assert _lines(cached) == 6 and cached.tiered and not hbm.tiered
+    for o1, o2 in zip(_run(hbm), _run(cached), strict=True):
+        for t in o1:
+            assert torch.equal(o1[t], o2[t]), t
+    _assert_equal(hbm, cached)
+    table = cached._storages[0].table
+    assert table.generation > 0  # the script grows the table
+    stats = cached.tier_stats()["g"]
+    assert stats["cache_evictions"] > 0 and stats["cache_writebacks"] > 0
+    assert stats["cache_bypassed"] > 0  # a batch needs more rows than 6 lines
+    if strategy is not ScoreStrategy.NO_EVICTION:
+        assert hbm.stats()["a_emb"]["evictions"] > 0  # and evicts keys
+    else:
+        assert hbm.stats()["a_emb"]["refusals"] > 0
+
+
+@pytest.mark.parametrize("factor", [0.05, 0.3, 0.99])
+def test_cache_load_factor_changes_placement_not_results(factor: float) -> None:
+    hbm, cached = _dec(ScoreStrategy.LFU, None), _dec(ScoreStrategy.LFU, factor)
+    assert _lines(cached) == 2 * math.ceil(factor * 256)  # ceil(factor * max_capacity) a table
+    for o1, o2 in zip(_run(hbm), _run(cached), strict=True):
+        for t in o1:
+            assert torch.equal(o1[t], o2[t]), t
+    _assert_equal(hbm, cached)
+    s = cached.tier_stats()["g"]
+    assert s["hbm_payload_bytes"] < s["host_payload_bytes"] or factor > 0.9
+    assert hbm.tier_stats()["g"].keys() == {"hbm_payload_bytes"}
+
+
+def test_prefetch_changes_nothing_and_the_next_lookup_hits() -> None:
+    plain, fetched = _dec(ScoreStrategy.STEP, 0.5), _dec(ScoreStrategy.STEP, 0.5)
+    for o1, o2 in zip(_run(plain), _run(fetched, prefetch=True), strict=True):
+        for t in o1:
+            assert torch.equal(o1[t], o2[t]), t
+    _assert_equal(plain, fetched)
+    assert fetched.tier_stats()["g"]["cache_prefetched"] > 0
+    # prefetch of a batch, then its lookup: every stored key's row is already a line
+    batch = _batches(1, seed=5)[0]
+    fetched.prefetch(batch)
+    before = fetched.tier_stats()["g"]
+    fetched.set_step(99)
+    fetched.eval()  # no insert: only stored rows are read
+    fetched(batch)
+    after = fetched.tier_stats()["g"]
+    assert (
+        after["cache_misses"] == before["cache_misses"]
+        and after["cache_hits"] > before["cache_hits"]
+    )
+
+
+def test_prefetch_is_no_op_without_a_cache() -> None:
+    hbm = _dec(ScoreStrategy.STEP, None)
+    _run(hbm, 2)
+    before = hbm.table_states()
+    hbm.prefetch(_batches(1, seed=3)[0])
+    after = hbm.table_states()
+    for t in before:
+        assert torch.equal(before[t].scores, after[t].scores)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_checkpoints_round_trip_between_tiers_at_any_world_size(tmp_path, world_size: int) -> None:
+    """The same files whichever tier wrote them; loading into a cached table at rank r of W
+    keeps key mod W == r, as an HBM_ONLY table does."""
+    hbm, cached = _dec(ScoreStrategy.LFU, None), _dec(ScoreStrategy.LFU, 0.02)
+    _run(hbm)
+    _run(cached)
+    for rank in range(world_size):
+        hbm.save(tmp_path / "h", "sparse", rank=rank, world_size=world_size)
+        cached.save(tmp_path / "c", "sparse", rank=rank, world_size=world_size)
+    for name in sorted(p.name for p in (tmp_path / "h" / "dynamicemb" / "sparse").iterdir()):
+        a = (tmp_path / "h" / "dynamicemb" / "sparse" / name).read_bytes()
+        b = (tmp_path / "c" / "dynamicemb" / "sparse" / name).read_bytes()
+        assert a == b, name
+    for rank in range(world_size):
+        into_cached, into_hbm = _dec(ScoreStrategy.LFU, 0.02), _dec(ScoreStrategy.LFU, None)
+        into_cached.load(tmp_path / "h", "sparse", rank=rank, world_size=world_size)
+        into_hbm.load(tmp_path / "c", "sparse", rank=rank, world_size=world_size)
+        _assert_equal(into_hbm, into_cached)
+        # and they train on alike
+        for o1, o2 in zip(_run(into_hbm, 3), _run(into_cached, 3), strict=True):
+            for t in o1:
+                assert torch.equal(o1[t], o2[t]), t
+        _assert_equal(into_hbm, into_cached)
+
+
+def test_export_reads_every_row_with_dirty_lines_flushed() -> None:
+    hbm, cached = _dec(ScoreStrategy.STEP, None), _dec(ScoreStrategy.STEP, 0.1)
+    _run(hbm)
+    _run(cached)
+    cache = cached._storages[0].payload
+    assert isinstance(cache, RowCache) and bool(cache.dirty.any())
+    for t in ("a_emb", "b_emb"):
+        k1, v1 = hbm.export_table(t)
+        k2, v2 = cached.export_table(t)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2), t
+    assert not bool(cache.dirty.any())  # flushed
+
+
+def test_reserve_max_capacity_moves_the_payload() -> None:
+    hbm, cached = _dec(ScoreStrategy.STEP, None), _dec(ScoreStrategy.STEP, 0.1)
+    _run(hbm, 2)
+    _run(cached, 2)
+    hbm.reserve_max_capacity()
+    cached.reserve_max_capacity()
+    _assert_equal(hbm, cached)
+    for o1, o2 in zip(_run(hbm, 3), _run(cached, 3), strict=True):
+        for t in o1:
+            assert torch.equal(o1[t], o2[t]), t
+
+
+def test_the_static_step_says_why_a_cached_storage_runs_eagerly() -> None:
+    cached = _dec(ScoreStrategy.STEP, 0.1)
+    cached.reserve_max_capacity()
+    reason = supports(cached._storages[0])
+    assert reason is not None and "CACHING" in reason
+    hbm = _dec(ScoreStrategy.STEP, None)
+    hbm.reserve_max_capacity()
+    assert supports(hbm._storages[0]) is None
+
+
+def test_row_cache_resolves_misses_evicts_lru_and_bypasses_past_its_lines() -> None:
+    """The cache's own mechanics on a bare index: LRU victims outside the call's rows, dirty
+    write-back, bypass when a call needs more rows than lines, Adagrad equal to the rows'."""
+    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
+    store = TensorHostStore(2, capacity=64, pin=False)
+    cache = RowCache(
+        table, TorchBackend(), dim=2, lines=3, store=store, initial_accumulator_value=0.5
+    )
+    keys = torch.arange(6)
+    init = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    rows = cache.insert_or_assign(
+        keys, init, torch.zeros(6, dtype=torch.int64), table_ids=None
+    ).rows
+    assert torch.equal(cache.gather(rows[:2]), init[:2])  # two misses into free lines
+    assert cache.counters.misses == 2 and cache.counters.evictions == 0
+    config = AdagradConfig(0.1, 1e-10, 0.5)
+    grads = torch.ones(2, 2)
+    cache.adagrad(rows[:2], grads, config)  # hits: lines now dirty
+    assert cache.counters.hits == 2 and int(cache.dirty.sum()) == 2
+    expected_v, expected_a = init.clone(), torch.full((6, 2), 0.5)
+    adagrad_update(expected_v, expected_a, torch.tensor([0, 1]), grads, config)
+    cache.gather(rows[2:4])  # one free line, then the least recently used (row of key 0)
+    assert cache.counters.evictions == 1 and cache.counters.writebacks == 1
+    assert int(cache.line_of_row[rows[0]]) == -1 and int(cache.line_of_row[rows[1]]) >= 0
+    out = cache.gather(rows)  # 6 rows, 3 lines: 3 bypassed, read from the host tier
+    assert cache.counters.bypassed == 3
+    assert torch.equal(out, expected_v)
+    exported = cache.export()
+    assert torch.equal(exported.values, expected_v) and torch.equal(
+        exported.accumulators, expected_a
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares tiers on the GPU")
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
+def test_on_cuda_a_cache_of_a_few_rows_equals_hbm_only(strategy: ScoreStrategy) -> None:
+    hbm, cached = _dec(strategy, None, "cuda"), _dec(strategy, 0.01, "cuda")
+    for o1, o2 in zip(_run(hbm), _run(cached, prefetch=True), strict=True):
+        for t in o1:
+            torch.testing.assert_close(o1[t], o2[t], rtol=1e-6, atol=1e-7, msg=t)
+    sa, sb = hbm.table_states(), cached.table_states()
+    for t in sa:
+        for f in ("keys", "scores", "counter_keys", "counter_counts"):
+            x, y = getattr(sa[t], f), getattr(sb[t], f)
+            assert (x is None and y is None) or torch.equal(x.cpu(), y.cpu()), (t, f)
+        for f in ("values", "accumulators"):
+            torch.testing.assert_close(getattr(sa[t], f), getattr(sb[t], f), rtol=1e-6, atol=1e-7)
+    assert hbm.stats() == cached.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host tier")
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_on_cuda_checkpoints_round_trip_into_a_cached_table(tmp_path, world_size: int) -> None:
+    hbm = _dec(ScoreStrategy.LFU, None, "cuda")
+    _run(hbm)
+    for rank in range(world_size):
+        hbm.save(tmp_path, "sparse", rank=rank, world_size=world_size)
+    for rank in range(world_size):
+        a, b = _dec(ScoreStrategy.LFU, None, "cuda"), _dec(ScoreStrategy.LFU, 0.02, "cuda")
+        a.load(tmp_path, "sparse", rank=rank, world_size=world_size)
+        b.load(tmp_path, "sparse", rank=rank, world_size=world_size)
+        _assert_equal(a, b)
