@@ -1,0 +1,237 @@
+"""Storage tiers: the embedding step of a CACHING table (an HBM cache over host memory) against
+the same table HBM_ONLY, in the same run (issue #52, "Done when" part 1).
+
+    python -m bench.bench_tiers --out bench/results/bench_tiers_cpu.json            # CPU, small
+    python -m bench.bench_tiers --device cuda --rows 100000000 --rows-128 40000000 \\
+        --lookups 1000000 --out out/bench_tiers_gpu.json                          # the device
+
+For each dim (``--dims``, 16 and 128): one dynamic table of ``--rows`` keys (``--rows-128`` for
+dims above 64, where HBM_ONLY's payload must still fit the card), filled to a load of 0.8
+(``max_capacity = rows / 0.8``, STEP scores, no admission), then the same batches of
+``--lookups`` keys drawn Zipf(``--alpha``, 1.05) over the rows (rank r is a random key, so hot
+keys spread over buckets). Variants, built one at a time on the same keys:
+
+- ``hbm_only``: every row on the device (today's path, the baseline);
+- ``cache_10``, ``cache_50``, ``cache_100``: CACHING with cache lines for 10 %, 50 % and 100 %
+  of the rows (``cache_load_factor = pct * rows / max_capacity``).
+
+A step is the embedding step alone: a training lookup of the batch and the backward of a fixed
+gradient (sparse Adagrad on the rows), up to a device sync; ``--warmup`` steps first (they warm
+the cache), then ``--steps`` timed. The JSON has per dim and variant the median step ms, its
+ratio to ``hbm_only`` (same run), the cache's hit rate over the timed steps (rows found in a
+line / rows the forward lookups touched; the backward's Adagrad resolves the same rows
+again, counted in ``per_step``), misses, bypassed rows, evictions and write-backs a step, the bytes
+per tier (device: the index and the cache lines or the payload; host: every row's payload), the
+peak device memory (CUDA), and whether the rows of a probe of keys equal the baseline's after
+the run (they should: the tier is transparent).
+
+What it does not measure: the static (graph-captured) step, which CACHING storages do not take
+yet (both variants run the eager lookup), and a prefetch overlapped with compute (not built).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.cli import Parser, check_device, plain, run_cli, write_result
+from shared.cli import exit_code as _exit_code
+from shared.features import CONSTANT_ZERO, DynamicTableSpec, ScoreStrategy, TableSpec
+from shared.hashtable.embedding import DynamicEmbeddingCollection
+
+TABLE = "bench_emb"
+LOAD = 0.8  # keys / slots after the fill
+COUNTERS = ("hits", "misses", "bypassed", "evictions", "writebacks")
+VARIANTS = {"hbm_only": None, "cache_10": 0.10, "cache_50": 0.50, "cache_100": 1.00}
+EXAMPLE = """examples:
+  python -m bench.bench_tiers --out bench/results/bench_tiers_cpu.json
+  python -m bench.bench_tiers --device cuda --rows 100000000 --rows-128 40000000 --lookups 1000000 --out out/bench_tiers_gpu.json"""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def zipf_ranks(n: int, alpha: float, count: int, gen: torch.Generator) -> torch.Tensor:
+    """[count] int64 ranks in [0, n), rank r drawn with probability ~ (r + 1) ** -alpha."""
+    device = gen.device
+    cdf = torch.arange(1, n + 1, dtype=torch.float64, device=device).pow_(-alpha).cumsum_(0)
+    cdf /= cdf[-1].clone()
+    u = torch.rand(count, dtype=torch.float64, device=device, generator=gen)
+    ranks = torch.searchsorted(cdf, u).clamp_(max=n - 1)
+    del cdf
+    return ranks
+
+
+def spec(dim: int, slots: int, factor: float | None) -> TableSpec:
+    dyn = DynamicTableSpec(
+        slots, slots, 128, ScoreStrategy.STEP, CONSTANT_ZERO, CONSTANT_ZERO, None, None, factor
+    )
+    return TableSpec(TABLE, dim, None, dyn, "sum")
+
+
+def build(
+    dim: int, slots: int, factor: float | None, keys: torch.Tensor
+) -> DynamicEmbeddingCollection:
+    """A filled table: every key of ``keys`` inserted (zeros, score 0) in chunks."""
+    dec = DynamicEmbeddingCollection(
+        [spec(dim, slots, factor)], {}, lr=0.01, device=keys.device, max_load_factor=1.0
+    )
+    storage = dec._storages[0]
+    chunk = 1 << 22
+    for a in range(0, keys.numel(), chunk):
+        k = keys[a : a + chunk]
+        storage.payload.insert_or_assign(
+            k, torch.zeros(k.numel(), dim, device=keys.device), torch.zeros_like(k), table_ids=None
+        )
+    storage.mutations += 1
+    return dec
+
+
+def index_bytes(dec: DynamicEmbeddingCollection) -> int:
+    t = dec._storages[0].table
+    arrays = (t._slot_fp, t._slot_row, t._row_key, t._row_tid, t._row_score, t._bucket_count)
+    return sum(a.nbytes for a in arrays)
+
+
+def run_variant(
+    dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
+    grad: torch.Tensor, probe: torch.Tensor, warmup: int,
+) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
+    device = keys.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    dec = build(dim, slots, factor, keys)
+    _sync(device)
+    build_s = time.perf_counter() - t0
+    times: list[float] = []
+    fwd_hits = fwd_rows = 0.0  # rows of the timed forward lookups: found in a line, and all
+    totals: dict[str, float] = {}  # per-step cache counters of the timed steps (both calls)
+    for i, batch in enumerate(batches):
+        dec.set_step(i + 1)
+        s0 = dec.tier_stats()[TABLE]  # host counters: no device work
+        _sync(device)
+        t = time.perf_counter()
+        out = dec({TABLE: batch})[TABLE]  # [lookups, dim]
+        s1 = dec.tier_stats()[TABLE]
+        out.backward(grad)
+        _sync(device)
+        if i < warmup:
+            continue
+        times.append(time.perf_counter() - t)
+        s2 = dec.tier_stats()[TABLE]
+        if factor is not None:
+            fwd_hits += s1["cache_hits"] - s0["cache_hits"]
+            fwd_rows += sum(s1[k] - s0[k] for k in ("cache_hits", "cache_misses", "cache_bypassed"))
+        for k in COUNTERS:
+            totals[k] = totals.get(k, 0.0) + s2.get(f"cache_{k}", 0.0) - s0.get(f"cache_{k}", 0.0)
+    after = dec.tier_stats()[TABLE]
+    dec.eval()
+    probed = dec({TABLE: probe})[TABLE].detach().cpu()
+    result: dict[str, Any] = {
+        "step_ms_median": statistics.median(times) * 1e3,
+        "step_ms": [round(x * 1e3, 3) for x in times],
+        "build_s": round(build_s, 2),
+        "bytes": {
+            "device_index": index_bytes(dec),
+            "device_payload": int(after["hbm_payload_bytes"]),
+            "host_payload": int(after.get("host_payload_bytes", 0)),
+        },
+    }
+    if factor is not None:
+        result["cache_load_factor"] = factor
+        result["cache_lines"] = int(after["cache_lines"])
+        result["hit_rate"] = fwd_hits / fwd_rows if fwd_rows else 0.0
+        result["per_step"] = {k: round(v / len(times), 1) for k, v in totals.items()}
+    if device.type == "cuda":
+        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    del dec, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result, probed
+
+
+def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
+    rows = args.rows_128 if dim > 64 and args.rows_128 else args.rows
+    slots = math.ceil(rows / LOAD)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    keys = torch.randperm(rows, device=device, generator=gen)  # rank -> key
+    batches = [
+        keys[zipf_ranks(rows, args.alpha, args.lookups, gen)]
+        for _ in range(args.warmup + args.steps)
+    ]
+    distinct = statistics.median(int(torch.unique(b).numel()) for b in batches)
+    grad = torch.randn(args.lookups, dim, device=device, generator=gen) * 1e-3
+    probe = batches[-1][:4096]
+    out: dict[str, Any] = {"rows": rows, "slots": slots, "distinct_keys_a_step": distinct}
+    base_probe = None
+    for name, pct in VARIANTS.items():
+        factor = None if pct is None else min(1.0, pct * rows / slots)
+        res, probed = run_variant(dim, slots, factor, keys, batches, grad, probe, args.warmup)
+        if base_probe is None:
+            base_probe = probed
+        else:
+            res["equal_to_hbm_only"] = bool(torch.equal(probed, base_probe))
+            res["max_abs_diff_to_hbm_only"] = float((probed - base_probe).abs().max())
+        out[name] = res
+        print(f"dim {dim} {name}: {res['step_ms_median']:.2f} ms", file=sys.stderr, flush=True)
+    base = out["hbm_only"]["step_ms_median"]
+    for name in VARIANTS:
+        out[name]["ratio_to_hbm_only"] = out[name]["step_ms_median"] / base
+    return out
+
+
+def run(args: Any) -> dict[str, Any]:
+    check_device(args.device)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    result: dict[str, Any] = {
+        "what": "embedding step (training lookup + sparse Adagrad backward), CACHING vs HBM_ONLY",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "alpha": args.alpha,
+        "lookups": args.lookups,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "load": LOAD,
+        "dims": {},
+    }
+    for dim in args.dims:
+        result["dims"][str(dim)] = run_dim(args, dim, device)
+    return result
+
+
+def _parser() -> Parser:
+    p = Parser(prog="python -m bench.bench_tiers", description=plain(__doc__), epilog=EXAMPLE)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rows", type=int, default=200_000, help="keys in the table")
+    p.add_argument("--rows-128", type=int, default=0, help="keys for dims > 64 (0: --rows)")
+    p.add_argument("--dims", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--lookups", type=int, default=20_000, help="keys a step looks up")
+    p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the keys")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (warm the cache)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    result = run(args)
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(lambda argv: _exit_code(main(argv))))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call (about 8 minutes): the wheels of scripts/gpu_wheels.py installed, the storage
+# tiers' GPU tests (CACHING against HBM_ONLY on CUDA, pinned host tier), then bench/bench_tiers.py
+# on the card: the embedding step at Zipf 1.05, 1M lookups a step, dim 16 over 100M rows and
+# dim 128 over 40M rows (HBM_ONLY's payload at dim 128 and 100M rows, 102 GB, fits no card
+# here), caches of 10/50/100 % against HBM_ONLY in the same run.
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: wheels.log, tier_tests.log,
+# bench_tiers_gpu.json, bench_tiers.log. ROWS / ROWS_128 / LOOKUPS override the sizes.
+set -x
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
+  > "$OUT/wheels.log" 2>&1
+export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+free -g | head -2
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/shared/hashtable/test_row_cache.py tests/shared/hashtable/test_host_store.py \
+  > "$OUT/tier_tests.log" 2>&1
+echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
+timeout 420 python3 -m bench.bench_tiers --device cuda --rows "${ROWS:-100000000}" \
+  --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup 20 --steps 15 \
+  --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
+echo "bench_tiers rc=$?"; tail -12 "$OUT/bench_tiers.log"
