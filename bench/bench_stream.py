@@ -1,22 +1,39 @@
-"""Online training end to end: samples replayed as partitions → ``train stream`` → a server.
+"""Online training end to end: the train samples replayed as hourly partitions → ``train stream``
+→ a serving process under load, then the streamed model's AUC against batch training.
 
-A writer lands the train samples as ``--partitions`` partitions, one every
-``--partition-every-s`` seconds, each row's ``time_stamp`` set to the moment it lands (so event
-time is wall time). ``python -m train stream`` (a process of its own) trains and publishes to a
-root that an in-process server follows (``--model-dir R/full --watch-deltas R/deltas``). A probe
-reads the server's ``GetModelMetadata`` every ``--probe-every-s`` seconds. Reported (JSON):
+The run, in phases:
 
-- ``served_age_s``: p50/p99/max of the age of what is served (now − its newest event time),
-  over the probe's samples once a first version serves;
-- ``event_to_served_s``: per served version, p50/p99 of the time from its newest row's event
-  to the first probe that saw it served;
-- ``rows_per_s``: the trainer's, from its ``stream`` records; ``publish_seconds`` p50/max.
+0. The samples are cut into partitions by the hour of their ``time_stamp`` (``--split hour``;
+   or ``--split N``: N equal parts), rows in time order. The first partition lands; ``python
+   -m train stream`` (a process of its own) trains it and publishes a full bundle; a server
+   (``python -m serve --model-dir R/full --watch-deltas R/deltas``, a process of its own)
+   starts on it and takes a warm-up load.
+1. **With publishing:** the other partitions land at ``--replay-rows-per-s`` (each one when its
+   rows are due; writer threads prepare them ahead and a rename lands each), while a paced
+   load sends ``--load-candidates-per-s`` (requests of ``--candidates``) and a probe reads
+   ``GetModelMetadata`` every ``--probe-every-s``. This phase ends when the trainer has
+   trained every row and its last publish serves.
+2. **Without publishing:** the trainer is stopped (SIGTERM) and the same load runs as long
+   again on the same server.
+3. **AUC:** the streamed model's last checkpoint on the eval samples (the last day), and one
+   epoch of batch training (``train.trainer.Trainer``, the config's shuffling) on the same rows.
 
-CPU, small scale (the defaults: tiny data, a few partitions)::
+**Event time is landing time:** each partition's ``time_stamp`` is rewritten to the second it is
+due to land (not the data's 2017 hours, whose age would be years; the model does not read the
+column), so freshness is "landed → served". A partition that lands late (its files not ready
+in time) keeps its due time: its lateness counts against freshness, and is reported.
 
-    python -m bench.bench_stream --size tiny --out out/bench_stream.json
-    python -m bench.bench_stream --samples data/full/samples/train --device cuda \\
-        --partitions 24 --publish-every-s 10 --out $OUT/stream.json      # on the device
+Reported (JSON): ``train`` (rows/s of the trainer's ``stream`` records during phase 1, lag),
+``publish`` (seconds from snapshot to files in place, the loop's stall per publish),
+``freshness`` (``event_to_served_s``: per served version, first probe that saw it minus its
+event time; ``served_age_s``: age of what served at each probe of phase 1), ``serving`` (p50/p99
+of both phases and their ratio), ``auc`` (stream, batch, difference) and the goals.
+
+CPU (a smoke run of all of it, small numbers)::
+
+    python -m bench.bench_stream --size small --device cpu --out bench/results/bench_stream_cpu.json
+
+The device run is ``bench/run_stream_gpu.sh`` (full data, 168 hourly partitions, 1M rows/s).
 """
 
 from __future__ import annotations
@@ -24,22 +41,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from protos import predict_pb2, predict_pb2_grpc
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
+ROW_GROUP_ROWS = 32_768  # the stream loader's slice at batches of 8192 (one row group each)
 
 
 def _samples(size: str, work: Path) -> Path:
+    """``work/data/samples`` (train/ and eval/) of the synthetic dataset of ``size``."""
     from shared.config import load_config
     from shared.features import build_feature_set
     from train.data.synthetic import generate
@@ -48,127 +75,476 @@ def _samples(size: str, work: Path) -> Path:
     generate(size, work / "data", seed=0)
     build_samples(work / "data" / "raw", work / "data" / "samples",
                   build_feature_set(load_config(CONFIG)))  # fmt: skip
-    return work / "data" / "samples" / "train"
+    return work / "data" / "samples"
 
 
-def _writer(
-    rows: pa.Table, source: Path, parts: int, every_s: float, stop: threading.Event
-) -> None:
-    n = -(-rows.num_rows // parts)
-    for i in range(parts):
-        if stop.is_set():
-            return
-        part = rows.slice(i * n, n)
-        stamp = pa.array([int(time.time())] * part.num_rows, pa.int64())
-        part = part.set_column(part.schema.get_field_index("time_stamp"), "time_stamp", stamp)
-        folder = source / f"p{i:06d}"
-        folder.mkdir(parents=True)
-        pq.write_table(part, folder / "part-00000.parquet")
-        (folder / "_SUCCESS").touch()
-        stop.wait(every_s)
-
-
-def _percentiles(xs: list[float]) -> dict[str, float | None]:
+def _percentiles(xs: list[float]) -> dict[str, float | int | None]:
     if not xs:
         return {"p50": None, "p99": None, "max": None, "n": 0}
-    a = np.asarray(xs)
+    a = np.asarray(xs, dtype=float)
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
             "max": float(a.max()), "n": len(xs)}  # fmt: skip
 
 
-def _trainer(args: argparse.Namespace, source: Path, work: Path) -> subprocess.Popen[bytes]:
+# --------------------------------------------------------------------------- the source
+
+
+def cut(rows: pa.Table, split: str) -> list[pa.Table]:
+    """The partitions of ``rows``: by the hour of ``time_stamp`` (``"hour"``; rows in time
+    order, empty hours left out) or ``split`` equal parts (rows in file order)."""
+    if split != "hour":
+        n = -(-rows.num_rows // int(split))
+        return [rows.slice(i, n) for i in range(0, rows.num_rows, n)]
+    ts = rows.column("time_stamp").to_numpy()
+    order = np.argsort(ts, kind="stable")
+    hours = ts[order] // 3600
+    bounds = np.flatnonzero(np.diff(hours)) + 1
+    return [rows.take(pa.array(part)) for part in np.split(order, bounds)]
+
+
+class Lander:
+    """Lands ``parts`` under ``source`` as ``h<i>/part-00000.parquet`` + ``_SUCCESS``: part 0 at
+    :meth:`land_first`, the others from :meth:`replay` on, each when its rows are due at
+    ``rows_per_s`` (its ``time_stamp``: that due second). ``workers`` threads write the files
+    ahead into hidden directories; landing is a rename."""
+
+    def __init__(self, parts: list[pa.Table], source: Path, rows_per_s: float, workers: int):
+        self.parts, self.source, self.rate = parts, source, rows_per_s
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lander")
+        self.late_s: list[float] = []
+        self.landed: list[tuple[float, int]] = []  # (unix time, rows) of each landing
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _write(self, i: int, due: float) -> Path:
+        part = self.parts[i]
+        stamp = pa.array(np.full(part.num_rows, int(due), np.int64))
+        part = part.set_column(part.schema.get_field_index("time_stamp"), "time_stamp", stamp)
+        tmp = self.source / f".h{i:06d}.tmp"
+        tmp.mkdir(parents=True)
+        pq.write_table(part, tmp / "part-00000.parquet", row_group_size=ROW_GROUP_ROWS)
+        return tmp
+
+    def _land(self, i: int, tmp: Path, due: float) -> None:
+        os.rename(tmp, self.source / f"h{i:06d}")
+        (self.source / f"h{i:06d}" / "_SUCCESS").touch()
+        now = time.time()
+        self.late_s.append(max(now - due, 0.0))
+        self.landed.append((now, self.parts[i].num_rows))
+
+    def land_first(self) -> None:
+        due = time.time()
+        self._land(0, self._write(0, due), due)
+
+    def replay(self, start: float) -> None:
+        """Land parts 1.. from ``start`` (unix time) on, in a thread."""
+        offsets = np.cumsum([0] + [p.num_rows for p in self.parts[1:]]) / self.rate
+        dues = [start + float(o) for o in offsets[:-1]]
+        jobs: list[Future[Path]] = [
+            self.pool.submit(self._write, i, due) for i, due in enumerate(dues, start=1)
+        ]
+
+        def run() -> None:
+            for i, (job, due) in enumerate(zip(jobs, dues, strict=True), start=1):
+                if self.stop.wait(max(due - time.time(), 0.0)):
+                    return
+                self._land(i, job.result(), due)
+
+        self.thread = threading.Thread(target=run, name="replay", daemon=True)
+        self.thread.start()
+
+    def done(self) -> bool:
+        return len(self.landed) == len(self.parts)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(60)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- the processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _process(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "wb")  # noqa: SIM115 - the child's log, open while it runs
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def start_trainer(args: argparse.Namespace, source: Path, work: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "train", "stream", "--config", str(args.config),
            "--source", str(source), "--model-dir", str(work / "model"), "--device", args.device,
-           "--batch-size", str(args.batch_size), "--poll-s", "0.2", "--log-every-s", "1",
-           "--publish-root", str(work / "pub"), "--publish-every-s", str(args.publish_every_s),
-           "--full-every", str(args.full_every)]  # fmt: skip
-    log = open(work / "trainer.log", "wb")  # noqa: SIM115
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+           "--poll-s", "0.05", "--log-every-s", "1", "--publish-root", str(work / "pub"),
+           "--publish-every-s", str(args.publish_every_s), "--full-every", str(args.full_every),
+           *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+           *(["--num-workers", str(args.num_workers)] if args.num_workers is not None else [])]  # fmt: skip
+    return _process(cmd, work / "trainer.log")
 
 
-def _probe(server: object, until: float, every_s: float) -> tuple[list[float], dict[str, float]]:
-    """(ages of what is served, first time each version was seen) until ``until``."""
-    import grpc
+def start_server(args: argparse.Namespace, work: Path, port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "serve", "--model-dir", str(work / "pub" / "full"),
+           "--watch-deltas", str(work / "pub" / "deltas"), "--poll-interval-s",
+           str(args.poll_s), "--device", args.device, "--port", str(port),
+           "--max-candidates", str(max(args.candidates, 1000))]  # fmt: skip
+    return _process(cmd, work / "server.log")
 
-    from protos import predict_pb2, predict_pb2_grpc
 
-    ages: list[float] = []
+def wait_until(
+    what: str, check: Callable[[], Any], timeout: float, *procs: subprocess.Popen
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() is not None:
+                raise SystemExit(f"{what}: {p.args[:4]} exited {p.returncode} (see its log)")
+        time.sleep(0.1)
+    raise SystemExit(f"{what}: not within {timeout} s")
+
+
+def records(work: Path, kind: str) -> list[dict[str, Any]]:
+    path = work / "model" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r for r in lines if r.get("kind") == kind]
+
+
+# --------------------------------------------------------------------------- the clients
+
+
+class Probe:
+    """``GetModelMetadata`` every ``every_s``: (unix time, version, event time, age) each."""
+
+    def __init__(self, stub: predict_pb2_grpc.PredictionServiceStub, every_s: float) -> None:
+        self.stub, self.every_s = stub, every_s
+        self.samples: list[tuple[float, str, int, float]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            try:
+                md = self.stub.GetModelMetadata(predict_pb2.ModelMetadataRequest(), timeout=10)
+            except grpc.RpcError:
+                continue
+            self.samples.append(
+                (time.time(), md.model_version, md.event_time_unix, md.freshness_seconds)
+            )
+
+    def serving(self) -> str:
+        return self.samples[-1][1] if self.samples else ""
+
+
+class PacedLoad:
+    """Requests sent on a fixed schedule (``per_s`` a second, round-robin over ``requests``) by
+    ``threads`` threads: open loop, so a slow answer does not slow the offered load. ``log``
+    holds (send time, latency s, ok) per request."""
+
+    def __init__(self, host: str, requests: list[Any], per_s: float, threads: int) -> None:
+        self.host, self.requests, self.per_s = host, requests, per_s
+        self.log: list[tuple[float, float, bool]] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(k, threads), daemon=True)
+                        for k in range(threads)]  # fmt: skip
+        self.start = 0.0
+
+    def run(self) -> PacedLoad:
+        self.start = time.perf_counter()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _run(self, k: int, n: int) -> None:
+        with grpc.insecure_channel(self.host) as channel:
+            stub = predict_pb2_grpc.PredictionServiceStub(channel)
+            i = k
+            while not self.stop.is_set():
+                due = self.start + i / self.per_s
+                if self.stop.wait(max(due - time.perf_counter(), 0.0)):
+                    return
+                t = time.perf_counter()
+                try:
+                    stub.Predict(self.requests[i % len(self.requests)], timeout=10)
+                    self.log.append((t, time.perf_counter() - t, True))
+                except grpc.RpcError:
+                    self.log.append((t, time.perf_counter() - t, False))
+                i += n
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+    def stats(self, start: float, end: float) -> dict[str, Any]:
+        lat = [x for t, x, ok in self.log if start <= t < end and ok]
+        errors = sum(1 for t, _, ok in self.log if start <= t < end and not ok)
+        a = np.asarray(lat) * 1e3
+        seconds = max(end - start, 1e-9)
+        return {
+            "requests": len(lat), "errors": errors, "seconds": seconds,
+            "requests_per_s": len(lat) / seconds,
+            "p50_ms": float(np.percentile(a, 50)) if len(a) else None,
+            "p99_ms": float(np.percentile(a, 99)) if len(a) else None,
+        }  # fmt: skip
+
+
+def build_requests(stub: Any, eval_rows: Path, candidates: int, count: int) -> list[Any]:
+    """``count`` requests of ``candidates`` eval rows each (user from the first row)."""
+    import pyarrow.dataset as pads
+
+    from loadtest.parity import request_for_rows
+    from loadtest.requests import (
+        sequence_formats_from_metadata,
+        sides_from_metadata,
+        value_types_from_metadata,
+    )
+
+    md = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest(), timeout=10)
+    table = pads.dataset(str(eval_rows), format="parquet").head(candidates * count)
+    sides, types = sides_from_metadata(md), value_types_from_metadata(md)
+    formats = sequence_formats_from_metadata(md)
+    n = max(table.num_rows // candidates, 1)
+    return [request_for_rows(table.slice(i * candidates, candidates), sides, types, f"r{i}",
+                             sequence_formats=formats) for i in range(n)]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _first_publish(work: Path) -> bool:
+    full = work / "pub" / "full"
+    return full.is_dir() and any((p / "manifest.json").is_file() for p in full.iterdir())
+
+
+def _caught_up(work: Path, total_rows: int) -> bool:
+    done = records(work, "stream")
+    return bool(done) and done[-1]["samples"] >= total_rows
+
+
+def phase_0(args: argparse.Namespace, work: Path, lander: Lander) -> dict[str, Any]:
+    """First partition, trainer, first publish, server, requests, warm-up load."""
+    lander.land_first()
+    trainer = start_trainer(args, work / "src", work)
+    wait_until("the first publish", lambda: _first_publish(work), args.start_timeout_s, trainer)
+    port = _free_port()
+    server = start_server(args, work, port)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = predict_pb2_grpc.PredictionServiceStub(channel)
+
+    def ready() -> bool:
+        try:
+            stub.GetModelMetadata(predict_pb2.ModelMetadataRequest(), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+    wait_until("the server", ready, args.start_timeout_s, server, trainer)
+    requests = build_requests(stub, args.eval_rows, args.candidates, 32)
+    per_s = args.load_candidates_per_s / args.candidates
+    warm = PacedLoad(f"127.0.0.1:{port}", requests, per_s, args.load_threads).run()
+    time.sleep(args.warmup_s)
+    warm.finish()
+    return {"trainer": trainer, "server": server, "stub": stub, "channel": channel,
+            "host": f"127.0.0.1:{port}", "requests": requests, "per_s": per_s}  # fmt: skip
+
+
+def phase_1(args: argparse.Namespace, work: Path, lander: Lander, ctx: dict) -> dict[str, Any]:
+    """The replay under load, until every row is trained and the last publish serves."""
+    total = sum(p.num_rows for p in lander.parts)
+    probe = Probe(ctx["stub"], args.probe_every_s)
+    probe.thread.start()
+    load = PacedLoad(ctx["host"], ctx["requests"], ctx["per_s"], args.load_threads).run()
+    t0, replay_start = time.perf_counter(), time.time()
+    lander.replay(replay_start + 0.5)
+    replay_s = total / args.replay_rows_per_s + args.start_timeout_s
+    wait_until("the replay", lander.done, replay_s, ctx["trainer"])
+    landed_at = time.time()
+    wait_until("the trainer caught up", lambda: _caught_up(work, total), args.start_timeout_s,
+               ctx["trainer"])  # fmt: skip
+    caught_up_at = time.time()
+
+    def last_served() -> bool:
+        done = records(work, "publish")
+        return bool(done) and done[-1]["step"] >= records(work, "stream")[-1]["step"] and \
+            probe.serving() == done[-1]["version"]  # fmt: skip
+
+    wait_until("the last publish served", last_served, args.start_timeout_s, ctx["trainer"])
+    t1 = time.perf_counter()
+    return {"probe": probe, "load": load, "t0": t0, "t1": t1, "replay_start": replay_start,
+            "landed_at": landed_at, "caught_up_at": caught_up_at, "rows": total}  # fmt: skip
+
+
+def phase_2(ctx: dict, p1: dict) -> dict[str, Any]:
+    """The trainer stopped; the same load as long again."""
+    ctx["trainer"].send_signal(signal.SIGTERM)
+    ctx["trainer"].wait(120)
+    load: PacedLoad = p1["load"]
+    t2 = time.perf_counter()
+    time.sleep(p1["t1"] - p1["t0"])
+    t3 = time.perf_counter()
+    load.finish()
+    p1["probe"].stop.set()
+    return {"with_publishing": load.stats(p1["t0"], p1["t1"]),
+            "without_publishing": load.stats(t2, t3)}  # fmt: skip
+
+
+def auc(args: argparse.Namespace, work: Path, samples: Path) -> dict[str, Any]:
+    """The streamed model's last checkpoint and one epoch of batch training on the same rows,
+    both evaluated on the eval samples (the last day)."""
+    from train.checkpoint import latest_checkpoint
+    from train.export import evaluate_checkpoint
+    from train.trainer import Trainer, TrainOptions
+
+    t0 = time.perf_counter()
+    streamed = evaluate_checkpoint(
+        args.config, checkpoint=latest_checkpoint(work / "model"), train_path=samples,
+        eval_path=args.eval_rows, device=args.device,
+    )  # fmt: skip
+    t1 = time.perf_counter()
+    batch = Trainer(
+        TrainOptions(config_path=args.config, model_dir=work / "batch", train_path=samples,
+                     eval_path=args.eval_rows, device=args.device, batch_size=args.batch_size,
+                     num_workers=args.num_workers, progress_bar=False)
+    ).fit()  # fmt: skip
+    assert batch.final_eval is not None
+    diff = streamed.auc - batch.final_eval.auc
+    return {"stream": streamed.auc, "batch": batch.final_eval.auc, "stream_minus_batch": diff,
+            "batch_samples_per_s": batch.samples_per_second,
+            "seconds": {"stream_eval": t1 - t0, "batch_train_eval": time.perf_counter() - t1}}  # fmt: skip
+
+
+def freshness(p1: dict) -> dict[str, Any]:
+    """Event → served per served version, and the age of what served at each probe."""
     first_seen: dict[str, float] = {}
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:  # type: ignore[attr-defined]
-        stub = predict_pb2_grpc.PredictionServiceStub(channel)
-        while time.time() < until:
-            md = stub.GetModelMetadata(predict_pb2.ModelMetadataRequest(), timeout=10)
-            if md.event_time_unix:
-                ages.append(md.freshness_seconds)
-                first_seen.setdefault(md.model_version, time.time() - md.event_time_unix)
-            time.sleep(every_s)
-    return ages, first_seen
+    ages = []
+    for at, version, event_time, age in p1["probe"].samples:
+        if at < p1["replay_start"] or not event_time:
+            continue
+        ages.append(age)
+        first_seen.setdefault(version, at - event_time)
+    return {"event_to_served_s": _percentiles(list(first_seen.values())),
+            "served_age_s": _percentiles(ages), "versions_served": len(first_seen)}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    from serve.server import PredictionServer, ServerConfig
-
-    work = Path(tempfile.mkdtemp(prefix="bench_stream."))
-    samples = args.samples or _samples(args.size, work)
-    rows = pq.read_table(samples)
-    source = work / "src"
-    source.mkdir()
-    stop = threading.Event()
-    writer = threading.Thread(target=_writer, args=(rows, source, args.partitions,
-                                                    args.partition_every_s, stop))  # fmt: skip
-    writer.start()
-    proc = _trainer(args, source, work)
-    while not (work / "pub" / "full").is_dir() or not any((work / "pub" / "full").iterdir()):
-        if proc.poll() is not None:
-            raise SystemExit(f"train stream exited {proc.returncode}: see {work}/trainer.log")
-        time.sleep(0.2)
-    server = PredictionServer(ServerConfig(model_dir=work / "pub" / "full",
-                                           watch_deltas=work / "pub" / "deltas",
-                                           poll_interval_s=args.poll_s, device=args.device))  # fmt: skip
-    server.start()
-    server.wait_ready(120)
-    until = time.time() + args.partitions * args.partition_every_s + args.tail_s
-    try:
-        ages, first_seen = _probe(server, until, args.probe_every_s)
-    finally:
-        stop.set()
-        proc.terminate()
-        proc.wait(60)
-        server.stop(grace=0)
-        writer.join()
-    records = [json.loads(x) for x in (work / "model" / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["rows_per_s"] for r in records if r["kind"] == "stream" and r["rows_per_s"] > 0]
-    publishes = [r["publish_seconds"] for r in records if r["kind"] == "publish"]
+def train_report(work: Path, p1: dict, lander: Lander) -> dict[str, Any]:
+    start, end = p1["replay_start"], p1["caught_up_at"]
+    stream = [r for r in records(work, "stream") if start <= r.get("at_unix", 0) <= end]
+    busy = [r["rows_per_s"] for r in stream if r["rows_per_s"] > 0]
+    landed = p1["landed_at"] - start
     return {
-        "bench": "stream",
-        "device": args.device,
-        "rows": rows.num_rows,
-        "partitions": args.partitions,
-        "publish_every_s": args.publish_every_s,
-        "poll_interval_s": args.poll_s,
-        "served_age_s": _percentiles(ages),
-        "event_to_served_s": _percentiles(list(first_seen.values())),
-        "rows_per_s": _percentiles(rates),
-        "publish_seconds": _percentiles(publishes),
-        "versions_served": len(first_seen),
-        "work_dir": str(work),
+        "rows": p1["rows"],
+        "replay_seconds": landed,
+        "replay_rows_per_s": sum(n for _, n in lander.landed[1:]) / max(landed, 1e-9),
+        "landing_late_s": _percentiles(lander.late_s),
+        "caught_up_after_last_landing_s": end - p1["landed_at"],
+        "rows_per_s": _percentiles(busy),
+        "lag_rows_max": max((r["lag_rows"] for r in stream), default=None),
+        "lag_seconds": _percentiles([r["lag_seconds"] for r in stream if r["lag_seconds"]]),
+        "stall_seconds": stream[-1]["stall_seconds"] if stream else None,
     }
 
 
+def publish_report(work: Path) -> dict[str, Any]:
+    done = records(work, "publish")
+    return {
+        "count": len(done),
+        "kinds": [r["what"] for r in done],
+        "publish_seconds": _percentiles([r["publish_seconds"] for r in done]),
+        "export_seconds": _percentiles([r["export_seconds"] for r in done]),
+        "stall_seconds": _percentiles([r["stall_seconds"] for r in done]),
+        "delta_bytes": _percentiles([r["bytes"] for r in done if r["what"] == "delta"]),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench_stream.", dir=args.work_dir))
+    samples = args.samples or _samples(args.size, work) / "train"
+    args.eval_rows = args.eval_rows or samples.parent / "eval"
+    t0 = time.perf_counter()
+    parts = cut(pq.read_table(samples), args.split)
+    cut_s = time.perf_counter() - t0
+    (work / "src").mkdir()
+    lander = Lander(parts, work / "src", args.replay_rows_per_s, args.writers)
+    ctx: dict[str, Any] = {}
+    try:
+        ctx = phase_0(args, work, lander)
+        p1 = phase_1(args, work, lander, ctx)
+        serving = phase_2(ctx, p1)
+    finally:
+        lander.close()
+        for name in ("trainer", "server"):
+            if name in ctx and ctx[name].poll() is None:
+                ctx[name].send_signal(signal.SIGTERM)
+                ctx[name].wait(60)
+    a, b = serving["with_publishing"]["p99_ms"], serving["without_publishing"]["p99_ms"]
+    serving["p99_ratio"] = a / b if a and b else None
+    result = {
+        "bench": "stream", "device": args.device, "config": str(args.config),
+        "samples": str(samples), "split": args.split, "partitions": len(parts),
+        "event_time": "landing time (time_stamp rewritten to the second each partition is due)",
+        "publish_every_s": args.publish_every_s, "full_every": args.full_every,
+        "server_poll_interval_s": args.poll_s, "cut_seconds": cut_s,
+        "load": {"candidates_per_s": args.load_candidates_per_s, "candidates": args.candidates},
+        "train": train_report(work, p1, lander), "publish": publish_report(work),
+        "freshness": freshness(p1), "serving": serving,
+    }  # fmt: skip
+    if not args.no_auc:
+        result["auc"] = auc(args, work, samples)
+    result["goals"] = goals(result)
+    result["work_dir"] = str(work)
+    return result
+
+
+def goals(r: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals, each with the measured value and whether it is met."""
+    rate = r["train"]["replay_rows_per_s"]
+    p99 = r["freshness"]["event_to_served_s"]["p99"]
+    ratio = r["serving"]["p99_ratio"]
+    out: dict[str, Any] = {
+        "replay_rows_per_s>=1e6": {"value": rate, "met": rate >= 1e6},
+        "event_to_served_p99_s<=30": {"value": p99, "met": p99 is not None and p99 <= 30},
+        "serving_p99_ratio<=1.1": {"value": ratio, "met": ratio is not None and ratio <= 1.1},
+    }
+    if "auc" in r:
+        d = r["auc"]["stream_minus_batch"]
+        out["abs_auc_diff<=0.002"] = {"value": d, "met": abs(d) <= 0.002}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_stream", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.bench_stream", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--config", type=Path, default=CONFIG)
     p.add_argument("--samples", type=Path, help="train samples (file or dir); default: --size")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--eval-rows", type=Path, help="eval samples; default: beside --samples")
+    p.add_argument("--size", default="small", choices=["tiny", "small"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--partitions", type=int, default=6)
-    p.add_argument("--partition-every-s", type=float, default=2.0)
-    p.add_argument("--publish-every-s", type=float, default=2.0)
+    p.add_argument("--batch-size", type=int, help="default: the config's")
+    p.add_argument("--num-workers", type=int, help="loader workers; default: the config's")
+    p.add_argument("--split", default="hour", help="'hour' or a number of equal partitions")
+    p.add_argument("--replay-rows-per-s", type=float, default=20_000.0)
+    p.add_argument("--writers", type=int, default=2, help="threads writing partitions ahead")
+    p.add_argument("--publish-every-s", type=float, default=10.0)
     p.add_argument("--full-every", type=int, default=10)
     p.add_argument("--poll-s", type=float, default=0.5, help="the server's poll interval")
     p.add_argument("--probe-every-s", type=float, default=0.2)
-    p.add_argument("--tail-s", type=float, default=8.0, help="probe this long after the last")
+    p.add_argument("--candidates", type=int, default=100, help="candidates per request")
+    p.add_argument("--load-candidates-per-s", type=float, default=2_000.0)
+    p.add_argument("--load-threads", type=int, default=8)
+    p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--start-timeout-s", type=float, default=180.0)
+    p.add_argument("--no-auc", action="store_true", help="skip phase 3 (the AUC comparison)")
+    p.add_argument("--work-dir", type=Path, help="parent of the run's temp dir")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

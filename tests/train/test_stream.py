@@ -28,7 +28,7 @@ from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.data.loader import InOrderLoader
 from train.stream.publish import Publisher, PublishOptions
 from train.stream.row_log import RowLog
-from train.stream.source import PartitionSource, Position, Span, StreamReader
+from train.stream.source import PartitionSource, Piece, Position, Span, StreamReader
 from train.stream.trainer import StreamOptions, StreamTrainer
 
 
@@ -52,7 +52,8 @@ def test_source_reads_complete_partitions_in_order(
     tiny_samples: Path, tmp_path: Path, workers: int
 ) -> None:
     """Batches in partition then row order through the loader's workers (slices of 2 batches
-    handed to them in turn), each batch's span exact, a restart mid-partition reads on there."""
+    handed to them in turn), each batch's span exact (across a partition's end), a restart
+    mid-partition reads on there."""
     from shared.config import load_config
     from shared.features import build_feature_set
     from shared.fg import table_to_batch
@@ -75,10 +76,11 @@ def test_source_reads_complete_partitions_in_order(
         seen = _read_all(first)
     finally:
         first.close()
-    spans = [(s.partition, s.start, s.end, s.event_time) for s, _ in seen]
-    assert spans == [("p0", 0, 64, 100), ("p0", 64, 128, 100), ("p0", 128, 150, 100)] + [
-        ("p1", a, min(a + 64, 300), 200) for a in range(0, 300, 64)
-    ]
+    # a batch goes on into the next partition: rows k*64 .. of p0 (150 rows) then p1 (300 rows)
+    spans = [[(p.partition, p.start, p.end) for p in s.pieces] for s, _ in seen]
+    assert spans[:3] == [[("p0", 0, 64)], [("p0", 64, 128)], [("p0", 128, 150), ("p1", 0, 42)]]
+    assert spans[3:] == [[("p1", a, min(a + 64, 300))] for a in range(42, 300, 64)]
+    assert [s.event_time for s, _ in seen] == [100, 100] + [200] * 6
     ordered = pa.concat_tables([rows.slice(300, 150), rows.slice(0, 300)])
     start = 0
     for span, batch in seen:  # each batch is its span's rows, as batch training builds them
@@ -92,7 +94,7 @@ def test_source_reads_complete_partitions_in_order(
         rest = _read_all(again)
     finally:
         again.close()
-    assert [(s.partition, s.start, s.end) for s, _ in rest] == [("p1", 256, 300)]
+    assert [s.pieces for s, _ in rest] == [(Piece("p1", 256, 300),)]
     assert rest[0][1].labels.tolist() == rows.slice(256, 44)["clk"].to_pylist()
     changed = reader(Position("p0", 151))
     try:
@@ -105,7 +107,7 @@ def test_source_reads_complete_partitions_in_order(
 def test_row_log_cuts_uncommitted_steps(tmp_path: Path) -> None:
     log = RowLog(tmp_path / "rows.jsonl", 0)
     for step in (1, 2, 3):
-        log.add(step, Span("p0", 10 * (step - 1), 10 * step, 0))
+        log.add(step, Span((Piece("p0", 10 * (step - 1), 10 * step),), 0))
     log.flush()
     log.close()
     with (tmp_path / "rows.jsonl").open("a") as f:

@@ -1,6 +1,7 @@
 """The rows each committed step was trained on: an audit of exactly-once online training.
 
-One JSON line per step, ``{"step": 12, "partition": "p0003", "start": 256, "end": 512}``.
+One JSON line per step and partition it took rows of, ``{"step": 12, "partition": "p0003",
+"start": 256, "end": 512}`` (a batch that goes on into the next partition has two).
 Lines are appended as steps run and flushed (fsync) before each checkpoint; at a restart the
 lines of steps after the restored checkpoint are cut off (the file is rewritten atomically),
 since those steps are trained again. So after any number of kill -9 and restarts the log lists,
@@ -45,8 +46,10 @@ class RowLog:
         os.replace(tmp, self.path)
 
     def add(self, step: int, span: Span) -> None:
-        line = {"step": step, "partition": span.partition, "start": span.start, "end": span.end}
-        self._file.write(json.dumps(line) + "\n")
+        """The rows of ``step``: a line per partition its batch took rows of."""
+        for p in span.pieces:
+            line = {"step": step, "partition": p.partition, "start": p.start, "end": p.end}
+            self._file.write(json.dumps(line) + "\n")
 
     def flush(self) -> None:
         self._file.flush()

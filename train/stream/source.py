@@ -13,10 +13,11 @@ the rows before it were trained, the rows after it were not.
 
 :class:`StreamReader` plans the reading: from a position it hands the rows of the complete
 partitions, in order, to an :class:`~train.data.loader.InOrderLoader` (the batch trainer's
-worker processes, messages and pinned copies; its slices never span two partitions, so the
-last batch of a partition may be short) a few slices ahead of training, and keeps for each
-batch it planned a :class:`Span`: which rows it holds and their newest event time. The
-batches come back in that order, so the position after a batch is its span's end, exactly.
+worker processes, messages and pinned copies) a few slices ahead of training, and keeps for each
+batch it planned a :class:`Span`: which rows it holds and their newest event time. A batch
+goes on into the next partition where that one is complete, so batches are whole but at the
+end of what has landed. The batches come back in the order they were planned, so the position
+after a batch is its span's end, exactly.
 Example::
 
     source = PartitionSource(Path("/data/samples"))
@@ -25,7 +26,7 @@ Example::
     if reader.plan():                  # False: nothing new yet
         batch, span = next(batches), reader.take()
         train_on(batch)
-        pos = span.end
+        pos = span.end                 # Position(partition, row) after it
 """
 
 from __future__ import annotations
@@ -62,21 +63,30 @@ class Position:
 
 
 @dataclass(frozen=True)
-class Span:
-    """The rows of one batch: ``partition``'s rows ``start .. end``."""
+class Piece:
+    """Rows ``start .. end`` of ``partition``."""
 
     partition: str
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class Span:
+    """The rows of one batch: consecutive pieces (more than one where the batch goes on into
+    the next partition), and the newest event time among them."""
+
+    pieces: tuple[Piece, ...]
     event_time: int  # the newest time_stamp of its rows (0: the column is absent)
 
     @property
     def rows(self) -> int:
-        return self.end - self.start
+        return sum(p.end - p.start for p in self.pieces)
 
     @property
-    def end_position(self) -> Position:
-        return Position(self.partition, self.end)
+    def end(self) -> Position:
+        """The position after this batch."""
+        return Position(self.pieces[-1].partition, self.pieces[-1].end)
 
 
 @lru_cache(maxsize=4096)
@@ -136,7 +146,12 @@ class PartitionSource:
 class StreamReader:
     """Plans the source's rows from ``position`` on into ``loader`` and says which rows each of
     its batches holds (module doc). ``ahead_slices``: slices handed out ahead of training
-    (default: :data:`AHEAD_SLICES_PER_WORKER` per worker)."""
+    (default: :data:`AHEAD_SLICES_PER_WORKER` per worker).
+
+    A slice takes up to the loader's ``slice_rows`` rows of the complete partitions from where
+    planning stands, going on into the next partition where one ends: behind the source, every
+    batch is whole (the same shape, so CUDA graphs replay); at its end, the rows there are
+    planned at once, and the last batch is short."""
 
     def __init__(
         self,
@@ -150,9 +165,10 @@ class StreamReader:
         self.ahead = ahead_slices or AHEAD_SLICES_PER_WORKER * max(loader.num_workers, 1)
         self._planned: collections.deque[Span] = collections.deque()
         self._slice_ends: collections.deque[int] = collections.deque()  # planned counts at ends
-        self._taken = 0  # spans taken since the start
+        self._taken = self._spans = 0  # spans taken, and planned, since the start
         self._next = position  # where planning goes on
-        self._times: tuple[str, np.ndarray] | None = None  # the planned partition's event times
+        self._known: list[str] = []  # complete partitions after the planned one, in order
+        self._times: dict[str, np.ndarray] = {}  # event times of the partitions being planned
         self._listed = 0.0
 
     def batches(self) -> Iterator[Batch]:
@@ -169,55 +185,73 @@ class StreamReader:
     def plan(self) -> bool:
         """Hand out slices of new rows (up to ``ahead`` in flight); True when a batch is
         planned and not taken yet."""
-        now = time.monotonic()
-        relist = not self._planned or now - self._listed >= RELIST_S
+        if not self._planned or time.monotonic() - self._listed >= RELIST_S:
+            self._relist()
         while len(self._slice_ends) < self.ahead:
-            name, start, total = self._next_rows(relist)
-            if name is None:
+            pieces = self._pieces(self.loader.slice_rows)
+            if not pieces:
                 break
-            relist = False
-            for piece in self.loader.slices(self.source.files(name), start, total - start):
-                self._hand_out(name, piece.start, piece.batch_rows())
-                if len(self._slice_ends) >= self.ahead:
-                    break
+            self._hand_out(pieces)
         return bool(self._planned)
 
-    def _hand_out(self, name: str, start: int, batch_rows: list[int]) -> None:
-        times = self._event_times(name)
-        piece = RowSlice(self.source.files(name), start, sum(batch_rows), self.loader.batch_size)
-        self.loader.put(piece)
-        for rows in batch_rows:
-            newest = int(times[start : start + rows].max()) if rows else 0
-            self._planned.append(Span(name, start, start + rows, newest))
-            start += rows
-        self._slice_ends.append(self._taken + len(self._planned))
-        self._next = Position(name, start)
+    def _relist(self) -> None:
+        self._listed = time.monotonic()
+        last = self._known[-1] if self._known else self._next.partition
+        self._known += [p for p in self.source.partitions() if p > last]
 
-    def _next_rows(self, relist: bool) -> tuple[str | None, int, int]:
-        """(partition, first row not planned, its rows) of the next rows to plan, or None."""
-        name, row = self._next.partition, self._next.row
-        if name:
-            total = self.source.rows(name)
+    def _pieces(self, rows: int) -> list[Piece]:
+        """Up to ``rows`` rows from where planning stands (planning moves past them)."""
+        out: list[Piece] = []
+        while rows > 0:
+            name, row = self._next.partition, self._next.row
+            total = self.source.rows(name) if name else 0
             if row > total:
                 raise ValueError(
                     f"{self.source.root / name}: holds {total} rows, but training already "
                     f"consumed {row} of it: a complete partition changed; restore it or start "
                     "a new --model-dir"
                 )
-            if row < total:
-                return name, row, total
-        if not relist:
-            return None, 0, 0
-        self._listed = time.monotonic()
-        for later in self.source.partitions():
-            if later > name and self.source.rows(later) > 0:
-                return later, 0, self.source.rows(later)
-        return None, 0, 0
+            if row == total:
+                if not self._known:
+                    break
+                self._next = Position(self._known.pop(0), 0)
+                continue
+            end = min(total, row + rows)
+            out.append(Piece(name, row, end))
+            rows -= end - row
+            self._next = Position(name, end)
+        return out
+
+    def _hand_out(self, pieces: list[Piece]) -> None:
+        """One slice of ``pieces`` to the loader, and the span of each of its batches."""
+        names = list(dict.fromkeys(p.partition for p in pieces))
+        files = tuple(f for name in names for f in self.source.files(name))
+        rows = sum(p.end - p.start for p in pieces)
+        piece = RowSlice(files, pieces[0].start, rows, self.loader.batch_size)
+        self.loader.put(piece)
+        at = [(p, p.start) for p in pieces]  # (piece, the next row of it to give a batch)
+        for n in piece.batch_rows():
+            taken: list[Piece] = []
+            while n > 0:
+                p, row = at[0]
+                end = min(p.end, row + n)
+                taken.append(Piece(p.partition, row, end))
+                n -= end - row
+                if end == p.end:
+                    at.pop(0)
+                else:
+                    at[0] = (p, end)
+            newest = max(int(self._event_times(q.partition)[q.start : q.end].max()) for q in taken)
+            self._planned.append(Span(tuple(taken), newest))
+        self._spans += len(piece.batch_rows())
+        self._slice_ends.append(self._spans)
 
     def _event_times(self, name: str) -> np.ndarray:
-        if self._times is None or self._times[0] != name:
-            self._times = (name, self.source.event_times(name))
-        return self._times[1]
+        if name not in self._times:
+            if len(self._times) >= 8:  # partitions planned long ago
+                self._times.pop(next(iter(self._times)))
+            self._times[name] = self.source.event_times(name)
+        return self._times[name]
 
     def close(self) -> None:
         """End the loader's workers."""

@@ -16,9 +16,9 @@ holds the source position (``Progress.source_partition``/``source_row``) of the 
 into it: the end of the last batch's span, known exactly since the batches come in the order
 they were planned. A restart loads the newest checkpoint and reads on from its position, so
 after a kill -9 the rows trained since that checkpoint are trained again from the same state,
-and the result holds every row once. The optional row log (``row_log``: one JSON line per
-step, ``{"step", "partition", "start", "end"}``) is cut back to the checkpoint's step at a
-restart, so it lists what the committed state was trained on.
+and the result holds every row once. The optional row log (``row_log``: a JSON line per step
+and partition, ``{"step", "partition", "start", "end"}``) is cut back to the checkpoint's step
+at a restart, so it lists what the committed state was trained on.
 
 Checkpoints come every ``checkpoint_every`` steps and with each publish
 (:mod:`train.stream.publish`), so what is published is always committed. The loop only takes
@@ -251,7 +251,7 @@ class StreamTrainer:
             self.dense_ema.update()
         progress.step += 1
         progress.samples += span.rows
-        progress.source_partition, progress.source_row = span.partition, span.end
+        progress.source_partition, progress.source_row = span.end.partition, span.end.row
         progress.event_time = max(progress.event_time, span.event_time)
 
     def _after_step(self, progress: Progress, rows: RowLog | None, meter: _Meter) -> None:
@@ -342,6 +342,7 @@ class StreamTrainer:
         pos = Position(progress.source_partition, progress.source_row)
         record: dict[str, Any] = {
             "kind": "stream",
+            "at_unix": time.time(),
             "step": progress.step,
             "samples": progress.samples,
             "rows_per_s": meter.rate(progress.samples, now),

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call (issue #55's full benchmark, about 7-8 minutes): the full synthetic data
+# (23.2M training rows, 7 days; the eval split is the 8th day), then bench/bench_stream.py on
+# CUDA: the training rows replayed as hourly partitions at 1M rows/s into `train stream`
+# (--publish-every-s 10), a `serve --watch-deltas` process under 100K candidates/s (requests of
+# 500) with publishing and then without, the freshness of what it serves, and the streamed
+# model's eval AUC against one epoch of batch training on the same rows.
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: data.log,
+# bench_stream_full_gpu.json, bench_stream_full.log and the trainer's and server's logs.
+# REPLAY (rows/s, default 1000000), BENCH_TIMEOUT (s, default 420) override.
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nproc
+t0=$(date +%s)
+python3 -m train.data all --size full --out /tmp/full \
+  --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1
+echo "data rc=$? in $(( $(date +%s) - t0 )) s"
+mkdir -p /tmp/stream
+timeout "${BENCH_TIMEOUT:-420}" python3 -m bench.bench_stream --device cuda \
+  --samples /tmp/full/samples/train --eval-rows /tmp/full/samples/eval --split hour \
+  --replay-rows-per-s "${REPLAY:-1000000}" --writers 12 --publish-every-s 10 --poll-s 0.5 \
+  --candidates 500 --load-candidates-per-s 100000 --load-threads 32 --work-dir /tmp/stream \
+  --out "$OUT/bench_stream_full_gpu.json" > "$OUT/bench_stream_full.log" 2>&1
+echo "bench_stream rc=$? at $(( $(date +%s) - t0 )) s"
+tail -c 4000 "$OUT/bench_stream_full.log"
+for f in /tmp/stream/bench_stream.*/trainer.log /tmp/stream/bench_stream.*/server.log; do
+  [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$f")"
+done
+for f in /tmp/stream/bench_stream.*/model/metrics.jsonl; do
+  [ -f "$f" ] && cp "$f" "$OUT/stream_metrics.jsonl"
+done
