@@ -1,5 +1,7 @@
-"""train.dense_ema: the average is tzrec's EMA recursion (torch's AveragedModel), its swap in
-and out is exact, the config's switches resolve as tzrec's, and errors name the field."""
+"""train.dense_ema: the average is tzrec's EMA recursion, bit for bit torch's AveragedModel's
+(what tzrec uses) with no host read a step, its swap in and out is exact, checkpoints of
+AveragedModel's form load, the config's switches resolve as tzrec's, and errors name the
+field."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from protos import pipeline_pb2
 from shared.config import parse_config
 from tests.conftest import SEED_CONFIG
 from train.dense_ema import DenseEMA, use_dense_ema
+
+# host reads of a device value: each one a sync on CUDA
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"}
 
 
 def _module() -> torch.nn.Module:
@@ -32,6 +37,74 @@ def test_the_average_is_the_ema_recursion_and_the_first_update_copies() -> None:
         for name, avg in ema.averaged().items():
             torch.testing.assert_close(avg, want[name], msg=f"step {step} {name}")
     assert ema.updates == 5 and list(ema.averaged()) == [n for n, _ in module.named_parameters()]
+
+
+def test_the_average_is_torchs_averaged_model_bit_for_bit() -> None:
+    """The fused update gives AveragedModel(get_ema_multi_avg_fn)'s bits, at the config's
+    decay (a float32 from the proto), over steps that start with its copy."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    decay = float(torch.tensor(0.999, dtype=torch.float32))  # as the config hands it over
+    module = _module()
+    ema = DenseEMA(module, decay)
+    source = torch.nn.ParameterList(module.parameters())
+    reference = AveragedModel(source, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn(p.shape, generator=generator))
+        ema.update()
+        reference.update_parameters(source)
+        for (name, got), want in zip(
+            ema.averaged().items(), reference.module.parameters(), strict=True
+        ):
+            assert torch.equal(got, want), f"step {step} {name}"
+    assert ema.updates == int(reference.n_averaged) == 6
+
+
+def test_an_update_reads_nothing_from_the_device() -> None:
+    """No host read in an update (AveragedModel makes two: bool(n_averaged == 0) and
+    n_averaged > 0), so on CUDA the loop runs ahead of the GPU through it."""
+    module = _module()
+    ema = DenseEMA(module, decay=0.9)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            ema.update()
+    names = {e.name for e in prof.events()}
+    assert not names & HOST_READS, names & HOST_READS
+    assert "aten::_foreach_lerp_" in names and "aten::_foreach_copy_" in names
+
+
+def test_a_checkpoint_of_averaged_models_form_loads_and_the_form_is_kept() -> None:
+    """The checkpoint entry is AveragedModel's form: ``params`` and a 0-d int64
+    ``n_averaged`` tensor; one written by the AveragedModel-based code loads and goes on."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    module = _module()
+    source = torch.nn.ParameterList(module.parameters())
+    old = AveragedModel(source, multi_avg_fn=get_ema_multi_avg_fn(0.5), use_buffers=False)
+    for _ in range(2):
+        old.update_parameters(source)
+    names = [n for n, _ in module.named_parameters()]
+    saved = {
+        "params": dict(zip(names, old.module.parameters(), strict=True)),
+        "n_averaged": old.n_averaged,
+    }
+    ema = DenseEMA(module, decay=0.5)
+    ema.load_state_dict(saved)
+    assert ema.updates == 2
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(2.0)
+    ema.update()
+    old.update_parameters(source)
+    for got, want in zip(ema.averaged().values(), old.module.parameters(), strict=True):
+        assert torch.equal(got, want)
+    state = ema.state_dict()
+    assert list(state) == ["params", "n_averaged"] and list(state["params"]) == names
+    count = state["n_averaged"]
+    assert count.dtype == torch.int64 and count.dim() == 0 and int(count) == 3
 
 
 def test_average_parameters_swaps_in_place_and_back_exactly() -> None:
