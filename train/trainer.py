@@ -251,13 +251,15 @@ def train_step(
     sync: GradSync | None = None,
     global_rows: int | None = None,
     graphs: DenseArchGraphs | None = None,
+    ema: DenseEMA | None = None,
 ) -> torch.Tensor:
     """One optimizer step; returns the loss as a device tensor (no host sync).
 
     Distributed (``sync``): the loss is this rank's share of the mean over the ``global_rows``
     rows of all ranks (the shares sum to the global mean) and gradients are summed over ranks.
     ``graphs`` (built on ``model.dense``; ignored with ``sync``) runs the dense forward+backward
-    through CUDA graphs where it can (:mod:`train.model.graphed`), else eagerly.
+    through CUDA graphs where it can (:mod:`train.model.graphed`), else eagerly. ``ema``: the
+    dense EMA, updated after the optimizer steps (:mod:`train.dense_ema`; no host sync).
     """
     labels = batch.labels
     if labels is None:
@@ -285,6 +287,8 @@ def train_step(
         sync.all_reduce_table_grads()
     for opt in optimizers.values():
         opt.step()
+    if ema is not None:
+        ema.update()
     return loss.detach()
 
 
@@ -615,9 +619,8 @@ class Trainer:
             sync=self.sync,
             global_rows=global_rows,
             graphs=self.graphs,
+            ema=self.dense_ema,
         )
-        if self.dense_ema is not None:
-            self.dense_ema.update()
         progress.step += 1
         progress.batch_in_epoch += 1
         progress.samples += global_rows

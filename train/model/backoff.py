@@ -315,16 +315,27 @@ class ColdBackoff(nn.Module):
         self.spaces = tuple(spaces)
         self.by_space = nn.ModuleDict({s.space: _Space(s) for s in self.spaces if s.features})
 
-    def forward(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = dict(inputs)
+    def why_not(self, masks: Mapping[str, torch.Tensor]) -> str | None:
+        """What is wrong with the cold masks of ``masks`` (a host check of dtypes and widths,
+        no sync), None when each space's is bool [rows, its width]."""
         for spec in self.spaces:
-            cold = inputs[spec.mask]
+            cold = masks.get(spec.mask)
             width = spec.mask_width
+            if cold is None:
+                return f"{spec.mask} is missing (pass every one of {list(COLD_NAMES)})"
             if cold.dim() != 2 or cold.shape[1] != width or cold.dtype != torch.bool:
-                raise ValueError(
+                return (
                     f"{spec.mask} must be bool [rows, {width}] (one column per dynamic feature: "
                     f"shared.dense_inputs.cold_layout), got {cold.dtype} {list(cold.shape)}"
                 )
+        return None
+
+    def forward(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        wrong = self.why_not(inputs)
+        if wrong is not None:
+            raise ValueError(wrong)
+        out = dict(inputs)
+        for spec in self.spaces:
             if spec.features:
-                self.by_space[spec.space](out, cold)
+                self.by_space[spec.space](out, inputs[spec.mask])
         return out

@@ -68,14 +68,18 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from shared.cuda_capture import capture, capture_stream
+from shared.dense_inputs import COLD_NAMES
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_GRAPHS = 8
 DEFAULT_MIN_BUCKET = 1024
 
-# body(rows [B+1, d_i]..., seq [T_pad, D], lengths [B+1]) -> output [B+1, ...]
-Body = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
+# body(rows [B+1, d_i]..., seq [T_pad, D], lengths [B+1], elements [T_pad, k_j]...)
+#   -> output [B+1, ...]
+Body = Callable[
+    [Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor
+]
 
 
 def bucket_rows(t: int, min_rows: int = DEFAULT_MIN_BUCKET) -> int:
@@ -88,22 +92,27 @@ def bucket_rows(t: int, min_rows: int = DEFAULT_MIN_BUCKET) -> int:
 
 
 def pad_to_bucket(
-    rows: Sequence[torch.Tensor], seq: torch.Tensor, lengths: torch.Tensor
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    rows: Sequence[torch.Tensor],
+    seq: torch.Tensor,
+    lengths: torch.Tensor,
+    elements: Sequence[torch.Tensor] = (),
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The inputs of a graph: B real rows + one dummy row owning the padding elements.
 
-    ``rows``: [B, d_i] each -> [B + 1, d_i] with a zero last row. ``seq``: [T_pad, D], of which
-    the first ``lengths.sum()`` rows are real -> the rest set to zero (whatever they held).
+    ``rows``: [B, d_i] each -> [B + 1, d_i] with a zero (False) last row. ``seq``: [T_pad, D],
+    of which the first ``lengths.sum()`` rows are real -> the rest set to zero (whatever they
+    held); ``elements`` ([T_pad, k_j] each, e.g. the sequence's cold masks) the same.
     ``lengths``: [B] -> [B + 1], the last entry ``T_pad - lengths.sum()``. No host sync; the
     graphs run exactly this (the CPU tests compare it with the unpadded computation).
     """
     t_pad = seq.shape[0]
     real = lengths.sum(0, keepdim=True)  # [1] on the device
     padded_rows = [nn.functional.pad(r, (0, 0, 0, 1)) for r in rows]  # [B + 1, d_i]
-    keep = torch.arange(t_pad, device=seq.device) < real  # [T_pad]
-    padded_seq = torch.where(keep.unsqueeze(1), seq, 0)  # [T_pad, D]
+    keep = (torch.arange(t_pad, device=seq.device) < real).unsqueeze(1)  # [T_pad, 1]
+    padded_seq = torch.where(keep, seq, 0)  # [T_pad, D]
+    padded_elements = [torch.where(keep, e, torch.zeros_like(e)) for e in elements]  # [T_pad, k]
     padded_lengths = torch.cat([lengths, real.neg().add_(t_pad)])  # [B + 1]
-    return padded_rows, padded_seq, padded_lengths
+    return padded_rows, padded_seq, padded_lengths, padded_elements
 
 
 class _Token:
@@ -124,6 +133,7 @@ class _Entry:
         rows: Sequence[torch.Tensor],
         seq: torch.Tensor,
         lengths: torch.Tensor,
+        elements: Sequence[torch.Tensor],
         t_pad: int,
         amp: tuple[bool, torch.dtype | None],
     ) -> None:
@@ -140,6 +150,8 @@ class _Entry:
         ]  # [B, d_i]
         self.seq = seq.new_zeros(t_pad, seq.shape[1]).requires_grad_(seq.requires_grad)
         self.lengths = torch.zeros_like(lengths, memory_format=torch.contiguous_format)  # [B]
+        # per-element inputs without gradients (masks): [T_pad, k_j]
+        self.elements = [e.new_zeros(t_pad, e.shape[1]) for e in elements]
         self.params: list[torch.Tensor] = [p for p in owner.params if p.requires_grad]
         # what the backward differentiates: leaves that require grad, then parameters
         self.inputs_grad = [x.requires_grad for x in (*self.rows, self.seq)]
@@ -155,11 +167,19 @@ class _Entry:
 
     # ----------------------------------------------------------------- per call
 
-    def load(self, rows: Sequence[torch.Tensor], seq: torch.Tensor, lengths: torch.Tensor) -> None:
+    def load(
+        self,
+        rows: Sequence[torch.Tensor],
+        seq: torch.Tensor,
+        lengths: torch.Tensor,
+        elements: Sequence[torch.Tensor],
+    ) -> None:
         for static, x in zip(self.rows, rows, strict=True):
             static.copy_(x)
         self.seq[: seq.shape[0]].copy_(seq)
         self.lengths.copy_(lengths)
+        for static, x in zip(self.elements, elements, strict=True):
+            static[: x.shape[0]].copy_(x)
 
     def replay_forward(self) -> None:
         if self.owner.emulate:
@@ -185,8 +205,10 @@ class _Entry:
                 cache_enabled=False,
             ),
         ):
-            rows, seq, lengths = pad_to_bucket(self.rows, self.seq, self.lengths)
-            return self.owner.body(rows, seq, lengths)[: self.b]  # [B, ...]
+            rows, seq, lengths, elements = pad_to_bucket(
+                self.rows, self.seq, self.lengths, self.elements
+            )
+            return self.owner.body(rows, seq, lengths, elements)[: self.b]  # [B, ...]
 
     def _grad(self, out: torch.Tensor, gout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # emulated: keep the graph for a second backward, as a replayed backward graph allows
@@ -271,12 +293,14 @@ class _Replay(torch.autograd.Function):
         ctx: Any,
         entry: _Entry,
         n_rows: int,
+        elements: tuple[torch.Tensor, ...],
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
-        # tensors: rows (n_rows), seq [T, D], lengths [B], then entry.params
+        # tensors: rows (n_rows), seq [T, D], lengths [B], then entry.params; elements
+        # ([T, k_j], no gradient) ride outside them, as autograd need not see them
         rows, seq, lengths = tensors[:n_rows], tensors[n_rows], tensors[n_rows + 1]
         owner = entry.owner
-        entry.load(rows, seq, lengths)
+        entry.load(rows, seq, lengths, elements)
         entry.replay_forward()
         token = _Token()
         owner._pending = weakref.ref(token)
@@ -300,7 +324,7 @@ class _Replay(torch.autograd.Function):
         entry.gout.copy_(grad)
         entry.replay_backward()
         ctx.token.done = True
-        return (None, None, *entry.input_grads(ctx.t), None, *entry.param_grads())
+        return (None, None, None, *entry.input_grads(ctx.t), None, *entry.param_grads())
 
 
 class JaggedGraphs:
@@ -395,9 +419,11 @@ class JaggedGraphs:
         seq: torch.Tensor,
         lengths: torch.Tensor,
         eager: Callable[[], torch.Tensor],
+        elements: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
         """``body`` on the real rows through a graph (or ``eager()`` when it cannot be)."""
-        # rows: [B, d_i]; seq: [T, D]; lengths: [B] int64 with sum T
+        # rows: [B, d_i] (bool masks too); seq: [T, D]; lengths: [B] int64 with sum T;
+        # elements: [T, k_j] each, no gradient (the sequence's cold masks)
         reason = self._why_eager(rows, seq)
         if reason is not None:
             self._eager(reason)
@@ -415,6 +441,7 @@ class JaggedGraphs:
             t_pad,
             tuple((r.shape[1], r.dtype, r.requires_grad) for r in rows),
             (seq.shape[1], seq.dtype, seq.requires_grad, lengths.dtype),
+            tuple((e.shape[1], e.dtype) for e in elements),
             amp,
             seq.device,
         )
@@ -435,13 +462,13 @@ class JaggedGraphs:
             if self._sightings[key] < self.capture_after:
                 self._eager("shape not seen often enough yet")
                 return eager()
-            entry = self._capture(key, rows, seq, lengths, t_pad, amp)
+            entry = self._capture(key, rows, seq, lengths, elements, t_pad, amp)
             if entry is None:
                 return eager()
         self.stats["replays"] += 1
         return cast(
             torch.Tensor,
-            _Replay.apply(entry, len(rows), *rows, seq, lengths, *entry.params),
+            _Replay.apply(entry, len(rows), tuple(elements), *rows, seq, lengths, *entry.params),
         )
 
     def _capture(
@@ -450,6 +477,7 @@ class JaggedGraphs:
         rows: Sequence[torch.Tensor],
         seq: torch.Tensor,
         lengths: torch.Tensor,
+        elements: Sequence[torch.Tensor],
         t_pad: int,
         amp: tuple[bool, torch.dtype | None],
     ) -> _Entry | None:
@@ -459,10 +487,10 @@ class JaggedGraphs:
         if self._pool is None and not self.emulate:
             self._pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        entry = _Entry(self, rows, seq, lengths, t_pad, amp)
+        entry = _Entry(self, rows, seq, lengths, elements, t_pad, amp)
         try:
             with torch.no_grad():
-                entry.load(rows, seq, lengths)
+                entry.load(rows, seq, lengths, elements)
             entry.capture(self._pool)
         except Exception as err:  # noqa: BLE001 - fall back to eager for this shape
             self._failed.add(key)
@@ -494,17 +522,33 @@ class DenseArchGraphs(JaggedGraphs):
 
     Called like the module (keywords of :data:`shared.dense_inputs.INPUT_NAMES`, and the cold
     masks of a module with a backoff); only the training layout (``user_index=None``) is
-    graphed. A module's cold-id backoff (:mod:`train.model.backoff`, a dozen ops) runs eagerly
-    before the graph, which then scores the backed-off embeddings (their gradients flow back
-    through the backoff as autograd inputs). Not an ``nn.Module``: keep it beside the model
-    (the trainer does), never inside it.
+    graphed. A module's cold-id backoff (:mod:`train.model.backoff`) runs inside the graphs,
+    before the towers: the masks are graph inputs beside the embeddings (``user_cold`` and
+    ``item_cold`` as rows, False in the dummy row; ``seq_cold`` per element, False in the
+    padding), so the backoff's forward and backward cost no launch of their own (issue #53;
+    until then its ~30 ops a step ran eagerly around the graphs). Not an ``nn.Module``: keep it
+    beside the model (the trainer does), never inside it.
     """
 
     def __init__(self, dense: nn.Module, **kw: Any) -> None:
         arch: Any = dense  # a DenseArch (not imported: graphs work on any such module)
 
-        def body(rows: Sequence[torch.Tensor], seq: torch.Tensor, lengths: torch.Tensor):
-            return arch.score(rows[0], rows[1], rows[2], seq, lengths, None)  # [B + 1]
+        def body(
+            rows: Sequence[torch.Tensor],
+            seq: torch.Tensor,
+            lengths: torch.Tensor,
+            elements: Sequence[torch.Tensor],
+        ) -> torch.Tensor:
+            # rows: user_deep, item_deep, query [B + 1, d], then user_cold, item_cold [B + 1, K]
+            # with a backoff; elements: seq_cold [T_pad, Ks] with a backoff
+            embedded = dict(user_deep=rows[0], item_deep=rows[1], query=rows[2], seq_values=seq)
+            if len(rows) > 3:
+                cold = dict(user_cold=rows[3], item_cold=rows[4], seq_cold=elements[0])
+                embedded = arch.back_off(embedded, cold)
+            return arch.score(
+                embedded["user_deep"], embedded["item_deep"], embedded["query"],
+                embedded["seq_values"], lengths, None,
+            )  # fmt: skip  # [B + 1]
 
         super().__init__(dense, body, **kw)
 
@@ -531,18 +575,45 @@ class DenseArchGraphs(JaggedGraphs):
             return eager()
         if user_deep.shape[0] != item_deep.shape[0] or seq_lengths.shape[0] != query.shape[0]:
             return eager()  # the module raises its own error
-        embedded = dict(user_deep=user_deep, item_deep=item_deep, query=query)
-        embedded = cast(Any, self.module).back_off({**embedded, "seq_values": seq_values}, cold)
-        rows = (embedded["user_deep"], embedded["item_deep"], embedded["query"])
-        return self.run(rows, embedded["seq_values"], seq_lengths, eager)  # [B]
+        rows = [user_deep, item_deep, query]
+        elements: list[torch.Tensor] = []
+        if cold or cast(Any, self.module).takes_cold:
+            masks = self._cold_masks(user_deep, seq_values, cold)
+            if masks is None:
+                return eager()  # the module raises its own error
+            rows += masks[:2]
+            elements.append(masks[2])
+        return self.run(rows, seq_values, seq_lengths, eager, elements)  # [B]
+
+    def _cold_masks(
+        self, user_deep: torch.Tensor, seq_values: torch.Tensor, cold: dict[str, torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """user_cold, item_cold [B, K], seq_cold [T, K] as the module's backoff takes them (a
+        host check: shapes and dtypes), else None (the module's own call then says why)."""
+        backoff = getattr(self.module, "backoff", None)
+        masks = [cold.get(name) for name in COLD_NAMES]
+        if backoff is None or set(cold) != set(COLD_NAMES):
+            return None
+        rows = {"user_cold": user_deep.shape[0], "item_cold": user_deep.shape[0],
+                "seq_cold": seq_values.shape[0]}  # fmt: skip
+        if backoff.why_not(cold) is not None or any(
+            cold[name].shape[0] != n for name, n in rows.items()
+        ):
+            return None
+        return cast(list[torch.Tensor], masks)
 
 
 class DINGraphs(JaggedGraphs):
     """:class:`~train.model.din.JaggedDIN`'s training fast path through CUDA graphs."""
 
     def __init__(self, din: nn.Module, **kw: Any) -> None:
-        def body(rows: Sequence[torch.Tensor], seq: torch.Tensor, lengths: torch.Tensor):
-            return din(rows[0], seq, lengths, None)  # [B + 1, D]
+        def body(
+            rows: Sequence[torch.Tensor],
+            seq: torch.Tensor,
+            lengths: torch.Tensor,
+            elements: Sequence[torch.Tensor],
+        ) -> torch.Tensor:
+            return cast(torch.Tensor, din(rows[0], seq, lengths, None))  # [B + 1, D]
 
         super().__init__(din, body, **kw)
 

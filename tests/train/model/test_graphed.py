@@ -115,7 +115,7 @@ def test_padded_bucket_equals_unpadded(lengths: list[int], extra: int) -> None:
         garbage = torch.full((extra, DQ), 1e30, dtype=seq_values.dtype)
         garbage[::2] = float("nan")
         seq = torch.cat([seq_values, garbage])  # [T_pad, D]
-        rows, seq, lens = pad_to_bucket([user_deep, item_deep, query], seq, seq_lengths)
+        rows, seq, lens, _ = pad_to_bucket([user_deep, item_deep, query], seq, seq_lengths)
         assert lens.tolist() == [*lengths, extra] and seq.shape[0] == t + extra
         out = arch(*rows, seq, lens, None)  # [B + 1]
         return out[: len(lengths)]
@@ -139,7 +139,7 @@ def test_padded_bucket_equals_unpadded_din_alone() -> None:
 
     def padded(query, seq_values, seq_lengths):
         seq = torch.cat([seq_values, torch.full((7, DQ), float("nan"), dtype=torch.float64)])
-        rows, seq, lens = pad_to_bucket([query], seq, seq_lengths)
+        rows, seq, lens, _ = pad_to_bucket([query], seq, seq_lengths)
         return din(rows[0], seq, lens, None)[:4]
 
     assert_same(fwd_bwd(padded, din, x), fwd_bwd(eager_din(din), din, x))
@@ -633,3 +633,116 @@ def test_cuda_train_steps_with_the_captured_sparse_step_match_eager(
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
     ran = model.sparse.dynamic.static_stats()["deep"]
     assert ran["replays"] == 6 and ran["captures"] >= 1, ran
+
+
+# --------------------------------------------------------------------------- the cold-ids config
+
+
+def _cold_ids_runs(tiny: Path, tmp: Path, device: str, steps: int, after=None):
+    """Per run (eager; graphed): losses, dense parameters, dense EMA averages, the dense graphs,
+    where the backoff ran (True: inside a graph body) and the model, of ``steps`` steps of the
+    cold-ids config (backoff, crosses, item tower, dense EMA) with small full tables, the EMA
+    updated after each step as the trainer does. Graphed: the static sparse step (captured on
+    CUDA) and the dense graphs (emulated on CPU); ``after(step)`` is then called with a
+    function that runs one more of its steps."""
+    import inspect
+
+    from tests.conftest import ROOT, write_config
+    from tests.train.test_trainer import _options
+    from train.trainer import Trainer, train_step
+
+    base = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb_cold_ids.config"
+    runs = []
+    for graphed in (False, True):
+        tmp_run = tmp / f"cold{graphed}"
+        tmp_run.mkdir(parents=True, exist_ok=True)
+        config = write_config(
+            base, tmp_run / "cold.config", train=tiny / "train", eval_=tiny / "eval",
+            replace=FULL_TABLES,
+        )  # fmt: skip
+        trainer = Trainer(_options(tiny, tmp_run, config, device=device, cuda_graphs=False))
+        model, opts, ema = trainer.model, trainer.optimizers, trainer.dense_ema
+        assert ema is not None and model.dense.takes_cold
+        assert model.dense.crosses is not None and model.dense.item_tower is not None
+        where: list[bool] = []
+
+        def in_graph_body(*_: object, where: list[bool] = where) -> None:
+            frames = inspect.stack()
+            where.append(any(f.function == "_run" and f.filename.endswith("graphed.py")
+                             for f in frames))  # fmt: skip
+
+        model.dense.backoff.register_forward_hook(in_graph_body)
+        graphs = None
+        if graphed:
+            model.sparse.dynamic.use_static_step(capture=device == "cuda")
+            model.sparse.dynamic.reserve_max_capacity()
+            graphs = DenseArchGraphs(model.dense, emulate=device == "cpu", min_bucket=256)
+        batches = [b.to(device) for b in list(trainer.loader.epoch(0))[: steps + 1]]
+        losses = []
+        for i, b in enumerate(batches[:steps]):
+            losses.append(float(train_step(model, opts, b, i, graphs=graphs, ema=ema)))
+        if graphed and after is not None:
+            last = (model, opts, batches[steps], steps)
+            after(
+                lambda last=last, graphs=graphs, ema=ema: train_step(*last, graphs=graphs, ema=ema)
+            )
+        params = [p.detach().clone() for p in model.dense.parameters()]
+        averages = [a.clone() for a in ema.averaged().values()]
+        runs.append((losses, params, averages, graphs, where, model))
+    return runs
+
+
+def test_cold_ids_steps_with_emulated_graphs_equal_eager(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """The cold-ids config's whole step on CPU (lookups with hit masks, the static sparse
+    step, the backoff, crosses and item tower, Adam, the dense EMA) with the dense part
+    through the emulated graphs: the backoff runs inside the graph body, and the losses,
+    weights and averages are eager's."""
+    eager, graphed = _cold_ids_runs(tiny_samples, tmp_path, "cpu", 4)
+    graphs = graphed[3]
+    assert graphs is not None and graphs.stats["replays"] == 4 and graphs.stats["eager"] == 0
+    assert eager[4] and not any(eager[4])  # eager: the module's own forward
+    assert len(graphed[4]) >= 4 and all(graphed[4]), graphed[4]  # graphed: in the graph body
+    for a, b in zip(graphed[0], eager[0], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), (graphed[0], eager[0])
+    for got, want in ((graphed[1], eager[1]), (graphed[2], eager[2])):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert graphed[5].sparse.dynamic.static_stats()["deep"]["eager"] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures CUDA graphs")
+def test_cuda_cold_ids_steps_with_graphs_match_eager(tiny_samples: Path, tmp_path: Path) -> None:
+    """The same on CUDA, the sparse step and the dense part (backoff, crosses, item tower)
+    replayed from CUDA graphs, the EMA fused: every step replayed, the losses, weights and
+    averages eager's to the dense graphs' rounding, and no host sync in a replayed step."""
+    import warnings
+
+    syncs: list[str] = []
+
+    def without_syncs(step) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs.extend(str(w.message) for w in seen if "called a synchronizing" in str(w.message))
+
+    eager, graphed = _cold_ids_runs(tiny_samples, tmp_path, "cuda", 6, after=without_syncs)
+    assert not syncs, syncs
+    graphs, model = graphed[3], graphed[5]
+    assert graphs is not None and graphs.stats["replays"] == 7, graphs.stats
+    assert graphs.stats["eager"] == 0 and graphs.stats["capture_failures"] == 0
+    ran = model.sparse.dynamic.static_stats()["deep"]
+    assert ran["replays"] == 7 and ran["captures"] >= 1, ran
+    assert all(graphed[4]) and len(graphed[4]) >= 7  # captures and replays: in the body
+    for a, b in zip(graphed[0], eager[0], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (graphed[0], eager[0])
+    for got, want in ((graphed[1], eager[1]), (graphed[2], eager[2])):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
