@@ -177,12 +177,7 @@ class SparseArch(nn.Module):
             rows, hits = self.id_dropout.apply(self.fs, parts, rows, hits, self.dynamic.step)
         # 2. pool scalar features per bag, keep sequences jagged
         pooled, sequences = pool_features(self.fs, parts, rows)
-        flags = {
-            name: ~found if which == "sequence" else cold_rows(found, lengths)
-            for (which, name, _ids, lengths), found in zip(parts, hits, strict=True)
-            if found is not None
-        }
-        return Embedded(pooled, sequences, flags)
+        return Embedded(pooled, sequences, cold_flags(parts, hits))
 
     def prefetch(self, batch: Batch) -> None:
         """Bring the rows of ``batch``'s stored dynamic keys into the device tier of the CACHING
@@ -237,6 +232,37 @@ class SparseArch(nn.Module):
                         found_rows[i] = chunk
         assert all(o is not None for o in out)
         return out, found_rows  # type: ignore[return-value]
+
+
+def cold_flags(
+    parts: Sequence[FeaturePart], hits: Sequence[torch.Tensor | None]
+) -> dict[str, torch.Tensor]:
+    """Feature → which of its rows are cold (:func:`~shared.dense_inputs.cold_rows`: [rows]
+    bool, a pooled feature's bags without a hit) or elements (``~hits``: a sequence feature's
+    [T] bool), for every part with ``hits`` (``None``: not dynamic). All pooled features'
+    bags in one ``cold_rows`` and all sequences' in one negation, so the flags cost the same
+    dozen launches however many dynamic features there are (one ``cold_rows`` per feature
+    took about 8 a feature: 50 a step of the cold-ids config, outside every graph). Exact:
+    a bag's hits are a count."""
+    pooled: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (feature, lengths, hits)
+    seqs: list[tuple[str, torch.Tensor]] = []  # (feature, hits)
+    for (which, name, _ids, lengths), found in zip(parts, hits, strict=True):
+        if found is not None and which == "sequence":
+            seqs.append((name, found))
+        elif found is not None:
+            pooled.append((name, lengths, found))
+    out: dict[str, torch.Tensor] = {}
+    if pooled:
+        found = torch.cat([h for _, _, h in pooled]) if len(pooled) > 1 else pooled[0][2]
+        lengths = torch.cat([n for _, n, _ in pooled]) if len(pooled) > 1 else pooled[0][1]
+        flags = cold_rows(found, lengths)  # [Σ rows]
+        sizes = [int(n.shape[0]) for _, n, _ in pooled]
+        out.update(zip((f for f, _, _ in pooled), torch.split(flags, sizes), strict=True))
+    if seqs:
+        missed = ~(torch.cat([h for _, h in seqs]) if len(seqs) > 1 else seqs[0][1])  # [Σ T]
+        sizes = [int(h.shape[0]) for _, h in seqs]
+        out.update(zip((f for f, _ in seqs), torch.split(missed, sizes), strict=True))
+    return {p[1]: out[p[1]] for p, h in zip(parts, hits, strict=True) if h is not None}
 
 
 def _split(flat: torch.Tensor, parts: list[FeaturePart], idx: list[int]) -> Sequence[torch.Tensor]:

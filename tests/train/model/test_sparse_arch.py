@@ -57,3 +57,31 @@ def test_bad_entries_name_the_field(
         table_lr_scales(seed_fs, _optimizer(*entries))
     assert f"train_config.sparse_optimizer.table_learning_rates{field}" in str(err.value)
     assert message in str(err.value)
+
+
+def test_cold_flags_are_each_features_own_in_one_pass() -> None:
+    """cold_flags: every pooled feature's bags in one cold_rows and every sequence's elements
+    in one negation give what each feature's own flags are (bags of 0, 1 and 3 ids)."""
+    import torch
+
+    from shared.dense_inputs import cold_rows
+    from train.model.sparse_arch import cold_flags
+
+    gen = torch.Generator().manual_seed(0)
+    parts, hits = [], []
+    for which, name, rows in (
+        ("user", "user_id", 5), ("item", "price", 5), ("item", "adgroup_id", 5),
+        ("sequence", "click_50_seq__adgroup_id", 0), ("sequence", "click_50_seq__brand", 0),
+    ):  # fmt: skip
+        lengths = torch.randint(0, 4, (rows,), generator=gen) if rows else torch.zeros(0)
+        n = int(lengths.sum()) if rows else 7
+        ids = torch.arange(n)
+        parts.append((which, name, ids, lengths.to(torch.int64)))
+        hits.append(None if name == "price" else torch.rand(n, generator=gen) < 0.5)
+    got = cold_flags(parts, hits)
+    assert list(got) == ["user_id", "adgroup_id", "click_50_seq__adgroup_id", "click_50_seq__brand"]
+    for (which, name, _ids, lengths), found in zip(parts, hits, strict=True):
+        if found is None:
+            continue
+        want = ~found if which == "sequence" else cold_rows(found, lengths)
+        assert torch.equal(got[name], want), name
