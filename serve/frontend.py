@@ -81,6 +81,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from protos import predict_pb2
+from serve import oip_servicer
 from serve.admission import Admission, overloaded
 from serve.batcher import Batcher
 from serve.handoff import HandoffClient, HandoffServer, ModelRegistry
@@ -247,7 +248,8 @@ def _grpc_server(
     )
     server.add_generic_rpc_handlers(handlers)
     add_health(server, checks)
-    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
+    services = (SERVICE_NAME, oip_servicer.SERVICE_NAME, health.SERVICE_NAME)
+    enable_reflection(server, services, pools=[oip_servicer.DESCRIPTOR_POOL])
     return server
 
 

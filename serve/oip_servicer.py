@@ -38,6 +38,9 @@ from serve.validation import TENSORS, RequestError
 from shared.features import FeatureSet
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+# the pool the protocol's descriptors live in (not the default one: tritonclient registers the
+# same names there); server reflection looks the service up in it
+DESCRIPTOR_POOL = v2.DESCRIPTOR.pool
 DEFAULT_MODEL_NAME = "dynrec"
 PLATFORM = "dynrec_multitower_din"
 EXTENSIONS = ["binary_tensor_data"]  # HTTP: tensors as raw bytes after the JSON

@@ -38,6 +38,7 @@ import torch
 from grpc_health.v1 import health
 
 from protos import predict_pb2
+from serve import oip_servicer
 from serve.admin import AdminConfig, AdminServer
 from serve.admission import Admission
 from serve.batcher import Batcher, BatcherConfig
@@ -350,7 +351,8 @@ class PredictionServer:
         add_health(server, self.health)
         for name in ("", SERVICE_NAME):
             self.health.set(name, NOT_SERVING)
-        enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
+        services = (SERVICE_NAME, oip_servicer.SERVICE_NAME, health.SERVICE_NAME)
+        enable_reflection(server, services, pools=[oip_servicer.DESCRIPTOR_POOL])
         self.port = bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
         server.start()
         self._grpc = server

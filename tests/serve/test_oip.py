@@ -5,7 +5,7 @@ Liveness, readiness and metadata; ModelInfer gives Predict's scores bit for bit 
 rows, with the tensors in ``raw_input_contents`` and in typed ``contents`` (their tensors give
 the batch of Predict's validation); malformed tensors and bad values are INVALID_ARGUMENT naming
 the tensor; other models and versions NOT_FOUND; the protocol's
-other RPCs UNIMPLEMENTED.
+other RPCs UNIMPLEMENTED; server reflection lists and describes the service.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from loadtest.oip import OipTensor, infer_request, tensors_of_predict
 from protos import grpc_predict_v2_pb2 as v2
@@ -36,6 +38,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 LIMITS = Limits(max_candidates=8, max_sequence_length=20, max_string_bytes=64, max_pending=16)
 TIMEOUT_S = 30.0
+OIP_FILE = "protos/grpc_predict_v2.proto"
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +284,9 @@ def test_infer_through_frontends(bundle_v1: Path, requests) -> None:
                 answer = stub.ModelInfer(infer_request(req, "dynrec"), timeout=TIMEOUT_S)
                 got = np.frombuffer(answer.raw_output_contents[0], "<f4").tobytes()
                 assert got == predict_scores(ch, req) and answer.id == req.request_id
+            names, files = reflected(ch)
+            assert "inference.GRPCInferenceService" in names
+            assert files == [[OIP_FILE], [OIP_FILE]]
     finally:
         srv.stop(grace=0)
 
@@ -320,3 +326,35 @@ def test_a_bad_value_names_the_tensor_and_candidate(channel, requests) -> None:
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     details = err.value.details()
     assert details.startswith("adgroup_id: ") and details.endswith(f"(candidate {len(ids) - 1})")
+
+
+def reflected(channel: grpc.Channel) -> tuple[set[str], list[list[str]]]:
+    """(the services reflection v1 lists, the files served for the service and for its
+    ModelInfer method: each a list of file names)."""
+    call = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    symbols = ["inference.GRPCInferenceService", "inference.GRPCInferenceService.ModelInfer"]
+    requests = [reflection_pb2.ServerReflectionRequest(list_services="")] + [
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=s) for s in symbols
+    ]
+    listed, *found = list(call(iter(requests), timeout=TIMEOUT_S))
+    files = [
+        [
+            descriptor_pb2.FileDescriptorProto.FromString(raw).name
+            for raw in f.file_descriptor_response.file_descriptor_proto
+        ]
+        for f in found
+    ]
+    return {s.name for s in listed.list_services_response.service}, files
+
+
+def test_reflection_lists_and_describes_the_service(channel) -> None:
+    """grpcurl and Postman see the protocol: listed, and the file served is the one compiled
+    here (the protocol's own descriptor pool), even in a process where tritonclient registered
+    Triton's grpc_service.proto of the same names (this one)."""
+    names, files = reflected(channel)
+    assert {"inference.GRPCInferenceService", "dynrec.serving.PredictionService"} <= names
+    assert files == [[OIP_FILE], [OIP_FILE]]
