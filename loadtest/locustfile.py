@@ -1,4 +1,5 @@
-"""Locust user that calls ``PredictionService/Predict`` over gRPC with pooled, pre-serialized requests.
+"""Locust user that calls ``PredictionService/Predict`` (or the Open Inference Protocol's
+``GRPCInferenceService/ModelInfer``) over gRPC with pooled, pre-serialized requests.
 
 Run it through ``python -m loadtest`` (which builds the pool and reads the results), or by hand::
 
@@ -8,7 +9,10 @@ Run it through ``python -m loadtest`` (which builds the pool and reads the resul
 The pool decides the request format: candidates as ``candidate_columns`` (the default of
 ``python -m loadtest`` and ``loadtest.requests.build_request_pool``) or as ``candidates``
 (``--no-columnar`` / ``columnar=False``); the pool header's ``format`` says which, and
-``--request-format`` makes a run refuse a pool of the other format.
+``--request-format`` makes a run refuse a pool of the other format. The pool's ``protocol``
+decides the method: ``predict`` (Predict, answered by a PredictResponse) or ``oip`` (ModelInfer,
+built by ``loadtest.oip.oip_pool``; its ``probabilities`` checked in ``raw_output_contents``);
+``--request-protocol`` makes a run refuse a pool of the other protocol.
 
 Importing locust gevent-patches the process, so this file only ever runs inside a locust process;
 gRPC is made gevent-cooperative (``init_gevent``) before any channel exists.
@@ -40,10 +44,14 @@ if _ROOT not in sys.path:
 
 from loadtest.latency import RawLatencyWriter  # noqa: E402
 from loadtest.pool import RequestPool, read_pool  # noqa: E402
+from protos import grpc_predict_v2_pb2 as v2  # noqa: E402
 from protos import predict_pb2  # noqa: E402
 
 _SERVICE = predict_pb2.DESCRIPTOR.services_by_name["PredictionService"].full_name
+_OIP_SERVICE = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PREDICT_METHOD = f"/{_SERVICE}/Predict"
+INFER_METHOD = f"/{_OIP_SERVICE}/ModelInfer"
+PROTOCOLS = ("predict", "oip")
 _MAX_MESSAGE = 64 * 1024 * 1024
 
 
@@ -87,6 +95,13 @@ def _add_options(parser) -> None:
         choices=["any", "columnar", "rows"],
         help="the candidate encoding the pool must hold (its header's format); any: whatever it has",
     )
+    parser.add_argument(
+        "--request-protocol",
+        default="any",
+        choices=["any", *PROTOCOLS],
+        help="the protocol the pool's requests must be of (its header's protocol); any: whatever "
+        "it has",
+    )
 
 
 class _State:
@@ -111,6 +126,12 @@ def _on_init(environment: Environment, **_kwargs) -> None:
         sys.exit(
             f"locustfile: {opts.request_pool} holds {fmt} requests, not {opts.request_format}; "
             "rebuild it (python -m loadtest --columnar / --no-columnar)"
+        )
+    protocol = pool_protocol(_State.pool)
+    if opts.request_protocol not in ("any", protocol):
+        sys.exit(
+            f"locustfile: {opts.request_pool} holds {protocol} requests, not "
+            f"{opts.request_protocol}; rebuild it (python -m loadtest --protocol ...)"
         )
     if opts.raw_latency_dir:
         _State.raw = RawLatencyWriter(opts.raw_latency_dir)
@@ -143,6 +164,14 @@ def _write_final_csv(**_kwargs) -> None:
     ]:
         with open(f"{prefix}_{suffix}.csv", "w", newline="") as f:
             write(csv.writer(f))
+
+
+def pool_protocol(pool: RequestPool) -> str:
+    """The protocol of ``pool``'s requests (pools of before the header said it: predict)."""
+    protocol = str(pool.info.get("protocol", "predict"))
+    if protocol not in PROTOCOLS:
+        sys.exit(f"locustfile: the pool's protocol {protocol!r} is not one of {PROTOCOLS}")
+    return protocol
 
 
 def _progress_file(environment: Environment) -> Path | None:
@@ -185,15 +214,16 @@ def _write_progress(environment: Environment, path: Path) -> None:
 
 
 class PredictUser(User):
-    """One client with its own gRPC channel and connection, sending pooled PredictRequests.
+    """One client with its own gRPC channel and connection, sending the pool's requests
+    (PredictRequests, or ModelInferRequests for a pool of protocol ``oip``).
 
     Attributes:
         host: ``ip:port`` of the PredictionService (locust's ``--host``).
         wait_time: ``--wait-ms`` between a response and the next request (default 0: closed loop).
 
-    Each request fires locust's ``request`` event (request_type ``grpc``, name ``Predict``,
-    response time in ms, response size in bytes) and a raw record. A response with the wrong
-    number of probabilities counts as a failure.
+    Each request fires locust's ``request`` event (request_type ``grpc``, name ``Predict`` or
+    ``ModelInfer``, response time in ms, response size in bytes) and a raw record. A response
+    with the wrong number of probabilities counts as a failure.
     """
 
     def wait_time(self) -> float:
@@ -219,8 +249,11 @@ class PredictUser(User):
             ],
         )
         # no (de)serializers: the pool holds wire bytes and the response size is its byte length
+        oip = pool_protocol(self._pool) == "oip"
+        self._name = "ModelInfer" if oip else "Predict"
+        self._check = _check_infer if oip else _check
         self._predict: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
-            PREDICT_METHOD
+            INFER_METHOD if oip else PREDICT_METHOD
         )
 
     def on_stop(self) -> None:
@@ -240,12 +273,12 @@ class PredictUser(User):
             exception = RpcFailure(f"{e.code().name}: {e.details()}")
         latency_ns = time.perf_counter_ns() - t0
         if exception is None:
-            exception = _check(response, self._pool.num_candidates)
+            exception = self._check(response, self._pool.num_candidates)
         if _State.raw is not None:
             _State.raw.record(start_unix_ns, latency_ns, exception is None)
         self.environment.events.request.fire(
             request_type="grpc",
-            name="Predict",
+            name=self._name,
             response_time=latency_ns / 1e6,
             response_length=len(response),
             exception=exception,
@@ -259,5 +292,19 @@ def _check(response: bytes, num_candidates: int) -> Exception | None:
     except Exception as e:  # a garbled response is a failure of the server, not of the user
         return RpcFailure(f"unparsable PredictResponse: {e}")
     if n != num_candidates:
+        return RpcFailure(f"{n} probabilities for {num_candidates} candidates")
+    return None
+
+
+def _check_infer(response: bytes, num_candidates: int) -> Exception | None:
+    """A ModelInferResponse holds ``probabilities`` FP32 [num_candidates], raw."""
+    try:
+        msg = v2.ModelInferResponse.FromString(response)
+    except Exception as e:  # a garbled response is a failure of the server, not of the user
+        return RpcFailure(f"unparsable ModelInferResponse: {e}")
+    if [o.name for o in msg.outputs] != ["probabilities"] or len(msg.raw_output_contents) != 1:
+        return RpcFailure("expected one output, probabilities, in raw_output_contents")
+    n = len(msg.raw_output_contents[0]) // 4
+    if n != num_candidates or list(msg.outputs[0].shape) != [n]:
         return RpcFailure(f"{n} probabilities for {num_candidates} candidates")
     return None

@@ -8,6 +8,7 @@ The same features give the same scores over both protocols. Example::
     tensors = tensors_of_predict(request)                 # [OipTensor(name, datatype, values)]
     msg = infer_request(request, "dynrec", raw=True)      # a ModelInferRequest (gRPC)
     stub.ModelInfer(msg)
+    pool = oip_pool(predict_pool, "dynrec")               # python -m loadtest --protocol oip
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loadtest.pool import RequestPool
 from protos import grpc_predict_v2_pb2 as v2
 from protos import predict_pb2
 
@@ -136,3 +138,15 @@ def infer_request(
             values = t.values if t.datatype == "BYTES" else t.values.tolist()  # type: ignore[union-attr]
             getattr(tensor.contents, _CONTENTS[t.datatype]).extend(values)
     return msg
+
+
+def oip_pool(pool: RequestPool, model_name: str) -> RequestPool:
+    """``pool``'s requests (serialized PredictRequests) as the ModelInferRequests of the same
+    features for model ``model_name``, tensors in ``raw_input_contents`` (as tritonclient
+    sends them); the header says ``"protocol": "oip"`` and the model's name."""
+    payloads = [
+        infer_request(predict_pb2.PredictRequest.FromString(p), model_name).SerializeToString()
+        for p in pool.payloads
+    ]
+    info = {**pool.info, "protocol": "oip", "model_name": model_name}
+    return RequestPool(payloads, pool.num_candidates, info)

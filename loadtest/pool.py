@@ -1,11 +1,15 @@
-"""The request pool file: serialized PredictRequests built once, replayed by every locust user.
+"""The request pool file: serialized requests built once, replayed by every locust user.
 
 Building requests costs far more than sending them, so ``loadtest.requests`` serializes a few
 thousand once and the locust processes only read bytes. Format (little-endian)::
 
     b"DYNRECPOOL1\\n"                    magic
     <json header>\\n                     {"count": R, "num_candidates": N, "model_version": ...}
-    R x (uint32 length, length bytes)    one serialized dynrec.serving.PredictRequest each
+    R x (uint32 length, length bytes)    one serialized request each
+
+The header's ``protocol`` says what the requests are: ``predict`` (absent in pools of before
+it), ``dynrec.serving.PredictRequest``; ``oip``, ``inference.ModelInferRequest`` (for the
+header's ``model_name``).
 
 Example::
 

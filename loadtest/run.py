@@ -1,10 +1,13 @@
-"""Headless load test against a running PredictionService: pool → locust subprocess → report.
+"""Headless load test against a running server (Predict or the Open Inference Protocol): pool → locust subprocess → report.
 
     python -m loadtest --host 127.0.0.1:50051 --users 8 --spawn-rate 8 --duration 30 \\
-        --candidates 100 --samples data/samples/eval --out out/loadtest [--no-columnar]
+        --candidates 100 --samples data/samples/eval --out out/loadtest [--protocol oip]
 
 Requests carry their candidates as ``candidate_columns`` (``--columnar``, the default: cheaper
 for the server) or as one ``Features`` per candidate (``--no-columnar``); same candidates.
+``--protocol oip`` sends the same requests as the Open Inference Protocol's ModelInfer (one
+tensor per feature, raw, for ``--model-name``) instead of Predict: two runs with the same
+``--seed`` compare the protocols on the same requests.
 
 Writes into ``--out``: ``requests.pool`` (the serialized requests), ``raw/latency-<pid>.bin``
 (exact latencies), ``locust_stats.csv`` & co. (locust's CSV, final numbers), ``locust.log``, ``summary.json`` and
@@ -31,6 +34,7 @@ import grpc
 
 from loadtest import report
 from loadtest.latency import RawLatencies, read_raw_latencies
+from loadtest.oip import oip_pool
 from loadtest.pool import RequestPool, write_pool
 from loadtest.requests import (
     build_request_pool,
@@ -45,6 +49,7 @@ from shared.progress import ProgressLine
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 PROGRESS_EVERY_S = 5.0  # between plain progress lines (stderr not a terminal)
+PROTOCOLS = ("predict", "oip")
 
 
 def wait_until_serving(host: str, timeout_s: float = 120.0, service: str = "") -> float:
@@ -104,8 +109,13 @@ def run_load_test(
     processes: int = 1,
     columnar: bool = True,
     connect_timeout_s: float = 30.0,
+    protocol: str = "predict",
+    model_name: str = "dynrec",
 ) -> dict[str, object]:
     """Run one headless locust test against ``host`` (``ip:port``) and return the summary.
+
+    ``protocol``: ``predict`` (PredictionService/Predict) or ``oip`` (the Open Inference
+    Protocol's ModelInfer of the same requests, for model ``model_name``).
 
     The summary (also ``<out>/summary.json``) holds exact percentiles from the raw latencies;
     locust's own numbers (whole ms below 100 ms) are under ``"locust"``. ``connect_timeout_s``:
@@ -116,6 +126,8 @@ def run_load_test(
             f"--duration {duration_s}: must be a whole number of seconds >= 1 (locust's -t); "
             "pass --duration 1 or more"
         )
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol {protocol!r}: not one of {PROTOCOLS}")
     out = Path(out)
     raw_dir = _clear_outputs(out)
     metadata = _served_metadata(host, num_candidates, connect_timeout_s)
@@ -127,6 +139,8 @@ def run_load_test(
         num_candidates=num_candidates,
         seed=seed,
         columnar=columnar,
+        protocol=protocol,
+        model_name=model_name,
     )
     log_file, progress_file = out / "locust.log", out / "progress.json"
     cmd = _locust_command(
@@ -155,6 +169,7 @@ def run_load_test(
         "processes": processes,
         "candidates_per_request": num_candidates,
         "request_format": "columnar" if columnar else "rows",
+        "protocol": protocol,
         "request_pool": {"requests": len(pool), "build_s": build_s, **pool.info},
     }
     return _write_summary(out, run, raw, exit_code, log_file)
@@ -174,7 +189,10 @@ def _write_summary(
         "timeline": rows,
         "locust": {"exit_code": exit_code, **report.read_locust_csv(out / "locust")},
     }
-    title = f"{run['host']}: {run['users']} users, {num_candidates} candidates/request"
+    title = (
+        f"{run['host']} ({run['protocol']}): {run['users']} users, "
+        f"{num_candidates} candidates/request"
+    )
     summary["files"] = {
         "summary": str(out / "summary.json"),
         "plot": str(report.plot(rows, out / "latency.png", title, num_candidates)),
@@ -220,9 +238,11 @@ def _write_request_pool(
     num_candidates: int,
     seed: int,
     columnar: bool,
+    protocol: str = "predict",
+    model_name: str = "dynrec",
 ) -> tuple[RequestPool, Path, float]:
     """(pool, its file, seconds to build and write it): requests laid out as ``metadata`` says
-    (sides, value types, each sequence's delimiter and length limit)."""
+    (sides, value types, each sequence's delimiter and length limit), of ``protocol``."""
     t0 = time.perf_counter()
     pool = build_request_pool(
         samples,
@@ -235,6 +255,9 @@ def _write_request_pool(
         columnar=columnar,
     )
     pool.info["model_version"] = metadata.model_version
+    pool.info["protocol"] = "predict"
+    if protocol == "oip":
+        pool = oip_pool(pool, model_name)
     pool_file = write_pool(path, pool)
     return pool, pool_file, time.perf_counter() - t0
 
@@ -379,11 +402,27 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to wait for the server to answer its first call",
     )
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="predict",
+        help="predict: PredictionService/Predict; oip: the same requests as the Open Inference "
+        "Protocol's GRPCInferenceService/ModelInfer (one tensor per feature)",
+    )
+    p.add_argument(
+        "--model-name",
+        help="--protocol oip: the model's name (serve --model-name; default dynrec)",
+    )
     return p
 
 
 def _main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
+    if a.model_name is not None and a.protocol != "oip":
+        raise ValueError(
+            f"--model-name {a.model_name!r} names the model of the Open Inference Protocol; "
+            "pass it with --protocol oip, or drop it"
+        )
     if not Path(a.samples).exists():
         raise FileNotFoundError(
             f"--samples {a.samples}: no such file or directory; pass the eval samples "
@@ -404,12 +443,14 @@ def _main(argv: list[str]) -> int:
         processes=a.processes,
         columnar=a.columnar,
         connect_timeout_s=a.connect_timeout,
+        protocol=a.protocol,
+        model_name=a.model_name or "dynrec",
     )
     lat = s["latency_ms"]
     assert isinstance(lat, dict)
     ms = " ".join(f"{k} {'-' if lat[k] is None else f'{lat[k]:.2f}'}" for k in report.PERCENTILES)
     print(
-        f"{s['requests']} requests, {s['failures']} failures, {s['qps']:.1f} req/s, "
+        f"{a.protocol}: {s['requests']} requests, {s['failures']} failures, {s['qps']:.1f} req/s, "
         f"{s['candidates_per_s']:.0f} candidates/s; latency ms {ms} -> {a.out}/summary.json"
     )
     return 1 if s["failures"] else 0

@@ -1,7 +1,8 @@
 """The load test end to end: a gRPC server in this process, locust in a subprocess, the report.
 
-``prediction_server`` is the one place that knows what serves: today a small in-test servicer that
-checks the request layout; swap it for the real serving runtime when that lands.
+``prediction_server`` is a small in-test servicer that checks the request layout (and plants
+failures); ``real_server`` is the serving runtime, for both protocols (Predict and the Open
+Inference Protocol's ModelInfer) with the same requests.
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ import grpc
 import numpy as np
 import pytest
 
+from bench.synthetic_bundle import seed_feature_set
 from loadtest.latency import read_raw_latencies
-from loadtest.run import run_load_test
+from loadtest.oip import oip_pool
+from loadtest.pool import read_pool
+from loadtest.run import main, run_load_test
 from protos import predict_pb2, predict_pb2_grpc
+from serve.limits import Limits
+from serve.server import PredictionServer
+from tests.serve.conftest import make_bundle, running_server
 
 from .conftest import CONTEXT, ITEM, SEQUENCE, USER, model_metadata
 
@@ -170,3 +177,65 @@ def test_failures_are_counted_and_named(
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("loadtest: ")]
     assert lines, "no progress line on stderr"
     assert "/2 s (" in lines[-1] and " requests, " in lines[-1] and " failures, in " in lines[-1]
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictionServer]:
+    """The serving runtime on CPU (a small synthetic bundle of the seed config), both protocols
+    on its port."""
+    root = tmp_path_factory.mktemp("served")
+    with running_server(make_bundle(root, seed_feature_set(), "1", seed=1), Limits()) as srv:
+        yield srv
+
+
+def test_the_same_requests_over_both_protocols(
+    real_server: PredictionServer, sample_dir: Path, tmp_path: Path
+) -> None:
+    """--protocol oip drives ModelInfer with the requests --protocol predict sends (same seed),
+    against the real server: no failures (each answer holds every candidate's probability),
+    the locust row and the server's counters under the protocol's method."""
+    address = f"127.0.0.1:{real_server.port}"
+    registry = real_server.metrics.registry
+
+    def served(method: str) -> float:
+        sample = registry.get_sample_value("dynrec_serving_requests_total", {"method": method})
+        return sample or 0.0
+
+    summaries = {}
+    for protocol, method in [("predict", "Predict"), ("oip", "ModelInfer")]:
+        before = served(method)
+        out = tmp_path / protocol
+        summary = run_load_test(
+            address,
+            sample_dir,
+            out,
+            users=2,
+            spawn_rate=10,
+            duration_s=2,
+            num_candidates=5,
+            num_requests=20,
+            protocol=protocol,
+        )
+        assert summary["protocol"] == summary["request_pool"]["protocol"] == protocol
+        assert summary["failures"] == 0, summary["locust"]["failures"]
+        assert summary["locust"]["stats"][method]["Request Count"] == summary["requests"] > 0
+        # every recorded call reached the server, plus at most one in flight per user
+        assert summary["requests"] <= served(method) - before <= summary["requests"] + 2
+        summaries[protocol] = summary
+    predict_pool = read_pool(tmp_path / "predict" / "requests.pool")
+    oip = read_pool(tmp_path / "oip" / "requests.pool")
+    assert oip.info["model_name"] == "dynrec" and len(oip) == len(predict_pool)
+    assert oip.payloads == oip_pool(predict_pool, "dynrec").payloads  # the same requests
+
+
+def test_an_unknown_protocol_is_refused(sample_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--protocol 'rest'"):
+        run_load_test("127.0.0.1:1", sample_dir, tmp_path, protocol="rest")
+
+
+def test_model_name_only_with_the_oip_protocol(
+    sample_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--host", "127.0.0.1:1", "--samples", str(sample_dir), "--out", str(tmp_path)]
+    assert main([*argv, "--model-name", "ctr"]) == 2  # Predict has no model name to honour
+    assert "pass it with --protocol oip" in capsys.readouterr().err
