@@ -128,7 +128,10 @@ def test_storages_give_their_backend_to_the_counter_and_the_new_rows():
     )
     assert s.backend is b and s.table.backend is b
     assert s.counter is not None and s.counter.table.backend is b
-    assert repr(s) == "FusedStorage('g', tables=['a_emb', 'b_emb'], capacity=128, backend=counting)"
+    assert (
+        repr(s)
+        == "FusedStorage('g', tables=['a_emb', 'b_emb'], capacity=128, backend=counting, payload=HBM_ONLY)"
+    )
     assert FrequencyCounter(64, 16, backend=b).table.backend is b
 
 
