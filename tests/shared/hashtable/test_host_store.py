@@ -45,7 +45,10 @@ def test_store_reports_its_bytes_and_pinning() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host memory")
 def test_a_cuda_storage_store_is_pinned_and_takes_device_row_ids() -> None:
     store = _store(pin=True)
+    assert store._rows.is_pinned()  # page-locked in place
     got = store.read(torch.tensor([2, 3], device="cuda"))
     assert got.is_pinned() and got[:, 0].tolist() == [12.0, 18.0]
     store.write(torch.tensor([2], device="cuda"), torch.zeros(1, 6, device="cuda"))
     assert store.read(torch.tensor([2])).eq(0).all()
+    store.permute(9, torch.tensor([3], device="cuda"), torch.tensor([8], device="cuda"))
+    assert store._rows.is_pinned() and store.read(torch.tensor([8]))[0, 0] == 18.0
