@@ -68,8 +68,10 @@ class TensorHostStore:
         self._rows = self._empty(capacity)
 
     def _empty(self, capacity: int) -> torch.Tensor:
-        """[capacity, 2 * dim] zeros; with ``pin`` page-locked in place (``cudaHostRegister``):
-        torch's pinned allocator rounds a block up to a power of two, 68.7 GB for a 51 GB store."""
+        """[capacity, 2 * dim] zeros; with ``pin`` page-locked in place (``cudaHostRegister``),
+        not from torch's pinned allocator, which keeps a freed block cached (a store replaced on
+        growth, or a storage dropped, would hold its host memory) and may round a block up to a
+        power of two."""
         rows = torch.zeros(capacity, 2 * self.dim, dtype=torch.float32)
         if self.pin and rows.numel():
             _register(rows)
