@@ -208,6 +208,7 @@ def run(args: Any) -> dict[str, Any]:
     }
     for dim in args.dims:
         result["dims"][str(dim)] = run_dim(args, dim, device)
+        write_result(args.out, result)  # each dim as it ends: a run cut short keeps the others
     return result
 
 
@@ -228,8 +229,7 @@ def _parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    result = run(args)
-    write_result(args.out, result)
+    run(args)
     return 0
 
 
