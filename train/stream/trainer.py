@@ -145,6 +145,15 @@ class StreamTrainer:
         self.checkpoint_every = options.checkpoint_every or tc.save_checkpoints_steps or None
         self.source = PartitionSource(options.source)
         self.schedules = learning_rate_schedules(tc)
+        # the loader's workers start now, before the model (and CUDA) exists, as the batch
+        # trainer's: they fork from a process without CUDA
+        self.loader = InOrderLoader(
+            self.fs,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=self.device.type == "cuda",
+            message_rows=options.message_rows,
+        )
         self.model = MultiTowerDIN.from_config(
             self.config, self.fs, device=self.device, seed=options.seed
         )
@@ -182,15 +191,8 @@ class StreamTrainer:
         return progress
 
     def _reader(self, progress: Progress) -> StreamReader:
-        loader = InOrderLoader(
-            self.fs,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            pin_memory=self.device.type == "cuda",
-            message_rows=self.options.message_rows,
-        )
         position = Position(progress.source_partition, progress.source_row)
-        return StreamReader(self.source, loader, position)
+        return StreamReader(self.source, self.loader, position)
 
     def run(self) -> StreamResult:
         """Train until SIGTERM/SIGINT, :attr:`stop`, or ``idle_exit_s`` without new rows."""
