@@ -214,15 +214,15 @@ def run(args: Any) -> dict[str, Any]:
 
 def _parser() -> Parser:
     p = Parser(prog="python -m bench.bench_tiers", description=plain(__doc__), epilog=EXAMPLE)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--rows", type=int, default=200_000, help="keys in the table")
     p.add_argument("--rows-128", type=int, default=0, help="keys for dims > 64 (0: --rows)")
-    p.add_argument("--dims", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--dims", type=int, nargs="+", default=[16, 128], help="embedding dims")
     p.add_argument("--lookups", type=int, default=20_000, help="keys a step looks up")
     p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the keys")
     p.add_argument("--steps", type=int, default=15, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first (warm the cache)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="keys, batches and gradients")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 

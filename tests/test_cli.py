@@ -207,6 +207,7 @@ BENCH_CLIS = [
     "bench.bench_serving",
     "bench.bench_startup",
     "bench.bench_swap",
+    "bench.bench_tiers",
     "bench.bench_train",
     "bench.profile_request",
     "bench.profile_train",
