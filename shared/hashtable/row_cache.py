@@ -120,10 +120,11 @@ class RowCache:
 
     # ------------------------------------------------------------------ resolve
 
-    def _resolve(self, rows: torch.Tensor) -> torch.Tensor:
-        """[n] int64 lines of distinct ``rows`` [n] (all >= 0), -1 for rows bypassed: a new call
-        (stamp); hits stamped, misses loaded into free or least recently used lines that this
-        call does not use. One host read (the miss count) plus one for the free lines."""
+    def _resolve(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """([n] int64 lines of distinct ``rows`` [n] (all >= 0), -1 for rows bypassed; the
+        number bypassed): a new call (stamp); hits stamped, misses loaded into free or least
+        recently used lines that this call does not use. Host reads: the miss count, and with
+        misses the victims' write-backs."""
         self._tick += 1
         tick = self._tick
         lines = self.line_of_row[rows].to(torch.int64)  # [n]
@@ -132,11 +133,11 @@ class RowCache:
         self.stamp[lines[~miss]] = tick
         self.counters.hits += rows.numel() - n_miss
         if n_miss == 0:
-            return lines
+            return lines, 0
         at = torch.nonzero(miss).squeeze(1)  # [n_miss] positions of the misses
         candidate = torch.where(self.stamp < tick, self.stamp, _KEEP)  # [L]
-        n_free = self.lines - int((self.stamp == tick).sum())
-        k = min(n_miss, n_free)
+        # the lines stamped by this call are its hits' (distinct rows, distinct lines)
+        k = min(n_miss, self.lines - (rows.numel() - n_miss))
         if k:
             victims = torch.topk(candidate, k, largest=False, sorted=False).indices  # [k]
             self._evict(victims)
@@ -144,7 +145,7 @@ class RowCache:
             lines[at[:k]] = victims
         self.counters.misses += k
         self.counters.bypassed += n_miss - k
-        return lines
+        return lines, n_miss - k
 
     def _evict(self, victims: torch.Tensor) -> None:
         """Free lines ``victims`` [k]: dirty ones written back in one scatter."""
@@ -183,7 +184,10 @@ class RowCache:
         if at.numel() == 0:
             return out  # [U, dim]
         real = rows[at]
-        lines = self._resolve(real)
+        lines, n_bypassed = self._resolve(real)
+        if n_bypassed == 0:
+            out[at] = self.values[lines]
+            return out  # [U, dim]
         cached, bypassed = self._split(lines)
         out[at[cached]] = self.values[lines[cached]]
         if bypassed.numel():
@@ -194,7 +198,11 @@ class RowCache:
     def adagrad(self, rows: torch.Tensor, grads: torch.Tensor, config: AdagradConfig) -> None:
         if rows.numel() == 0:
             return
-        lines = self._resolve(rows)
+        lines, n_bypassed = self._resolve(rows)
+        if n_bypassed == 0:
+            self.backend.adagrad_update(self.values, self.accum, lines, grads, config)
+            self.dirty[lines] = True
+            return
         cached, bypassed = self._split(lines)
         if cached.numel():
             at = lines[cached]
