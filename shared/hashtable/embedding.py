@@ -320,7 +320,14 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         tables_of: dict[FusedStorage, list[str]] = {}  # the storages these keys use, in order
         for n in keys:
             tables_of.setdefault(self._where[n][0], []).append(n)
-        checked = _checked_keys(keys, self.device, check_sign=len(tables_of) > 1)
+        # several storages: one sign check for all (a host sync), unless each takes its static
+        # step, which refuses a negative key itself (no row, no update; raised within
+        # CHECK_EVERY lookups) as a single storage's does: a table at its own rate (a storage
+        # of its own) then costs no sync a step (issue #53)
+        static = train and all(
+            s.static is not None and s.static.why_not() is None for s in tables_of
+        )
+        checked = _checked_keys(keys, self.device, check_sign=len(tables_of) > 1 and not static)
         out: dict[str, torch.Tensor] = {}
         found: dict[str, torch.Tensor] = {}
         for storage, names in tables_of.items():

@@ -27,6 +27,8 @@ from train.model.graphed import (
 )
 
 DU, DI, DQ = 8, 6, 12
+# host reads of a device value: each one a sync on CUDA
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"}
 FLOATS = ("user_deep", "item_deep", "query", "seq_values")
 
 
@@ -631,8 +633,8 @@ def test_cuda_train_steps_with_the_captured_sparse_step_match_eager(
             assert a.shape == b.shape
         else:
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-    ran = model.sparse.dynamic.static_stats()["deep"]
-    assert ran["replays"] == 6 and ran["captures"] >= 1, ran
+    for ran in model.sparse.dynamic.static_stats().values():  # a table at its own rate too
+        assert ran["replays"] == 6 and ran["captures"] >= 1 and ran["eager"] == 0, ran
 
 
 # --------------------------------------------------------------------------- the cold-ids config
@@ -746,3 +748,35 @@ def test_cuda_cold_ids_steps_with_graphs_match_eager(tiny_samples: Path, tmp_pat
     for got, want in ((graphed[1], eager[1]), (graphed[2], eager[2])):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_a_table_at_its_own_rate_costs_no_host_read_with_static_steps(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """A table at its own sparse rate has a storage of its own; with every storage on its
+    static step, the collection reads nothing from the device in a training lookup of both
+    (its sign check across storages, a host sync, is left to the static steps, which refuse a
+    negative key themselves), and both storages take the static path. (The CPU code's own
+    reads stay: the torch backend's probe walk and the num_buckets tables' id check, which
+    CUDA does without a read.)"""
+    trainer = _tiny_model(tiny_samples, tmp_path, "cpu", replace={**FULL_TABLES, **TABLE_RATE})
+    model = trainer.model
+    dynamic = model.sparse.dynamic
+    dynamic.use_static_step(capture=False)
+    dynamic.reserve_max_capacity()
+    assert set(dynamic.storages) == {"deep", "cate_id_emb"}
+    batch = next(iter(trainer.loader.epoch(0)))
+    model.train()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True
+    ) as prof:
+        model.sparse(batch, cold=True)
+    callers = []  # the Python function around each host read
+    for e in prof.events():
+        if e.name in HOST_READS:
+            up = e.cpu_parent
+            while up is not None and ".py(" not in up.name:
+                up = up.cpu_parent
+            callers.append(up.name if up is not None else "?")
+    assert callers and not [c for c in callers if "hashtable/embedding.py" in c], callers
+    assert all(ran["eager"] == 1 for ran in dynamic.static_stats().values())
