@@ -1,13 +1,17 @@
-"""Training throughput: the seed (dynamic) config against the all-num_buckets config, one run.
+"""Training throughput of the shipped configs side by side, one run: the seed (dynamic) config,
+the all-num_buckets config and the cold-ids config (or any list of configs).
 
 First ``loader``: the Parquet loader alone (:func:`bench.bench_loader.measure`, batches pinned
-and copied to the device, no model) at ``--num-workers`` and at one worker per core. Then for
-each config of ``--configs`` (default: the seed config ``dynamic`` and the all-num_buckets
-baseline ``buckets``), on the same samples and device:
+and copied to the device, no model) at ``--num-workers`` and at one worker per core, at the
+first config's batch size. Then for each config of ``--configs`` (default: the seed config
+``dynamic`` and the all-num_buckets baseline ``buckets``; ``cold``: the cold-ids config), on
+the same samples and device, each at its own config's ``data_config.batch_size`` unless
+``--batch`` sets one for all (batch size is the user's: issue #53):
 
 - ``step``: the training step on batches already on the device
-  (:func:`bench.profile_train.profile_model`): median step ms as the trainer runs it, phases,
-  host syncs per step, GPU launches per step (by phase) and the GPU-busy fraction;
+  (:func:`bench.profile_train.profile_model`, the dense EMA included where the config has
+  one): median step ms as the trainer runs it, phases, host syncs per step, GPU launches per
+  step (by phase) and the GPU-busy fraction;
 - ``end_to_end``: the trainer's own loop (:class:`train.trainer.Trainer`: the Parquet loader
   with ``--num-workers`` workers, the device prefetch, CUDA graphs on CUDA) over one epoch, or
   ``--e2e-max-steps`` steps: samples/s, seconds, and the eval AUC (overall, head, tail) after it;
@@ -21,14 +25,19 @@ Each config's ``end_to_end`` + ``step_warm`` and its ``step`` run in child proce
 own (``--child``), so that no timed step or end-to-end run follows a torch.profiler in its
 process: a profiler leaves overhead on every later launch there (on the H200, 2026-12-02: +20 %
 to +26 % a step; ``step_ms_median_after_profiles`` beside ``step_ms_median`` shows it). Then
-the ratios between the configs and the goals of issue #18 (end-to-end samples/s of the seed
+``summary`` (per config: batch, end-to-end samples/s, step ms, launches and syncs a step, GPU
+busy), the ratios between the configs, the goals of issue #18 (end-to-end samples/s of the seed
 config, its step against the baseline's, GPU busy: of ``step_warm`` where it ran, else of
-``step``).
+``step``) and, with ``cold`` beside ``dynamic``, those of issue #53 (``cold_over_dynamic``:
+the cold-ids config's end-to-end samples/s at least 1.3M and 0.8x the seed config's, 0 syncs
+a step).
 ``--padded-steps N`` also times the seed config's step with tzrec's padded DIN (pad to 100) for N
 steps, as a reference.
 
     python -m bench.bench_train --size small --out out/bench_train.json
     python -m bench.bench_train --size full --device cuda --num-workers 12 --out $OUT/bench_train.json
+    python -m bench.bench_train --samples /tmp/full/samples --configs dynamic,buckets,cold \
+        --device cuda --out $OUT/bench_train_configs.json
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from shared.config import load_config
 from shared.features import build_feature_set
 from train.data.loader import MESSAGE_ROWS, Loader
 from train.data.synthetic import SIZES
+from train.dense_ema import DenseEMA
 from train.model.din import PaddedDIN
 from train.model.multi_tower_din import MultiTowerDIN
 from train.trainer import Trainer, TrainOptions, build_optimizers, cuda_graphs_for, train_step
@@ -64,11 +74,17 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "dynamic": ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config",
     "buckets": ROOT / "configs" / "multi_tower_din_taobao.config",
+    "cold": ROOT / "configs" / "multi_tower_din_taobao_dynamicemb_cold_ids.config",
 }
 GOALS = {  # issue #18
     "end_to_end_samples_per_s": 1.5e6,  # the seed config, one epoch of full data
     "dynamic_step_over_buckets": 1.15,
     "device_busy_fraction": 0.6,
+}
+COLD_GOALS = {  # issue #53: the cold-ids config against the seed config, same run
+    "end_to_end_samples_per_s": 1.3e6,
+    "end_to_end_over_dynamic": 0.8,
+    "syncs_per_step": 0,
 }
 PY_SPY_RATE = 200  # samples per second of --py-spy-s
 # what each child process measures (in_child), in this order: e2e first, the fresh step after
@@ -83,14 +99,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def batch_size(config_path: Path, args) -> int:
+    """The rows of a training batch of ``config_path``: ``--batch``, else the config's own
+    ``data_config.batch_size``."""
+    return int(args.batch or load_config(config_path).data_config.batch_size)
+
+
 def loader_figures(samples: Path, config_path: Path, args, device: torch.device) -> list[dict]:
-    """The loader alone at ``--num-workers`` and at one worker per core (epoch 0, shuffled)."""
+    """The loader alone at ``--num-workers`` and at one worker per core (epoch 0, shuffled),
+    at ``config_path``'s batch size (:func:`batch_size`)."""
     fs = build_feature_set(load_config(config_path))
+    batch = batch_size(config_path, args)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     timing = SimpleNamespace(warmup=10, window=20, windows=5, copy="one")
     out = []
     for workers in sorted({args.num_workers, cores or 1}):
-        loader = Loader(samples / "train", fs, batch_size=args.batch, num_workers=workers,
+        loader = Loader(samples / "train", fs, batch_size=batch, num_workers=workers,
                         shuffle=True, seed=0, drop_last=True, message_rows=args.message_rows,
                         pin_memory=device.type == "cuda")  # fmt: skip
         out.append(measure_loader(loader, timing, device))
@@ -98,13 +122,15 @@ def loader_figures(samples: Path, config_path: Path, args, device: torch.device)
 
 
 def step_figures(config_path: Path, batches, args, device: torch.device) -> dict[str, Any]:
-    """:func:`profile_model` of a fresh model of ``config_path`` (graphs as the trainer)."""
+    """:func:`profile_model` of a fresh model of ``config_path`` (graphs and dense EMA as the
+    trainer)."""
     config = load_config(config_path)
     model = MultiTowerDIN.from_config(config, build_feature_set(config), device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
     graphs = cuda_graphs_for(model) if device.type == "cuda" else None
+    ema = DenseEMA.of_config(model.dense, config.train_config)
     found, _ = profile_model(model, optimizers, batches, warmup=args.warmup, steps=args.steps,
-                             graphs=graphs)  # fmt: skip
+                             graphs=graphs, ema=ema)  # fmt: skip
     if graphs is not None:
         found["cuda_graphs"] = dict(graphs.stats)
         found["sparse_graphs"] = model.sparse.dynamic.static_stats()
@@ -141,7 +167,8 @@ def end_to_end(
         trainer = Trainer(
             TrainOptions(
                 config_path=config_path, model_dir=Path(model_dir), train_path=samples / "train",
-                eval_path=samples / "eval", device=str(device), batch_size=args.batch,
+                eval_path=samples / "eval", device=str(device),
+                batch_size=batch_size(config_path, args),
                 num_workers=args.num_workers, message_rows=args.message_rows,
                 max_steps=args.e2e_max_steps,
                 eval_max_batches=args.eval_max_batches, progress_bar=False,
@@ -196,7 +223,8 @@ def warm_step_figures(trainer: Trainer, batches, args, name: str) -> dict[str, A
     the profile's tables (top operators and kernels by device time) go beside ``--out``, as
     ``<out>.<name>_warm.txt``."""
     found, text = profile_model(trainer.model, trainer.optimizers, batches, warmup=args.warmup,
-                                steps=args.steps, graphs=trainer.graphs)  # fmt: skip
+                                steps=args.steps, graphs=trainer.graphs,
+                                ema=trainer.dense_ema)  # fmt: skip
     tables = args.out.with_name(f"{args.out.stem}.{name}_warm.txt")
     tables.parent.mkdir(parents=True, exist_ok=True)
     tmp = tables.with_name(tables.name + ".tmp")
@@ -210,9 +238,58 @@ def _step(entry: dict[str, Any]) -> dict[str, Any]:
     return entry.get("step_warm") or entry["step"]
 
 
+def summary(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config, the figures the configs are compared by: batch, end-to-end samples/s (and
+    its median log window), step ms, launches and syncs a step and GPU busy (of
+    ``step_warm`` where it ran, else of ``step``)."""
+    out = {}
+    for name, entry in configs.items():
+        step = _step(entry)
+        e2e = entry.get("end_to_end", {})
+        profile = step.get("profile", {})
+        out[name] = {
+            "batch": entry.get("batch"),
+            "end_to_end_samples_per_s": e2e.get("samples_per_s"),
+            "samples_per_s_median_window": e2e.get("samples_per_s_median_window"),
+            "step_ms": step.get("step_ms_median"),
+            "step_samples_per_s": entry["batch"] / step["step_ms_median"] * 1e3
+            if entry.get("batch") and step.get("step_ms_median")
+            else None,
+            "launches_per_step": profile.get("launches_per_step"),
+            "syncs_per_step": step.get("syncs_per_step"),
+            "device_busy_fraction": profile.get("device_busy_fraction"),
+            "auc": (e2e.get("eval") or {}).get("auc"),
+        }
+    return out
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """One line per config of ``result["summary"]``, then the cold/dynamic ratios."""
+
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = []
+    for name, s in result.get("summary", {}).items():
+        lines.append(
+            f"{name}: batch {s['batch']}, end to end {num(s['end_to_end_samples_per_s'], ',.0f')}"
+            f" samples/s (median window {num(s['samples_per_s_median_window'], ',.0f')}), "
+            f"step {num(s['step_ms'], '.2f')} ms, {num(s['launches_per_step'], '.0f')} "
+            f"launches and {num(s['syncs_per_step'], 'd')} syncs a step, GPU busy "
+            f"{num(s['device_busy_fraction'], '.2f')}"
+        )
+    cold = result.get("cold_over_dynamic")
+    if cold:
+        lines.append("cold/dynamic: " + json.dumps(cold))
+    return lines
+
+
 def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The comparisons and goals of the module docstring (where both configs ran)."""
     out: dict[str, Any] = {}
+    cold = configs.get("cold")
+    if cold and configs.get("dynamic"):
+        out["cold_over_dynamic"] = cold_ratios(cold, configs["dynamic"])
     dyn, base = configs.get("dynamic"), configs.get("buckets")
     if dyn and base:
         out["dynamic_step_over_buckets"] = (
@@ -237,6 +314,33 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def cold_ratios(cold: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
+    """The cold-ids config against the seed config of the same run (issue #53): end-to-end
+    samples/s, step ms and samples/s of the step (each at its own batch), and the goals of
+    :data:`COLD_GOALS`."""
+    out: dict[str, Any] = {}
+    e2e = (cold.get("end_to_end", {}).get("samples_per_s"),
+           dyn.get("end_to_end", {}).get("samples_per_s"))  # fmt: skip
+    if None not in e2e:
+        out["end_to_end_samples_per_s"] = e2e[0] / e2e[1]
+    cs, ds = _step(cold), _step(dyn)
+    out["step_ms"] = cs["step_ms_median"] / ds["step_ms_median"]
+    out["step_samples_per_s"] = (cold["batch"] / cs["step_ms_median"]) / (
+        dyn["batch"] / ds["step_ms_median"]
+    )
+    got = {
+        "end_to_end_samples_per_s": e2e[0],
+        "end_to_end_over_dynamic": out.get("end_to_end_samples_per_s"),
+        "syncs_per_step": cs.get("syncs_per_step"),
+    }
+    out["goals"] = {
+        k: {"goal": g, "got": got[k], "met": None if got[k] is None
+            else (got[k] <= g if k == "syncs_per_step" else got[k] >= g)}
+        for k, g in COLD_GOALS.items()
+    }  # fmt: skip
+    return out
+
+
 def _parser() -> Parser:
     p = Parser(prog="python -m bench.bench_train", description=plain(__doc__), epilog=EXAMPLE)
     p.add_argument("--configs", default="dynamic,buckets",
@@ -247,7 +351,9 @@ def _parser() -> Parser:
                    help="synthetic data size to generate when --samples is not given")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device to train on (default: cuda if this machine has one)")  # fmt: skip
-    p.add_argument("--batch", type=int, default=8192, help="rows per training batch")
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per training batch of every config (default: each config's own "
+                   "data_config.batch_size)")  # fmt: skip
     p.add_argument("--steps", type=int, default=10, help="timed steps per step measurement")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     p.add_argument("--padded-steps", type=int, default=0,
@@ -297,12 +403,12 @@ def in_child(part: str, name: str, path: Path, samples: Path, args) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="bench_train_child_") as tmp:
         figures = Path(tmp) / "figures.json"
         cmd = [sys.executable, "-m", "bench.bench_train", "--configs", f"{name}={path}",
-               "--samples", str(samples), "--device", args.device, "--batch", str(args.batch),
+               "--samples", str(samples), "--device", args.device,
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--num-workers", str(args.num_workers), "--message-rows", str(args.message_rows),
                "--padded-steps", str(args.padded_steps), "--out", str(args.out),
                "--child", part, "--child-out", str(figures)]  # fmt: skip
-        for flag, value in (("--e2e-max-steps", args.e2e_max_steps),
+        for flag, value in (("--batch", args.batch), ("--e2e-max-steps", args.e2e_max_steps),
                             ("--eval-max-batches", args.eval_max_batches)):  # fmt: skip
             if value is not None:
                 cmd += [flag, str(value)]
@@ -348,11 +454,11 @@ def run_child_part(args, device: torch.device) -> int:
     figures: dict[str, Any] = {}
     if args.child == "e2e":
         figures["end_to_end"], trainer = end_to_end(path, args.samples, args, device)
-        batches = device_batches(args.samples, fs, args.batch, n, device)
+        batches = device_batches(args.samples, fs, batch_size(path, args), n, device)
         figures["step_warm"] = warm_step_figures(trainer, batches, args, name)
     else:
-        batches = device_batches(args.samples, fs, args.batch, max(n, args.padded_steps + 2),
-                                 device)  # fmt: skip
+        batches = device_batches(args.samples, fs, batch_size(path, args),
+                                 max(n, args.padded_steps + 2), device)  # fmt: skip
         figures["step"] = step_figures(path, batches, args, device)
         if args.padded_steps and name == "dynamic":
             figures["padded_step_ms_median"] = padded_step_ms(
@@ -382,22 +488,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generated {args.size} in {time.perf_counter() - t0:.1f}s", flush=True)
         samples = Path(tmp.name) / "samples"
     result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
-                              "batch": args.batch, "message_rows": args.message_rows,
+                              "batch": args.batch or "each config's own",
+                              "message_rows": args.message_rows,
                               "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)
     parts = CHILD_PARTS if not args.no_end_to_end else ("step",)
     for name, path in paths.items():
         entry = result["configs"][name] = {
-            "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+            "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+            "batch": batch_size(path, args),
         }
         for part in parts:
             entry.update(in_child(part, name, path, samples, args))
         print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),
               flush=True)  # fmt: skip
+    result["summary"] = summary(result["configs"])
     result.update(ratios(result["configs"]))
     write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "configs"}, indent=2))
+    for line in summary_lines(result):
+        print(line)
     if tmp is not None:
         tmp.cleanup()
     return 0

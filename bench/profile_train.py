@@ -1,11 +1,12 @@
 """Where the time of one training step goes: step time, phases, host syncs, launches, profile.
 
-The views of a config's step at ``--batch`` (8192) on batches already on the device
-(:func:`profile_model`, which ``bench.bench_train`` runs for each config it compares):
+The views of a config's step at ``--batch`` (default: the config's ``data_config.batch_size``)
+on batches already on the device (:func:`profile_model`, which ``bench.bench_train`` runs for
+each config it compares), the dense EMA included where the config has one:
 
 - ``step_ms_median``: the step as the trainer runs it (no syncs inside);
 - ``phases``: median milliseconds of each phase (lookups, dense forward, backward with the fused
-  hash-table Adagrad, optimizer steps), each ended by a device synchronize;
+  hash-table Adagrad, optimizer steps, the dense EMA), each ended by a device synchronize;
 - ``syncs`` (CUDA only): every host synchronization in one step, counted by the line of this
   repository that caused it (``torch.cuda.set_sync_debug_mode``);
 - ``profile``: torch.profiler over ``--steps`` steps: GPU launches per step and per phase, GPU
@@ -40,6 +41,7 @@ from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import FeatureSet, build_feature_set
 from train.data.loader import Loader
+from train.dense_ema import DenseEMA
 from train.model.graphed import DenseArchGraphs
 from train.model.multi_tower_din import MultiTowerDIN
 from train.trainer import _amp_context, build_optimizers, cuda_graphs_for, train_step
@@ -51,14 +53,17 @@ EXAMPLE = """examples:
   python -m bench.profile_train --samples out/small/samples --device cuda --amp BF16 \\
     --out out/profile_train_bf16.json"""
 
-PHASES = ("zero_grad", "sparse_forward", "dense_forward", "backward", "optimizer")
+PHASES = ("zero_grad", "sparse_forward", "dense_forward", "backward", "optimizer", "dense_ema")
 # host calls that start work on the GPU (a graph replay counts once)
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
-def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> dict[str, float]:
-    """One train_step split into :data:`PHASES`, each timed up to a device synchronization
-    and marked ``record_function("phase:<name>")`` for :func:`launches_by_phase`."""
+def phased_step(
+    model, optimizers, batch, step: int, amp: str, sync, graphs, ema: DenseEMA | None = None
+) -> dict[str, float]:
+    """One train_step split into :data:`PHASES` (``dense_ema`` with an ``ema``), each timed up
+    to a device synchronization and marked ``record_function("phase:<name>")`` for
+    :func:`launches_by_phase`."""
     times: dict[str, float] = {}
 
     def phase(name: str, body: Callable[[], Any]) -> Any:
@@ -88,6 +93,8 @@ def phased_step(model, optimizers, batch, step: int, amp: str, sync, graphs) -> 
     loss = phase("dense_forward", dense_forward)
     phase("backward", loss.backward)
     phase("optimizer", lambda: [opt.step() for opt in optimizers.values()])
+    if ema is not None:
+        phase("dense_ema", ema.update)
     return times
 
 
@@ -112,7 +119,7 @@ def device_busy_us(events: Sequence[Any]) -> float:
 
 
 def launch_sites(
-    model, optimizers, batches, steps: int, amp: str, graphs, sync
+    model, optimizers, batches, steps: int, amp: str, graphs, sync, ema: DenseEMA | None = None
 ) -> dict[str, float]:
     """GPU launches per step by the line of this repository that made them (the innermost
     frame under ``shared/`` or ``train/`` of the launching operator's Python stack), the 40
@@ -125,7 +132,7 @@ def launch_sites(
     ) as prof:
         for _ in range(steps):
             i, b = next(batches)
-            train_step(model, optimizers, b, i, amp, graphs=graphs)
+            train_step(model, optimizers, b, i, amp, graphs=graphs, ema=ema)
         sync()
     sites: collections.Counter[str] = collections.Counter()
     root = str(ROOT) + "/"
@@ -160,7 +167,9 @@ def launches_by_phase(events: Sequence[Any]) -> dict[str, int]:
     return dict(out)
 
 
-def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[str, int]:
+def sync_sites(
+    model, optimizers, batch, step: int, amp: str, graphs, ema: DenseEMA | None = None
+) -> dict[str, int]:
     """Host synchronizations of one step, counted by the first frame inside this repository."""
     sites: collections.Counter[str] = collections.Counter()
     root = str(ROOT)
@@ -187,7 +196,7 @@ def sync_sites(model, optimizers, batch, step: int, amp: str, graphs) -> dict[st
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
-            train_step(model, optimizers, batch, step, amp, graphs=graphs)
+            train_step(model, optimizers, batch, step, amp, graphs=graphs, ema=ema)
             torch.cuda.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -215,7 +224,9 @@ def is_sync_call(func: str) -> bool:
     return m is not None and m.group(1) in _SYNC_CALLS
 
 
-def host_profile(model, optimizers, batches, steps: int, amp: str, graphs, sync) -> dict[str, Any]:
+def host_profile(
+    model, optimizers, batches, steps: int, amp: str, graphs, sync, ema: DenseEMA | None = None
+) -> dict[str, Any]:
     """Where the host time of ``steps`` training steps goes, as the trainer runs them (no phase
     syncs), by Python function (cProfile: each function's own time, ms per step) and by file:
     the view of a host-bound step that a GPU profile cannot give. cProfile's overhead
@@ -231,7 +242,7 @@ def host_profile(model, optimizers, batches, steps: int, amp: str, graphs, sync)
     prof.enable()
     for _ in range(steps):
         i, b = next(batches)
-        train_step(model, optimizers, b, i, amp, graphs=graphs)
+        train_step(model, optimizers, b, i, amp, graphs=graphs, ema=ema)
     sync()
     prof.disable()
     wall = (time.perf_counter() - t0) * 1e3 / steps
@@ -274,14 +285,16 @@ def device_batches(
     )
 
 
-def timed_steps(model, optimizers, batches, steps: int, amp: str, graphs, sync) -> list[float]:
+def timed_steps(
+    model, optimizers, batches, steps: int, amp: str, graphs, sync, ema: DenseEMA | None = None
+) -> list[float]:
     """Milliseconds of each of ``steps`` training steps as the trainer runs them, each up to a
     device synchronization."""
     walls = []
     for _ in range(steps):
         i, b = next(batches)
         t0 = time.perf_counter()
-        train_step(model, optimizers, b, i, amp, graphs=graphs)
+        train_step(model, optimizers, b, i, amp, graphs=graphs, ema=ema)
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
     return walls
@@ -296,9 +309,11 @@ def profile_model(
     steps: int,
     amp: str = "",
     graphs: DenseArchGraphs | None = None,
+    ema: DenseEMA | None = None,
 ) -> tuple[dict[str, object], list[str]]:
     """The figures of ``model``'s training step on ``batches`` (on its device, at least
-    :func:`batches_needed`): median step ms without and with phase syncs, the phases,
+    :func:`batches_needed`), with ``ema`` updated after each step as the trainer does:
+    median step ms without and with phase syncs, the phases,
     the host syncs of one step (CUDA), and a profile of ``steps`` steps (GPU launches per step
     and per phase, device-busy time and its share of the unprofiled step). Returns
     (figures, the profile's tables as text lines)."""
@@ -312,13 +327,13 @@ def profile_model(
     it = iter(enumerate(batches))
     for _ in range(warmup):
         i, b = next(it)
-        train_step(model, optimizers, b, i, amp, graphs=graphs)
+        train_step(model, optimizers, b, i, amp, graphs=graphs, ema=ema)
     sync()
-    walls = timed_steps(model, optimizers, it, steps, amp, graphs, sync)
+    walls = timed_steps(model, optimizers, it, steps, amp, graphs, sync, ema)
     phases = collections.defaultdict(list)
     for _ in range(steps):
         i, b = next(it)
-        for k, v in phased_step(model, optimizers, b, i, amp, sync, graphs).items():
+        for k, v in phased_step(model, optimizers, b, i, amp, sync, graphs, ema).items():
             phases[k].append(v)
     step_ms = statistics.median(walls)
     result: dict[str, object] = {
@@ -327,7 +342,7 @@ def profile_model(
     }
     if device.type == "cuda":
         i, b = next(it)
-        result["syncs"] = sites = sync_sites(model, optimizers, b, i, amp, graphs)
+        result["syncs"] = sites = sync_sites(model, optimizers, b, i, amp, graphs, ema)
         result["syncs_per_step"] = sum(sites.values())
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -337,7 +352,7 @@ def profile_model(
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             i, b = next(it)
-            phased_step(model, optimizers, b, i, amp, sync, graphs)
+            phased_step(model, optimizers, b, i, amp, sync, graphs, ema)
         sync()
     wall = (time.perf_counter() - t0) * 1e3 / steps
     events = prof.key_averages()
@@ -357,13 +372,15 @@ def profile_model(
         "launches_per_step_by_phase": {k: v / steps for k, v in by_phase.items()},
     }
     if cuda:
-        result["launches_by_site"] = launch_sites(model, optimizers, it, steps, amp, graphs, sync)
-    host = host_profile(model, optimizers, it, steps, amp, graphs, sync)
+        result["launches_by_site"] = launch_sites(
+            model, optimizers, it, steps, amp, graphs, sync, ema
+        )
+    host = host_profile(model, optimizers, it, steps, amp, graphs, sync, ema)
     host["overhead"] = host["profiled_ms_per_step"] / step_ms
     result["host"] = host
     # the unprofiled step again, after the profilers: slower if they left overhead behind
     result["step_ms_median_after_profiles"] = statistics.median(
-        timed_steps(model, optimizers, it, steps, amp, graphs, sync)
+        timed_steps(model, optimizers, it, steps, amp, graphs, sync, ema)
     )
     text = [
         f"== {steps} steps on {device}",
@@ -388,7 +405,8 @@ def _parser() -> Parser:
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="torch device to train on (default: cuda if this machine has one)",
     )
-    p.add_argument("--batch", type=int, default=8192, help="rows per training batch")
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per training batch (default: the config's data_config.batch_size)")  # fmt: skip
     p.add_argument("--steps", type=int, default=5, help="timed (and profiled) steps")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps before them")
     p.add_argument(
@@ -414,23 +432,25 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     config = load_config(args.config)
     fs = build_feature_set(config)
+    batch = args.batch or config.data_config.batch_size
     batches = device_batches(
-        args.samples, fs, args.batch, batches_needed(args.warmup, args.steps), device
+        args.samples, fs, batch, batches_needed(args.warmup, args.steps), device
     )
     model = MultiTowerDIN.from_config(config, fs, device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
+    ema = DenseEMA.of_config(model.dense, config.train_config)
     use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
     graphs = cuda_graphs_for(model) if use_graphs else None
     result: dict[str, object] = {"device": str(device), "torch": torch.__version__,
-                                 "batch": args.batch, "amp": args.amp,
-                                 "cuda_graphs": use_graphs}  # fmt: skip
+                                 "batch": batch, "amp": args.amp, "cuda_graphs": use_graphs,
+                                 "dense_ema": ema is not None}  # fmt: skip
     found, text = profile_model(
         model, optimizers, batches, warmup=args.warmup, steps=args.steps, amp=args.amp,
-        graphs=graphs,
+        graphs=graphs, ema=ema,
     )  # fmt: skip
     result.update(found)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".txt").write_text("\n".join([f"== batch {args.batch}", *text]))
+    args.out.with_suffix(".txt").write_text("\n".join([f"== batch {batch}", *text]))
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "syncs"}, indent=2))
     if "syncs" in result:
