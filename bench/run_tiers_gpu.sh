@@ -18,6 +18,6 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
   > "$OUT/tier_tests.log" 2>&1
 echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
 timeout 420 python3 -m bench.bench_tiers --device cuda --rows "${ROWS:-100000000}" \
-  --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup 20 --steps 15 \
+  --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup 20 --steps 15 --rounds 1 \
   --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
 echo "bench_tiers rc=$?"; tail -12 "$OUT/bench_tiers.log"
