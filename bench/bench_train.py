@@ -503,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
             entry.update(in_child(part, name, path, samples, args))
         print(json.dumps({name: {k: v for k, v in entry["step"].items() if k != "syncs"}}),
               flush=True)  # fmt: skip
+        # the configs so far, in case the run is stopped (a device call's time limit)
+        write_result(args.out, {**result, "complete": False, "summary": summary(result["configs"])})
+    result["complete"] = True
     result["summary"] = summary(result["configs"])
     result.update(ratios(result["configs"]))
     write_result(args.out, result)

@@ -39,13 +39,27 @@ def test_the_average_is_the_ema_recursion_and_the_first_update_copies() -> None:
     assert ema.updates == 5 and list(ema.averaged()) == [n for n, _ in module.named_parameters()]
 
 
-def test_the_average_is_torchs_averaged_model_bit_for_bit() -> None:
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_average_is_torchs_averaged_model_bit_for_bit(device: str) -> None:
     """The fused update gives AveragedModel(get_ema_multi_avg_fn)'s bits, at the config's
-    decay (a float32 from the proto), over steps that start with its copy."""
+    decay (a float32 from the proto), over steps that start with its copy (on CUDA: one
+    multi-tensor kernel for both, and the update makes no host sync)."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     decay = float(torch.tensor(0.999, dtype=torch.float32))  # as the config hands it over
-    module = _module()
+    module = _module().to(device)
     ema = DenseEMA(module, decay)
     source = torch.nn.ParameterList(module.parameters())
     reference = AveragedModel(source, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)
@@ -53,8 +67,14 @@ def test_the_average_is_torchs_averaged_model_bit_for_bit() -> None:
     for step in range(6):
         with torch.no_grad():
             for p in module.parameters():
-                p.add_(torch.randn(p.shape, generator=generator))
-        ema.update()
+                p.add_(torch.randn(p.shape, generator=generator).to(device))
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")  # a host sync in the update raises
+        try:
+            ema.update()
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
         reference.update_parameters(source)
         for (name, got), want in zip(
             ema.averaged().items(), reference.module.parameters(), strict=True

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call for issue #53: the shipped configs side by side on full data. The GPU tests of
+# the cold-ids step's modules (graphed == eager for the cold-ids config's step with backoff,
+# crosses, item tower and dense EMA; the fused EMA; a table at its own rate) beside the
+# generation of the full synthetic data (~140 s), then bench_train for the seed config, the
+# all-num_buckets config and the cold-ids config, each at its own batch size (8192, 8192, 4096):
+# step figures (ms, launches and syncs a step, GPU busy), the trainer's loop over one epoch with
+# its eval, and the ratios cold/dynamic, into $OUT/bench_train_configs.json (written after each
+# config, so a stopped run keeps the configs it finished; + the warm steps' kernel tables).
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (the wheels of
+# scripts/gpu_wheels.py, as bench/run_train_gpu.sh). Everything within ~590 s: the benchmark
+# gets what the data and tests left (BENCH_TIMEOUT caps it lower).
+# TESTS: the GPU test paths ("" skips them).
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nproc
+t0=$(date +%s)
+(python3 -m train.data all --size full --out /tmp/full \
+  --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1
+ echo "data rc=$? in $(( $(date +%s) - t0 )) s") &
+TESTS=${TESTS-tests/train/model/test_graphed.py tests/train/test_dense_ema.py tests/train/model/test_backoff.py tests/train/model/test_sparse_arch.py tests/shared/hashtable/test_embedding.py}
+if [ -n "$TESTS" ]; then
+  # shellcheck disable=SC2086  # TESTS is a list of paths
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short \
+    $TESTS > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$? at $(( $(date +%s) - t0 )) s"
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -20
+fi
+wait
+left=$(( ${DEADLINE_S:-590} - ($(date +%s) - t0) ))
+budget=$(( left < ${BENCH_TIMEOUT:-480} ? left : ${BENCH_TIMEOUT:-480} ))
+echo "bench_train: ${budget} s left"
+timeout "$budget" python3 -m bench.bench_train --samples /tmp/full/samples \
+  --configs dynamic,buckets,cold --device cuda --num-workers ${NUM_WORKERS:-12} \
+  --steps 10 --warmup 5 --out "$OUT/bench_train_configs.json" \
+  > "$OUT/bench_train_configs.log" 2>&1
+echo "bench_train rc=$? at $(( $(date +%s) - t0 )) s"
+grep -E "^(dynamic|buckets|cold): batch|^cold/dynamic: |^error" "$OUT/bench_train_configs.log" \
+  || tail -20 "$OUT/bench_train_configs.log"
