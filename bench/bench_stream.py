@@ -497,7 +497,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     a, b = serving["with_publishing"]["p99_ms"], serving["without_publishing"]["p99_ms"]
     serving["p99_ratio"] = a / b if a and b else None
     result = {
-        "bench": "stream", "device": args.device, "config": str(args.config),
+        "bench": "stream", "device": args.device, "machine": _machine(args.device),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "config": str(args.config),
         "samples": str(samples), "split": args.split, "partitions": len(parts),
         "event_time": "landing time (time_stamp rewritten to the second each partition is due)",
         "publish_every_s": args.publish_every_s, "full_every": args.full_every,
@@ -511,6 +512,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["goals"] = goals(result)
     result["work_dir"] = str(work)
     return result
+
+
+def _machine(device: str) -> str:
+    """The card (CUDA) or the CPU cores this process may use."""
+    if device == "cuda":
+        import torch
+
+        return f"{torch.cuda.get_device_name()}, {len(os.sched_getaffinity(0))} CPU cores"
+    return f"CPU, {len(os.sched_getaffinity(0))} cores"
 
 
 def goals(r: dict[str, Any]) -> dict[str, Any]:

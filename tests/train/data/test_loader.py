@@ -20,6 +20,7 @@ from shared.features import FeatureSet, feature_set_from_text
 from shared.fg import FgStats
 from train.data import synthetic, taobao
 from train.data.loader import (
+    InOrderLoader,
     Loader,
     _Message,
     _Packed,
@@ -306,3 +307,30 @@ def test_a_pinned_message_holds_the_same_batches_in_pinned_memory(
     for b, want in zip(pinned.unpacked(), batches, strict=True):
         _assert_same_batch(b, want)
         assert all(t.is_pinned() for t in b.tensors())
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_in_order_slices_come_back_in_row_order_across_files(
+    samples: Path, fs: FeatureSet, workers: int
+) -> None:
+    """Slices put while the loader runs (starting mid-file, ending in the next files) come back
+    as batches in row order, each slice's last batch short: the rows of an unshuffled epoch."""
+    import pyarrow.parquet as pq
+
+    files = tuple((str(f), pq.ParquetFile(f).metadata.num_rows)
+                  for f in sorted((samples / "train").glob("*.parquet")))  # fmt: skip
+    everything = fingerprint(list(Loader(samples / "train", fs, batch_size=100, shuffle=False,
+                                         num_workers=0).epoch(0)))  # fmt: skip
+    loader = InOrderLoader(fs, batch_size=100, num_workers=workers, message_rows=300)
+    try:
+        pieces = [*loader.slices(files, 250, 1400), *loader.slices(files, 1650, 401)]
+        assert [(p.start, p.rows) for p in pieces][:2] == [(250, 300), (550, 300)]
+        assert (pieces[-1].start, pieces[-1].batch_rows()) == (1950, [100, 1])
+        for piece in pieces:
+            loader.put(piece)
+        batches = loader.batches()
+        got = [next(batches) for _ in range(sum(len(p.batch_rows()) for p in pieces))]
+    finally:
+        loader.close()
+    assert [b.batch_size for b in got][-3:] == [100, 100, 1]
+    assert fingerprint(got) == everything[250:2051]
