@@ -684,13 +684,13 @@ def _cold_ids_runs(tiny: Path, tmp: Path, device: str, steps: int, after=None):
         losses = []
         for i, b in enumerate(batches):
             losses.append(float(train_step(model, opts, b, i, graphs=graphs, ema=ema)))
-        if graphed and after is not None:
+        params = [p.detach().clone() for p in model.dense.parameters()]
+        averages = [a.clone() for a in ema.averaged().values()]
+        if graphed and after is not None:  # after the figures the runs are compared by
             last = (model, opts, batches[-1], steps)
             after(
                 lambda last=last, graphs=graphs, ema=ema: train_step(*last, graphs=graphs, ema=ema)
             )
-        params = [p.detach().clone() for p in model.dense.parameters()]
-        averages = [a.clone() for a in ema.averaged().values()]
         runs.append((losses, params, averages, graphs, where, model))
     return runs
 
