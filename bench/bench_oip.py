@@ -12,8 +12,16 @@ parsing of the answers) send Predict and ModelInfer in alternating phases (``--r
 the ModelInferRequest of the same features (``loadtest.oip``, tensors in raw_input_contents).
 The scores of both are compared first (bit-equal on CPU; on CUDA within ``MAX_SCORE_GAP``, next
 to Predict's own gap between two calls). Per protocol and concurrency: candidates/s and
-p50/p99 latency (all rounds pooled); the ratios OIP/Predict. The issue's bar: OIP
-candidates/s >= 0.9x Predict's at equal p99 (closed loop at equal concurrency: p99 ratio ~1).
+p50/p99 latency (all rounds pooled); the ratios OIP/Predict, pooled and the median of the
+rounds' paired ratios (each OIP phase against the Predict phase just before it: a busy shared
+host moves both alike). The issue's bar: OIP candidates/s >= 0.9x Predict's at equal p99
+(closed loop at equal concurrency: p99 ratio ~1).
+
+``per_request_us`` is where one request's host time goes, in this process on the first
+``--profile-requests`` requests of the pool (medians, microseconds, one thread): Predict's parse
+and validation, the Open Inference Protocol's parse, tensor decoding
+(:func:`serve.oip.call_of_grpc`) and validation (:func:`serve.oip.fg_inputs`), feature generation
+of either, and each answer's serialization.
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +105,88 @@ def phase(
     return {"latencies": lat, "errors": [e for _, es in results for e in es], "seconds": a.duration}
 
 
+def _rate(phase: dict[str, Any], candidates: int) -> float:
+    return len(phase["latencies"]) * candidates / phase["seconds"]
+
+
 def summarize(phases: list[dict[str, Any]], candidates: int) -> dict[str, Any]:
     lat = np.array([x for p in phases for x in p["latencies"]]) * 1e3
     seconds = sum(p["seconds"] for p in phases)
     return {
         "requests": len(lat),
         "candidates_per_s": len(lat) * candidates / seconds,
+        "candidates_per_s_rounds": [_rate(p, candidates) for p in phases],
         "latency_ms": _pct(lat),
         "errors": [e for p in phases for e in p["errors"]][:10],
     }
+
+
+def _median_us(stage: Callable[[], object], iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        stage()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _stages(fs: Any, limits: Any, p_wire: bytes, i_wire: bytes) -> dict[str, Callable[[], object]]:
+    """The host stages of one request over each protocol, as calls to time."""
+    from protos import grpc_predict_v2_pb2 as v2
+    from protos import predict_pb2
+    from serve import oip
+    from serve.validation import request_inputs
+    from shared.fg_request import request_columns_to_batch
+
+    p = predict_pb2.PredictRequest.FromString(p_wire)
+    m = v2.ModelInferRequest.FromString(i_wire)
+    call = oip.call_of_grpc(m)
+    p_in = request_inputs(p, fs, limits)
+    o_in = oip.fg_inputs(call.tensors, fs, limits)
+    probs = np.random.default_rng(0).random(p_in.num_candidates, np.float32)
+    result = oip.InferResult("dynrec", "1", m.id, probs, binary_output=True)
+
+    def predict_response() -> bytes:
+        return predict_pb2.PredictResponse(
+            probabilities=probs.tolist(), model_version="1", request_id=p.request_id
+        ).SerializeToString()
+
+    return {
+        "predict.parse": lambda: predict_pb2.PredictRequest.FromString(p_wire),
+        "predict.validate": lambda: request_inputs(p, fs, limits),
+        "predict.fg": lambda: request_columns_to_batch(fs, **vars(p_in)),
+        "predict.respond": predict_response,
+        "oip.parse": lambda: v2.ModelInferRequest.FromString(i_wire),
+        "oip.decode": lambda: oip.call_of_grpc(m),
+        "oip.validate": lambda: oip.fg_inputs(call.tensors, fs, limits),
+        "oip.fg": lambda: request_columns_to_batch(fs, **vars(o_in)),
+        "oip.respond": lambda: oip.grpc_response(result).SerializeToString(),
+    }
+
+
+def per_request(
+    bundle: Path, predict: list[bytes], infer: list[bytes], n: int, iters: int
+) -> dict[str, float]:
+    """Median microseconds of each host stage of one request, per protocol, over the first
+    ``n`` requests of the pool (each stage's median per request, then the median of those)."""
+    from serve.limits import Limits
+    from shared.bundle.layout import FG_JSON
+    from shared.fg_spec import feature_set_from_dict
+
+    path = bundle / FG_JSON  # the features only (the tables stay on disk)
+    fs = feature_set_from_dict(json.loads(path.read_text()), source=str(path))
+    limits = Limits(max_candidates=1 << 20)
+    times: dict[str, list[float]] = {}
+    for p_wire, i_wire in zip(predict[:n], infer[:n], strict=True):
+        for name, stage in _stages(fs, limits, p_wire, i_wire).items():
+            times.setdefault(name, []).append(_median_us(stage, iters))
+    out = {k: statistics.median(v) for k, v in times.items()}
+    for proto, parts in [
+        ("predict", ("parse", "validate")),
+        ("oip", ("parse", "decode", "validate")),
+    ]:
+        out[f"{proto}.before_fg"] = sum(out[f"{proto}.{x}"] for x in parts)
+    return out
 
 
 def _payloads(host: str, samples: Path, a: argparse.Namespace) -> tuple[list[bytes], list[bytes]]:
@@ -194,6 +277,8 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     try:
         predict, infer = _payloads(group.host, samples, a)
         checked = check_same_scores(group.host, predict, infer)
+        stages = per_request(bundle, predict, infer, a.profile_requests, a.profile_iters)
+        print(", ".join(f"{k} {v:.1f} us" for k, v in stages.items()), flush=True)
         runs = []
         for clients in a.clients:
             by: dict[str, list[dict[str, Any]]] = {"predict": [], "oip": []}
@@ -208,10 +293,20 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             ratio = summary["oip"]["candidates_per_s"] / max(
                 summary["predict"]["candidates_per_s"], 1e-9
             )
+            paired = [
+                o / max(p, 1e-9)
+                for p, o in zip(
+                    summary["predict"]["candidates_per_s_rounds"],
+                    summary["oip"]["candidates_per_s_rounds"],
+                    strict=True,
+                )
+            ]
             runs.append({
                 "clients": clients,
                 **summary,
                 "ratio_candidates_per_s": ratio,
+                "ratio_candidates_per_s_rounds": paired,
+                "ratio_candidates_per_s_median_of_rounds": statistics.median(paired),
                 "ratio_p99": p99["oip"] / p99["predict"],
                 "meets_goal": ratio >= GOAL_RATIO,
             })  # fmt: skip
@@ -227,6 +322,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "candidates": a.candidates,
         "requests": a.requests,
         "scores_checked": checked,
+        "per_request_us": stages,
         "settings": {
             k: v for k, v in vars(a).items() if k not in ("out",) and not isinstance(v, Path)
         },
@@ -252,6 +348,10 @@ def _parser() -> Parser:
     p.add_argument("--warmup", type=float, default=2.0, help="seconds before each phase")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--frontends", type=int, default=0, help="serve --frontends N")
+    p.add_argument("--profile-requests", type=int, default=20, help="requests of per_request_us")
+    p.add_argument(
+        "--profile-iters", type=int, default=50, help="runs of each stage per request (medians)"
+    )
     p.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     return p
 
