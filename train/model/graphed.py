@@ -13,7 +13,8 @@ Static shapes. B (candidate rows) is exact per graph; T (sequence elements) is r
 bucket (:func:`bucket_rows`: 8 sizes per octave above ``min_bucket``, ~6 % padding on average,
 under 12.5 %). A
 graph runs on B + 1 rows: the extra last row is a dummy candidate (zero ``user_deep``,
-``item_deep`` and ``query`` rows) that owns the ``T_pad - T`` padding elements of the sequence
+``item_deep`` and ``query`` rows, and no cold flag: the backoff, inside the graph, leaves it
+alone) that owns the ``T_pad - T`` padding elements of the sequence
 (``seq_lengths`` gets one more entry, computed on the device). Padding elements are masked to
 zero inside the graph, whatever the static buffer holds. The dummy row's output is dropped and
 its output gradient is zero, so the B real rows get the same outputs and the same input and
