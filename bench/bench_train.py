@@ -241,7 +241,8 @@ def _step(entry: dict[str, Any]) -> dict[str, Any]:
 def summary(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per config, the figures the configs are compared by: batch, end-to-end samples/s (and
     its median log window), step ms, launches and syncs a step and GPU busy (of
-    ``step_warm`` where it ran, else of ``step``)."""
+    ``step_warm`` where it ran, else of ``step``), and the end-to-end run's eval AUC, head
+    and tail."""
     out = {}
     for name, entry in configs.items():
         step = _step(entry)
@@ -258,7 +259,7 @@ def summary(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "launches_per_step": profile.get("launches_per_step"),
             "syncs_per_step": step.get("syncs_per_step"),
             "device_busy_fraction": profile.get("device_busy_fraction"),
-            "auc": (e2e.get("eval") or {}).get("auc"),
+            **{k: (e2e.get("eval") or {}).get(k) for k in ("auc", "head_auc", "tail_auc")},
         }
     return out
 
