@@ -25,8 +25,9 @@ in time) keeps its due time: its lateness counts against freshness, and is repor
 
 Reported (JSON): ``train`` (rows/s of the trainer's ``stream`` records during phase 1, lag),
 ``publish`` (seconds from snapshot to files in place, the loop's stall per publish),
-``freshness`` (``event_to_served_s``: per served version, first probe that saw it minus its
-event time; ``served_age_s``: age of what served at each probe of phase 1), ``serving`` (p50/p99
+``freshness`` (``event_to_served_s``: per version of phase 1's rows, the first probe that saw
+it served minus its event time; ``served_age_s``: age of what served at each probe from the
+first of them on), ``serving`` (p50/p99
 of both phases and their ratio), ``auc`` (stream, batch, difference) and the goals.
 
 CPU (a smoke run of all of it, small numbers)::
@@ -432,11 +433,13 @@ def auc(args: argparse.Namespace, work: Path, samples: Path) -> dict[str, Any]:
 
 
 def freshness(p1: dict) -> dict[str, Any]:
-    """Event → served per served version, and the age of what served at each probe."""
+    """Event → served per version published in phase 1, and the age of what served at each
+    probe from the first of them on (before it, the age is that of the base published while the
+    server started)."""
     first_seen: dict[str, float] = {}
     ages = []
     for at, version, event_time, age in p1["probe"].samples:
-        if at < p1["replay_start"] or not event_time:
+        if event_time < int(p1["replay_start"]):  # due times are whole seconds
             continue
         ages.append(age)
         first_seen.setdefault(version, at - event_time)

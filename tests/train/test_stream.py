@@ -226,3 +226,40 @@ def test_publisher_full_then_deltas_then_full(tiny_samples: Path, tmp_path: Path
     published = [r["version"] for r in records(tmp_path / "m", "publish")]
     assert published == ["step-1", "step-1+step-2", "step-1+step-3", "step-4"]
     assert json.loads((deltas[0] / "manifest.json").read_text())["event_time"] == 1001
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_stream_trains_every_row_through_workers_and_prefetch(
+    tiny_samples: Path, tmp_path: Path, device: str
+) -> None:
+    """Three partitions through 2 loader workers (on CUDA: pinned, prefetched, CUDA graphs):
+    every row once, batches whole across partition ends but the last, the position at the end;
+    on CUDA the dense step replays its graph."""
+    rows = train_rows(tiny_samples)
+    parts = split(rows, 3)
+    for i, part in enumerate(parts):
+        write_partition(tmp_path / "src", f"p{i}", part)
+    trainer = StreamTrainer(StreamOptions(config_path=SEED_CONFIG, source=tmp_path / "src",
+                                          model_dir=tmp_path / "m", batch_size=256, device=device,
+                                          num_workers=2, idle_exit_s=0.0, log_every_s=1e9,
+                                          row_log=tmp_path / "rows.jsonl"))  # fmt: skip
+    result = trainer.run()
+    p = result.progress
+    assert (p.samples, p.step) == (rows.num_rows, -(-rows.num_rows // 256))
+    assert (p.source_partition, p.source_row) == ("p2", parts[2].num_rows)
+    logged = RowLog.read(tmp_path / "rows.jsonl")
+    assert sum(end - start for _, start, end in logged) == rows.num_rows
+    if device == "cuda":
+        assert trainer.graphs is not None and trainer.graphs.stats["replays"] > 0
