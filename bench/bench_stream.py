@@ -510,11 +510,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train": train_report(work, p1, lander), "publish": publish_report(work),
         "freshness": freshness(p1), "serving": serving,
     }  # fmt: skip
+    result["work_dir"] = str(work)
     if not args.no_auc:
+        write(args.out, {**result, "goals": goals(result), "auc": "pending"})  # if cut short
         result["auc"] = auc(args, work, samples)
     result["goals"] = goals(result)
-    result["work_dir"] = str(work)
     return result
+
+
+def write(out: Path, result: dict[str, Any]) -> None:
+    """``result`` as JSON to ``out``, atomically."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
 
 
 def _machine(device: str) -> str:
@@ -536,7 +545,7 @@ def goals(r: dict[str, Any]) -> dict[str, Any]:
         "event_to_served_p99_s<=30": {"value": p99, "met": p99 is not None and p99 <= 30},
         "serving_p99_ratio<=1.1": {"value": ratio, "met": ratio is not None and ratio <= 1.1},
     }
-    if "auc" in r:
+    if isinstance(r.get("auc"), dict):
         d = r["auc"]["stream_minus_batch"]
         out["abs_auc_diff<=0.002"] = {"value": d, "met": abs(d) <= 0.002}
     return out
@@ -570,8 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write(args.out, result)
     print(json.dumps(result))
     return 0
 
