@@ -201,7 +201,6 @@ def test_the_same_requests_over_both_protocols(
         sample = registry.get_sample_value("dynrec_serving_requests_total", {"method": method})
         return sample or 0.0
 
-    summaries = {}
     for protocol, method in [("predict", "Predict"), ("oip", "ModelInfer")]:
         before = served(method)
         out = tmp_path / protocol
@@ -221,7 +220,6 @@ def test_the_same_requests_over_both_protocols(
         assert summary["locust"]["stats"][method]["Request Count"] == summary["requests"] > 0
         # every recorded call reached the server, plus at most one in flight per user
         assert summary["requests"] <= served(method) - before <= summary["requests"] + 2
-        summaries[protocol] = summary
     predict_pool = read_pool(tmp_path / "predict" / "requests.pool")
     oip = read_pool(tmp_path / "oip" / "requests.pool")
     assert oip.info["model_name"] == "dynrec" and len(oip) == len(predict_pool)
