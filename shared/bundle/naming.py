@@ -7,9 +7,10 @@ The one place that knows the names. The writer is given a naming (default
 
     tzrec   (format_version 2)  model-000000-of-000001.{safetensors,json}
             dynamic T           C.T.keys/part_R_W int64 [n], C.T.values/part_R_W float32 [n, dim]
+                                [C.T.scores/part_R_W int64 [n]: optional, the rows' hotness]
             dense T             C.embedding_bags.T.weight float32 [rows, dim]
     dynrec  (format_version 1)  model-00000-of-00001.{safetensors,json}
-            dynamic T           T.keys/part_R_W, T.values/part_R_W
+            dynamic T           T.keys/part_R_W, T.values/part_R_W [, T.scores/part_R_W]
             dense T             T.weight
 
 A format 2 manifest also says ``"naming": "tzrec"``. ``tzrec`` is what TorchEasyRec's RTP
@@ -25,6 +26,14 @@ written on request for servers that predate format 2. Example::
     # 'model.model.embedding_group.emb_impls.__BASE__.ebc.user_id_emb.values/part_0_2'
     TZREC_NAMING.parse(that, hashmap=True)
     # TensorName(table='user_id_emb', rank=0, world=2, prefix='model.model.embedding_group...')
+
+A dynamic table's part may carry its rows' hotness, ``.scores/part_R_W`` int64 [n] beside the
+values (the training table's STEP/TIMESTAMP/LFU score: larger is hotter), named in the part's
+model-*.json entry as ``hashmap_score``; a server whose tables do not all fit its device keeps the
+hottest rows in device memory by it (``serve.tiers``). It is optional and adds no format number:
+a bundle without it is read as before (the hot rows are then the first ones). A reader that
+predates it refuses a bundle that has it (an unlisted tensor), so serve such a bundle with a
+server of this version or later.
 
 Format 3 (:data:`PAIR_PROGRAM_FORMAT`) is format 2 (tzrec naming, ``"naming": "tzrec"``) whose
 dense program takes the (candidate, element) pairs as inputs (``pair_segment``,
@@ -102,6 +111,10 @@ class BundleNaming(ABC):
 
     def values_name(self, table: str, rank: int, world: int) -> str:
         return f"{self._table_prefix(table)}{table}.values/part_{rank}_{world}"
+
+    def scores_name(self, table: str, rank: int, world: int) -> str:
+        """The optional hotness of a part's rows (int64 [n], the entry's ``hashmap_score``)."""
+        return f"{self._table_prefix(table)}{table}.scores/part_{rank}_{world}"
 
     def for_tables(self, collections: Mapping[str, str]) -> BundleNaming:
         """This naming with dynamic tables under the given collection paths (table → path),

@@ -26,7 +26,9 @@ from shared.bundle.naming import BundleNaming, TensorName, naming_of
 from shared.features import FeatureSet, TableSpec
 from shared.fg_spec import FgSpecError, feature_set_from_dict
 
-Parts = dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]  # table → rank → (W, k, v)
+# table → rank → (W, keys, values, scores or None)
+Part = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]
+Parts = dict[str, dict[int, Part]]
 
 
 @dataclass
@@ -50,10 +52,23 @@ class Bundle:
     # table → what its tensor names put before the table: the collection path in TorchEasyRec
     # naming ("model.model.embedding_group.emb_impls.__BASE__.ebc"), "" in dynrec naming
     table_prefixes: dict[str, str]
+    # dynamic table → (the keys tensor they belong to, its rows' hotness int64 [N]): read them
+    # with hotness(), which drops them once hash_tables holds other keys (a delta merged in)
+    hash_scores: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def config_digest(self) -> str:
         return str(self.manifest["config_digest"])
+
+    def hotness(self, table: str) -> torch.Tensor | None:
+        """The rows' hotness of dynamic ``table``, int64 [N] in the order of its keys (larger is
+        hotter: the training table's STEP/TIMESTAMP/LFU scores), or None when the bundle has none
+        for it: written without them, or derived from a bundle whose keys were replaced (a delta
+        merged in, ``serve.delta``), whose scores no longer match its rows."""
+        entry = self.hash_scores.get(table)
+        if entry is None or entry[0] is not self.hash_tables[table][0]:
+            return None
+        return entry[1]
 
     @property
     def format_version(self) -> int:
@@ -175,7 +190,9 @@ def read_bundle(path: str | os.PathLike[str], *, verify_checksums: bool = True) 
                 f"{stem}.json; re-export the bundle"
             )
     dense = found.dense
-    hashes = {t: _join_parts(root, t, p) for t, p in found.parts.items()}
+    joined = {t: _join_parts(root, t, p) for t, p in found.parts.items()}
+    hashes = {t: (k, v) for t, (k, v, _) in joined.items()}
+    scores = {t: sc for t, (_, _, sc) in joined.items() if sc is not None}
     for t in fs.tables:
         if t not in dense and t not in hashes:
             raise BundleError(
@@ -195,6 +212,7 @@ def read_bundle(path: str | os.PathLike[str], *, verify_checksums: bool = True) 
         read_seconds=time.perf_counter() - t0,
         naming=naming,
         table_prefixes={t: found.prefixes[t] for t in fs.tables},
+        hash_scores={t: (hashes[t][0], scores[t]) for t in fs.tables if t in scores},
     )
 
 
@@ -292,13 +310,22 @@ def _read_entry(
             f"{where}: metadata/shape mismatch: keys {list(keys.shape)} for {rows} value rows; "
             "re-export the bundle"
         )
+    scores = None
+    if "hashmap_score" in info:  # optional: the rows' hotness (shared.bundle.naming)
+        scores = _tensor(tensors, info["hashmap_score"], st_path, where)
+        used.add(info["hashmap_score"])
+        if scores.dtype != torch.int64 or list(scores.shape) != [rows]:
+            raise BundleError(
+                f"{where}: scores are {scores.dtype} {list(scores.shape)}, expected int64 "
+                f"[{rows}]; re-export the bundle"
+            )
     table_parts = found.parts.setdefault(table, {})
     if parsed.rank in table_parts or parsed.rank >= parsed.world:
         raise BundleError(
             f"{where}: part {parsed.rank} of {parsed.world} is repeated or out of range; "
             "re-export the bundle"
         )
-    table_parts[parsed.rank] = (parsed.world, keys, values)
+    table_parts[parsed.rank] = (parsed.world, keys, values, scores)
 
 
 def _value_problems(values: torch.Tensor, info: dict[str, Any], spec: TableSpec) -> list[str]:
@@ -352,9 +379,9 @@ def _tensor(tensors: dict[str, torch.Tensor], name: str, path: Path, where: str)
 
 
 def _join_parts(
-    root: Path, table: str, parts: dict[int, tuple[int, torch.Tensor, torch.Tensor]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    worlds = {w for w, _, _ in parts.values()}
+    root: Path, table: str, parts: dict[int, Part]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    worlds = {w for w, _, _, _ in parts.values()}
     world = max(worlds)
     if len(worlds) != 1 or sorted(parts) != list(range(world)):
         raise BundleError(
@@ -362,13 +389,22 @@ def _join_parts(
             f"expected parts 0..{world - 1} of {world}: a part is missing, re-export the bundle"
         )
     ordered = [parts[r] for r in range(world)]
+    with_scores = [sc is not None for _, _, _, sc in ordered]
+    if any(with_scores) and not all(with_scores):
+        raise BundleError(
+            f"{root}: table {table!r}: parts {[r for r, w in enumerate(with_scores) if w]} have "
+            "scores and the others not; re-export the bundle"
+        )
+    scores: torch.Tensor | None = None
     if world == 1:
-        keys, values = ordered[0][1], ordered[0][2]
+        keys, values, scores = ordered[0][1], ordered[0][2], ordered[0][3]
     else:
-        keys = torch.cat([k for _, k, _ in ordered])
-        values = torch.cat([v for _, _, v in ordered])
+        keys = torch.cat([k for _, k, _, _ in ordered])
+        values = torch.cat([v for _, _, v, _ in ordered])
+        if all(with_scores):
+            scores = torch.cat([sc for _, _, _, sc in ordered if sc is not None])
     check_unique(table, keys, str(root))
-    return keys, values
+    return keys, values, scores
 
 
 def _check_summary(

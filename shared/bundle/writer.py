@@ -40,6 +40,9 @@ from shared.features import FeatureSet, TableSpec
 from shared.fg_spec import feature_set_to_dict
 from shared.stale_dirs import remove_stale_dirs
 
+# one rank part of a dynamic table: (keys [N] int64, values [N, dim] float32), with or without
+# the rows' scores (int64 [N], larger is hotter)
+HashPart = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # write_bundle's temp dirs (".<out name>.tmp-<12 hex>"); never ".old-" ones, which may hold the
 # only copy of a bundle when a swap was killed between its two renames
 _TEMP_DIR = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")
@@ -63,7 +66,7 @@ def write_bundle(
     out_dir: str | os.PathLike[str],
     *,
     dense_tables: Mapping[str, torch.Tensor],
-    hash_tables: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    hash_tables: Mapping[str, Sequence[HashPart]],
     feature_set: FeatureSet,
     dense_program_path: str | os.PathLike[str],
     config_digest: str,
@@ -75,7 +78,9 @@ def write_bundle(
 ) -> Path:
     """Write a complete bundle to ``out_dir`` atomically and return its path.
 
-    ``hash_tables[t]`` holds one ``(keys, values)`` pair per rank part (part R of W = len). Every
+    ``hash_tables[t]`` holds one ``(keys, values)`` pair per rank part (part R of W = len), or
+    ``(keys, values, scores)`` with the rows' hotness (int64 [N], larger is hotter: the
+    training table's scores; :mod:`shared.bundle.naming`), for every part or none. Every
     table of ``feature_set`` must be given, dense ones in ``dense_tables``, dynamic ones in
     ``hash_tables``. ``version`` defaults to the UTC creation time (``20250101T120000Z``).
     An existing bundle at ``out_dir`` is replaced only with ``overwrite=True``. ``naming``
@@ -167,7 +172,7 @@ def program_signature(program: Path) -> Signature:
 def _table_groups(
     fs: FeatureSet,
     dense_tables: Mapping[str, torch.Tensor],
-    hash_tables: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    hash_tables: Mapping[str, Sequence[HashPart]],
     naming: BundleNaming,
 ) -> list[_Group]:
     """Validate the inputs against ``fs`` and turn them into shard groups, in ``fs`` table order."""
@@ -212,10 +217,8 @@ def _dense_group(t: TableSpec, weight: torch.Tensor, naming: BundleNaming) -> _G
     return _Group(t.name, name, {name: w}, _entry_meta(name, w, None))
 
 
-def _hash_groups(
-    t: TableSpec, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], naming: BundleNaming
-) -> list[_Group]:
-    if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], torch.Tensor):
+def _hash_groups(t: TableSpec, parts: Sequence[HashPart], naming: BundleNaming) -> list[_Group]:
+    if isinstance(parts, tuple) and len(parts) in (2, 3) and isinstance(parts[0], torch.Tensor):
         raise BundleError(
             f"table {t.name!r}: hash_tables values are a list of (keys, values) parts, one per "
             "rank; wrap a single pair as [(keys, values)]"
@@ -225,10 +228,19 @@ def _hash_groups(
         raise BundleError(f"table {t.name!r}: no parts; pass at least one (keys, values) pair")
     groups: list[_Group] = []
     all_keys: list[torch.Tensor] = []
+    with_scores = {len(part) == 3 for part in parts if isinstance(part, (tuple, list))}
+    if len(with_scores) > 1:
+        raise BundleError(
+            f"table {t.name!r}: some parts have scores and some do not; pass (keys, values, "
+            "scores) for every part or for none"
+        )
     for rank, part in enumerate(parts):
         where = f"table {t.name!r} part {rank} of {world}"
-        if not (isinstance(part, (tuple, list)) and len(part) == 2):
-            raise BundleError(f"{where}: expected a (keys, values) pair, got {type(part).__name__}")
+        if not (isinstance(part, (tuple, list)) and len(part) in (2, 3)):
+            raise BundleError(
+                f"{where}: expected a (keys, values) pair or (keys, values, scores), got "
+                f"{type(part).__name__}"
+            )
         keys, values = _cpu(part[0]), _cpu(part[1])
         if keys.dtype != torch.int64 or keys.dim() != 1:
             raise BundleError(
@@ -244,7 +256,18 @@ def _hash_groups(
         kname = naming.keys_name(t.name, rank, world)
         vname = naming.values_name(t.name, rank, world)
         meta = _entry_meta(vname, values, kname)
-        groups.append(_Group(t.name, vname, {kname: keys, vname: values}, meta))
+        tensors = {kname: keys, vname: values}
+        if len(part) == 3:
+            scores = _cpu(part[2])
+            if scores.dtype != torch.int64 or tuple(scores.shape) != (keys.numel(),):
+                raise BundleError(
+                    f"{where}: scores are {scores.dtype} {list(scores.shape)}, expected int64 "
+                    f"[{keys.numel()}] (one per key, larger is hotter)"
+                )
+            sname = naming.scores_name(t.name, rank, world)
+            tensors[sname] = scores
+            meta["hashmap_score"] = sname
+        groups.append(_Group(t.name, vname, tensors, meta))
         all_keys.append(keys)
     check_unique(t.name, torch.cat(all_keys), "hash_tables")
     return groups

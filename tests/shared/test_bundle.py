@@ -445,6 +445,73 @@ def test_golden_metadata_and_manifest(
     assert b.table_prefixes == {"user_id_emb": prefix, "pid_emb": dense_prefix}
 
 
+def test_golden_scores_tensor(tmp_path: Path, program: Path) -> None:
+    """The optional hotness of a dynamic table's rows: one int64 tensor per part beside its
+    values, named by the entry's ``hashmap_score``; read back in key order."""
+    fs = _golden_fs()
+    g = _golden_tensors()
+    s0, s1 = torch.tensor([7, 3]), torch.tensor([9])
+    out = write_bundle(
+        tmp_path / "golden",
+        dense_tables={"pid_emb": g["pid"]},
+        hash_tables={"user_id_emb": [(g["keys0"], g["vals0"], s0), (g["keys1"], g["vals1"], s1)]},
+        feature_set=fs,
+        dense_program_path=program,
+        config_digest="ab" * 32,
+        version="v1",
+    )
+    shard = "model-000000-of-000001"
+    golden = {k: dict(v) for k, v in GOLDEN_TZREC_METADATA.items()}
+    for values in (_U0, _U1):
+        golden[values]["hashmap_score"] = values.replace(".values/", ".scores/")
+    meta = json.loads((out / f"{shard}.json").read_text())
+    assert meta == golden
+    assert list(meta[_U0]) == [*GOLDEN_TZREC_METADATA[_U0], "hashmap_score"]
+    with safe_open(out / f"{shard}.safetensors", "pt") as f:
+        assert f.get_tensor(f"{C}.user_id_emb.scores/part_0_2").tolist() == [7, 3]
+        assert f.get_tensor(f"{C}.user_id_emb.scores/part_1_2").tolist() == [9]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tables"] == GOLDEN_TABLES  # the summary is as without scores
+    b = read_bundle(out)
+    hot = b.hotness("user_id_emb")
+    assert hot is not None and hot.tolist() == [7, 3, 9]  # keys [4, 8, 5]
+    derived = dataclasses.replace(b, hash_tables={"user_id_emb": (torch.tensor([4]), g["vals1"])})
+    assert derived.hotness("user_id_emb") is None  # other keys: the scores are not theirs
+
+
+def test_a_bundle_without_scores_has_no_hotness(bundle: Path) -> None:
+    b = read_bundle(bundle)
+    assert b.hash_scores == {}
+    assert all(b.hotness(t) is None for t in b.hash_tables)
+
+
+def test_scores_of_some_parts_only_are_refused(tmp_path: Path, program: Path) -> None:
+    g = _golden_tensors()
+    with pytest.raises(BundleError, match="some parts have scores and some do not"):
+        write_bundle(
+            tmp_path / "b",
+            dense_tables={"pid_emb": g["pid"]},
+            hash_tables={
+                "user_id_emb": [
+                    (g["keys0"], g["vals0"], torch.tensor([1, 2])),
+                    (g["keys1"], g["vals1"]),
+                ]
+            },
+            feature_set=_golden_fs(),
+            dense_program_path=program,
+            config_digest="ab" * 32,
+        )
+    with pytest.raises(BundleError, match=r"scores are torch.float32 \[2\], expected int64"):
+        write_bundle(
+            tmp_path / "c",
+            dense_tables={"pid_emb": g["pid"]},
+            hash_tables={"user_id_emb": [(g["keys0"], g["vals0"], torch.ones(2))]},
+            feature_set=_golden_fs(),
+            dense_program_path=program,
+            config_digest="ab" * 32,
+        )
+
+
 def _hand_built(
     root: Path,
     program: Path,
