@@ -26,8 +26,8 @@ in time) keeps its due time: its lateness counts against freshness, and is repor
 Reported (JSON): ``train`` (rows/s of the trainer's ``stream`` records during phase 1, lag),
 ``publish`` (seconds from snapshot to files in place, the loop's stall per publish),
 ``freshness`` (``event_to_served_s``: per version of phase 1's rows, the first probe that saw
-it served minus its event time; ``served_age_s``: age of what served at each probe from the
-first of them on), ``serving`` (p50/p99
+it served minus its event time; ``served_age_s``: age of what served at each probe of phase 1
+from the first of them on; the probes in ``probe.json`` of the work dir), ``serving`` (p50/p99
 of both phases and their ratio), ``auc`` (stream, batch, difference) and the goals.
 
 CPU (a smoke run of all of it, small numbers)::
@@ -388,8 +388,9 @@ def phase_1(args: argparse.Namespace, work: Path, lander: Lander, ctx: dict) -> 
             probe.serving() == done[-1]["version"]  # fmt: skip
 
     wait_until("the last publish served", last_served, args.start_timeout_s, ctx["trainer"])
-    t1 = time.perf_counter()
+    t1, end = time.perf_counter(), time.time()
     return {"probe": probe, "load": load, "t0": t0, "t1": t1, "replay_start": replay_start,
+            "end": end,
             "landed_at": landed_at, "caught_up_at": caught_up_at, "rows": total}  # fmt: skip
 
 
@@ -434,12 +435,12 @@ def auc(args: argparse.Namespace, work: Path, samples: Path) -> dict[str, Any]:
 
 def freshness(p1: dict) -> dict[str, Any]:
     """Event → served per version published in phase 1, and the age of what served at each
-    probe from the first of them on (before it, the age is that of the base published while the
-    server started)."""
+    probe of phase 1 from the first of them on (before it, the age is that of the base
+    published while the server started; after phase 1 no new rows come)."""
     first_seen: dict[str, float] = {}
     ages = []
     for at, version, event_time, age in p1["probe"].samples:
-        if event_time < int(p1["replay_start"]):  # due times are whole seconds
+        if event_time < int(p1["replay_start"]) or at > p1["end"]:  # due times: whole seconds
             continue
         ages.append(age)
         first_seen.setdefault(version, at - event_time)
@@ -511,6 +512,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "freshness": freshness(p1), "serving": serving,
     }  # fmt: skip
     result["work_dir"] = str(work)
+    (work / "probe.json").write_text(json.dumps(p1["probe"].samples))  # (unix, version, event, age)
     if not args.no_auc:
         write(args.out, {**result, "goals": goals(result), "auc": "pending"})  # if cut short
         result["auc"] = auc(args, work, samples)

@@ -31,3 +31,6 @@ done
 for f in /tmp/stream/bench_stream.*/model/metrics.jsonl; do
   [ -f "$f" ] && cp "$f" "$OUT/stream_metrics.jsonl"
 done
+for f in /tmp/stream/bench_stream.*/probe.json; do
+  [ -f "$f" ] && cp "$f" "$OUT/stream_probe.json"
+done
