@@ -28,14 +28,24 @@ initializer (CONSTANT 0), and counts as a miss. On CUDA nothing is read back to 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from serve.tiers import (
+    KEY_BYTES,
+    LINE_BYTES,
+    VALUE_BYTES_PER_DIM,
+    TierConfig,
+    TieredRows,
+    build_tiered,
+    plan_tiers,
+)
 from shared.batch import Batch
 from shared.bundle import Bundle
 from shared.dense_inputs import (
@@ -48,6 +58,10 @@ from shared.dense_inputs import (
 )
 from shared.features import FeatureSet, TableSpec
 from shared.hashtable.lookup import StaticLookupTable, TableWrite
+from shared.hashtable.placement import StorageMode, describe
+
+log = logging.getLogger(__name__)
+CACHING = StorageMode.CACHING
 
 WHOLE_KEY = 63  # the shift of a group of one dynamic table: keys as they are, no table bits
 PAD_ID = 0  # the id of padding values (serve.graphs): a valid row of every table
@@ -79,6 +93,12 @@ class TableStats:
     capacity: int
     hits: int  # dynamic tables: keys found (admitted ids)
     misses: int  # dynamic tables: keys not found (zeros returned)
+    # storage tiers (serve.tiers): the mode, found keys whose row was read from the host tier
+    # (CACHING; hits - host_reads came from HBM), and the bytes of each tier
+    mode: str = "HBM_ONLY"
+    host_reads: int = 0
+    hbm_bytes: int = 0
+    host_bytes: int = 0
 
 
 class _Group:
@@ -94,7 +114,10 @@ class _Group:
         device: torch.device,
         seconds: dict[str, float],
         headroom: float = 0.0,
+        factors: Mapping[str, float] | None = None,
     ) -> None:
+        """``factors``: a CACHING group (every table dynamic, :mod:`serve.tiers`), each table's
+        share of rows in HBM; None: HBM_ONLY."""
         self.dim = dim
         self.shift = shift
         self.names = [t.name for t in tables]
@@ -117,7 +140,13 @@ class _Group:
         t0 = time.perf_counter()
         self.rows = {name: int(bundle.dense_tables[name].shape[0]) for name in dense}
         self.hash: StaticLookupTable | None = None
-        if self.dynamic:  # one sorted key array: key' = (table << shift) | key
+        self.tiers: TieredRows | None = None
+        self.factors = dict(factors or {})
+        if factors is not None:  # keys on the device, values on the host and hot ones in HBM
+            assert self.dynamic and not dense, self.names
+            self.hash, self.tiers = build_tiered(bundle, self.dynamic, shift, factors, device)
+            self.rows.update({n: int(bundle.hash_tables[n][0].numel()) for n in self.dynamic})
+        elif self.dynamic:  # one sorted key array: key' = (table << shift) | key
             keys = [bundle.hash_tables[n][0] for n in self.dynamic]
             # copy each table over, concatenate on the device (no host-side copy of the values)
             fused = torch.cat([((i << shift) | k).to(device) for i, k in enumerate(keys)])
@@ -138,7 +167,9 @@ class _Group:
         self._tid = torch.tensor(tid, dtype=torch.int64, device=device)
         self._off = torch.tensor([offsets.get(n, 0) for n in self.names], device=device)
         self._is_dense = torch.tensor([n in offsets for n in self.names], device=device)
-        self.counts = torch.zeros(n_dyn + 1, 2, dtype=torch.int64, device=device)  # hits, lookups
+        # per key space: hits, lookups (and with tiers the hits read from the host tier)
+        width = 2 if self.tiers is None else 3
+        self.counts = torch.zeros(n_dyn + 1, width, dtype=torch.int64, device=device)
 
     def lookup(self, ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N] ids of the tables ``codes`` → ([N, dim], [N] bool: the id has a row); missing
@@ -153,16 +184,54 @@ class _Group:
         if self.shift < WHOLE_KEY:  # an id >= 2**shift cannot be in a table: send it there too
             space = torch.where(ids < (1 << self.shift), tid, self._n_dyn)
         idx, found = self.hash.find((space << self.shift) | ids, check_sign=False)  # [N], [N]
+        if self.tiers is not None:
+            dyn, in_hbm = self.tiers.gather(idx)  # [N, dim], [N]
+            emb = torch.where(found.unsqueeze(1), dyn, emb)
+            host = found & ~in_hbm
+            counts = torch.stack([found.long(), torch.ones_like(tid), host.long()], 1)
+            self.counts.index_add_(0, tid, counts)
+            return emb, found | is_dense
         if self.hash.capacity:
             dyn = self.hash.values.index_select(0, idx.clamp(min=0))  # [N, dim]
             emb = torch.where(found.unsqueeze(1), dyn, emb)
         self.counts.index_add_(0, tid, torch.stack([found.long(), torch.ones_like(tid)], 1))
         return emb, found | is_dense
 
+    def pad_on_host(self, name: str) -> bool:
+        """Whether id :data:`PAD_ID` of dynamic table ``name`` is read from the host tier (a
+        key of a CACHING table without an HBM line; a few host reads, at load)."""
+        if self.tiers is None or self.hash is None:
+            return False
+        key = torch.tensor(
+            [(self.dynamic.index(name) << self.shift) | PAD_ID], device=self._tid.device
+        )
+        idx, found = self.hash.find(key, check_sign=False)
+        return bool(found[0]) and not self.tiers.in_hbm(int(idx[0]))
+
+    def table_bytes(self, name: str) -> tuple[int, int]:
+        """(HBM bytes, host bytes) of table ``name``: its rows' share of the group's tensors."""
+        rows = self.rows[name]
+        if name not in self.dynamic:
+            return rows * self.dim * 4, 0
+        total = sum(self.rows[n] for n in self.dynamic) or 1
+        assert self.hash is not None
+        keys = self.hash.keys.numel() * 8
+        if self.tiers is None:
+            return (keys + self.hash.values.numel() * 4) * rows // total, 0
+        lines = math.ceil(self.factors[name] * rows)  # as serve.tiers.build_tiered keeps
+        hbm = rows * (KEY_BYTES + LINE_BYTES) + lines * self.dim * VALUE_BYTES_PER_DIM
+        return hbm, rows * self.dim * VALUE_BYTES_PER_DIM
+
     def prepare(self, bundle: Bundle) -> list[Callable[[], None]]:
         """Writes that make this group hold ``bundle``'s tables, in its own tensors (computed
         here, off the serving path; each callable writes, between batches), or
         :class:`InPlaceUnavailableError` when they do not fit."""
+        if self.tiers is not None:
+            raise InPlaceUnavailableError(
+                f"tables {', '.join(self.dynamic)} are served from the host tier with an HBM "
+                "cache (cache_load_factor < 1): rows are not written in place into a cached "
+                "table yet; the tables are rebuilt"
+            )
         writes: list[Callable[[], None]] = []
         for name, rows in self.rows.items():
             if name in self.dynamic:
@@ -212,24 +281,36 @@ class _RowWrite:
         self.tensor.index_copy_(0, self.rows, self.values)
 
 
-def _groups(fs: FeatureSet, bundle: Bundle) -> list[tuple[int, list[TableSpec], int]]:
-    """(dim, tables, shift) of each group: the tables of one dim share one, except dynamic
-    tables with keys beyond the shared key space, which get one each."""
+def _groups(
+    fs: FeatureSet, bundle: Bundle, cached: frozenset[str] = frozenset()
+) -> list[tuple[int, list[TableSpec], int, bool]]:
+    """(dim, tables, shift, CACHING?) of each group: the tables of one dim share one, except
+    dynamic tables with keys beyond the shared key space, which get one each, and the ``cached``
+    (CACHING) tables, which share groups of their own (:mod:`serve.tiers`)."""
     out = []
     for dim in dict.fromkeys(t.dim for t in fs.tables.values()):
         tables = [t for t in fs.tables.values() if t.dim == dim]
-        shared = [t for t in tables if t.is_dynamic]
-        while True:  # fewer tables leave more bits for the keys
-            shift = WHOLE_KEY - max(len(shared), 1).bit_length()
-            wide = [t for t in shared if _max_key(bundle, t.name) >= 1 << shift]
-            if not wide:
-                break
-            shared = [t for t in shared if t not in wide]
-        alone = [t for t in tables if t.is_dynamic and t not in shared]
-        rest = [t for t in tables if t not in alone]
-        out += [(dim, rest, shift)] if rest else []
-        out += [(dim, [t], WHOLE_KEY) for t in alone]
+        tiered = [t for t in tables if t.name in cached]
+        tables = [t for t in tables if t.name not in cached]
+        for members, is_cached in ((tables, False), (tiered, True)):
+            shared, shift = _shared(bundle, [t for t in members if t.is_dynamic])
+            alone = [t for t in members if t.is_dynamic and t not in shared]
+            rest = [t for t in members if t not in alone]
+            out += [(dim, rest, shift, is_cached)] if rest else []
+            out += [(dim, [t], WHOLE_KEY, is_cached) for t in alone]
     return out
+
+
+def _shared(bundle: Bundle, dynamic: list[TableSpec]) -> tuple[list[TableSpec], int]:
+    """The dynamic tables that share a key space, and its shift: fewer tables leave more bits
+    for the keys, so tables with a key beyond it leave until every key fits."""
+    shared = dynamic
+    while True:
+        shift = WHOLE_KEY - max(len(shared), 1).bit_length()
+        wide = [t for t in shared if _max_key(bundle, t.name) >= 1 << shift]
+        if not wide:
+            return shared, shift
+        shared = [t for t in shared if t not in wide]
 
 
 def _rows(bundle: Bundle, table: str) -> int:
@@ -284,18 +365,48 @@ class EmbeddingTables:
     """All tables of a bundle on one device, fused by dim, and :meth:`embed`: Batch → the dense
     program's inputs; hit and miss counts per dynamic table in :meth:`stats`."""
 
-    def __init__(self, bundle: Bundle, device: torch.device, *, headroom: float = HEADROOM) -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        device: torch.device,
+        *,
+        headroom: float = HEADROOM,
+        tiers: TierConfig | None = None,
+    ) -> None:
         """``headroom``: free slots of the dynamic tables, a fraction of their keys
         (:func:`spare_rows`; 0: none, a delta is then written in place only if its key count
-        is the same)."""
+        is the same). ``tiers``: where the dynamic tables live (:mod:`serve.tiers`; None: the
+        bundle's fg.json factors, no budget); the plan is logged one line per table, and a
+        plan that does not fit raises :class:`~shared.hashtable.placement.PlacementError`."""
         self.fs = bundle.feature_set
         self.device = device
         self.layout = dense_layout(self.fs)
         self.cold_layout = cold_layout(self.fs, self.layout)
         self.build_seconds: dict[str, float] = {}  # dense_tables, hash_tables
+        self.tiers = tiers  # as given: a rebuild of these tables (serve.delta) passes it on
+        dense_bytes = sum(w.numel() * 4 for w in bundle.dense_tables.values())
+        rows = {t.name: _rows(bundle, t.name) for t in self.fs.dynamic_tables}
+        self.placements = {
+            p.table: p
+            for p in plan_tiers(
+                self.fs, rows, tiers or TierConfig(), dense_bytes=dense_bytes, headroom=headroom
+            )
+        }
+        for line in describe(list(self.placements.values())):
+            log.info("serving tables: %s", line)
+        cached = {n: p.cache_load_factor for n, p in self.placements.items() if p.mode is CACHING}
         self._groups = [
-            _Group(dim, tables, shift, bundle, device, self.build_seconds, headroom)
-            for dim, tables, shift in _groups(self.fs, bundle)
+            _Group(
+                dim,
+                tables,
+                shift,
+                bundle,
+                device,
+                self.build_seconds,
+                0.0 if is_cached else headroom,
+                cached if is_cached else None,
+            )
+            for dim, tables, shift, is_cached in _groups(self.fs, bundle, frozenset(cached))
         ]
         # table → (its group, its code there)
         self._place = {
@@ -307,15 +418,26 @@ class EmbeddingTables:
             t.name: bool((bundle.hash_tables[t.name][0] == PAD_ID).any())
             for t in self.fs.dynamic_tables
         }
+        # whether id 0 is a key read from the host tier (CACHING tables: padding's host reads)
+        self._zero_on_host = {
+            n: self._zero_hits[n] and self._groups[g].pad_on_host(n)
+            for n, (g, _) in self._place.items()
+            if n in self._zero_hits
+        }
         self._padding = dict.fromkeys(self._zero_hits, 0)
         self._plans: dict[tuple[tuple[str, ...], ...], list[tuple[_Group, list[_Part]]]] = {}
 
     @classmethod
     def from_bundle(
-        cls, bundle: Bundle, *, device: torch.device | str, headroom: float = HEADROOM
+        cls,
+        bundle: Bundle,
+        *,
+        device: torch.device | str,
+        headroom: float = HEADROOM,
+        tiers: TierConfig | None = None,
     ) -> EmbeddingTables:
         """Every table of ``bundle`` on ``device``; build times in :attr:`build_seconds`."""
-        return cls(bundle, torch.device(device), headroom=headroom)
+        return cls(bundle, torch.device(device), headroom=headroom, tiers=tiers)
 
     def prepare_update(self, bundle: Bundle) -> Callable[[], None]:
         """A function that makes these tables hold ``bundle``'s (the same feature set: a base
@@ -444,20 +566,29 @@ class EmbeddingTables:
                 self._padding[name] += n
 
     def stats(self) -> list[TableStats]:
-        """Per table in FeatureSet order: rows, and for dynamic tables hits and misses."""
+        """Per table in FeatureSet order: rows, bytes per tier, and for dynamic tables hits,
+        misses and (CACHING) the hits read from the host tier."""
         since = [g.counts - base for g, base in zip(self._groups, self._counts_base, strict=True)]
-        counts = torch.cat(since).tolist()  # one host read: (hits, lookups) per key space
-        first = [sum(len(c) for c in since[:g]) for g in range(len(since))]
+        counts = [c.tolist() for c in since]  # a host read a group: per key space its counts
         out = []
         for name, t in self.fs.tables.items():
             g, _ = self._place[name]
             group = self._groups[g]
             rows = group.rows[name]  # a static table holds exactly its keys
-            hits, misses = 0, 0
+            hits, misses, host = 0, 0, 0
             if t.is_dynamic:
-                hits, lookups = counts[first[g] + group.dynamic.index(name)]
+                row = counts[g][group.dynamic.index(name)]
+                hits, lookups = row[0], row[1]
                 pad = self._padding[name]
                 hits, lookups = hits - pad * self._zero_hits[name], lookups - pad
                 misses = lookups - hits
-            out.append(TableStats(name, t.is_dynamic, t.dim, rows, rows, hits, misses))
+                if group.tiers is not None:
+                    host = row[2] - pad * self._zero_on_host[name]
+            hbm, host_bytes = group.table_bytes(name)
+            mode = self.placements[name].mode.value if t.is_dynamic else "HBM_ONLY"
+            out.append(
+                TableStats(
+                    name, t.is_dynamic, t.dim, rows, rows, hits, misses, mode, host, hbm, host_bytes
+                )
+            )
         return out

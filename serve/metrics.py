@@ -78,6 +78,46 @@ class _TableCollector(Collector):
         yield fam
 
 
+class _TierCollector(Collector):
+    """Where the current model's dynamic tables live (:mod:`serve.tiers`), read at scrape time:
+    per table the found keys read from each tier (``hbm``: an HBM_ONLY table's every hit, a
+    CACHING table's hot rows; ``host``: a CACHING table's rows read from host memory), the hit
+    rate of HBM among them, and the bytes each tier holds. The cache is a static hot set chosen
+    at load: no rows move between tiers while a version serves (no evictions to count)."""
+
+    def __init__(self, current: Callable[[], LoadedModel | None]) -> None:
+        self._current = current
+
+    def collect(self) -> Any:
+        p = "dynrec_serving_table_"
+        reads = CounterMetricFamily(
+            f"{p}tier_reads",
+            "Found dynamic-table keys by the tier their row was read from (hbm, host)",
+            labels=["table", "tier"],
+        )
+        rate = GaugeMetricFamily(
+            f"{p}hbm_hit_ratio",
+            "Share of a dynamic table's found keys read from HBM since the version loaded "
+            "(1 for HBM_ONLY tables; NaN before any lookup)",
+            labels=["table", "mode"],
+        )
+        size = GaugeMetricFamily(
+            f"{p}bytes", "Bytes of each table per tier (hbm, host)", labels=["table", "tier"]
+        )
+        model = self._current()
+        for s in [] if model is None else model.table_stats():
+            size.add_metric([s.name, "hbm"], s.hbm_bytes)
+            size.add_metric([s.name, "host"], s.host_bytes)
+            if s.is_hashmap:
+                reads.add_metric([s.name, "hbm"], s.hits - s.host_reads)
+                reads.add_metric([s.name, "host"], s.host_reads)
+                ratio = (s.hits - s.host_reads) / s.hits if s.hits else math.nan
+                rate.add_metric([s.name, s.mode], ratio)
+        yield reads
+        yield rate
+        yield size
+
+
 class _GraphCollector(Collector):
     """The current model's CUDA graph stats at scrape time (:class:`serve.graphs.GraphStats`;
     nothing without graphs). The counters are the model's: they restart at a new version."""
@@ -161,6 +201,7 @@ class ServingMetrics:
         )
         self._stages: dict[tuple[str, str], Any] = {}
         r.register(_TableCollector(current_model))
+        r.register(_TierCollector(current_model))
         r.register(_GraphCollector(current_model))
         self._http: Any = None
 

@@ -38,6 +38,7 @@ from serve.graphs import Bucket, CudaGraphs, GraphStats
 from serve.host_batch import HostBatch
 from serve.lookup import EmbeddingTables, TableStats
 from serve.program_cache import ProgramCache, program_digest
+from serve.tiers import TierConfig
 from shared.batch import Batch
 from shared.bundle import Bundle, BundleError, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
@@ -94,9 +95,13 @@ class StartupTimes:
         return {s: float(getattr(self, s)) for s in STAGES}
 
 
-def build_tables(bundle: Bundle, device: torch.device) -> EmbeddingTables:
-    """Every table of ``bundle`` on ``device``, fused by dim (:mod:`serve.lookup`)."""
-    return EmbeddingTables.from_bundle(bundle, device=device)
+def build_tables(
+    bundle: Bundle, device: torch.device, tiers: TierConfig | None = None
+) -> EmbeddingTables:
+    """Every table of ``bundle`` on ``device``, fused by dim (:mod:`serve.lookup`), each dynamic
+    table in HBM or in a host tier with an HBM cache as ``tiers`` plans (:mod:`serve.tiers`;
+    None: as the bundle's fg.json says)."""
+    return EmbeddingTables.from_bundle(bundle, device=device, tiers=tiers)
 
 
 def default_device() -> str:
@@ -277,6 +282,7 @@ class LoadedModel:
         warmup_candidates: int = 100,
         program_cache: ProgramCache | None = PROGRAMS,
         graph_buckets: Sequence[Bucket] = (),
+        tiers: TierConfig | None = None,
     ) -> LoadedModel:
         """Read, build, load and warm up the bundle at ``path``; :class:`BundleError` if bad.
 
@@ -286,6 +292,7 @@ class LoadedModel:
         ``program_cache=None`` always deserializes ``dense.pt2`` (see :mod:`serve.program_cache`).
         ``graph_buckets`` (CUDA, a program that takes the pairs): the warm-up also captures a
         CUDA graph per bucket, which :meth:`predict` replays (:mod:`serve.graphs`).
+        ``tiers``: where the dynamic tables live (:func:`build_tables`).
         """
         dev = torch.device(device or default_device())
         t0 = time.perf_counter()
@@ -296,7 +303,7 @@ class LoadedModel:
             pending = pool.submit(_timed_program, Path(path) / DENSE_PROGRAM, dev, program_cache)
             bundle = read_bundle(path, verify_checksums=verify_checksums)
             t1 = time.perf_counter()
-            tables = build_tables(bundle, dev)
+            tables = build_tables(bundle, dev, tiers)
             _sync(dev)
             t2 = time.perf_counter()
             program, program_s = pending.result()

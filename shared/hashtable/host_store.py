@@ -65,14 +65,64 @@ class TensorHostStore:
     def __init__(self, dim: int, *, capacity: int, pin: bool) -> None:
         self.dim = dim
         self.pin = pin
+        self.width = 2 * dim  # float32s a row: values, then accumulators
+        self.mapped = False
         self._rows = self._empty(capacity)
+
+    @classmethod
+    def holding(cls, rows: torch.Tensor, *, pin: bool, mapped: bool = False) -> TensorHostStore:
+        """A store over ``rows`` [capacity, width] float32 as they are (no copy): serving's host
+        tier, whose rows are the bundle's values only (width = dim, nothing to update), read-only
+        between versions. With ``pin`` page-locked in place; with ``mapped`` also mapped into
+        the device's address space (``cudaHostRegisterMapped``), so that a kernel reads rows
+        through :meth:`device_pointer` (UVA) inside a CUDA graph, with no copy launched."""
+        if rows.dtype != torch.float32 or rows.dim() != 2 or not rows.is_contiguous():
+            raise ValueError(
+                f"TensorHostStore.holding: rows must be contiguous float32 [capacity, width], got "
+                f"{rows.dtype} {list(rows.shape)}"
+            )
+        store = cls.__new__(cls)
+        store.dim = rows.shape[1]
+        store.width = rows.shape[1]
+        store.pin = pin
+        store.mapped = pin and mapped
+        store._rows = rows.cpu()
+        if pin and rows.numel():
+            _register(store._rows, mapped=mapped)
+        return store
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The rows [capacity, width] on the host (page-locked when :attr:`pin`)."""
+        return self._rows
+
+    def device_pointer(self) -> int:
+        """The address a CUDA kernel reads the rows at (a :meth:`holding` store made with
+        ``mapped``): the device pointer ``cudaPointerGetAttributes`` gives for the registered
+        rows (the host address itself on devices that use host pointers for registered memory,
+        as with UVA on 64-bit Linux)."""
+        if not self.mapped:
+            raise ValueError(
+                "TensorHostStore.device_pointer: the store is not mapped (holding(mapped=True))"
+            )
+        if not self._rows.numel():
+            return 0
+        import cupy  # the CUDA kernels' runtime (shared.hashtable.cuda.runtime)
+
+        attributes = cupy.cuda.runtime.pointerGetAttributes(self._rows.data_ptr())
+        if not attributes.devicePointer:
+            raise RuntimeError(
+                "TensorHostStore.device_pointer: the page-locked rows have no device address "
+                "(not mapped); the device cannot read host memory through UVA"
+            )
+        return int(attributes.devicePointer)
 
     def _empty(self, capacity: int) -> torch.Tensor:
         """[capacity, 2 * dim] zeros; with ``pin`` page-locked in place (``cudaHostRegister``),
         not from torch's pinned allocator, which keeps a freed block cached (a store replaced on
         growth, or a storage dropped, would hold its host memory) and may round a block up to a
         power of two."""
-        rows = torch.zeros(capacity, 2 * self.dim, dtype=torch.float32)
+        rows = torch.zeros(capacity, self.width, dtype=torch.float32)
         if self.pin and rows.numel():
             _register(rows)
         return rows
@@ -92,7 +142,7 @@ class TensorHostStore:
         idx = rows.to("cpu", torch.int64)
         if not self.pin:
             return self._rows.index_select(0, idx)  # [n, 2 * dim]
-        out = torch.empty(idx.numel(), 2 * self.dim, dtype=torch.float32, pin_memory=True)
+        out = torch.empty(idx.numel(), self.width, dtype=torch.float32, pin_memory=True)
         return torch.index_select(self._rows, 0, idx, out=out)
 
     def write(self, rows: torch.Tensor, payload: torch.Tensor) -> None:
@@ -106,12 +156,13 @@ class TensorHostStore:
         self._rows = moved
 
 
-def _register(rows: torch.Tensor) -> None:
-    """Page-lock ``rows``' memory for the device's asynchronous copies, unlocked when ``rows``
-    is freed."""
+def _register(rows: torch.Tensor, *, mapped: bool = False) -> None:
+    """Page-lock ``rows``' memory for the device's asynchronous copies (and with ``mapped`` map
+    it into the device's address space), unlocked when ``rows`` is freed."""
     cudart = torch.cuda.cudart()
     ptr = rows.data_ptr()
-    err = int(cudart.cudaHostRegister(ptr, rows.nbytes, 1))  # 1: cudaHostRegisterPortable
+    flags = 1 | (2 if mapped else 0)  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    err = int(cudart.cudaHostRegister(ptr, rows.nbytes, flags))
     if err != 0:
         raise RuntimeError(
             f"TensorHostStore: page-locking {rows.nbytes / 2**30:.1f} GiB of host memory failed "

@@ -52,3 +52,16 @@ def test_a_cuda_storage_store_is_pinned_and_takes_device_row_ids() -> None:
     assert store.read(torch.tensor([2])).eq(0).all()
     store.permute(9, torch.tensor([3], device="cuda"), torch.tensor([8], device="cuda"))
     assert store._rows.is_pinned() and store.read(torch.tensor([8]))[0, 0] == 18.0
+
+
+def test_a_store_holding_rows_reads_them_without_a_copy() -> None:
+    """Serving's host tier: the bundle's values [capacity, dim] as they are (no accumulators)."""
+    rows = torch.arange(12, dtype=torch.float32).view(4, 3)
+    store = TensorHostStore.holding(rows, pin=False)
+    assert store.rows.data_ptr() == rows.data_ptr() and store.width == 3
+    assert store.capacity == 4 and store.nbytes == 48
+    assert torch.equal(store.read(torch.tensor([2, 0])), rows[[2, 0]])
+    with pytest.raises(ValueError, match="not mapped"):
+        store.device_pointer()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        TensorHostStore.holding(rows.t(), pin=False)

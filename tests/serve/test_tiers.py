@@ -1,0 +1,239 @@
+"""serve.tiers: a server whose dynamic tables live in host memory with an HBM cache of hot rows
+gives the all-in-HBM server's inputs and scores, counts its tiers, and plans or refuses a budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from serve.batcher import concat_batches
+from serve.limits import Limits
+from serve.lookup import EmbeddingTables, InPlaceUnavailableError
+from serve.metrics import ServingMetrics
+from serve.model import LoadedModel, synthetic_batch
+from serve.tiers import KEY_BYTES, LINE_BYTES, TierConfig, plan_tiers
+from serve.validation import request_inputs
+from shared.batch import Batch
+from shared.bundle import Bundle, read_bundle
+from shared.dense_inputs import feature_parts, parts_by_table
+from shared.fg_request import request_columns_to_batch
+from shared.hashtable.placement import GIB, PlacementError, StorageMode
+
+from .test_lookup import _assert_same, _multi_valued
+
+
+def _batches(bundle: Bundle, requests) -> list[Batch]:
+    fs = bundle.feature_set
+    parts = [
+        request_columns_to_batch(fs, **vars(request_inputs(r, fs, Limits()))) for r in requests
+    ]
+    synthetic = synthetic_batch(fs, 3, 7, (0, 4, 1))
+    return [*parts[:3], concat_batches(parts), synthetic, _multi_valued(bundle, synthetic)]
+
+
+def _few_rows(bundle: Bundle, rows: int = 3) -> TierConfig:
+    """Every dynamic table CACHING with ``rows`` rows in HBM (of its KEYS_PER_TABLE)."""
+    return TierConfig(
+        {n: rows / k.numel() for n, (k, _) in bundle.hash_tables.items()}, hbm_budget=None
+    )
+
+
+def _with_scores(bundle: Bundle, seed: int = 0) -> Bundle:
+    """``bundle`` with random distinct scores for every dynamic table's rows."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = {
+        n: (k, torch.randperm(k.numel(), generator=gen)) for n, (k, _) in bundle.hash_tables.items()
+    }
+    return dataclasses.replace(bundle, hash_scores=scores)
+
+
+@pytest.mark.parametrize("which", ["seed", "mixed dims"])
+def test_a_cache_of_a_few_rows_gives_the_hbm_only_inputs_bit_for_bit(
+    which: str, bundle_v1: Path, bundle_mixed: Path, requests
+) -> None:
+    bundle = _with_scores(read_bundle(bundle_v1 if which == "seed" else bundle_mixed))
+    hbm = EmbeddingTables.from_bundle(bundle, device="cpu")
+    cached = EmbeddingTables.from_bundle(bundle, device="cpu", tiers=_few_rows(bundle))
+    assert {p.mode for p in cached.placements.values()} == {StorageMode.CACHING}
+    assert {p.mode for p in hbm.placements.values()} == {StorageMode.HBM_ONLY}
+    for batch in _batches(bundle, requests):
+        _assert_same(cached.embed(batch), hbm.embed(batch))
+        _assert_same(cached.embed(batch, cold=True), hbm.embed(batch, cold=True))
+    want = {s.name: (s.hits, s.misses) for s in hbm.stats()}
+    assert {s.name: (s.hits, s.misses) for s in cached.stats()} == want
+
+
+def test_hits_are_counted_by_the_tier_they_were_read_from(bundle_v1: Path, requests) -> None:
+    bundle = _with_scores(read_bundle(bundle_v1))
+    fs = bundle.feature_set
+    tables = EmbeddingTables.from_bundle(bundle, device="cpu", tiers=_few_rows(bundle, 5))
+    batches = _batches(bundle, requests)
+    host_reads = dict.fromkeys(bundle.hash_tables, 0)
+    hbm_reads = dict.fromkeys(bundle.hash_tables, 0)
+    for batch in batches:
+        tables.embed(batch)
+        parts = feature_parts(batch)
+        for name, idx in parts_by_table(fs, parts).items():
+            if name not in bundle.hash_tables:
+                continue
+            keys = bundle.hash_tables[name][0].tolist()
+            scores = bundle.hotness(name)
+            assert scores is not None
+            hot = {keys[i] for i in torch.argsort(scores, descending=True)[:5].tolist()}
+            for i in idx:
+                for key in parts[i][2].tolist():
+                    if key in hot:
+                        hbm_reads[name] += 1
+                    elif key in keys:
+                        host_reads[name] += 1
+    stats = {s.name: s for s in tables.stats()}
+    for name in bundle.hash_tables:
+        s = stats[name]
+        assert s.mode == "CACHING"
+        assert (s.host_reads, s.hits - s.host_reads) == (host_reads[name], hbm_reads[name])
+        rows = s.rows
+        assert s.host_bytes == rows * 16 * 4
+        assert s.hbm_bytes == rows * (KEY_BYTES + LINE_BYTES) + 5 * 16 * 4
+    assert sum(host_reads.values()) > 0 and sum(hbm_reads.values()) > 0
+    tables.reset_stats()
+    assert all(s.host_reads == 0 for s in tables.stats())
+
+
+def test_the_hot_rows_are_the_highest_scores_or_the_first_rows(
+    bundle_v1: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain = read_bundle(bundle_v1)
+    assert plain.hash_scores == {}  # a bundle exported before the scores
+    name = "user_id_emb"
+    keys = plain.hash_tables[name][0]
+    tiers = TierConfig({name: 4 / keys.numel()})
+    with caplog.at_level(logging.WARNING, logger="serve.tiers"):
+        first = EmbeddingTables.from_bundle(plain, device="cpu", tiers=tiers)
+    assert f"table {name}: the bundle has no row scores" in caplog.text
+    scored = _with_scores(plain)
+    by_score = EmbeddingTables.from_bundle(scored, device="cpu", tiers=tiers)
+    scores = scored.hotness(name)
+    assert scores is not None
+    hottest = torch.argsort(scores, descending=True)[:4]
+    for tables, want in ((first, torch.arange(4)), (by_score, hottest)):
+        (group,) = [g for g in tables._groups if g.tiers is not None]
+        assert group.tiers is not None and group.hash is not None
+        idx, found = group.hash.find(keys)  # a one-table group: keys as they are
+        assert bool(found.all())
+        in_hbm = group.tiers.line_of_row[idx] >= 0
+        assert sorted(torch.nonzero(in_hbm).squeeze(1).tolist()) == sorted(want.tolist())
+
+
+def test_factors_flags_over_fg_json_and_the_budget_plans_the_rest(bundle_v1: Path) -> None:
+    bundle = read_bundle(bundle_v1)
+    fs = bundle.feature_set
+    rows = {n: k.numel() for n, (k, _) in bundle.hash_tables.items()}
+    dim = 16
+    user = fs.tables["user_id_emb"]
+    assert user.dynamic is not None
+    from_fg = dataclasses.replace(
+        user, dynamic=dataclasses.replace(user.dynamic, cache_load_factor=0.5)
+    )
+    fs_fg = dataclasses.replace(fs, tables={**fs.tables, "user_id_emb": from_fg})
+    plans = {p.table: p for p in plan_tiers(fs_fg, rows, TierConfig(), dense_bytes=0, headroom=0)}
+    assert plans["user_id_emb"].cache_load_factor == 0.5  # fg.json's
+    assert plans["brand_emb"].mode is StorageMode.HBM_ONLY
+    flagged = TierConfig.from_flags(["user_id_emb=0.25"], None)
+    plans = {p.table: p for p in plan_tiers(fs_fg, rows, flagged, dense_bytes=0, headroom=0)}
+    assert plans["user_id_emb"].cache_load_factor == 0.25  # the flag beats fg.json
+    # a budget below the HBM-only bytes: the tables without a factor share a planned one
+    hbm_only = sum(r * (KEY_BYTES + 4 * dim) for r in rows.values())
+    budget = TierConfig({"user_id_emb": 0.25}, hbm_budget=hbm_only // 2)
+    plans = {p.table: p for p in plan_tiers(fs, rows, budget, dense_bytes=0, headroom=0)}
+    others = [p for n, p in plans.items() if n != "user_id_emb"]
+    assert {p.planned for p in others} == {True} and not plans["user_id_emb"].planned
+    assert len({p.cache_load_factor for p in others}) == 1
+    assert 0.01 <= others[0].cache_load_factor < 1.0
+    assert sum(p.hbm_bytes for p in plans.values()) <= hbm_only // 2
+
+
+def test_a_budget_that_cannot_fit_is_refused_with_the_table_and_bytes(bundle_v1: Path) -> None:
+    bundle = read_bundle(bundle_v1)
+    tiers = TierConfig.from_flags([], hbm_budget_gib=1e-6)  # 1073 bytes
+    with pytest.raises(PlacementError) as err:
+        EmbeddingTables.from_bundle(bundle, device="cpu", tiers=tiers)
+    msg = str(err.value)
+    assert "--hbm-budget-gib is 0.000 GiB" in msg
+    assert "the biggest is " in msg and "mode=HBM_ONLY" in msg
+    assert "Raise the budget, or lower a table's --cache-load-factor" in msg
+    with pytest.raises(PlacementError, match="'nope_emb', not a dynamic table of the bundle"):
+        EmbeddingTables.from_bundle(bundle, device="cpu", tiers=TierConfig({"nope_emb": 0.5}))
+
+
+@pytest.mark.parametrize(
+    "flag", ["user_id_emb", "user_id_emb=0", "user_id_emb=1.5", "=0.5", "user_id_emb=x"]
+)
+def test_bad_factor_flags_are_refused(flag: str) -> None:
+    with pytest.raises(ValueError, match=r"expected TABLE=F with 0 < F <= 1"):
+        TierConfig.from_flags([flag], None)
+    with pytest.raises(ValueError, match="given twice"):
+        TierConfig.from_flags(["a=0.5", "a=0.2"], None)
+    with pytest.raises(ValueError, match="--hbm-budget-gib must be > 0"):
+        TierConfig.from_flags([], 0)
+    assert TierConfig.from_flags(["a=1"], 2.0) == TierConfig({"a": 1.0}, 2 * GIB)
+
+
+def test_deltas_are_not_written_in_place_into_a_cached_table(bundle_v1: Path) -> None:
+    bundle = read_bundle(bundle_v1)
+    tables = EmbeddingTables.from_bundle(bundle, device="cpu", tiers=_few_rows(bundle))
+    with pytest.raises(InPlaceUnavailableError, match="served from the host tier"):
+        tables.prepare_update(bundle)
+
+
+def test_a_cached_model_scores_as_the_hbm_only_one_and_shows_its_tiers(bundle_v1: Path) -> None:
+    bundle = read_bundle(bundle_v1)
+    tiers = _few_rows(bundle, 32)  # half the rows
+    hbm = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0)
+    cached = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=tiers)
+    batch = _multi_valued(bundle, synthetic_batch(bundle.feature_set, 40, 40, (0, 4, 1)))
+    torch.testing.assert_close(cached.predict(batch), hbm.predict(batch), rtol=0, atol=0)
+    text = generate_latest(ServingMetrics(lambda: cached).registry).decode()
+    stats = {s.name: s for s in cached.table_stats()}
+    user = stats["user_id_emb"]
+    assert user.hits > 0
+    line = 'dynrec_serving_table_tier_reads_total{table="user_id_emb",tier="host"}'
+    assert f"{line} {float(user.host_reads)}" in text
+    ratio = (user.hits - user.host_reads) / user.hits
+    want = f'dynrec_serving_table_hbm_hit_ratio{{mode="CACHING",table="user_id_emb"}} {ratio}'
+    assert 0 < ratio < 1 and want in text
+    assert (
+        f'dynrec_serving_table_bytes{{table="user_id_emb",tier="host"}} {float(user.host_bytes)}'
+        in text
+    )
+    hbm_text = generate_latest(ServingMetrics(lambda: hbm).registry).decode()
+    assert 'dynrec_serving_table_bytes{table="user_id_emb",tier="host"} 0.0' in hbm_text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_cached_scores_equal_hbm_only(bundle_v1: Path, graphs: bool) -> None:
+    from serve.graphs import default_buckets
+    from shared.hashtable.cuda import runtime
+
+    if runtime.unavailable_reason() is not None:
+        pytest.skip(runtime.unavailable_reason() or "")
+    bundle = read_bundle(bundle_v1)
+    buckets = default_buckets(64) if graphs else ()
+    kwargs = {"device": "cuda", "graph_buckets": buckets}
+    hbm = LoadedModel.load(bundle_v1, **kwargs)
+    cached = LoadedModel.load(bundle_v1, tiers=_few_rows(bundle), **kwargs)
+    assert (cached.graphs is not None) == graphs
+    for seed in range(3):
+        batch = _multi_valued(bundle, synthetic_batch(bundle.feature_set, 3, 7, (0, 4, 1)), seed)
+        torch.testing.assert_close(cached.predict(batch), hbm.predict(batch), rtol=0, atol=0)
+    host = sum(s.host_reads for s in cached.table_stats())
+    assert host > 0  # misses were read from host memory, inside the batch
+    if graphs:
+        stats = cached.graph_stats()
+        assert stats is not None and stats.replays > 0
