@@ -205,6 +205,7 @@ BENCH_CLIS = [
     "bench.bench_quality",
     "bench.bench_reader",
     "bench.bench_serving",
+    "bench.bench_serving_tiers",
     "bench.bench_startup",
     "bench.bench_swap",
     "bench.bench_tiers",

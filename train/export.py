@@ -18,16 +18,17 @@ format 2.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
 import torch
 
 from shared.bundle import DYNREC_NAMING, TZREC_NAMING, BundleNaming, write_bundle
-from shared.bundle.writer import check_destination
+from shared.bundle.writer import HashPart, check_destination
 from shared.config import config_digest, load_config
-from shared.features import build_feature_set
-from shared.hashtable.checkpoint import collection_paths
+from shared.features import FeatureSet, build_feature_set
+from shared.hashtable.checkpoint import collection_paths, read_table
 from shared.hashtable.summary import checkpoint_summaries
 from train.checkpoint import (
     Progress,
@@ -40,6 +41,8 @@ from train.dense_ema import use_dense_ema
 from train.evaluate import EvalResult, UserCounts, evaluate
 from train.model.dense_arch import example_inputs, export_dense_arch
 from train.model.multi_tower_din import MultiTowerDIN
+
+log = logging.getLogger(__name__)
 
 
 def restore_model(
@@ -91,7 +94,7 @@ def export_bundle(
         name: w.detach().cpu().contiguous()
         for name, w in model.sparse.dense_table_weights().items()
     }
-    hash_tables = saved_parts(ckpt, fs)  # one (keys, values) part per saving rank
+    hash_tables = with_scores(ckpt, fs, saved_parts(ckpt, fs))  # a part per saving rank
     # format 1 servers predate the pair inputs: their program sizes the pairs itself
     pairs = naming.format_version != DYNREC_NAMING.format_version
     program = export_dense_arch(model.dense, example_inputs(model.dense, pairs=pairs))
@@ -106,7 +109,8 @@ def export_bundle(
             dense_program_path=program_path,
             config_digest=config_digest(config),
             version=version or f"step-{progress.step}",
-            # scores and admission counters stay in training: serving shows this summary
+            # admission counters stay in training (the rows' scores go as their hotness):
+            # serving shows this summary
             extra={
                 "table_summaries": checkpoint_summaries(ckpt),
                 # online training: the newest trained row's time (freshness, serve.freshness)
@@ -115,6 +119,33 @@ def export_bundle(
             overwrite=overwrite,
             naming=naming.for_tables(collection_paths(fs)),  # tzrec: the checkpoint's dirs
         )
+
+
+def with_scores(
+    ckpt: Path, fs: FeatureSet, parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+) -> dict[str, list[HashPart]]:
+    """Each part with its rows' scores as the training table keeps them (STEP: the step a row
+    was last seen, TIMESTAMP: its time in µs, LFU: its count; larger is hotter): the bundle's
+    hotness, by which a server with a host tier keeps the hottest rows in HBM (``serve.tiers``).
+    A table whose scores cannot be matched to its parts' keys is exported without them (logged:
+    serving then caches its first rows)."""
+    out: dict[str, list[HashPart]] = {}
+    for t in fs.dynamic_tables:
+        state, _ = read_table(ckpt, t.name, spec=t)
+        keys = torch.cat([k for k, _ in parts[t.name]])
+        order = torch.argsort(state.keys)
+        sorted_keys = state.keys[order]
+        pos = torch.searchsorted(sorted_keys, keys).clamp(max=max(sorted_keys.numel() - 1, 0))
+        if keys.numel() and not bool((sorted_keys[pos] == keys).all()):
+            log.warning("table %s: its scores do not match its keys; exported without", t.name)
+            out[t.name] = list(parts[t.name])
+            continue
+        scores = state.scores.to(torch.int64)[order][pos] if keys.numel() else keys.clone()
+        sizes = [k.numel() for k, _ in parts[t.name]]
+        out[t.name] = [
+            (k, v, sc) for (k, v), sc in zip(parts[t.name], scores.split(sizes), strict=True)
+        ]
+    return out
 
 
 def evaluate_checkpoint(

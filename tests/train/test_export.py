@@ -109,6 +109,35 @@ def test_export_contains_only_admitted_keys(trained: tuple[Path, Path]) -> None:
         assert len(keys) == stats["size"]
 
 
+def test_export_carries_each_rows_score_and_a_cached_server_scores_alike(
+    trained: tuple[Path, Path], tiny_samples: Path
+) -> None:
+    """The bundle's hotness is the training table's score of each key (the seed config's LFU
+    counts), and a server caching a tenth of each table scores as HBM-only."""
+    from serve.tiers import TierConfig
+    from shared.hashtable.checkpoint import read_table
+    from train.checkpoint import latest_checkpoint
+
+    model_dir, bundle_dir = trained
+    b = read_bundle(bundle_dir)
+    ckpt = latest_checkpoint(model_dir)
+    assert ckpt is not None
+    for t in b.feature_set.dynamic_tables:
+        hot = b.hotness(t.name)
+        assert hot is not None and hot.dtype == torch.int64
+        state, _ = read_table(ckpt, t.name, spec=t)
+        want = dict(zip(state.keys.tolist(), state.scores.tolist(), strict=True))
+        got = dict(zip(b.hash_tables[t.name][0].tolist(), hot.tolist(), strict=True))
+        assert got == want
+        assert min(got.values()) > 0  # the seed config's LFU counts: every exported row seen
+    table = _eval_rows(tiny_samples)
+    want_scores = score_table(LoadedModel.load(bundle_dir, device="cpu"), table, tiled=False)
+    factors = {t.name: 0.1 for t in b.feature_set.dynamic_tables}
+    cached = LoadedModel.load(bundle_dir, device="cpu", tiers=TierConfig(factors))
+    assert {s.mode for s in cached.table_stats() if s.is_hashmap} == {"CACHING"}
+    np.testing.assert_array_equal(score_table(cached, table, tiled=False), want_scores)
+
+
 def test_tzrec_named_bundle_serves_and_scores_like_ours(
     trained: tuple[Path, Path], tiny_samples: Path, tmp_path: Path
 ) -> None:
