@@ -261,6 +261,10 @@ class TieredRows:
                     f"cannot run here: {reason}; or serve every table from HBM "
                     "(--cache-load-factor TABLE=1)"
                 )
+            from shared.hashtable.cuda import tier_gather
+
+            # now, not at the first lookup (which may be inside a graph capture)
+            runtime.compile_modules(device, [tier_gather.SOURCE])
         self.store = TensorHostStore.holding(host_rows, pin=cuda, mapped=cuda)
         self._host_ptr = self.store.device_pointer() if cuda else 0
         hot = torch.sort(hot).values  # lines in row order: neighbouring rows, neighbouring lines
