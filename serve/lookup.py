@@ -45,6 +45,7 @@ from serve.tiers import (
     TieredRows,
     build_tiered,
     plan_tiers,
+    prepare_tiered,
 )
 from shared.batch import Batch
 from shared.bundle import Bundle
@@ -226,12 +227,9 @@ class _Group:
         """Writes that make this group hold ``bundle``'s tables, in its own tensors (computed
         here, off the serving path; each callable writes, between batches), or
         :class:`InPlaceUnavailableError` when they do not fit."""
-        if self.tiers is not None:
-            raise InPlaceUnavailableError(
-                f"tables {', '.join(self.dynamic)} are served from the host tier with an HBM "
-                "cache (cache_load_factor < 1): rows are not written in place into a cached "
-                "table yet; the tables are rebuilt"
-            )
+        if self.tiers is not None:  # every table dynamic: the host tier and its hot lines
+            assert self.hash is not None
+            return [prepare_tiered(self.hash, self.tiers, bundle, self.dynamic, self.shift)]
         writes: list[Callable[[], None]] = []
         for name, rows in self.rows.items():
             if name in self.dynamic:

@@ -36,11 +36,15 @@ A table below 1.0 is CACHING, and its lookup group (:mod:`serve.lookup`) is a :c
 
 What a load shares: nothing between versions yet. Each loaded version (the served one and a
 spare) holds its own host tier and its own HBM lines; the issue asks for one host copy per
-server, shared with the spare where rows are equal, which is not built. A delta is not written
-in place into a CACHING group (:meth:`serve.lookup.EmbeddingTables.prepare_update` refuses it
-with the reason), so it takes the rebuild, which loads the patched bundle's tables anew (the
-factors of its fg.json; its hot set by the bundle's scores where the delta left the table's keys
-as they were read, else its first rows).
+server, shared with the spare where rows are equal, which is not built.
+
+Updates (:meth:`serve.lookup.EmbeddingTables.prepare_update`: deltas, and a new version written
+into a spare): new values of the same keys are written in place, each changed row into the host
+tier and, when it has an HBM line, into that line too (:func:`prepare_tiered`; the hot set stays
+as chosen at load). An update that adds or drops keys is refused in place
+(``InPlaceUnavailableError``): a delta then takes the rebuild, which builds the patched bundle's
+tables anew (its hot set the first rows, since the merged bundle has no scores), and a new
+version is loaded in full.
 
 Example::
 
@@ -52,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -187,16 +191,17 @@ def plan_tiers(
     ]
 
 
-def build_tiered(
-    bundle: Bundle,
-    names: Sequence[str],
-    shift: int,
-    factors: Mapping[str, float],
-    device: torch.device,
-) -> tuple[StaticLookupTable, TieredRows]:
-    """A lookup group's CACHING tables ``names``: their fused keys (key' = (table << shift) |
-    key) sorted on ``device`` as a keys-only :class:`StaticLookupTable`, and their values in a
-    :class:`TieredRows` in that order, each table's ``ceil(factor * rows)`` hottest in HBM."""
+@dataclass(frozen=True)
+class _Sorted:
+    """A group's fused keys sorted on the device, and every row's values in that order on the
+    host, with each table's bundle rows → sorted positions."""
+
+    keys: torch.Tensor  # [C] int64, sorted (device)
+    host: torch.Tensor  # [C, dim] float32 (CPU)
+    positions: dict[str, torch.Tensor]  # table → [rows] int64 sorted positions of its rows (CPU)
+
+
+def _sorted_rows(bundle: Bundle, names: Sequence[str], shift: int, device: torch.device) -> _Sorted:
     where = f"tables {', '.join(names)}"
     keys = [bundle.hash_tables[n][0] for n in names]
     fused = check_keys(
@@ -212,14 +217,66 @@ def build_tiered(
     inverse = inverse.cpu()  # bundle row → sorted position
     dim = bundle.hash_tables[names[0]][1].shape[1]
     host = torch.empty(order.numel(), dim, dtype=torch.float32)  # [C, dim]: the host tier
-    hot, start = [], 0
+    positions, start = {}, 0
     for name, k in zip(names, keys, strict=True):
-        positions = inverse[start : start + k.numel()]
-        host.index_copy_(0, positions, bundle.hash_tables[name][1].to(torch.float32))
-        hot.append(positions[hot_rows(bundle, name, math.ceil(factors[name] * k.numel()))])
+        positions[name] = inverse[start : start + k.numel()]
+        host.index_copy_(0, positions[name], bundle.hash_tables[name][1].to(torch.float32))
         start += k.numel()
-    index = StaticLookupTable(sorted_keys, torch.empty(sorted_keys.numel(), 0, device=device))
-    return index, TieredRows(host, torch.cat(hot), device)
+    return _Sorted(sorted_keys, host, positions)
+
+
+def build_tiered(
+    bundle: Bundle,
+    names: Sequence[str],
+    shift: int,
+    factors: Mapping[str, float],
+    device: torch.device,
+) -> tuple[StaticLookupTable, TieredRows]:
+    """A lookup group's CACHING tables ``names``: their fused keys (key' = (table << shift) |
+    key) sorted on ``device`` as a keys-only :class:`StaticLookupTable`, and their values in a
+    :class:`TieredRows` in that order, each table's ``ceil(factor * rows)`` hottest in HBM."""
+    rows = _sorted_rows(bundle, names, shift, device)
+    hot = [
+        rows.positions[n][hot_rows(bundle, n, math.ceil(factors[n] * rows.positions[n].numel()))]
+        for n in names
+    ]
+    index = StaticLookupTable(rows.keys, torch.empty(rows.keys.numel(), 0, device=device))
+    return index, TieredRows(rows.host, torch.cat(hot), device)
+
+
+def prepare_tiered(
+    index: StaticLookupTable,
+    tiers: TieredRows,
+    bundle: Bundle,
+    names: Sequence[str],
+    shift: int,
+) -> Callable[[], None]:
+    """The writes that make a CACHING group hold ``bundle``'s rows of its tables ``names``:
+    each changed row into the host tier and, when it has an HBM line, into that line too (the
+    hot set stays as chosen at load). Computed here, off the serving path; the returned function
+    only writes, between batches. Only for the same keys: a bundle that adds or drops a key
+    raises :class:`InPlaceUnavailableError` (the tables are rebuilt)."""
+    from serve.lookup import InPlaceUnavailableError
+
+    new = _sorted_rows(bundle, names, shift, index.device)
+    if new.keys.numel() != index.keys.numel() or not torch.equal(new.keys, index.keys):
+        raise InPlaceUnavailableError(
+            f"tables {', '.join(names)} are served from the host tier with an HBM cache "
+            "(cache_load_factor < 1): rows are written in place there only when the keys stay "
+            f"the same, and this update has {new.keys.numel()} keys where {index.keys.numel()} "
+            "were, or other ones; the tables are rebuilt"
+        )
+    changed = torch.nonzero((tiers.store.rows != new.host).any(1)).squeeze(1)  # [M] rows
+    values = new.host.index_select(0, changed)  # [M, dim]
+    lines = tiers.line_of_row.index_select(0, changed.to(tiers.device)).long()  # [M]
+    hot = lines >= 0
+    hot_lines, hot_values = lines[hot], values.to(tiers.device)[hot]
+
+    def write() -> None:
+        tiers.store.write(changed, values)
+        tiers.hot.index_copy_(0, hot_lines, hot_values)
+
+    return write
 
 
 def hot_rows(bundle: Bundle, table: str, lines: int) -> torch.Tensor:

@@ -183,11 +183,69 @@ def test_bad_factor_flags_are_refused(flag: str) -> None:
     assert TierConfig.from_flags(["a=1"], 2.0) == TierConfig({"a": 1.0}, 2 * GIB)
 
 
-def test_deltas_are_not_written_in_place_into_a_cached_table(bundle_v1: Path) -> None:
+def test_new_values_of_the_same_keys_are_written_into_both_tiers(bundle_v1: Path, requests) -> None:
     bundle = read_bundle(bundle_v1)
-    tables = EmbeddingTables.from_bundle(bundle, device="cpu", tiers=_few_rows(bundle))
-    with pytest.raises(InPlaceUnavailableError, match="served from the host tier"):
-        tables.prepare_update(bundle)
+    tables = EmbeddingTables.from_bundle(bundle, device="cpu", tiers=_few_rows(bundle, 8))
+    hashed = {n: (k, v.clone()) for n, (k, v) in bundle.hash_tables.items()}
+    for _, v in hashed.values():
+        v[::2] += 1.0  # every other row, among them hot ones (the first 8: no scores)
+    new = dataclasses.replace(bundle, hash_tables=hashed)
+    write = tables.prepare_update(new)
+    batches = _batches(bundle, requests)
+    hbm_old = EmbeddingTables.from_bundle(bundle, device="cpu")
+    _assert_same(tables.embed(batches[3]), hbm_old.embed(batches[3]))  # nothing written yet
+    write()
+    hbm_new = EmbeddingTables.from_bundle(new, device="cpu")
+    for batch in batches:
+        _assert_same(tables.embed(batch), hbm_new.embed(batch))
+    k, v = bundle.hash_tables["user_id_emb"]
+    dropped = {**bundle.hash_tables, "user_id_emb": (k[1:], v[1:])}
+    with pytest.raises(InPlaceUnavailableError, match="only when the keys stay the same"):
+        tables.prepare_update(dataclasses.replace(bundle, hash_tables=dropped))
+
+
+@pytest.mark.parametrize("keys", ["same", "changed"])
+def test_a_delta_on_a_cached_server(bundle_v1: Path, tmp_path: Path, keys: str) -> None:
+    """serve.delta: new values of the same keys go in place into both tiers; a delta that adds
+    or drops keys takes the rebuild. Either way the scores are those of the delta's tables."""
+    from serve.delta import ApplyPath, apply_delta
+    from shared.bundle import write_bundle
+    from shared.delta import diff_tables, write_delta
+
+    base = read_bundle(bundle_v1)
+    hashed = {}
+    for name, (k, v) in base.hash_tables.items():
+        v = v.clone()
+        v[1:9] += 0.5  # hot rows (the first 8) and cold ones
+        if keys == "changed":
+            k, v = torch.cat([k[1:], k.max().view(1) + 1]), torch.cat([v[1:], v[:1]])
+        hashed[name] = (k, v)
+    delta = write_delta(
+        tmp_path / "d1",
+        tables=diff_tables(base.dense_tables, base.hash_tables, base.dense_tables, hashed),
+        base_manifest=base.manifest,
+        delta_id="d1",
+        target_version="d1-full",
+        config_digest=base.config_digest,
+    )
+    full = write_bundle(
+        tmp_path / "d1-full",
+        dense_tables=base.dense_tables,
+        hash_tables={n: [kv] for n, kv in hashed.items()},
+        feature_set=base.feature_set,
+        dense_program_path=base.dense_program_path,
+        config_digest=base.config_digest,
+    )
+    cached = LoadedModel.load(bundle_v1, device="cpu", tiers=_few_rows(base, 8))
+    applied = apply_delta(cached, delta)
+    want = ApplyPath.IN_PLACE if keys == "same" else ApplyPath.REBUILD
+    assert applied.path is want, applied.reason
+    target = LoadedModel.load(full, device="cpu", warmup_rounds=0)
+    for seed in range(3):
+        batch = _multi_valued(base, synthetic_batch(base.feature_set, 3, 7, (0, 4, 1)), seed)
+        torch.testing.assert_close(
+            applied.model.predict(batch), target.predict(batch), rtol=0, atol=0
+        )
 
 
 def test_a_cached_model_scores_as_the_hbm_only_one_and_shows_its_tiers(bundle_v1: Path) -> None:
