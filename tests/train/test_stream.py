@@ -263,3 +263,41 @@ def test_the_stream_trains_every_row_through_workers_and_prefetch(
     assert sum(end - start for _, start, end in logged) == rows.num_rows
     if device == "cuda":
         assert trainer.graphs is not None and trainer.graphs.stats["replays"] > 0
+
+
+def test_the_export_process_dies_with_the_trainer(tmp_path: Path) -> None:
+    """kill -9 of the trainer's process ends its export process too, in the middle of a job
+    (no publish written by an orphan after a restart)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from train.stream.publish import Publisher, PublishOptions\n"
+        f"p = Publisher(Path({str(SEED_CONFIG)!r}), PublishOptions(root=Path({str(tmp_path)!r}),"
+        " every_s=1.0))\n"
+        "p._process.submit(int).result()\n"
+        "p._process.submit(time.sleep, 120)\n"  # busy, as in an export, when the kill comes
+        "print(*p._process._processes, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        os.kill(child, 0)  # alive
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for("the export process ended", gone, 30)
