@@ -23,6 +23,7 @@ from serve.oip_servicer import DEFAULT_MODEL_NAME
 from serve.security import TlsConfig
 from serve.server import PredictionServer, ServerConfig
 from serve.slots import HandoffConfig
+from serve.tiers import TierConfig
 from shared.cli import Parser, check_device, check_port, plain, run_cli
 
 EXAMPLE = """examples:
@@ -91,6 +92,22 @@ def parser() -> argparse.ArgumentParser:
         "as a spare and write the next version into its tables and weights, so a swap captures "
         "no graphs; costs one more copy of the tables and graphs held (serve.spare) "
         "(default %(default)s)",
+    )
+    p.add_argument(
+        "--cache-load-factor",
+        action="append",
+        default=[],
+        metavar="TABLE=F",
+        help="serve dynamic table TABLE from host memory with the share F (0 < F <= 1) of its "
+        "rows, the hottest, in GPU memory; repeat per table; beats the bundle's fg.json factor "
+        "(serve.tiers)",
+    )
+    p.add_argument(
+        "--hbm-budget-gib",
+        type=float,
+        default=None,
+        help="GPU memory the tables may use: tables without a factor share one planned factor "
+        "when they do not fit; a budget that cannot fit refuses the load (default: no budget)",
     )
     p.add_argument(
         "--no-verify-checksums",
@@ -281,6 +298,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         verify_checksums=not a.no_verify_checksums,
         tls=_tls(a),
         admin=_admin(a),
+        tiers=TierConfig.from_flags(a.cache_load_factor, a.hbm_budget_gib),
     )
 
 

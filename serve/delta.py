@@ -253,7 +253,7 @@ def _rebuild(
     dev = current.device
     t1 = time.perf_counter()
     with _side_stream(dev):
-        tables = build_tables(patched, dev)
+        tables = build_tables(patched, dev, current.tables.tiers)
         _sync(dev)
         t2 = time.perf_counter()
         program = _program(current, delta, dev)

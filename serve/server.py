@@ -56,6 +56,7 @@ from serve.security import TlsConfig, bind
 from serve.servicer import SERVICE_NAME, PredictionServicer
 from serve.slots import HandoffConfig
 from serve.spare import Spare, adopt
+from serve.tiers import TierConfig
 from serve.versions import ModelManager
 
 if TYPE_CHECKING:
@@ -112,6 +113,9 @@ class ServerConfig:
     model_name: str = DEFAULT_MODEL_NAME
     # its HTTP/JSON form on this port (None: off; 0: ephemeral), served by this process
     http_port: int | None = None
+    # where the dynamic tables live (serve.tiers: per-table cache factors, HBM budget);
+    # None: as each bundle's fg.json says
+    tiers: TierConfig | None = None
 
     def __post_init__(self) -> None:
         if (self.bundle is None) == (self.model_dir is None):
@@ -228,6 +232,7 @@ class PredictionServer:
             verify_checksums=self.config.verify_checksums,
             warmup_candidates=self._warmup_candidates(),
             graph_buckets=self.graph_buckets(),
+            tiers=self.config.tiers,
         )
 
     def _warmup_candidates(self) -> int:

@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve.__main__ import DEFAULT_BATCH_ROWS, config_from_args, parse_args
+from serve.tiers import TierConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,3 +118,13 @@ def test_cli_serves_then_stops_on_sigterm(bundle_v1: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tier_flags_map_to_config(tmp_path: Path) -> None:
+    base = ["--model-dir", str(tmp_path)]
+    assert config_from_args(parse_args(base)).tiers == TierConfig({}, None)
+    flags = [*base, "--cache-load-factor", "user_id_emb=0.1", "--cache-load-factor", "brand_emb=1"]
+    cfg = config_from_args(parse_args([*flags, "--hbm-budget-gib", "2"]))
+    assert cfg.tiers == TierConfig({"user_id_emb": 0.1, "brand_emb": 1.0}, 2 << 30)
+    with pytest.raises(ValueError, match="--cache-load-factor 'user_id_emb=0'"):
+        config_from_args(parse_args([*base, "--cache-load-factor", "user_id_emb=0"]))
