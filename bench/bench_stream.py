@@ -10,7 +10,8 @@ The run, in phases:
    starts on it and takes a warm-up load.
 1. **With publishing:** the other partitions land at ``--replay-rows-per-s`` (each one when its
    rows are due; writer threads prepare them ahead and a rename lands each), while a paced
-   load sends ``--load-candidates-per-s`` (requests of ``--candidates``) and a probe reads
+   load (a process of its own) sends ``--load-candidates-per-s`` (requests of
+   ``--candidates``) and a probe reads
    ``GetModelMetadata`` every ``--probe-every-s``. This phase ends when the trainer has
    trained every row and its last publish serves.
 2. **Without publishing:** the trainer is stopped (SIGTERM) and the same load runs as long
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -257,7 +259,8 @@ class Probe:
 class PacedLoad:
     """Requests sent on a fixed schedule (``per_s`` a second, round-robin over ``requests``) by
     ``threads`` threads: open loop, so a slow answer does not slow the offered load. ``log``
-    holds (send time, latency s, ok) per request."""
+    holds (send time, latency s, ok) per request; times are ``time.monotonic()``, the same
+    clock in every process of the machine."""
 
     def __init__(self, host: str, requests: list[Any], per_s: float, threads: int) -> None:
         self.host, self.requests, self.per_s = host, requests, per_s
@@ -268,7 +271,7 @@ class PacedLoad:
         self.start = 0.0
 
     def run(self) -> PacedLoad:
-        self.start = time.perf_counter()
+        self.start = time.monotonic()
         for t in self.threads:
             t.start()
         return self
@@ -279,14 +282,14 @@ class PacedLoad:
             i = k
             while not self.stop.is_set():
                 due = self.start + i / self.per_s
-                if self.stop.wait(max(due - time.perf_counter(), 0.0)):
+                if self.stop.wait(max(due - time.monotonic(), 0.0)):
                     return
-                t = time.perf_counter()
+                t = time.monotonic()
                 try:
                     stub.Predict(self.requests[i % len(self.requests)], timeout=10)
-                    self.log.append((t, time.perf_counter() - t, True))
+                    self.log.append((t, time.monotonic() - t, True))
                 except grpc.RpcError:
-                    self.log.append((t, time.perf_counter() - t, False))
+                    self.log.append((t, time.monotonic() - t, False))
                 i += n
 
     def finish(self) -> None:
@@ -305,6 +308,41 @@ class PacedLoad:
             "p50_ms": float(np.percentile(a, 50)) if len(a) else None,
             "p99_ms": float(np.percentile(a, 99)) if len(a) else None,
         }  # fmt: skip
+
+
+def _load_process(host: str, requests: list[bytes], per_s: float, threads: int,
+                  stop: Any, out: Any) -> None:  # fmt: skip
+    """:class:`PacedLoad` until ``stop`` is set, its log put on ``out`` (a process of its own)."""
+    load = PacedLoad(host, [predict_pb2.PredictRequest.FromString(r) for r in requests], per_s,
+                     threads).run()  # fmt: skip
+    stop.wait()
+    load.finish()
+    out.put(load.log)
+
+
+class LoadProcess:
+    """A :class:`PacedLoad` in a spawned process: the bench's own threads (lander, probe)
+    neither slow its clients nor share their interpreter lock. :meth:`finish` returns the log
+    (as a :class:`PacedLoad` for its ``stats``)."""
+
+    def __init__(self, host: str, requests: list[Any], per_s: float, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.stop, self.out = context.Event(), context.Queue()
+        payload = [r.SerializeToString() for r in requests]
+        self.process = context.Process(
+            target=_load_process,
+            args=(host, payload, per_s, threads, self.stop, self.out),
+            name="load",
+            daemon=True,
+        )
+        self.process.start()
+        self.result = PacedLoad(host, requests, per_s, threads)
+
+    def finish(self) -> PacedLoad:
+        self.stop.set()
+        self.result.log = self.out.get(timeout=120)
+        self.process.join(30)
+        return self.result
 
 
 def build_requests(stub: Any, eval_rows: Path, candidates: int, count: int) -> list[Any]:
@@ -372,8 +410,9 @@ def phase_1(args: argparse.Namespace, work: Path, lander: Lander, ctx: dict) -> 
     total = sum(p.num_rows for p in lander.parts)
     probe = Probe(ctx["stub"], args.probe_every_s)
     probe.thread.start()
-    load = PacedLoad(ctx["host"], ctx["requests"], ctx["per_s"], args.load_threads).run()
-    t0, replay_start = time.perf_counter(), time.time()
+    load = LoadProcess(ctx["host"], ctx["requests"], ctx["per_s"], args.load_threads)
+    time.sleep(1.0)  # its clients connected and sending
+    t0, replay_start = time.monotonic(), time.time()
     lander.replay(replay_start + 0.5)
     replay_s = total / args.replay_rows_per_s + args.start_timeout_s
     wait_until("the replay", lander.done, replay_s, ctx["trainer"])
@@ -388,7 +427,7 @@ def phase_1(args: argparse.Namespace, work: Path, lander: Lander, ctx: dict) -> 
             probe.serving() == done[-1]["version"]  # fmt: skip
 
     wait_until("the last publish served", last_served, args.start_timeout_s, ctx["trainer"])
-    t1, end = time.perf_counter(), time.time()
+    t1, end = time.monotonic(), time.time()
     return {"probe": probe, "load": load, "t0": t0, "t1": t1, "replay_start": replay_start,
             "end": end,
             "landed_at": landed_at, "caught_up_at": caught_up_at, "rows": total}  # fmt: skip
@@ -398,11 +437,10 @@ def phase_2(ctx: dict, p1: dict) -> dict[str, Any]:
     """The trainer stopped; the same load as long again."""
     ctx["trainer"].send_signal(signal.SIGTERM)
     ctx["trainer"].wait(120)
-    load: PacedLoad = p1["load"]
-    t2 = time.perf_counter()
+    t2 = time.monotonic()
     time.sleep(p1["t1"] - p1["t0"])
-    t3 = time.perf_counter()
-    load.finish()
+    t3 = time.monotonic()
+    load = p1["load"].finish()
     p1["probe"].stop.set()
     return {"with_publishing": load.stats(p1["t0"], p1["t1"]),
             "without_publishing": load.stats(t2, t3)}  # fmt: skip
