@@ -226,8 +226,15 @@ def records(work: Path, kind: str) -> list[dict[str, Any]]:
     path = work / "model" / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [r for r in lines if r.get("kind") == kind]
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # the line the trainer is writing now
+            continue
+        if record.get("kind") == kind:
+            out.append(record)
+    return out
 
 
 # --------------------------------------------------------------------------- the clients
