@@ -123,6 +123,20 @@ def _covered(rows_log: Path) -> dict[str, list[tuple[int, int]]]:
     return by
 
 
+def _running(model_dir: Path) -> list[int]:
+    """Pids of the live processes whose command line names ``model_dir`` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(model_dir).encode() in cmdline and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
 def test_kill9_and_restart_train_every_row_once(tiny_samples: Path, tmp_path: Path) -> None:
     """Killed at random points twice, restarted: the committed state holds each row once."""
     seed = int(os.environ.get("STREAM_KILL_SEED", random.randrange(1 << 30)))
@@ -139,6 +153,8 @@ def test_kill9_and_restart_train_every_row_once(tiny_samples: Path, tmp_path: Pa
         time.sleep(rng.uniform(0.0, 1.5))  # a random point: in a step, a checkpoint, a poll
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        # its loader workers (forked: the same command line) die with it
+        wait_for("the killed trainer's workers ended", lambda: not _running(model_dir), 30)
     proc = start_stream(source, model_dir, *args, "--idle-exit-s", "0.5")
     assert proc.wait(timeout=90) == 0, f"seed {seed}"
     progress = _progress(latest_checkpoint(model_dir))  # type: ignore[arg-type]

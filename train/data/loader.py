@@ -42,11 +42,14 @@ short global batch of fewer than ``world_size`` rows is dropped.
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import gc
 import itertools
 import logging
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -737,6 +740,25 @@ class _InOrder(IterableDataset):
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
 
+def die_with_parent(parent: int) -> None:
+    """Call in a child process: on Linux it is killed when ``parent`` (its parent's pid) dies,
+    kill -9 included (``PR_SET_PDEATHSIG``); it exits now if that already happened. A worker
+    that waits for work it is handed (:class:`InOrderLoader`'s) would otherwise outlive a
+    killed parent, since the DataLoader's own check runs only between items."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _in_order_worker_init(parent: int, _worker_id: int) -> None:
+    keep_freed_memory()
+    die_with_parent(parent)
+
+
 class InOrderLoader:
     """Batches of the slices handed to :meth:`put`, in the order they were put, read by
     ``num_workers`` processes (0: in this process) as :class:`Loader`'s are. The workers start
@@ -781,7 +803,7 @@ class InOrderLoader:
                     batch_size=None,
                     num_workers=self.num_workers,
                     collate_fn=_identity,
-                    worker_init_fn=_worker_init,
+                    worker_init_fn=functools.partial(_in_order_worker_init, os.getpid()),
                     pin_memory=pin_memory,
                     multiprocessing_context=context,  # the workers inherit the task queues
                 )

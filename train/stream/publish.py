@@ -32,19 +32,17 @@ only once the one before is in place. Example::
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
 import re
-import signal
-import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from train.data.loader import die_with_parent
 from train.export import export_bundle
 from train.tools.delta import export_delta
 
@@ -101,7 +99,9 @@ class Publisher:
         self._process = ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=_die_with_parent,
+            # killed with the trainer: an export left running would write a publish that the
+            # restarted trainer writes again
+            initializer=die_with_parent,
             initargs=(os.getpid(),),
         )
         self._process.submit(_warm)
@@ -171,19 +171,6 @@ class Publisher:
         end the thread and the export process."""
         self._threads.shutdown(wait=True)
         self._process.shutdown(wait=True)
-
-
-def _die_with_parent(parent: int) -> None:
-    """On Linux, the export process is killed when the trainer dies (kill -9 included): an
-    export left running would write the publish of a step that the restarted trainer
-    publishes again (both to the same directory). Elsewhere it ends after its export."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != parent:  # the trainer died before the line above
-        os._exit(1)
 
 
 def _warm() -> None:
