@@ -33,9 +33,9 @@ cat "$OUT/plan_cuda.txt"
 timeout 260 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
   --keys 2000000 --rounds 2 --frontends 4 --duration 10 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
 echo "bench_oip rc=$?"; tail -15 "$OUT/bench_oip.log"
-# Online training on the card, small data (263K rows) replayed as 20 partitions 3 s apart:
+# Online training on the card, small data (263K rows) replayed as 20 partitions at 100K rows/s:
 # freshness of what a watching server serves (not the full-data run).
 timeout 120 python3 -m bench.bench_stream --samples /tmp/small/samples/train --device cuda \
-  --batch-size 4096 --partitions 20 --partition-every-s 3 --publish-every-s 5 \
+  --batch-size 4096 --split 20 --replay-rows-per-s 100000 --publish-every-s 5 --no-auc \
   --out "$OUT/bench_stream_gpu.json" > "$OUT/bench_stream.log" 2>&1
 echo "bench_stream rc=$?"; tail -5 "$OUT/bench_stream.log"

@@ -151,6 +151,24 @@ def compatibility_key(spec: TableSpec) -> tuple[int, ScoreStrategy, int]:
     return spec.dim, spec.dynamic.score_strategy, spec.dynamic.bucket_capacity
 
 
+def _checked_factors(
+    name: str,
+    names: list[str],
+    dyn: Sequence[DynamicTableSpec],
+    factors: Sequence[float] | None,
+) -> list[float]:
+    """The members' cache_load_factors: ``factors`` (one per member) or the specs' own (unset:
+    1.0); ValueError unless one factor in (0, 1] per member."""
+    if factors is None:
+        factors = [1.0 if d.cache_load_factor is None else d.cache_load_factor for d in dyn]
+    if len(factors) != len(dyn) or not all(0.0 < f <= 1.0 for f in factors):
+        raise ValueError(
+            f"storage {name!r}: cache_load_factors {list(factors)} must give one factor in "
+            f"(0, 1] per table of {names}"
+        )
+    return list(factors)
+
+
 class FusedStorage:
     """Dynamic tables sharing one hash table; table ``specs[i]`` has table id ``i``.
 
@@ -186,18 +204,8 @@ class FusedStorage:
         self.device = device
         first = dyn[0]
         self.strategy = first.score_strategy
-        if cache_load_factors is None:
-            cache_load_factors = [
-                1.0 if d.cache_load_factor is None else d.cache_load_factor for d in dyn
-            ]
-        if len(cache_load_factors) != len(dyn) or not all(
-            0.0 < f <= 1.0 for f in cache_load_factors
-        ):
-            raise ValueError(
-                f"storage {name!r}: cache_load_factors {list(cache_load_factors)} must give one "
-                f"factor in (0, 1] per table of {self.names}"
-            )
-        self.cache_load_factors = list(cache_load_factors)
+        cache_load_factors = _checked_factors(name, self.names, dyn, cache_load_factors)
+        self.cache_load_factors = cache_load_factors
         cached = any(f < 1.0 for f in cache_load_factors)
         self.table = HashTable(
             0 if cached else self.dim,  # CACHING: the index alone, the payload in RowCache
@@ -232,21 +240,7 @@ class FusedStorage:
         thresholds = {a.threshold if a else 1 for a in adm}
         self._one_threshold = thresholds.pop() if len(thresholds) == 1 else None
 
-        def keyed(init: InitializerSpec, table: str) -> KeyedInitializer:
-            return KeyedInitializer(init, seed=seed, table=table)
-
-        pairs = list(zip(self.names, dyn, strict=True))
-        self.init = [keyed(d.initializer, n) for n, d in pairs]
-        self.eval_init = [keyed(d.eval_initializer, n) for n, d in pairs]
-        self.admission_init = [
-            keyed(d.admission.initializer, n) if d.admission else None for n, d in pairs
-        ]
-        # training misses: table id t + n * (not admitted) picks init[t] or admission_init[t]
-        self.train_init = [*self.init, *self.admission_init]
-        # [n, dim] new rows of (keys, table ids) from each list, all its tables in one call
-        self._init_rows = self.backend.keyed_rows(self.init, device)
-        self._eval_rows = self.backend.keyed_rows(self.eval_init, device)
-        self._train_rows = self.backend.keyed_rows(self.train_init, device)
+        self._set_initializers(dyn, seed)
         self.all_admission = all(a is not None for a in adm)
         # [tables + 1, columns]: the last row a sink for padded evictions (_account)
         self._counts_sink = torch.zeros(
@@ -263,6 +257,25 @@ class FusedStorage:
             torch.full((0,), t, dtype=torch.int64, device=device) for t in range(len(specs))
         ]
         self.static: StaticLookup | None = None  # the collection's use_static_step sets it
+
+    def _set_initializers(self, dyn: Sequence[DynamicTableSpec], seed: int) -> None:
+        """Each member's training, eval and admission initializers, and their row makers."""
+
+        def keyed(init: InitializerSpec, table: str) -> KeyedInitializer:
+            return KeyedInitializer(init, seed=seed, table=table)
+
+        pairs = list(zip(self.names, dyn, strict=True))
+        self.init = [keyed(d.initializer, n) for n, d in pairs]
+        self.eval_init = [keyed(d.eval_initializer, n) for n, d in pairs]
+        self.admission_init = [
+            keyed(d.admission.initializer, n) if d.admission else None for n, d in pairs
+        ]
+        # training misses: table id t + n * (not admitted) picks init[t] or admission_init[t]
+        self.train_init = [*self.init, *self.admission_init]
+        # [n, dim] new rows of (keys, table ids) from each list, all its tables in one call
+        self._init_rows = self.backend.keyed_rows(self.init, self.device)
+        self._eval_rows = self.backend.keyed_rows(self.eval_init, self.device)
+        self._train_rows = self.backend.keyed_rows(self.train_init, self.device)
 
     def _cache(self, factors: Sequence[float], dyn: Sequence[DynamicTableSpec]) -> RowCache:
         """The CACHING payload: ``ceil(factor * max_capacity)`` lines per member table."""
