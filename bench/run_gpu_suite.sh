@@ -7,9 +7,7 @@
 # (at most 8 files come back: gpu_tests.log, suite.log, the JSONs, profile_train.txt.)
 # The serving benchmark needs a call of its own: bench/run_serving_gpu.sh.
 set -x
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+. bench/device_env.sh
 python3 -m train.data all --size small --out /tmp/small \
   --config configs/multi_tower_din_taobao_dynamicemb.config > /dev/null 2>&1
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1

@@ -3,21 +3,17 @@
 # installed and imported, the GPU tests, the table plan against the card's free memory, then
 # bench/bench_oip.py on CUDA: ModelInfer against Predict at the same load, same run.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
-# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: wheels.log, gpu_tests.log,
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: gpu_tests.log,
 # plan_cuda.txt, bench_oip_gpu.json, bench_oip.log, bench_stream_gpu.json, bench_stream.log.
 set -x
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
-  > "$OUT/wheels.log" 2>&1
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 - >> "$OUT/wheels.log" 2>&1 <<'PY'
+. bench/device_env.sh
+python3 - 2>&1 <<'PY'  # the locked versions installed and importable
 import importlib.metadata as md
 for name in ("grpcio", "protobuf", "torchrec", "locust", "tritonclient", "fastapi", "uvicorn"):
     print(name, md.version(name))
 import protos.grpc_predict_v2_pb2_grpc, protos.predict_pb2_grpc, torch  # noqa: E401,F401
 print("torch", torch.__version__, torch.cuda.get_device_name())
 PY
-tail -9 "$OUT/wheels.log"
 python3 -m train.data all --size small --out /tmp/small \
   --config configs/multi_tower_din_taobao_dynamicemb.config > /dev/null 2>&1
 # TESTS: the GPU test paths ("" skips them, when another call of the session ran them)

@@ -18,10 +18,7 @@
 # (a config with a feature of its own name, e.g. a second embedding of one input, needs its
 # column; the seed config's columns come out the same, row for row).
 set -x
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-nproc
+. bench/device_env.sh
 FULL=${FULL_DIR:-/tmp/full}
 t0=$(date +%s)
 DATA_CONFIG=${DATA_CONFIG:-configs/multi_tower_din_taobao_dynamicemb.config}

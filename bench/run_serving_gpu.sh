@@ -7,10 +7,7 @@
 # locust, grpc, py-spy and the rest) and `carry: [".whl"]`. About 8 minutes; writes under $OUT:
 # bench_serving.json, pyspy_raw.txt, bench_serving.log, swap_gpu.json, bench_swap.log.
 set -x
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-nproc
+. bench/device_env.sh
 .site/bin/py-spy --version
 # runs (500 candidates per request, candidate_columns; a synthetic format 3 bundle of 1.5M keys
 # with the seed config's dense part taking the pairs, so CUDA servers can replay CUDA graphs),

@@ -6,15 +6,11 @@
 # every dynamic table at cache_load_factor 0.1 against all of it in HBM, CUDA graphs on, in one
 # run (candidates/s and p99 of 800-candidate batches, hit rate, bytes per tier, build seconds).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
-# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: wheels.log,
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT:
 # serving_tier_tests.log, bench_serving_tiers_gpu.json, bench_serving_tiers.log.
 # KEYS / FACTOR / USERS override the sizes; TIER_TESTS=0 skips the tests.
 set -x
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
-  > "$OUT/wheels.log" 2>&1
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-free -g | head -2
+. bench/device_env.sh
 if [ "${TIER_TESTS:-1}" != 0 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/serve/test_tiers.py \
     tests/shared/hashtable/test_cuda_tier_gather.py tests/shared/hashtable/test_host_store.py \

@@ -13,10 +13,7 @@
 # trainer's and server's logs, the trainer's metrics (stream_metrics.jsonl) and the probe's
 # samples (stream_probe.json).
 # REPLAY (rows/s, default 1000000), BENCH_TIMEOUT (s, default 420) override.
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-nproc
+. bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
   --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1

@@ -5,14 +5,10 @@
 # dim 128 over 40M rows (HBM_ONLY's payload at dim 128 and 100M rows, 102 GB, fits no card
 # here), caches of 10/50/100 % against HBM_ONLY in the same run.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
-# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: wheels.log, tier_tests.log,
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: tier_tests.log,
 # bench_tiers_gpu.json, bench_tiers.log. ROWS / ROWS_128 / LOOKUPS override the sizes.
 set -x
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
-  > "$OUT/wheels.log" 2>&1
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-free -g | head -2
+. bench/device_env.sh
 # TIER_TESTS=0 skips the tier tests (when another call of the session ran every GPU test)
 if [ "${TIER_TESTS:-1}" != 0 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -11,10 +11,7 @@
 # scripts/gpu_wheels.py, as bench/run_train_gpu.sh). Everything within ~590 s: the benchmark
 # gets what the data and tests left (BENCH_TIMEOUT caps it lower).
 # TESTS: the GPU test paths ("" skips them).
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-nproc
+. bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
   --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1

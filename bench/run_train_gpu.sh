@@ -8,10 +8,7 @@
 # with PY_SPY_S=10).
 # TESTS: the GPU test paths ("" skips them; default tests/shared tests/train). About 5 minutes
 # (2026-12-04): data 2.3 with the tests beside it, bench_static_step 0.2, bench_train 2.4.
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-nproc
+. bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
   --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1
