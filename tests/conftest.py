@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from shared.config import load_config
 from shared.features import FeatureSet, build_feature_set
@@ -15,6 +16,17 @@ pytest_plugins = ["tests.train.tools.scenario"]
 ROOT = Path(__file__).resolve().parents[1]
 SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
 BASELINE_CONFIG = ROOT / "configs" / "multi_tower_din_taobao.config"
+# parametrize("device", DEVICES): each test on the CPU and, marked gpu, on CUDA (skipped without)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
 
 
 @pytest.fixture(scope="session")

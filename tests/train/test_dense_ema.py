@@ -11,7 +11,7 @@ from google.protobuf import text_format
 
 from protos import pipeline_pb2
 from shared.config import parse_config
-from tests.conftest import SEED_CONFIG
+from tests.conftest import DEVICES, SEED_CONFIG
 from train.dense_ema import DenseEMA, use_dense_ema
 
 # host reads of a device value: each one a sync on CUDA
@@ -37,18 +37,6 @@ def test_the_average_is_the_ema_recursion_and_the_first_update_copies() -> None:
         for name, avg in ema.averaged().items():
             torch.testing.assert_close(avg, want[name], msg=f"step {step} {name}")
     assert ema.updates == 5 and list(ema.averaged()) == [n for n, _ in module.named_parameters()]
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

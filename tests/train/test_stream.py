@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shared.batch import Batch
-from tests.conftest import SEED_CONFIG, write_config
+from tests.conftest import DEVICES, SEED_CONFIG, write_config
 from tests.train.stream_data import (
     records,
     split,
@@ -242,18 +242,6 @@ def test_publisher_full_then_deltas_then_full(tiny_samples: Path, tmp_path: Path
     published = [r["version"] for r in records(tmp_path / "m", "publish")]
     assert published == ["step-1", "step-1+step-2", "step-1+step-3", "step-4"]
     assert json.loads((deltas[0] / "manifest.json").read_text())["event_time"] == 1001
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

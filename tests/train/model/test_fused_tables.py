@@ -19,22 +19,11 @@ from torch import nn
 
 from shared.config import load_config
 from shared.features import FeatureSet, TableSpec, build_feature_set
-from tests.conftest import SEED_CONFIG
+from tests.conftest import DEVICES, SEED_CONFIG
 from train.data.loader import Loader
 from train.model.fused_tables import DenseTables, Lookup, keep_per_table_state
 from train.model.multi_tower_din import MultiTowerDIN, sparse_adagrad
 from train.trainer import build_optimizers, train_step
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 # two dims, a table served by two features, and a large table with row-sparse gradients
 SPECS = [
