@@ -372,6 +372,23 @@ def _pinned_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+class _Sender:
+    """How a dataset's iterator sends its messages: packed into shared memory in a worker (the
+    last ``KEPT_BUFFERS`` buffers kept), into pinned memory in the main process when pinning, else
+    as they are."""
+
+    def __init__(self, in_worker: bool, pin_memory: bool) -> None:
+        self.in_worker, self.pin_memory = in_worker, pin_memory
+        self.kept: collections.deque[torch.Tensor] = collections.deque(maxlen=KEPT_BUFFERS)
+
+    def message(self, batches: list[Batch], stats: FgStats) -> _Message:
+        if self.in_worker:
+            packed = _Packed.of(batches, shared_buffer)
+            self.kept.append(packed.buffer)
+            return _Message(packed, stats)
+        return _Message(pack(batches, _pinned_buffer) if self.pin_memory else batches, stats)
+
+
 def message_batches(batch_size: int, message_rows: int = MESSAGE_ROWS) -> int:
     """Batches of ``batch_size`` rows in one worker message of about ``message_rows`` rows."""
     return max(1, message_rows // batch_size)
@@ -410,18 +427,12 @@ class _Batches(IterableDataset):
         info = get_worker_info()
         stream = self.assignment[info.id if info is not None else 0]
         played = self._play(self.streams[stream], self.skips[stream] * self.batch_size)
-        kept: collections.deque[torch.Tensor] = collections.deque(maxlen=KEPT_BUFFERS)
+        sender = _Sender(info is not None, self.pin_memory)
         while chunk := list(itertools.islice(played, self.message_batches)):
             stats = FgStats()
             for _, s in chunk:
                 stats.merge(s)
-            batches = [b for b, _ in chunk]
-            if info is not None:
-                packed = _Packed.of(batches, shared_buffer)
-                kept.append(packed.buffer)
-                yield _Message(packed, stats)
-            else:
-                yield _Message(pack(batches, _pinned_buffer) if self.pin_memory else batches, stats)
+            yield sender.message([b for b, _ in chunk], stats)
 
     def _read(self, window: Window) -> pa.Table:
         """The rows of ``window``, shuffled. One thread: a worker is one of a process per core,
@@ -697,7 +708,7 @@ class _InOrder(IterableDataset):
     def __iter__(self) -> Iterator[_Message]:
         info = get_worker_info()
         tasks = self.tasks[info.id if info is not None else 0]
-        kept: collections.deque[torch.Tensor] = collections.deque(maxlen=KEPT_BUFFERS)
+        sender = _Sender(info is not None, self.pin_memory)
         files: dict[str, pq.ParquetFile] = {}
         while (task := tasks.get()) is not None:  # type: ignore[attr-defined]
             table, start = self._read(task, files), 0
@@ -705,12 +716,7 @@ class _InOrder(IterableDataset):
             for rows in task.batch_rows():
                 batches.append(table_to_batch(self.fs, table.slice(start, rows), stats=stats))
                 start += rows
-            if info is not None:
-                packed = _Packed.of(batches, shared_buffer)
-                kept.append(packed.buffer)
-                yield _Message(packed, stats)
-            else:
-                yield _Message(pack(batches, _pinned_buffer) if self.pin_memory else batches, stats)
+            yield sender.message(batches, stats)
 
     def _read(self, task: RowSlice, files: dict[str, pq.ParquetFile]) -> pa.Table:
         """The slice's rows: only the row groups they lie in are decoded."""
