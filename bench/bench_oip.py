@@ -8,13 +8,16 @@ One ``python -m serve`` (``bench.bench_serving``'s synthetic bundle with the rea
 dense part, and eval rows of ``train.data`` as requests, ``loadtest.requests``); per
 concurrency, closed-loop clients (``--procs`` processes x threads, raw bytes on the wire, no
 parsing of the answers) send Predict and ModelInfer in alternating phases (``--rounds`` of each,
-``--duration`` s after ``--warmup`` s), the same requests: Predict's columnar PredictRequest and
+``--duration`` s after ``--warmup`` s; Predict first in even rounds, ModelInfer first in odd ones,
+after one unmeasured ``--settle`` phase of each: on the H100 on 2026-12-06, with neither, the
+first ModelInfer phase ran at 0.64-0.76x Predict's and the second at 1.02-1.03x), the same
+requests: Predict's columnar PredictRequest and
 the ModelInferRequest of the same features (``loadtest.oip``, tensors in raw_input_contents).
 The scores of both are compared first (bit-equal on CPU; on CUDA within ``MAX_SCORE_GAP``, next
 to Predict's own gap between two calls). Per protocol and concurrency: candidates/s and
 p50/p99 latency (all rounds pooled); the ratios OIP/Predict, pooled and the median of the
-rounds' paired ratios (each OIP phase against the Predict phase just before it: a busy shared
-host moves both alike). The issue's bar: OIP candidates/s >= 0.9x Predict's at equal p99
+rounds' paired ratios (each OIP phase against the Predict phase of its round, run just before or
+after it: a busy shared host moves both alike). The issue's bar: OIP candidates/s >= 0.9x Predict's at equal p99
 (closed loop at equal concurrency: p99 ratio ~1).
 
 ``per_request_us`` is where one request's host time goes, in this process on the first
@@ -281,12 +284,14 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         print(", ".join(f"{k} {v:.1f} us" for k, v in stages.items()), flush=True)
         runs = []
         for clients in a.clients:
+            protocols = [("predict", PREDICT, predict), ("oip", INFER, infer)]
+            if a.settle > 0:  # one unmeasured phase of each first: the server's first calls
+                settle = argparse.Namespace(**{**vars(a), "duration": a.settle})
+                for _, method, payloads in protocols:
+                    phase(group.host, method, payloads, clients, settle)
             by: dict[str, list[dict[str, Any]]] = {"predict": [], "oip": []}
-            for _ in range(a.rounds):
-                for name, method, payloads in (
-                    ("predict", PREDICT, predict),
-                    ("oip", INFER, infer),
-                ):
+            for r in range(a.rounds):  # odd rounds OIP first: neither always runs after the other
+                for name, method, payloads in protocols[:: -1 if r % 2 else 1]:
                     by[name].append(phase(group.host, method, payloads, clients, a))
             summary = {k: summarize(v, a.candidates) for k, v in by.items()}
             p99 = {k: s["latency_ms"]["p99"] or float("nan") for k, s in summary.items()}
@@ -346,6 +351,12 @@ def _parser() -> Parser:
     p.add_argument("--rounds", type=int, default=2, help="phases of each protocol, alternating")
     p.add_argument("--duration", type=float, default=10.0, help="seconds measured per phase")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds before each phase")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds of one unmeasured phase of each protocol per concurrency, first (0: none)",
+    )
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--frontends", type=int, default=0, help="serve --frontends N")
     p.add_argument("--profile-requests", type=int, default=20, help="requests of per_request_us")
