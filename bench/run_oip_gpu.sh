@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One device call (about 6 minutes): the wheels of scripts/gpu_wheels.py (the lock's versions)
+# One device call (about 8 minutes): the wheels of scripts/gpu_wheels.py (the lock's versions)
 # installed and imported, the GPU tests, the table plan against the card's free memory, then
 # bench/bench_oip.py on CUDA: ModelInfer against Predict at the same load, same run.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: gpu_tests.log,
-# plan_cuda.txt, bench_oip_gpu.json, bench_oip.log, bench_stream_gpu.json, bench_stream.log.
+# plan_cuda.txt, bench_oip_gpu.json, bench_oip.log. (The stream's device runs are
+# bench/run_stream_gpu.sh.)
 set -x
 . bench/device_env.sh
 python3 - 2>&1 <<'PY'  # the locked versions installed and importable
@@ -26,12 +27,6 @@ fi
 python3 -m train.tools plan --config configs/multi_tower_din_taobao_dynamicemb.config \
   --device cuda > "$OUT/plan_cuda.txt" 2>&1
 cat "$OUT/plan_cuda.txt"
-timeout 260 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
-  --keys 2000000 --rounds 2 --frontends 4 --duration 10 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
+timeout 330 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
+  --keys 2000000 --rounds 4 --settle 10 --frontends 4 --duration 10 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
 echo "bench_oip rc=$?"; tail -15 "$OUT/bench_oip.log"
-# Online training on the card, small data (263K rows) replayed as 20 partitions at 100K rows/s:
-# freshness of what a watching server serves (not the issue's full-data run).
-timeout 120 python3 -m bench.bench_stream --samples /tmp/small/samples/train --device cuda \
-  --batch-size 4096 --split 20 --replay-rows-per-s 100000 --publish-every-s 5 --no-auc \
-  --out "$OUT/bench_stream_gpu.json" > "$OUT/bench_stream.log" 2>&1
-echo "bench_stream rc=$?"; tail -5 "$OUT/bench_stream.log"
