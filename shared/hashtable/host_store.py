@@ -8,8 +8,15 @@ gather brings both.
 
 :class:`HostStore` is the seam, as dynamicemb's ``Storage`` (``dynamicemb/types.py``:
 find / insert / dump / load) is for its ``external_storage``: four operations on row ids.
-:class:`TensorHostStore` is the one implementation: a torch tensor in pinned memory on CUDA (so
-the packed miss list goes to the device in one asynchronous copy) and plain memory on CPU.
+:class:`TensorHostStore` is the one implementation: a torch tensor in plain memory on CPU and,
+for a CUDA storage, page-locked and mapped into the device's address space (``mapped``): then
+``read`` and ``write`` of row ids on the device are one kernel each
+(:mod:`shared.hashtable.cuda.host_rows`) that moves the rows over PCIe through UVA, on torch's
+current stream, with no host read. Before that (issue #52's first H100 run) they moved the row
+ids to the host (a sync) and gathered ~100K rows a step with one CPU thread; that path stays
+for a pinned store that is not mapped (no CUDA kernels here) and for row ids on the CPU. Device
+writes land in host memory asynchronously, so every CPU-side access of the rows (a read or
+write of CPU row ids, :attr:`~TensorHostStore.rows`, growth) first waits for the device.
 
 How an external store takes its place: a class with the same four methods over a key-value
 store (RocksDB, a Redis cluster), keyed by row id or, better for a store shared between
@@ -24,9 +31,11 @@ format of its own.
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+MOVE_BYTES = 256 << 20  # the device buffer of a growth's row moves (TensorHostStore.permute)
 
 
 class HostStore(Protocol):
@@ -38,12 +47,15 @@ class HostStore(Protocol):
         ...
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[n, 2 * dim]`` on the host (pinned where the store is): the payload of ``rows`` [n]
-        int64 (any device), gathered in one vectorized read of the packed list."""
+        """``[n, 2 * dim]``: the payload of ``rows`` [n] int64 (all >= 0; any device), gathered
+        in one vectorized read of the packed list, on the rows' device where the store can
+        reach it from there (else on the host, pinned where the store is: the caller copies)."""
         ...
 
     def write(self, rows: torch.Tensor, payload: torch.Tensor) -> None:
-        """Store ``payload`` [n, 2 * dim] (any device) at distinct ``rows`` [n] in one scatter."""
+        """Store ``payload`` [n, 2 * dim] (on the rows' device, or any) at ``rows`` [n] in one
+        scatter; rows < 0 are skipped (a masked write-back needs no host read of which rows),
+        the others distinct."""
         ...
 
     def permute(self, capacity: int, old_rows: torch.Tensor, new_rows: torch.Tensor) -> None:
@@ -54,7 +66,9 @@ class HostStore(Protocol):
 
 class TensorHostStore:
     """:class:`HostStore` over one ``[capacity, 2 * dim]`` float32 tensor, pinned when
-    ``pin`` (a CUDA storage's store; needs a CUDA runtime).
+    ``pin`` (a CUDA storage's store; needs a CUDA runtime) and with ``mapped`` also mapped into
+    the device's address space, so that row ids on the device are read and written there by
+    :mod:`shared.hashtable.cuda.host_rows` kernels (needs the CUDA kernels' runtime, CuPy).
 
     >>> store = TensorHostStore(4, capacity=8, pin=False)
     >>> store.write(torch.tensor([3]), torch.ones(1, 8))
@@ -62,12 +76,15 @@ class TensorHostStore:
     8.0
     """
 
-    def __init__(self, dim: int, *, capacity: int, pin: bool) -> None:
+    def __init__(self, dim: int, *, capacity: int, pin: bool, mapped: bool = False) -> None:
+        if mapped and not pin:
+            raise ValueError("TensorHostStore: mapped rows must be pinned (pass pin=True)")
         self.dim = dim
         self.pin = pin
         self.width = 2 * dim  # float32s a row: values, then accumulators
-        self.mapped = False
-        self._rows = self._empty(capacity)
+        self.mapped = mapped
+        self._pending: torch.device | None = None  # a device whose kernels may use the rows
+        self._set_rows(self._empty(capacity))
 
     @classmethod
     def holding(cls, rows: torch.Tensor, *, pin: bool, mapped: bool = False) -> TensorHostStore:
@@ -86,36 +103,36 @@ class TensorHostStore:
         store.width = rows.shape[1]
         store.pin = pin
         store.mapped = pin and mapped
-        store._rows = rows.cpu()
+        store._pending = None
+        store._set_rows(rows.cpu())
         if pin and rows.numel():
             _register(store._rows, mapped=mapped)
         return store
 
+    def _set_rows(self, rows: torch.Tensor) -> None:
+        """Hold ``rows`` from now on (a new tensor on growth: its device address is another)."""
+        self._rows = rows
+        self._pointer: int | None = None
+
     @property
     def rows(self) -> torch.Tensor:
-        """The rows [capacity, width] on the host (page-locked when :attr:`pin`)."""
+        """The rows [capacity, width] on the host (page-locked when :attr:`pin`), with every
+        device write queued so far landed."""
+        self._wait()
         return self._rows
 
     def device_pointer(self) -> int:
-        """The address a CUDA kernel reads the rows at (a :meth:`holding` store made with
-        ``mapped``): the device pointer ``cudaPointerGetAttributes`` gives for the registered
-        rows (the host address itself on devices that use host pointers for registered memory,
-        as with UVA on 64-bit Linux)."""
+        """The address a CUDA kernel reads the rows at (a store made with ``mapped``; another
+        one after growth, which replaces the rows): the device pointer
+        ``cudaPointerGetAttributes`` gives for the registered rows (the host address itself on
+        devices that use host pointers for registered memory, as with UVA on 64-bit Linux)."""
         if not self.mapped:
             raise ValueError(
-                "TensorHostStore.device_pointer: the store is not mapped (holding(mapped=True))"
+                "TensorHostStore.device_pointer: the store is not mapped (make it with mapped=True)"
             )
-        if not self._rows.numel():
-            return 0
-        import cupy  # the CUDA kernels' runtime (shared.hashtable.cuda.runtime)
-
-        attributes = cupy.cuda.runtime.pointerGetAttributes(self._rows.data_ptr())
-        if not attributes.devicePointer:
-            raise RuntimeError(
-                "TensorHostStore.device_pointer: the page-locked rows have no device address "
-                "(not mapped); the device cannot read host memory through UVA"
-            )
-        return int(attributes.devicePointer)
+        if self._pointer is None:
+            self._pointer = _device_pointer(self._rows) if self._rows.numel() else 0
+        return self._pointer
 
     def _empty(self, capacity: int) -> torch.Tensor:
         """[capacity, 2 * dim] zeros; with ``pin`` page-locked in place (``cudaHostRegister``),
@@ -124,11 +141,14 @@ class TensorHostStore:
         power of two."""
         rows = torch.zeros(capacity, self.width, dtype=torch.float32)
         if self.pin and rows.numel():
-            _register(rows)
+            _register(rows, mapped=self.mapped, drain=self.mapped)
         return rows
 
     def __repr__(self) -> str:
-        return f"TensorHostStore(dim={self.dim}, capacity={self.capacity}, pinned={self.pin})"
+        return (
+            f"TensorHostStore(dim={self.dim}, capacity={self.capacity}, pinned={self.pin}, "
+            f"mapped={self.mapped})"
+        )
 
     @property
     def capacity(self) -> int:
@@ -139,6 +159,14 @@ class TensorHostStore:
         return self._rows.numel() * self._rows.element_size()
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._on_device(rows):
+            from shared.hashtable.cuda import host_rows
+
+            out = torch.empty(rows.numel(), self.width, dtype=torch.float32, device=rows.device)
+            host_rows.gather(self.device_pointer(), rows.to(torch.int64).contiguous(), out)
+            self._pending = rows.device
+            return out  # [n, 2 * dim] on the rows' device
+        self._wait()
         idx = rows.to("cpu", torch.int64)
         if not self.pin:
             return self._rows.index_select(0, idx)  # [n, 2 * dim]
@@ -146,19 +174,85 @@ class TensorHostStore:
         return torch.index_select(self._rows, 0, idx, out=out)
 
     def write(self, rows: torch.Tensor, payload: torch.Tensor) -> None:
-        self._rows.index_copy_(0, rows.to("cpu", torch.int64), payload.to("cpu"))
+        if self._on_device(rows):
+            from shared.hashtable.cuda import host_rows
+
+            payload = payload.to(rows.device, torch.float32).contiguous()  # [n, 2 * dim]
+            host_rows.scatter(self.device_pointer(), rows.to(torch.int64).contiguous(), payload)
+            self._pending = rows.device
+            return
+        self._wait()
+        idx, payload = rows.to("cpu", torch.int64), payload.to("cpu")
+        kept = idx >= 0
+        if not bool(kept.all()):
+            idx, payload = idx[kept], payload[kept]
+        self._rows.index_copy_(0, idx, payload)
 
     def permute(self, capacity: int, old_rows: torch.Tensor, new_rows: torch.Tensor) -> None:
         moved = self._empty(capacity)
+        if self._on_device(old_rows):
+            self._move_on_device(moved, old_rows, new_rows)
+            return
         moved.index_copy_(
             0, new_rows.to("cpu", torch.int64), self.read(old_rows)
         )  # [moved rows, 2 * dim]
-        self._rows = moved
+        self._set_rows(moved)
+
+    def _move_on_device(
+        self, moved: torch.Tensor, old_rows: torch.Tensor, new_rows: torch.Tensor
+    ) -> None:
+        """:meth:`permute` by the device: rows from the current host rows to ``moved`` (mapped)
+        through a device buffer of at most :data:`MOVE_BYTES` (a table larger than the device
+        grows too), then ``moved`` held."""
+        from shared.hashtable.cuda import host_rows
+
+        dev = old_rows.device
+        src, dst = self.device_pointer(), _device_pointer(moved) if moved.numel() else 0
+        old_rows = old_rows.to(torch.int64).contiguous()
+        new_rows = new_rows.to(dev, torch.int64).contiguous()
+        n, chunk = old_rows.numel(), max(1, MOVE_BYTES // (4 * self.width))
+        buf = torch.empty(min(n, chunk), self.width, dtype=torch.float32, device=dev)
+        for a in range(0, n, chunk):
+            part = buf[: min(n - a, chunk)]  # [rows of this chunk, 2 * dim]
+            host_rows.gather(src, old_rows[a : a + chunk], part)
+            host_rows.scatter(dst, new_rows[a : a + chunk], part)
+        self._pending = dev
+        self._wait()  # the old rows are read (they are freed with them) and the new written
+        self._set_rows(moved)
+        self._pointer = dst
+
+    def _on_device(self, rows: torch.Tensor) -> bool:
+        """Whether the device moves these rows (ids on CUDA, a mapped store)."""
+        return self.mapped and rows.is_cuda
+
+    def _wait(self) -> None:
+        """Wait for the device kernels that used the rows (before a CPU-side access: a device
+        write lands when its kernel has run, and a CPU write must not overtake a queued read).
+        The whole device: the kernels may be queued on any of its streams."""
+        if self._pending is not None:
+            torch.cuda.synchronize(self._pending)
+            self._pending = None
 
 
-def _register(rows: torch.Tensor, *, mapped: bool = False) -> None:
+def _device_pointer(rows: torch.Tensor) -> int:
+    """The device address of page-locked, mapped ``rows`` (see
+    :meth:`TensorHostStore.device_pointer`)."""
+    import cupy  # the CUDA kernels' runtime (shared.hashtable.cuda.runtime)
+
+    attributes = cupy.cuda.runtime.pointerGetAttributes(rows.data_ptr())
+    if not attributes.devicePointer:
+        raise RuntimeError(
+            "TensorHostStore.device_pointer: the page-locked rows have no device address "
+            "(not mapped); the device cannot read host memory through UVA"
+        )
+    return int(attributes.devicePointer)
+
+
+def _register(rows: torch.Tensor, *, mapped: bool = False, drain: bool = False) -> None:
     """Page-lock ``rows``' memory for the device's asynchronous copies (and with ``mapped`` map
-    it into the device's address space), unlocked when ``rows`` is freed."""
+    it into the device's address space), unlocked when ``rows`` is freed; with ``drain`` after
+    the device's queued work (kernels of :mod:`~shared.hashtable.cuda.host_rows` may still read
+    or write the rows through UVA when a storage is dropped)."""
     cudart = torch.cuda.cudart()
     ptr = rows.data_ptr()
     flags = 1 | (2 if mapped else 0)  # cudaHostRegisterPortable | cudaHostRegisterMapped
@@ -168,4 +262,10 @@ def _register(rows: torch.Tensor, *, mapped: bool = False) -> None:
             f"TensorHostStore: page-locking {rows.nbytes / 2**30:.1f} GiB of host memory failed "
             f"(cudaError {err}): lower the CACHING tables' max_capacity or free host memory"
         )
-    weakref.finalize(rows, cudart.cudaHostUnregister, ptr)
+    weakref.finalize(rows, _unregister, cudart, ptr, drain)
+
+
+def _unregister(cudart: Any, ptr: int, drain: bool) -> None:
+    if drain:
+        torch.cuda.synchronize()
+    cudart.cudaHostUnregister(ptr)

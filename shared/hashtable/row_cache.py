@@ -7,8 +7,9 @@ and stat is the HBM-only one by construction, and the planner
 (:mod:`shared.hashtable.placement`) already counts the index in HBM (36 B a slot against
 ``8 * dim`` B of payload: at dim 16 the payload is 78 % of a row's bytes, at dim 128 97 %).
 What moves is the payload: the values and Adagrad accumulators of **every** row live in a
-:class:`~shared.hashtable.host_store.HostStore` (pinned memory on CUDA, plain memory on CPU),
-and ``lines`` cache lines on the device hold the payload of the rows in use.
+:class:`~shared.hashtable.host_store.HostStore` (on CUDA page-locked host memory mapped into the
+device's address space, plain memory on CPU), and ``lines`` cache lines on the device hold the
+payload of the rows in use.
 
 Caching is keyed by row (the table's slot row, what ``find`` returns):
 
@@ -16,15 +17,32 @@ Caching is keyed by row (the table's slot row, what ``find`` returns):
 - ``stamp`` [lines] int64: the call that last used the line (-1: free), for eviction;
 - ``dirty`` [lines] bool: the line holds updates the host tier does not have yet.
 
+Each of these arrays has one slot more than it shows (a *sink*): a scatter of positions that
+have nothing to write (misses when stamping hits, victims that held no row when unmapping them,
+rows without a line when dropping lines) sends them there, so no scatter needs a host read to
+select its positions first.
+
 A call that touches rows (:meth:`RowCache.gather`, :meth:`RowCache.adagrad`,
-:meth:`RowCache.prefetch`) resolves them to lines first: hits are stamped; the misses are read
-from the host tier in ONE vectorized gather of the packed miss list (``index_select`` into a
-pinned buffer, then one ``non_blocking`` copy to the device); their lines are the free ones, then
-the least recently used among the lines this call does not use (so a call never evicts its own
-rows); dirty victims go back to the host in ONE scatter. When a call needs more rows than there
-are lines (a cache of a few rows), the rows past the cache are *bypassed*: read from and updated
-in the host tier directly, with the same arithmetic. From there the values a step reads and the
-Adagrad update work on lines exactly as they work on rows in HBM_ONLY (the same backend call).
+:meth:`RowCache.prefetch`) resolves them to lines first, with **one host read** (the size of the
+miss list): hits are stamped; the misses are read from the host tier in ONE vectorized gather of
+the packed miss list (on CUDA a kernel reading the host rows through UVA, straight into device
+memory: :mod:`shared.hashtable.cuda.host_rows`). Their lines are, first, lines never used yet (in
+order), then victims chosen by a **clock over the lines**: a window of ``2 * (misses + hits)``
+lines after the hand (the whole cache when that is more), of which the least recently used
+that this call has not stamped are taken, and the hand moves past the window. A call stamps
+its hits and the lines it just took, so the window always holds enough others, and a call
+never evicts its own rows. Why a window: a ``topk`` over every line each call cost more than the
+misses themselves at large caches (3M lines at 10 % of 30M rows, 30M at 100 % on the first H100
+run); the window keeps the recently used half of what it passes (an approximate LRU, as Redis'
+sampled LRU), and the choice only affects speed, never results (the tier is transparent).
+Dirty victims go back to the host in ONE masked scatter (rows of clean victims are -1 there, so
+nothing is read on the host to select them); evictions and write-backs are counted on the
+device and read when :attr:`RowCache.counters` or :meth:`RowCache.stats` is asked.
+
+When a call needs more rows than there are lines (a cache of a few rows), the rows past the
+cache are *bypassed*: read from and updated in the host tier directly, with the same
+arithmetic. From there the values a step reads and the Adagrad update work on lines exactly as
+they work on rows in HBM_ONLY (the same backend call).
 
 The index's own changes reach the cache through :meth:`RowCache.insert_or_assign` and
 :meth:`RowCache.reserve_max_capacity`: a new key's payload (its initializer row) is written to
@@ -33,13 +51,20 @@ the host tier and any line of its row dropped (the row belonged to an evicted ke
 looking the pre-growth keys up in the grown index (growth is rare and already O(capacity)).
 
 Checkpoints and exports flush the dirty lines, then read every row from the host tier: the same
-files as HBM_ONLY. Not built yet (issue #52): CUDA kernels for the resolve (this is torch, with
-host reads of the miss count), and the static captured step on cached rows
+files as HBM_ONLY.
+
+Done for issue #52: the host tier's row moves on the device (UVA kernels, no host sync), one
+host read a resolve, victims from a bounded window. Not built yet: the resolve itself as
+kernels (it is torch ops around that one host read, and the backward's Adagrad resolves the
+forward's rows again: all hits, but a host read); a new key's initializer row goes to the host
+tier and comes back at the next resolve (two PCIe trips for a first-touched row, where it could
+take a line at once); and the static captured step on cached rows
 (:meth:`RowCache.why_not_static`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -66,8 +91,14 @@ class CacheCounters:
     misses: int = 0  # rows read from the host tier into a line
     bypassed: int = 0  # rows used in the host tier directly (the call needed more lines)
     evictions: int = 0  # lines given to another row
-    writebacks: int = 0  # of those, dirty lines written to the host tier
+    writebacks: int = 0  # of those, dirty lines written to the host tier (and flushed lines)
     prefetched: int = 0  # rows :meth:`RowCache.prefetch` brought in (also counted as misses)
+
+
+def _with_sink(shown: torch.Tensor, fill: float | bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``shown`` with one slot more, filled with ``fill``; the view of its first slots)."""
+    full = torch.cat([shown, shown.new_full((1,), fill)])
+    return full, full[: shown.numel()]
 
 
 class RowCache:
@@ -104,16 +135,35 @@ class RowCache:
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.values = torch.zeros(lines, dim, dtype=torch.float32, device=dev)  # [L, dim]
         self.accum = torch.zeros(lines, dim, dtype=torch.float32, device=dev)  # [L, dim]
-        self.row_of_line = torch.full((lines,), -1, dtype=torch.int64, device=dev)
-        self.stamp = torch.full((lines,), -1, dtype=torch.int64, device=dev)
-        self.dirty = torch.zeros(lines, dtype=torch.bool, device=dev)
-        self.line_of_row = torch.full((table.capacity,), -1, dtype=torch.int32, device=dev)
+        free = torch.full((lines,), -1, dtype=torch.int64, device=dev)
+        # each [L + 1] with its view [L]: the last slot a sink (see the module doc)
+        self._row_of_line, self.row_of_line = _with_sink(free, -1)
+        self._stamps, self.stamp = _with_sink(free, -1)
+        self._dirty, self.dirty = _with_sink(torch.zeros_like(free, dtype=torch.bool), False)
+        self._set_line_map(table.capacity)
         self._tick = 0  # calls so far: the stamp of the current one
-        self.counters = CacheCounters()
+        self._hand = 0  # the clock hand: the next window of victims starts here
+        self._fresh = 0  # lines [_fresh, L) were never used: taken in order before any victim
+        self._counts = CacheCounters()  # those known on the host (not evictions in _evict)
+        self._evicted = torch.zeros(2, dtype=torch.int64, device=dev)  # evictions, write-backs
+
+    def _set_line_map(self, capacity: int) -> None:
+        """An empty ``line_of_row`` [capacity] (and its sink)."""
+        none = torch.full((capacity,), -1, dtype=torch.int32, device=self.values.device)
+        self._line_map, self.line_of_row = _with_sink(none, -1)
 
     @property
     def lines(self) -> int:
         return self.values.shape[0]
+
+    @property
+    def counters(self) -> CacheCounters:
+        """The counters so far (a host read: evictions are counted on the device)."""
+        evictions, writebacks = self._evicted.tolist()
+        c = self._counts
+        return dataclasses.replace(
+            c, evictions=c.evictions + evictions, writebacks=c.writebacks + writebacks
+        )
 
     def __repr__(self) -> str:
         return f"RowCache(lines={self.lines}, dim={self.dim}, store={self.store!r})"
@@ -122,47 +172,69 @@ class RowCache:
 
     def _resolve(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
         """([n] int64 lines of distinct ``rows`` [n] (all >= 0), -1 for rows bypassed; the
-        number bypassed): a new call (stamp); hits stamped, misses loaded into free or least
-        recently used lines that this call does not use. Host reads: the miss count, and with
-        misses the victims' write-backs."""
+        number bypassed): a new call (stamp); hits stamped, misses loaded into lines this call
+        does not use (:meth:`_take`). One host read: the size of the miss list."""
         self._tick += 1
         tick = self._tick
         lines = self.line_of_row[rows].to(torch.int64)  # [n]
         miss = lines < 0
-        n_miss = int(miss.sum())
-        self.stamp[lines[~miss]] = tick
-        self.counters.hits += rows.numel() - n_miss
+        self._stamps[torch.where(miss, self.lines, lines)] = tick  # hits (misses: the sink)
+        at = torch.nonzero(miss).squeeze(1)  # [n_miss] positions of the misses: the host read
+        n_miss = at.numel()
+        hits = rows.numel() - n_miss
+        self._counts.hits += hits
         if n_miss == 0:
             return lines, 0
-        at = torch.nonzero(miss).squeeze(1)  # [n_miss] positions of the misses
-        candidate = torch.where(self.stamp < tick, self.stamp, _KEEP)  # [L]
         # the lines stamped by this call are its hits' (distinct rows, distinct lines)
-        k = min(n_miss, self.lines - (rows.numel() - n_miss))
+        k = min(n_miss, self.lines - hits)
         if k:
-            victims = torch.topk(candidate, k, largest=False, sorted=False).indices  # [k]
-            self._evict(victims)
+            victims = self._take(k, hits, tick)
             self._fill(victims, rows[at[:k]], tick)
             lines[at[:k]] = victims
-        self.counters.misses += k
-        self.counters.bypassed += n_miss - k
+        self._counts.misses += k
+        self._counts.bypassed += n_miss - k
         return lines, n_miss - k
 
+    def _take(self, k: int, hits: int, tick: int) -> torch.Tensor:
+        """[k] lines for a call's misses, none stamped by the call (it stamped ``hits`` lines):
+        lines never used first, then the least recently used of the window after the clock hand
+        (see the module doc), evicted. ``k <= lines - hits``."""
+        dev = self.values.device
+        fresh = min(k, self.lines - self._fresh)
+        taken: list[torch.Tensor] = []
+        if fresh:
+            new = torch.arange(self._fresh, self._fresh + fresh, device=dev)  # [fresh]
+            self._fresh += fresh
+            self.stamp[new] = tick  # this call's now: the window below passes them over
+            taken.append(new)
+        rest = k - fresh
+        if rest:
+            # the call has stamped hits + fresh lines, so a window of at least k + hits lines
+            # (<= L) holds `rest` others; twice that lets the older half go
+            width = min(self.lines, 2 * (k + hits))
+            window = torch.arange(self._hand, self._hand + width, device=dev) % self.lines
+            self._hand = (self._hand + width) % self.lines
+            stamps = self.stamp[window]  # [width]
+            candidate = torch.where(stamps < tick, stamps, _KEEP)
+            pick = torch.topk(candidate, rest, largest=False, sorted=False).indices
+            victims = window[pick]  # [rest]
+            self._evict(victims)
+            taken.append(victims)
+        return taken[0] if len(taken) == 1 else torch.cat(taken)
+
     def _evict(self, victims: torch.Tensor) -> None:
-        """Free lines ``victims`` [k]: dirty ones written back in one scatter."""
+        """Free lines ``victims`` [k]: dirty ones written back in one masked scatter, their rows
+        unmapped; counted on the device (no host read)."""
         old = self.row_of_line[victims]  # [k]
         held = old >= 0
         back = held & self.dirty[victims]
-        n_held, n_back = (int(x) for x in torch.stack([held.sum(), back.sum()]).tolist())
-        if n_back:
-            wb = victims[back]
-            self.store.write(old[back], torch.cat([self.values[wb], self.accum[wb]], 1))
-        if n_held:
-            self.line_of_row[old[held]] = -1
-        self.counters.evictions += n_held
-        self.counters.writebacks += n_back
+        payload = torch.cat([self.values[victims], self.accum[victims]], 1)  # [k, 2 * dim]
+        self.store.write(torch.where(back, old, -1), payload)  # rows -1: skipped
+        self._line_map[torch.where(held, old, self.line_of_row.numel())] = -1  # free: the sink
+        self._evicted += torch.stack([held.sum(), back.sum()])
 
     def _fill(self, victims: torch.Tensor, rows: torch.Tensor, tick: int) -> None:
-        """Lines ``victims`` [k] take ``rows`` [k] from the host tier (one gather, one copy)."""
+        """Lines ``victims`` [k] take ``rows`` [k] from the host tier (one gather)."""
         payload = self.store.read(rows).to(self.values.device, non_blocking=True)  # [k, 2 * dim]
         self.values[victims] = payload[:, : self.dim]
         self.accum[victims] = payload[:, self.dim :]
@@ -220,9 +292,9 @@ class RowCache:
     def prefetch(self, rows: torch.Tensor) -> None:
         if rows.numel() == 0:
             return
-        before = self.counters.misses
+        before = self._counts.misses
         self._resolve(rows)
-        self.counters.prefetched += self.counters.misses - before
+        self._counts.prefetched += self._counts.misses - before
 
     # ------------------------------------------------------------------ index changes
 
@@ -295,33 +367,31 @@ class RowCache:
         held = self.row_of_line >= 0
         moved = torch.where(held, remap[self.row_of_line.clamp(min=0)], -1)  # [L]
         gone = held & (moved < 0)
-        self.stamp[gone] = -1
-        self.dirty[gone] = False
-        self.row_of_line = moved
-        self.line_of_row = torch.full(
-            (capacity,), -1, dtype=torch.int32, device=self.line_of_row.device
-        )
+        self.stamp.masked_fill_(gone, -1)
+        self.dirty.masked_fill_(gone, False)
+        self._row_of_line, self.row_of_line = _with_sink(moved, -1)
+        self._set_line_map(capacity)
         live = torch.nonzero(moved >= 0).squeeze(1)
         self.line_of_row[moved[live]] = live.to(torch.int32)
 
     def _read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, accumulators) [n, dim] of ``rows`` [n] as they are now, cache unchanged."""
         payload = self.store.read(rows).to(self.values.device)  # [n, 2 * dim]
-        v, a = payload[:, : self.dim], payload[:, self.dim :]
-        lines = self.line_of_row[rows].to(torch.int64)
-        at = torch.nonzero(lines >= 0).squeeze(1)
-        if at.numel():
-            v[at], a[at] = self.values[lines[at]], self.accum[lines[at]]
-        return v, a
+        lines = self.line_of_row[rows].to(torch.int64)  # [n]
+        cached = (lines >= 0).unsqueeze(1)  # [n, 1]
+        line = lines.clamp(min=0)
+        v = torch.where(cached, self.values[line], payload[:, : self.dim])
+        a = torch.where(cached, self.accum[line], payload[:, self.dim :])
+        return v, a  # [n, dim] each
 
     def _write(self, rows: torch.Tensor, values: torch.Tensor, accum: torch.Tensor) -> None:
         """Store the payload of distinct ``rows`` in the host tier; their lines are dropped (the
         rows now belong to keys whose payload this is)."""
         lines = self.line_of_row[rows].to(torch.int64)
-        drop = lines[lines >= 0]
-        self.row_of_line[drop] = -1
-        self.stamp[drop] = -1
-        self.dirty[drop] = False
+        drop = torch.where(lines >= 0, lines, self.lines)  # rows without a line: the sink
+        self._row_of_line[drop] = -1
+        self._stamps[drop] = -1
+        self._dirty[drop] = False
         self.line_of_row[rows] = -1
         self.store.write(rows, torch.cat([values, accum], 1))
 
@@ -333,7 +403,7 @@ class RowCache:
         if dirty.numel():
             rows = self.row_of_line[dirty]
             self.store.write(rows, torch.cat([self.values[dirty], self.accum[dirty]], 1))
-            self.counters.writebacks += dirty.numel()
+            self._counts.writebacks += dirty.numel()
             self.dirty[dirty] = False
 
     def export(self) -> ExportedRows:
@@ -358,8 +428,8 @@ class RowCache:
         c = self.counters
         used = c.hits + c.misses + c.bypassed
         hbm = self.values.nbytes + self.accum.nbytes
-        hbm += self.row_of_line.nbytes + self.stamp.nbytes + self.dirty.nbytes
-        hbm += self.line_of_row.nbytes
+        hbm += self._row_of_line.nbytes + self._stamps.nbytes + self._dirty.nbytes
+        hbm += self._line_map.nbytes
         return {
             "cache_lines": float(self.lines),
             "cache_hits": float(c.hits),

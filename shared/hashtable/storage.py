@@ -25,6 +25,7 @@ from shared.features import DynamicTableSpec, InitializerSpec, ScoreStrategy, Ta
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.admission import FrequencyCounter
 from shared.hashtable.backend import Backend
+from shared.hashtable.cuda import runtime as cuda_kernels
 from shared.hashtable.hashing import (
     NegativeKeyError,
     check_keys,
@@ -280,9 +281,15 @@ class FusedStorage:
     def _cache(self, factors: Sequence[float], dyn: Sequence[DynamicTableSpec]) -> RowCache:
         """The CACHING payload: ``ceil(factor * max_capacity)`` lines per member table."""
         lines = sum(math.ceil(f * d.max_capacity) for f, d in zip(factors, dyn, strict=True))
-        store = TensorHostStore(
-            self.dim, capacity=self.table.capacity, pin=self.device.type == "cuda"
-        )
+        cuda = self.device.type == "cuda"
+        # mapped: the device reads and writes the host rows itself (UVA kernels), where the
+        # CUDA kernels can run; else row ids go to the host and the CPU moves the rows
+        mapped = cuda and cuda_kernels.available()
+        if mapped:  # compiled now, not at the first miss of a training step
+            from shared.hashtable.cuda import host_rows
+
+            cuda_kernels.compile_modules(self.device, [host_rows.SOURCE])
+        store = TensorHostStore(self.dim, capacity=self.table.capacity, pin=cuda, mapped=mapped)
         return RowCache(
             self.table,
             self.backend,

@@ -230,6 +230,18 @@ def _raw_stream(index: int) -> int:
     return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+class Address:
+    """A raw device address passed where a launch takes a tensor (its ``data_ptr``): memory no
+    tensor of the device describes, such as page-locked host rows mapped into the device's
+    address space (``TensorHostStore.device_pointer``)."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
 def arg_values(sig: str, args: Sequence[Any]) -> list[int | float]:
     """Plain numbers of ``args`` for signature ``sig``: tensors become data pointers (None: 0)."""
     if len(args) != len(sig):

@@ -43,17 +43,7 @@ def gather(
         SIGNATURES[name],
         min(rt.blocks(threads), MAX_GRID),
         rt.BLOCK,
-        [hot, _Pointer(host_pointer), rows, line_of_row, out, rt.i64(n), rt.i32(dim)],
+        [hot, rt.Address(host_pointer), rows, line_of_row, out, rt.i64(n), rt.i32(dim)],
         device=out.device,
         source=SOURCE,
     )
-
-
-class _Pointer:
-    """A raw device address passed where the launcher takes a tensor (``data_ptr``)."""
-
-    def __init__(self, address: int) -> None:
-        self.address = address
-
-    def data_ptr(self) -> int:
-        return self.address

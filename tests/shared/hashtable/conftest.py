@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+import torch
 
 from shared.features import (
     CONSTANT_ZERO,
@@ -54,3 +57,20 @@ def dyn_table(
         None,
     )
     return TableSpec(name, dim, None, dyn, "sum")
+
+
+def run_on_cuda(run: Callable[[], None], *, graph: bool, out: torch.Tensor) -> None:
+    """``run()`` eagerly, or captured in a CUDA graph and replayed (run once eagerly first, so
+    that NVRTC compiles outside the capture; ``out`` filled with NaN before the capture, so the
+    replay must write it); synchronized after."""
+    if graph:
+        run()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        out.fill_(float("nan"))
+        with torch.cuda.graph(g):
+            run()
+        g.replay()
+    else:
+        run()
+    torch.cuda.synchronize()

@@ -12,7 +12,7 @@ from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda import tier_gather
 from shared.hashtable.host_store import TensorHostStore
 
-from .conftest import NEEDS_CUDA_KERNELS
+from .conftest import NEEDS_CUDA_KERNELS, run_on_cuda
 from .test_cuda_keyed import _kernel_params, _signature
 
 
@@ -50,15 +50,5 @@ def test_gather_equals_one_matrix(dim: int, graph: bool) -> None:
     def run() -> None:
         tier_gather.gather(hot_rows, pointer, rows, lines, out)
 
-    if graph:
-        run()  # compiles (NVRTC) outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        out.fill_(float("nan"))
-        with torch.cuda.graph(g):
-            run()
-        g.replay()
-    else:
-        run()
-    torch.cuda.synchronize()
+    run_on_cuda(run, graph=graph, out=out)
     assert torch.equal(out.cpu(), want)

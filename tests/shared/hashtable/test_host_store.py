@@ -24,6 +24,17 @@ def test_read_gathers_the_packed_rows_and_write_scatters_them() -> None:
     assert store.read(torch.tensor([0]))[0, 0] == 0  # other rows untouched
 
 
+def test_write_skips_negative_rows_and_mapped_rows_must_be_pinned() -> None:
+    """A masked write-back passes -1 for the rows it does not write (no host read to select
+    them); a store mapped into the device's address space is page-locked."""
+    store = _store()
+    store.write(torch.tensor([-1, 2, -1]), torch.full((3, 6), 7.0))
+    assert store.read(torch.tensor([2])).eq(7).all()
+    assert store.read(torch.tensor([1]))[0, 0] == 6  # others untouched
+    with pytest.raises(ValueError, match="mapped rows must be pinned"):
+        TensorHostStore(3, capacity=6, pin=False, mapped=True)
+
+
 def test_permute_moves_rows_to_their_new_ids_and_drops_the_others() -> None:
     store = _store()
     before = store.read(torch.arange(6))
@@ -38,7 +49,7 @@ def test_permute_moves_rows_to_their_new_ids_and_drops_the_others() -> None:
 def test_store_reports_its_bytes_and_pinning() -> None:
     store = _store()
     assert store.nbytes == 6 * 6 * 4
-    assert "capacity=6" in repr(store) and "pinned=False" in repr(store)
+    assert "capacity=6" in repr(store) and "pinned=False, mapped=False" in repr(store)
 
 
 @pytest.mark.gpu

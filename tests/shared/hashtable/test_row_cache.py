@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shared.features import ScoreStrategy, TableSpec
+from shared.hashtable import cuda
 from shared.hashtable.adagrad import AdagradConfig, adagrad_update
 from shared.hashtable.backend import TorchBackend
 from shared.hashtable.embedding import DynamicEmbeddingCollection
@@ -247,11 +248,48 @@ def test_row_cache_resolves_misses_evicts_lru_and_bypasses_past_its_lines() -> N
     )
 
 
+def test_victims_are_fresh_lines_then_the_oldest_of_a_window_after_the_clock_hand() -> None:
+    """Lines never used go first (no eviction), then each call takes the least recently used
+    lines of a window of 2 * (misses + hits) lines after the hand, never its own, and the
+    hand moves past the window; values stay those of the host tier."""
+    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
+    store = TensorHostStore(2, capacity=64, pin=False)
+    cache = RowCache(
+        table, TorchBackend(), dim=2, lines=16, store=store, initial_accumulator_value=0.5
+    )
+    init = torch.arange(48, dtype=torch.float32).reshape(24, 2)
+    rows = cache.insert_or_assign(
+        torch.arange(24), init, torch.zeros(24, dtype=torch.int64), table_ids=None
+    ).rows
+    for a in range(0, 16, 4):  # four calls of four misses: lines 0..15 in order
+        assert torch.equal(cache.gather(rows[a : a + 4]), init[a : a + 4])
+    assert cache.line_of_row[rows[:16]].tolist() == list(range(16))
+    assert cache.counters.evictions == 0 and cache.counters.misses == 16
+    # rows 0, 1 (lines 0, 1) hit, rows 16, 17 miss: window lines 0..7; lines 0, 1 are this
+    # call's, lines 2, 3 (first call) are older than 4..7 (second call): 2 and 3 go
+    call = rows[[0, 1, 16, 17]]
+    assert torch.equal(cache.gather(call), init[[0, 1, 16, 17]])
+    assert cache.counters.evictions == 2
+    assert cache.line_of_row[rows[:4]].tolist() == [0, 1, -1, -1]
+    assert sorted(cache.line_of_row[rows[16:18]].tolist()) == [2, 3]
+    # the hand is at line 8 now: two misses take two of lines 8..11 (window 4, the same age),
+    # not the older lines 4..7 behind the hand
+    assert torch.equal(cache.gather(rows[18:20]), init[18:20])
+    assert set(cache.line_of_row[rows[18:20]].tolist()) <= {8, 9, 10, 11}
+    assert cache.counters.evictions == 4 and cache.counters.writebacks == 0
+    exported = cache.export()
+    assert exported.values is not None and torch.equal(exported.values, init[exported.keys])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares tiers on the GPU")
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
 def test_on_cuda_a_cache_of_a_few_rows_equals_hbm_only(strategy: ScoreStrategy) -> None:
     hbm, cached = _dec(strategy, None, "cuda"), _dec(strategy, 0.01, "cuda")
+    cache = cached._storages[0].payload
+    assert isinstance(cache, RowCache) and isinstance(cache.store, TensorHostStore)
+    # with the CUDA kernels the host tier's rows move through UVA (cuda/host_rows.py)
+    assert cache.store.mapped == (cuda.unavailable_reason() is None)
     for o1, o2 in zip(_run(hbm), _run(cached, prefetch=True), strict=True):
         for t in o1:
             torch.testing.assert_close(o1[t], o2[t], rtol=1e-6, atol=1e-7, msg=t)

@@ -1,0 +1,66 @@
+// Rows of a page-locked host matrix mapped into the device's address space (UVA), read and
+// written by the device directly (see cuda/host_rows.py): the host tier of a CACHING training
+// storage. No copy is launched and nothing waits on the host: the kernels run on torch's
+// current stream like any other.
+//
+// One thread per 16 bytes of a row (VEC floats): VEC 4 when the row width is a multiple of 4
+// (rows 16-byte aligned, read and written with float4 accesses), else 1. Consecutive threads
+// cover one row, so a row moves over PCIe in full 16-byte (and, 8 threads together, 128-byte)
+// requests, not element-wise ones. Values are copied, never computed: bit-equal to
+// index_select / index_copy_ on the host.
+
+typedef long long i64;
+
+// f(t, i, j) for every 16 bytes (VEC floats) of n rows of width floats: piece t is piece j of
+// row i. A grid-stride loop: consecutive threads cover one row.
+template <int VEC, typename F>
+__device__ void each_piece(i64 n, int width, F f) {
+  const int per_row = width / VEC;
+  const i64 total = n * per_row;
+  for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+       t += (i64)gridDim.x * blockDim.x) {
+    const i64 i = t / per_row;
+    f(t, i, (i64)(t - i * per_row), (i64)per_row);
+  }
+}
+
+// out[i] = host[rows[i]], a zero row where rows[i] < 0.
+template <typename V, int VEC>
+__device__ void host_gather(const V* __restrict__ host, const i64* __restrict__ rows,
+                            V* __restrict__ out, i64 n, int width) {
+  each_piece<VEC>(n, width, [&](i64 t, i64 i, i64 j, i64 per_row) {
+    const i64 r = rows[i];
+    out[t] = r < 0 ? V{} : host[r * per_row + j];
+  });
+}
+
+// host[rows[i]] = payload[i] where rows[i] >= 0 and (no mask, or mask[i]); rows distinct.
+template <typename V, int VEC>
+__device__ void host_scatter(V* __restrict__ host, const i64* __restrict__ rows,
+                             const V* __restrict__ payload, const bool* __restrict__ mask, i64 n,
+                             int width) {
+  each_piece<VEC>(n, width, [&](i64 t, i64 i, i64 j, i64 per_row) {
+    const i64 r = rows[i];
+    if (r >= 0 && (mask == nullptr || mask[i])) host[r * per_row + j] = payload[t];
+  });
+}
+
+extern "C" __global__ void hr_gather4(const float4* host, const i64* rows, float4* out, i64 n,
+                                      int width) {
+  host_gather<float4, 4>(host, rows, out, n, width);
+}
+
+extern "C" __global__ void hr_gather1(const float* host, const i64* rows, float* out, i64 n,
+                                      int width) {
+  host_gather<float, 1>(host, rows, out, n, width);
+}
+
+extern "C" __global__ void hr_scatter4(float4* host, const i64* rows, const float4* payload,
+                                       const bool* mask, i64 n, int width) {
+  host_scatter<float4, 4>(host, rows, payload, mask, n, width);
+}
+
+extern "C" __global__ void hr_scatter1(float* host, const i64* rows, const float* payload,
+                                       const bool* mask, i64 n, int width) {
+  host_scatter<float, 1>(host, rows, payload, mask, n, width);
+}

@@ -1,0 +1,112 @@
+"""Row gathers and scatters of a host matrix by the device, through UVA (``host_rows.cu``): the
+host tier of a CACHING training storage
+(:class:`~shared.hashtable.host_store.TensorHostStore` made with ``mapped``).
+
+The host tier's rows are page-locked and mapped into the device's address space
+(``cudaHostRegisterMapped``), so a kernel reads and writes them at
+:meth:`~shared.hashtable.host_store.TensorHostStore.device_pointer` directly: no row ids copied
+to the host (a device → host sync), no single-threaded CPU ``index_select`` / ``index_copy_``
+of the packed rows, no second copy between the pinned buffer and the device. One thread per
+16 bytes of a row (``float4`` accesses when the width is a multiple of 4): vectorized row
+transfers, not the element-wise reads that reach only 44M rows/s from pinned memory on the
+H100 here (issue #52). Each call is one launch on torch's current stream with no host read,
+so it orders with torch's work on that stream. Values are copied, never computed: the rows
+equal ``index_select`` / ``index_copy_`` on the host bit for bit.
+
+Writes land in host memory when the kernel has run: a CPU-side read of the same rows must come
+after a synchronisation (the store does it before any CPU access of its rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.hashtable.cuda import runtime as rt
+
+SOURCE: rt.Source = ("host_rows.cu", ())
+SIGNATURES = {
+    "hr_gather4": "pppqi",
+    "hr_gather1": "pppqi",
+    "hr_scatter4": "ppppqi",
+    "hr_scatter1": "ppppqi",
+}
+MAX_GRID = 1 << 16  # blocks of a launch; the threads loop over the rest
+
+
+def gather(host_pointer: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = host[rows[i]]`` (zeros where ``rows[i]`` < 0) for the ``[capacity, width]``
+    float32 host rows at ``host_pointer``. ``rows`` [n] int64 and ``out`` [n, width] float32,
+    contiguous on one CUDA device; ``rows`` (>= 0) must be below the host matrix's capacity."""
+    _check(rows, out, "out")
+    n, width = out.shape
+    if n == 0:
+        return
+    args = [rt.Address(host_pointer), rows, out, rt.i64(n), rt.i32(width)]
+    _launch("hr_gather", rows, width, args)
+
+
+def scatter(
+    host_pointer: int,
+    rows: torch.Tensor,
+    payload: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> None:
+    """``host[rows[i]] = payload[i]`` where ``rows[i]`` >= 0 and ``mask[i]`` (all, without a
+    mask): a masked write-back needs no host read of which rows to write. ``rows`` [n] int64
+    (distinct where written), ``payload`` [n, width] float32 and ``mask`` [n] bool, contiguous
+    on one CUDA device."""
+    _check(rows, payload, "payload")
+    n, width = payload.shape
+    if mask is not None and (
+        mask.dtype != torch.bool or mask.shape != rows.shape or mask.device != rows.device
+    ):
+        raise ValueError(
+            f"host_rows.scatter: mask must be bool [{n}] on {rows.device}, got {mask.dtype} "
+            f"{list(mask.shape)} on {mask.device}"
+        )
+    if n == 0:
+        return
+    if mask is not None:
+        mask = mask.contiguous()
+    args = [rt.Address(host_pointer), rows, payload, mask, rt.i64(n), rt.i32(width)]
+    _launch("hr_scatter", rows, width, args)
+
+
+def _check(rows: torch.Tensor, matrix: torch.Tensor, what: str) -> None:
+    """The launch's layout: int64 rows [n] and a float32 [n, width] matrix, contiguous on one
+    CUDA device (checked on the host: no sync)."""
+    ok = (
+        rows.is_cuda
+        and rows.dtype == torch.int64
+        and rows.dim() == 1
+        and rows.is_contiguous()
+        and matrix.dtype == torch.float32
+        and matrix.dim() == 2
+        and matrix.is_contiguous()
+        and matrix.shape[0] == rows.numel()
+        and matrix.device == rows.device
+    )
+    if not ok:
+        raise ValueError(
+            f"host_rows: rows must be contiguous int64 [n] on a CUDA device and {what} "
+            f"contiguous float32 [n, width] beside them, got rows {rows.dtype} "
+            f"{list(rows.shape)} on {rows.device}, {what} {matrix.dtype} {list(matrix.shape)} "
+            f"on {matrix.device}"
+        )
+
+
+def _launch(family: str, rows: torch.Tensor, width: int, args: list[object]) -> None:
+    """One launch of ``family``'s float4 kernel (width a multiple of 4) or scalar one: a thread
+    per 16 bytes (or per float) of each row of ``rows``."""
+    vec = 4 if width % 4 == 0 else 1
+    name = f"{family}{vec}"
+    threads = rows.numel() * (width // vec)
+    rt.launch(
+        name,
+        SIGNATURES[name],
+        min(rt.blocks(threads), MAX_GRID),
+        rt.BLOCK,
+        args,
+        device=rows.device,
+        source=SOURCE,
+    )

@@ -1,0 +1,132 @@
+"""Host rows read and written by the device through UVA (cuda/host_rows.cu): gathers and scatters
+equal ``index_select`` / ``index_copy_`` on the host, float4 and scalar widths, masked and
+negative rows skipped, empty input, and a gather replayed from a CUDA graph (GPU tests:
+``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_host_rows.py``); the launch
+signatures and the layout check run on CPU too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.hashtable.cuda import host_rows
+from shared.hashtable.cuda import runtime as rt
+from shared.hashtable.host_store import TensorHostStore
+
+from .conftest import NEEDS_CUDA_KERNELS, run_on_cuda
+from .test_cuda_keyed import _kernel_params, _signature
+
+WIDTHS = [32, 6, 256]  # float4 rows (dim 16), scalar rows (dim 3), wide rows (dim 128)
+
+
+def test_signatures_match_the_source() -> None:
+    params = _kernel_params(rt.SOURCE.with_name(host_rows.SOURCE[0]))
+    assert set(params) == set(host_rows.SIGNATURES)
+    for name, sig in host_rows.SIGNATURES.items():
+        assert _signature(params[name]) == sig, name
+
+
+def test_rows_off_the_device_are_refused_with_the_layout_wanted() -> None:
+    with pytest.raises(ValueError, match=r"contiguous int64 \[n\] on a CUDA device"):
+        host_rows.gather(0, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"contiguous int64 \[n\] on a CUDA device"):
+        host_rows.scatter(0, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4))
+
+
+def _store(width: int, rows: int = 1000, seed: int = 0) -> tuple[TensorHostStore, torch.Tensor]:
+    """A mapped store of ``rows`` random rows (width = 2 * dim) and a copy of its values."""
+    values = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    store = TensorHostStore(width // 2, capacity=rows, pin=True, mapped=True)
+    store.write(torch.arange(rows), values)  # row ids on the CPU: the CPU's index_copy_
+    return store, values
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_gather_equals_index_select(width: int, graph: bool) -> None:
+    store, values = _store(width)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(-1, values.shape[0], (4096,), generator=gen)  # -1: a zero row
+    want = torch.where((idx >= 0).unsqueeze(1), values[idx.clamp(min=0)], 0.0)
+    dev = torch.device("cuda")
+    rows = idx.to(dev)
+    out = torch.full((idx.numel(), width), float("nan"), device=dev)
+    pointer = store.device_pointer()
+
+    def run() -> None:
+        host_rows.gather(pointer, rows, out)
+
+    run_on_cuda(run, graph=graph, out=out)
+    assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+def test_scatter_equals_index_copy(width: int, masked: bool) -> None:
+    store, values = _store(width)
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randperm(values.shape[0], generator=gen)[:300]  # distinct rows
+    idx[::7] = -1  # skipped
+    payload = torch.randn(idx.numel(), width, generator=gen)
+    mask = torch.rand(idx.numel(), generator=gen) < 0.5
+    written = (idx >= 0) & mask if masked else idx >= 0
+    want = values.clone()
+    want.index_copy_(0, idx[written], payload[written])
+    dev = torch.device("cuda")
+    host_rows.scatter(
+        store.device_pointer(),
+        idx.to(dev),
+        payload.to(dev),
+        mask.to(dev) if masked else None,
+    )
+    torch.cuda.synchronize()  # the writes have landed in host memory
+    assert torch.equal(store.rows, want)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+def test_empty_input_launches_nothing_and_a_bad_mask_is_refused() -> None:
+    store, values = _store(32)
+    dev = torch.device("cuda")
+    none = torch.zeros(0, dtype=torch.int64, device=dev)
+    out = torch.zeros(0, 32, device=dev)
+    host_rows.gather(store.device_pointer(), none, out)
+    host_rows.scatter(
+        store.device_pointer(), none, out, torch.zeros(0, dtype=torch.bool, device=dev)
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(store.rows, values)
+    rows = torch.tensor([1, 2], device=dev)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        host_rows.scatter(store.device_pointer(), rows, torch.zeros(2, 32, device=dev), rows)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("width", [32, 6])
+def test_a_mapped_store_moves_device_rows_on_the_device(width: int) -> None:
+    """read gives device rows, write takes them, growth moves the rows (a new device address)
+    and every CPU-side read sees the device's writes; equal to a CPU store doing the same."""
+    mapped, values = _store(width)
+    plain = TensorHostStore(width // 2, capacity=values.shape[0], pin=False)
+    plain.write(torch.arange(values.shape[0]), values)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randperm(values.shape[0], generator=gen)[:200]
+    got = mapped.read(idx.to(dev))
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), plain.read(idx))
+    payload = torch.randn(200, width, generator=gen)
+    mapped.write(idx.to(dev), payload.to(dev))
+    plain.write(idx, payload)
+    assert torch.equal(mapped.read(idx), plain.read(idx))  # CPU ids after device writes
+    before = mapped.device_pointer()
+    old, new = idx[:150], torch.randperm(4000, generator=gen)[:150]
+    mapped.permute(4000, old.to(dev), new.to(dev))
+    plain.permute(4000, old, new)
+    assert mapped.capacity == 4000 and mapped.device_pointer() != before
+    assert torch.equal(mapped.rows, plain.rows)
+    assert torch.equal(mapped.read(new.to(dev)).cpu(), plain.read(new))
