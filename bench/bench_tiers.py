@@ -20,8 +20,9 @@ gradient (sparse Adagrad on the rows), up to a device sync; ``--warmup`` steps f
 the cache), then ``--steps`` timed; ``--rounds`` times, the variants in turn (a shared machine's
 drift then falls on all of them; the ratio is the median of the rounds' ratios). The JSON has per dim and variant the median step ms, its
 ratio to ``hbm_only`` (same run), the cache's hit rate over the timed steps (rows found in a
-line / rows the forward lookups touched; the backward's Adagrad resolves the same rows
-again, counted in ``per_step``), misses, bypassed rows, evictions and write-backs a step, the bytes
+line / rows the forward lookups touched; the backward's Adagrad takes the lines its lookup
+resolved, and resolves its rows again, counted in ``per_step``, only when the lookup bypassed
+some: reading the counters is a host read of the device's eviction counts), misses, bypassed rows, evictions and write-backs a step, the bytes
 per tier (device: the index and the cache lines or the payload; host: every row's payload), the
 peak device memory (CUDA), and whether the rows of a probe of keys equal the baseline's after
 the run (they should: the tier is transparent).

@@ -39,8 +39,17 @@ class RowPayload(Protocol):
         the caller overwrites them)."""
         ...
 
-    def adagrad(self, rows: torch.Tensor, grads: torch.Tensor, config: AdagradConfig) -> None:
-        """Adagrad in place on distinct ``rows`` [n] with their summed ``grads`` [n, dim]."""
+    def adagrad(
+        self,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        config: AdagradConfig,
+        *,
+        looked_up: torch.Tensor | None = None,
+    ) -> None:
+        """Adagrad in place on distinct ``rows`` [n] with their summed ``grads`` [n, dim].
+        ``looked_up``: the tensor the step's :meth:`gather` was given, where ``rows`` are
+        exactly its entries >= 0 in order (a tier may then reuse what it found for them)."""
         ...
 
     def insert_or_assign(
@@ -92,7 +101,14 @@ class DevicePayload:
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         return self.table.values[rows.clamp(min=0)]  # [U, dim]
 
-    def adagrad(self, rows: torch.Tensor, grads: torch.Tensor, config: AdagradConfig) -> None:
+    def adagrad(
+        self,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        config: AdagradConfig,
+        *,
+        looked_up: torch.Tensor | None = None,
+    ) -> None:
         accum = self.table.accumulators
         assert accum is not None
         self.backend.adagrad_update(self.table.values, accum, rows, grads, config)

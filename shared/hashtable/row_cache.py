@@ -53,13 +53,19 @@ looking the pre-growth keys up in the grown index (growth is rare and already O(
 Checkpoints and exports flush the dirty lines, then read every row from the host tier: the same
 files as HBM_ONLY.
 
-Done for issue #52: the host tier's row moves on the device (UVA kernels, no host sync), one
-host read a resolve, victims from a bounded window. Not built yet: the resolve itself as
-kernels (it is torch ops around that one host read, and the backward's Adagrad resolves the
-forward's rows again: all hits, but a host read); a new key's initializer row goes to the host
-tier and comes back at the next resolve (two PCIe trips for a first-touched row, where it could
-take a line at once); and the static captured step on cached rows
-(:meth:`RowCache.why_not_static`).
+A step's Adagrad takes the lines its lookup resolved (the storage passes the tensor the lookup
+gave :meth:`RowCache.gather` as ``looked_up``): no second resolve, no second host read, and
+the backward's rows are not counted again. A version, bumped whenever a line may leave its row
+(an eviction, a dropped line, growth), tells whether those lines still hold the rows; a call in
+between that evicted (a prefetch, an eval lookup) makes the Adagrad resolve its rows again.
+
+Done for issue #52: the host tier's rows moved by the device (UVA kernels, no host sync), one
+host read a lookup's resolve and none in the backward, victims from a bounded window. Not built
+yet: the resolve itself as kernels (torch ops around that one host read, which also keeps a
+cached step out of a CUDA graph: :meth:`RowCache.why_not_static`); a new key's initializer
+row goes to the host tier and comes back at the next resolve (two PCIe trips for a
+first-touched row, where it could take a line at once); the misses of batch i+1 fetched on a
+side stream while step i runs (prefetch runs on the training thread between steps).
 """
 
 from __future__ import annotations
@@ -145,6 +151,11 @@ class RowCache:
         self._hand = 0  # the clock hand: the next window of victims starts here
         self._fresh = 0  # lines [_fresh, L) were never used: taken in order before any victim
         self._counts = CacheCounters()  # those known on the host (not evictions in _evict)
+        # bumped whenever a line may leave its row (evictions, dropped lines, growth): lines
+        # resolved before stay valid while it is unchanged
+        self._version = 0
+        # (the tensor the last gather was given, the lines of its rows >= 0, the version then)
+        self._resolved: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._evicted = torch.zeros(2, dtype=torch.int64, device=dev)  # evictions, write-backs
 
     def _set_line_map(self, capacity: int) -> None:
@@ -218,6 +229,7 @@ class RowCache:
             candidate = torch.where(stamps < tick, stamps, _KEEP)
             pick = torch.topk(candidate, rest, largest=False, sorted=False).indices
             victims = window[pick]  # [rest]
+            self._version += 1
             self._evict(victims)
             taken.append(victims)
         return taken[0] if len(taken) == 1 else torch.cat(taken)
@@ -258,6 +270,7 @@ class RowCache:
         real = rows[at]
         lines, n_bypassed = self._resolve(real)
         if n_bypassed == 0:
+            self._resolved = (rows, lines, self._version)  # for the step's adagrad
             out[at] = self.values[lines]
             return out  # [U, dim]
         cached, bypassed = self._split(lines)
@@ -267,10 +280,20 @@ class RowCache:
             out[at[bypassed]] = payload[:, : self.dim]
         return out  # [U, dim]
 
-    def adagrad(self, rows: torch.Tensor, grads: torch.Tensor, config: AdagradConfig) -> None:
+    def adagrad(
+        self,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        config: AdagradConfig,
+        *,
+        looked_up: torch.Tensor | None = None,
+    ) -> None:
         if rows.numel() == 0:
             return
-        lines, n_bypassed = self._resolve(rows)
+        lines = self._lines_found(rows, looked_up)
+        n_bypassed = 0
+        if lines is None:
+            lines, n_bypassed = self._resolve(rows)
         if n_bypassed == 0:
             self.backend.adagrad_update(self.values, self.accum, lines, grads, config)
             self.dirty[lines] = True
@@ -288,6 +311,20 @@ class RowCache:
             idx = torch.arange(rb.numel(), device=v.device)
             self.backend.adagrad_update(v, a, idx, grads[bypassed], config)
             self.store.write(rb, torch.cat([v, a], 1))
+
+    def _lines_found(
+        self, rows: torch.Tensor, looked_up: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The lines the last :meth:`gather` resolved, when ``rows`` [n] are the entries >= 0 of
+        the tensor it was given (``looked_up``, the same object) and no line has left its row
+        since (the version): the backward's Adagrad then skips a second resolve of the same
+        rows (its host read, stamps and counts). None where that does not hold."""
+        if looked_up is None or self._resolved is None:
+            return None
+        given, lines, version = self._resolved
+        if given is not looked_up or version != self._version or lines.numel() != rows.numel():
+            return None
+        return lines  # [n]
 
     def prefetch(self, rows: torch.Tensor) -> None:
         if rows.numel() == 0:
@@ -354,6 +391,7 @@ class RowCache:
     def _moved(self, old_keys: torch.Tensor, old_tids: torch.Tensor) -> None:
         """The index was rebuilt: pre-growth row r held ``old_keys[r]``; find each key's row now
         and move the host tier and the line map the same way (keys gone: payload dropped)."""
+        self._version += 1
         old_rows = torch.nonzero(old_keys >= 0).squeeze(1)
         new_rows, found = self.table.find(
             old_keys[old_rows], old_tids[old_rows].to(torch.int64), validate=False
@@ -387,6 +425,7 @@ class RowCache:
     def _write(self, rows: torch.Tensor, values: torch.Tensor, accum: torch.Tensor) -> None:
         """Store the payload of distinct ``rows`` in the host tier; their lines are dropped (the
         rows now belong to keys whose payload this is)."""
+        self._version += 1
         lines = self.line_of_row[rows].to(torch.int64)
         drop = torch.where(lines >= 0, lines, self.lines)  # rows without a line: the sink
         self._row_of_line[drop] = -1

@@ -594,11 +594,12 @@ class FusedStorage:
         same = self.table.generation == plan.generation
         # rows can only have moved if the table changed since the forward (checked then)
         moved = self.mutations != plan.mutations
+        looked_up: torch.Tensor | None = plan.rows  # rows: its entries >= 0, in order
         if not same or (moved and not bool(self._rows_hold(rows, keys, tids).all())):
             rows, found = self.table.find(keys, self._tids(tids), validate=False)  # rows moved
             ok = torch.nonzero(found).squeeze(1)
-            rows, g = rows[ok], g[ok]
-        self.payload.adagrad(rows, g, self.adagrad)
+            rows, g, looked_up = rows[ok], g[ok], None
+        self.payload.adagrad(rows, g, self.adagrad, looked_up=looked_up)
 
     def _rows_hold(
         self, rows: torch.Tensor, keys: torch.Tensor, tids: torch.Tensor

@@ -58,7 +58,15 @@ def _batches(steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [{t: torch.randint(0, 400, (300,), generator=g) for t in ("a_emb", "b_emb")} for _ in range(steps)]  # fmt: skip
 
 
-def _run(dec: DynamicEmbeddingCollection, steps: int = 8, *, prefetch: bool = False) -> list[dict[str, torch.Tensor]]:  # fmt: skip
+def _run(
+    dec: DynamicEmbeddingCollection,
+    steps: int = 8,
+    *,
+    prefetch: bool = False,
+    between: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """The script's outputs; with ``prefetch`` each next batch prefetched after the backward
+    (``between``: between the forward and the backward, which may evict the step's rows)."""
     g = torch.Generator().manual_seed(1)
     batches = _batches(steps)
     outs = []
@@ -67,8 +75,12 @@ def _run(dec: DynamicEmbeddingCollection, steps: int = 8, *, prefetch: bool = Fa
         dev = {t: k.to(dec.device) for t, k in batch.items()}
         out = dec(dev)
         coef = {t: torch.randn(300, 4, generator=g).to(dec.device) for t in batch}
-        sum((out[t] * coef[t]).sum() for t in batch).backward()
-        if prefetch and step + 1 < steps:
+        loss = sum((out[t] * coef[t]).sum() for t in batch)
+        fetch = prefetch and step + 1 < steps
+        if fetch and between:
+            dec.prefetch(batches[step + 1])
+        loss.backward()  # type: ignore[union-attr]
+        if fetch and not between:
             dec.prefetch(batches[step + 1])
         outs.append({t: v.detach().cpu() for t, v in out.items()})
         if step == steps // 2:  # an eval lookup between training steps reads the same rows
@@ -152,6 +164,61 @@ def test_prefetch_is_no_op_without_a_cache() -> None:
     after = hbm.table_states()
     for t in before:
         assert torch.equal(before[t].scores, after[t].scores)
+
+
+def test_the_backward_reuses_the_forwards_lines_unless_a_line_left_its_row() -> None:
+    """A step's Adagrad takes the lines its lookup resolved (no second resolve: the hits are
+    the lookup's alone); a prefetch between the two that evicts lines makes it resolve again,
+    with the same results either way."""
+    plain, between = _dec(ScoreStrategy.STEP, 0.99), _dec(ScoreStrategy.STEP, 0.3)
+    hbm = _dec(ScoreStrategy.STEP, None)
+    plain.set_step(0)
+    batch = _batches(1, seed=7)[0]
+    out = plain(batch)
+    forward = plain.tier_stats()["g"]
+    sum(o.sum() for o in out.values()).backward()  # type: ignore[union-attr]
+    after = plain.tier_stats()["g"]
+    assert forward["cache_misses"] > 0 and forward["cache_bypassed"] == 0
+    assert after["cache_hits"] == forward["cache_hits"]  # not resolved again
+    outs = _run(hbm), _run(between, prefetch=True, between=True)
+    for o1, o2 in zip(*outs, strict=True):
+        for t in o1:
+            assert torch.equal(o1[t], o2[t]), t
+    _assert_equal(hbm, between)
+    assert between.tier_stats()["g"]["cache_evictions"] > 0
+
+
+@pytest.mark.parametrize("evict", [False, True], ids=["reused", "evicted"])
+def test_adagrad_takes_the_lookups_lines_only_while_they_hold_its_rows(evict: bool) -> None:
+    """gather, then adagrad of the same rows (``looked_up``: the tensor gather got): the lines
+    are reused, unless a call in between evicted lines (here a prefetch that takes both of
+    them); the update lands on the rows either way."""
+    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
+    store = TensorHostStore(2, capacity=64, pin=False)
+    cache = RowCache(
+        table, TorchBackend(), dim=2, lines=4, store=store, initial_accumulator_value=0.5
+    )
+    init = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    rows = cache.insert_or_assign(
+        torch.arange(6), init, torch.zeros(6, dtype=torch.int64), table_ids=None
+    ).rows
+    given = torch.cat([rows[:2], torch.tensor([-1])])  # a lookup's rows: -1 for no key
+    cache.gather(given)  # lines 0, 1
+    if evict:
+        cache.prefetch(rows[2:6])  # lines 2, 3, then the window's 0 and 1
+        assert int(cache.line_of_row[rows[0]]) == -1 and int(cache.line_of_row[rows[1]]) == -1
+    hits = cache.counters.hits
+    config, grads = AdagradConfig(0.1, 1e-10, 0.5), torch.ones(2, 2)
+    cache.adagrad(rows[:2], grads, config, looked_up=given)
+    assert cache.counters.hits == hits  # reused, or resolved again as two misses
+    assert cache.counters.misses == (2 + 4 + 2 if evict else 2)
+    want_v, want_a = init[:2].clone(), torch.full((2, 2), 0.5)
+    adagrad_update(want_v, want_a, torch.tensor([0, 1]), grads, config)
+    exported = cache.export()
+    assert exported.values is not None and exported.accumulators is not None
+    at = exported.keys < 2
+    assert torch.equal(exported.values[at], want_v[exported.keys[at]])
+    assert torch.equal(exported.accumulators[at], want_a[exported.keys[at]])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
