@@ -58,6 +58,15 @@ class HostStore(Protocol):
         the others distinct."""
         ...
 
+    def swap(
+        self, write_rows: torch.Tensor, payload: torch.Tensor, read_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """``write(write_rows, payload)``, then ``read(read_rows)`` (as many rows each, read
+        rows >= 0, none of them among the rows written): a cache's write-back of its evicted
+        lines and the read of the rows that take them, in one pass where the store can overlap
+        the two."""
+        ...
+
     def permute(self, capacity: int, old_rows: torch.Tensor, new_rows: torch.Tensor) -> None:
         """The table grew to ``capacity`` rows and row ``old_rows[i]`` is now ``new_rows[i]``
         (rows not listed left the table: their payload is dropped)."""
@@ -187,6 +196,31 @@ class TensorHostStore:
         if not bool(kept.all()):
             idx, payload = idx[kept], payload[kept]
         self._rows.index_copy_(0, idx, payload)
+
+    def swap(
+        self, write_rows: torch.Tensor, payload: torch.Tensor, read_rows: torch.Tensor
+    ) -> torch.Tensor:
+        if write_rows.numel() != read_rows.numel():
+            raise ValueError(
+                f"TensorHostStore.swap: {write_rows.numel()} rows to write and "
+                f"{read_rows.numel()} to read; pass as many of each (-1 writes nothing)"
+            )
+        if not (self._on_device(write_rows) and self._on_device(read_rows)):
+            self.write(write_rows, payload)
+            return self.read(read_rows)
+        from shared.hashtable.cuda import host_rows
+
+        out = payload.to(read_rows.device, torch.float32).contiguous()  # [n, 2 * dim]
+        into = torch.empty_like(out)  # [n, 2 * dim]
+        host_rows.swap(
+            self.device_pointer(),
+            write_rows.to(torch.int64).contiguous(),
+            out,
+            read_rows.to(torch.int64).contiguous(),
+            into,
+        )
+        self._pending = read_rows.device
+        return into
 
     def permute(self, capacity: int, old_rows: torch.Tensor, new_rows: torch.Tensor) -> None:
         moved = self._empty(capacity)

@@ -34,9 +34,10 @@ class RowPayload(Protocol):
     name: str  # "HBM_ONLY", "CACHING": what the storage's repr shows
     tiered: bool  # whether some rows live off the device (then prefetch is worth a find)
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor, *, stored: int | None = None) -> torch.Tensor:
         """[U, dim] float32: the values of distinct ``rows`` [U] (entries of -1 give any row:
-        the caller overwrites them)."""
+        the caller overwrites them). ``stored``: how many entries are >= 0, where the caller
+        has read it already (a tier need not read it again)."""
         ...
 
     def adagrad(
@@ -98,7 +99,7 @@ class DevicePayload:
         self.table = table
         self.backend = backend
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor, *, stored: int | None = None) -> torch.Tensor:
         return self.table.values[rows.clamp(min=0)]  # [U, dim]
 
     def adagrad(

@@ -35,9 +35,12 @@ never evicts its own rows. Why a window: a ``topk`` over every line each call co
 misses themselves at large caches (3M lines at 10 % of 30M rows, 30M at 100 % on the first H100
 run); the window keeps the recently used half of what it passes (an approximate LRU, as Redis'
 sampled LRU), and the choice only affects speed, never results (the tier is transparent).
-Dirty victims go back to the host in ONE masked scatter (rows of clean victims are -1 there, so
-nothing is read on the host to select them); evictions and write-backs are counted on the
-device and read when :attr:`RowCache.counters` or :meth:`RowCache.stats` is asked.
+Dirty victims go back to the host in the same pass that reads the misses into their lines
+(:meth:`~shared.hashtable.host_store.HostStore.swap`: on CUDA one kernel, so the write-backs
+and the reads cross PCIe at the same time, one each way, where two launches would take the sum
+of both); clean victims' rows are -1 there, so nothing is read on the host to select them.
+Evictions and write-backs are counted on the device and read when :attr:`RowCache.counters` or
+:meth:`RowCache.stats` is asked.
 
 When a call needs more rows than there are lines (a cache of a few rows), the rows past the
 cache are *bypassed*: read from and updated in the host tier directly, with the same
@@ -59,8 +62,8 @@ the backward's rows are not counted again. A version, bumped whenever a line may
 (an eviction, a dropped line, growth), tells whether those lines still hold the rows; a call in
 between that evicted (a prefetch, an eval lookup) makes the Adagrad resolve its rows again.
 
-Done for issue #52: the host tier's rows moved by the device (UVA kernels, no host sync), one
-host read a lookup's resolve and none in the backward, victims from a bounded window. Not built
+Done for issue #52: the host tier's rows moved by the device (UVA kernels, no host sync; the
+write-backs overlapped with the misses' reads), one host read a lookup's resolve and none in the backward, victims from a bounded window. Not built
 yet: the resolve itself as kernels (torch ops around that one host read, which also keeps a
 cached step out of a CUDA graph: :meth:`RowCache.why_not_static`); a new key's initializer
 row goes to the host tier and comes back at the next resolve (two PCIe trips for a
@@ -79,6 +82,7 @@ import torch
 
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.backend import Backend
+from shared.hashtable.hashing import compact_positions
 from shared.hashtable.host_store import HostStore
 from shared.hashtable.layout import ExportedRows, InsertResult
 from shared.hashtable.table import HashTable
@@ -199,17 +203,18 @@ class RowCache:
         # the lines stamped by this call are its hits' (distinct rows, distinct lines)
         k = min(n_miss, self.lines - hits)
         if k:
-            victims = self._take(k, hits, tick)
-            self._fill(victims, rows[at[:k]], tick)
-            lines[at[:k]] = victims
+            taken, back = self._take(k, hits, tick)
+            self._fill(taken, back, rows[at[:k]], tick)
+            lines[at[:k]] = taken
         self._counts.misses += k
         self._counts.bypassed += n_miss - k
         return lines, n_miss - k
 
-    def _take(self, k: int, hits: int, tick: int) -> torch.Tensor:
-        """[k] lines for a call's misses, none stamped by the call (it stamped ``hits`` lines):
-        lines never used first, then the least recently used of the window after the clock hand
-        (see the module doc), evicted. ``k <= lines - hits``."""
+    def _take(self, k: int, hits: int, tick: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([k] lines for a call's misses, none stamped by the call (it stamped ``hits``
+        lines): lines never used first, then the least recently used of the window after the
+        clock hand (see the module doc), evicted; [k] the row each line's payload must go back
+        to, -1 for none, or None where no line was evicted). ``k <= lines - hits``."""
         dev = self.values.device
         fresh = min(k, self.lines - self._fresh)
         taken: list[torch.Tensor] = []
@@ -219,41 +224,53 @@ class RowCache:
             self.stamp[new] = tick  # this call's now: the window below passes them over
             taken.append(new)
         rest = k - fresh
-        if rest:
-            # the call has stamped hits + fresh lines, so a window of at least k + hits lines
-            # (<= L) holds `rest` others; twice that lets the older half go
-            width = min(self.lines, 2 * (k + hits))
-            window = torch.arange(self._hand, self._hand + width, device=dev) % self.lines
-            self._hand = (self._hand + width) % self.lines
-            stamps = self.stamp[window]  # [width]
-            candidate = torch.where(stamps < tick, stamps, _KEEP)
-            pick = torch.topk(candidate, rest, largest=False, sorted=False).indices
-            victims = window[pick]  # [rest]
-            self._version += 1
-            self._evict(victims)
-            taken.append(victims)
-        return taken[0] if len(taken) == 1 else torch.cat(taken)
+        if rest == 0:
+            return taken[0], None
+        # the call has stamped hits + fresh lines, so a window of at least k + hits lines
+        # (<= L) holds `rest` others; twice that lets the older half go
+        width = min(self.lines, 2 * (k + hits))
+        window = torch.arange(self._hand, self._hand + width, device=dev) % self.lines
+        self._hand = (self._hand + width) % self.lines
+        stamps = self.stamp[window]  # [width]
+        candidate = torch.where(stamps < tick, stamps, _KEEP)
+        pick = torch.topk(candidate, rest, largest=False, sorted=False).indices
+        victims = window[pick]  # [rest]
+        back = self._evict(victims)  # [rest]
+        if not fresh:
+            return victims, back
+        return torch.cat([*taken, victims]), torch.cat([back.new_full((fresh,), -1), back])
 
-    def _evict(self, victims: torch.Tensor) -> None:
-        """Free lines ``victims`` [k]: dirty ones written back in one masked scatter, their rows
-        unmapped; counted on the device (no host read)."""
+    def _evict(self, victims: torch.Tensor) -> torch.Tensor:
+        """Free lines ``victims`` [k] (their rows unmapped, counted on the device: no host
+        read); returns [k] the row each line's payload must go back to (its row where dirty,
+        else -1), for :meth:`_fill`'s write-back."""
+        self._version += 1
         old = self.row_of_line[victims]  # [k]
         held = old >= 0
         back = held & self.dirty[victims]
-        payload = torch.cat([self.values[victims], self.accum[victims]], 1)  # [k, 2 * dim]
-        self.store.write(torch.where(back, old, -1), payload)  # rows -1: skipped
         self._line_map[torch.where(held, old, self.line_of_row.numel())] = -1  # free: the sink
         self._evicted += torch.stack([held.sum(), back.sum()])
+        return torch.where(back, old, -1)
 
-    def _fill(self, victims: torch.Tensor, rows: torch.Tensor, tick: int) -> None:
-        """Lines ``victims`` [k] take ``rows`` [k] from the host tier (one gather)."""
-        payload = self.store.read(rows).to(self.values.device, non_blocking=True)  # [k, 2 * dim]
-        self.values[victims] = payload[:, : self.dim]
-        self.accum[victims] = payload[:, self.dim :]
-        self.row_of_line[victims] = rows
-        self.line_of_row[rows] = victims.to(torch.int32)
-        self.stamp[victims] = tick
-        self.dirty[victims] = False
+    def _fill(
+        self, lines: torch.Tensor, back: torch.Tensor | None, rows: torch.Tensor, tick: int
+    ) -> None:
+        """Lines ``lines`` [k] take ``rows`` [k] from the host tier, after the payload they hold
+        goes back to rows ``back`` [k] (-1: not written; None: no line is written): one pass
+        over the host tier (on CUDA one kernel, the write-backs and reads crossing PCIe at the
+        same time)."""
+        if back is None:
+            payload = self.store.read(rows)  # [k, 2 * dim]
+        else:
+            out = torch.cat([self.values[lines], self.accum[lines]], 1)  # [k, 2 * dim]
+            payload = self.store.swap(back, out, rows)
+        payload = payload.to(self.values.device, non_blocking=True)
+        self.values[lines] = payload[:, : self.dim]
+        self.accum[lines] = payload[:, self.dim :]
+        self.row_of_line[lines] = rows
+        self.line_of_row[rows] = lines.to(torch.int32)
+        self.stamp[lines] = tick
+        self.dirty[lines] = False
 
     def _split(self, lines: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions cached, positions bypassed) of resolved ``lines``."""
@@ -262,12 +279,15 @@ class RowCache:
 
     # ------------------------------------------------------------------ the step
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor, *, stored: int | None = None) -> torch.Tensor:
         out = torch.zeros(rows.numel(), self.dim, dtype=torch.float32, device=self.values.device)
-        at = torch.nonzero(rows >= 0).squeeze(1)
+        if stored is None:
+            at = torch.nonzero(rows >= 0).squeeze(1)  # [stored]: a host read
+        else:
+            at = compact_positions(rows >= 0, stored)  # [stored]
         if at.numel() == 0:
             return out  # [U, dim]
-        real = rows[at]
+        real = rows if at.numel() == rows.numel() else rows[at]
         lines, n_bypassed = self._resolve(real)
         if n_bypassed == 0:
             self._resolved = (rows, lines, self._version)  # for the step's adagrad

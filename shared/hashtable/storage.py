@@ -386,7 +386,7 @@ class FusedStorage:
             assert self.counter is not None
             # valid keys (checked above, or the table's own ids): no count, no host read
             self.counter.erase(erase.keys[done], self._tids(erase.table_ids[done]), count=False)
-        out = self.payload.gather(rows)  # [U, dim]
+        out = self.payload.gather(rows, stored=uk.numel() - n_miss)  # [U, dim]
         if n_miss:  # not stored: admission value (train), fresh init (refused), eval value
             self._fill_misses(out, uk, ut, counts, invalid, not_admitted, n_miss)
         for t, k in parts:

@@ -45,6 +45,24 @@ __device__ void host_scatter(V* __restrict__ host, const i64* __restrict__ rows,
   });
 }
 
+// host[write_rows[i]] = out[i] where write_rows[i] >= 0, then in[i] = host[read_rows[i]] (a zero
+// row where read_rows[i] < 0): a cache's write-back of evicted lines and the read of the rows
+// that take them, in one pass. A store is posted (the thread does not wait for it), so the
+// writes to the host and the reads from it cross PCIe at the same time, one each way. The rows
+// read must not be among the rows written (the cache's are not: evicted rows had lines,
+// missed rows had none).
+template <typename V, int VEC>
+__device__ void host_swap(V* host, const i64* __restrict__ write_rows, const V* __restrict__ out,
+                          const i64* __restrict__ read_rows, V* __restrict__ in, i64 n,
+                          int width) {
+  each_piece<VEC>(n, width, [&](i64 t, i64 i, i64 j, i64 per_row) {
+    const i64 w = write_rows[i];
+    if (w >= 0) host[w * per_row + j] = out[t];
+    const i64 r = read_rows[i];
+    in[t] = r < 0 ? V{} : host[r * per_row + j];
+  });
+}
+
 extern "C" __global__ void hr_gather4(const float4* host, const i64* rows, float4* out, i64 n,
                                       int width) {
   host_gather<float4, 4>(host, rows, out, n, width);
@@ -63,4 +81,14 @@ extern "C" __global__ void hr_scatter4(float4* host, const i64* rows, const floa
 extern "C" __global__ void hr_scatter1(float* host, const i64* rows, const float* payload,
                                        const bool* mask, i64 n, int width) {
   host_scatter<float, 1>(host, rows, payload, mask, n, width);
+}
+
+extern "C" __global__ void hr_swap4(float4* host, const i64* write_rows, const float4* out,
+                                    const i64* read_rows, float4* in, i64 n, int width) {
+  host_swap<float4, 4>(host, write_rows, out, read_rows, in, n, width);
+}
+
+extern "C" __global__ void hr_swap1(float* host, const i64* write_rows, const float* out,
+                                    const i64* read_rows, float* in, i64 n, int width) {
+  host_swap<float, 1>(host, write_rows, out, read_rows, in, n, width);
 }

@@ -29,6 +29,8 @@ SIGNATURES = {
     "hr_gather1": "pppqi",
     "hr_scatter4": "ppppqi",
     "hr_scatter1": "ppppqi",
+    "hr_swap4": "pppppqi",
+    "hr_swap1": "pppppqi",
 }
 MAX_GRID = 1 << 16  # blocks of a launch; the threads loop over the rest
 
@@ -70,6 +72,32 @@ def scatter(
         mask = mask.contiguous()
     args = [rt.Address(host_pointer), rows, payload, mask, rt.i64(n), rt.i32(width)]
     _launch("hr_scatter", rows, width, args)
+
+
+def swap(
+    host_pointer: int,
+    write_rows: torch.Tensor,
+    out: torch.Tensor,
+    read_rows: torch.Tensor,
+    into: torch.Tensor,
+) -> None:
+    """``host[write_rows[i]] = out[i]`` where ``write_rows[i]`` >= 0, and ``into[i] =
+    host[read_rows[i]]`` (zeros where < 0), in one pass: the writes (posted) and the reads
+    cross PCIe at the same time instead of one launch after the other. The rows read must not
+    be among the rows written (distinct rows written). ``write_rows`` and ``read_rows`` [n]
+    int64, ``out`` and ``into`` [n, width] float32, contiguous on one CUDA device."""
+    _check(write_rows, out, "out")
+    _check(read_rows, into, "into")
+    n, width = out.shape
+    if into.shape != out.shape or read_rows.device != write_rows.device:
+        raise ValueError(
+            f"host_rows.swap: out and into must be alike on one device, got {list(out.shape)} "
+            f"on {out.device} and {list(into.shape)} on {into.device}"
+        )
+    if n == 0:
+        return
+    args = [rt.Address(host_pointer), write_rows, out, read_rows, into, rt.i64(n), rt.i32(width)]
+    _launch("hr_swap", write_rows, width, args)
 
 
 def _check(rows: torch.Tensor, matrix: torch.Tensor, what: str) -> None:

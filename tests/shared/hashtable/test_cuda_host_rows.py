@@ -1,8 +1,8 @@
-"""Host rows read and written by the device through UVA (cuda/host_rows.cu): gathers and scatters
-equal ``index_select`` / ``index_copy_`` on the host, float4 and scalar widths, masked and
-negative rows skipped, empty input, and a gather replayed from a CUDA graph (GPU tests:
-``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_host_rows.py``); the launch
-signatures and the layout check run on CPU too."""
+"""Host rows read and written by the device through UVA (cuda/host_rows.cu): gathers, scatters
+and swaps equal ``index_select`` / ``index_copy_`` on the host, float4 and scalar widths,
+masked and negative rows skipped, empty input, and a gather replayed from a CUDA graph (GPU
+tests: ``python3 -m pytest -q -m gpu tests/shared/hashtable/test_cuda_host_rows.py``); the
+launch signatures and the layout check run on CPU too."""
 
 from __future__ import annotations
 
@@ -89,12 +89,39 @@ def test_scatter_equals_index_copy(width: int, masked: bool) -> None:
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("width", WIDTHS)
+def test_swap_equals_index_copy_then_index_select(width: int) -> None:
+    """Write-backs (some skipped) and reads of other rows in one kernel, through a mapped store
+    and bare; equal to the CPU store doing the write, then the read."""
+    mapped, values = _store(width)
+    plain = TensorHostStore(width // 2, capacity=values.shape[0], pin=False)
+    plain.write(torch.arange(values.shape[0]), values)
+    gen = torch.Generator().manual_seed(4)
+    perm = torch.randperm(values.shape[0], generator=gen)
+    written, read = perm[:300].clone(), perm[300:600]  # disjoint, as a cache's are
+    written[::5] = -1  # clean lines: nothing written
+    payload = torch.randn(300, width, generator=gen)
+    want = plain.swap(written, payload, read)
+    dev = torch.device("cuda")
+    got = mapped.swap(written.to(dev), payload.to(dev), read.to(dev))
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+    assert torch.equal(mapped.rows, plain.rows)  # the writes landed
+    into = torch.full((300, width), float("nan"), device=dev)
+    host_rows.swap(mapped.device_pointer(), read.to(dev), got, written.to(dev), into)
+    torch.cuda.synchronize()
+    back = torch.where((written >= 0).unsqueeze(1), plain.rows[written.clamp(min=0)], 0.0)
+    assert torch.equal(into.cpu(), back)  # -1 reads: zero rows
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
 def test_empty_input_launches_nothing_and_a_bad_mask_is_refused() -> None:
     store, values = _store(32)
     dev = torch.device("cuda")
     none = torch.zeros(0, dtype=torch.int64, device=dev)
     out = torch.zeros(0, 32, device=dev)
     host_rows.gather(store.device_pointer(), none, out)
+    host_rows.swap(store.device_pointer(), none, out, none, out)
     host_rows.scatter(
         store.device_pointer(), none, out, torch.zeros(0, dtype=torch.bool, device=dev)
     )

@@ -35,6 +35,18 @@ def test_write_skips_negative_rows_and_mapped_rows_must_be_pinned() -> None:
         TensorHostStore(3, capacity=6, pin=False, mapped=True)
 
 
+def test_swap_writes_back_then_reads_other_rows() -> None:
+    """A cache's eviction pass: rows 1 and 4 written (-1: a clean line, nothing), rows 0, 2, 3
+    read, as write then read."""
+    store = _store()
+    got = store.swap(torch.tensor([1, -1, 4]), torch.full((3, 6), -5.0), torch.tensor([0, 2, 3]))
+    assert got[:, 0].tolist() == [0.0, 12.0, 18.0]
+    assert store.read(torch.tensor([1, 4])).eq(-5).all()
+    assert store.read(torch.tensor([5]))[0, 0] == 30  # the clean line's row untouched
+    with pytest.raises(ValueError, match="as many of each"):
+        store.swap(torch.tensor([1]), torch.zeros(1, 6), torch.tensor([0, 2]))
+
+
 def test_permute_moves_rows_to_their_new_ids_and_drops_the_others() -> None:
     store = _store()
     before = store.read(torch.arange(6))
