@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (about 8 minutes): the wheels of scripts/gpu_wheels.py installed, the storage
-# tiers' GPU tests (CACHING against HBM_ONLY on CUDA, pinned host tier), then bench/bench_tiers.py
+# tiers' GPU tests (CACHING against HBM_ONLY on CUDA, the mapped host tier and its UVA row
+# kernels, the serving tier gather), then bench/bench_tiers.py
 # on the card: the embedding step at Zipf 1.05, 1M lookups a step, dim 16 over 100M rows and
 # dim 128 over 40M rows (HBM_ONLY's payload at dim 128 and 100M rows, 102 GB, fits no card
 # here), caches of 10/50/100 % against HBM_ONLY in the same run.
@@ -13,6 +14,7 @@ set -x
 if [ "${TIER_TESTS:-1}" != 0 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/shared/hashtable/test_row_cache.py tests/shared/hashtable/test_host_store.py \
+    tests/shared/hashtable/test_cuda_host_rows.py tests/shared/hashtable/test_cuda_tier_gather.py \
     > "$OUT/tier_tests.log" 2>&1
   echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
 fi
