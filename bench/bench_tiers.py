@@ -18,14 +18,15 @@ keys spread over buckets). Variants, built one at a time on the same keys:
 A step is the embedding step alone: a training lookup of the batch and the backward of a fixed
 gradient (sparse Adagrad on the rows), up to a device sync; ``--warmup`` steps first (they warm
 the cache), then ``--steps`` timed; ``--rounds`` times, the variants in turn (a shared machine's
-drift then falls on all of them; the ratio is the median of the rounds' ratios). The JSON has per dim and variant the median step ms, its
-ratio to ``hbm_only`` (same run), the cache's hit rate over the timed steps (rows found in a
-line / rows the forward lookups touched; the backward's Adagrad takes the lines its lookup
-resolved, and resolves its rows again, counted in ``per_step``, only when the lookup bypassed
-some: reading the counters is a host read of the device's eviction counts), misses, bypassed rows, evictions and write-backs a step, the bytes
-per tier (device: the index and the cache lines or the payload; host: every row's payload), the
-peak device memory (CUDA), and whether the rows of a probe of keys equal the baseline's after
-the run (they should: the tier is transparent).
+drift then falls on all of them; the ratio is the median of the rounds' ratios). The JSON has
+per dim and variant the median step ms, its ratio to ``hbm_only`` (same run), the cache's hit
+rate over the timed steps (rows found in a line / rows the lookups touched: the backward's
+Adagrad takes the lines its lookup resolved, and resolves its rows again, counted too, only when
+the lookup bypassed some), misses, bypassed rows, evictions and write-backs a step (the counters
+are read outside the timed region: they live on the device), the bytes per tier (device: the
+index and the cache lines or the payload; host: every row's payload), the peak device memory
+(CUDA), and whether the rows of a probe of keys equal the baseline's after the run (they
+should: the tier is transparent).
 
 What it does not measure: the static (graph-captured) step, which CACHING storages do not take
 yet (both variants run the eager lookup), and a prefetch overlapped with compute (not built).
@@ -120,20 +121,21 @@ def run_variant(
     totals: dict[str, float] = {}  # per-step cache counters of the timed steps (both calls)
     for i, batch in enumerate(batches):
         dec.set_step(i + 1)
-        s0 = dec.tier_stats()[TABLE]  # host counters: no device work
+        s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
         _sync(device)
         t = time.perf_counter()
         out = dec({TABLE: batch})[TABLE]  # [lookups, dim]
-        s1 = dec.tier_stats()[TABLE]
         out.backward(grad)
         _sync(device)
         if i < warmup:
             continue
         times.append(time.perf_counter() - t)
+        # read after the timed region: the counters live on the device (a read syncs). The
+        # backward reuses its lookup's lines (no second count) unless the lookup bypassed rows
         s2 = dec.tier_stats()[TABLE]
         if factor is not None:
-            fwd_hits += s1["cache_hits"] - s0["cache_hits"]
-            fwd_rows += sum(s1[k] - s0[k] for k in ("cache_hits", "cache_misses", "cache_bypassed"))
+            fwd_hits += s2["cache_hits"] - s0["cache_hits"]
+            fwd_rows += sum(s2[k] - s0[k] for k in ("cache_hits", "cache_misses", "cache_bypassed"))
         for k in COUNTERS:
             totals[k] = totals.get(k, 0.0) + s2.get(f"cache_{k}", 0.0) - s0.get(f"cache_{k}", 0.0)
     after = dec.tier_stats()[TABLE]
