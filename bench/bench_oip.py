@@ -43,7 +43,7 @@ import grpc
 import numpy as np
 
 from bench.bench_serving import ServerGroup, _machine, _pct, make_bundle, make_samples, work_dir
-from shared.cli import Parser, plain, run_cli
+from shared.cli import Parser, plain, run_cli, write_result
 
 PREDICT = "/dynrec.serving.PredictionService/Predict"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -282,7 +282,23 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         checked = check_same_scores(group.host, predict, infer)
         stages = per_request(bundle, predict, infer, a.profile_requests, a.profile_iters)
         print(", ".join(f"{k} {v:.1f} us" for k, v in stages.items()), flush=True)
-        runs = []
+        runs: list[dict[str, Any]] = []
+        result = {
+            "command": "python -m bench.bench_oip " + " ".join(sys.argv[1:]),
+            "machine": _machine(),
+            "device": a.device,
+            "bundle": bundle_info,
+            "startup_s": startup,
+            "candidates": a.candidates,
+            "requests": a.requests,
+            "scores_checked": checked,
+            "per_request_us": stages,
+            "settings": {
+                k: v for k, v in vars(a).items() if k not in ("out",) and not isinstance(v, Path)
+            },
+            "goal": f"OIP candidates/s >= {GOAL_RATIO} x Predict's at the same concurrency",
+            "runs": runs,
+        }
         for clients in a.clients:
             protocols = [("predict", PREDICT, predict), ("oip", INFER, infer)]
             if a.settle > 0:  # one unmeasured phase of each first: the server's first calls
@@ -315,25 +331,11 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "ratio_p99": p99["oip"] / p99["predict"],
                 "meets_goal": ratio >= GOAL_RATIO,
             })  # fmt: skip
+            write_result(a.out, result)  # each concurrency as it ends: a run cut short keeps it
             print(f"clients {clients}: predict {summary['predict']['candidates_per_s']:,.0f} cand/s p99 {p99['predict']:.2f} ms; oip {summary['oip']['candidates_per_s']:,.0f} cand/s p99 {p99['oip']:.2f} ms; ratio {ratio:.3f}", flush=True)  # fmt: skip
     finally:
         group.stop()
-    return {
-        "command": "python -m bench.bench_oip " + " ".join(sys.argv[1:]),
-        "machine": _machine(),
-        "device": a.device,
-        "bundle": bundle_info,
-        "startup_s": startup,
-        "candidates": a.candidates,
-        "requests": a.requests,
-        "scores_checked": checked,
-        "per_request_us": stages,
-        "settings": {
-            k: v for k, v in vars(a).items() if k not in ("out",) and not isinstance(v, Path)
-        },
-        "goal": f"OIP candidates/s >= {GOAL_RATIO} x Predict's at the same concurrency",
-        "runs": runs,
-    }
+    return result
 
 
 def _parser() -> Parser:
@@ -374,9 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     with work_dir(a.work, "bench_oip-") as work:
-        result = run(a, work)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(a.out, run(a, work))
     print(f"wrote {a.out}")
     return 0
 
