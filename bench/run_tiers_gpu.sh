@@ -7,7 +7,7 @@
 # here), caches of 10/50/100 % against HBM_ONLY in the same run.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: tier_tests.log,
-# bench_tiers_gpu.json, bench_tiers.log. ROWS / ROWS_128 / LOOKUPS override the sizes, WARMUP /
+# bench_tiers_gpu.json, bench_tiers.log. ROWS / ROWS_128 / LOOKUPS / DIMS override the sizes, WARMUP /
 # STEPS the steps (100 untimed first: on 2026-12-06 20 left the caches filling, 0.59 hit rate at
 # 10 % and 0.63 at 50 % with 105K-118K misses a step: a cold start, not the steady state).
 set -x
@@ -20,7 +20,7 @@ if [ "${TIER_TESTS:-1}" != 0 ]; then
     > "$OUT/tier_tests.log" 2>&1
   echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
 fi
-timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --rows "${ROWS:-100000000}" \
+timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims ${DIMS:-16 128} --rows "${ROWS:-100000000}" \
   --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup "${WARMUP:-100}" --steps "${STEPS:-30}" --rounds 1 \
   --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
 echo "bench_tiers rc=$?"; tail -12 "$OUT/bench_tiers.log"
