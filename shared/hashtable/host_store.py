@@ -47,9 +47,10 @@ class HostStore(Protocol):
         ...
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[n, 2 * dim]``: the payload of ``rows`` [n] int64 (all >= 0; any device), gathered
-        in one vectorized read of the packed list, on the rows' device where the store can
-        reach it from there (else on the host, pinned where the store is: the caller copies)."""
+        """``[n, 2 * dim]``: the payload of ``rows`` [n] int64 (any device; zeros for rows < 0,
+        a fixed-size read's unused slots), gathered in one vectorized read of the packed list,
+        on the rows' device where the store can reach it from there (else on the host, pinned
+        where the store is: the caller copies)."""
         ...
 
     def write(self, rows: torch.Tensor, payload: torch.Tensor) -> None:
@@ -62,7 +63,7 @@ class HostStore(Protocol):
         self, write_rows: torch.Tensor, payload: torch.Tensor, read_rows: torch.Tensor
     ) -> torch.Tensor:
         """``write(write_rows, payload)``, then ``read(read_rows)`` (as many rows each, read
-        rows >= 0, none of them among the rows written): a cache's write-back of its evicted
+        rows < 0 read as zeros, none of them among the rows written): a cache's write-back of its evicted
         lines and the read of the rows that take them, in one pass where the store can overlap
         the two."""
         ...
@@ -70,6 +71,17 @@ class HostStore(Protocol):
     def permute(self, capacity: int, old_rows: torch.Tensor, new_rows: torch.Tensor) -> None:
         """The table grew to ``capacity`` rows and row ``old_rows[i]`` is now ``new_rows[i]``
         (rows not listed left the table: their payload is dropped)."""
+        ...
+
+    def why_not_static(self, device: torch.device) -> str | None:
+        """Why ``read``, ``write`` and ``swap`` of row ids on ``device`` would read the device
+        on the host (and so cannot run in a captured CUDA graph); None where they need no host
+        read (the static training step can take them; every call on the CPU)."""
+        ...
+
+    def used_by_device(self, device: torch.device) -> None:
+        """Work queued on ``device`` outside this store's own calls (a CUDA graph replaying a
+        captured ``swap``) reads and writes the rows: a CPU-side access waits for it first."""
         ...
 
 
@@ -177,10 +189,18 @@ class TensorHostStore:
             return out  # [n, 2 * dim] on the rows' device
         self._wait()
         idx = rows.to("cpu", torch.int64)
+        unused = idx < 0  # zeros there, as the device kernel reads them
+        some_unused = bool(unused.any())  # on the host already: no sync
+        if some_unused:
+            idx = idx.clamp(min=0)
         if not self.pin:
-            return self._rows.index_select(0, idx)  # [n, 2 * dim]
-        out = torch.empty(idx.numel(), self.width, dtype=torch.float32, pin_memory=True)
-        return torch.index_select(self._rows, 0, idx, out=out)
+            out = self._rows.index_select(0, idx)  # [n, 2 * dim]
+        else:
+            out = torch.empty(idx.numel(), self.width, dtype=torch.float32, pin_memory=True)
+            torch.index_select(self._rows, 0, idx, out=out)
+        if some_unused:
+            out.masked_fill_(unused.unsqueeze(1), 0.0)
+        return out
 
     def write(self, rows: torch.Tensor, payload: torch.Tensor) -> None:
         if self._on_device(rows):
@@ -254,6 +274,19 @@ class TensorHostStore:
         self._wait()  # the old rows are read (they are freed with them) and the new written
         self._set_rows(moved)
         self._pointer = dst
+
+    def why_not_static(self, device: torch.device) -> str | None:
+        if device.type != "cuda" or self.mapped:
+            return None
+        return (
+            "its host rows are not mapped into the device's address space (the CUDA kernels "
+            "cannot run here: shared.hashtable.cuda.unavailable_reason() says why), so row ids "
+            "would go to the host; install CuPy with a CUDA runtime to map them"
+        )
+
+    def used_by_device(self, device: torch.device) -> None:
+        if self.mapped and device.type == "cuda":
+            self._pending = device
 
     def _on_device(self, rows: torch.Tensor) -> bool:
         """Whether the device moves these rows (ids on CUDA, a mapped store)."""

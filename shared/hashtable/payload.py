@@ -79,8 +79,42 @@ class RowPayload(Protocol):
         """Bring distinct ``rows`` [n] (all >= 0) to the device tier before a step needs them."""
         ...
 
-    def why_not_static(self) -> str | None:
-        """Why the captured static step cannot run on this tier (None: it can)."""
+    def why_not_static(self, padded: int | None = None) -> str | None:
+        """Why the captured static step cannot run on this tier (None: it can); with
+        ``padded``, for a step of that padded size."""
+        ...
+
+    # the static step's form (shared.hashtable.static_step): fixed shapes, no host read
+
+    def static_began(self) -> int:
+        """Called on the host before each static lookup; returns a version for
+        :meth:`static_version`."""
+        ...
+
+    def static_version(self) -> int:
+        """Changes when the slots a static forward resolved may no longer hold its rows (its
+        backward refuses to run then)."""
+        ...
+
+    def static_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, accumulators) [slots, dim]: what :meth:`static_resolve`'s slots index."""
+        ...
+
+    def static_key(self) -> tuple[object, ...]:
+        """The addresses a captured step reads beyond the index's (a change: capture again)."""
+        ...
+
+    def static_resolve(
+        self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
+    ) -> torch.Tensor:
+        """[P] int64: the slot in :meth:`static_arrays` of each of a static step's distinct
+        ``rows`` [P] (-1: no row), made ready with no host read. ``found`` [P] bool: stored
+        before the step; the others were inserted by it, with values ``new_values`` [P, dim]
+        (and the initial accumulators)."""
+        ...
+
+    def static_updated(self, slots: torch.Tensor) -> None:
+        """The static backward updated ``slots`` [P] (-1: none) in place."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -144,7 +178,32 @@ class DevicePayload:
     def prefetch(self, rows: torch.Tensor) -> None:
         return None  # every row is on the device already
 
-    def why_not_static(self) -> str | None:
+    def why_not_static(self, padded: int | None = None) -> str | None:
+        return None
+
+    # the static form is the table's own arrays: the rows are the slots, the insert wrote the
+    # new rows' values and accumulators, and nothing is added to the step's ops
+
+    def static_began(self) -> int:
+        return 0
+
+    def static_version(self) -> int:
+        return 0
+
+    def static_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        accum = self.table.accumulators
+        assert accum is not None
+        return self.table.values, accum
+
+    def static_key(self) -> tuple[object, ...]:
+        return ()  # the table's arrays: the static step keys on them already
+
+    def static_resolve(
+        self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
+    ) -> torch.Tensor:
+        return rows
+
+    def static_updated(self, slots: torch.Tensor) -> None:
         return None
 
     def stats(self) -> dict[str, float]:

@@ -62,13 +62,28 @@ the backward's rows are not counted again. A version, bumped whenever a line may
 (an eviction, a dropped line, growth), tells whether those lines still hold the rows; a call in
 between that evicted (a prefetch, an eval lookup) makes the Adagrad resolve its rows again.
 
+**The static step's form** (:meth:`RowCache.static_resolve`, called by
+:mod:`shared.hashtable.static_step` through the :class:`~shared.hashtable.payload.RowPayload`
+seam): the same resolve with fixed shapes and no host read, so that a CACHING storage's
+training step is captured in a CUDA graph like HBM_ONLY's. The step's P padded distinct rows
+(a validity mask) resolve through masks: a cumsum over "needs a line" gives each such row its
+victim among a window of ``min(L, 2P)`` lines after the clock hand (sorted by stamp, this
+call's last; the hand, the tick and the counters are device tensors, shared with the eager
+resolve), one :meth:`HostStore.swap` of P slots (-1: nothing) writes the dirty victims back and
+reads the stored rows, and a new key's line takes its initializer row at once (dirty), never
+crossing to the host and back. The lookup then gathers from lines and the backward's Adagrad
+updates lines (dirty marked): HBM_ONLY's arithmetic on other slots. Its precondition: a step of
+P padded keys needs ``P <= lines`` (no bypass: its sizes need a host read); a larger step runs
+the eager lookup (:meth:`RowCache.why_not_static` says what to raise). Lines the eager path
+thinks never used are forgotten once a static step ran (``_fresh``): the window then finds them
+by their stamp (-1 sorts first).
+
 Done for issue #52: the host tier's rows moved by the device (UVA kernels, no host sync; the
-write-backs overlapped with the misses' reads), one host read a lookup's resolve and none in the backward, victims from a bounded window. Not built
-yet: the resolve itself as kernels (torch ops around that one host read, which also keeps a
-cached step out of a CUDA graph: :meth:`RowCache.why_not_static`); a new key's initializer
-row goes to the host tier and comes back at the next resolve (two PCIe trips for a
-first-touched row, where it could take a line at once); the misses of batch i+1 fetched on a
-side stream while step i runs (prefetch runs on the training thread between steps).
+write-backs overlapped with the misses' reads), one host read an eager resolve and none in the
+backward, victims from a bounded window, the static (capturable) form above. Not built yet: the
+resolve as custom kernels (torch ops); the misses of batch i+1 fetched on a side stream while
+step i runs (prefetch runs on the training thread between steps, with the eager resolve's host
+read).
 """
 
 from __future__ import annotations
@@ -103,12 +118,13 @@ class CacheCounters:
     evictions: int = 0  # lines given to another row
     writebacks: int = 0  # of those, dirty lines written to the host tier (and flushed lines)
     prefetched: int = 0  # rows :meth:`RowCache.prefetch` brought in (also counted as misses)
+    created: int = 0  # new keys' rows made in a line by the static step (no host tier read)
 
 
 def _with_sink(shown: torch.Tensor, fill: float | bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``shown`` with one slot more, filled with ``fill``; the view of its first slots)."""
-    full = torch.cat([shown, shown.new_full((1,), fill)])
-    return full, full[: shown.numel()]
+    """(``shown`` with one slot (row) more, filled with ``fill``; the view of its first ones)."""
+    full = torch.cat([shown, shown.new_full((1, *shown.shape[1:]), fill)])
+    return full, full[: shown.shape[0]]
 
 
 class RowCache:
@@ -143,16 +159,18 @@ class RowCache:
         self.dim = dim
         self.store = store
         self.initial_accumulator_value = float(initial_accumulator_value)
-        self.values = torch.zeros(lines, dim, dtype=torch.float32, device=dev)  # [L, dim]
-        self.accum = torch.zeros(lines, dim, dtype=torch.float32, device=dev)  # [L, dim]
+        payload = torch.zeros(lines, dim, dtype=torch.float32, device=dev)
+        # each [L + 1] (rows) with its view [L]: the last slot a sink (see the module doc)
+        self._values, self.values = _with_sink(payload, 0.0)  # [L, dim]
+        self._accum, self.accum = _with_sink(payload, 0.0)  # [L, dim]
         free = torch.full((lines,), -1, dtype=torch.int64, device=dev)
-        # each [L + 1] with its view [L]: the last slot a sink (see the module doc)
         self._row_of_line, self.row_of_line = _with_sink(free, -1)
         self._stamps, self.stamp = _with_sink(free, -1)
         self._dirty, self.dirty = _with_sink(torch.zeros_like(free, dtype=torch.bool), False)
         self._set_line_map(table.capacity)
-        self._tick = 0  # calls so far: the stamp of the current one
-        self._hand = 0  # the clock hand: the next window of victims starts here
+        # on the device, so that the static step's captured resolve advances them too
+        self._tick = torch.zeros((), dtype=torch.int64, device=dev)  # calls: the current stamp
+        self._hand = torch.zeros((), dtype=torch.int64, device=dev)  # the next window's start
         self._fresh = 0  # lines [_fresh, L) were never used: taken in order before any victim
         self._counts = CacheCounters()  # those known on the host (not evictions in _evict)
         # bumped whenever a line may leave its row (evictions, dropped lines, growth): lines
@@ -161,6 +179,8 @@ class RowCache:
         # (the tensor the last gather was given, the lines of its rows >= 0, the version then)
         self._resolved: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._evicted = torch.zeros(2, dtype=torch.int64, device=dev)  # evictions, write-backs
+        self._static = torch.zeros(3, dtype=torch.int64, device=dev)  # static hits, misses, new
+        self._store_moves = 0  # growths of the host tier (a captured swap holds its address)
 
     def _set_line_map(self, capacity: int) -> None:
         """An empty ``line_of_row`` [capacity] (and its sink)."""
@@ -173,11 +193,19 @@ class RowCache:
 
     @property
     def counters(self) -> CacheCounters:
-        """The counters so far (a host read: evictions are counted on the device)."""
-        evictions, writebacks = self._evicted.tolist()
+        """The counters so far (a host read: evictions and the static step's resolves are
+        counted on the device)."""
+        evictions, writebacks, hits, misses, created = torch.cat(
+            [self._evicted, self._static]
+        ).tolist()
         c = self._counts
         return dataclasses.replace(
-            c, evictions=c.evictions + evictions, writebacks=c.writebacks + writebacks
+            c,
+            hits=c.hits + hits,
+            misses=c.misses + misses,
+            evictions=c.evictions + evictions,
+            writebacks=c.writebacks + writebacks,
+            created=c.created + created,
         )
 
     def __repr__(self) -> str:
@@ -190,7 +218,7 @@ class RowCache:
         number bypassed): a new call (stamp); hits stamped, misses loaded into lines this call
         does not use (:meth:`_take`). One host read: the size of the miss list."""
         self._tick += 1
-        tick = self._tick
+        tick = self._tick  # [] int64 on the device
         lines = self.line_of_row[rows].to(torch.int64)  # [n]
         miss = lines < 0
         self._stamps[torch.where(miss, self.lines, lines)] = tick  # hits (misses: the sink)
@@ -210,7 +238,9 @@ class RowCache:
         self._counts.bypassed += n_miss - k
         return lines, n_miss - k
 
-    def _take(self, k: int, hits: int, tick: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _take(
+        self, k: int, hits: int, tick: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([k] lines for a call's misses, none stamped by the call (it stamped ``hits``
         lines): lines never used first, then the least recently used of the window after the
         clock hand (see the module doc), evicted; [k] the row each line's payload must go back
@@ -229,8 +259,8 @@ class RowCache:
         # the call has stamped hits + fresh lines, so a window of at least k + hits lines
         # (<= L) holds `rest` others; twice that lets the older half go
         width = min(self.lines, 2 * (k + hits))
-        window = torch.arange(self._hand, self._hand + width, device=dev) % self.lines
-        self._hand = (self._hand + width) % self.lines
+        window = (self._hand + torch.arange(width, device=dev)) % self.lines  # [width]
+        self._hand.add_(width).remainder_(self.lines)
         stamps = self.stamp[window]  # [width]
         candidate = torch.where(stamps < tick, stamps, _KEEP)
         pick = torch.topk(candidate, rest, largest=False, sorted=False).indices
@@ -253,7 +283,7 @@ class RowCache:
         return torch.where(back, old, -1)
 
     def _fill(
-        self, lines: torch.Tensor, back: torch.Tensor | None, rows: torch.Tensor, tick: int
+        self, lines: torch.Tensor, back: torch.Tensor | None, rows: torch.Tensor, tick: torch.Tensor
     ) -> None:
         """Lines ``lines`` [k] take ``rows`` [k] from the host tier, after the payload they hold
         goes back to rows ``back`` [k] (-1: not written; None: no line is written): one pass
@@ -420,6 +450,7 @@ class RowCache:
         old_rows, new_rows = old_rows[kept], new_rows[kept]
         capacity = self.table.capacity
         self.store.permute(capacity, old_rows, new_rows)
+        self._store_moves += 1
         remap = torch.full((old_keys.numel(),), -1, dtype=torch.int64, device=old_keys.device)
         remap[old_rows] = new_rows
         held = self.row_of_line >= 0
@@ -477,16 +508,124 @@ class RowCache:
             accumulators=payload[:, self.dim :].contiguous(),
         )
 
-    def why_not_static(self) -> str | None:
-        return (
-            "the storage is CACHING (cache_load_factor < 1): its rows' payload is resolved to "
-            "cache lines with host reads, which a captured graph cannot do yet (issue #52)"
+    # ------------------------------------------------------------------ the static step
+
+    def why_not_static(self, padded: int | None = None) -> str | None:
+        """Why the static step cannot take this cache (None: it can): the host tier must be
+        reachable with no host read (:meth:`HostStore.why_not_static`), and a step of
+        ``padded`` keys needs as many lines (its distinct rows all take one: the static resolve
+        has no bypass, whose sizes only a host read could decide)."""
+        why = self.store.why_not_static(self.values.device)
+        if why is not None:
+            return f"the CACHING storage's host tier: {why}"
+        if padded is not None and padded > self.lines:
+            return (
+                f"a step of {padded} padded keys may use {padded} rows, more than the CACHING "
+                f"storage's {self.lines} cache lines (the static step keeps every row of a step "
+                "in a line): raise the tables' cache_load_factor (or the device budget) so "
+                "that the sum of ceil(factor * max_capacity) over the storage's tables reaches "
+                "the padded keys of a step, or lower the batch size; such steps run the eager "
+                "lookup, which reads the rows past the lines from the host tier"
+            )
+        return None
+
+    def static_began(self) -> int:
+        """A static lookup is about to run (on the host, before its forward's graph or code):
+        its resolve may evict lines, so the lines an eager lookup resolved are stale from now
+        on, lines the eager resolve thinks never used may be taken, and a replay's swap uses the
+        host tier. Returns the version that its backward checks (:meth:`static_version`)."""
+        self._version += 1
+        self._fresh = self.lines
+        self.store.used_by_device(self.values.device)
+        return self._version
+
+    def static_version(self) -> int:
+        """Bumped whenever a line may have left its row (a static step's backward compares it
+        with its forward's: an eager resolve between the two may have taken its lines)."""
+        return self._version
+
+    def static_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, accumulators) [L, dim]: what :meth:`static_resolve`'s slots index."""
+        return self.values, self.accum
+
+    def static_key(self) -> tuple[object, ...]:
+        """What a captured step reads at fixed addresses: changes when one of them moves."""
+        arrays = (self._values, self._accum, self._line_map, self._row_of_line, self._stamps,
+                  self._dirty, self._tick, self._hand, self._evicted, self._static)  # fmt: skip
+        return (*(a.data_ptr() for a in arrays), self._store_moves)
+
+    def static_resolve(
+        self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
+    ) -> torch.Tensor:
+        """[P] int64: the line of each of a static step's distinct ``rows`` [P] (-1: no row),
+        with fixed-size ops and no host read (captured on CUDA). ``found`` [P] bool: the row
+        was stored before the step (its payload is in the host tier or a line); the other rows
+        belong to keys the step inserted, whose payload is ``new_values`` [P, dim] and the
+        initial accumulators. Needs ``P <= lines`` (:meth:`why_not_static`).
+
+        - A row with a line is stamped (a hit, or a new key's row whose evicted key left a
+          line there: the line is reused).
+        - The rows without a line take one each from a window of ``min(L, 2P)`` lines after
+          the clock hand (the hand, a device tensor, moves past it): the window's lines sorted
+          by stamp, this call's last, and the i-th such row (a cumsum over the mask) takes the
+          i-th; this call stamps at most ``P - k`` lines when ``k`` rows need one, so the
+          window holds ``k`` others (``L >= P``). Never-used lines (stamp -1) sort first.
+        - One :meth:`HostStore.swap` of P slots: dirty victims written back, the stored rows
+          read, -1 elsewhere; a new key's line takes its initializer row and is dirty at once,
+          so its row never crosses to the host and back (the eager path writes it to the host
+          tier and reads it at the next resolve).
+        - Maps, stamps and dirty bits are scattered with the sink slots for unused positions;
+          hits, misses, new rows, evictions and write-backs are counted on the device."""
+        big, dim, dev = self.lines, self.dim, self.values.device
+        p, sink_row = rows.numel(), self.line_of_row.numel()
+        self._tick += 1
+        tick = self._tick  # [] int64
+        stored = rows >= 0
+        new = stored & ~found
+        line = torch.where(stored, self.line_of_row[rows.clamp(min=0)].to(torch.int64), -1)
+        has = line >= 0  # [P]
+        self._stamps[torch.where(has, line, big)] = tick
+        need = stored & ~has  # [P] rows that take a line now
+        rank = torch.cumsum(need, 0) - 1  # [P] each one's victim
+        width = min(big, 2 * p)
+        window = (self._hand + torch.arange(width, device=dev)) % big  # [width]
+        self._hand.add_(width).remainder_(big)
+        stamps = self.stamp[window]
+        candidate = torch.where(stamps < tick, stamps, _KEEP)
+        victims = window[torch.sort(candidate, stable=True).indices[:p]]  # [P] best first
+        taken = torch.where(need, victims[rank.clamp(min=0)], big)  # [P] the sink: none
+        old = self._row_of_line[taken]  # [P] the row each victim held
+        held = need & (old >= 0)
+        back = held & self._dirty[taken]
+        self._line_map[torch.where(held, old, sink_row)] = -1  # unmapped
+        self._evicted += torch.stack([held.sum(), back.sum()])
+        out = torch.cat([self._values[taken], self._accum[taken]], 1)  # [P, 2 * dim]
+        read = torch.where(need & found, rows, -1)
+        payload = self.store.swap(torch.where(back, old, -1), out, read)  # [P, 2 * dim]
+        payload = payload.to(dev, non_blocking=True)
+        init = torch.cat(
+            [new_values, torch.full_like(new_values, self.initial_accumulator_value)], 1
         )
+        payload = torch.where(new.unsqueeze(1), init, payload)
+        slots = torch.where(has, line, torch.where(need, taken, -1))  # [P]
+        fill = torch.where(need | new, slots, big)  # [P] lines written: misses', new keys'
+        self._values[fill] = payload[:, :dim]
+        self._accum[fill] = payload[:, dim:]
+        self._row_of_line[fill] = rows
+        self._line_map[torch.where(need, rows, sink_row)] = slots.to(torch.int32)
+        self._stamps[fill] = tick
+        self._dirty[fill] = new
+        self._static += torch.stack([(found & has).sum(), (found & need).sum(), new.sum()])
+        return slots
+
+    def static_updated(self, slots: torch.Tensor) -> None:
+        """The static backward's Adagrad updated lines ``slots`` [P] (-1: none): dirty now."""
+        self._dirty[torch.where(slots >= 0, slots, self.lines)] = True
 
     def stats(self) -> dict[str, float]:
         c = self.counters
         used = c.hits + c.misses + c.bypassed
-        hbm = self.values.nbytes + self.accum.nbytes
+        hbm = self._values.nbytes + self._accum.nbytes
         hbm += self._row_of_line.nbytes + self._stamps.nbytes + self._dirty.nbytes
         hbm += self._line_map.nbytes
         return {
@@ -497,6 +636,7 @@ class RowCache:
             "cache_evictions": float(c.evictions),
             "cache_writebacks": float(c.writebacks),
             "cache_prefetched": float(c.prefetched),
+            "cache_created": float(c.created),
             "cache_hit_rate": c.hits / used if used else 0.0,
             "hbm_payload_bytes": float(hbm),
             "host_payload_bytes": float(self.store.capacity * 2 * self.dim * 4),

@@ -14,8 +14,14 @@ GPU 33 % busy). Here the same step is written with sizes known before it runs:
 - inserts and the admission counter's erase run on every bucket
   (:mod:`shared.hashtable.static_insert`), which needs the table at its max capacity: until it
   is there (growth decides sizes on the host) the eager lookup runs;
+- the storage's payload tier (:class:`~shared.hashtable.payload.RowPayload`, chosen once when
+  the storage was made) says where each row's values are: HBM_ONLY's rows themselves (no op),
+  or a CACHING storage's cache lines, resolved with fixed shapes and no host read
+  (:meth:`~shared.hashtable.row_cache.RowCache.static_resolve`: misses read from the host
+  tier, victims written back, new keys' rows made in their lines); a CACHING step larger than
+  its lines runs the eager lookup (``stats["refused"]``);
 - backward sums the gradients in ``ceil(log2 P)`` rounds (the eager tree's, with rounds to
-  spare) and updates the rows in place.
+  spare) and updates the rows' values in place (on a cache, the lines, then marked dirty).
 
 On CUDA each padded size gets two graphs (forward, backward; one memory pool for all), captured
 at its first step and replayed after: a step costs a few copies into the graphs' inputs and two
@@ -104,6 +110,7 @@ class StaticPlan:
     keys: torch.Tensor  # [P] distinct keys, the real runs first
     table_ids: torch.Tensor  # [P]
     rows: torch.Tensor  # [P] row per distinct key, -1: no row (or not a real run)
+    slots: torch.Tensor  # [P] where each row's payload is (RowPayload.static_resolve), or -1
     order: torch.Tensor  # [P] occurrences sorted by (table id, key)
     starts: torch.Tensor  # [P] clamped to P - 1 past the last run
     counts: torch.Tensor  # [P] 0 past the last run
@@ -113,6 +120,7 @@ class StaticPlan:
     errors: torch.Tensor  # [2] bool: a real key was negative (refused), a score out of range
     serial: int = 0  # which forward of its padded size this is (its buffers are the size's)
     mutations: int = 0  # FusedStorage.mutations after it: its rows are valid while unchanged
+    payload_version: int = 0  # RowPayload.static_version after it: its slots valid while equal
 
     def expanded(self) -> torch.Tensor:
         return self.rows_out[: self.n]
@@ -209,12 +217,13 @@ def train_lookup(
     # 4. the admitted keys into the table (the batch's stored keys pinned)
     pinned = _row_mask(t.capacity, rows, found)
     lfu = st.strategy is ScoreStrategy.LFU
+    init = st._init_rows(uk, ut_safe, st.dim)  # [P, dim]
     result = insert_absent(
         t,
         uk,
         tids_arg,
         hashed,
-        st._init_rows(uk, ut_safe, st.dim),
+        init.narrow(1, 0, t.dim),  # a view: the index of a CACHING storage keeps no values
         totals if lfu else score_now.expand(p),
         admitted,
         pinned,
@@ -226,18 +235,22 @@ def train_lookup(
     st._counts[:, _REFUSALS : _ADMITTED + 1] += sum_per_table(ut, both, n_tables)  # ut: sorted
     rows = torch.where(admitted, result.rows, rows)
     mark("insert")
+    # where each row's payload is: the rows themselves (HBM_ONLY: no op), or cache lines
+    slots = st.payload.static_resolve(rows, found, init)
+    mark("resolve")
     if st.counter is not None:
         assert counter_counts is not None
         done = result.inserted & counted & (c_erase_rows >= 0)  # now stored: forget them
         erase_rows(st.counter.table, c_erase_rows, done, counter_counts)
     mark("erase")
     # 5. values: stored rows, else the admission value (waiting) or a fresh init (refused)
-    rows_out, stored_out = _values(st, runs, ut_safe, rows, not_admitted)
+    rows_out, stored_out = _values(st, runs, ut_safe, rows, slots, not_admitted)
     plan = StaticPlan(
         n=0,  # set by the caller (a host value: a replay serves any n of its size)
         keys=uk,
         table_ids=ut,
         rows=rows,
+        slots=slots,
         order=runs.order,
         starts=runs.starts,
         counts=cnt,
@@ -255,9 +268,11 @@ def _values(
     runs: Runs,
     ut_safe: torch.Tensor,
     rows: torch.Tensor,
+    slots: torch.Tensor,
     not_admitted: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """([P, dim], [P] bool) per occurrence: its run's row of values, or for a run without one
+    """([P, dim], [P] bool) per occurrence: its run's row of values (at its payload slot), or
+    for a run without one
     its admission value (not admitted yet) or a fresh initial row (refused), and whether the
     run has a row; counts the rejections and misses per run. One pass of the backend's
     ``expand_rows``: on CUDA initial rows only for occurrences without a row."""
@@ -267,7 +282,8 @@ def _values(
     which = torch.where(valid, ut_safe + n_tables * not_admitted, 0)  # index into train_init
     looked = torch.stack([not_admitted, valid & ~stored], 1) * cnt[:, None]
     st._counts[:, _REJECTIONS : _MISSES + 1] += sum_per_table(ut, looked, n_tables)
-    return st.backend.expand_rows(st.table._values, rows, runs.inverse, uk, which, st._train_rows)
+    values = st.payload.static_arrays()[0]
+    return st.backend.expand_rows(values, slots, runs.inverse, uk, which, st._train_rows)
 
 
 def _find(
@@ -339,16 +355,16 @@ def _row_mask(capacity: int, rows: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 def apply_gradients(storage: FusedStorage, plan: StaticPlan, grad: torch.Tensor) -> None:
     """Backward of :func:`train_lookup`: ``grad`` [P, dim] (zero past the real keys) summed per
-    distinct key, then Adagrad on the rows in place (FusedStorage.apply_gradients)."""
-    t = storage.table
-    accum = t.accumulators
-    assert accum is not None
-    # rows of -1 (no row, or not a real run) are skipped: on CUDA in the kernel, no host read;
+    distinct key, then Adagrad on the rows' payload slots in place (FusedStorage.apply_gradients).
+    """
+    values, accum = storage.payload.static_arrays()
+    # slots of -1 (no row, or not a real run) are skipped: on CUDA in the kernel, no host read;
     # P bounds the longest run (its rounds are the eager tree's, with rounds to spare)
     storage.backend.apply_sparse_gradients(
-        t.values, accum, plan.rows, grad.to(torch.float32), plan.order, plan.starts,
+        values, accum, plan.slots, grad.to(torch.float32), plan.order, plan.starts,
         plan.counts, plan.group, grad.shape[0], storage.adagrad,
     )  # fmt: skip
+    storage.payload.static_updated(plan.slots)
 
 
 class _Done:
@@ -390,7 +406,10 @@ class StaticStep:
         counter = storage.counter
         self.counter_counts = None if counter is None else DeviceCounts(counter.table)
         self.errors = torch.zeros(2, dtype=torch.bool, device=storage.device)  # StaticPlan.errors
-        self.stats = {"captures": 0, "replays": 0, "eager": 0}
+        # captures, replays, eager runs of this code, and lookups the payload sent to the eager
+        # lookup (a CACHING step larger than its lines: RowPayload.why_not_static)
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "refused": 0}
+        self._refusal_logged = False
         self._lookups = 0
         pin = storage.device.type == "cuda"
         self._flags_host = torch.zeros(2, dtype=torch.bool, pin_memory=pin)  # _check_later's
@@ -405,13 +424,24 @@ class StaticStep:
         """The static lookup of ``parts`` (None: a capture failed just now, nothing changed;
         the caller runs the eager lookup, as every later one)."""
         st = self.storage
+        why = st.payload.why_not_static(padded_size(sum(k.numel() for _, k in parts)))
+        if why is not None:
+            self._refuse(why)
+            return None
         entry, n = self.stage(parts, score_now)
+        st.payload.static_began()
         shared = self._forward(entry)
         if shared is None:
             return None
         st.mutations += 1
         entry.serial += 1
-        plan = dataclasses.replace(shared, n=n, serial=entry.serial, mutations=st.mutations)
+        plan = dataclasses.replace(
+            shared,
+            n=n,
+            serial=entry.serial,
+            mutations=st.mutations,
+            payload_version=st.payload.static_version(),
+        )
         self._lookups += 1
         if self._lookups % CHECK_EVERY == 0:
             self._check_later()
@@ -434,6 +464,13 @@ class StaticStep:
     def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:
         assert isinstance(plan, StaticPlan)  # FusedStorage hands it only what lookup returned
         entry = self._entries.get(plan.keys.numel())
+        if self.storage.payload.static_version() != plan.payload_version:
+            raise RuntimeError(
+                f"the static sparse step of {self.storage.name!r}: a call between this "
+                "lookup and its backward (a prefetch or an eval lookup) moved the CACHING "
+                "storage's cache lines its rows were in: prefetch after the backward (as the "
+                "trainer does), or run that loop with cuda_graphs off (the eager lookup)"
+            )
         if entry is None or entry.serial != plan.serial or self.storage.mutations != plan.mutations:
             raise RuntimeError(
                 f"the static sparse step of {self.storage.name!r} takes each lookup's backward "
@@ -543,6 +580,13 @@ class StaticStep:
             if enabled:
                 gc.enable()
 
+    def _refuse(self, why: str) -> None:
+        """This lookup runs eagerly (the payload cannot take its size); logged once."""
+        self.stats["refused"] += 1
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            logger.warning("static sparse step of %r: %s", self.storage.name, why)
+
     def _fail(self, why: str) -> None:
         """Every later lookup of this storage runs eagerly (a capture failed)."""
         self.failed = why
@@ -583,4 +627,4 @@ class StaticStep:
                       t._values, t._accum, t._bucket_count, t._sentinel)  # fmt: skip
             key += [None if a is None else a.data_ptr() for a in arrays]
             key += [t._any_tid, t.num_buckets]
-        return tuple(key)
+        return (*key, *self.storage.payload.static_key())

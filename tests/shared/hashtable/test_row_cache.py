@@ -272,14 +272,188 @@ def test_reserve_max_capacity_moves_the_payload() -> None:
             assert torch.equal(o1[t], o2[t]), t
 
 
-def test_the_static_step_says_why_a_cached_storage_runs_eagerly() -> None:
-    cached = _dec(ScoreStrategy.STEP, 0.1)
+def test_the_static_step_takes_a_cached_storage_whose_lines_cover_a_step() -> None:
+    """The static step's precondition on a CACHING storage: a step of P padded keys needs P
+    lines (no bypass in fixed shapes); a larger step is refused with what to raise."""
+    cached = _dec(ScoreStrategy.STEP, 0.1)  # 2 * 26 lines
     cached.reserve_max_capacity()
-    reason = supports(cached._storages[0])
-    assert reason is not None and "CACHING" in reason
+    storage = cached._storages[0]
+    assert supports(storage) is None
+    assert storage.payload.why_not_static(48) is None
+    reason = storage.payload.why_not_static(64)
+    assert reason is not None and "52 cache lines" in reason and "cache_load_factor" in reason
     hbm = _dec(ScoreStrategy.STEP, None)
     hbm.reserve_max_capacity()
     assert supports(hbm._storages[0]) is None
+    assert hbm._storages[0].payload.why_not_static(1 << 20) is None
+
+
+# ------------------------------------------------------------------ the static step on a cache
+
+
+def _static_dec(
+    strategy: ScoreStrategy, factor: float | None, device: str = "cpu"
+) -> DynamicEmbeddingCollection:
+    """Two fused tables at their max capacity (1024 rows each, full buckets), one with
+    admission, with the static sparse step (captured on CUDA)."""
+    kw = dict(init_capacity=1024, bucket_capacity=16, max_capacity=1024, strategy=strategy)
+    tables = [dyn_table("a_emb", **kw), dyn_table("b_emb", threshold=2, **kw)]  # type: ignore[arg-type]
+    clock = itertools.count(1000, 7)
+    dec = DynamicEmbeddingCollection(
+        [_cached(t, factor) for t in tables], {"g": ["a_emb", "b_emb"]}, lr=0.03,
+        initial_accumulator_value=0.1, device=device, clock=lambda: next(clock),
+    )  # fmt: skip
+    dec.use_static_step(capture=device == "cuda")
+    dec.reserve_max_capacity()
+    dec.train()
+    return dec
+
+
+def _static_batch(gen: torch.Generator, step: int) -> dict[str, torch.Tensor]:
+    """Skewed keys over a range that outgrows the tables (index evictions) and the lines
+    (cache evictions), with duplicates; every 4th step a burst of new keys, each twice. At
+    most 608 keys: padded to 640."""
+    span = 1500 + 300 * step
+    a = (torch.rand(200, generator=gen) ** 2 * span).long()
+    b = torch.randint(0, 1500 + 100 * step, (100 + step,), generator=gen)
+    if step % 4 == 3:
+        burst = torch.arange(10_000 * step, 10_000 * step + 150)
+        a = torch.cat([a, burst, burst])
+    return {"a_emb": a, "b_emb": b}
+
+
+def _static_run(decs: list[DynamicEmbeddingCollection], steps: range, seed: int = 0) -> None:
+    """The same training steps on every collection, each compared with the first: rows, hit
+    flags, then keys, values, scores, accumulators, admission counters and stats."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = decs[0].device
+    for step in steps:
+        keys = {n: k.to(dev) for n, k in _static_batch(gen, step).items()}
+        grads = {n: torch.randn(k.numel(), 4, generator=gen).to(dev) for n, k in keys.items()}
+        got = []
+        for dec in decs:
+            dec.set_step(step)
+            rows, hits = dec.lookup(keys, hits=True)
+            sum((rows[n] * grads[n]).sum() for n in keys).backward()  # type: ignore[union-attr]
+            got.append({n: (rows[n].detach().cpu(), hits[n].cpu()) for n in keys})
+        for other, dec in zip(got[1:], decs[1:], strict=True):
+            for n in keys:
+                assert torch.equal(got[0][n][0], other[n][0]), (step, n)
+                assert torch.equal(got[0][n][1], other[n][1]), (step, n)
+            _assert_equal(decs[0], dec)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
+def test_the_static_step_on_a_cache_equals_it_on_hbm_only(strategy: ScoreStrategy) -> None:
+    """A cache of 640 lines (the steps' padded size) under the static step, step by step bit
+    for bit against HBM_ONLY's static step: misses read from the host tier, victims written
+    back, new keys' rows made in their lines, index evictions and admission."""
+    hbm, cached = _static_dec(strategy, None), _static_dec(strategy, 0.3125)
+    assert _lines(cached) == 640
+    _static_run([hbm, cached], range(1, 13))
+    for dec in (hbm, cached):  # every step took the static path
+        assert dec.static_stats()["g"] == {"captures": 0, "replays": 0, "eager": 12, "refused": 0}
+    s = cached.tier_stats()["g"]
+    assert s["cache_hits"] > 0 and s["cache_misses"] > 0 and s["cache_created"] > 0
+    assert s["cache_evictions"] > 0 and s["cache_writebacks"] > 0 and s["cache_bypassed"] == 0
+    stats = hbm.stats()
+    if strategy is ScoreStrategy.NO_EVICTION:
+        assert stats["a_emb"]["refusals"] > 0
+    else:
+        assert stats["a_emb"]["evictions"] > 0
+    assert stats["b_emb"]["admission_rejections"] > 0
+
+
+def test_steps_past_the_lines_run_eagerly_between_static_ones_with_the_same_results() -> None:
+    """320 lines: the burst steps (608 keys, padded to 640) are refused by the static step
+    and run the eager lookup (bypassing rows past the lines), the others the static one; the
+    two share the cache's clock, stamps and maps, so the results stay HBM_ONLY's."""
+    hbm, cached = _static_dec(ScoreStrategy.LFU, None), _static_dec(ScoreStrategy.LFU, 0.15625)
+    assert _lines(cached) == 320
+    _static_run([hbm, cached], range(1, 13))
+    ran = cached.static_stats()["g"]
+    assert ran["refused"] == 3 and ran["eager"] == 9  # steps 3, 7, 11 eager
+    assert hbm.static_stats()["g"]["eager"] == 12
+    s = cached.tier_stats()["g"]
+    assert s["cache_bypassed"] > 0 and s["cache_created"] > 0 and s["cache_evictions"] > 0
+
+
+def test_a_static_step_on_a_cache_refuses_a_backward_after_lines_moved() -> None:
+    """An eager resolve (here a prefetch) between a static lookup and its backward may take
+    its lines: the backward is refused, saying to prefetch after it."""
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125)
+    for step in range(3):  # 900 rows stored, 640 lines
+        cached.set_step(step)
+        keys = torch.arange(300 * step, 300 * step + 300)
+        cached({"a_emb": keys, "b_emb": torch.arange(5)})["a_emb"].sum().backward()
+    cached.set_step(3)
+    out = cached({"a_emb": torch.arange(900, 920), "b_emb": torch.arange(5)})
+    cached.prefetch({"a_emb": torch.arange(0, 900)})  # 880 rows: lines evicted
+    with pytest.raises(RuntimeError, match="prefetch after the backward"):
+        out["a_emb"].sum().backward()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_static_steps_on_a_cache_round_trip_a_checkpoint(tmp_path, world_size: int) -> None:
+    """Checkpoints written by a cached storage after static steps are HBM_ONLY's files, and
+    training on from them (across the tiers) stays equal step by step."""
+    hbm, cached = _static_dec(ScoreStrategy.LFU, None), _static_dec(ScoreStrategy.LFU, 0.3125)
+    _static_run([hbm, cached], range(1, 7))
+    for rank in range(world_size):
+        hbm.save(tmp_path / "h", "sparse", rank=rank, world_size=world_size)
+        cached.save(tmp_path / "c", "sparse", rank=rank, world_size=world_size)
+    files = sorted(p.name for p in (tmp_path / "h" / "dynamicemb" / "sparse").iterdir())
+    for name in files:
+        a = (tmp_path / "h" / "dynamicemb" / "sparse" / name).read_bytes()
+        assert a == (tmp_path / "c" / "dynamicemb" / "sparse" / name).read_bytes(), name
+    for rank in range(world_size):
+        into_hbm = _static_dec(ScoreStrategy.LFU, None)
+        into_cached = _static_dec(ScoreStrategy.LFU, 0.3125)
+        into_hbm.load(tmp_path / "c", "sparse", rank=rank, world_size=world_size)
+        into_cached.load(tmp_path / "h", "sparse", rank=rank, world_size=world_size)
+        _assert_equal(into_hbm, into_cached)
+        _static_run([into_hbm, into_cached], range(7, 11), seed=rank + 1)
+        assert into_cached.static_stats()["g"]["eager"] == 4
+
+
+def test_the_static_resolve_gives_lines_without_touching_the_host_tier_for_new_rows() -> None:
+    """A bare cache's static resolve: hits stamped in place, a stored row read into a line, a
+    new row's line made from its initializer (the host tier's row stays as it was, the line
+    dirty), and the window's victims never the call's own lines; evictions write back."""
+    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
+    store = TensorHostStore(2, capacity=64, pin=False)
+    cache = RowCache(
+        table, TorchBackend(), dim=2, lines=4, store=store, initial_accumulator_value=0.5
+    )
+    init = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    rows = cache.insert_or_assign(
+        torch.arange(6), init, torch.zeros(6, dtype=torch.int64), table_ids=None
+    ).rows
+    cache.gather(rows[:2])  # eager: rows 0, 1 in lines 0, 1 (clean)
+    cache.adagrad(rows[:2], torch.ones(2, 2), AdagradConfig(0.1, 1e-10, 0.5))  # now dirty
+    before = store.rows.clone()
+    got = cache.static_resolve(
+        torch.tensor([rows[0], rows[2], rows[3], -1]),  # a hit, a stored row, a "new" one
+        torch.tensor([True, True, False, False]),
+        torch.full((4, 2), 9.0),
+    )
+    lines = got.tolist()
+    assert lines[0] == 0 and lines[3] == -1 and len(set(lines[:3])) == 3
+    assert torch.equal(cache.values[lines[1]], init[2])  # read from the host tier
+    assert torch.equal(cache.values[lines[2]], torch.full((2,), 9.0))  # its initializer
+    assert torch.equal(cache.accum[lines[2]], torch.full((2,), 0.5))
+    assert cache.dirty[lines[2]] and not cache.dirty[lines[1]] and cache.dirty[0]
+    assert torch.equal(store.rows, before)  # line 1 (dirty) was not a victim: nothing written
+    c = cache.counters
+    assert (c.hits, c.misses, c.created) == (2 + 1, 2 + 1, 1)  # eager's, then the static one
+    # the next call needs 3 lines besides the hit on row 2: rows 0, 1 (dirty) go back
+    cache.static_resolve(
+        torch.tensor([rows[2], rows[4], rows[5], rows[1]]),
+        torch.tensor([True, True, True, True]),
+        torch.zeros(4, 2),
+    )
+    assert cache.line_of_row[rows[0]] == -1 and cache.counters.writebacks >= 1
+    assert store.rows[rows[0]].tolist() != before[rows[0]].tolist()  # written back
 
 
 def test_row_cache_resolves_misses_evicts_lru_and_bypasses_past_its_lines() -> None:
