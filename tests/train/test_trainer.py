@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import BASELINE_CONFIG, SEED_CONFIG
+from tests.conftest import BASELINE_CONFIG, SEED_CONFIG, write_config
 from train.checkpoint import Progress, latest_checkpoint, list_checkpoints
 from train.trainer import Trainer, TrainOptions, train_step
 
@@ -394,3 +394,49 @@ def test_a_cached_run_equals_the_hbm_only_run(tiny_samples: Path, tmp_path: Path
     assert {s["cache_lines"] > 0 for s in tiers.values()} == {True}
     assert sum(s["cache_hits"] for s in tiers.values()) > 0
     assert result.loop_times.seconds["row_prefetch"] > 0
+
+
+def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """cache_load_factor 0.01 on every dynamic table (9550 lines, above the 7168 padded keys
+    of a step) with the static sparse step on (eagerly on CPU, as cuda_graphs_for turns it on
+    for CUDA): every step of the cached storage takes the static path (cache lines resolved
+    with no host read, new keys' rows made in their lines), and the run equals HBM_ONLY's with
+    the static step, bit for bit: dense weights, tables, eval AUC and rows."""
+    cached_config = write_config(
+        SEED_CONFIG,
+        tmp_path / "cached.config",
+        train=tiny_samples / "train",
+        eval_=tiny_samples / "eval",
+        replace={"max_capacity: ": "cache_load_factor: 0.01\nmax_capacity: "},
+    )
+    runs = []
+    for name, config in (("hbm", SEED_CONFIG), ("cached", cached_config)):
+        trainer = Trainer(
+            _options(tiny_samples, tmp_path / name, config, max_steps=6, checkpoint_every=100)
+        )
+        dynamic = trainer.model.sparse.dynamic
+        dynamic.use_static_step(capture=False)
+        dynamic.reserve_max_capacity()
+        runs.append((trainer.fit(), trainer.model))
+    (hbm, a), (cached, b) = runs
+    assert not a.sparse.tiered and b.sparse.tiered
+    for model in (a, b):
+        for ran in model.sparse.dynamic.static_stats().values():
+            assert ran == {"captures": 0, "replays": 0, "eager": 6, "refused": 0}
+    tiers = b.sparse.dynamic.tier_stats()
+    assert {s["cache_lines"] for s in tiers.values()} == {9550.0}
+    assert sum(s["cache_created"] for s in tiers.values()) > 0
+    assert sum(s["cache_hits"] for s in tiers.values()) > 0
+    for (name, p), (_, q) in zip(
+        a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    sa, sb = a.sparse.dynamic.table_states(), b.sparse.dynamic.table_states()
+    for t, state in sa.items():
+        for field in ("keys", "values", "scores", "accumulators"):
+            assert torch.equal(getattr(state, field), getattr(sb[t], field)), (t, field)
+    assert hbm.final_eval is not None and cached.final_eval is not None
+    assert cached.final_eval.auc == hbm.final_eval.auc
+    assert cached.final_eval.rows == hbm.final_eval.rows
