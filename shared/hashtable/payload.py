@@ -79,16 +79,15 @@ class RowPayload(Protocol):
         """Bring distinct ``rows`` [n] (all >= 0) to the device tier before a step needs them."""
         ...
 
-    def why_not_static(self, padded: int | None = None) -> str | None:
-        """Why the captured static step cannot run on this tier (None: it can); with
-        ``padded``, for a step of that padded size."""
+    def why_not_static(self) -> str | None:
+        """Why the captured static step cannot run on this tier (None: it can)."""
         ...
 
     # the static step's form (shared.hashtable.static_step): fixed shapes, no host read
 
-    def static_began(self) -> int:
-        """Called on the host before each static lookup; returns a version for
-        :meth:`static_version`."""
+    def static_began(self, padded: int) -> int:
+        """Called on the host before each static lookup (of ``padded`` keys), before its
+        graphs are looked up; returns a version for :meth:`static_version`."""
         ...
 
     def static_version(self) -> int:
@@ -113,8 +112,8 @@ class RowPayload(Protocol):
         (and the initial accumulators)."""
         ...
 
-    def static_updated(self, slots: torch.Tensor) -> None:
-        """The static backward updated ``slots`` [P] (-1: none) in place."""
+    def static_updated(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """The static backward updated ``slots`` [P] (-1: none) of ``rows`` [P] in place."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -178,13 +177,13 @@ class DevicePayload:
     def prefetch(self, rows: torch.Tensor) -> None:
         return None  # every row is on the device already
 
-    def why_not_static(self, padded: int | None = None) -> str | None:
+    def why_not_static(self) -> str | None:
         return None
 
     # the static form is the table's own arrays: the rows are the slots, the insert wrote the
     # new rows' values and accumulators, and nothing is added to the step's ops
 
-    def static_began(self) -> int:
+    def static_began(self, padded: int) -> int:
         return 0
 
     def static_version(self) -> int:
@@ -203,7 +202,7 @@ class DevicePayload:
     ) -> torch.Tensor:
         return rows
 
-    def static_updated(self, slots: torch.Tensor) -> None:
+    def static_updated(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         return None
 
     def stats(self) -> dict[str, float]:

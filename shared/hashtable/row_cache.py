@@ -72,11 +72,13 @@ call's last; the hand, the tick and the counters are device tensors, shared with
 resolve), one :meth:`HostStore.swap` of P slots (-1: nothing) writes the dirty victims back and
 reads the stored rows, and a new key's line takes its initializer row at once (dirty), never
 crossing to the host and back. The lookup then gathers from lines and the backward's Adagrad
-updates lines (dirty marked): HBM_ONLY's arithmetic on other slots. Its precondition: a step of
-P padded keys needs ``P <= lines`` (no bypass: its sizes need a host read); a larger step runs
-the eager lookup (:meth:`RowCache.why_not_static` says what to raise). Lines the eager path
-thinks never used are forgotten once a static step ran (``_fresh``): the window then finds them
-by their stamp (-1 sorts first).
+updates lines (dirty marked): HBM_ONLY's arithmetic on other slots. A step with more distinct
+rows than lines (or than the lines it does not use itself) bypasses the rest in fixed shapes
+too: ``P - L`` staging slots after the lines' sink (made on the host before the step,
+:meth:`RowCache.static_began`) take their payload in the forward's swap, and the backward writes
+them back to the host tier in one write of P slots (-1 skipped), which only steps of more keys
+than lines issue. Lines the eager path thinks never used are forgotten once a static step ran
+(``_fresh``): the window finds them by their stamp (-1 sorts first).
 
 Done for issue #52: the host tier's rows moved by the device (UVA kernels, no host sync; the
 write-backs overlapped with the misses' reads), one host read an eager resolve and none in the
@@ -179,7 +181,9 @@ class RowCache:
         # (the tensor the last gather was given, the lines of its rows >= 0, the version then)
         self._resolved: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._evicted = torch.zeros(2, dtype=torch.int64, device=dev)  # evictions, write-backs
-        self._static = torch.zeros(3, dtype=torch.int64, device=dev)  # static hits, misses, new
+        # the static step's hits, misses, new rows made in lines, bypassed rows
+        self._static = torch.zeros(4, dtype=torch.int64, device=dev)
+        self._staged = 0  # staging slots after the sink of _values / _accum (static bypass)
         self._store_moves = 0  # growths of the host tier (a captured swap holds its address)
 
     def _set_line_map(self, capacity: int) -> None:
@@ -195,7 +199,7 @@ class RowCache:
     def counters(self) -> CacheCounters:
         """The counters so far (a host read: evictions and the static step's resolves are
         counted on the device)."""
-        evictions, writebacks, hits, misses, created = torch.cat(
+        evictions, writebacks, hits, misses, created, bypassed = torch.cat(
             [self._evicted, self._static]
         ).tolist()
         c = self._counts
@@ -203,6 +207,7 @@ class RowCache:
             c,
             hits=c.hits + hits,
             misses=c.misses + misses,
+            bypassed=c.bypassed + bypassed,
             evictions=c.evictions + evictions,
             writebacks=c.writebacks + writebacks,
             created=c.created + created,
@@ -510,34 +515,38 @@ class RowCache:
 
     # ------------------------------------------------------------------ the static step
 
-    def why_not_static(self, padded: int | None = None) -> str | None:
+    def why_not_static(self) -> str | None:
         """Why the static step cannot take this cache (None: it can): the host tier must be
-        reachable with no host read (:meth:`HostStore.why_not_static`), and a step of
-        ``padded`` keys needs as many lines (its distinct rows all take one: the static resolve
-        has no bypass, whose sizes only a host read could decide)."""
+        reachable with no host read (:meth:`HostStore.why_not_static`)."""
         why = self.store.why_not_static(self.values.device)
-        if why is not None:
-            return f"the CACHING storage's host tier: {why}"
-        if padded is not None and padded > self.lines:
-            return (
-                f"a step of {padded} padded keys may use {padded} rows, more than the CACHING "
-                f"storage's {self.lines} cache lines (the static step keeps every row of a step "
-                "in a line): raise the tables' cache_load_factor (or the device budget) so "
-                "that the sum of ceil(factor * max_capacity) over the storage's tables reaches "
-                "the padded keys of a step, or lower the batch size; such steps run the eager "
-                "lookup, which reads the rows past the lines from the host tier"
-            )
-        return None
+        return None if why is None else f"the CACHING storage's host tier: {why}"
 
-    def static_began(self) -> int:
-        """A static lookup is about to run (on the host, before its forward's graph or code):
-        its resolve may evict lines, so the lines an eager lookup resolved are stale from now
-        on, lines the eager resolve thinks never used may be taken, and a replay's swap uses the
-        host tier. Returns the version that its backward checks (:meth:`static_version`)."""
+    def static_began(self, padded: int) -> int:
+        """A static lookup of ``padded`` keys is about to run (on the host, before its
+        forward's graph or code): its resolve may evict lines, so the lines an eager lookup
+        resolved are stale from now on, lines the eager resolve thinks never used may be taken,
+        and a replay's swap uses the host tier; a step of more keys than lines may bypass rows,
+        which need staging slots (allocated here, outside any capture: the arrays move, so the
+        step captures its graphs again). Returns the version its backward checks
+        (:meth:`static_version`)."""
         self._version += 1
         self._fresh = self.lines
         self.store.used_by_device(self.values.device)
+        if padded - self.lines > self._staged:
+            self._stage(max(padded - self.lines, 2 * self._staged))
         return self._version
+
+    def _stage(self, n: int) -> None:
+        """``n`` staging slots after the lines' sink (the lines kept): where the static step
+        keeps the rows it bypasses between its forward and its backward."""
+        big = self.lines + 1
+        for name in ("_values", "_accum"):
+            old = getattr(self, name)
+            grown = torch.zeros(big + n, self.dim, dtype=torch.float32, device=old.device)
+            grown[:big] = old[:big]
+            setattr(self, name, grown)
+        self.values, self.accum = self._values[: self.lines], self._accum[: self.lines]
+        self._staged = n
 
     def static_version(self) -> int:
         """Bumped whenever a line may have left its row (a static step's backward compares it
@@ -545,8 +554,9 @@ class RowCache:
         return self._version
 
     def static_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values, accumulators) [L, dim]: what :meth:`static_resolve`'s slots index."""
-        return self.values, self.accum
+        """(values, accumulators) [L + 1 + staged, dim]: the lines, the sink, the staging
+        slots: what :meth:`static_resolve`'s slots index."""
+        return self._values, self._accum
 
     def static_key(self) -> tuple[object, ...]:
         """What a captured step reads at fixed addresses: changes when one of them moves."""
@@ -557,27 +567,34 @@ class RowCache:
     def static_resolve(
         self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
     ) -> torch.Tensor:
-        """[P] int64: the line of each of a static step's distinct ``rows`` [P] (-1: no row),
-        with fixed-size ops and no host read (captured on CUDA). ``found`` [P] bool: the row
-        was stored before the step (its payload is in the host tier or a line); the other rows
-        belong to keys the step inserted, whose payload is ``new_values`` [P, dim] and the
-        initial accumulators. Needs ``P <= lines`` (:meth:`why_not_static`).
+        """[P] int64: the slot in :meth:`static_arrays` of each of a static step's distinct
+        ``rows`` [P] (-1: no row), with fixed-size ops and no host read (captured on CUDA).
+        ``found`` [P] bool: the row was stored before the step (its payload is in the host
+        tier or a line); the other rows belong to keys the step inserted, whose payload is
+        ``new_values`` [P, dim] and the initial accumulators.
 
         - A row with a line is stamped (a hit, or a new key's row whose evicted key left a
           line there: the line is reused).
         - The rows without a line take one each from a window of ``min(L, 2P)`` lines after
           the clock hand (the hand, a device tensor, moves past it): the window's lines sorted
           by stamp, this call's last, and the i-th such row (a cumsum over the mask) takes the
-          i-th; this call stamps at most ``P - k`` lines when ``k`` rows need one, so the
-          window holds ``k`` others (``L >= P``). Never-used lines (stamp -1) sort first.
+          i-th line, if that line is not this call's. With ``L >= P`` every row gets one (the
+          call stamps at most ``P - k`` lines when ``k`` rows need one). Never-used lines
+          (stamp -1) sort first.
+        - Rows left without a line (a step of more distinct rows than lines) are *bypassed*:
+          the i-th of them takes staging slot i after the lines (:meth:`static_began` made
+          ``P - L`` of them), and the backward writes it back to the host tier
+          (:meth:`static_updated`).
         - One :meth:`HostStore.swap` of P slots: dirty victims written back, the stored rows
           read, -1 elsewhere; a new key's line takes its initializer row and is dirty at once,
           so its row never crosses to the host and back (the eager path writes it to the host
           tier and reads it at the next resolve).
         - Maps, stamps and dirty bits are scattered with the sink slots for unused positions;
-          hits, misses, new rows, evictions and write-backs are counted on the device."""
+          hits, misses, new rows, bypassed rows, evictions and write-backs are counted on the
+          device."""
         big, dim, dev = self.lines, self.dim, self.values.device
         p, sink_row = rows.numel(), self.line_of_row.numel()
+        assert p - big <= self._staged, "static_began(padded) makes the staging slots first"
         self._tick += 1
         tick = self._tick  # [] int64
         stored = rows >= 0
@@ -592,10 +609,14 @@ class RowCache:
         self._hand.add_(width).remainder_(big)
         stamps = self.stamp[window]
         candidate = torch.where(stamps < tick, stamps, _KEEP)
-        victims = window[torch.sort(candidate, stable=True).indices[:p]]  # [P] best first
-        taken = torch.where(need, victims[rank.clamp(min=0)], big)  # [P] the sink: none
+        ranked, by_age = torch.sort(candidate, stable=True)
+        n_victims = min(width, p)
+        victims = window[by_age[:n_victims]]  # [n_victims] oldest first
+        at = rank.clamp(0, n_victims - 1)
+        gets = need & (rank < n_victims) & (ranked[:n_victims][at] < _KEEP)  # not this call's
+        taken = torch.where(gets, victims[at], big)  # [P] the sink: none
         old = self._row_of_line[taken]  # [P] the row each victim held
-        held = need & (old >= 0)
+        held = gets & (old >= 0)
         back = held & self._dirty[taken]
         self._line_map[torch.where(held, old, sink_row)] = -1  # unmapped
         self._evicted += torch.stack([held.sum(), back.sum()])
@@ -607,20 +628,35 @@ class RowCache:
             [new_values, torch.full_like(new_values, self.initial_accumulator_value)], 1
         )
         payload = torch.where(new.unsqueeze(1), init, payload)
-        slots = torch.where(has, line, torch.where(need, taken, -1))  # [P]
-        fill = torch.where(need | new, slots, big)  # [P] lines written: misses', new keys'
+        slots = torch.where(has, line, torch.where(gets, taken, -1))  # [P]
+        bypass = need & ~gets
+        if self._staged:  # the i-th bypassed row: staging slot i (after the sink)
+            staged = big + torch.cumsum(bypass, 0)  # [P]
+            slots = torch.where(bypass, staged, slots)
+        fill = torch.where(need | new, slots, big)  # [P] slots written: misses', new keys'
         self._values[fill] = payload[:, :dim]
         self._accum[fill] = payload[:, dim:]
-        self._row_of_line[fill] = rows
-        self._line_map[torch.where(need, rows, sink_row)] = slots.to(torch.int32)
-        self._stamps[fill] = tick
-        self._dirty[fill] = new
-        self._static += torch.stack([(found & has).sum(), (found & need).sum(), new.sum()])
+        lined = torch.where(gets | (new & has), slots, big)  # [P] lines (re)mapped
+        self._row_of_line[lined] = rows
+        self._line_map[torch.where(gets, rows, sink_row)] = slots.to(torch.int32)
+        self._stamps[lined] = tick
+        self._dirty[lined] = new
+        counts = [found & has, found & gets, new & ~bypass, bypass]
+        self._static += torch.stack([c.sum() for c in counts])
         return slots
 
-    def static_updated(self, slots: torch.Tensor) -> None:
-        """The static backward's Adagrad updated lines ``slots`` [P] (-1: none): dirty now."""
-        self._dirty[torch.where(slots >= 0, slots, self.lines)] = True
+    def static_updated(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """The static backward's Adagrad updated slots ``slots`` [P] of ``rows`` [P] (-1:
+        none): their lines are dirty now, and bypassed rows (staging slots, where a step has
+        more keys than lines) go back to the host tier in one fixed-size write (-1 skipped)."""
+        big = self.lines
+        lined = (slots >= 0) & (slots < big)
+        self._dirty[torch.where(lined, slots, big)] = True
+        if rows.numel() > big:  # a step that may bypass rows (its size decides: no host read)
+            staged = slots > big
+            at = torch.where(staged, slots, big)
+            payload = torch.cat([self._values[at], self._accum[at]], 1)  # [P, 2 * dim]
+            self.store.write(torch.where(staged, rows, -1), payload)
 
     def stats(self) -> dict[str, float]:
         c = self.counters

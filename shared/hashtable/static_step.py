@@ -18,8 +18,8 @@ GPU 33 % busy). Here the same step is written with sizes known before it runs:
   the storage was made) says where each row's values are: HBM_ONLY's rows themselves (no op),
   or a CACHING storage's cache lines, resolved with fixed shapes and no host read
   (:meth:`~shared.hashtable.row_cache.RowCache.static_resolve`: misses read from the host
-  tier, victims written back, new keys' rows made in their lines); a CACHING step larger than
-  its lines runs the eager lookup (``stats["refused"]``);
+  tier, victims written back, new keys' rows made in their lines, and a step's rows past the
+  lines bypassed through staging slots written back by the backward);
 - backward sums the gradients in ``ceil(log2 P)`` rounds (the eager tree's, with rounds to
   spare) and updates the rows' values in place (on a cache, the lines, then marked dirty).
 
@@ -364,7 +364,7 @@ def apply_gradients(storage: FusedStorage, plan: StaticPlan, grad: torch.Tensor)
         values, accum, plan.slots, grad.to(torch.float32), plan.order, plan.starts,
         plan.counts, plan.group, grad.shape[0], storage.adagrad,
     )  # fmt: skip
-    storage.payload.static_updated(plan.slots)
+    storage.payload.static_updated(plan.slots, plan.rows)
 
 
 class _Done:
@@ -406,10 +406,7 @@ class StaticStep:
         counter = storage.counter
         self.counter_counts = None if counter is None else DeviceCounts(counter.table)
         self.errors = torch.zeros(2, dtype=torch.bool, device=storage.device)  # StaticPlan.errors
-        # captures, replays, eager runs of this code, and lookups the payload sent to the eager
-        # lookup (a CACHING step larger than its lines: RowPayload.why_not_static)
-        self.stats = {"captures": 0, "replays": 0, "eager": 0, "refused": 0}
-        self._refusal_logged = False
+        self.stats = {"captures": 0, "replays": 0, "eager": 0}
         self._lookups = 0
         pin = storage.device.type == "cuda"
         self._flags_host = torch.zeros(2, dtype=torch.bool, pin_memory=pin)  # _check_later's
@@ -424,12 +421,9 @@ class StaticStep:
         """The static lookup of ``parts`` (None: a capture failed just now, nothing changed;
         the caller runs the eager lookup, as every later one)."""
         st = self.storage
-        why = st.payload.why_not_static(padded_size(sum(k.numel() for _, k in parts)))
-        if why is not None:
-            self._refuse(why)
-            return None
+        # before the entry is looked up: the payload may move its arrays for this size
+        st.payload.static_began(padded_size(sum(k.numel() for _, k in parts)))
         entry, n = self.stage(parts, score_now)
-        st.payload.static_began()
         shared = self._forward(entry)
         if shared is None:
             return None
@@ -579,13 +573,6 @@ class StaticStep:
         finally:
             if enabled:
                 gc.enable()
-
-    def _refuse(self, why: str) -> None:
-        """This lookup runs eagerly (the payload cannot take its size); logged once."""
-        self.stats["refused"] += 1
-        if not self._refusal_logged:
-            self._refusal_logged = True
-            logger.warning("static sparse step of %r: %s", self.storage.name, why)
 
     def _fail(self, why: str) -> None:
         """Every later lookup of this storage runs eagerly (a capture failed)."""

@@ -399,17 +399,18 @@ def test_a_cached_run_equals_the_hbm_only_run(tiny_samples: Path, tmp_path: Path
 def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     tiny_samples: Path, tmp_path: Path
 ) -> None:
-    """cache_load_factor 0.01 on every dynamic table (9550 lines, above the 7168 padded keys
-    of a step) with the static sparse step on (eagerly on CPU, as cuda_graphs_for turns it on
-    for CUDA): every step of the cached storage takes the static path (cache lines resolved
-    with no host read, new keys' rows made in their lines), and the run equals HBM_ONLY's with
-    the static step, bit for bit: dense weights, tables, eval AUC and rows."""
+    """cache_load_factor 0.0002 on every dynamic table (under 200 lines, fewer than a step's 7168
+    padded keys and than the rows the run stores) with the static sparse step on (eagerly on
+    CPU, as cuda_graphs_for turns it on for CUDA): every step of the cached storage takes the
+    static path (lines resolved with no host read, evictions, new keys' rows made in their
+    lines, rows past the lines bypassed through staging slots), and the run equals HBM_ONLY's
+    with the static step, bit for bit: dense weights, tables, eval AUC and rows."""
     cached_config = write_config(
         SEED_CONFIG,
         tmp_path / "cached.config",
         train=tiny_samples / "train",
         eval_=tiny_samples / "eval",
-        replace={"max_capacity: ": "cache_load_factor: 0.01\nmax_capacity: "},
+        replace={"max_capacity: ": "cache_load_factor: 0.0002\nmax_capacity: "},
     )
     runs = []
     for name, config in (("hbm", SEED_CONFIG), ("cached", cached_config)):
@@ -424,11 +425,12 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     assert not a.sparse.tiered and b.sparse.tiered
     for model in (a, b):
         for ran in model.sparse.dynamic.static_stats().values():
-            assert ran == {"captures": 0, "replays": 0, "eager": 6, "refused": 0}
+            assert ran == {"captures": 0, "replays": 0, "eager": 6}
     tiers = b.sparse.dynamic.tier_stats()
-    assert {s["cache_lines"] for s in tiers.values()} == {9550.0}
-    assert sum(s["cache_created"] for s in tiers.values()) > 0
-    assert sum(s["cache_hits"] for s in tiers.values()) > 0
+    assert all(0 < s["cache_lines"] < 200 for s in tiers.values())  # ceil of each table's
+    for counter in ("cache_hits", "cache_misses", "cache_created", "cache_evictions",
+                    "cache_bypassed"):  # fmt: skip
+        assert sum(s[counter] for s in tiers.values()) > 0, counter
     for (name, p), (_, q) in zip(
         a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
     ):
