@@ -584,7 +584,8 @@ class RowCache:
         - Rows left without a line (a step of more distinct rows than lines) are *bypassed*:
           the i-th of them takes staging slot i after the lines (:meth:`static_began` made
           ``P - L`` of them), and the backward writes it back to the host tier
-          (:meth:`static_updated`).
+          (:meth:`static_updated`); a bypassed new key's initializer row is written there at
+          once (a step without a backward leaves it as HBM_ONLY's insert does).
         - One :meth:`HostStore.swap` of P slots: dirty victims written back, the stored rows
           read, -1 elsewhere; a new key's line takes its initializer row and is dirty at once,
           so its row never crosses to the host and back (the eager path writes it to the host
@@ -630,9 +631,12 @@ class RowCache:
         payload = torch.where(new.unsqueeze(1), init, payload)
         slots = torch.where(has, line, torch.where(gets, taken, -1))  # [P]
         bypass = need & ~gets
-        if self._staged:  # the i-th bypassed row: staging slot i (after the sink)
-            staged = big + torch.cumsum(bypass, 0)  # [P]
-            slots = torch.where(bypass, staged, slots)
+        if p > big:  # a step that may bypass rows (its size decides: no host read)
+            # the i-th bypassed row: staging slot i (after the sink)
+            slots = torch.where(bypass, big + torch.cumsum(bypass, 0), slots)
+            # a bypassed new key's row goes to the host tier now, as a line would hold it:
+            # with no backward (no update) nothing else would write it there
+            self.store.write(torch.where(bypass & new, rows, -1), init)
         fill = torch.where(need | new, slots, big)  # [P] slots written: misses', new keys'
         self._values[fill] = payload[:, :dim]
         self._accum[fill] = payload[:, dim:]
