@@ -1,9 +1,9 @@
 """DynamicEmbeddingCollection: hash-table embeddings for training, with Adagrad in the backward.
 
 One module holds every dynamic table of a model. ``forward`` takes, per table, the 1-D int64
-keys of all its lookups in the step (the caller concatenates pooled and sequence lookups,
-duplicates included, and pools/splits the returned rows itself) and returns one float32 row per
-key. Example::
+keys of all its lookups in the step (pooled and sequence lookups concatenated, duplicates
+included) and returns one float32 row per key; :meth:`DynamicEmbeddingCollection.lookup_parts`
+takes the lookups as they are, several of a table allowed, and returns each one's rows. Example::
 
     dec = DynamicEmbeddingCollection(fs.dynamic_tables, fs.fusion_groups, lr=0.001)
     dec.set_step(step)
@@ -69,22 +69,54 @@ def default_clock() -> int:
 
 
 def _checked_keys(
-    keys: Mapping[str, torch.Tensor], device: torch.device, *, check_sign: bool
-) -> dict[str, torch.Tensor]:
-    """Every table's keys on ``device``, checked 1-D integer tensors in their own dtype (the
-    storage converts them to int64 with its one concatenation, ``FusedStorage.lookup``); with
-    ``check_sign``, refused if negative, with one host sync for all tables. Without it the
-    storage refuses them in its first host sync, which is enough when one storage takes every
-    key: no storage has changed anything before the refusal."""
-    out = {
-        n: check_key_tensor(k if k.device == device else k.to(device), f"lookup of {n!r}")
-        for n, k in keys.items()
-    }
-    negative = [(k < 0).any() for k in out.values() if k.numel()] if check_sign else []
+    pieces: Sequence[tuple[str, torch.Tensor]], device: torch.device, *, check_sign: bool
+) -> list[torch.Tensor]:
+    """Every piece's keys (table name, keys) on ``device``, checked 1-D integer tensors in
+    their own dtype (the storage converts them to int64 with its one concatenation,
+    ``FusedStorage.lookup``); with ``check_sign``, refused if negative, with one host sync for
+    all pieces. Without it the storage refuses them in its first host sync, which is enough
+    when one storage takes every key: no storage has changed anything before the refusal."""
+    out = [
+        check_key_tensor(k if k.device == device else k.to(device), f"lookup of {n!r}")
+        for n, k in pieces
+    ]
+    negative = [(k < 0).any() for k in out if k.numel()] if check_sign else []
     if negative and bool(torch.stack(negative).any()):
-        for n, k in out.items():
+        for (n, _), k in zip(pieces, out, strict=True):
             check_keys(k, f"lookup of {n!r}")  # raises, naming the table, key and position
     return out
+
+
+def lookup_by_table(
+    lookup: Callable[..., tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    pieces: Sequence[tuple[str, torch.Tensor]],
+    *,
+    hits: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``lookup_parts`` through a collection's ``lookup(keys, hits=)`` (table name → keys):
+    the pieces of a table concatenated, in order, and its rows (and hits) split back (the
+    sharded collection's; :meth:`DynamicEmbeddingCollection.lookup_parts` hands its storages
+    the pieces themselves)."""
+    positions: dict[str, list[int]] = {}
+    for i, (name, _keys) in enumerate(pieces):
+        positions.setdefault(name, []).append(i)
+    keys = {
+        n: torch.cat([pieces[i][1] for i in idx]) if len(idx) > 1 else pieces[idx[0]][1]
+        for n, idx in positions.items()
+    }
+    rows, found = lookup(keys, hits=hits)
+    out: list[torch.Tensor | None] = [None] * len(pieces)
+    stored: list[torch.Tensor | None] = [None] * len(pieces)
+    for n, idx in positions.items():
+        sizes = [int(pieces[i][1].numel()) for i in idx]
+        chunks = torch.split(rows[n], sizes) if len(idx) > 1 else (rows[n],)
+        for i, chunk in zip(idx, chunks, strict=True):
+            out[i] = chunk  # [n_i, dim]
+        if hits:
+            flags = torch.split(found[n], sizes) if len(idx) > 1 else (found[n],)
+            for i, chunk in zip(idx, flags, strict=True):
+                stored[i] = chunk  # [n_i] bool
+    return out, (stored if hits else [])  # type: ignore[return-value]
 
 
 class _DynamicLookup(torch.autograd.Function):
@@ -310,16 +342,33 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         """:meth:`forward`, and with ``hits`` also table name → [N] bool: whether each key has
         a row after the step (stored, or inserted now); False for keys not admitted, refused,
         or (eval) not stored, which got an initializer's value. Not differentiable."""
-        unknown = [n for n in keys if n not in self._where]
+        rows, found = self.lookup_parts(list(keys.items()), hits=hits)
+        return dict(zip(keys, rows, strict=True)), dict(zip(keys, found, strict=False))
+
+    def lookup_parts(
+        self, pieces: Sequence[tuple[str, torch.Tensor]], *, hits: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`lookup` of keys given in pieces, several of a table allowed (table name,
+        keys [n_i]): [n_i, dim] rows per piece, in order, and with ``hits`` [n_i] bool per
+        piece (else ``[]``). A table's pieces are one lookup of their concatenation, in
+        order: each storage takes its tables' pieces as they are (its own concatenation of
+        the keys is the one a caller's would be), and the rows come back in one split a
+        storage, where a caller concatenating a table's pieces first and splitting its rows
+        back paid a concatenation and a split a table, and a backward node of its own
+        (issue #53: 3 launches and 3 nodes a step of the cold-ids config)."""
+        unknown = sorted({n for n, _ in pieces if n not in self._where})
         if unknown:
             raise KeyError(f"unknown dynamic tables {unknown}; known: {', '.join(self._where)}")
         train = self.training
         if train and self._auto_step:
             self._step += 1
         now = self._clock() if train else 0
-        tables_of: dict[FusedStorage, list[str]] = {}  # the storages these keys use, in order
-        for n in keys:
-            tables_of.setdefault(self._where[n][0], []).append(n)
+        by_table: dict[str, list[int]] = {}  # a table's pieces, tables in order of appearance
+        for i, (n, _keys) in enumerate(pieces):
+            by_table.setdefault(n, []).append(i)
+        tables_of: dict[FusedStorage, list[int]] = {}  # the storages these keys use, in order
+        for n, idx in by_table.items():
+            tables_of.setdefault(self._where[n][0], []).extend(idx)
         # several storages: one sign check for all (a host sync), unless each takes its static
         # step, which refuses a negative key itself (no row, no update; raised within
         # CHECK_EVERY lookups) as a single storage's does: a table at its own rate (a storage
@@ -327,11 +376,11 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         static = train and all(
             s.static is not None and s.static.why_not() is None for s in tables_of
         )
-        checked = _checked_keys(keys, self.device, check_sign=len(tables_of) > 1 and not static)
-        out: dict[str, torch.Tensor] = {}
-        found: dict[str, torch.Tensor] = {}
-        for storage, names in tables_of.items():
-            parts = [(self._where[n][1], checked[n]) for n in names]
+        checked = _checked_keys(pieces, self.device, check_sign=len(tables_of) > 1 and not static)
+        out: list[torch.Tensor | None] = [None] * len(pieces)
+        found: list[torch.Tensor | None] = [None] * len(pieces)
+        for storage, idx in tables_of.items():
+            parts = [(self._where[pieces[i][0]][1], checked[i]) for i in idx]
             score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
             plan = storage.lookup(parts, train=train, score_now=score)
             if train and torch.is_grad_enabled():
@@ -339,11 +388,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
             else:
                 rows = plan.expanded()
             sizes = [k.numel() for _, k in parts]
-            out.update(zip(names, torch.split(rows, sizes), strict=True))
+            for i, chunk in zip(idx, torch.split(rows, sizes), strict=True):
+                out[i] = chunk  # [n_i, dim]
             if hits:
                 stored = plan.stored()  # [N]
-                found.update(zip(names, torch.split(stored, sizes), strict=True))
-        return {n: out[n] for n in keys}, {n: found[n] for n in keys if n in found}
+                for i, chunk in zip(idx, torch.split(stored, sizes), strict=True):
+                    found[i] = chunk  # [n_i] bool
+        return out, (found if hits else [])  # type: ignore[return-value]
 
     def prefetch(self, keys: Mapping[str, torch.Tensor]) -> None:
         """Bring the rows of a coming training batch's stored keys (table name → keys, as

@@ -29,7 +29,7 @@ one host sync for the split sizes (all-to-all needs them on the host).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from torch import nn
 from shared.features import TableSpec
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.checkpoint import LoadReport
-from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.embedding import DynamicEmbeddingCollection, lookup_by_table
 from shared.hashtable.hashing import check_keys, segment_sum_sorted, unique_pairs
 from shared.hashtable.storage import COUNTERS, TableState
 from train.distributed.comm import AllToAllRows, CommStats, all_to_all
@@ -183,6 +183,13 @@ class ShardedDynamicEmbedding(nn.Module):
             return rows, {}
         answers = dict(zip(self.names, self._send_hits(stored, splits), strict=True))  # [U]
         return rows, {n: answers[n].index_select(0, plans[n].index) for n in keys}  # [N]
+
+    def lookup_parts(
+        self, pieces: Sequence[tuple[str, torch.Tensor]], *, hits: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`lookup` of keys in pieces, as :meth:`DynamicEmbeddingCollection.lookup_parts`
+        takes them (collective): a table's pieces concatenated, its rows split back."""
+        return lookup_by_table(self.lookup, pieces, hits=hits)
 
     def _send_keys(self, plans: list[_TablePlan]) -> tuple[_Splits, list[torch.Tensor]]:
         """Steps 1-2: split sizes, then (key, count) pairs to the owners. Returns the sizes and,

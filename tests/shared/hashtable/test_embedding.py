@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.features import InitializerSpec, InitMode, ScoreStrategy
-from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.embedding import DynamicEmbeddingCollection, lookup_by_table
 from shared.hashtable.initializers import KeyedInitializer
 
 from .conftest import NEEDS_CUDA_KERNELS, NORMAL, dyn_table
@@ -127,6 +127,57 @@ def test_table_fusion_separates_key_spaces():
     stats = dec.stats()
     assert stats["a_emb"]["size"] == stats["b_emb"]["size"] == 1.0
     assert stats["a_emb"]["capacity"] == stats["b_emb"]["capacity"]  # one shared storage
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-step"])
+def test_lookup_parts_is_the_lookup_of_each_tables_pieces_concatenated(static: bool):
+    """lookup_parts (pieces of a table handed to its storage as they are, the rows split once
+    a storage) and lookup_by_table (the sharded collection's: concatenated per table, split
+    back) give each piece its part of the table's lookup, hits included, and three steps of
+    them leave the tables (keys, rows, accumulators, scores, admission counts) bit for bit as
+    the concatenated lookups do (fused storage, a table alone, admission)."""
+    tables = [dyn_table("a_emb", threshold=2), dyn_table("b_emb"), dyn_table("c_emb", dim=8)]
+    groups = {"g": ["a_emb", "b_emb"]}
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(3):
+        pieces = [(t, torch.randint(0, 12, (n,), generator=gen))
+                  for t, n in (("a_emb", 5), ("c_emb", 3), ("a_emb", 4), ("b_emb", 6),
+                               ("c_emb", 2))]  # fmt: skip
+        steps.append(pieces)
+    decs = [_dec(tables, groups, seed=3) for _ in range(3)]
+    if static:
+        for dec in decs:
+            dec.use_static_step(capture=False)
+            dec.reserve_max_capacity()
+    for step, pieces in enumerate(steps):
+        grads = [_dyadic(k.numel(), 8 if t == "c_emb" else 4, 10 * step + i)
+                 for i, (t, k) in enumerate(pieces)]  # fmt: skip
+        keys: dict[str, list[torch.Tensor]] = {}
+        for t, k in pieces:
+            keys.setdefault(t, []).append(k)
+        rows, found = decs[0].lookup({t: torch.cat(ks) for t, ks in keys.items()}, hits=True)
+        want_rows, want_hits, at = [], [], dict.fromkeys(keys, 0)
+        for t, k in pieces:  # each piece's part of its table's lookup
+            want_rows.append(rows[t][at[t] : at[t] + k.numel()])
+            want_hits.append(found[t][at[t] : at[t] + k.numel()])
+            at[t] += k.numel()
+        sum((r * g).sum() for r, g in zip(want_rows, grads, strict=True)).backward()
+        got = [decs[1].lookup_parts(pieces, hits=True),
+               lookup_by_table(decs[2].lookup, pieces, hits=True)]  # fmt: skip
+        for got_rows, got_hits in got:
+            for k, (r, h) in enumerate(zip(got_rows, got_hits, strict=True)):
+                assert torch.equal(r, want_rows[k]) and torch.equal(h, want_hits[k]), (step, k)
+            sum((r * g).sum() for r, g in zip(got_rows, grads, strict=True)).backward()
+    for t in ("a_emb", "b_emb", "c_emb"):
+        want = decs[0].table_state(t)
+        for dec in decs[1:]:
+            state = dec.table_state(t)
+            for f in ("keys", "values", "scores", "accumulators", "counter_keys",
+                      "counter_counts"):  # fmt: skip
+                x, y = getattr(want, f), getattr(state, f)
+                assert (x is None and y is None) or torch.equal(x, y), (t, f)
+    assert _dec(tables, groups).lookup_parts(steps[0], hits=False)[1] == []
 
 
 def test_fusion_group_errors():
