@@ -286,6 +286,7 @@ class TensorHostStore:
 
     def used_by_device(self, device: torch.device) -> None:
         if self.mapped and device.type == "cuda":
+            self.device_pointer()  # looked up now, outside the capture that will launch on it
             self._pending = device
 
     def _on_device(self, rows: torch.Tensor) -> bool:
