@@ -273,7 +273,14 @@ def cold_layout(fs: FeatureSet, layout: DenseLayout | None = None) -> ColdLayout
 def cold_rows(hits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Which bags are cold: ``hits`` [N] bool (the id has a row) with bag ``lengths`` [R]
     (sum N) → [R] bool, True where the bag has ids and none of them has a row. No host sync."""
-    found = pool_bags(hits.to(torch.float32).unsqueeze(1), lengths).squeeze(1)  # [R] hits per bag
+    return _cold_of(hits, _bag_index(lengths, hits.shape[0]), lengths)
+
+
+def _cold_of(hits: torch.Tensor, bag: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`cold_rows` given the bag of each id (``bag`` [N]); the hits per bag are a count
+    (sums of ones and zeros in float32 are exact)."""
+    found = hits.new_zeros(lengths.shape[0], dtype=torch.float32)  # [R]
+    found.index_add_(0, bag, hits.to(torch.float32))  # [R] hits per bag
     return (found == 0) & (lengths > 0)
 
 
@@ -324,11 +331,20 @@ def pool_bags(
     """Sum the rows of each bag, or average them where ``mean`` [R] (bool) is True: ``emb``
     [N, D] with ``lengths`` [R] (sum N) → [R, D]; an empty bag gives zeros. One index_add for
     all bags, whatever features they belong to; nothing is read back to the host."""
-    rows = lengths.shape[0]
-    bag = torch.repeat_interleave(
-        torch.arange(rows, device=emb.device), lengths, output_size=emb.shape[0]
-    )  # [N] bag of each row
-    out = emb.new_zeros(rows, emb.shape[1]).index_add_(0, bag, emb)  # [R, D]
+    return _sum_bags(emb, _bag_index(lengths, emb.shape[0]), lengths, mean)
+
+
+def _bag_index(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """[N] bag of each row of bags of ``lengths`` [R] (sum ``n``, known on the host: no sync)."""
+    rows = torch.arange(lengths.shape[0], device=lengths.device)  # [R]
+    return torch.repeat_interleave(rows, lengths, output_size=n)  # [N]
+
+
+def _sum_bags(
+    emb: torch.Tensor, bag: torch.Tensor, lengths: torch.Tensor, mean: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`pool_bags` given the bag of each row (``bag`` [N])."""
+    out = emb.new_zeros(lengths.shape[0], emb.shape[1]).index_add_(0, bag, emb)  # [R, D]
     if mean is None:
         return out
     return out / torch.where(mean, lengths.clamp(min=1), 1).unsqueeze(1).to(out.dtype)  # [R, D]
@@ -340,24 +356,54 @@ def pool_many(
     """:func:`pool` of several features at once: one :func:`pool_bags` per embedding width
     instead of four ops per feature (the GPU's host spends ~25 µs per op). Same sums, in the
     same order."""
+    return pool_and_flag(embs, lengths, poolings, [None] * len(embs))[0]
+
+
+def pool_and_flag(
+    embs: Sequence[torch.Tensor],
+    lengths: Sequence[torch.Tensor],
+    poolings: Sequence[str],
+    hits: Sequence[torch.Tensor | None],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """:func:`pool_many`, and :func:`cold_rows` of every embedding with ``hits`` ([n_i] bool:
+    the id has a row; None: not a dynamic feature) from the same bag index: per width, the
+    embeddings with hits are concatenated first, so that their bags are the first of the
+    pooling's and their hits are counted with a prefix of its bag index (one
+    ``repeat_interleave`` for both, where a separate :func:`cold_rows` built a second one:
+    ~5 launches a step on CUDA, issue #53). Returns ([R_i, D_i] pooled, [R_i] bool or None)
+    per embedding; every bag's rows are summed in their order, so both equal the separate
+    calls bit for bit."""
     for p in poolings:
         if p not in ("sum", "mean"):
             raise ValueError(f"pooling {p!r} is not sum or mean")
     out: list[torch.Tensor | None] = [None] * len(embs)
+    cold: list[torch.Tensor | None] = [None] * len(embs)
     by_width: dict[int, list[int]] = {}
     for i, e in enumerate(embs):
         by_width.setdefault(e.shape[1], []).append(i)
     for idx in by_width.values():
-        emb = torch.cat([embs[i] for i in idx]) if len(idx) > 1 else embs[idx[0]]
-        lens = torch.cat([lengths[i] for i in idx]) if len(idx) > 1 else lengths[idx[0]]
+        idx.sort(key=lambda i: hits[i] is None)  # stable: the ones with hits first
+        emb = torch.cat([embs[i] for i in idx]) if len(idx) > 1 else embs[idx[0]]  # [N, D]
+        lens = torch.cat([lengths[i] for i in idx]) if len(idx) > 1 else lengths[idx[0]]  # [R]
         mean = None
         if any(poolings[i] == "mean" for i in idx):  # [R] bool, made on the device
             flags = [(lengths[i], poolings[i] == "mean") for i in idx]
             mean = torch.cat([torch.full_like(n, m, dtype=torch.bool) for n, m in flags])
-        parts = torch.split(pool_bags(emb, lens, mean), [lengths[i].shape[0] for i in idx])
-        for i, part in zip(idx, parts, strict=True):
+        rows = [int(lengths[i].shape[0]) for i in idx]
+        bag = _bag_index(lens, emb.shape[0])  # [N]
+        pooled = _sum_bags(emb, bag, lens, mean)  # [R, D]
+        out_idx = zip(idx, torch.split(pooled, rows), strict=True)
+        for i, part in out_idx:
             out[i] = part  # [R_i, D]
-    return out  # type: ignore[return-value]
+        flagged = [k for k, i in enumerate(idx) if hits[i] is not None]  # a prefix of idx
+        if flagged:
+            found_parts = [cast(torch.Tensor, hits[idx[k]]) for k in flagged]
+            found = torch.cat(found_parts) if len(found_parts) > 1 else found_parts[0]  # [n]
+            r = sum(rows[k] for k in flagged)
+            flags_r = _cold_of(found, bag[: found.shape[0]], lens[:r])  # [r]
+            for k, part in zip(flagged, torch.split(flags_r, rows[: len(flagged)]), strict=True):
+                cold[idx[k]] = part  # [R_i] bool
+    return out, cold  # type: ignore[return-value]
 
 
 def pool_features(
@@ -369,18 +415,45 @@ def pool_features(
     them. ``parts[i]`` is (which KJT, feature, ids, lengths) with ``which`` "sequence" for the
     jagged sequence sub-features (kept as [T, dim]); ``rows[i]`` is its [n_i, dim] embeddings.
     Every other feature is pooled per bag with its table's pooling (one :func:`pool_many`)."""
+    pooled, sequences, _cold = pool_and_flag_features(fs, parts, rows, [None] * len(parts))
+    return pooled, sequences
+
+
+def pool_and_flag_features(
+    fs: FeatureSet,
+    parts: Sequence[FeaturePart],
+    rows: Sequence[torch.Tensor],
+    hits: Sequence[torch.Tensor | None],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`pool_features`, and the cold flags of every part with ``hits`` ([n_i] bool: the
+    id has a row; None: not a dynamic feature, or not asked for): feature → a pooled
+    feature's [rows] bool (:func:`cold_rows`, counted with the pooling's own bag index,
+    :func:`pool_and_flag`) or a sequence feature's [T] bool (``~hits``, all sequences' in one
+    negation), in ``parts`` order. Nothing is read back to the host."""
     sequences: dict[str, torch.Tensor] = {}
-    names, embs, lengths, poolings = [], [], [], []
-    for (which, name, _ids, lens), emb in zip(parts, rows, strict=True):
+    names, embs, lengths, poolings, found = [], [], [], [], []
+    seq_hits: list[tuple[str, torch.Tensor]] = []
+    for (which, name, _ids, lens), emb, h in zip(parts, rows, hits, strict=True):
         if which == "sequence":
             sequences[name] = emb  # [T, dim]
+            if h is not None:
+                seq_hits.append((name, h))
         else:
             names.append(name)
             embs.append(emb)
             lengths.append(lens)
             poolings.append(fs.tables[fs.features[name].table].pooling)
-    pooled = dict(zip(names, pool_many(embs, lengths, poolings), strict=True))  # [rows, dim]
-    return pooled, sequences
+            found.append(h)
+    sums, flags = pool_and_flag(embs, lengths, poolings, found)
+    pooled = dict(zip(names, sums, strict=True))  # [rows, dim]
+    cold = {n: f for n, f in zip(names, flags, strict=True) if f is not None}  # [rows] bool
+    if seq_hits:
+        got = [h for _, h in seq_hits]
+        missed = ~(torch.cat(got) if len(got) > 1 else got[0])  # [Σ T]
+        sizes = [int(h.shape[0]) for h in got]
+        cold.update(zip((n for n, _ in seq_hits), torch.split(missed, sizes), strict=True))
+    order = [p[1] for p, h in zip(parts, hits, strict=True) if h is not None]
+    return pooled, sequences, {n: cold[n] for n in order}
 
 
 def _concat(parts: list[torch.Tensor], rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -450,8 +523,8 @@ def assemble_dense_inputs(
         "item_deep": _concat([pooled[n] for n in lay.item_deep], b, like),  # [B, Di]
         "query": _concat([pooled[n] for n in lay.query], b, like),  # [B, Dq]
         "seq_values": seq_values,  # [T, Dq]
-        "seq_lengths": seq_lengths.to(torch.int64),  # [U]
-        "user_index": batch.user_index.to(torch.int64),  # [B]
+        "seq_lengths": _as(seq_lengths, torch.int64),  # [U]
+        "user_index": _as(batch.user_index, torch.int64),  # [B]
     }
     if pairs is not None:
         inputs.update(zip(PAIR_NAMES, pairs, strict=True))  # [N], [N]
@@ -475,8 +548,17 @@ def _cold_masks(
         raise KeyError(f"no cold flags for the dynamic features {missing}; pass all of them")
     out = {}
     for name, names, n in zip(COLD_NAMES, (col.user, col.item, col.sequence), rows, strict=True):
-        if names:
-            out[name] = torch.stack([cold[f].to(torch.bool) for f in names], dim=1)  # [n, K]
+        flags = [_as(cold[f], torch.bool) for f in names]  # [n] each
+        if len(flags) > 1:
+            out[name] = torch.stack(flags, dim=1)  # [n, K]
+        elif flags:
+            out[name] = flags[0].unsqueeze(1)  # [n, 1], a view: no copy
         else:
             out[name] = torch.zeros(n, 0, dtype=torch.bool, device=like.device)
     return out
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; ``t`` itself when it is already, without ``Tensor.to``'s call (its
+    dispatch costs host time on every step of a host-bound GPU loop, issue #53)."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -12,12 +12,16 @@ from shared.dense_inputs import (
     Signature,
     assemble_dense_inputs,
     batch_pairs,
+    cold_rows,
     dense_layout,
     padded_pair_index,
     pair_count,
     pair_index,
     pair_index_torch,
     pool,
+    pool_and_flag,
+    pool_and_flag_features,
+    pool_features,
     pool_many,
     program_input_names,
     signature_of,
@@ -50,6 +54,81 @@ def test_pool_many_equals_pool_per_feature() -> None:
     for g, e, n, p in zip(got, embs, lengths, poolings, strict=True):
         assert torch.equal(g, pool(e, n, p))  # same sums in the same order
     assert [tuple(g.shape) for g in got] == [(4, 4), (3, 4), (2, 2)]
+
+
+def _cold_by_definition(hits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[R] bool: the bag has ids and none has a row (a loop over the bags)."""
+    out, at = [], 0
+    for n in lengths.tolist():
+        out.append(n > 0 and not bool(hits[at : at + n].any()))
+        at += n
+    return torch.tensor(out, dtype=torch.bool)
+
+
+def test_pool_and_flag_equals_pool_and_cold_rows_per_feature() -> None:
+    """One bag index for the pooling and the hit counts: the sums, their gradients and the
+    cold flags are each feature's own, bit for bit, whatever the order of the embeddings with
+    and without hits (two widths, sum and mean, empty bags, bags without hits)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [torch.randint(0, 4, (r,), generator=gen) for r in (6, 5, 7, 3, 4)]
+    widths, poolings = (4, 4, 4, 2, 2), ["sum", "mean", "sum", "sum", "mean"]
+    embs = [
+        torch.randn(int(n.sum()), d, generator=gen, requires_grad=True)
+        for n, d in zip(lengths, widths, strict=True)
+    ]
+    hits: list[torch.Tensor | None] = [
+        None if k in (0, 3) else torch.rand(int(n.sum()), generator=gen) < 0.3
+        for k, n in enumerate(lengths)
+    ]
+    got, cold = pool_and_flag(embs, lengths, poolings, hits)
+    weights = [torch.randn(g.shape, generator=gen) for g in got]
+    sum((g * w).sum() for g, w in zip(got, weights, strict=True)).backward()
+    fast = [e.grad.clone() for e in embs]
+    for e in embs:
+        e.grad = None
+    want = [pool(e, n, p) for e, n, p in zip(embs, lengths, poolings, strict=True)]
+    sum((g * w).sum() for g, w in zip(want, weights, strict=True)).backward()
+    for k, (g, w, e) in enumerate(zip(got, want, embs, strict=True)):
+        assert torch.equal(g, w), k  # same sums in the same order
+        assert torch.equal(fast[k], e.grad), k
+    for k, (c, h, n) in enumerate(zip(cold, hits, lengths, strict=True)):
+        if h is None:
+            assert c is None, k
+            continue
+        assert c is not None and torch.equal(c, _cold_by_definition(h, n)), k
+        assert torch.equal(c, cold_rows(h, n)), k
+    assert bool(torch.cat([c for c in cold if c is not None]).any())  # some bags are cold
+
+
+def test_pool_and_flag_features_flags_pooled_and_sequence_parts() -> None:
+    """pool_and_flag_features: every pooled feature's bags counted with the pooling's bag
+    index and every sequence's elements in one negation give each feature's own flags (bags
+    of 0, 1 and 3 ids), in the parts' order; the pooled and sequence embeddings are
+    pool_features'."""
+    gen = torch.Generator().manual_seed(0)
+    parts, rows, hits = [], [], []
+    for which, name, n_rows in (
+        ("user", "user_id", 5), ("item", "price", 5), ("item", "adgroup_id", 5),
+        ("sequence", "click_50_seq__adgroup_id", 0), ("sequence", "click_50_seq__brand", 0),
+    ):  # fmt: skip
+        lengths = torch.randint(0, 4, (n_rows,), generator=gen) if n_rows else torch.zeros(0)
+        n = int(lengths.sum()) if n_rows else 7
+        parts.append((which, name, torch.arange(n), lengths.to(torch.int64)))
+        rows.append(torch.randn(n, 16, generator=gen))
+        hits.append(None if name == "price" else torch.rand(n, generator=gen) < 0.5)
+    pooled, sequences, cold = pool_and_flag_features(FS, parts, rows, hits)
+    want_pooled, want_sequences = pool_features(FS, parts, rows)
+    assert pooled.keys() == want_pooled.keys() and sequences.keys() == want_sequences.keys()
+    assert all(torch.equal(pooled[n], want_pooled[n]) for n in pooled)
+    assert all(sequences[n] is want_sequences[n] for n in sequences)
+    assert list(cold) == ["user_id", "adgroup_id", "click_50_seq__adgroup_id",
+                          "click_50_seq__brand"]  # fmt: skip
+    for (which, name, _ids, lengths), found in zip(parts, hits, strict=True):
+        if found is None:
+            continue
+        want = ~found if which == "sequence" else _cold_by_definition(found, lengths)
+        assert torch.equal(cold[name], want), name
+    assert pool_and_flag_features(FS, parts, rows, [None] * len(parts))[2] == {}
 
 
 def test_layout_of_the_seed_config() -> None:

@@ -16,7 +16,7 @@ rows in an epoch, and one rate does not suit them all (docs/guide/training.md, #
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -27,10 +27,9 @@ from shared.batch import Batch
 from shared.config import ConfigError
 from shared.dense_inputs import (
     FeaturePart,
-    cold_rows,
     feature_parts,
     parts_by_table,
-    pool_features,
+    pool_and_flag_features,
 )
 from shared.features import FeatureSet
 from shared.hashtable.embedding import DynamicEmbeddingCollection
@@ -108,7 +107,7 @@ class SparseArch(nn.Module):
     an empty bag gives zeros; rows = U for user-side features, B for item/context ones),
     ``sequences[name]`` is [T, dim], jagged with the batch's sequence lengths, and with
     ``cold=True`` ``cold[name]`` says, for every dynamic feature, which rows (elements) have no
-    row in its table (:func:`~shared.dense_inputs.cold_rows`). With ``id_dropout``, in training
+    row in its table (:func:`~shared.dense_inputs.pool_and_flag_features`). With ``id_dropout``, in training
     mode, some of those flags (and rows) are of warm keys treated as cold
     (:mod:`train.model.id_dropout`; the only place it is applied).
     """
@@ -175,9 +174,9 @@ class SparseArch(nn.Module):
         if cold and self.training and self.id_dropout is not None:
             # after the lookup: its step is this step's (DynamicEmbeddingCollection.step)
             rows, hits = self.id_dropout.apply(self.fs, parts, rows, hits, self.dynamic.step)
-        # 2. pool scalar features per bag, keep sequences jagged
-        pooled, sequences = pool_features(self.fs, parts, rows)
-        return Embedded(pooled, sequences, cold_flags(parts, hits))
+        # 2. pool scalar features per bag, keep sequences jagged; the cold flags of the parts
+        # with hits, counted with the pooling's bag index
+        return Embedded(*pool_and_flag_features(self.fs, parts, rows, hits))
 
     def prefetch(self, batch: Batch) -> None:
         """Bring the rows of ``batch``'s stored dynamic keys into the device tier of the CACHING
@@ -203,74 +202,31 @@ class SparseArch(nn.Module):
         self, parts: list[FeaturePart], *, hits: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One lookup call per table; returns [n_i, dim] rows per part, in order, and with
-        ``hits`` [n_i] bool per dynamic part (the key has a row), else None."""
-        by_table = parts_by_table(self.fs, parts)
+        ``hits`` [n_i] bool per dynamic part (the key has a row), else None. The dynamic parts
+        go to the collection as they are (``lookup_parts``: a table's parts are one lookup of
+        their concatenation, made by its storage)."""
         out: list[torch.Tensor | None] = [None] * len(parts)
         found_rows: list[torch.Tensor | None] = [None] * len(parts)
-        dyn_keys: dict[str, torch.Tensor] = {}
-        fixed: list[int] = []  # positions in parts of the dense tables' lookups
-        for table, idx in by_table.items():
-            if self.fs.tables[table].is_dynamic:
-                keys = [parts[i][2] for i in idx]
-                dyn_keys[table] = torch.cat(keys) if len(keys) > 1 else keys[0]
-            else:
-                fixed.extend(idx)
+        dynamic: list[int] = []  # positions in parts of the dynamic tables' lookups
+        fixed: list[int] = []  # of the dense tables' lookups
+        for i, (_which, name, _ids, _lengths) in enumerate(parts):
+            is_dynamic = self.fs.tables[self.fs.features[name].table].is_dynamic
+            (dynamic if is_dynamic else fixed).append(i)
         found_fixed = self.dense(
             [(parts[i][1], self.fs.features[parts[i][1]].table, parts[i][2]) for i in fixed]
         )
         for i, rows in zip(fixed, found_fixed, strict=True):
             out[i] = rows  # [n_i, dim]
-        if dyn_keys:
+        if dynamic:
             # a DynamicEmbeddingCollection, or train.distributed's sharded one (same lookup)
-            found, stored = self.dynamic.lookup(dyn_keys, hits=hits)
-            for table, rows in found.items():
-                idx = by_table[table]
-                for i, chunk in zip(idx, _split(rows, parts, idx), strict=True):
-                    out[i] = chunk
-                if hits:
-                    for i, chunk in zip(idx, _split(stored[table], parts, idx), strict=True):
-                        found_rows[i] = chunk
+            pieces = [(self.fs.features[parts[i][1]].table, parts[i][2]) for i in dynamic]
+            found, stored = self.dynamic.lookup_parts(pieces, hits=hits)
+            for i, rows in zip(dynamic, found, strict=True):
+                out[i] = rows  # [n_i, dim]
+            for i, flags in zip(dynamic, stored, strict=False):  # empty without hits
+                found_rows[i] = flags  # [n_i] bool
         assert all(o is not None for o in out)
         return out, found_rows  # type: ignore[return-value]
-
-
-def cold_flags(
-    parts: Sequence[FeaturePart], hits: Sequence[torch.Tensor | None]
-) -> dict[str, torch.Tensor]:
-    """Feature → which of its rows are cold (:func:`~shared.dense_inputs.cold_rows`: [rows]
-    bool, a pooled feature's bags without a hit) or elements (``~hits``: a sequence feature's
-    [T] bool), for every part with ``hits`` (``None``: not dynamic). All pooled features'
-    bags in one ``cold_rows`` and all sequences' in one negation, so the flags cost the same
-    dozen launches however many dynamic features there are (one ``cold_rows`` per feature
-    took about 8 a feature: 50 a step of the cold-ids config, outside every graph). Exact:
-    a bag's hits are a count."""
-    pooled: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (feature, lengths, hits)
-    seqs: list[tuple[str, torch.Tensor]] = []  # (feature, hits)
-    for (which, name, _ids, lengths), found in zip(parts, hits, strict=True):
-        if found is not None and which == "sequence":
-            seqs.append((name, found))
-        elif found is not None:
-            pooled.append((name, lengths, found))
-    out: dict[str, torch.Tensor] = {}
-    if pooled:
-        found = torch.cat([h for _, _, h in pooled]) if len(pooled) > 1 else pooled[0][2]
-        lengths = torch.cat([n for _, n, _ in pooled]) if len(pooled) > 1 else pooled[0][1]
-        flags = cold_rows(found, lengths)  # [Σ rows]
-        sizes = [int(n.shape[0]) for _, n, _ in pooled]
-        out.update(zip((f for f, _, _ in pooled), torch.split(flags, sizes), strict=True))
-    if seqs:
-        missed = ~(torch.cat([h for _, h in seqs]) if len(seqs) > 1 else seqs[0][1])  # [Σ T]
-        sizes = [int(h.shape[0]) for _, h in seqs]
-        out.update(zip((f for f, _ in seqs), torch.split(missed, sizes), strict=True))
-    return {p[1]: out[p[1]] for p, h in zip(parts, hits, strict=True) if h is not None}
-
-
-def _split(flat: torch.Tensor, parts: list[FeaturePart], idx: list[int]) -> Sequence[torch.Tensor]:
-    """``flat`` (one table's lookup of the parts ``idx``, concatenated) → one chunk per part
-    (no op for a table of one part)."""
-    if len(idx) == 1:
-        return [flat]
-    return torch.split(flat, [int(parts[i][2].numel()) for i in idx])
 
 
 def _init_tables(tables: DenseTables, seed: int) -> None:

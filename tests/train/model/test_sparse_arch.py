@@ -1,16 +1,21 @@
-"""train/model/sparse_arch.py's table_lr_scales: a dynamic table's own sparse rate from the
-config, resolved through any feature of the table, and the errors that name the field."""
+"""train/model/sparse_arch.py: table_lr_scales (a dynamic table's own sparse rate from the
+config, resolved through any feature of the table, and the errors that name the field), and
+the cold-ids config's pooled embeddings and cold flags against their definition."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from protos import pipeline_pb2
 from shared.config import ConfigError, load_config
 from shared.features import FeatureSet
-from tests.conftest import SEED_CONFIG
+from tests.conftest import ROOT, SEED_CONFIG
 from train.model.multi_tower_din import MultiTowerDIN
 from train.model.sparse_arch import table_lr_scales
+
+COLD_IDS_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb_cold_ids.config"
 
 
 def _optimizer(*entries: tuple[str, float]) -> pipeline_pb2.SparseOptimizer:
@@ -59,29 +64,53 @@ def test_bad_entries_name_the_field(
     assert message in str(err.value)
 
 
-def test_cold_flags_are_each_features_own_in_one_pass() -> None:
-    """cold_flags: every pooled feature's bags in one cold_rows and every sequence's elements
-    in one negation give what each feature's own flags are (bags of 0, 1 and 3 ids)."""
+def test_cold_ids_lookup_pools_and_flags_each_feature_as_defined(tiny_samples: Path) -> None:
+    """The cold-ids config's SparseArch (cold=True, after 4 training steps on other rows, so
+    some keys are warm and some cold): every pooled feature is its own lookup's rows pooled alone (``pool``), every cold
+    flag the definition (a pooled bag with ids and no hit; a sequence element without a
+    row), bit for bit: one bag index for the pooling and the hit counts changes nothing."""
+    import pyarrow.dataset as ds
     import torch
 
-    from shared.dense_inputs import cold_rows
-    from train.model.sparse_arch import cold_flags
+    from shared.dense_inputs import feature_parts, pool
+    from shared.features import build_feature_set
+    from shared.fg import table_to_batch
+    from train.trainer import build_optimizers, train_step
 
-    gen = torch.Generator().manual_seed(0)
-    parts, hits = [], []
-    for which, name, rows in (
-        ("user", "user_id", 5), ("item", "price", 5), ("item", "adgroup_id", 5),
-        ("sequence", "click_50_seq__adgroup_id", 0), ("sequence", "click_50_seq__brand", 0),
-    ):  # fmt: skip
-        lengths = torch.randint(0, 4, (rows,), generator=gen) if rows else torch.zeros(0)
-        n = int(lengths.sum()) if rows else 7
-        ids = torch.arange(n)
-        parts.append((which, name, ids, lengths.to(torch.int64)))
-        hits.append(None if name == "price" else torch.rand(n, generator=gen) < 0.5)
-    got = cold_flags(parts, hits)
-    assert list(got) == ["user_id", "adgroup_id", "click_50_seq__adgroup_id", "click_50_seq__brand"]
-    for (which, name, _ids, lengths), found in zip(parts, hits, strict=True):
+    config = load_config(COLD_IDS_CONFIG)
+    fs = build_feature_set(config)
+    table = ds.dataset(str(tiny_samples / "train"), format="parquet").head(512)
+    seen, batch = (table_to_batch(fs, table.slice(at, 256)) for at in (0, 256))
+    model = MultiTowerDIN.from_config(config, fs, seed=0)
+    assert model.dense.takes_cold
+    opts = build_optimizers(model, config.train_config)
+    for step in range(4):  # the keys of `seen` admitted (threshold 3), `batch` has new ones
+        train_step(model, opts, seen, step)
+    model.eval()
+    with torch.no_grad():
+        embedded = model.sparse(batch, cold=True)
+        parts = feature_parts(batch)
+        rows, hits = model.sparse._lookup(parts, hits=True)
+    flags = []
+    for (which, name, _ids, lengths), emb, found in zip(parts, rows, hits, strict=True):
+        if which == "sequence":
+            assert torch.equal(embedded.sequences[name], emb), name
+        else:
+            want = pool(emb, lengths, fs.tables[fs.features[name].table].pooling)
+            assert torch.equal(embedded.pooled[name], want), name
         if found is None:
+            assert name not in embedded.cold, name
             continue
-        want = ~found if which == "sequence" else cold_rows(found, lengths)
-        assert torch.equal(got[name], want), name
+        if which == "sequence":
+            want_cold = ~found
+        else:
+            bags = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+            hit_bags = torch.zeros(lengths.shape[0], dtype=torch.bool).index_fill_(
+                0, bags[found], True
+            )
+            want_cold = (lengths > 0) & ~hit_bags
+        assert torch.equal(embedded.cold[name], want_cold), name
+        flags.append(want_cold)
+    assert list(embedded.cold) == [p[1] for p, h in zip(parts, hits, strict=True) if h is not None]
+    both = torch.cat(flags)
+    assert bool(both.any()) and not bool(both.all())  # warm and cold rows both
