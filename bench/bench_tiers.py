@@ -28,8 +28,12 @@ index and the cache lines or the payload; host: every row's payload), the peak d
 (CUDA), and whether the rows of a probe of keys equal the baseline's after the run (they
 should: the tier is transparent).
 
-What it does not measure: the static (graph-captured) step, which CACHING storages do not take
-yet (both variants run the eager lookup), and a prefetch overlapped with compute (not built).
+``--static``: every variant takes the static sparse step (:mod:`shared.hashtable.static_step`,
+captured in CUDA graphs on CUDA, eager elsewhere; the tables are at their max capacity from the
+start), as training with CUDA graphs does: for CACHING the fixed-shape resolve with no host
+read. Without it both run the eager lookup (one host read a resolve for CACHING). Each
+variant's ``static_runs`` says which path ran. What it does not measure: a prefetch overlapped
+with compute (not built).
 """
 
 from __future__ import annotations
@@ -107,13 +111,15 @@ def index_bytes(dec: DynamicEmbeddingCollection) -> int:
 
 def run_variant(
     dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
-    grad: torch.Tensor, probe: torch.Tensor, warmup: int,
+    grad: torch.Tensor, probe: torch.Tensor, warmup: int, static: bool = False,
 ) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
     device = keys.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     dec = build(dim, slots, factor, keys)
+    if static:
+        dec.use_static_step(capture=device.type == "cuda")
     _sync(device)
     build_s = time.perf_counter() - t0
     times: list[float] = []
@@ -151,6 +157,8 @@ def run_variant(
             "host_payload": int(after.get("host_payload_bytes", 0)),
         },
     }
+    if static:
+        result["static_runs"] = dec.static_stats()[TABLE]
     if factor is not None:
         result["cache_load_factor"] = factor
         result["cache_lines"] = int(after["cache_lines"])
@@ -183,7 +191,9 @@ def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
     for r in range(args.rounds):  # the variants in turn, each round: drift hits them alike
         for name, pct in VARIANTS.items():
             factor = None if pct is None else min(1.0, pct * rows / slots)
-            res, probed = run_variant(dim, slots, factor, keys, batches, grad, probe, args.warmup)
+            res, probed = run_variant(
+                dim, slots, factor, keys, batches, grad, probe, args.warmup, args.static
+            )
             per_round[name].append(res["step_ms_median"])
             if base_probe is None:
                 base_probe = probed
@@ -222,6 +232,7 @@ def run(args: Any) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "static": args.static,
         "load": LOAD,
         "dims": {},
     }
@@ -243,6 +254,9 @@ def _parser() -> Parser:
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first (warm the cache)")
     p.add_argument("--rounds", type=int, default=1, help="times every variant is run, in turn")
     p.add_argument("--seed", type=int, default=0, help="keys, batches and gradients")
+    p.add_argument(
+        "--static", action="store_true", help="the static sparse step (CUDA graphs on CUDA)"
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
