@@ -12,6 +12,7 @@ import torch
 
 from tests.conftest import BASELINE_CONFIG, SEED_CONFIG, write_config
 from train.checkpoint import Progress, latest_checkpoint, list_checkpoints
+from train.model.multi_tower_din import MultiTowerDIN
 from train.trainer import Trainer, TrainOptions, train_step
 
 
@@ -364,6 +365,19 @@ def test_dense_ema_evaluates_checkpoints_resumes_and_exports(
         restore_model(config, model_dir=tmp_path / "plain")
 
 
+def _assert_same_models(a: MultiTowerDIN, b: MultiTowerDIN) -> None:
+    """The same dense weights and dynamic tables (keys, values, scores, accumulators), bit for
+    bit."""
+    for (name, p), (_, q) in zip(
+        a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    sa, sb = a.sparse.dynamic.table_states(), b.sparse.dynamic.table_states()
+    for t, state in sa.items():
+        for field in ("keys", "values", "scores", "accumulators"):
+            assert torch.equal(getattr(state, field), getattr(sb[t], field)), (t, field)
+
+
 def test_a_cached_run_equals_the_hbm_only_run(tiny_samples: Path, tmp_path: Path) -> None:
     """A device budget that caches every dynamic table (CACHING, rows over a host tier) changes
     where rows live, not the run: the same dense weights and tables, bit for bit on CPU, and
@@ -382,14 +396,7 @@ def test_a_cached_run_equals_the_hbm_only_run(tiny_samples: Path, tmp_path: Path
     result = cached.fit()
     assert not hbm.model.sparse.tiered and cached.model.sparse.tiered
     a, b = hbm.model, cached.model
-    for (name, p), (_, q) in zip(
-        a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
-    ):
-        assert torch.equal(p, q), name
-    sa, sb = a.sparse.dynamic.table_states(), b.sparse.dynamic.table_states()
-    for t, state in sa.items():
-        for field in ("keys", "values", "scores", "accumulators"):
-            assert torch.equal(getattr(state, field), getattr(sb[t], field)), (t, field)
+    _assert_same_models(a, b)
     tiers = b.sparse.dynamic.tier_stats()
     assert {s["cache_lines"] > 0 for s in tiers.values()} == {True}
     assert sum(s["cache_hits"] for s in tiers.values()) > 0
@@ -431,14 +438,7 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     for counter in ("cache_hits", "cache_misses", "cache_created", "cache_evictions",
                     "cache_bypassed"):  # fmt: skip
         assert sum(s[counter] for s in tiers.values()) > 0, counter
-    for (name, p), (_, q) in zip(
-        a.dense.state_dict().items(), b.dense.state_dict().items(), strict=True
-    ):
-        assert torch.equal(p, q), name
-    sa, sb = a.sparse.dynamic.table_states(), b.sparse.dynamic.table_states()
-    for t, state in sa.items():
-        for field in ("keys", "values", "scores", "accumulators"):
-            assert torch.equal(getattr(state, field), getattr(sb[t], field)), (t, field)
+    _assert_same_models(a, b)
     assert hbm.final_eval is not None and cached.final_eval is not None
     assert cached.final_eval.auc == hbm.final_eval.auc
     assert cached.final_eval.rows == hbm.final_eval.rows

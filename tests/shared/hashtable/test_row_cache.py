@@ -188,20 +188,29 @@ def test_the_backward_reuses_the_forwards_lines_unless_a_line_left_its_row() -> 
     assert between.tier_stats()["g"]["cache_evictions"] > 0
 
 
+def _bare_cache(
+    *, lines: int, keys: int
+) -> tuple[RowCache, TensorHostStore, torch.Tensor, torch.Tensor]:
+    """A cache of ``lines`` lines over a bare 64-row index of dim 2 holding keys 0 ..
+    ``keys - 1`` with values ``arange`` (scores 0): (the cache, its host tier, the keys' rows,
+    their values [keys, 2])."""
+    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
+    store = TensorHostStore(2, capacity=64, pin=False)
+    cache = RowCache(
+        table, TorchBackend(), dim=2, lines=lines, store=store, initial_accumulator_value=0.5
+    )
+    init = torch.arange(2 * keys, dtype=torch.float32).reshape(keys, 2)
+    zeros = torch.zeros(keys, dtype=torch.int64)
+    rows = cache.insert_or_assign(torch.arange(keys), init, zeros, table_ids=None).rows
+    return cache, store, rows, init
+
+
 @pytest.mark.parametrize("evict", [False, True], ids=["reused", "evicted"])
 def test_adagrad_takes_the_lookups_lines_only_while_they_hold_its_rows(evict: bool) -> None:
     """gather, then adagrad of the same rows (``looked_up``: the tensor gather got): the lines
     are reused, unless a call in between evicted lines (here a prefetch that takes both of
     them); the update lands on the rows either way."""
-    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
-    store = TensorHostStore(2, capacity=64, pin=False)
-    cache = RowCache(
-        table, TorchBackend(), dim=2, lines=4, store=store, initial_accumulator_value=0.5
-    )
-    init = torch.arange(12, dtype=torch.float32).reshape(6, 2)
-    rows = cache.insert_or_assign(
-        torch.arange(6), init, torch.zeros(6, dtype=torch.int64), table_ids=None
-    ).rows
+    cache, store, rows, init = _bare_cache(lines=4, keys=6)
     given = torch.cat([rows[:2], torch.tensor([-1])])  # a lookup's rows: -1 for no key
     cache.gather(given)  # lines 0, 1
     if evict:
@@ -465,15 +474,7 @@ def test_the_static_resolve_gives_lines_without_touching_the_host_tier_for_new_r
     """A bare cache's static resolve: hits stamped in place, a stored row read into a line, a
     new row's line made from its initializer (the host tier's row stays as it was, the line
     dirty), and the window's victims never the call's own lines; evictions write back."""
-    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
-    store = TensorHostStore(2, capacity=64, pin=False)
-    cache = RowCache(
-        table, TorchBackend(), dim=2, lines=4, store=store, initial_accumulator_value=0.5
-    )
-    init = torch.arange(12, dtype=torch.float32).reshape(6, 2)
-    rows = cache.insert_or_assign(
-        torch.arange(6), init, torch.zeros(6, dtype=torch.int64), table_ids=None
-    ).rows
+    cache, store, rows, init = _bare_cache(lines=4, keys=6)
     cache.gather(rows[:2])  # eager: rows 0, 1 in lines 0, 1 (clean)
     cache.adagrad(rows[:2], torch.ones(2, 2), AdagradConfig(0.1, 1e-10, 0.5))  # now dirty
     before = store.rows.clone()
@@ -504,16 +505,7 @@ def test_the_static_resolve_gives_lines_without_touching_the_host_tier_for_new_r
 def test_row_cache_resolves_misses_evicts_lru_and_bypasses_past_its_lines() -> None:
     """The cache's own mechanics on a bare index: LRU victims outside the call's rows, dirty
     write-back, bypass when a call needs more rows than lines, Adagrad equal to the rows'."""
-    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
-    store = TensorHostStore(2, capacity=64, pin=False)
-    cache = RowCache(
-        table, TorchBackend(), dim=2, lines=3, store=store, initial_accumulator_value=0.5
-    )
-    keys = torch.arange(6)
-    init = torch.arange(12, dtype=torch.float32).reshape(6, 2)
-    rows = cache.insert_or_assign(
-        keys, init, torch.zeros(6, dtype=torch.int64), table_ids=None
-    ).rows
+    cache, store, rows, init = _bare_cache(lines=3, keys=6)
     assert torch.equal(cache.gather(rows[:2]), init[:2])  # two misses into free lines
     assert cache.counters.misses == 2 and cache.counters.evictions == 0
     config = AdagradConfig(0.1, 1e-10, 0.5)
@@ -538,15 +530,7 @@ def test_victims_are_fresh_lines_then_the_oldest_of_a_window_after_the_clock_han
     """Lines never used go first (no eviction), then each call takes the least recently used
     lines of a window of 2 * (misses + hits) lines after the hand, never its own, and the
     hand moves past the window; values stay those of the host tier."""
-    table = HashTable(0, init_capacity=64, max_capacity=64, bucket_capacity=8)
-    store = TensorHostStore(2, capacity=64, pin=False)
-    cache = RowCache(
-        table, TorchBackend(), dim=2, lines=16, store=store, initial_accumulator_value=0.5
-    )
-    init = torch.arange(48, dtype=torch.float32).reshape(24, 2)
-    rows = cache.insert_or_assign(
-        torch.arange(24), init, torch.zeros(24, dtype=torch.int64), table_ids=None
-    ).rows
+    cache, store, rows, init = _bare_cache(lines=16, keys=24)
     for a in range(0, 16, 4):  # four calls of four misses: lines 0..15 in order
         assert torch.equal(cache.gather(rows[a : a + 4]), init[a : a + 4])
     assert cache.line_of_row[rows[:16]].tolist() == list(range(16))
