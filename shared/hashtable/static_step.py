@@ -461,9 +461,10 @@ class StaticStep:
         if self.storage.payload.static_version() != plan.payload_version:
             raise RuntimeError(
                 f"the static sparse step of {self.storage.name!r}: a call between this "
-                "lookup and its backward (a prefetch or an eval lookup) moved the CACHING "
-                "storage's cache lines its rows were in: prefetch after the backward (as the "
-                "trainer does), or run that loop with cuda_graphs off (the eager lookup)"
+                "lookup and its backward (an eval lookup, or an eager training lookup) moved "
+                "the CACHING storage's cache lines its rows were in: run it after the "
+                "backward (as the trainer evaluates), or run that loop with cuda_graphs off "
+                "(the eager lookup)"
             )
         if entry is None or entry.serial != plan.serial or self.storage.mutations != plan.mutations:
             raise RuntimeError(

@@ -412,8 +412,12 @@ class FusedStorage:
         lookup (a CACHING storage; nothing to do for HBM_ONLY): a find, with no insert, no score
         change and no admission count, so the step's own lookup does all that and hits. Keys
         not stored yet are left to the step (their payload is new). Negative keys are left to
-        the step's lookup, which names them."""
-        if not self.payload.tiered:
+        the step's lookup, which names them.
+
+        Nothing either where the next training lookup takes the static step: it reads its
+        misses itself, inside its graph, while this find and the eager resolve (one host read)
+        would only repeat its work and hold the host until the device caught up."""
+        if not self.payload.tiered or (self.static is not None and self.static.why_not() is None):
             return
         keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
         keys = keys.to(self.device, torch.int64)

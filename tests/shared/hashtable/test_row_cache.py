@@ -432,9 +432,20 @@ def test_eager_steps_while_the_tables_grow_then_static_ones_share_the_cache() ->
     assert s["cache_created"] > 0 and s["cache_evictions"] > 0 and s["cache_misses"] > 0
 
 
+def test_prefetch_leaves_a_storage_on_the_static_step_alone() -> None:
+    """The static step reads its misses inside its graph: a prefetch would repeat its find and
+    add a host read a step, so it does nothing there."""
+    cached = _static_dec(ScoreStrategy.STEP, 0.15625)  # 320 lines: the steps evict
+    _static_run([cached], range(1, 5))
+    before = cached.tier_stats()["g"]
+    cached.prefetch(_static_batch(torch.Generator().manual_seed(0), 1))  # stored, evicted keys
+    assert cached.tier_stats()["g"] == before
+    assert before["cache_prefetched"] == 0
+
+
 def test_a_static_step_on_a_cache_refuses_a_backward_after_lines_moved() -> None:
-    """An eager resolve (here a prefetch) between a static lookup and its backward may take
-    its lines: the backward is refused, saying to prefetch after it."""
+    """An eager resolve (here an eval lookup) between a static lookup and its backward may
+    take its lines: the backward is refused, saying what to do."""
     cached = _static_dec(ScoreStrategy.STEP, 0.3125)
     for step in range(3):  # 900 rows stored, 640 lines
         cached.set_step(step)
@@ -442,8 +453,10 @@ def test_a_static_step_on_a_cache_refuses_a_backward_after_lines_moved() -> None
         cached({"a_emb": keys, "b_emb": torch.arange(5)})["a_emb"].sum().backward()
     cached.set_step(3)
     out = cached({"a_emb": torch.arange(900, 920), "b_emb": torch.arange(5)})
-    cached.prefetch({"a_emb": torch.arange(0, 900)})  # 880 rows: lines evicted
-    with pytest.raises(RuntimeError, match="prefetch after the backward"):
+    cached.eval()  # an eval lookup (eager) of 900 rows: lines evicted
+    cached({"a_emb": torch.arange(0, 900)})
+    cached.train()
+    with pytest.raises(RuntimeError, match="run it after the backward"):
         out["a_emb"].sum().backward()
 
 
