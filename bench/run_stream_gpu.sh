@@ -5,13 +5,16 @@
 # CUDA: the training rows replayed as hourly partitions at 1M rows/s into `train stream`
 # (--publish-every-s 10), a `serve --watch-deltas` process under 100K candidates/s (requests of
 # 500) with publishing and then without, the freshness of what it serves, and the streamed
-# model's eval AUC against one epoch of batch training on the same rows.
+# model's eval AUC against one epoch of batch training on the same rows, shuffled and in the
+# stream's order, and against the stream replayed over the complete source (the bench's module
+# doc says which goal each difference is judged by). The batch run in order is the last and the
+# slowest (one loader worker keeps the order): the JSON is written after each model.
 # The stream's GPU test runs beside the data generation (gpu_tests_stream.log).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: data.log, gpu_tests_stream.log,
-# bench_stream_full_gpu.json (written once before the AUC phase too), bench_stream_full.log, the
-# trainer's and server's logs, the trainer's metrics (stream_metrics.jsonl) and the probe's
-# samples (stream_probe.json).
+# bench_stream_full_gpu.json (written before the AUC phase and after each of its models too),
+# bench_stream_full.log, the trainer's and server's logs, the trainer's metrics
+# (stream_metrics.jsonl) and the probe's samples (stream_probe.json).
 # REPLAY (rows/s, default 1000000), BENCH_TIMEOUT (s, default 420) override.
 . bench/device_env.sh
 t0=$(date +%s)
