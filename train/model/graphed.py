@@ -37,9 +37,13 @@ captures a shape at its second call: an epoch's partial last batches are each se
 Contract of the outputs (as with ``torch.cuda.make_graphed_callables``): the returned output and
 the gradients handed to autograd live in buffers owned by the graph and are overwritten by the
 next replay of the same graph. Training consumes them within the step, so nothing is copied;
-gradients that autograd stored in ``.grad`` of a parameter or of a leaf input are detected and
-copied out before a later backward overwrites them (``zero_grad(set_to_none=False)`` and
-gradient accumulation stay correct). Everything that escapes a graph (output, gradients) lives
+gradients stored in ``.grad`` of a parameter or of a leaf input are detected and copied out
+before a later backward overwrites them (``zero_grad(set_to_none=False)`` and gradient
+accumulation stay correct). The parameters are not inputs of the replay's autograd node: its
+backward puts their gradients into ``.grad`` itself, as AccumulateGrad would (the buffer where
+``.grad`` is None, else added in place), which saves an autograd node a parameter (issue #53);
+so ``torch.autograd.grad`` with respect to a parameter, and a parameter's gradient hooks, do not
+see them (run the module itself for those). Everything that escapes a graph (output, gradients) lives
 outside the shared pool, so graphs of other shapes never overwrite it. A second backward through
 an old output after a newer forward replay raises (its saved activations are gone).
 
@@ -280,6 +284,21 @@ class _Entry:
         tail = self.grads[len(self.grads) - n :] if n else []
         return [None if g is None else g.detach() for g in tail]
 
+    def accumulate_param_grads(self) -> None:
+        """The replayed backward's parameter gradients into ``.grad``, as autograd's
+        AccumulateGrad would: the buffer itself (a detached alias, as AccumulateGrad steals it;
+        :meth:`unalias` copies it out before a later replay) where ``.grad`` is None, else
+        added in place. One attribute write a parameter, where an AccumulateGrad node a
+        parameter cost ~15 µs of host a step on the H100 (26 nodes for the cold-ids config,
+        issue #53)."""
+        for p, g in zip(self.params, self.param_grads(), strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
     def unalias(self, leaves: Sequence[torch.Tensor]) -> None:
         """Copy out ``.grad`` tensors that autograd stole from this entry's buffers earlier."""
         for x in (*self.params, *leaves):
@@ -297,8 +316,10 @@ class _Replay(torch.autograd.Function):
         elements: tuple[torch.Tensor, ...],
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
-        # tensors: rows (n_rows), seq [T, D], lengths [B], then entry.params; elements
-        # ([T, k_j], no gradient) ride outside them, as autograd need not see them
+        # tensors: rows (n_rows), seq [T, D], lengths [B], then the owner's anchor (a leaf that
+        # requires grad, so the output does whenever grad mode is on: the parameters are not
+        # inputs, their gradients go to .grad in backward); elements ([T, k_j], no gradient)
+        # ride outside them, as autograd need not see them
         rows, seq, lengths = tensors[:n_rows], tensors[n_rows], tensors[n_rows + 1]
         owner = entry.owner
         entry.load(rows, seq, lengths, elements)
@@ -325,7 +346,8 @@ class _Replay(torch.autograd.Function):
         entry.gout.copy_(grad)
         entry.replay_backward()
         ctx.token.done = True
-        return (None, None, None, *entry.input_grads(ctx.t), None, *entry.param_grads())
+        entry.accumulate_param_grads()
+        return (None, None, None, *entry.input_grads(ctx.t), None, None)
 
 
 class JaggedGraphs:
@@ -371,6 +393,7 @@ class JaggedGraphs:
         self._pending: weakref.ref[_Token] | None = None
         self._generation = 0
         self._logged: set[str] = set()
+        self._anchors: dict[torch.device, torch.Tensor] = {}  # see _Replay.forward
         self.reset()
 
     def reset(self) -> None:
@@ -467,9 +490,12 @@ class JaggedGraphs:
             if entry is None:
                 return eager()
         self.stats["replays"] += 1
+        anchor = self._anchors.get(seq.device)
+        if anchor is None:
+            anchor = self._anchors[seq.device] = torch.zeros(0, device=seq.device).requires_grad_()
         return cast(
             torch.Tensor,
-            _Replay.apply(entry, len(rows), tuple(elements), *rows, seq, lengths, *entry.params),
+            _Replay.apply(entry, len(rows), tuple(elements), *rows, seq, lengths, anchor),
         )
 
     def _capture(

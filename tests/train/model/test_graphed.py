@@ -333,6 +333,46 @@ def test_gradient_accumulation_without_zeroing() -> None:
     assert graphs.stats["replays"] == 3
 
 
+def test_parameter_gradients_reach_grad_without_a_node_each() -> None:
+    """The replay's backward writes the parameters' gradients into ``.grad`` itself: outside
+    the replay's node, the backward runs one AccumulateGrad a leaf input and one for the
+    graphs' anchor, none a parameter, and every parameter and input gradient equals eager."""
+    gen = torch.Generator().manual_seed(11)
+    arch = make_arch()
+    graphs = DenseArchGraphs(arch, emulate=True, min_bucket=16)
+    x = make_inputs(gen, [3, 0, 2])
+    fwd_bwd(graphs, arch, x)  # the capture
+    arch.zero_grad(set_to_none=True)
+    leaves = {k: (v.detach().clone().requires_grad_() if k in FLOATS else v) for k, v in x.items()}
+    out = graphs(**leaves)
+    with torch.profiler.profile() as prof:
+        out.sum().backward()
+    nodes = [e for e in prof.events() if e.name.startswith("autograd::engine::evaluate_function")]
+    top = [e for e in nodes if not _inside(e, "_ReplayBackward")]
+    accumulate = [e for e in top if e.name.endswith("AccumulateGrad")]
+    assert len(accumulate) == len(FLOATS) + 1 < len(list(arch.parameters()))
+    got = {n: p.grad.clone() for n, p in arch.named_parameters()}
+    got |= {k: leaves[k].grad.clone() for k in FLOATS}
+    arch.zero_grad(set_to_none=True)
+    eager = {k: (v.detach().clone().requires_grad_() if k in FLOATS else v) for k, v in x.items()}
+    arch(**eager).sum().backward()
+    want = {n: p.grad for n, p in arch.named_parameters()} | {k: eager[k].grad for k in FLOATS}
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12, msg=name)
+    assert graphs.stats["replays"] == 2
+
+
+def _inside(event, name: str) -> bool:
+    """Whether a profiler event runs inside an event called ``name`` (its parents')."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name or parent.name.endswith(": " + name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def test_partial_requires_grad_and_frozen_parameters() -> None:
     gen = torch.Generator().manual_seed(8)
     arch = make_arch()
