@@ -278,10 +278,11 @@ def cold_rows(hits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def _cold_of(hits: torch.Tensor, bag: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """:func:`cold_rows` given the bag of each id (``bag`` [N]); the hits per bag are a count
-    (sums of ones and zeros in float32 are exact)."""
+    (sums of ones and zeros in float32 are exact), so "no hit and some ids" is one comparison:
+    hits < min(lengths, 1)."""
     found = hits.new_zeros(lengths.shape[0], dtype=torch.float32)  # [R]
     found.index_add_(0, bag, hits.to(torch.float32))  # [R] hits per bag
-    return (found == 0) & (lengths > 0)
+    return found < lengths.clamp(max=1)  # [R] bool
 
 
 # One feature's ids in a batch: (KJT "user" | "item" | "sequence", feature, ids [n], lengths [rows])
