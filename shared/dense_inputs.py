@@ -336,9 +336,11 @@ def pool_bags(
 
 
 def _bag_index(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    """[N] bag of each row of bags of ``lengths`` [R] (sum ``n``, known on the host: no sync)."""
-    rows = torch.arange(lengths.shape[0], device=lengths.device)  # [R]
-    return torch.repeat_interleave(rows, lengths, output_size=n)  # [N]
+    """[N] bag of each row of bags of ``lengths`` [R] (sum ``n``, known on the host: no sync),
+    in ``lengths``' integer dtype. ``repeat_interleave`` of the lengths alone is arange(R)
+    repeated: a scan and one kernel on CUDA, where repeating an ``arange`` tensor added the
+    arange and an ``index_select`` of it (issue #53)."""
+    return torch.repeat_interleave(lengths, output_size=n)  # [N]
 
 
 def _sum_bags(

@@ -27,6 +27,7 @@ from shared.dense_inputs import (
     signature_of,
 )
 from shared.features import feature_set_from_text
+from tests.conftest import DEVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 FS = feature_set_from_text(
@@ -98,6 +99,34 @@ def test_pool_and_flag_equals_pool_and_cold_rows_per_feature() -> None:
         assert c is not None and torch.equal(c, _cold_by_definition(h, n)), k
         assert torch.equal(c, cold_rows(h, n)), k
     assert bool(torch.cat([c for c in cold if c is not None]).any())  # some bags are cold
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_pool_and_flag_on_a_device_with_int32_and_int64_lengths(
+    device: str, dtype: torch.dtype
+) -> None:
+    """The bag index is the lengths' own dtype (repeat_interleave of the lengths): int32 and
+    int64 lengths pool and flag alike, on the CPU and on CUDA (the CPU's sums; equal up to
+    the order of CUDA's atomic adds, and flags equal), with no host read."""
+    gen = torch.Generator().manual_seed(9)
+    lengths = [torch.randint(0, 4, (r,), generator=gen) for r in (300, 200)]
+    embs = [torch.randn(int(n.sum()), 16, generator=gen) for n in lengths]
+    hits: list[torch.Tensor | None] = [torch.rand(int(lengths[0].sum()), generator=gen) < 0.3, None]
+    want, want_cold = pool_and_flag(embs, lengths, ["sum", "mean"], hits)
+    on = [(n.to(device, dtype)) for n in lengths]
+    found = [None if h is None else h.to(device) for h in hits]
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")  # a host read would raise
+    try:
+        got, cold = pool_and_flag([e.to(device) for e in embs], on, ["sum", "mean"], found)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-6, atol=1e-6)
+    assert cold[1] is None and want_cold[0] is not None and cold[0] is not None
+    assert torch.equal(cold[0].cpu(), want_cold[0])
 
 
 def test_pool_and_flag_features_flags_pooled_and_sequence_parts() -> None:
