@@ -16,7 +16,8 @@ set -x
 # TIER_TESTS=0 skips the tier tests (when another call of the session ran every GPU test)
 if [ "${TIER_TESTS:-1}" != 0 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/shared/hashtable/test_row_cache.py tests/shared/hashtable/test_host_store.py \
+    tests/shared/hashtable/test_row_cache.py tests/shared/hashtable/test_row_cache_static.py \
+    tests/shared/hashtable/test_host_store.py \
     tests/shared/hashtable/test_static_step.py \
     tests/shared/hashtable/test_cuda_host_rows.py tests/shared/hashtable/test_cuda_tier_gather.py \
     > "$OUT/tier_tests.log" 2>&1

@@ -9,7 +9,8 @@ in its plan:
   ``accumulators`` arrays, every row on the device; each method is the single table call the
   storage made before this seam existed, so this path is today's, unchanged.
 - :class:`~shared.hashtable.row_cache.RowCache` (CACHING): the index keeps no payload; an HBM
-  cache of hot rows over a host tier (:mod:`shared.hashtable.host_store`) that holds every row.
+  cache of hot rows over a host tier (:mod:`shared.hashtable.host_store`) that holds every row
+  (its ``static_*`` methods: :mod:`shared.hashtable.row_cache_static`).
 
 Both give the same rows bit for bit (on CPU; within the kernels' tolerances on CUDA): the tier is
 transparent. Keys, scores, evictions, admission and stats are the index's, and the index is the

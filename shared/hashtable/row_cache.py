@@ -11,16 +11,17 @@ What moves is the payload: the values and Adagrad accumulators of **every** row 
 device's address space, plain memory on CPU), and ``lines`` cache lines on the device hold the
 payload of the rows in use.
 
-Caching is keyed by row (the table's slot row, what ``find`` returns):
+The cache is three modules, one class each, each class extending the one listed before it
+(imports go one way: no cycle):
 
-- ``line_of_row`` [capacity] int32 (-1: not cached) and ``row_of_line`` [lines] int64;
-- ``stamp`` [lines] int64: the call that last used the line (-1: free), for eviction;
-- ``dirty`` [lines] bool: the line holds updates the host tier does not have yet.
-
-Each of these arrays has one slot more than it shows (a *sink*): a scatter of positions that
-have nothing to write (misses when stamping hits, victims that held no row when unmapping them,
-rows without a line when dropping lines) sends them there, so no scatter needs a host read to
-select its positions first.
+- :mod:`shared.hashtable.row_cache_lines`: ``CacheLines``, the lines, their maps, stamps and
+  dirty bits (each array with its sink slot), the clock window both resolves take their victims
+  from, the counters and stats;
+- :mod:`shared.hashtable.row_cache_static`: ``StaticCacheLines``, the static step's fixed-shape
+  resolve and its staging slots (the ``static_*`` methods of the
+  :class:`~shared.hashtable.payload.RowPayload` seam);
+- this module: :class:`RowCache`, the public class: the eager resolve, the step's gather,
+  Adagrad and prefetch, the index's changes, flush and export.
 
 A call that touches rows (:meth:`RowCache.gather`, :meth:`RowCache.adagrad`,
 :meth:`RowCache.prefetch`) resolves them to lines first, with **one host read** (the size of the
@@ -62,156 +63,42 @@ the backward's rows are not counted again. A version, bumped whenever a line may
 (an eviction, a dropped line, growth), tells whether those lines still hold the rows; a call in
 between that evicted (a prefetch, an eval lookup) makes the Adagrad resolve its rows again.
 
-**The static step's form** (:meth:`RowCache.static_resolve`, called by
-:mod:`shared.hashtable.static_step` through the :class:`~shared.hashtable.payload.RowPayload`
-seam): the same resolve with fixed shapes and no host read, so that a CACHING storage's
-training step is captured in a CUDA graph like HBM_ONLY's. The step's P padded distinct rows
-(a validity mask) resolve through masks: a cumsum over "needs a line" gives each such row its
-victim among a window of ``min(L, 2P)`` lines after the clock hand (sorted by stamp, this
-call's last; the hand, the tick and the counters are device tensors, shared with the eager
-resolve), one :meth:`HostStore.swap` of P slots (-1: nothing) writes the dirty victims back and
-reads the stored rows, and a new key's line takes its initializer row at once (dirty), never
-crossing to the host and back. The lookup then gathers from lines and the backward's Adagrad
-updates lines (dirty marked): HBM_ONLY's arithmetic on other slots. A step with more distinct
-rows than lines (or than the lines it does not use itself) bypasses the rest in fixed shapes
-too: ``P - L`` staging slots after the lines' sink (made on the host before the step,
-:meth:`RowCache.static_began`) take their payload in the forward's swap, and the backward writes
-them back to the host tier in one write of P slots (-1 skipped), which only steps of more keys
-than lines issue. Lines the eager path thinks never used are forgotten once a static step ran
-(``_fresh``): the window finds them by their stamp (-1 sorts first).
-
 Done for issue #52: the host tier's rows moved by the device (UVA kernels, no host sync; the
 write-backs overlapped with the misses' reads), one host read an eager resolve and none in the
-backward, victims from a bounded window, the static (capturable) form above. Not built yet: the
-resolve as custom kernels (torch ops); the misses of batch i+1 fetched on a side stream while
-step i runs (prefetch runs on the training thread between steps, with the eager resolve's host
-read).
+backward, victims from a bounded window, the static (capturable) form
+(:mod:`shared.hashtable.row_cache_static`). Not built yet: the resolve as custom kernels (torch
+ops); the misses of batch i+1 fetched on a side stream while step i runs (prefetch runs on the
+training thread between steps, with the eager resolve's host read).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from shared.hashtable.adagrad import AdagradConfig
-from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import compact_positions
-from shared.hashtable.host_store import HostStore
 from shared.hashtable.layout import ExportedRows, InsertResult
-from shared.hashtable.table import HashTable
+from shared.hashtable.row_cache_lines import CacheCounters, with_sink
+from shared.hashtable.row_cache_static import StaticCacheLines
+
+__all__ = ["CacheCounters", "RowCache"]  # CacheCounters: row_cache_lines', named here too
 
 T = TypeVar("T")
 
-# a stamp above every real one: lines a call must keep sort after every candidate victim
-_KEEP = torch.iinfo(torch.int64).max
 
-
-@dataclass
-class CacheCounters:
-    """Cumulative counters of one cache (rows, not lookups: a row is counted once a call)."""
-
-    hits: int = 0  # rows found in a line
-    misses: int = 0  # rows read from the host tier into a line
-    bypassed: int = 0  # rows used in the host tier directly (the call needed more lines)
-    evictions: int = 0  # lines given to another row
-    writebacks: int = 0  # of those, dirty lines written to the host tier (and flushed lines)
-    prefetched: int = 0  # rows :meth:`RowCache.prefetch` brought in (also counted as misses)
-    created: int = 0  # new keys' rows made in a line by the static step (no host tier read)
-
-
-def _with_sink(shown: torch.Tensor, fill: float | bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``shown`` with one slot (row) more, filled with ``fill``; the view of its first ones)."""
-    full = torch.cat([shown, shown.new_full((1, *shown.shape[1:]), fill)])
-    return full, full[: shown.shape[0]]
-
-
-class RowCache:
-    """The CACHING payload of a storage's ``table`` (a :class:`HashTable` of ``dim`` 0): ``lines``
-    device lines of ``dim`` values and ``dim`` accumulators over ``store``, which holds every row.
-    ``backend``: the storage's (runs Adagrad on the lines, as on rows in HBM_ONLY)."""
+class RowCache(StaticCacheLines):
+    """The CACHING payload of a storage's ``table`` (a :class:`~shared.hashtable.table.HashTable`
+    of ``dim`` 0): ``lines`` device lines of ``dim`` values and ``dim`` accumulators over
+    ``store``, which holds every row. ``backend``: the storage's (runs Adagrad on the lines, as
+    on rows in HBM_ONLY). Its state and constructor are
+    :class:`~shared.hashtable.row_cache_lines.CacheLines`', the static step's methods
+    :class:`~shared.hashtable.row_cache_static.StaticCacheLines`'."""
 
     name = "CACHING"
     tiered = True
-
-    def __init__(
-        self,
-        table: HashTable,
-        backend: Backend,
-        *,
-        dim: int,
-        lines: int,
-        store: HostStore,
-        initial_accumulator_value: float,
-    ) -> None:
-        if table.dim != 0 or table.accumulators is not None:
-            raise ValueError("RowCache: the index table must have dim 0 and no accumulators")
-        if lines < 1:
-            raise ValueError(f"RowCache: lines must be >= 1, got {lines}")
-        if store.capacity != table.capacity:
-            raise ValueError(
-                f"RowCache: the host store holds {store.capacity} rows, the table {table.capacity}"
-            )
-        dev = table.device
-        self.table = table
-        self.backend = backend
-        self.dim = dim
-        self.store = store
-        self.initial_accumulator_value = float(initial_accumulator_value)
-        payload = torch.zeros(lines, dim, dtype=torch.float32, device=dev)
-        # each [L + 1] (rows) with its view [L]: the last slot a sink (see the module doc)
-        self._values, self.values = _with_sink(payload, 0.0)  # [L, dim]
-        self._accum, self.accum = _with_sink(payload, 0.0)  # [L, dim]
-        free = torch.full((lines,), -1, dtype=torch.int64, device=dev)
-        self._row_of_line, self.row_of_line = _with_sink(free, -1)
-        self._stamps, self.stamp = _with_sink(free, -1)
-        self._dirty, self.dirty = _with_sink(torch.zeros_like(free, dtype=torch.bool), False)
-        self._set_line_map(table.capacity)
-        # on the device, so that the static step's captured resolve advances them too
-        self._tick = torch.zeros((), dtype=torch.int64, device=dev)  # calls: the current stamp
-        self._hand = torch.zeros((), dtype=torch.int64, device=dev)  # the next window's start
-        self._fresh = 0  # lines [_fresh, L) were never used: taken in order before any victim
-        self._counts = CacheCounters()  # those known on the host (not evictions in _evict)
-        # bumped whenever a line may leave its row (evictions, dropped lines, growth): lines
-        # resolved before stay valid while it is unchanged
-        self._version = 0
-        # (the tensor the last gather was given, the lines of its rows >= 0, the version then)
-        self._resolved: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self._evicted = torch.zeros(2, dtype=torch.int64, device=dev)  # evictions, write-backs
-        # the static step's hits, misses, new rows made in lines, bypassed rows
-        self._static = torch.zeros(4, dtype=torch.int64, device=dev)
-        self._staged = 0  # staging slots after the sink of _values / _accum (static bypass)
-        self._store_moves = 0  # growths of the host tier (a captured swap holds its address)
-
-    def _set_line_map(self, capacity: int) -> None:
-        """An empty ``line_of_row`` [capacity] (and its sink)."""
-        none = torch.full((capacity,), -1, dtype=torch.int32, device=self.values.device)
-        self._line_map, self.line_of_row = _with_sink(none, -1)
-
-    @property
-    def lines(self) -> int:
-        return self.values.shape[0]
-
-    @property
-    def counters(self) -> CacheCounters:
-        """The counters so far (a host read: evictions and the static step's resolves are
-        counted on the device)."""
-        evictions, writebacks, hits, misses, created, bypassed = torch.cat(
-            [self._evicted, self._static]
-        ).tolist()
-        c = self._counts
-        return dataclasses.replace(
-            c,
-            hits=c.hits + hits,
-            misses=c.misses + misses,
-            bypassed=c.bypassed + bypassed,
-            evictions=c.evictions + evictions,
-            writebacks=c.writebacks + writebacks,
-            created=c.created + created,
-        )
 
     def __repr__(self) -> str:
         return f"RowCache(lines={self.lines}, dim={self.dim}, store={self.store!r})"
@@ -264,10 +151,7 @@ class RowCache:
         # the call has stamped hits + fresh lines, so a window of at least k + hits lines
         # (<= L) holds `rest` others; twice that lets the older half go
         width = min(self.lines, 2 * (k + hits))
-        window = (self._hand + torch.arange(width, device=dev)) % self.lines  # [width]
-        self._hand.add_(width).remainder_(self.lines)
-        stamps = self.stamp[window]  # [width]
-        candidate = torch.where(stamps < tick, stamps, _KEEP)
+        window, candidate = self._clock_window(width, tick)  # [width] each
         pick = torch.topk(candidate, rest, largest=False, sorted=False).indices
         victims = window[pick]  # [rest]
         back = self._evict(victims)  # [rest]
@@ -463,7 +347,7 @@ class RowCache:
         gone = held & (moved < 0)
         self.stamp.masked_fill_(gone, -1)
         self.dirty.masked_fill_(gone, False)
-        self._row_of_line, self.row_of_line = _with_sink(moved, -1)
+        self._row_of_line, self.row_of_line = with_sink(moved, -1)
         self._set_line_map(capacity)
         live = torch.nonzero(moved >= 0).squeeze(1)
         self.line_of_row[moved[live]] = live.to(torch.int32)
@@ -512,172 +396,3 @@ class RowCache:
             values=payload[:, : self.dim].contiguous(),
             accumulators=payload[:, self.dim :].contiguous(),
         )
-
-    # ------------------------------------------------------------------ the static step
-
-    def why_not_static(self) -> str | None:
-        """Why the static step cannot take this cache (None: it can): the host tier must be
-        reachable with no host read (:meth:`HostStore.why_not_static`)."""
-        why = self.store.why_not_static(self.values.device)
-        return None if why is None else f"the CACHING storage's host tier: {why}"
-
-    def static_began(self, padded: int) -> int:
-        """A static lookup of ``padded`` keys is about to run (on the host, before its
-        forward's graph or code): its resolve may evict lines, so the lines an eager lookup
-        resolved are stale from now on, lines the eager resolve thinks never used may be taken,
-        and a replay's swap uses the host tier; a step of more keys than lines may bypass rows,
-        which need staging slots (allocated here, outside any capture: the arrays move, so the
-        step captures its graphs again). Returns the version its backward checks
-        (:meth:`static_version`)."""
-        self._version += 1
-        self._fresh = self.lines
-        self.store.used_by_device(self.values.device)
-        if padded - self.lines > self._staged:
-            self._stage(max(padded - self.lines, 2 * self._staged))
-        return self._version
-
-    def _stage(self, n: int) -> None:
-        """``n`` staging slots after the lines' sink (the lines kept): where the static step
-        keeps the rows it bypasses between its forward and its backward."""
-        big = self.lines + 1
-        for name in ("_values", "_accum"):
-            old = getattr(self, name)
-            grown = torch.zeros(big + n, self.dim, dtype=torch.float32, device=old.device)
-            grown[:big] = old[:big]
-            setattr(self, name, grown)
-        self.values, self.accum = self._values[: self.lines], self._accum[: self.lines]
-        self._staged = n
-
-    def static_version(self) -> int:
-        """Bumped whenever a line may have left its row (a static step's backward compares it
-        with its forward's: an eager resolve between the two may have taken its lines)."""
-        return self._version
-
-    def static_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values, accumulators) [L + 1 + staged, dim]: the lines, the sink, the staging
-        slots: what :meth:`static_resolve`'s slots index."""
-        return self._values, self._accum
-
-    def static_key(self) -> tuple[object, ...]:
-        """What a captured step reads at fixed addresses: changes when one of them moves."""
-        arrays = (self._values, self._accum, self._line_map, self._row_of_line, self._stamps,
-                  self._dirty, self._tick, self._hand, self._evicted, self._static)  # fmt: skip
-        return (*(a.data_ptr() for a in arrays), self._store_moves)
-
-    def static_resolve(
-        self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
-    ) -> torch.Tensor:
-        """[P] int64: the slot in :meth:`static_arrays` of each of a static step's distinct
-        ``rows`` [P] (-1: no row), with fixed-size ops and no host read (captured on CUDA).
-        ``found`` [P] bool: the row was stored before the step (its payload is in the host
-        tier or a line); the other rows belong to keys the step inserted, whose payload is
-        ``new_values`` [P, dim] and the initial accumulators.
-
-        - A row with a line is stamped (a hit, or a new key's row whose evicted key left a
-          line there: the line is reused).
-        - The rows without a line take one each from a window of ``min(L, 2P)`` lines after
-          the clock hand (the hand, a device tensor, moves past it): the window's lines sorted
-          by stamp, this call's last, and the i-th such row (a cumsum over the mask) takes the
-          i-th line, if that line is not this call's. With ``L >= P`` every row gets one (the
-          call stamps at most ``P - k`` lines when ``k`` rows need one). Never-used lines
-          (stamp -1) sort first.
-        - Rows left without a line (a step of more distinct rows than lines) are *bypassed*:
-          the i-th of them takes staging slot i after the lines (:meth:`static_began` made
-          ``P - L`` of them), and the backward writes it back to the host tier
-          (:meth:`static_updated`); a bypassed new key's initializer row is written there at
-          once (a step without a backward leaves it as HBM_ONLY's insert does).
-        - One :meth:`HostStore.swap` of P slots: dirty victims written back, the stored rows
-          read, -1 elsewhere; a new key's line takes its initializer row and is dirty at once,
-          so its row never crosses to the host and back (the eager path writes it to the host
-          tier and reads it at the next resolve).
-        - Maps, stamps and dirty bits are scattered with the sink slots for unused positions;
-          hits, misses, new rows, bypassed rows, evictions and write-backs are counted on the
-          device."""
-        big, dim, dev = self.lines, self.dim, self.values.device
-        p, sink_row = rows.numel(), self.line_of_row.numel()
-        assert p - big <= self._staged, "static_began(padded) makes the staging slots first"
-        self._tick += 1
-        tick = self._tick  # [] int64
-        stored = rows >= 0
-        new = stored & ~found
-        line = torch.where(stored, self.line_of_row[rows.clamp(min=0)].to(torch.int64), -1)
-        has = line >= 0  # [P]
-        self._stamps[torch.where(has, line, big)] = tick
-        need = stored & ~has  # [P] rows that take a line now
-        rank = torch.cumsum(need, 0) - 1  # [P] each one's victim
-        width = min(big, 2 * p)
-        window = (self._hand + torch.arange(width, device=dev)) % big  # [width]
-        self._hand.add_(width).remainder_(big)
-        stamps = self.stamp[window]
-        candidate = torch.where(stamps < tick, stamps, _KEEP)
-        ranked, by_age = torch.sort(candidate, stable=True)
-        n_victims = min(width, p)
-        victims = window[by_age[:n_victims]]  # [n_victims] oldest first
-        at = rank.clamp(0, n_victims - 1)
-        gets = need & (rank < n_victims) & (ranked[:n_victims][at] < _KEEP)  # not this call's
-        taken = torch.where(gets, victims[at], big)  # [P] the sink: none
-        old = self._row_of_line[taken]  # [P] the row each victim held
-        held = gets & (old >= 0)
-        back = held & self._dirty[taken]
-        self._line_map[torch.where(held, old, sink_row)] = -1  # unmapped
-        self._evicted += torch.stack([held.sum(), back.sum()])
-        out = torch.cat([self._values[taken], self._accum[taken]], 1)  # [P, 2 * dim]
-        read = torch.where(need & found, rows, -1)
-        payload = self.store.swap(torch.where(back, old, -1), out, read)  # [P, 2 * dim]
-        payload = payload.to(dev, non_blocking=True)
-        init = torch.cat(
-            [new_values, torch.full_like(new_values, self.initial_accumulator_value)], 1
-        )
-        payload = torch.where(new.unsqueeze(1), init, payload)
-        slots = torch.where(has, line, torch.where(gets, taken, -1))  # [P]
-        bypass = need & ~gets
-        if p > big:  # a step that may bypass rows (its size decides: no host read)
-            # the i-th bypassed row: staging slot i (after the sink)
-            slots = torch.where(bypass, big + torch.cumsum(bypass, 0), slots)
-            # a bypassed new key's row goes to the host tier now, as a line would hold it:
-            # with no backward (no update) nothing else would write it there
-            self.store.write(torch.where(bypass & new, rows, -1), init)
-        fill = torch.where(need | new, slots, big)  # [P] slots written: misses', new keys'
-        self._values[fill] = payload[:, :dim]
-        self._accum[fill] = payload[:, dim:]
-        lined = torch.where(gets | (new & has), slots, big)  # [P] lines (re)mapped
-        self._row_of_line[lined] = rows
-        self._line_map[torch.where(gets, rows, sink_row)] = slots.to(torch.int32)
-        self._stamps[lined] = tick
-        self._dirty[lined] = new
-        counts = [found & has, found & gets, new & ~bypass, bypass]
-        self._static += torch.stack([c.sum() for c in counts])
-        return slots
-
-    def static_updated(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """The static backward's Adagrad updated slots ``slots`` [P] of ``rows`` [P] (-1:
-        none): their lines are dirty now, and bypassed rows (staging slots, where a step has
-        more keys than lines) go back to the host tier in one fixed-size write (-1 skipped)."""
-        big = self.lines
-        lined = (slots >= 0) & (slots < big)
-        self._dirty[torch.where(lined, slots, big)] = True
-        if rows.numel() > big:  # a step that may bypass rows (its size decides: no host read)
-            staged = slots > big
-            at = torch.where(staged, slots, big)
-            payload = torch.cat([self._values[at], self._accum[at]], 1)  # [P, 2 * dim]
-            self.store.write(torch.where(staged, rows, -1), payload)
-
-    def stats(self) -> dict[str, float]:
-        c = self.counters
-        used = c.hits + c.misses + c.bypassed
-        hbm = self._values.nbytes + self._accum.nbytes
-        hbm += self._row_of_line.nbytes + self._stamps.nbytes + self._dirty.nbytes
-        hbm += self._line_map.nbytes
-        return {
-            "cache_lines": float(self.lines),
-            "cache_hits": float(c.hits),
-            "cache_misses": float(c.misses),
-            "cache_bypassed": float(c.bypassed),
-            "cache_evictions": float(c.evictions),
-            "cache_writebacks": float(c.writebacks),
-            "cache_prefetched": float(c.prefetched),
-            "cache_created": float(c.created),
-            "cache_hit_rate": c.hits / used if used else 0.0,
-            "hbm_payload_bytes": float(hbm),
-            "host_payload_bytes": float(self.store.capacity * 2 * self.dim * 4),
-        }

@@ -17,9 +17,9 @@ GPU 33 % busy). Here the same step is written with sizes known before it runs:
 - the storage's payload tier (:class:`~shared.hashtable.payload.RowPayload`, chosen once when
   the storage was made) says where each row's values are: HBM_ONLY's rows themselves (no op),
   or a CACHING storage's cache lines, resolved with fixed shapes and no host read
-  (:meth:`~shared.hashtable.row_cache.RowCache.static_resolve`: misses read from the host
-  tier, victims written back, new keys' rows made in their lines, and a step's rows past the
-  lines bypassed through staging slots written back by the backward);
+  (:meth:`~shared.hashtable.row_cache_static.StaticCacheLines.static_resolve`: misses read
+  from the host tier, victims written back, new keys' rows made in their lines, and a step's
+  rows past the lines bypassed through staging slots written back by the backward);
 - backward sums the gradients in ``ceil(log2 P)`` rounds (the eager tree's, with rounds to
   spare) and updates the rows' values in place (on a cache, the lines, then marked dirty).
 

@@ -2,7 +2,8 @@
 
 A cache of a few lines, through growth, each score strategy, admission, prefetch, checkpoints
 at W = 1, 2, 3 and export; ``cache_load_factor`` changes placement, not results. The same
-scripts run on CUDA (``gpu``), compared within the CUDA tests' tolerances.
+scripts run on CUDA (``gpu``), compared within the CUDA tests' tolerances. The static step on a
+cache (shared.hashtable.row_cache_static): ``test_row_cache_static.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from shared.hashtable.backend import TorchBackend
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.host_store import TensorHostStore
 from shared.hashtable.row_cache import RowCache
-from shared.hashtable.static_step import supports
 from shared.hashtable.table import HashTable
 
-from .conftest import NEEDS_CUDA_KERNELS, dyn_table
+from .conftest import dyn_table
 
 FIELDS = ("keys", "values", "scores", "accumulators", "counter_keys", "counter_counts")
 STRATEGIES = list(ScoreStrategy)
@@ -281,240 +281,6 @@ def test_reserve_max_capacity_moves_the_payload() -> None:
             assert torch.equal(o1[t], o2[t]), t
 
 
-def test_the_static_step_takes_a_cached_storage_whose_host_tier_the_device_reaches() -> None:
-    """A CACHING storage takes the static step (at its max capacity) wherever its host tier is
-    read and written with no host read: on CPU, or mapped on CUDA; a pinned store that is not
-    mapped (no CUDA kernels) would move row ids through the host, and is refused."""
-    cached = _dec(ScoreStrategy.STEP, 0.1)
-    cached.reserve_max_capacity()
-    assert supports(cached._storages[0]) is None
-    hbm = _dec(ScoreStrategy.STEP, None)
-    hbm.reserve_max_capacity()
-    assert supports(hbm._storages[0]) is None
-    store = TensorHostStore(2, capacity=8, pin=False)
-    assert store.why_not_static(torch.device("cpu")) is None
-    reason = store.why_not_static(torch.device("cuda"))
-    assert reason is not None and "not mapped" in reason and "CuPy" in reason
-
-
-# ------------------------------------------------------------------ the static step on a cache
-
-
-def _static_dec(
-    strategy: ScoreStrategy, factor: float | None, device: str = "cpu", *, grown: bool = True
-) -> DynamicEmbeddingCollection:
-    """Two fused tables of 1024 rows each (full buckets), one with admission, with the static
-    sparse step (captured on CUDA); ``grown``: at their max capacity from the start, else
-    growing from 64 rows each (eager steps until the max)."""
-    init = 1024 if grown else 64
-    kw = dict(init_capacity=init, bucket_capacity=16, max_capacity=1024, strategy=strategy)
-    tables = [dyn_table("a_emb", **kw), dyn_table("b_emb", threshold=2, **kw)]  # type: ignore[arg-type]
-    clock = itertools.count(1000, 7)
-    dec = DynamicEmbeddingCollection(
-        [_cached(t, factor) for t in tables], {"g": ["a_emb", "b_emb"]}, lr=0.03,
-        initial_accumulator_value=0.1, device=device, clock=lambda: next(clock),
-    )  # fmt: skip
-    dec.use_static_step(capture=device == "cuda")
-    if grown:
-        dec.reserve_max_capacity()
-    dec.train()
-    return dec
-
-
-def _static_batch(gen: torch.Generator, step: int) -> dict[str, torch.Tensor]:
-    """Skewed keys over a range that outgrows the tables (index evictions) and the lines
-    (cache evictions), with duplicates; every 4th step a burst of new keys, each twice. At
-    most 608 keys: padded to 640."""
-    span = 1500 + 300 * step
-    a = (torch.rand(200, generator=gen) ** 2 * span).long()
-    b = torch.randint(0, 1500 + 100 * step, (100 + step,), generator=gen)
-    if step % 4 == 3:
-        burst = torch.arange(10_000 * step, 10_000 * step + 150)
-        a = torch.cat([a, burst, burst])
-    return {"a_emb": a, "b_emb": b}
-
-
-def _assert_close(a: DynamicEmbeddingCollection, b: DynamicEmbeddingCollection) -> None:
-    """:func:`_assert_equal` within the CUDA tests' tolerance for values and accumulators."""
-    sa, sb = a.table_states(), b.table_states()
-    for t in sa:
-        for f in FIELDS:
-            x, y = getattr(sa[t], f), getattr(sb[t], f)
-            if f in ("values", "accumulators"):
-                torch.testing.assert_close(x.cpu(), y.cpu(), rtol=1e-6, atol=1e-7, msg=str((t, f)))
-            else:
-                assert (x is None and y is None) or torch.equal(x.cpu(), y.cpu()), (t, f)
-    assert a.stats() == b.stats()
-
-
-def _static_run(
-    decs: list[DynamicEmbeddingCollection],
-    steps: range,
-    seed: int = 0,
-    *,
-    exact: bool = True,
-    no_backward: tuple[int, ...] = (),
-) -> None:
-    """The same training steps on every collection, each compared with the first: rows, hit
-    flags, then keys, values, scores, accumulators, admission counters and stats (bit for bit,
-    or with ``exact`` False values within the CUDA tests' tolerance). The steps of
-    ``no_backward`` look up only (inserts, no update)."""
-    gen = torch.Generator().manual_seed(seed)
-    dev = decs[0].device
-    for step in steps:
-        keys = {n: k.to(dev) for n, k in _static_batch(gen, step).items()}
-        grads = {n: torch.randn(k.numel(), 4, generator=gen).to(dev) for n, k in keys.items()}
-        got = []
-        for dec in decs:
-            dec.set_step(step)
-            rows, hits = dec.lookup(keys, hits=True)
-            if step not in no_backward:
-                loss = sum((rows[n] * grads[n]).sum() for n in keys)
-                loss.backward()  # type: ignore[union-attr]
-            got.append({n: (rows[n].detach().cpu(), hits[n].cpu()) for n in keys})
-        for other, dec in zip(got[1:], decs[1:], strict=True):
-            for n in keys:
-                if exact:
-                    assert torch.equal(got[0][n][0], other[n][0]), (step, n)
-                else:
-                    torch.testing.assert_close(got[0][n][0], other[n][0], rtol=1e-6, atol=1e-7)
-                assert torch.equal(got[0][n][1], other[n][1]), (step, n)
-            (_assert_equal if exact else _assert_close)(decs[0], dec)
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
-def test_the_static_step_on_a_cache_equals_it_on_hbm_only(strategy: ScoreStrategy) -> None:
-    """A cache of 640 lines (the steps' padded size) under the static step, step by step bit
-    for bit against HBM_ONLY's static step: misses read from the host tier, victims written
-    back, new keys' rows made in their lines, index evictions and admission."""
-    hbm, cached = _static_dec(strategy, None), _static_dec(strategy, 0.3125)
-    assert _lines(cached) == 640
-    _static_run([hbm, cached], range(1, 13))
-    for dec in (hbm, cached):  # every step took the static path
-        assert dec.static_stats()["g"] == {"captures": 0, "replays": 0, "eager": 12}
-    s = cached.tier_stats()["g"]
-    assert s["cache_hits"] > 0 and s["cache_misses"] > 0 and s["cache_created"] > 0
-    assert s["cache_evictions"] > 0 and s["cache_writebacks"] > 0 and s["cache_bypassed"] == 0
-    stats = hbm.stats()
-    if strategy is ScoreStrategy.NO_EVICTION:
-        assert stats["a_emb"]["refusals"] > 0
-    else:
-        assert stats["a_emb"]["evictions"] > 0
-    assert stats["b_emb"]["admission_rejections"] > 0
-
-
-def test_a_static_step_with_more_rows_than_lines_bypasses_them() -> None:
-    """320 lines, steps of up to 640 padded keys: the rows a step cannot give a line (more
-    distinct rows than lines, or lines the step uses itself) take staging slots, read from
-    the host tier (or made from the initializer) in the forward and written back by the
-    backward, all in fixed shapes; the results stay HBM_ONLY's."""
-    hbm, cached = _static_dec(ScoreStrategy.LFU, None), _static_dec(ScoreStrategy.LFU, 0.15625)
-    assert _lines(cached) == 320
-    # steps 3 and 7 (bursts of new keys) without a backward: a bypassed new key's row is in
-    # the host tier all the same
-    _static_run([hbm, cached], range(1, 13), no_backward=(3, 7))
-    assert cached.static_stats()["g"]["eager"] == 12
-    s = cached.tier_stats()["g"]
-    assert s["cache_bypassed"] > 0 and s["cache_created"] > 0 and s["cache_evictions"] > 0
-
-
-def test_eager_steps_while_the_tables_grow_then_static_ones_share_the_cache() -> None:
-    """Tables that grow take eager steps (the eager resolve, with one host read) until their
-    max capacity, then the static step: both on one cache (the device's clock and hand, the
-    maps, the lines the eager resolve thought never used), with HBM_ONLY's results."""
-    hbm = _static_dec(ScoreStrategy.STEP, None, grown=False)
-    cached = _static_dec(ScoreStrategy.STEP, 0.3125, grown=False)
-    _static_run([hbm, cached], range(1, 13))
-    for dec in (hbm, cached):
-        ran = dec.static_stats()["g"]["eager"]
-        assert 0 < ran < 12, ran  # some steps took the static path, the first ones not
-    s = cached.tier_stats()["g"]
-    assert s["cache_created"] > 0 and s["cache_evictions"] > 0 and s["cache_misses"] > 0
-
-
-def test_prefetch_leaves_a_storage_on_the_static_step_alone() -> None:
-    """The static step reads its misses inside its graph: a prefetch would repeat its find and
-    add a host read a step, so it does nothing there."""
-    cached = _static_dec(ScoreStrategy.STEP, 0.15625)  # 320 lines: the steps evict
-    _static_run([cached], range(1, 5))
-    before = cached.tier_stats()["g"]
-    cached.prefetch(_static_batch(torch.Generator().manual_seed(0), 1))  # stored, evicted keys
-    assert cached.tier_stats()["g"] == before
-    assert before["cache_prefetched"] == 0
-
-
-def test_a_static_step_on_a_cache_refuses_a_backward_after_lines_moved() -> None:
-    """An eager resolve (here an eval lookup) between a static lookup and its backward may
-    take its lines: the backward is refused, saying what to do."""
-    cached = _static_dec(ScoreStrategy.STEP, 0.3125)
-    for step in range(3):  # 900 rows stored, 640 lines
-        cached.set_step(step)
-        keys = torch.arange(300 * step, 300 * step + 300)
-        cached({"a_emb": keys, "b_emb": torch.arange(5)})["a_emb"].sum().backward()
-    cached.set_step(3)
-    out = cached({"a_emb": torch.arange(900, 920), "b_emb": torch.arange(5)})
-    cached.eval()  # an eval lookup (eager) of 900 rows: lines evicted
-    cached({"a_emb": torch.arange(0, 900)})
-    cached.train()
-    with pytest.raises(RuntimeError, match="run it after the backward"):
-        out["a_emb"].sum().backward()
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_static_steps_on_a_cache_round_trip_a_checkpoint(tmp_path, world_size: int) -> None:
-    """Checkpoints written by a cached storage after static steps are HBM_ONLY's files, and
-    training on from them (across the tiers) stays equal step by step."""
-    hbm, cached = _static_dec(ScoreStrategy.LFU, None), _static_dec(ScoreStrategy.LFU, 0.3125)
-    _static_run([hbm, cached], range(1, 7))
-    for rank in range(world_size):
-        hbm.save(tmp_path / "h", "sparse", rank=rank, world_size=world_size)
-        cached.save(tmp_path / "c", "sparse", rank=rank, world_size=world_size)
-    files = sorted(p.name for p in (tmp_path / "h" / "dynamicemb" / "sparse").iterdir())
-    for name in files:
-        a = (tmp_path / "h" / "dynamicemb" / "sparse" / name).read_bytes()
-        assert a == (tmp_path / "c" / "dynamicemb" / "sparse" / name).read_bytes(), name
-    for rank in range(world_size):
-        into_hbm = _static_dec(ScoreStrategy.LFU, None)
-        into_cached = _static_dec(ScoreStrategy.LFU, 0.3125)
-        into_hbm.load(tmp_path / "c", "sparse", rank=rank, world_size=world_size)
-        into_cached.load(tmp_path / "h", "sparse", rank=rank, world_size=world_size)
-        _assert_equal(into_hbm, into_cached)
-        _static_run([into_hbm, into_cached], range(7, 11), seed=rank + 1)
-        assert into_cached.static_stats()["g"]["eager"] == 4
-
-
-def test_the_static_resolve_gives_lines_without_touching_the_host_tier_for_new_rows() -> None:
-    """A bare cache's static resolve: hits stamped in place, a stored row read into a line, a
-    new row's line made from its initializer (the host tier's row stays as it was, the line
-    dirty), and the window's victims never the call's own lines; evictions write back."""
-    cache, store, rows, init = _bare_cache(lines=4, keys=6)
-    cache.gather(rows[:2])  # eager: rows 0, 1 in lines 0, 1 (clean)
-    cache.adagrad(rows[:2], torch.ones(2, 2), AdagradConfig(0.1, 1e-10, 0.5))  # now dirty
-    before = store.rows.clone()
-    got = cache.static_resolve(
-        torch.tensor([rows[0], rows[2], rows[3], -1]),  # a hit, a stored row, a "new" one
-        torch.tensor([True, True, False, False]),
-        torch.full((4, 2), 9.0),
-    )
-    lines = got.tolist()
-    assert lines[0] == 0 and lines[3] == -1 and len(set(lines[:3])) == 3
-    assert torch.equal(cache.values[lines[1]], init[2])  # read from the host tier
-    assert torch.equal(cache.values[lines[2]], torch.full((2,), 9.0))  # its initializer
-    assert torch.equal(cache.accum[lines[2]], torch.full((2,), 0.5))
-    assert cache.dirty[lines[2]] and not cache.dirty[lines[1]] and cache.dirty[0]
-    assert torch.equal(store.rows, before)  # line 1 (dirty) was not a victim: nothing written
-    c = cache.counters
-    assert (c.hits, c.misses, c.created) == (2 + 1, 2 + 1, 1)  # eager's, then the static one
-    # the next call needs 3 lines besides the hit on row 2: rows 0, 1 (dirty) go back
-    cache.static_resolve(
-        torch.tensor([rows[2], rows[4], rows[5], rows[1]]),
-        torch.tensor([True, True, True, True]),
-        torch.zeros(4, 2),
-    )
-    assert cache.line_of_row[rows[0]] == -1 and cache.counters.writebacks >= 1
-    assert store.rows[rows[0]].tolist() != before[rows[0]].tolist()  # written back
-
-
 def test_row_cache_resolves_misses_evicts_lru_and_bypasses_past_its_lines() -> None:
     """The cache's own mechanics on a bare index: LRU victims outside the call's rows, dirty
     write-back, bypass when a call needs more rows than lines, Adagrad equal to the rows'."""
@@ -562,52 +328,6 @@ def test_victims_are_fresh_lines_then_the_oldest_of_a_window_after_the_clock_han
     assert cache.counters.evictions == 4 and cache.counters.writebacks == 0
     exported = cache.export()
     assert exported.values is not None and torch.equal(exported.values, init[exported.keys])
-
-
-@pytest.mark.gpu
-@NEEDS_CUDA_KERNELS  # the host tier mapped: the static step's swap runs in the graph
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
-def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
-    strategy: ScoreStrategy,
-) -> None:
-    """The static step on a 640-line cache captured in CUDA graphs and replayed (the resolve,
-    the host tier's swap through UVA, the gather from lines; the backward on lines), step by
-    step against HBM_ONLY's captured static step."""
-    hbm, cached = _static_dec(strategy, None, "cuda"), _static_dec(strategy, 0.3125, "cuda")
-    cache = cached._storages[0].payload
-    assert isinstance(cache, RowCache) and isinstance(cache.store, TensorHostStore)
-    assert cache.store.mapped and cache.why_not_static(640) is None
-    _static_run([hbm, cached], range(1, 13), exact=False)
-    for dec in (hbm, cached):
-        ran = dec.static_stats()["g"]
-        assert ran["replays"] == 12 and 0 < ran["captures"] < 12, ran
-        assert ran["eager"] == 0, ran
-    s = cached.tier_stats()["g"]
-    assert s["cache_hits"] > 0 and s["cache_misses"] > 0 and s["cache_created"] > 0
-    assert s["cache_evictions"] > 0 and s["cache_writebacks"] > 0 and s["cache_bypassed"] == 0
-
-
-@pytest.mark.gpu
-@NEEDS_CUDA_KERNELS
-def test_on_cuda_a_captured_static_step_bypasses_rows_past_the_lines() -> None:
-    """320 lines, steps of up to 640 padded keys: the captured step bypasses rows through its
-    staging slots (read through UVA in the forward's graph, written back in the backward's)."""
-    hbm = _static_dec(ScoreStrategy.LFU, None, "cuda")
-    cached = _static_dec(ScoreStrategy.LFU, 0.15625, "cuda")
-    _static_run([hbm, cached], range(1, 13), exact=False)
-    ran = cached.static_stats()["g"]
-    assert ran["replays"] == 12 and ran["eager"] == 0, ran
-    assert cached.tier_stats()["g"]["cache_bypassed"] > 0
-
-
-@pytest.mark.gpu
-@NEEDS_CUDA_KERNELS
-def test_on_cuda_eager_steps_while_the_tables_grow_then_captured_ones_share_the_cache() -> None:
-    hbm = _static_dec(ScoreStrategy.STEP, None, "cuda", grown=False)
-    cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda", grown=False)
-    _static_run([hbm, cached], range(1, 13), exact=False)
-    for dec in (hbm, cached):
-        assert 0 < dec.static_stats()["g"]["replays"] < 12
 
 
 @pytest.mark.gpu
