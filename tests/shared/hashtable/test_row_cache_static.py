@@ -268,7 +268,7 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     hbm, cached = _static_dec(strategy, None, "cuda"), _static_dec(strategy, 0.3125, "cuda")
     cache = cached._storages[0].payload
     assert isinstance(cache, RowCache) and isinstance(cache.store, TensorHostStore)
-    assert cache.store.mapped and cache.why_not_static(640) is None
+    assert cache.store.mapped and cache.why_not_static() is None
     _static_run([hbm, cached], range(1, 13), exact=False)
     for dec in (hbm, cached):
         ran = dec.static_stats()["g"]
