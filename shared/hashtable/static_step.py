@@ -57,6 +57,7 @@ from shared.features import ScoreStrategy
 from shared.hashtable.hashing import INT64_MAX, sort_pairs
 from shared.hashtable.static_insert import (
     DeviceCounts,
+    StaticInsert,
     count_per_table,
     erase_rows,
     hash_keys,
@@ -192,7 +193,7 @@ def train_lookup(
     counter's :class:`DeviceCounts`; ``mark(section)`` is called at the end of each section
     (``bench.bench_static_step`` times them)."""
     st, t = storage, storage.table
-    n_tables, p, dev = len(st.specs), keys.numel(), keys.device
+    n_tables, dev = len(st.specs), keys.device
     runs = unique_runs(keys, tids, n_real, n_tables)
     mark("unique")
     valid, uk, ut, cnt = runs.valid, runs.keys, runs.table_ids, runs.counts
@@ -215,24 +216,9 @@ def train_lookup(
         )
     mark("counter")
     # 4. the admitted keys into the table (the batch's stored keys pinned)
-    pinned = _row_mask(t.capacity, rows, found)
-    lfu = st.strategy is ScoreStrategy.LFU
     init = st._init_rows(uk, ut_safe, st.dim)  # [P, dim]
-    result = insert_absent(
-        t,
-        uk,
-        tids_arg,
-        hashed,
-        init.narrow(1, 0, t.dim),  # a view: the index of a CACHING storage keeps no values
-        totals if lfu else score_now.expand(p),
-        admitted,
-        pinned,
-        counts[0],
-        equal_scores=not lfu,
-    )
-    st._counts[:, _EVICTIONS] += count_per_table(result.evicted_table_ids, n_tables)
-    both = st._one_hot[result.inserted.to(torch.int64)] * admitted[:, None]  # (refused, admitted)
-    st._counts[:, _REFUSALS : _ADMITTED + 1] += sum_per_table(ut, both, n_tables)  # ut: sorted
+    result = _insert(st, runs, tids_arg, hashed, init, rows, found, totals, admitted, score_now,
+                     counts[0])  # fmt: skip
     rows = torch.where(admitted, result.rows, rows)
     mark("insert")
     # where each row's payload is: the rows themselves (HBM_ONLY: no op), or cache lines
@@ -261,6 +247,42 @@ def train_lookup(
     )
     mark("values")
     return plan
+
+
+def _insert(
+    st: FusedStorage,
+    runs: Runs,
+    tids_arg: torch.Tensor | None,
+    hashed: tuple[torch.Tensor, torch.Tensor],
+    init: torch.Tensor,
+    rows: torch.Tensor,
+    found: torch.Tensor,
+    totals: torch.Tensor,
+    admitted: torch.Tensor,
+    score_now: torch.Tensor,
+    table_counts: DeviceCounts,
+) -> StaticInsert:
+    """Step 4 of :func:`train_lookup`: the admitted keys into the table, the batch's stored keys
+    (``rows`` where ``found``) pinned; the storage's eviction, refusal and admission counts."""
+    t, n_tables = st.table, len(st.specs)
+    lfu = st.strategy is ScoreStrategy.LFU
+    result = insert_absent(
+        t,
+        runs.keys,
+        tids_arg,
+        hashed,
+        init.narrow(1, 0, t.dim),  # a view: the index of a CACHING storage keeps no values
+        totals if lfu else score_now.expand(runs.keys.numel()),
+        admitted,
+        _row_mask(t.capacity, rows, found),
+        table_counts,
+        equal_scores=not lfu,
+    )
+    st._counts[:, _EVICTIONS] += count_per_table(result.evicted_table_ids, n_tables)
+    both = st._one_hot[result.inserted.to(torch.int64)] * admitted[:, None]  # (refused, admitted)
+    ut = runs.table_ids  # sorted
+    st._counts[:, _REFUSALS : _ADMITTED + 1] += sum_per_table(ut, both, n_tables)
+    return result
 
 
 def _values(
