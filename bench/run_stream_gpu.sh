@@ -4,17 +4,24 @@
 # (23.2M training rows, 7 days; the eval split is the 8th day), then bench/bench_stream.py on
 # CUDA: the training rows replayed as hourly partitions at 1M rows/s into `train stream`
 # (--publish-every-s 10), a `serve --watch-deltas` process under 100K candidates/s (requests of
-# 500) with publishing and then without, the freshness of what it serves, and the streamed
-# model's eval AUC against one epoch of batch training on the same rows, shuffled and in the
-# stream's order, and against the stream replayed over the complete source (the bench's module
-# doc says which goal each difference is judged by). The batch run in order is the last and the
-# slowest (one loader worker keeps the order): the JSON is written after each model.
+# 500) in three phases of the same length: with publishing, with a second trainer training the
+# same rows at the same rate without publishing (the goal's "without publishing": the bench's
+# module doc says why), and idle; the freshness of what it serves; and the streamed model's
+# eval AUC against one epoch of batch training on the same rows, shuffled and in the stream's
+# order, and against the stream replayed over the complete source (the module doc says which
+# goal each difference is judged by). The JSON is written after each serving phase and after
+# each model, most important first. Not yet timed on the full data; estimated: the serving
+# phases end about 4 minutes into the bench (the cut, phase 0's first full publish and server
+# start, then three windows of about 23 s of replay plus the last publish each, and a second
+# trainer's start), so a run cut by BENCH_TIMEOUT loses the AUC phase's last and slowest model
+# first (the batch run in order: one loader worker keeps the order).
 # The stream's GPU test runs beside the data generation (gpu_tests_stream.log).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: data.log, gpu_tests_stream.log,
-# bench_stream_full_gpu.json (written before the AUC phase and after each of its models too),
-# bench_stream_full.log, the trainer's and server's logs, the trainer's metrics
-# (stream_metrics.jsonl) and the probe's samples (stream_probe.json).
+# bench_stream_full_gpu.json (written after each serving phase and each AUC model too),
+# bench_stream_full.log, the trainers' and server's logs (trainer.log: phase 1's, publishing;
+# trainer_without_publishing.log: phase 2's), the trainer's metrics (stream_metrics.jsonl) and
+# the probe's samples (stream_probe.json).
 # REPLAY (rows/s, default 1000000), BENCH_TIMEOUT (s, default 420) override.
 . bench/device_env.sh
 t0=$(date +%s)
@@ -36,6 +43,9 @@ echo "bench_stream rc=$? at $(( $(date +%s) - t0 )) s"
 tail -c 4000 "$OUT/bench_stream_full.log"
 for f in /tmp/stream/bench_stream.*/trainer.log /tmp/stream/bench_stream.*/server.log; do
   [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$f")"
+done
+for f in /tmp/stream/bench_stream.*/training/trainer.log; do
+  [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/trainer_without_publishing.log"
 done
 for f in /tmp/stream/bench_stream.*/model/metrics.jsonl; do
   [ -f "$f" ] && cp "$f" "$OUT/stream_metrics.jsonl"
