@@ -12,7 +12,8 @@ milliseconds of a training lookup + backward (a random gradient), up to a device
 - ``eager``: the eager lookup (its host reads; the CUDA backend's kernels);
 - ``static``: the static step, replayed from CUDA graphs on CUDA (eagerly on CPU);
 - ``sections``: the static step run without graphs, each section timed on its own (CUDA events
-  on CUDA, the clock on CPU): unique, find, counter, insert, erase, values, backward. This is
+  on CUDA, the clock on CPU): unique, find, counter, insert, resolve (where each row's payload
+  is: a no-op for HBM_ONLY, cache lines for CACHING), erase, values, backward. This is
   where the captured step's GPU time goes; the sum is above ``static``'s by the launches.
 
 The JSON also records the ratio ``eager / static`` and both collections' table stats after the

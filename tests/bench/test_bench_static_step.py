@@ -17,6 +17,6 @@ def test_bench_static_step_writes_its_figures(tmp_path: Path) -> None:
     assert got["same_table_stats"], "the static step kept other keys than the eager lookup"
     assert got["static_runs"]["deep"]["eager"] == 2
     assert set(got["sections_ms_median"]) == {
-        "unique", "find", "counter", "insert", "erase", "values", "backward"
+        "unique", "find", "counter", "insert", "resolve", "erase", "values", "backward"
     }  # fmt: skip
     assert got["stats"]["static"]["user_id_emb"]["evictions"] > 0  # the storage was full
