@@ -281,8 +281,16 @@ class DynamicEmbFrequencyAdmissionStrategy(_message.Message):
     counter_bucket_capacity: int
     def __init__(self, threshold: _Optional[int] = ..., initializer_args: _Optional[_Union[DynamicEmbInitializerArgs, _Mapping]] = ..., counter_capacity: _Optional[int] = ..., counter_bucket_capacity: _Optional[int] = ...) -> None: ...
 
+class DynamicEmbLfuDecay(_message.Message):
+    __slots__ = ("interval_steps", "shift")
+    INTERVAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_FIELD_NUMBER: _ClassVar[int]
+    interval_steps: int
+    shift: int
+    def __init__(self, interval_steps: _Optional[int] = ..., shift: _Optional[int] = ...) -> None: ...
+
 class DynamicEmbedding(_message.Message):
-    __slots__ = ("initializer_args", "eval_initializer_args", "score_strategy", "max_capacity", "cache_load_factor", "init_capacity_per_rank", "init_table", "bucket_capacity", "frequency_admission_strategy")
+    __slots__ = ("initializer_args", "eval_initializer_args", "score_strategy", "max_capacity", "cache_load_factor", "init_capacity_per_rank", "init_table", "bucket_capacity", "lfu_decay", "frequency_admission_strategy")
     INITIALIZER_ARGS_FIELD_NUMBER: _ClassVar[int]
     EVAL_INITIALIZER_ARGS_FIELD_NUMBER: _ClassVar[int]
     SCORE_STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +299,7 @@ class DynamicEmbedding(_message.Message):
     INIT_CAPACITY_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     INIT_TABLE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LFU_DECAY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_ADMISSION_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     initializer_args: DynamicEmbInitializerArgs
     eval_initializer_args: DynamicEmbInitializerArgs
@@ -300,8 +309,9 @@ class DynamicEmbedding(_message.Message):
     init_capacity_per_rank: int
     init_table: str
     bucket_capacity: int
+    lfu_decay: DynamicEmbLfuDecay
     frequency_admission_strategy: DynamicEmbFrequencyAdmissionStrategy
-    def __init__(self, initializer_args: _Optional[_Union[DynamicEmbInitializerArgs, _Mapping]] = ..., eval_initializer_args: _Optional[_Union[DynamicEmbInitializerArgs, _Mapping]] = ..., score_strategy: _Optional[str] = ..., max_capacity: _Optional[int] = ..., cache_load_factor: _Optional[float] = ..., init_capacity_per_rank: _Optional[int] = ..., init_table: _Optional[str] = ..., bucket_capacity: _Optional[int] = ..., frequency_admission_strategy: _Optional[_Union[DynamicEmbFrequencyAdmissionStrategy, _Mapping]] = ...) -> None: ...
+    def __init__(self, initializer_args: _Optional[_Union[DynamicEmbInitializerArgs, _Mapping]] = ..., eval_initializer_args: _Optional[_Union[DynamicEmbInitializerArgs, _Mapping]] = ..., score_strategy: _Optional[str] = ..., max_capacity: _Optional[int] = ..., cache_load_factor: _Optional[float] = ..., init_capacity_per_rank: _Optional[int] = ..., init_table: _Optional[str] = ..., bucket_capacity: _Optional[int] = ..., lfu_decay: _Optional[_Union[DynamicEmbLfuDecay, _Mapping]] = ..., frequency_admission_strategy: _Optional[_Union[DynamicEmbFrequencyAdmissionStrategy, _Mapping]] = ...) -> None: ...
 
 class IdFeature(_message.Message):
     __slots__ = ("feature_name", "expression", "embedding_name", "embedding_dim", "hash_bucket_size", "num_buckets", "pooling", "default_value", "dynamicemb")

@@ -110,6 +110,20 @@ class AdmissionSpec:
 
 
 @dataclass(frozen=True)
+class LfuDecaySpec:
+    """How an LFU table's use counts age (``dynamicemb.lfu_decay``): at each training step that
+    is a multiple of ``interval_steps``, before the step's lookups, every stored count becomes
+    ``count >> shift``. Without it a key that was hot long ago keeps a count that keys hot now
+    take as long to reach, so on a stream whose popular ids change the table fills with old
+    favourites and refuses new ones; halving the counts every interval weighs a use ``k``
+    intervals ago by ``2**-k`` (as Redis's LFU decay and TinyLFU's reset do). Integer shifts:
+    scores are int64 and the same on CPU and CUDA."""
+
+    interval_steps: int
+    shift: int = 1
+
+
+@dataclass(frozen=True)
 class DynamicTableSpec:
     """Options of a dynamic hash-table embedding (tzrec's ``dynamicemb {}`` block)."""
 
@@ -124,6 +138,8 @@ class DynamicTableSpec:
     # the share of rows whose values live in device memory (tzrec's field); None: unset, i.e. 1.0
     # (shared.hashtable.placement plans it and refuses what this build cannot run)
     cache_load_factor: float | None = None
+    # LFU counts' decay (``lfu_decay``); None: counts never decay
+    lfu_decay: LfuDecaySpec | None = None
 
 
 @dataclass(frozen=True)
@@ -428,7 +444,41 @@ def _dynamic_spec(
         admission=admission,
         init_table=de.init_table if de.HasField("init_table") else None,
         cache_load_factor=_cache_load_factor(de, err),
+        lfu_decay=_lfu_decay(de, strategy, err),
     )
+
+
+# a shift of 63 bits or more leaves 0 of any int64 count: the largest that keeps some of it
+MAX_LFU_DECAY_SHIFT = 62
+
+
+def _lfu_decay(
+    de: pipeline_pb2.DynamicEmbedding,
+    strategy: ScoreStrategy,
+    err: Callable[[str, str], ConfigError],
+) -> LfuDecaySpec | None:
+    if not de.HasField("lfu_decay"):
+        return None
+    if strategy is not ScoreStrategy.LFU:
+        raise err(
+            "lfu_decay",
+            f"decays LFU use counts, but score_strategy is {strategy.value}; remove lfu_decay "
+            "or set score_strategy to LFU (STEP and TIMESTAMP scores age by themselves)",
+        )
+    decay = de.lfu_decay
+    if decay.interval_steps < 1:
+        raise err(
+            "lfu_decay.interval_steps",
+            f"must be >= 1, got {decay.interval_steps}; set it to the training steps between "
+            "two decays (or remove lfu_decay: no decay)",
+        )
+    if not 1 <= decay.shift <= MAX_LFU_DECAY_SHIFT:
+        raise err(
+            "lfu_decay.shift",
+            f"must be in [1, {MAX_LFU_DECAY_SHIFT}], got {decay.shift}; it is the bits each "
+            "count is shifted right by (1: halved); remove lfu_decay for no decay",
+        )
+    return LfuDecaySpec(interval_steps=int(decay.interval_steps), shift=int(decay.shift))
 
 
 def _cache_load_factor(

@@ -32,7 +32,7 @@ FG_FORMAT_VERSION = 1
 # keys added after format 1 was first written; absent, they take their dataclass default
 _ADDED_KEYS: dict[type, frozenset[str]] = {
     FeatureSpec: frozenset({"id_mode"}),
-    DynamicTableSpec: frozenset({"cache_load_factor"}),
+    DynamicTableSpec: frozenset({"cache_load_factor", "lfu_decay"}),
 }
 
 

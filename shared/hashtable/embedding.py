@@ -13,8 +13,9 @@ takes the lookups as they are, several of a table allowed, and returns each one'
 Training mode (``module.train()``): keys not in the table are counted for admission; once
 admitted they are inserted with the table's initializer; scores follow the score strategy
 (STEP: the step from :meth:`set_step`, or the number of training forwards if it is never
-called; TIMESTAMP: the clock in microseconds; LFU: use count). Keys not (yet) stored get the
-admission initializer's value and no update. Eval mode (``module.eval()``): nothing is
+called; TIMESTAMP: the clock in microseconds; LFU: use count, shifted right at the steps of
+the table's ``lfu_decay`` if it has one, :meth:`FusedStorage.decay_scores`). Keys not (yet)
+stored get the admission initializer's value and no update. Eval mode (``module.eval()``): nothing is
 inserted, counted or re-scored; keys not stored get ``eval_initializer`` values.
 
 Backward sums the gradients of duplicate keys (in a fixed order, so the same on CPU and CUDA)
@@ -46,7 +47,13 @@ from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import check_key_tensor, check_keys
 from shared.hashtable.static_step import StaticStep
-from shared.hashtable.storage import FusedStorage, Plan, TableState, compatibility_key
+from shared.hashtable.storage import (
+    FusedStorage,
+    Plan,
+    StorageKey,
+    TableState,
+    compatibility_key,
+)
 
 T = TypeVar("T")
 
@@ -138,12 +145,13 @@ def plan_storages(
     tables: Sequence[TableSpec], fusion_groups: Mapping[str, Sequence[str]]
 ) -> list[tuple[str, list[TableSpec]]]:
     """Storages to build: each fusion group (split where members cannot share a storage:
-    different dim, score strategy or bucket capacity), then each table of no group alone."""
+    different dim, score strategy, bucket capacity or LFU decay), then each table of no group
+    alone."""
     by_name = {t.name: t for t in tables}
     placed: set[str] = set()
     out: list[tuple[str, list[TableSpec]]] = []
     for group, names in fusion_groups.items():
-        parts: dict[tuple[int, ScoreStrategy, int], list[TableSpec]] = {}
+        parts: dict[StorageKey, list[TableSpec]] = {}
         for name in names:
             if name not in by_name:
                 raise ValueError(
@@ -157,7 +165,7 @@ def plan_storages(
             parts.setdefault(compatibility_key(by_name[name]), []).append(by_name[name])
         if len(parts) > 1:
             logger.info(
-                "fusion group %r split into %d storages (dim/strategy/bucket differ)",
+                "fusion group %r split into %d storages (dim/strategy/bucket/lfu_decay differ)",
                 group,
                 len(parts),
             )
@@ -362,6 +370,9 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         train = self.training
         if train and self._auto_step:
             self._step += 1
+        if train:  # LFU decay at its steps, before the step's counts (every storage that has it)
+            for s in self._storages:
+                s.decay_scores(self._step)
         now = self._clock() if train else 0
         by_table: dict[str, list[int]] = {}  # a table's pieces, tables in order of appearance
         for i, (n, _keys) in enumerate(pieces):

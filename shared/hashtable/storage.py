@@ -21,7 +21,13 @@ from typing import Protocol
 
 import torch
 
-from shared.features import DynamicTableSpec, InitializerSpec, ScoreStrategy, TableSpec
+from shared.features import (
+    DynamicTableSpec,
+    InitializerSpec,
+    LfuDecaySpec,
+    ScoreStrategy,
+    TableSpec,
+)
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.admission import FrequencyCounter
 from shared.hashtable.backend import Backend
@@ -67,8 +73,9 @@ _REFUSAL_REASONS: dict[ScoreStrategy | None, str] = {
     ScoreStrategy.NO_EVICTION: "NO_EVICTION never evicts: raise max_capacity, or choose an "
     "evicting score_strategy (LFU, STEP, TIMESTAMP)",
     ScoreStrategy.LFU: "under LFU a new key whose count is below every stored key of its bucket "
-    "is refused by design (as in HierarchicalKV): raise max_capacity to keep more keys, or use "
-    "STEP or TIMESTAMP if recent keys should displace old frequent ones",
+    "is refused by design (as in HierarchicalKV): raise max_capacity to keep more keys, or give "
+    "the table an lfu_decay (or use STEP or TIMESTAMP) if recent keys should displace old "
+    "frequent ones",
     None: "a new key whose score is below every stored key of its bucket is refused (the rows "
     "the batch uses are pinned): raise max_capacity to keep more keys",
 }
@@ -146,10 +153,16 @@ class _PendingErase:
     mask: torch.Tensor  # [n] bool: erase keys[i]
 
 
-def compatibility_key(spec: TableSpec) -> tuple[int, ScoreStrategy, int]:
-    """Tables fuse only when they agree on what one storage cannot mix."""
-    assert spec.dynamic is not None
-    return spec.dim, spec.dynamic.score_strategy, spec.dynamic.bucket_capacity
+# what members of one storage agree on: dim, score strategy, bucket capacity, LFU decay
+StorageKey = tuple[int, ScoreStrategy, int, LfuDecaySpec | None]
+
+
+def compatibility_key(spec: TableSpec) -> StorageKey:
+    """Tables fuse only when they agree on what one storage cannot mix (the LFU decay too: it
+    shifts the whole score array of the storage at once)."""
+    d = spec.dynamic
+    assert d is not None
+    return spec.dim, d.score_strategy, d.bucket_capacity, d.lfu_decay
 
 
 def _checked_factors(
@@ -205,6 +218,8 @@ class FusedStorage:
         self.device = device
         first = dyn[0]
         self.strategy = first.score_strategy
+        self.lfu_decay = first.lfu_decay  # None: LFU counts never decay
+        self._decayed_at: int | None = None  # the step of the last decay (decay_scores)
         cache_load_factors = _checked_factors(name, self.names, dyn, cache_load_factors)
         self.cache_load_factors = cache_load_factors
         cached = any(f < 1.0 for f in cache_load_factors)
@@ -311,6 +326,22 @@ class FusedStorage:
         )
 
     # ------------------------------------------------------------------ forward
+
+    def decay_scores(self, step: int) -> bool:
+        """The LFU decay of training step ``step`` (:class:`~shared.features.LfuDecaySpec`):
+        at a multiple of its ``interval_steps``, once per step, every stored count becomes
+        ``count >> shift`` (``HashTable.decay_scores``: a device op, no host read; the index's
+        scores, so a CACHING storage's too). The collection calls it before the step's
+        lookups; returns whether it decayed. Keyed on the step, not on calls, so a resumed run
+        decays at the same steps as one that never stopped (the step is checkpointed, and the
+        scores saved are the decayed ones). The admission counter's counts do not decay: a key
+        waiting for admission keeps its sightings."""
+        d = self.lfu_decay
+        if d is None or step <= 0 or step % d.interval_steps or step == self._decayed_at:
+            return False
+        self._decayed_at = step
+        self.table.decay_scores(d.shift)
+        return True
 
     def _tids(self, table_ids: torch.Tensor) -> torch.Tensor | None:
         """Table ids as passed to the HashTable: None for a single-table storage."""

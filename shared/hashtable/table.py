@@ -152,6 +152,19 @@ class HashTable(TableLayout):
         """Overwrite the scores of distinct existing ``rows`` (e.g. the rows used in a step)."""
         self._row_score[rows] = scores.to(self.device, torch.int64)
 
+    def decay_scores(self, shift: int) -> None:
+        """Every row's score shifted right by ``shift`` bits, in place (LFU decay,
+        :class:`~shared.features.LfuDecaySpec`): one device op on the score array, no host
+        read, the same tensor after (a captured static step keeps reading it). Free rows
+        score 0 and stay 0; counts are non-negative, so the shift is a floor division by
+        ``2**shift``. Only for use counts: STEP and TIMESTAMP scores are points in time."""
+        if self.score_strategy is not ScoreStrategy.LFU:
+            raise ValueError(
+                f"decay_scores: the table's scores are {self.score_strategy.value}, not LFU "
+                "use counts; only LFU counts decay"
+            )
+        self._row_score.bitwise_right_shift_(shift)
+
     def export(self, table_id: int | None = None) -> ExportedRows:
         """Copies of every stored entry (of one key space if ``table_id`` is given), sorted by
         (table id, key) so that the same content exports the same bytes."""

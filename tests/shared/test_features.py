@@ -9,6 +9,7 @@ from shared.features import (
     IdMode,
     IdTransform,
     InitMode,
+    LfuDecaySpec,
     ScoreStrategy,
     Side,
     feature_set_from_text,
@@ -158,6 +159,27 @@ USER_DE = 'max_capacity: 300000\ninitializer_args { mode: "NORMAL"; std_dev: 0.0
             'mode: "GAUSS"',
             r"dynamicemb\.initializer_args\.mode: 'GAUSS' is not one of",
         ),
+        (
+            'score_strategy: "LFU"',
+            'score_strategy: "LFU"\nlfu_decay { interval_steps: 0 }',
+            r"id_feature\(user_id\)\.dynamicemb\.lfu_decay\.interval_steps: must be >= 1, got 0",
+        ),
+        (
+            'score_strategy: "LFU"',
+            'score_strategy: "LFU"\nlfu_decay { interval_steps: 100 shift: 0 }',
+            r"id_feature\(user_id\)\.dynamicemb\.lfu_decay\.shift: must be in \[1, 62\], got 0",
+        ),
+        (
+            'score_strategy: "LFU"',
+            'score_strategy: "LFU"\nlfu_decay { interval_steps: 100 shift: 63 }',
+            r"id_feature\(user_id\)\.dynamicemb\.lfu_decay\.shift: must be in \[1, 62\], got 63",
+        ),
+        (
+            'score_strategy: "LFU"',
+            'score_strategy: "STEP"\nlfu_decay { interval_steps: 100 }',
+            r"id_feature\(user_id\)\.dynamicemb\.lfu_decay: decays LFU use counts, but "
+            r"score_strategy is STEP",
+        ),
     ],
     ids=[
         "unknown-feature",
@@ -168,12 +190,29 @@ USER_DE = 'max_capacity: 300000\ninitializer_args { mode: "NORMAL"; std_dev: 0.0
         "boundaries",
         "shared-dim",
         "init-mode",
+        "lfu-decay-interval",
+        "lfu-decay-shift-0",
+        "lfu-decay-shift-63",
+        "lfu-decay-not-lfu",
     ],
 )
 def test_validation_errors_name_the_field(old: str, new: str, field: str) -> None:
     with pytest.raises(ConfigError, match=field) as info:
         feature_set_from_text(_mutate(old, new), "cfg")
     assert info.value.line is not None, "error should point at a line"
+
+
+def test_lfu_decay_is_read_and_absent_by_default() -> None:
+    assert all(t.dynamic.lfu_decay is None for t in feature_set_from_text(SEED_TEXT).dynamic_tables)
+    text = _mutate(USER_DE, USER_DE + "\nlfu_decay { interval_steps: 500 }")
+    tables = {t.name: t.dynamic for t in feature_set_from_text(text, "cfg").dynamic_tables}
+    assert tables["user_id_emb"].lfu_decay == LfuDecaySpec(interval_steps=500, shift=1)
+    assert tables["brand_emb"].lfu_decay is None  # another table's block: not this one's
+    text = _mutate(USER_DE, USER_DE + "\nlfu_decay { interval_steps: 7 shift: 3 }")
+    user = next(
+        t for t in feature_set_from_text(text, "cfg").dynamic_tables if t.name == "user_id_emb"
+    )
+    assert user.dynamic.lfu_decay == LfuDecaySpec(interval_steps=7, shift=3)
 
 
 def test_missing_max_capacity_is_a_parse_error_naming_it() -> None:

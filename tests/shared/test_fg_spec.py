@@ -21,6 +21,7 @@ from shared.features import (
     IdTransform,
     InitializerSpec,
     InitMode,
+    LfuDecaySpec,
     ScoreStrategy,
     Side,
     TableSpec,
@@ -175,6 +176,7 @@ GOLDEN = {
                 "admission": None,
                 "init_table": None,
                 "cache_load_factor": None,
+                "lfu_decay": None,
             },
             "pooling": "sum",
         },
@@ -307,6 +309,26 @@ def test_an_fg_json_without_cache_load_factor_means_every_row_in_device_memory()
     fs = feature_set_from_dict(old)
     assert fs == _small()
     assert all(t.dynamic.cache_load_factor is None for t in fs.dynamic_tables if t.dynamic)
+
+
+def test_an_fg_json_without_lfu_decay_means_counts_that_never_decay() -> None:
+    """Bundles written before the LFU decay existed lack it: no decay, as it was then; a table
+    with one writes it and reads it back."""
+    old = copy.deepcopy(GOLDEN)
+    for t in old["tables"].values():
+        if t["dynamic"] is not None:
+            del t["dynamic"]["lfu_decay"]
+    assert feature_set_from_dict(old) == _small()
+    fs = _small()
+    dyn = replace(
+        fs.tables["item_emb"].dynamic,
+        score_strategy=ScoreStrategy.LFU,
+        lfu_decay=LfuDecaySpec(interval_steps=500, shift=2),
+    )
+    fs.tables["item_emb"] = replace(fs.tables["item_emb"], dynamic=dyn)
+    d = feature_set_to_dict(fs)
+    assert d["tables"]["item_emb"]["dynamic"]["lfu_decay"] == {"interval_steps": 500, "shift": 2}
+    assert feature_set_from_dict(d) == fs
 
 
 def test_the_tzrec_id_mode_round_trips() -> None:

@@ -13,6 +13,7 @@ from shared.features import (
     DynamicTableSpec,
     InitializerSpec,
     InitMode,
+    LfuDecaySpec,
     ScoreStrategy,
     TableSpec,
 )
@@ -40,6 +41,7 @@ def dyn_table(
     threshold: int | None = None,
     admission_initializer: InitializerSpec = CONSTANT_ZERO,
     counter_capacity: int = 256,
+    lfu_decay: LfuDecaySpec | None = None,
 ) -> TableSpec:
     admission = (
         None
@@ -55,6 +57,7 @@ def dyn_table(
         eval_initializer,
         admission,
         None,
+        lfu_decay=lfu_decay,
     )
     return TableSpec(name, dim, None, dyn, "sum")
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from shared.features import InitializerSpec, InitMode, ScoreStrategy
+from shared.features import InitializerSpec, InitMode, LfuDecaySpec, ScoreStrategy
 from shared.hashtable.embedding import DynamicEmbeddingCollection, lookup_by_table
 from shared.hashtable.initializers import KeyedInitializer
 
@@ -227,6 +227,101 @@ def test_lfu_strategy_evicts_least_used():
     assert dec.export_table("a_emb")[0].tolist() == [1, 3, 4, 5]
     assert dec.table_state("a_emb").scores.tolist() == [3, 2, 2, 2]
     assert dec.stats()["a_emb"]["evictions"] == 1.0
+
+
+def _lfu_decayed(interval: int, shift: int = 1, **kw) -> DynamicEmbeddingCollection:
+    """One bucket of 4 LFU rows whose counts decay every ``interval`` steps."""
+    table = dyn_table(
+        "a_emb", max_capacity=4, init_capacity=4, bucket_capacity=4, strategy=ScoreStrategy.LFU,
+        lfu_decay=LfuDecaySpec(interval_steps=interval, shift=shift),
+    )  # fmt: skip
+    return _dec([table], **kw)
+
+
+def test_lfu_decay_halves_the_counts_at_multiples_of_its_interval_before_the_step():
+    dec = _lfu_decayed(3)
+    want = {1: [8], 2: [9], 3: [4 + 1], 4: [6], 5: [7], 6: [3 + 1], 7: [5]}
+    for step in range(1, 8):  # key 1 used 8 times at step 1, then once a step
+        dec.set_step(step)
+        _train(dec, [1] * 8 if step == 1 else [1])
+        assert dec.table_state("a_emb").scores.tolist() == want[step], step
+    # the same step again (a second lookup in step 6): no second decay
+    dec.set_step(6)
+    _train(dec, [1])
+    assert dec.table_state("a_emb").scores.tolist() == [6]
+
+
+def test_lfu_decay_by_more_bits_and_with_the_auto_step():
+    dec = _lfu_decayed(2, shift=3)
+    _train(dec, [1] * 40 + [2] * 7)  # step 1 (forwards counted): 1:40, 2:7
+    _train(dec, [2])  # step 2: 40 >> 3 = 5 and 7 >> 3 = 0, then 2 used once
+    assert dec.table_state("a_emb").scores.tolist() == [5, 1]
+
+
+def _hot_set_changes(dec: DynamicEmbeddingCollection) -> list[int]:
+    """Keys 1-4 are hot for 20 steps (8 uses a step), then keys 11-14 (2 uses a step) for 20
+    steps, in a table of 4 rows: the keys it holds at the end."""
+    for step in range(1, 41):
+        dec.set_step(step)
+        hot = [1, 2, 3, 4] if step <= 20 else [11, 12, 13, 14]
+        _train(dec, hot * (8 if step <= 20 else 2))
+    return dec.export_table("a_emb")[0].tolist()
+
+
+def test_lfu_decay_lets_keys_hot_now_evict_keys_hot_long_ago():
+    """Without decay the old keys' counts (160 each) outweigh the new keys' (2 a step, and a
+    new key must beat them to enter), so the table keeps the old hot set for good; with the
+    counts halved every 4 steps the old ones fall to 0 and the new hot set takes the table."""
+    assert _hot_set_changes(_one_bucket(ScoreStrategy.LFU)) == [1, 2, 3, 4]
+    dec = _lfu_decayed(4)
+    assert _hot_set_changes(dec) == [11, 12, 13, 14]
+    stats = dec.stats()["a_emb"]
+    assert stats["evictions"] == 4.0 and stats["size"] == 4.0  # within max_capacity
+
+
+def test_without_lfu_decay_the_counts_are_the_exact_use_counts():
+    """No lfu_decay: nothing shifts the counts, however many steps (today's LFU), and a decay
+    whose interval the run never reaches leaves every row, count and stat bit for bit alike."""
+    plain = _one_bucket(ScoreStrategy.LFU, seed=5)
+    late = _lfu_decayed(1000, seed=5)
+    for step in range(1, 30):
+        for dec in (plain, late):
+            dec.set_step(step)
+            _train(dec, [1, 2, 2] + [3] * (step % 3))
+    assert plain.table_state("a_emb").scores.tolist() == [29, 58, 30]  # 30: sum of step % 3
+    a, b = plain.table_state("a_emb"), late.table_state("a_emb")
+    for f in ("keys", "values", "scores", "accumulators"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert plain.stats() == late.stats()
+
+
+def test_tables_with_another_lfu_decay_get_a_storage_of_their_own():
+    decay = LfuDecaySpec(interval_steps=10)
+    lfu = {"strategy": ScoreStrategy.LFU}
+    tables = [
+        dyn_table("a_emb", **lfu, lfu_decay=decay),  # type: ignore[arg-type]
+        dyn_table("b_emb", **lfu, lfu_decay=decay),  # type: ignore[arg-type]
+        dyn_table("c_emb", **lfu),  # type: ignore[arg-type]
+    ]
+    dec = _dec(tables, {"g": ["a_emb", "b_emb", "c_emb"]})
+    assert dec.storages == {"g/0": ["a_emb", "b_emb"], "g/1": ["c_emb"]}
+
+
+def test_a_checkpoint_keeps_the_decayed_counts_and_the_decay_goes_on_at_its_steps(tmp_path):
+    dec = _lfu_decayed(3)
+    for step in range(1, 5):  # 1: 12 uses; 2: 13; 3: decayed to 6, + 1; 4: 8
+        dec.set_step(step)
+        _train(dec, [1] * 12 if step == 1 else [1])
+    assert dec.table_state("a_emb").scores.tolist() == [8]
+    dec.save(tmp_path, "sparse")
+    resumed = _lfu_decayed(3)
+    resumed.load(tmp_path, "sparse")
+    assert resumed.table_state("a_emb").scores.tolist() == [8]
+    for d in (dec, resumed):
+        for step in (5, 6):  # 5: 9; 6: decayed to 4, then 5
+            d.set_step(step)
+            _train(d, [1])
+        assert d.table_state("a_emb").scores.tolist() == [5]
 
 
 def test_keys_of_the_current_batch_are_not_evicted():

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from shared.features import ScoreStrategy
+from shared.features import LfuDecaySpec, ScoreStrategy
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.host_store import TensorHostStore
@@ -42,13 +42,19 @@ def test_the_static_step_takes_a_cached_storage_whose_host_tier_the_device_reach
 
 
 def _static_dec(
-    strategy: ScoreStrategy, factor: float | None, device: str = "cpu", *, grown: bool = True
+    strategy: ScoreStrategy,
+    factor: float | None,
+    device: str = "cpu",
+    *,
+    grown: bool = True,
+    lfu_decay: LfuDecaySpec | None = None,
 ) -> DynamicEmbeddingCollection:
     """Two fused tables of 1024 rows each (full buckets), one with admission, with the static
     sparse step (captured on CUDA); ``grown``: at their max capacity from the start, else
     growing from 64 rows each (eager steps until the max)."""
     init = 1024 if grown else 64
-    kw = dict(init_capacity=init, bucket_capacity=16, max_capacity=1024, strategy=strategy)
+    kw = dict(init_capacity=init, bucket_capacity=16, max_capacity=1024, strategy=strategy,
+              lfu_decay=lfu_decay)  # fmt: skip
     tables = [dyn_table("a_emb", **kw), dyn_table("b_emb", threshold=2, **kw)]  # type: ignore[arg-type]
     clock = itertools.count(1000, 7)
     dec = DynamicEmbeddingCollection(
@@ -142,6 +148,20 @@ def test_the_static_step_on_a_cache_equals_it_on_hbm_only(strategy: ScoreStrateg
     else:
         assert stats["a_emb"]["evictions"] > 0
     assert stats["b_emb"]["admission_rejections"] > 0
+
+
+def test_the_static_step_on_a_cache_with_lfu_decay_equals_it_on_hbm_only() -> None:
+    """LFU counts halved every 2 steps: the decay shifts the index's scores (on the device
+    for a CACHING storage too), so the cache takes the same index evictions as HBM_ONLY."""
+    decay = LfuDecaySpec(interval_steps=2)
+    hbm = _static_dec(ScoreStrategy.LFU, None, lfu_decay=decay)
+    cached = _static_dec(ScoreStrategy.LFU, 0.3125, lfu_decay=decay)
+    plain = _static_dec(ScoreStrategy.LFU, 0.3125)
+    _static_run([hbm, cached], range(1, 13))
+    _static_run([plain], range(1, 13))
+    assert hbm.stats()["a_emb"]["evictions"] > 0
+    decayed, counted = cached.table_state("a_emb").scores, plain.table_state("a_emb").scores
+    assert int(decayed.sum()) < int(counted.sum())
 
 
 def test_a_static_step_with_more_rows_than_lines_bypasses_them() -> None:
@@ -277,6 +297,21 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     s = cached.tier_stats()["g"]
     assert s["cache_hits"] > 0 and s["cache_misses"] > 0 and s["cache_created"] > 0
     assert s["cache_evictions"] > 0 and s["cache_writebacks"] > 0 and s["cache_bypassed"] == 0
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+def test_on_cuda_the_captured_static_step_on_a_cache_with_lfu_decay_equals_hbm_only() -> None:
+    """The decay between replays (an in-place shift of the index's scores on the device) with
+    the captured static step on a 640-line cache, against HBM_ONLY's."""
+    decay = LfuDecaySpec(interval_steps=2)
+    hbm = _static_dec(ScoreStrategy.LFU, None, "cuda", lfu_decay=decay)
+    cached = _static_dec(ScoreStrategy.LFU, 0.3125, "cuda", lfu_decay=decay)
+    _static_run([hbm, cached], range(1, 13), exact=False)
+    for dec in (hbm, cached):
+        ran = dec.static_stats()["g"]
+        assert ran["replays"] == 12 and ran["eager"] == 0, ran
+    assert hbm.stats()["a_emb"]["evictions"] > 0
 
 
 @pytest.mark.gpu

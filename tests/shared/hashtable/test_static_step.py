@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.features import ScoreStrategy
+from shared.features import LfuDecaySpec, ScoreStrategy
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.static_insert import count_per_table, put_where, sum_per_table
 from shared.hashtable.static_step import padded_size, supports
@@ -31,12 +31,13 @@ def _pair(
     *,
     init_capacity: int = 256,
     device: str = "cpu",
+    lfu_decay: LfuDecaySpec | None = None,
 ):
     tables = [
         dyn_table("a", strategy=strategy, threshold=threshold, max_capacity=256,
-                  init_capacity=init_capacity),
+                  init_capacity=init_capacity, lfu_decay=lfu_decay),
         dyn_table("b", strategy=strategy, threshold=threshold, max_capacity=256,
-                  init_capacity=init_capacity),
+                  init_capacity=init_capacity, lfu_decay=lfu_decay),
     ]  # fmt: skip
 
     def make() -> DynamicEmbeddingCollection:
@@ -117,6 +118,36 @@ def test_static_step_equals_eager(
         assert ran["eager"] == 8
     stats = static.stats()["a"]
     assert stats["evictions"] + stats["refusals"] > 0  # the full buckets were exercised
+
+
+@pytest.mark.parametrize("threshold", [3, None])
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_step_with_lfu_decay_equals_eager(threshold: int | None, device: str) -> None:
+    """LFU counts halved every 3 steps (an in-place shift of the score array between the
+    static step's replays, on CUDA with no host read): the same rows, counts and evictions as
+    the eager lookup's, and fewer counts than without the decay."""
+    decay = LfuDecaySpec(interval_steps=3)
+    eager, static = _pair(ScoreStrategy.LFU, threshold, device=device, lfu_decay=decay)
+    plain = _pair(ScoreStrategy.LFU, threshold, device=device)[0]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 9):
+        keys = {n: k.to(device) for n, k in _batch(gen, step).items()}
+        grads = {n: torch.randn(k.numel(), 4, generator=gen).to(device) for n, k in keys.items()}
+        for dec in (eager, static, plain):
+            dec.set_step(step)
+            if device == "cuda" and dec is static and step % 3 == 0:
+                torch.cuda.set_sync_debug_mode("error")  # the decay reads nothing to the host
+                try:
+                    dec._storages[0].decay_scores(step)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            rows = dec(keys)
+            sum((rows[n] * grads[n]).sum() for n in keys).backward()  # type: ignore[union-attr]
+        _assert_same(_state(eager), _state(static), f"step {step} state")
+    ran = static.static_stats()["g"]
+    assert ran["replays" if device == "cuda" else "eager"] == 8
+    decayed, counted = static.table_state("a").scores, plain.table_state("a").scores
+    assert int(decayed.sum()) < int(counted.sum())  # the counts did decay
 
 
 def test_static_step_waits_for_max_capacity() -> None:

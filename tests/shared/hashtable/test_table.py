@@ -206,6 +206,29 @@ def test_full_bucket_evicts_lowest_score():
     _check_invariants(t)
 
 
+def test_decay_scores_shifts_every_lfu_count_in_place_and_then_a_newcomer_fits():
+    t = _one_bucket(ScoreStrategy.LFU)  # counts 10:5, 11:2, 12:9, 13:7
+    scores = t._row_score
+    res = t.insert_or_assign(torch.tensor([14]), torch.tensor([[14.0]]), torch.tensor([1]))
+    assert res.num_refused == 1  # below every count of the full bucket
+    t.decay_scores(1)
+    assert t._row_score is scores  # in place: a captured step keeps reading the same tensor
+    assert t.export().scores.tolist() == [2, 1, 4, 3]  # floor(count / 2)
+    assert int(t._row_score[t._row_key < 0].abs().sum()) == 0  # free rows stay 0
+    t.decay_scores(2)
+    assert t.export().scores.tolist() == [0, 0, 1, 0]
+    res = t.insert_or_assign(torch.tensor([14]), torch.tensor([[14.0]]), torch.tensor([1]))
+    assert res.inserted.tolist() == [True]  # over one of the counts now 0 (ties: fingerprint)
+    assert res.evicted_keys.tolist()[0] in (10, 11, 13)
+    _check_invariants(t)
+
+
+def test_decay_scores_refuses_scores_that_are_not_use_counts():
+    for strategy in (ScoreStrategy.STEP, ScoreStrategy.TIMESTAMP, ScoreStrategy.NO_EVICTION):
+        with pytest.raises(ValueError, match="not LFU use counts"):
+            _one_bucket(strategy).decay_scores(1)
+
+
 def test_pinned_rows_are_not_evicted():
     t = _one_bucket(ScoreStrategy.LFU)
     pinned = _rows_of(t, torch.tensor([11]))  # score 2, the lowest

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from protos import pipeline_pb2
-from shared.config import ConfigError, load_config
-from shared.features import FeatureSet
+from shared.config import ConfigError, load_config, parse_config
+from shared.features import FeatureSet, LfuDecaySpec, feature_set_from_text
 from tests.conftest import ROOT, SEED_CONFIG
 from train.model.multi_tower_din import MultiTowerDIN
 from train.model.sparse_arch import table_lr_scales
@@ -114,3 +114,19 @@ def test_cold_ids_lookup_pools_and_flags_each_feature_as_defined(tiny_samples: P
     assert list(embedded.cold) == [p[1] for p, h in zip(parts, hits, strict=True) if h is not None]
     both = torch.cat(flags)
     assert bool(both.any()) and not bool(both.all())  # warm and cold rows both
+
+
+def test_a_tables_lfu_decay_reaches_the_models_storage_of_it() -> None:
+    """``dynamicemb.lfu_decay`` of the config is honoured: the model's storage of that table
+    decays (a storage of its own, as it cannot share one with tables that do not)."""
+    text = SEED_CONFIG.read_text()
+    block = 'max_capacity: 300000\ninitializer_args { mode: "NORMAL"; std_dev: 0.05 }\n'
+    assert block in text
+    text = text.replace(block, block + "lfu_decay { interval_steps: 50 }\n", 1)
+    config, fs = parse_config(text, "decay"), feature_set_from_text(text, "decay")
+    dynamic = MultiTowerDIN.from_config(config, fs).sparse.dynamic
+    storage, _ = dynamic._lookup_table("user_id_emb")
+    assert storage.names == ["user_id_emb"]
+    assert storage.lfu_decay == LfuDecaySpec(interval_steps=50, shift=1)
+    others = {dynamic._lookup_table(n)[0] for n in dynamic.tables if n != "user_id_emb"}
+    assert others and all(s.lfu_decay is None for s in others)
