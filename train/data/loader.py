@@ -1,7 +1,7 @@
 """Sample Parquet → shuffled :class:`~shared.batch.Batch` es of ``batch_size``, with worker processes.
 
-The order of an epoch is a pure function of (files, seed, epoch, num_workers, batch_size,
-shuffle_rows), computed from Parquet metadata alone:
+Shuffled (the default for training), the order of an epoch is a pure function of (files, seed,
+epoch, num_workers, batch_size, shuffle_rows), computed from Parquet metadata alone:
 
 1. the row groups of all files are permuted with ``(seed, epoch)``;
 2. consecutive row groups are grouped into *windows* of at least ``shuffle_rows`` rows, and window
@@ -23,9 +23,25 @@ over batches of step 4, so the order does not depend on the message size.
 Because every stream's batch count follows from metadata, :meth:`Loader.epoch` can start at batch
 ``k`` cheaply (resume): each stream skips whole windows without reading them, reads the window it
 resumes in, and the streams are rotated so that the interleaving continues where it stopped.
-Changing ``num_workers`` changes the order, so resume with the same value. A ``num_workers``
-above the CPU cores this process may use is lowered to them (:func:`usable_workers`, one log line),
-so resume on a machine with as many cores, or pass a value it has.
+Changing ``num_workers`` changes the shuffled order, so resume with the same value. A
+``num_workers`` above the CPU cores this process may use is lowered to them
+(:func:`usable_workers`, one log line), so resume on a machine with as many cores, or pass a
+value it has.
+
+**Shuffle off** (``shuffle=False``: evaluation, and training with ``data_config.shuffle: false``,
+for time-ordered data): every epoch is the files' rows in file order (files by name, then row
+groups and rows as stored), cut into batches of ``batch_size`` across row-group and file ends,
+only the last one short: the batches one worker reading the files front to back cuts, for any
+``num_workers`` (and any ``seed``, ``shuffle_rows``, ``message_rows``), tensor for tensor. The
+row sequence is cut into slices of whole batches, one worker message each, that the workers take
+in turn, read by online training's in-order machinery (:class:`_InOrder`, at the end of this
+module): the DataLoader's round-robin over its workers returns them in slice order, so the
+workers share the reading without interleaving anything. A slice ends where a row group ends
+(rounded up to a whole batch) once it has ``message_rows`` rows (:func:`in_order_slices`), so
+each row group is decoded about once, and a message may hold up to a row group more than
+``message_rows``. Resume from batch ``k`` starts at row
+``k × batch_size``, with any ``num_workers``. (Before issue #55 the windows of an unshuffled
+epoch went to the workers as the shuffled ones do, and only one worker gave the file order.)
 
 Distributed training (``rank``/``world_size``): every rank plays the same sequence of *global*
 batches of ``batch_size × world_size`` rows and keeps the contiguous part ``rank`` of each (parts
@@ -158,6 +174,28 @@ def plan_streams(
     if pending:
         windows.append(Window(len(windows), tuple(pending)))
     return [windows[s::streams] for s in range(streams)]
+
+
+def in_order_slices(
+    groups: list[RowGroup], rows: int, batch_size: int, min_rows: int
+) -> list[tuple[int, int]]:
+    """(start, end) of the slices of an unshuffled epoch: its first ``rows`` rows in file order
+    (``groups`` in order), cut where a row group ends once a slice has ``min_rows`` rows,
+    rounded up to a whole batch so that every slice starts a batch. A worker reading a slice
+    decodes its row groups once, the rows before its start (less than a batch, the previous
+    slice's) in its first one, and the head of the next group (:func:`_file_rows`); slices cut
+    at ``min_rows`` alone would split each large row group between workers that all decode it
+    (a third more CPU per row with groups of twice the message rows)."""
+    bounds, at, last = [], 0, 0
+    for g in groups:
+        at += g.rows
+        end = min(-(-at // batch_size) * batch_size, rows)
+        if at - last >= min_rows and end > last:
+            bounds.append((last, end))
+            last = end
+    if last < rows:
+        bounds.append((last, rows))
+    return bounds
 
 
 def _stream_batches(rows: int, batch_size: int, drop_last: bool, min_rows: int = 1) -> int:
@@ -476,10 +514,18 @@ class _Batches(IterableDataset):
             yield self._batch(carry)
 
     def _batch(self, table: pa.Table) -> tuple[Batch, FgStats]:
-        if self.world_size > 1:
-            table = table.slice(*part_range(table.num_rows, self.rank, self.world_size))
         stats = FgStats()
-        return table_to_batch(self.fs, table, stats=stats), stats
+        return _rank_batch(self.fs, table, self.rank, self.world_size, stats), stats
+
+
+def _rank_batch(
+    fs: FeatureSet, table: pa.Table, rank: int, world_size: int, stats: FgStats
+) -> Batch:
+    """Rank ``rank``'s part of the global batch ``table`` (all of it for one process), its
+    feature-generation defaults counted in ``stats``."""
+    if world_size > 1:
+        table = table.slice(*part_range(table.num_rows, rank, world_size))
+    return table_to_batch(fs, table, stats=stats)
 
 
 def _identity(x: object) -> object:
@@ -489,8 +535,11 @@ def _identity(x: object) -> object:
 class Loader:
     """Batches of one split for training or evaluation.
 
+    ``shuffle``: False reads the files' rows in order, the same batches for any
+    ``num_workers`` (module doc, "Shuffle off").
     ``shuffle_rows``: rows shuffled together (a window of whole row groups; see the module doc).
-    ``message_rows``: rows of the whole batches a worker sends at once (no effect on the order).
+    ``message_rows``: rows of the whole batches a worker sends at once (no effect on the order;
+    unshuffled, at least that many, up to the end of a row group).
     ``stats`` accumulates the feature-generation defaults of all batches (workers included).
     Example::
 
@@ -531,6 +580,10 @@ class Loader:
         num_workers = usable_workers(num_workers)
         self.fs = fs
         self.groups = list_row_groups(path)
+        rows_of: dict[str, int] = {}
+        for g in self.groups:
+            rows_of[g.path] = rows_of.get(g.path, 0) + g.rows
+        self.files = tuple(rows_of.items())  # (path, rows) in name order: the unshuffled order
         schema = pq.read_schema(self.groups[0].path)
         self.columns = [*fs.columns(), *([ORACLE_COLUMN] if ORACLE_COLUMN in schema.names else [])]
         missing = [c for c in self.columns if c not in schema.names]
@@ -558,12 +611,13 @@ class Loader:
         split: str,
         **overrides: object,
     ) -> Loader:
-        """Loader of ``train_input_path`` (split "train", shuffled) or ``eval_input_path``."""
+        """Loader of ``train_input_path`` (split "train", shuffled unless
+        ``data_config.shuffle`` is false) or ``eval_input_path`` (in file order)."""
         path = {"train": config.train_input_path, "eval": config.eval_input_path}[split]
         options: dict = {
             "batch_size": config.data_config.batch_size or 8192,
             "num_workers": config.data_config.num_workers,
-            "shuffle": split == "train",
+            "shuffle": split == "train" and config.data_config.shuffle,
         }
         return cls(path, fs, **(options | overrides))
 
@@ -574,7 +628,8 @@ class Loader:
     def _streams(self, epoch: int) -> list[list[Window]]:
         return plan_streams(
             self.groups,
-            streams=max(self.num_workers, 1),
+            # unshuffled: one stream, the files' row sequence, whatever the workers (_in_order)
+            streams=max(self.num_workers, 1) if self.shuffle else 1,
             shuffle=self.shuffle,
             seed=self.seed,
             epoch=epoch,
@@ -629,17 +684,8 @@ class Loader:
         The workers start at this call, not at the first ``next()``: a caller can start them
         before other set-up (the trainer does so before it builds the model), so that their
         first batches are read meanwhile, and they fork from a process without CUDA yet."""
-        streams = self._streams(epoch)
-        counts = [
-            _stream_batches(
-                sum(w.rows for w in s), self.global_batch_size, self.drop_last, self.world_size
-            )
-            for s in streams
-        ]
-        taken, order = resume_point(counts, skip_batches)
-        k = message_batches(self.global_batch_size, self.message_rows)
-        messages = [-(-(counts[s] - taken[s]) // k) for s in order]  # per DataLoader slot
-        dataset = self.dataset(epoch, streams, order, taken)
+        plan = self._shuffled if self.shuffle else self._in_order
+        dataset, messages = plan(epoch, skip_batches)
         if self.num_workers == 0:
             received: Iterator[_Message] = iter(dataset)
         else:
@@ -655,6 +701,49 @@ class Loader:
                 )
             )  # the workers start here
         return self._played(received, messages)
+
+    def _shuffled(self, epoch: int, skip_batches: int) -> tuple[_Batches, list[int]]:
+        """The dataset of a shuffled epoch (a stream per worker, steps 1–4 of the module doc)
+        and the messages of each DataLoader slot (for :func:`interleave`)."""
+        streams = self._streams(epoch)
+        counts = [
+            _stream_batches(
+                sum(w.rows for w in s), self.global_batch_size, self.drop_last, self.world_size
+            )
+            for s in streams
+        ]
+        taken, order = resume_point(counts, skip_batches)
+        k = message_batches(self.global_batch_size, self.message_rows)
+        messages = [-(-(counts[s] - taken[s]) // k) for s in order]  # per DataLoader slot
+        return self.dataset(epoch, streams, order, taken), messages
+
+    def _in_order(self, epoch: int, skip_batches: int) -> tuple[_InOrder, list[int]]:
+        """The dataset of an unshuffled epoch: the files' rows as one sequence, cut into
+        slices of whole batches at row-group ends (:func:`in_order_slices`; one message each)
+        that the workers take in turn, read by the stream's in-order machinery
+        (:class:`_InOrder`); and its messages as one stream's (they arrive in slice order).
+        Every epoch is the same; resume starts at row ``skip_batches × global batch`` (every
+        batch but the last is whole)."""
+        gb = self.global_batch_size
+        rows = sum(self.batch_rows(epoch))  # without a last batch dropped (drop_last, ranks)
+        step = message_batches(gb, self.message_rows) * gb
+        begin = min(skip_batches * gb, rows)
+        slices = [
+            RowSlice(self.files, max(first, begin), end - max(first, begin), gb)
+            for first, end in in_order_slices(self.groups, rows, gb, step)
+            if end > begin
+        ]
+        slots = max(self.num_workers, 1)
+        tasks: list[object] = [_Planned(slices[w::slots]) for w in range(slots)]
+        dataset = _InOrder(
+            self.fs,
+            self.columns,
+            tasks,
+            self.pin_memory,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        return dataset, [len(slices)]
 
     def _played(self, received: Iterator[_Message], messages: list[int]) -> Iterator[Batch]:
         """The batches of the workers' ``received`` messages in the epoch plan's order."""
@@ -679,7 +768,8 @@ class Loader:
 # copies as above play *slices* (consecutive rows of a partition's files) that the caller
 # hands out while the loader runs, slice ``i`` to worker ``i % W``: the DataLoader's
 # round-robin over its workers then returns the messages in slice order, so the batches come
-# in row order and the caller knows which rows each batch holds.
+# in row order and the caller knows which rows each batch holds. An unshuffled epoch of
+# :class:`Loader` is played the same way, its slices planned before it starts (_Planned).
 
 
 @dataclass(frozen=True)
@@ -697,13 +787,41 @@ class RowSlice:
         return [self.batch_size] * full + ([rest] if rest else [])
 
 
+class _Planned:
+    """The slices of one worker slot known before the epoch starts (an unshuffled epoch of
+    :class:`Loader`), handed out as a task queue of :class:`InOrderLoader` hands them: ``get``
+    returns the next, then None (the end). Each worker process gets its own copy at fork."""
+
+    def __init__(self, slices: list[RowSlice]) -> None:
+        self.slices, self.next = slices, 0
+
+    def get(self) -> RowSlice | None:
+        if self.next == len(self.slices):
+            return None
+        self.next += 1
+        return self.slices[self.next - 1]
+
+
 class _InOrder(IterableDataset):
-    """One DataLoader worker slot: plays the slices its task queue hands it (None: the end)."""
+    """One DataLoader worker slot: plays the slices its task source hands it (``get()``; None:
+    the end): a queue the caller fills while the loader runs (:class:`InOrderLoader`), or the
+    slices planned for an unshuffled epoch (:class:`_Planned`). Slice ``i`` goes to slot
+    ``i % W``, so the DataLoader's round-robin over its workers returns the messages in slice
+    order. With ``world_size > 1`` every rank reads every slice and keeps its part of each
+    batch (:func:`part_range`), as :class:`_Batches` does."""
 
     def __init__(
-        self, fs: FeatureSet, columns: list[str], tasks: list[object], pin_memory: bool
+        self,
+        fs: FeatureSet,
+        columns: list[str],
+        tasks: list[object],
+        pin_memory: bool,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.fs, self.columns, self.tasks, self.pin_memory = fs, columns, tasks, pin_memory
+        self.rank, self.world_size = rank, world_size
 
     def __iter__(self) -> Iterator[_Message]:
         info = get_worker_info()
@@ -714,12 +832,13 @@ class _InOrder(IterableDataset):
             table, start = self._read(task, files), 0
             batches, stats = [], FgStats()
             for rows in task.batch_rows():
-                batches.append(table_to_batch(self.fs, table.slice(start, rows), stats=stats))
+                part = table.slice(start, rows)
+                batches.append(_rank_batch(self.fs, part, self.rank, self.world_size, stats))
                 start += rows
             yield sender.message(batches, stats)
 
     def _read(self, task: RowSlice, files: dict[str, pq.ParquetFile]) -> pa.Table:
-        """The slice's rows: only the row groups they lie in are decoded."""
+        """The slice's rows: only the row groups they lie in are decoded (:func:`_file_rows`)."""
         parts, start, left = [], task.start, task.rows
         for path, n in task.files:
             if start >= n:
@@ -729,21 +848,46 @@ class _InOrder(IterableDataset):
                 if len(files) >= 64:  # a long stream: forget the oldest partitions' files
                     files.pop(next(iter(files)))
                 files[path] = pq.ParquetFile(path)
-            f, seen, first = files[path], 0, 0
-            groups: list[int] = []
-            for i in range(f.metadata.num_row_groups):
-                g = f.metadata.row_group(i).num_rows
-                if seen + g > start and seen < start + left:
-                    first = seen if not groups else first
-                    groups.append(i)
-                seen += g
-            table = f.read_row_groups(groups, columns=self.columns, use_threads=False)
-            parts.append(table.slice(start - first, min(left, n - start)))
+            parts.append(_file_rows(files[path], start, min(left, n - start), self.columns))
             left -= parts[-1].num_rows
             start = 0
             if left == 0:
                 break
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+def _file_rows(f: pq.ParquetFile, start: int, rows: int, columns: list[str]) -> pa.Table:
+    """Rows ``start .. start + rows`` of ``f``. Only the row groups they lie in are decoded, and
+    of the last one only its head when they need at most half of it: an unshuffled epoch's
+    slice ends a little into the next row group (to finish the batch that spans the two). On
+    the small synthetic data (row groups of 65,536 rows) a group decodes in 17 ms, its first
+    8,192 rows streamed alone in 4 ms, its first half in 11 ms: streaming costs more per row,
+    so a larger head is read with its group."""
+    end, seen, first, last = start + rows, 0, 0, 0
+    groups: list[int] = []
+    for i in range(f.metadata.num_row_groups):
+        n = f.metadata.row_group(i).num_rows
+        if seen + n > start and seen < end:
+            first = seen if not groups else first
+            groups.append(i)
+            last = seen
+        seen += n
+    head = end - last  # rows needed of the last group, from its start
+    if 2 * head > f.metadata.row_group(groups[-1]).num_rows:
+        table = f.read_row_groups(groups, columns=columns, use_threads=False)
+    else:
+        whole = [f.read_row_groups(groups[:-1], columns=columns, use_threads=False)]
+        batches, got = [], 0
+        for batch in f.iter_batches(
+            batch_size=head, row_groups=groups[-1:], columns=columns, use_threads=False
+        ):
+            batches.append(batch)
+            got += batch.num_rows
+            if got >= head:
+                break
+        tail = pa.Table.from_batches(batches).slice(0, head)
+        table = pa.concat_tables(whole + [tail]) if len(groups) > 1 else tail
+    return table.slice(start - first, rows)
 
 
 def die_with_parent(parent: int) -> None:

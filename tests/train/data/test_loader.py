@@ -22,8 +22,11 @@ from train.data import synthetic, taobao
 from train.data.loader import (
     InOrderLoader,
     Loader,
+    RowGroup,
+    _file_rows,
     _Message,
     _Packed,
+    in_order_slices,
     interleave,
     resume_point,
     usable_workers,
@@ -91,6 +94,80 @@ def test_eval_order_is_the_file_order(samples: Path, fs: FeatureSet) -> None:
     assert fingerprint(list(loader.epoch(0))) == want
 
 
+def test_unshuffled_batches_are_the_file_order_for_any_workers(
+    samples: Path, fs: FeatureSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """shuffle=False: every worker count gives the same batches, tensor for tensor (and the same
+    fg stats): the files' rows in order, cut into whole batches across row-group and file ends
+    (files of 1500 rows, row groups of 300, batches of 256), only the last one short. Messages
+    of two batches, so each worker reads several slices; windows of 600 rows, so that the old
+    window-per-worker order would differ."""
+    # 4 usable cores, so that 3 workers are 3 processes on a smaller host too (the clamp to the
+    # cores is for speed; the order must not depend on it)
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(4)))
+
+    table = pq.read_table(samples / "train", columns=["user_id", "adgroup_id"])
+    files = list(zip(table["user_id"].to_pylist(), table["adgroup_id"].to_pylist(), strict=True))
+    assert len(list((samples / "train").glob("*.parquet"))) > 1
+
+    def load(workers: int, skip: int = 0) -> tuple[list[Batch], FgStats]:
+        loader = Loader(samples / "train", fs, batch_size=256, num_workers=workers, shuffle=False,
+                        seed=3, shuffle_rows=600, message_rows=512, pin_memory=False)  # fmt: skip
+        assert loader.num_workers == workers
+        return list(loader.epoch(1, skip_batches=skip)), loader.stats
+
+    one, stats = load(1)
+    assert fingerprint(one) == files
+    assert [b.batch_size for b in one] == [256] * (len(files) // 256) + [len(files) % 256]
+    for workers in (0, 2, 3):
+        got, got_stats = load(workers)
+        assert len(got) == len(one) and got_stats.as_dict() == stats.as_dict(), workers
+        for a, b in zip(got, one, strict=True):
+            _assert_same_batch(a, b)
+    for k in (1, 3, len(one) - 1, len(one)):  # resume: the rest of the same sequence
+        assert fingerprint(load(3, skip=k)[0]) == fingerprint(one[k:]), k
+
+
+def test_unshuffled_drop_last_drops_only_the_short_last_batch(
+    samples: Path, fs: FeatureSet
+) -> None:
+    loader = Loader(samples / "train", fs, batch_size=256, num_workers=2, shuffle=False,
+                    drop_last=True, message_rows=256)  # fmt: skip
+    got = list(loader.epoch(0))
+    assert [b.batch_size for b in got] == [256] * (loader.rows // 256) == loader.batch_rows(0)
+    everything = list(Loader(samples / "train", fs, batch_size=256, shuffle=False).epoch(0))
+    assert fingerprint(got) == fingerprint(everything)[: 256 * len(got)]
+
+
+def test_in_order_slices_end_at_row_groups_rounded_up_to_a_batch() -> None:
+    """Each slice starts a batch (a multiple of 100) and ends once it has 250 rows, at the end
+    of a row group rounded up to the next batch, or at the epoch's end."""
+    groups = [RowGroup("a", i, n) for i, n in enumerate([120, 200, 90, 400, 30])]  # ends:
+    # 120, 320, 410, 810, 840
+    assert in_order_slices(groups, 840, 100, 250) == [(0, 400), (400, 840)]
+    assert in_order_slices(groups, 800, 100, 250) == [(0, 400), (400, 800)]  # drop_last
+    assert in_order_slices(groups, 840, 100, 1) == [(0, 200), (200, 400), (400, 500),
+                                                    (500, 840)]  # fmt: skip
+    assert in_order_slices(groups, 0, 100, 250) == []
+
+
+def test_file_rows_reads_a_head_of_the_last_group_as_its_whole(
+    samples: Path, fs: FeatureSet
+) -> None:
+    """Rows across row groups (of 300) ending in a group's first half (streamed alone) or its
+    second half (read whole): the same rows as a read of the whole file."""
+    import pyarrow.parquet as pq
+
+    path = sorted((samples / "train").glob("*.parquet"))[0]
+    f, columns = pq.ParquetFile(path), fs.columns()
+    whole = f.read(columns=columns, use_threads=False)
+    for start, rows in ((0, 100), (250, 110), (250, 300), (599, 2), (10, 1100), (0, 1500)):
+        got = _file_rows(f, start, rows, columns)
+        assert got.equals(whole.slice(start, rows)), (start, rows)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_skips_batches_cheaply_and_exactly(
     samples: Path, fs: FeatureSet, workers: int
@@ -137,6 +214,8 @@ def test_from_config_and_bad_inputs(samples: Path, fs: FeatureSet, tmp_path: Pat
     loader = Loader.from_config(config, fs, "eval", num_workers=0)
     assert loader.batch_size == 8192 and not loader.shuffle and not loader.pin_memory
     assert Loader.from_config(config, fs, "train", batch_size=64).shuffle
+    config.data_config.shuffle = False  # honoured for training
+    assert not Loader.from_config(config, fs, "train", batch_size=64).shuffle
     with pytest.raises(FileNotFoundError):
         Loader(tmp_path, fs, batch_size=8)
     other = feature_set_from_text(SEED_TEXT.replace('"occupation"', '"job"'))

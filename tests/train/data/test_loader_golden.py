@@ -33,6 +33,8 @@ GOLDEN = {
     "workers": "5d360772d9a61234e6191103ef5c424becba6c5ebef833228911ed5bf5232b8c",
     "rank": "bb4ebfc540ef9a60decd6ad8da66ddfe5041564937b30c7ef58c1a234166a8e8",
     "eval": "ad99258bc091070b45097842d09d5bda4c514a9f6c66d975a40a1d55cc358fff",
+    # shuffle off, 2 workers: the digest of one worker's batches before issue #55 (file order)
+    "in_order": "279137ecb12c0c8283e80c90ffdf44a9c789006a61be0a9a748f0c98f11160b7",
     "tzrec": "ff01d398072349ffc24320dd8aa468c97453fa44bd838ae66a6a96334cda8e3e",
 }
 
@@ -82,6 +84,19 @@ def _loaders(train: Path, evaluation: Path) -> dict[str, tuple[Loader, int]]:
         "workers": (Loader(train, fs, num_workers=2, **common), 0),  # type: ignore[arg-type]
         "rank": (Loader(train, fs, rank=1, world_size=3, **common), 0),  # type: ignore[arg-type]
         "eval": (Loader(evaluation, fs, batch_size=300, shuffle=False, pin_memory=False), 0),
+        "in_order": (
+            Loader(
+                train,
+                fs,
+                batch_size=512,
+                shuffle=False,
+                num_workers=2,
+                shuffle_rows=600,
+                message_rows=1024,
+                pin_memory=False,
+            ),
+            1,
+        ),
         "tzrec": (Loader(train, tzrec, **common), 0),  # type: ignore[arg-type]
     }
 

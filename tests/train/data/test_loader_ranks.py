@@ -25,11 +25,13 @@ def test_part_range_splits_evenly() -> None:
     assert [part_range(4, r, 2) for r in range(2)] == [(0, 2), (2, 2)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    ("world", "shuffle", "workers"), [(2, True, 0), (3, True, 0), (3, False, 0), (2, False, 2)]
+)
 def test_rank_batches_concatenate_to_the_global_batch(
-    tiny_samples: Path, seed_fs: FeatureSet, world: int
+    tiny_samples: Path, seed_fs: FeatureSet, world: int, shuffle: bool, workers: int
 ) -> None:
-    kw = dict(num_workers=0, shuffle=True, seed=5, shuffle_rows=1000)
+    kw = dict(num_workers=workers, shuffle=shuffle, seed=5, shuffle_rows=1000, message_rows=400)
     one = Loader(tiny_samples / "train", seed_fs, batch_size=50 * world, **kw)  # type: ignore[arg-type]
     ranks = [
         Loader(tiny_samples / "train", seed_fs, batch_size=50, rank=r, world_size=world, **kw)  # type: ignore[arg-type]
