@@ -298,6 +298,13 @@ def _parser() -> Parser:
         help="rows shuffled together; smaller gives more windows for workers to share",
     )
     p.add_argument(
+        "--shuffle",
+        choices=["on", "off"],
+        default="on",
+        help="off: the files in order (the unshuffled epoch, its rows read in slices by the "
+        "workers in turn); worker_steady still times the shuffled path's worker",
+    )
+    p.add_argument(
         "--message-rows",
         type=int,
         default=MESSAGE_ROWS,
@@ -365,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch,
             num_workers=w,
             seed=0,
+            shuffle=args.shuffle == "on",
             pin_memory=pin,
             shuffle_rows=args.shuffle_rows,
             message_rows=args.message_rows,
@@ -393,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy": args.copy,
         "message_rows": args.message_rows,
         "shuffle_rows": args.shuffle_rows,
+        "shuffle": args.shuffle,
         "estimate_cores": args.estimate_cores,
         "torch": torch.__version__,
         "runs": rows,
