@@ -28,7 +28,9 @@ The run, in phases:
      permuted, rows shuffled in windows: ``train/data/loader.py``);
    - ``batch_in_order``: the same trainer on the stream's rows in the stream's order (the landed
      partitions' files in partition order, a copy of the config with ``data_config.shuffle:
-     false``, one loader worker: with more, the loader interleaves its windows);
+     false``), with as many loader workers as ``batch`` (unshuffled, the loader gives the file
+     order for any number; before issue #55 it interleaved its workers' windows, and this run
+     used one worker);
    - ``stream_replay``: ``python -m train stream`` again, over the complete source into a model
      dir of its own: the same order and, since every row is there, the same whole batches as
      ``batch_in_order`` (the live run cut a short batch wherever the landed rows ended).
@@ -723,8 +725,7 @@ def auc(
     t = time.perf_counter()
     config = unshuffled_config(args.config, work / "in_order.config")
     rows = in_order_rows(work / "src", work / "in_order_rows")
-    workers = 1 if args.num_workers is None else min(args.num_workers, 1)
-    in_order = _batch(args, config, rows, work / "batch_in_order", workers)
+    in_order = _batch(args, config, rows, work / "batch_in_order", args.num_workers)
     assert in_order.final_eval is not None
     measured("batch_in_order", in_order.final_eval.auc, in_order.progress.step,
              in_order.progress.samples, t)  # fmt: skip
