@@ -31,8 +31,9 @@ from tests.conftest import SEED_CONFIG
 from train.model.fused_tables import FusedTables, Lookup, _check_ids
 from train.model.multi_tower_din import MultiTowerDIN
 
-# ops of one training dense_inputs of the seed config outside the hash-table core (was 92)
-MAX_OPS = 39
+# ops of one training dense_inputs of the seed config outside the hash-table core (was 92, then
+# 39 until the lookup in pieces and the pooling's own bag index, issue #53)
+MAX_OPS = 31
 _SYNCS = ("aten._local_scalar_dense.default", "aten.item.default")
 
 
@@ -67,18 +68,18 @@ def _model(fs: FeatureSet) -> MultiTowerDIN:
 def _count(model: MultiTowerDIN, batch: Batch) -> list[str]:
     """The aten ops of ``model.dense_inputs(batch)`` outside the dynamic tables' lookup."""
     counting = _Counting()
-    lookup = model.sparse.dynamic.lookup
+    lookup = model.sparse.dynamic.lookup_parts  # what the model calls (lookup calls it too)
 
     def paused_lookup(*args: Any, **kwargs: Any) -> Any:
         with counting.pause():
             return lookup(*args, **kwargs)
 
-    model.sparse.dynamic.lookup = paused_lookup  # type: ignore[method-assign]
+    model.sparse.dynamic.lookup_parts = paused_lookup  # type: ignore[method-assign]
     try:
         with counting:
             model.dense_inputs(batch)
     finally:
-        del model.sparse.dynamic.lookup
+        del model.sparse.dynamic.lookup_parts
     return counting.ops
 
 
@@ -86,7 +87,7 @@ def test_dense_inputs_op_count(tiny_samples: Path, seed_fs: FeatureSet) -> None:
     model = _model(seed_fs)
     model.dense_inputs(_batch(tiny_samples, seed_fs))  # first call: cached index tensors
     ops = _count(model, _batch(tiny_samples, seed_fs))  # a fresh batch, as each step has
-    assert len(ops) <= MAX_OPS, sorted(ops)
+    assert len(ops) <= MAX_OPS, (len(ops), sorted(ops))
     # CPU only: the one host check of all fused-table ids (a device assert on a GPU)
     assert sum(op in _SYNCS for op in ops) <= 1, sorted(ops)
 
