@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (about 8 minutes): the wheels of scripts/gpu_wheels.py (the lock's versions)
+# One device call (about 9 minutes; TESTS="" saves ~100 s): the wheels of scripts/gpu_wheels.py (the lock's versions)
 # installed and imported, the GPU tests, the table plan against the card's free memory, then
 # bench/bench_oip.py on CUDA: ModelInfer against Predict at the same load, same run.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
@@ -27,6 +27,6 @@ fi
 python3 -m train.tools plan --config configs/multi_tower_din_taobao_dynamicemb.config \
   --device cuda > "$OUT/plan_cuda.txt" 2>&1
 cat "$OUT/plan_cuda.txt"
-timeout 330 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
+timeout 450 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
   --keys 2000000 --rounds 4 --settle 10 --frontends 4 --duration 10 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
 echo "bench_oip rc=$?"; tail -15 "$OUT/bench_oip.log"
