@@ -53,16 +53,11 @@ from shared.config import load_config
 from shared.features import FeatureSet, FeatureSpec, build_feature_set
 from shared.fg import FgStats, plain_array, scalar_ids, sequence_ids, table_to_batch
 from shared.fg_plan import feature_plan
-from train.data.loader import (
-    MESSAGE_ROWS,
-    Loader,
-    Window,
-    _Batches,
-    _Packed,
-    usable_workers,
-)
+from train.data.loader import MESSAGE_ROWS, Loader, Window, usable_workers
 from train.data.memory import keep_freed_memory, shared_buffer
+from train.data.messages import Packed
 from train.data.prefetch import prefetch_to_device
+from train.data.streams import Batches
 from train.data.synthetic import SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +149,7 @@ def measure(
     }
 
 
-class _TimedBatches(_Batches):
+class _TimedBatches(Batches):
     """A worker's stream with the CPU of its steps counted (:func:`worker_steady`)."""
 
     cpu: dict[str, float]
@@ -185,7 +180,7 @@ def worker_steady(loader: Loader, batches: int) -> dict[str, object]:
     memory), other (cutting the windows into batches)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    keep_freed_memory()  # as _worker_init
+    keep_freed_memory()  # as worker_init
     cpu = dict.fromkeys(("read", "fg", "pack"), 0.0)
     tables: list[pa.Table] = []
     done, cpu0 = 0, time.process_time()
@@ -198,7 +193,7 @@ def worker_steady(loader: Loader, batches: int) -> dict[str, object]:
                 chunk := list(itertools.islice(played, dataset.message_batches))
             ):
                 pack0 = time.process_time()
-                _Packed.of([b for b, _ in chunk], shared_buffer)
+                Packed.of([b for b, _ in chunk], shared_buffer)
                 cpu["pack"] += time.process_time() - pack0
                 done += len(chunk)
             if done >= batches:

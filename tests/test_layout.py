@@ -87,6 +87,15 @@ def test_hashtable_import_graph_has_no_cycles() -> None:
     assert cycle is None, "import cycle in shared/hashtable: " + " -> ".join(cycle or [])
 
 
+def test_train_data_import_graph_has_no_cycles() -> None:
+    """The loader's modules (train/data/loader.py and the parts it was split into) import
+    downwards only: plan <- messages <- streams, in_order <- loader; workers <- loader."""
+    graph = _internal_imports("train.data")
+    assert "train.data.loader" in graph and "train.data.plan" in graph
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle in train/data: " + " -> ".join(cycle or [])
+
+
 def test_hashtable_table_does_not_import_the_cuda_kernels() -> None:
     """table.py reaches the kernels only through its backend (shared/hashtable/backend.py)."""
     graph = _internal_imports("shared.hashtable")

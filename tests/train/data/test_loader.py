@@ -7,10 +7,8 @@ import itertools
 import logging
 import os
 import pickle
-import random
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,19 +17,10 @@ from shared.batch import Batch, byte_span
 from shared.features import FeatureSet, feature_set_from_text
 from shared.fg import FgStats
 from train.data import synthetic, taobao
-from train.data.loader import (
-    InOrderLoader,
-    Loader,
-    RowGroup,
-    _file_rows,
-    _Message,
-    _Packed,
-    in_order_slices,
-    interleave,
-    resume_point,
-    usable_workers,
-)
+from train.data.in_order import file_rows
+from train.data.loader import InOrderLoader, Loader, usable_workers
 from train.data.memory import shared_buffer
+from train.data.messages import Message, Packed
 
 ROOT = Path(__file__).resolve().parents[3]
 SEED_TEXT = (ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config").read_text()
@@ -141,18 +130,6 @@ def test_unshuffled_drop_last_drops_only_the_short_last_batch(
     assert fingerprint(got) == fingerprint(everything)[: 256 * len(got)]
 
 
-def test_in_order_slices_end_at_row_groups_rounded_up_to_a_batch() -> None:
-    """Each slice starts a batch (a multiple of 100) and ends once it has 250 rows, at the end
-    of a row group rounded up to the next batch, or at the epoch's end."""
-    groups = [RowGroup("a", i, n) for i, n in enumerate([120, 200, 90, 400, 30])]  # ends:
-    # 120, 320, 410, 810, 840
-    assert in_order_slices(groups, 840, 100, 250) == [(0, 400), (400, 840)]
-    assert in_order_slices(groups, 800, 100, 250) == [(0, 400), (400, 800)]  # drop_last
-    assert in_order_slices(groups, 840, 100, 1) == [(0, 200), (200, 400), (400, 500),
-                                                    (500, 840)]  # fmt: skip
-    assert in_order_slices(groups, 0, 100, 250) == []
-
-
 def test_file_rows_reads_a_head_of_the_last_group_as_its_whole(
     samples: Path, fs: FeatureSet
 ) -> None:
@@ -164,7 +141,7 @@ def test_file_rows_reads_a_head_of_the_last_group_as_its_whole(
     f, columns = pq.ParquetFile(path), fs.columns()
     whole = f.read(columns=columns, use_threads=False)
     for start, rows in ((0, 100), (250, 110), (250, 300), (599, 2), (10, 1100), (0, 1500)):
-        got = _file_rows(f, start, rows, columns)
+        got = file_rows(f, start, rows, columns)
         assert got.equals(whole.slice(start, rows)), (start, rows)
 
 
@@ -183,28 +160,6 @@ def test_resume_skips_batches_cheaply_and_exactly(
     for k in (1, 5, len(full) - 1):
         rest = list(loader.epoch(2, skip_batches=k))
         assert fingerprint(rest) == fingerprint(full[k:]), k
-
-
-def test_resume_point_continues_any_round_robin() -> None:
-    def round_robin(counts: list[int]) -> list[tuple[int, int]]:
-        return [
-            (s, r) for r in range(max(counts, default=0)) for s, c in enumerate(counts) if c > r
-        ]
-
-    rng = random.Random(0)
-    for _ in range(300):
-        counts = [rng.randint(0, 6) for _ in range(rng.randint(1, 4))]
-        full = round_robin(counts)
-        for k in range(len(full) + 1):
-            taken, order = resume_point(counts, k)
-            left = [counts[s] - taken[s] for s in order]
-            resumed = [
-                (order[i], taken[order[i]] + r)
-                for r in range(max(left, default=0))
-                for i in range(len(order))
-                if left[i] > r
-            ]
-            assert resumed == full[k:]
 
 
 def test_from_config_and_bad_inputs(samples: Path, fs: FeatureSet, tmp_path: Path) -> None:
@@ -243,24 +198,6 @@ def test_workers_are_clamped_to_the_cores_saying_so_once(
     assert len(said()) == 2 and f"num_workers {cores + 41}" in said()[1]
 
 
-def test_interleave_gives_the_round_robin_over_batches_for_any_message_size() -> None:
-    rng = random.Random(1)
-    for _ in range(300):
-        counts = [rng.randint(0, 9) for _ in range(rng.randint(1, 5))]  # batches per slot
-        k = rng.randint(1, 4)
-        batches = [[(s, r) for r in range(c)] for s, c in enumerate(counts)]
-        chunks = [[b[i : i + k] for i in range(0, len(b), k)] for b in batches]
-        sent = [  # the DataLoader's round-robin over messages
-            chunks[s][j] for j in range(max(map(len, chunks))) for s in range(len(counts))
-            if j < len(chunks[s])
-        ]  # fmt: skip
-        want = [(s, r) for r in range(max(counts)) for s, c in enumerate(counts) if c > r]
-        got: list[Any] = list(interleave(iter(sent), [len(c) for c in chunks]))  # type: ignore[arg-type]
-        assert got == want, (counts, k)
-    with pytest.raises(RuntimeError, match="fewer messages"):
-        list(interleave(iter([[1]]), [2]))  # type: ignore[list-item]
-
-
 @pytest.mark.parametrize("message_rows", [1, 3 * 256])
 def test_message_size_changes_nothing_but_the_messages(
     samples: Path, fs: FeatureSet, message_rows: int
@@ -283,48 +220,6 @@ def test_message_size_changes_nothing_but_the_messages(
     assert fingerprint(load(message_rows, skip=5)) == fingerprint(want[5:])
     with pytest.raises(ValueError, match="message_rows"):
         Loader(samples / "train", fs, batch_size=8, message_rows=0)
-
-
-class _Finalized:
-    """In a reference cycle; its finalizer writes to a pipe (who freed it, parent or child)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.me = fd, self
-
-    def __del__(self) -> None:
-        os.write(self.fd, b"c" if os.getpid() != _PARENT[0] else b"p")
-
-
-_PARENT = [0]
-
-
-def test_a_forked_worker_never_frees_what_it_inherits() -> None:
-    """Garbage of the parent (a CUDA graph in a cycle, in the case this guards) is not collected
-    in a forked child, whose collections would free it there (the worker then dies)."""
-    import gc
-
-    from train.data.loader import _freeze_inherited_objects_at_fork
-
-    _freeze_inherited_objects_at_fork()
-    read, write = os.pipe()
-    _PARENT[0] = os.getpid()
-    gc.disable()  # the cycle stays uncollected until the fork
-    try:
-        _Finalized(write)  # garbage now: a cycle only a collection frees
-        pid = os.fork()
-        if pid == 0:  # the child: collect everything, report the frozen count, exit at once
-            gc.collect()
-            os.write(write, b"f" if gc.get_freeze_count() > 0 else b"n")
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        assert status == 0
-        assert os.read(read, 16) == b"f"  # frozen, and the inherited cycle was not freed there
-    finally:
-        gc.enable()
-        gc.collect()  # the parent frees it itself
-        os.close(write)
-        assert os.read(read, 16) == b"p"
-        os.close(read)
 
 
 def _assert_same_batch(got: Batch, want: Batch) -> None:
@@ -356,13 +251,13 @@ def _some_batches(samples: Path, fs: FeatureSet) -> list[Batch]:
 
 
 def test_a_packed_message_unpickles_to_the_same_batches(samples: Path, fs: FeatureSet) -> None:
-    """A worker's message (:class:`_Packed`) through the DataLoader's pickler: the same batches,
+    """A worker's message (:class:`Packed`) through the DataLoader's pickler: the same batches,
     as views of one buffer (one byte range each, for the prefetcher's one copy); and the same
     from a copy of the buffer (how the pin-memory thread rebuilds them)."""
     batches = _some_batches(samples, fs)
-    packed = _Packed.of(batches, shared_buffer)
-    received = pickle.loads(ForkingPickler.dumps(_Message(packed, FgStats())))
-    assert isinstance(received.batches, _Packed) and len(received.batches.slots) == sum(
+    packed = Packed.of(batches, shared_buffer)
+    received = pickle.loads(ForkingPickler.dumps(Message(packed, FgStats())))
+    assert isinstance(received.batches, Packed) and len(received.batches.slots) == sum(
         len(b.tensors()) for b in batches
     )
     got = received.unpacked()
@@ -371,7 +266,7 @@ def test_a_packed_message_unpickles_to_the_same_batches(samples: Path, fs: Featu
         _assert_same_batch(b, want)
         span = byte_span(b)
         assert span is not None and span[0].data_ptr() == storage
-    copied = _Packed(packed.buffer.clone(), packed.layouts, packed.slots)
+    copied = Packed(packed.buffer.clone(), packed.layouts, packed.slots)
     for b, want in zip(copied.unpack(), batches, strict=True):
         _assert_same_batch(b, want)
 
@@ -381,7 +276,7 @@ def test_a_pinned_message_holds_the_same_batches_in_pinned_memory(
     samples: Path, fs: FeatureSet
 ) -> None:
     batches = _some_batches(samples, fs)
-    pinned = _Message(_Packed.of(batches, shared_buffer), FgStats()).pin_memory()
+    pinned = Message(Packed.of(batches, shared_buffer), FgStats()).pin_memory()
     assert isinstance(pinned.batches, list)
     for b, want in zip(pinned.unpacked(), batches, strict=True):
         _assert_same_batch(b, want)
