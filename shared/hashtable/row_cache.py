@@ -164,12 +164,7 @@ class RowCache(StaticCacheLines):
         read); returns [k] the row each line's payload must go back to (its row where dirty,
         else -1), for :meth:`_fill`'s write-back."""
         self._version += 1
-        old = self.row_of_line[victims]  # [k]
-        held = old >= 0
-        back = held & self.dirty[victims]
-        self._line_map[torch.where(held, old, self.line_of_row.numel())] = -1  # free: the sink
-        self._evicted += torch.stack([held.sum(), back.sum()])
-        return torch.where(back, old, -1)
+        return self._unmap(victims)
 
     def _fill(
         self, lines: torch.Tensor, back: torch.Tensor | None, rows: torch.Tensor, tick: torch.Tensor
@@ -181,11 +176,8 @@ class RowCache(StaticCacheLines):
         if back is None:
             payload = self.store.read(rows)  # [k, 2 * dim]
         else:
-            out = torch.cat([self.values[lines], self.accum[lines]], 1)  # [k, 2 * dim]
-            payload = self.store.swap(back, out, rows)
-        payload = payload.to(self.values.device, non_blocking=True)
-        self.values[lines] = payload[:, : self.dim]
-        self.accum[lines] = payload[:, self.dim :]
+            payload = self.store.swap(back, self._packed(lines), rows)
+        self._unpack(lines, payload.to(self.values.device, non_blocking=True))
         self.row_of_line[lines] = rows
         self.line_of_row[rows] = lines.to(torch.int32)
         self.stamp[lines] = tick
@@ -380,8 +372,7 @@ class RowCache(StaticCacheLines):
         """Write every dirty line to the host tier (lines stay cached, now clean)."""
         dirty = torch.nonzero(self.dirty).squeeze(1)
         if dirty.numel():
-            rows = self.row_of_line[dirty]
-            self.store.write(rows, torch.cat([self.values[dirty], self.accum[dirty]], 1))
+            self.store.write(self.row_of_line[dirty], self._packed(dirty))
             self._counts.writebacks += dirty.numel()
             self.dirty[dirty] = False
 

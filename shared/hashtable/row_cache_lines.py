@@ -132,6 +132,28 @@ class CacheLines:
         stamps = self.stamp[window]  # [width]
         return window, torch.where(stamps < tick, stamps, KEEP)
 
+    def _packed(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n, 2 * dim]: the values, then the accumulators, of ``slots`` [n] (lines, the sink,
+        staging slots): a host tier's row layout."""
+        return torch.cat([self._values[slots], self._accum[slots]], 1)
+
+    def _unpack(self, slots: torch.Tensor, payload: torch.Tensor) -> None:
+        """Slots ``slots`` [n] take ``payload`` [n, 2 * dim] (:meth:`_packed`'s layout)."""
+        self._values[slots] = payload[:, : self.dim]
+        self._accum[slots] = payload[:, self.dim :]
+
+    def _unmap(self, victims: torch.Tensor, taking: torch.Tensor | None = None) -> torch.Tensor:
+        """Lines ``victims`` [k] leave the rows they hold (where ``taking`` [k], if given; the
+        others are the sink): those rows unmapped, evictions and write-backs counted on the
+        device, no host read. Returns [k] the row each line's payload must go back to (its row
+        where held and dirty, else -1). Both resolves evict through it."""
+        old = self._row_of_line[victims]  # [k]
+        held = old >= 0 if taking is None else taking & (old >= 0)
+        back = held & self._dirty[victims]
+        self._line_map[torch.where(held, old, self.line_of_row.numel())] = -1  # free: the sink
+        self._evicted += torch.stack([held.sum(), back.sum()])
+        return torch.where(back, old, -1)
+
     @property
     def counters(self) -> CacheCounters:
         """The counters so far (a host read: evictions and the static step's resolves are

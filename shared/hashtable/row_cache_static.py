@@ -112,7 +112,7 @@ class StaticCacheLines(CacheLines):
         - Maps, stamps and dirty bits are scattered with the sink slots for unused positions;
           hits, misses, new rows, bypassed rows, evictions and write-backs are counted on the
           device."""
-        big, dim, dev = self.lines, self.dim, self.values.device
+        big, dev = self.lines, self.values.device
         p, sink_row = rows.numel(), self.line_of_row.numel()
         assert p - big <= self._staged, "static_began(padded) makes the staging slots first"
         self._tick += 1
@@ -124,14 +124,9 @@ class StaticCacheLines(CacheLines):
         self._stamps[torch.where(has, line, big)] = tick
         need = stored & ~has  # [P] rows that take a line now
         gets, taken = self._static_victims(need, tick)  # [P] each
-        old = self._row_of_line[taken]  # [P] the row each victim held
-        held = gets & (old >= 0)
-        back = held & self._dirty[taken]
-        self._line_map[torch.where(held, old, sink_row)] = -1  # unmapped
-        self._evicted += torch.stack([held.sum(), back.sum()])
-        out = torch.cat([self._values[taken], self._accum[taken]], 1)  # [P, 2 * dim]
+        back = self._unmap(taken, gets)  # [P] the row each dirty victim goes back to, or -1
         read = torch.where(need & found, rows, -1)
-        payload = self.store.swap(torch.where(back, old, -1), out, read)  # [P, 2 * dim]
+        payload = self.store.swap(back, self._packed(taken), read)  # [P, 2 * dim]
         payload = payload.to(dev, non_blocking=True)
         init = torch.cat(
             [new_values, torch.full_like(new_values, self.initial_accumulator_value)], 1
@@ -146,8 +141,7 @@ class StaticCacheLines(CacheLines):
             # with no backward (no update) nothing else would write it there
             self.store.write(torch.where(bypass & new, rows, -1), init)
         fill = torch.where(need | new, slots, big)  # [P] slots written: misses', new keys'
-        self._values[fill] = payload[:, :dim]
-        self._accum[fill] = payload[:, dim:]
+        self._unpack(fill, payload)
         lined = torch.where(gets | (new & has), slots, big)  # [P] lines (re)mapped
         self._row_of_line[lined] = rows
         self._line_map[torch.where(gets, rows, sink_row)] = slots.to(torch.int32)
@@ -186,5 +180,4 @@ class StaticCacheLines(CacheLines):
         if rows.numel() > big:  # a step that may bypass rows (its size decides: no host read)
             staged = slots > big
             at = torch.where(staged, slots, big)
-            payload = torch.cat([self._values[at], self._accum[at]], 1)  # [P, 2 * dim]
-            self.store.write(torch.where(staged, rows, -1), payload)
+            self.store.write(torch.where(staged, rows, -1), self._packed(at))
