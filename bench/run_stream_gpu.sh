@@ -29,8 +29,11 @@ t0=$(date +%s)
   --config configs/multi_tower_din_taobao_dynamicemb.config > "$OUT/data.log" 2>&1
  echo "data rc=$? in $(( $(date +%s) - t0 )) s") &
 # beside the data: the stream's GPU test (workers, pinned prefetch, CUDA graphs; tiny data)
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short \
-  tests/train/test_stream.py > "$OUT/gpu_tests_stream.log" 2>&1
+# TESTS: the GPU test paths (default the stream's; "tests" runs every GPU test beside the data)
+TESTS=${TESTS-tests/train/test_stream.py}
+# shellcheck disable=SC2086  # TESTS is a list of paths
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short \
+  $TESTS > "$OUT/gpu_tests_stream.log" 2>&1
 echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_stream.log"
 wait
 mkdir -p /tmp/stream
