@@ -4,9 +4,11 @@ the all-num_buckets config and the cold-ids config (or any list of configs).
 First ``loader``: the Parquet loader alone (:func:`bench.bench_loader.measure`, batches pinned
 and copied to the device, no model) at ``--num-workers`` and at one worker per core, at the
 first config's batch size. Then for each config of ``--configs`` (default: the seed config
-``dynamic`` and the all-num_buckets baseline ``buckets``; ``cold``: the cold-ids config), on
-the same samples and device, each at its own config's ``data_config.batch_size`` unless
-``--batch`` sets one for all (batch size is the user's: issue #53):
+``dynamic`` and the all-num_buckets baseline ``buckets``; ``cold``: the cold-ids config;
+``cached``: the seed config with ``cache_load_factor`` 0.1 on every dynamic table, derived at
+run time by :mod:`bench.train_cached`), on the same samples and device, each at its own
+config's ``data_config.batch_size`` unless ``--batch`` sets one for all (batch size is the
+user's: issue #53):
 
 - ``step``: the training step on batches already on the device
   (:func:`bench.profile_train.profile_model`, the dense EMA included where the config has
@@ -14,7 +16,9 @@ the same samples and device, each at its own config's ``data_config.batch_size``
   step (by phase) and the GPU-busy fraction;
 - ``end_to_end``: the trainer's own loop (:class:`train.trainer.Trainer`: the Parquet loader
   with ``--num-workers`` workers, the device prefetch, CUDA graphs on CUDA) over one epoch, or
-  ``--e2e-max-steps`` steps: samples/s, seconds, and the eval AUC (overall, head, tail) after it;
+  ``--e2e-max-steps`` steps: samples/s, seconds, and the eval AUC (overall, head, tail) after it
+  (the trainer's final eval over the eval split, as ``python -m train train`` reports it); with
+  a CACHING storage, ``row_cache``: its hit rate and misses a training step;
   ``samples_per_s_median_window``: the median of the trainer's log windows after the first, the
   steady rate without the start-up (loader start, graph captures, kernel compilation);
 - ``step_warm``: the ``step`` figures again on the model the end-to-end run trained, its hash
@@ -30,7 +34,8 @@ busy), the ratios between the configs, the goals of issue #18 (end-to-end sample
 config, its step against the baseline's, GPU busy: of ``step_warm`` where it ran, else of
 ``step``) and, with ``cold`` beside ``dynamic``, those of issue #53 (``cold_over_dynamic``:
 the cold-ids config's end-to-end samples/s at least 1.3M and 0.8x the seed config's, 0 syncs
-a step).
+a step); with ``cached`` beside ``dynamic``, those of issue #52's item 2 (``cached_over_dynamic``:
+end-to-end samples/s at least 0.85x the seed config's, eval AUC within 0.001 of it).
 ``--padded-steps N`` also times the seed config's step with tzrec's padded DIN (pad to 100) for N
 steps, as a reference.
 
@@ -38,6 +43,7 @@ steps, as a reference.
     python -m bench.bench_train --size full --device cuda --num-workers 12 --out $OUT/bench_train.json
     python -m bench.bench_train --samples /tmp/full/samples --configs dynamic,buckets,cold \
         --device cuda --out $OUT/bench_train_configs.json
+    python -m bench.bench_train --size small --configs dynamic,cached --out out/bench_cached.json
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import torch
 from bench.bench_loader import measure as measure_loader
 from bench.profile_train import batches_needed, device_batches, profile_model
 from bench.py_spy import by_thread, find_py_spy, record_stacks
+from bench.train_cached import CacheCountingTrainer, cache_figures, cached_config, cached_ratios
 from shared.cli import Parser, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -75,6 +82,10 @@ CONFIGS = {
     "dynamic": ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config",
     "buckets": ROOT / "configs" / "multi_tower_din_taobao.config",
     "cold": ROOT / "configs" / "multi_tower_din_taobao_dynamicemb_cold_ids.config",
+}
+# known names of configs derived at run time from one of CONFIGS (written beside --out)
+DERIVED: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
+    "cached": ("dynamic", cached_config),  # the seed config, cache_load_factor 0.1 everywhere
 }
 GOALS = {  # issue #18
     "end_to_end_samples_per_s": 1.5e6,  # the seed config, one epoch of full data
@@ -164,7 +175,7 @@ def end_to_end(
     trainer, its model trained (:func:`warm_step_figures`)."""
     with tempfile.TemporaryDirectory(prefix="bench_train_run_") as model_dir:
         t0 = time.perf_counter()
-        trainer = Trainer(
+        trainer = CacheCountingTrainer(
             TrainOptions(
                 config_path=config_path, model_dir=Path(model_dir), train_path=samples / "train",
                 eval_path=samples / "eval", device=str(device),
@@ -214,6 +225,8 @@ def end_to_end(
         "sparse_graphs": summary.get("sparse_graphs"),
         "hash_table_paths": paths,  # CudaBackend: which insert/erase paths ran, how often
         "eval": ev.to_dict() if ev is not None else None,
+        # CACHING storages: hit rate and misses a step of the training steps (none: {})
+        "row_cache": cache_figures(trainer, result.progress.step),
     }
     return figures, trainer
 
@@ -241,8 +254,9 @@ def _step(entry: dict[str, Any]) -> dict[str, Any]:
 def summary(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per config, the figures the configs are compared by: batch, end-to-end samples/s (and
     its median log window), step ms, launches and syncs a step and GPU busy (of
-    ``step_warm`` where it ran, else of ``step``), and the end-to-end run's eval AUC, head
-    and tail."""
+    ``step_warm`` where it ran, else of ``step``), the end-to-end run's eval AUC, head
+    and tail, and its row cache's hit rate and misses a training step (CACHING storages, all
+    of them together; None without one)."""
     out = {}
     for name, entry in configs.items():
         step = _step(entry)
@@ -260,12 +274,28 @@ def summary(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "syncs_per_step": step.get("syncs_per_step"),
             "device_busy_fraction": profile.get("device_busy_fraction"),
             **{k: (e2e.get("eval") or {}).get(k) for k in ("auc", "head_auc", "tail_auc")},
+            **_cache_summary(e2e.get("row_cache") or {}, e2e.get("steps")),
         }
     return out
 
 
+def _cache_summary(caches: dict[str, dict[str, Any]], steps: int | None) -> dict[str, Any]:
+    """The training steps' hit rate and misses a step over every CACHING storage of
+    ``caches`` (:func:`bench.train_cached.cache_figures`; none: both None)."""
+    if not caches:
+        return {"cache_hit_rate": None, "cache_misses_per_step": None}
+    total = {k: sum(c["train"][k] for c in caches.values())
+             for k in ("cache_hits", "cache_misses", "cache_bypassed")}  # fmt: skip
+    used = sum(total.values())
+    return {
+        "cache_hit_rate": total["cache_hits"] / used if used else None,
+        "cache_misses_per_step": total["cache_misses"] / steps if steps else None,
+    }
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    """One line per config of ``result["summary"]``, then the cold/dynamic ratios."""
+    """One line per config of ``result["summary"]``, then the cold/dynamic and cached/dynamic
+    ratios."""
 
     def num(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -277,11 +307,17 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             f" samples/s (median window {num(s['samples_per_s_median_window'], ',.0f')}), "
             f"step {num(s['step_ms'], '.2f')} ms, {num(s['launches_per_step'], '.0f')} "
             f"launches and {num(s['syncs_per_step'], 'd')} syncs a step, GPU busy "
-            f"{num(s['device_busy_fraction'], '.2f')}"
+            f"{num(s['device_busy_fraction'], '.2f')}, eval AUC {num(s['auc'], '.4f')}"
+            + (
+                f", cache hit rate {s['cache_hit_rate']:.3f}, "
+                f"{num(s['cache_misses_per_step'], ',.0f')} misses a step"
+                if s.get("cache_hit_rate") is not None
+                else ""
+            )
         )
-    cold = result.get("cold_over_dynamic")
-    if cold:
-        lines.append("cold/dynamic: " + json.dumps(cold))
+    for name in ("cold", "cached"):
+        if result.get(f"{name}_over_dynamic"):
+            lines.append(f"{name}/dynamic: " + json.dumps(result[f"{name}_over_dynamic"]))
     return lines
 
 
@@ -291,6 +327,10 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     cold = configs.get("cold")
     if cold and configs.get("dynamic"):
         out["cold_over_dynamic"] = cold_ratios(cold, configs["dynamic"])
+    cached = configs.get("cached")
+    if cached and configs.get("dynamic"):
+        step_ms = _step(cached)["step_ms_median"] / _step(configs["dynamic"])["step_ms_median"]
+        out["cached_over_dynamic"] = cached_ratios(cached, configs["dynamic"], step_ms)
     dyn, base = configs.get("dynamic"), configs.get("buckets")
     if dyn and base:
         out["dynamic_step_over_buckets"] = (
@@ -345,7 +385,7 @@ def cold_ratios(cold: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
 def _parser() -> Parser:
     p = Parser(prog="python -m bench.bench_train", description=plain(__doc__), epilog=EXAMPLE)
     p.add_argument("--configs", default="dynamic,buckets",
-                   help=f"comma-separated NAME or NAME=PATH (known: {', '.join(CONFIGS)})")  # fmt: skip
+                   help=f"comma-separated NAME or NAME=PATH (known: {', '.join([*CONFIGS, *DERIVED])})")  # fmt: skip
     p.add_argument("--samples", type=Path, help="samples dir with train/ and eval/; default: "
                    "generate --size into a temp dir")  # fmt: skip
     p.add_argument("--size", default="small", choices=list(SIZES),
@@ -383,16 +423,25 @@ def _parser() -> Parser:
     return p
 
 
-def _config_paths(spec: str) -> dict[str, Path]:
+def _config_paths(spec: str, out_path: Path) -> dict[str, Path]:
+    """``--configs``' names → config paths: NAME=PATH as given, a known name's shipped config,
+    or a :data:`DERIVED` name's config written now beside ``out_path`` (``<out>.NAME.config``:
+    the run keeps the config it trained)."""
     out = {}
     for item in spec.split(","):
         name, _, path = item.partition("=")
-        if not path and name not in CONFIGS:
+        if path:
+            out[name] = Path(path)
+        elif name in CONFIGS:
+            out[name] = CONFIGS[name]
+        elif name in DERIVED:
+            base, derive = DERIVED[name]
+            out[name] = derive(CONFIGS[base], out_path.with_name(f"{out_path.stem}.{name}.config"))
+        else:
             raise SystemExit(
-                f"error: --configs: {name!r} is not one of {', '.join(CONFIGS)}; "
+                f"error: --configs: {name!r} is not one of {', '.join([*CONFIGS, *DERIVED])}; "
                 "give NAME=PATH for another config"
             )
-        out[name] = Path(path) if path else CONFIGS[name]
     return out
 
 
@@ -449,7 +498,7 @@ def run_child_part(args, device: torch.device) -> int:
     """``--child PART``: one part of the one config of ``--configs``; its figures go to
     ``--child-out``. ``e2e``: the end_to_end run, then ``step_warm`` on the model it trained;
     ``step``: the ``step`` figures of a fresh model (and ``--padded-steps``)."""
-    ((name, path),) = _config_paths(args.configs).items()
+    ((name, path),) = _config_paths(args.configs, args.out).items()
     fs = build_feature_set(load_config(path))
     n = batches_needed(args.warmup, args.steps)
     figures: dict[str, Any] = {}
@@ -476,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.samples is None or args.child_out is None:
             raise SystemExit("error: --child needs --samples and --child-out")
         return run_child_part(args, device)
-    paths = _config_paths(args.configs)
+    paths = _config_paths(args.configs, args.out)
     samples = args.samples
     tmp = None
     if samples is None:

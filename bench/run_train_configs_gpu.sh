@@ -10,7 +10,9 @@
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]` (the wheels of
 # scripts/gpu_wheels.py, as bench/run_train_gpu.sh). Everything within ~590 s: the benchmark
 # gets what the data and tests left (BENCH_TIMEOUT caps it lower).
-# TESTS: the GPU test paths ("" skips them).
+# TESTS: the GPU test paths ("" skips them). CONFIGS: bench_train's --configs (default
+# dynamic,buckets,cold); CONFIGS=dynamic,cached,cold also runs issue #52's item 2 (the seed config
+# with cache_load_factor 0.1 on every dynamic table against the seed config: cached/dynamic).
 . bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
@@ -29,9 +31,9 @@ left=$(( ${DEADLINE_S:-590} - ($(date +%s) - t0) ))
 budget=$(( left < ${BENCH_TIMEOUT:-480} ? left : ${BENCH_TIMEOUT:-480} ))
 echo "bench_train: ${budget} s left"
 timeout "$budget" python3 -m bench.bench_train --samples /tmp/full/samples \
-  --configs dynamic,buckets,cold --device cuda --num-workers ${NUM_WORKERS:-12} \
+  --configs "${CONFIGS:-dynamic,buckets,cold}" --device cuda --num-workers ${NUM_WORKERS:-12} \
   --steps 10 --warmup 5 --out "$OUT/bench_train_configs.json" \
   > "$OUT/bench_train_configs.log" 2>&1
 echo "bench_train rc=$? at $(( $(date +%s) - t0 )) s"
-grep -E "^(dynamic|buckets|cold): batch|^cold/dynamic: |^error" "$OUT/bench_train_configs.log" \
+grep -E "^[a-z_]+: batch|^(cold|cached)/dynamic: |^error" "$OUT/bench_train_configs.log" \
   || tail -20 "$OUT/bench_train_configs.log"

@@ -1,6 +1,7 @@
-"""bench.bench_train: the shipped configs side by side (``cold`` among the known names), each at
-its own config's batch size unless ``--batch`` sets one, the dense EMA in the step of a config
-that has one, the summary and the cold/dynamic ratios (a CPU run of the step figures)."""
+"""bench.bench_train: the shipped configs side by side (``cold`` among the known names, and
+``cached``, derived from the seed config), each at its own config's batch size unless ``--batch``
+sets one, the dense EMA in the step of a config that has one, the summary and the cold/dynamic
+ratios (a CPU run of the step figures), and the cached/dynamic ratios of an end-to-end CPU run."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from bench.bench_train import CONFIGS, _config_paths, batch_size, main
 from tests.conftest import ROOT
 
 
-def test_the_three_shipped_configs_are_known_by_name() -> None:
-    paths = _config_paths("dynamic,buckets,cold")
+def test_the_shipped_and_derived_configs_are_known_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    paths = _config_paths("dynamic,buckets,cold", out)
     assert list(paths) == ["dynamic", "buckets", "cold"]
     assert paths["cold"] == ROOT / "configs" / "multi_tower_din_taobao_dynamicemb_cold_ids.config"
     assert all(p.is_file() for p in CONFIGS.values())
-    with pytest.raises(SystemExit, match="'nope' is not one of dynamic, buckets, cold"):
-        _config_paths("dynamic,nope")
+    assert _config_paths("cached", out) == {"cached": tmp_path / "bench.cached.config"}
+    assert "cache_load_factor: 0.1" in (tmp_path / "bench.cached.config").read_text()
+    with pytest.raises(SystemExit, match="'nope' is not one of dynamic, buckets, cold, cached"):
+        _config_paths("dynamic,nope", out)
 
 
 def test_batch_is_each_configs_own_unless_given() -> None:
@@ -70,3 +74,45 @@ def test_configs_side_by_side_at_their_own_batches(
     printed = capsys.readouterr().out
     assert "dynamic: batch 256," in printed and "cold: batch 128," in printed
     assert "cold/dynamic: " in printed
+
+
+def test_cached_against_dynamic_end_to_end(
+    tiny_samples: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #52's item 2 on CPU: ``cached`` (a CACHING storage) beside ``dynamic``, a few steps
+    end to end each: eval AUCs, the cached/dynamic samples/s ratio and AUC difference with their
+    goals, and the cache's training hit rate and misses a step (the dynamic config has none)."""
+    out = tmp_path / "bench_train.json"
+    argv = ["--configs", "dynamic,cached", "--samples", str(tiny_samples), "--device", "cpu",
+            "--batch", "256", "--steps", "1", "--warmup", "1", "--num-workers", "0",
+            "--e2e-max-steps", "3", "--eval-max-batches", "2", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["configs"]["cached"]["config"] == str(tmp_path / "bench_train.cached.config")
+    e2e = {n: result["configs"][n]["end_to_end"] for n in ("dynamic", "cached")}
+    assert e2e["dynamic"]["row_cache"] == {}
+    (cache,) = e2e["cached"]["row_cache"].values()
+    assert len(cache["tables"]) == 6
+    train = cache["train"]
+    assert train["cache_misses"] > 0  # the first steps read their rows from the host tier
+    used = train["cache_hits"] + train["cache_misses"] + train["cache_bypassed"]
+    assert cache["train_hit_rate"] == pytest.approx(train["cache_hits"] / used)
+    assert cache["train_misses_per_step"] == pytest.approx(train["cache_misses"] / 3)
+    assert cache["eval"]["cache_hits"] + cache["eval"]["cache_misses"] > 0  # told apart
+    summary = result["summary"]
+    assert summary["cached"]["cache_hit_rate"] == pytest.approx(cache["train_hit_rate"])
+    assert summary["dynamic"]["cache_hit_rate"] is None
+    aucs = {n: e2e[n]["eval"]["auc"] for n in e2e}
+    assert summary["cached"]["auc"] == aucs["cached"]
+    ratio = result["cached_over_dynamic"]
+    assert ratio["end_to_end_samples_per_s"] == pytest.approx(
+        e2e["cached"]["samples_per_s"] / e2e["dynamic"]["samples_per_s"]
+    )
+    assert ratio["auc_diff"] == pytest.approx(aucs["cached"] - aucs["dynamic"])
+    goals = ratio["goals"]
+    assert goals["end_to_end_over_dynamic"]["goal"] == 0.85
+    assert goals["auc_abs_diff"]["got"] == pytest.approx(abs(ratio["auc_diff"]))
+    assert goals["auc_abs_diff"]["met"] == (abs(ratio["auc_diff"]) <= 0.001)
+    printed = capsys.readouterr().out
+    assert "cached: batch 256," in printed and "cache hit rate" in printed
+    assert "cached/dynamic: " in printed
