@@ -41,6 +41,7 @@ from serve.tiers import (
     KEY_BYTES,
     LINE_BYTES,
     VALUE_BYTES_PER_DIM,
+    HostTiers,
     TierConfig,
     TieredRows,
     build_tiered,
@@ -74,6 +75,9 @@ SEQUENCE = 2  # the sequence KJT's position in (user, item, sequence)
 # needs more takes the rebuild, which makes new tables with new free slots.
 HEADROOM = 0.10
 MIN_SPARE_ROWS = 1024
+# the tiers of tables built without a TierConfig (the bundle's fg.json factors): one per process,
+# so that such loads share equal host rows too (serve.tiers, "What a load shares")
+DEFAULT_TIERS = TierConfig()
 
 
 def spare_rows(keys: int, headroom: float) -> int:
@@ -116,9 +120,10 @@ class _Group:
         seconds: dict[str, float],
         headroom: float = 0.0,
         factors: Mapping[str, float] | None = None,
+        host: HostTiers | None = None,
     ) -> None:
         """``factors``: a CACHING group (every table dynamic, :mod:`serve.tiers`), each table's
-        share of rows in HBM; None: HBM_ONLY."""
+        share of rows in HBM, its host rows shared through ``host``; None: HBM_ONLY."""
         self.dim = dim
         self.shift = shift
         self.names = [t.name for t in tables]
@@ -144,8 +149,8 @@ class _Group:
         self.tiers: TieredRows | None = None
         self.factors = dict(factors or {})
         if factors is not None:  # keys on the device, values on the host and hot ones in HBM
-            assert self.dynamic and not dense, self.names
-            self.hash, self.tiers = build_tiered(bundle, self.dynamic, shift, factors, device)
+            assert self.dynamic and not dense and host is not None, self.names
+            self.hash, self.tiers = build_tiered(bundle, self.dynamic, shift, factors, device, host)
             self.rows.update({n: int(bundle.hash_tables[n][0].numel()) for n in self.dynamic})
         elif self.dynamic:  # one sorted key array: key' = (table << shift) | key
             keys = [bundle.hash_tables[n][0] for n in self.dynamic]
@@ -382,12 +387,13 @@ class EmbeddingTables:
         self.cold_layout = cold_layout(self.fs, self.layout)
         self.build_seconds: dict[str, float] = {}  # dense_tables, hash_tables
         self.tiers = tiers  # as given: a rebuild of these tables (serve.delta) passes it on
+        self.host_tiers = (tiers or DEFAULT_TIERS).host  # the server's host tiers (serve.tiers)
         dense_bytes = sum(w.numel() * 4 for w in bundle.dense_tables.values())
         rows = {t.name: _rows(bundle, t.name) for t in self.fs.dynamic_tables}
         self.placements = {
             p.table: p
             for p in plan_tiers(
-                self.fs, rows, tiers or TierConfig(), dense_bytes=dense_bytes, headroom=headroom
+                self.fs, rows, tiers or DEFAULT_TIERS, dense_bytes=dense_bytes, headroom=headroom
             )
         }
         for line in describe(list(self.placements.values())):
@@ -403,6 +409,7 @@ class EmbeddingTables:
                 self.build_seconds,
                 0.0 if is_cached else headroom,
                 cached if is_cached else None,
+                self.host_tiers,
             )
             for dim, tables, shift, is_cached in _groups(self.fs, bundle, frozenset(cached))
         ]

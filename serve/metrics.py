@@ -83,7 +83,12 @@ class _TierCollector(Collector):
     per table the found keys read from each tier (``hbm``: an HBM_ONLY table's every hit, a
     CACHING table's hot rows; ``host``: a CACHING table's rows read from host memory), the hit
     rate of HBM among them, and the bytes each tier holds. The cache is a static hot set chosen
-    at load: no rows move between tiers while a version serves (no evictions to count)."""
+    at load: no rows move between tiers while a version serves (no evictions to count).
+
+    A table's ``host`` bytes are what the current version reads, whether or not another version
+    (the spare, one retiring) shares them; ``host_tier_bytes`` is the host memory of every
+    version the server holds, each shared store counted once (:class:`serve.tiers.HostTiers`),
+    and ``host_tier_copies`` how many stores that is."""
 
     def __init__(self, current: Callable[[], LoadedModel | None]) -> None:
         self._current = current
@@ -102,9 +107,23 @@ class _TierCollector(Collector):
             labels=["table", "mode"],
         )
         size = GaugeMetricFamily(
-            f"{p}bytes", "Bytes of each table per tier (hbm, host)", labels=["table", "tier"]
+            f"{p}bytes",
+            "Bytes of each table per tier (hbm, host) of the current version",
+            labels=["table", "tier"],
+        )
+        held = GaugeMetricFamily(
+            "dynrec_serving_host_tier_bytes",
+            "Host memory of the CACHING tables of every version held (served, spare, retiring), "
+            "each store shared between versions counted once",
+        )
+        copies = GaugeMetricFamily(
+            "dynrec_serving_host_tier_copies",
+            "Distinct host stores of CACHING table groups held by all versions (equal rows shared)",
         )
         model = self._current()
+        if model is not None:
+            held.add_metric([], model.tables.host_tiers.nbytes)
+            copies.add_metric([], model.tables.host_tiers.copies)
         for s in [] if model is None else model.table_stats():
             size.add_metric([s.name, "hbm"], s.hbm_bytes)
             size.add_metric([s.name, "host"], s.host_bytes)
@@ -116,6 +135,8 @@ class _TierCollector(Collector):
         yield reads
         yield rate
         yield size
+        yield held
+        yield copies
 
 
 class _GraphCollector(Collector):

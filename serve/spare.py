@@ -40,7 +40,10 @@ a request still holding the old version is scored by the new one, never by a mix
 
 Memory: a spare holds one more copy of the tables and of the graphs' memory pool for as long as
 the server runs, which is what a swap needs at its peak anyway; ``--reuse-graphs off`` frees it
-(and every swap captures).
+(and every swap captures). The host rows of CACHING tables are the exception while the spare
+holds the served version's rows (the startup copy): one copy serves both, and the first version
+written into the spare gets a copy of its own, copy-on-write (:mod:`serve.tiers`, "What a load
+shares").
 """
 
 from __future__ import annotations

@@ -34,17 +34,42 @@ A table below 1.0 is CACHING, and its lookup group (:mod:`serve.lookup`) is a :c
   both tiers are RAM and the miss path is an ``index_select`` of the host rows. The rows are
   copies of the same values: scores equal the all-in-HBM server's bit for bit.
 
-What a load shares: nothing between versions yet. Each loaded version (the served one and a
-spare) holds its own host tier and its own HBM lines; the issue asks for one host copy per
-server, shared with the spare where rows are equal, which is not built.
+What a load shares: one host copy of equal rows per server. The host tiers of every version a
+server holds (the served one, the spare of ``--reuse-graphs``, :mod:`serve.spare`, one still
+retiring, :mod:`serve.versions`, a delta's rebuild) are known to one :class:`HostTiers`, the
+server's (``TierConfig.host``: made with the config, so every load of one server sees it). A
+new group's host rows are built as before, then compared bit for bit with every store held:
+an equal one is used, the built copy dropped, so two versions of one bundle (the startup
+spare is a second load of the first version) or a rebuild whose group the delta left alone
+hold one :class:`~shared.hashtable.host_store.TensorHostStore` (pinned and mapped once). The
+comparison is by content, not by path or version, so nothing can share rows it does not have;
+its price is the built copy during the load (the peak of a load, as before, not the steady
+state). A store lives as long as a version holds it (the registry holds versions weakly) and is
+freed with the last one. Sharing is per group and all or nothing: a version whose rows differ
+in one row holds its own copy (an overlay of changed rows over a shared base would share more,
+at the cost of a third source in the gather; not built).
+
+Writes are copy-on-write (:func:`prepare_tiered`): a group whose store no other version holds
+is written in place as before, after :meth:`HostTiers.claim` took the store out of sharing (a
+load meanwhile cannot pick it up); one whose store is shared gets its own store instead, the
+new version's host rows that the update builds anyway, page-locked off the serving path, and
+the write between batches swaps it in: the store and, on CUDA, the device cell the gather
+kernel reads the rows' address from (``TieredRows.host_at``: a CUDA graph captured the cell,
+not the address, so a swap needs no new capture). The other version keeps reading the shared
+rows untouched, so a request never sees another version's rows. A store written in place is
+not shared again (simple, and a later load of that version only holds a copy of its own, as
+before). :attr:`HostTiers.nbytes` is
+the host memory of all versions, each store counted once
+(``dynrec_serving_host_tier_bytes``); a table's ``host`` bytes are what the served version
+reads, shared or not.
 
 Updates (:meth:`serve.lookup.EmbeddingTables.prepare_update`: deltas, and a new version written
-into a spare): new values of the same keys are written in place, each changed row into the host
-tier and, when it has an HBM line, into that line too (:func:`prepare_tiered`; the hot set stays
-as chosen at load). An update that adds or drops keys is refused in place
-(``InPlaceUnavailableError``): a delta then takes the rebuild, which builds the patched bundle's
-tables anew (its hot set the first rows, since the merged bundle has no scores), and a new
-version is loaded in full.
+into a spare): new values of the same keys are written in place (copy-on-write where the host
+tier is shared, above), each changed row into the host tier and, when it has an HBM line, into
+that line too (:func:`prepare_tiered`; the hot set stays as chosen at load). An update that adds
+or drops keys is refused in place (``InPlaceUnavailableError``): a delta then takes the
+rebuild, which builds the patched bundle's tables anew (its hot set the first rows, since the
+merged bundle has no scores), and a new version is loaded in full.
 
 Example::
 
@@ -56,6 +81,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -81,13 +108,82 @@ LINE_BYTES = 4  # a CACHING row's int32 HBM line (-1: on the host only)
 VALUE_BYTES_PER_DIM = 4  # float32 values (serving holds no optimizer state)
 
 
+class HostTiers:
+    """The host tiers of every version one server holds, so that equal rows are held once
+    (module docstring, "What a load shares"). Thread-safe: loads, updates and scrapes may run
+    on different threads. Versions are held weakly: a dropped version's store is freed with it
+    (with the last version holding it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tiers: weakref.WeakSet[TieredRows] = weakref.WeakSet()
+        self._claimed: weakref.WeakSet[TensorHostStore] = weakref.WeakSet()  # written in place
+
+    def attach(
+        self, holder: TieredRows, rows: torch.Tensor, *, pin: bool, mapped: bool
+    ) -> TensorHostStore:
+        """Set ``holder.store`` to a store of rows bit-equal to ``rows`` [C, dim] float32 (one
+        held and not claimed: shared), else to a new one over ``rows`` (pinned and mapped as
+        asked); under the lock, so no :meth:`claim` misses the holder."""
+        with self._lock:
+            bits = rows.view(torch.int32)  # bit for bit: -0.0 is not 0.0 here
+            for store in self._stores():
+                held = store.rows
+                if (
+                    store not in self._claimed
+                    and store.pin == pin
+                    and store.mapped == mapped
+                    and held.shape == rows.shape
+                    and torch.equal(held.view(torch.int32), bits)
+                ):
+                    break
+            else:
+                store = TensorHostStore.holding(rows, pin=pin, mapped=mapped)
+            holder.store = store
+            self._tiers.add(holder)
+            return store
+
+    def claim(self, holder: TieredRows) -> bool:
+        """Whether ``holder`` may write its store in place: no other version holds it. Then it
+        is shared no more (a later load does not pick it up, even before the write)."""
+        with self._lock:
+            store = holder.store
+            if sum(t.store is store for t in self._tiers) > 1:
+                return False
+            self._claimed.add(store)
+            return True
+
+    def holders(self, store: TensorHostStore) -> int:
+        """How many groups of loaded versions read ``store``."""
+        with self._lock:
+            return sum(t.store is store for t in self._tiers)
+
+    @property
+    def copies(self) -> int:
+        """Distinct host stores held."""
+        with self._lock:
+            return len(self._stores())
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of every version's tiers, each store counted once."""
+        with self._lock:
+            return sum(s.nbytes for s in self._stores())
+
+    def _stores(self) -> list[TensorHostStore]:
+        """Each store held once, in the order first held (under the lock)."""
+        return list({id(t.store): t.store for t in list(self._tiers)}.values())
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """Where a server's dynamic tables live: per-table factors (beat the bundle's fg.json) and
-    a budget of HBM bytes for all tables (None: no budget)."""
+    a budget of HBM bytes for all tables (None: no budget); ``host``: the server's host tiers
+    (:class:`HostTiers`, one per config: the loads made with one config share equal rows)."""
 
     factors: Mapping[str, float] = field(default_factory=dict)
     hbm_budget: int | None = None
+    host: HostTiers = field(default_factory=HostTiers, compare=False, repr=False)
 
     @classmethod
     def from_flags(cls, factors: Sequence[str], hbm_budget_gib: float | None) -> TierConfig:
@@ -231,17 +327,19 @@ def build_tiered(
     shift: int,
     factors: Mapping[str, float],
     device: torch.device,
+    host: HostTiers,
 ) -> tuple[StaticLookupTable, TieredRows]:
     """A lookup group's CACHING tables ``names``: their fused keys (key' = (table << shift) |
     key) sorted on ``device`` as a keys-only :class:`StaticLookupTable`, and their values in a
-    :class:`TieredRows` in that order, each table's ``ceil(factor * rows)`` hottest in HBM."""
+    :class:`TieredRows` in that order, each table's ``ceil(factor * rows)`` hottest in HBM, the
+    host rows shared through ``host`` with any version holding the same."""
     rows = _sorted_rows(bundle, names, shift, device)
     hot = [
         rows.positions[n][hot_rows(bundle, n, math.ceil(factors[n] * rows.positions[n].numel()))]
         for n in names
     ]
     index = StaticLookupTable(rows.keys, torch.empty(rows.keys.numel(), 0, device=device))
-    return index, TieredRows(rows.host, torch.cat(hot), device)
+    return index, TieredRows(rows.host, torch.cat(hot), device, host)
 
 
 def prepare_tiered(
@@ -253,9 +351,11 @@ def prepare_tiered(
 ) -> Callable[[], None]:
     """The writes that make a CACHING group hold ``bundle``'s rows of its tables ``names``:
     each changed row into the host tier and, when it has an HBM line, into that line too (the
-    hot set stays as chosen at load). Computed here, off the serving path; the returned function
-    only writes, between batches. Only for the same keys: a bundle that adds or drops a key
-    raises :class:`InPlaceUnavailableError` (the tables are rebuilt)."""
+    hot set stays as chosen at load). A host tier another version holds is not written: the
+    group gets a store of its own, the new rows (copy-on-write, module docstring). Computed
+    here, off the serving path; the returned function only writes, between batches. Only for
+    the same keys: a bundle that adds or drops a key raises :class:`InPlaceUnavailableError`
+    (the tables are rebuilt)."""
     from serve.lookup import InPlaceUnavailableError
 
     new = _sorted_rows(bundle, names, shift, index.device)
@@ -271,9 +371,13 @@ def prepare_tiered(
     lines = tiers.line_of_row.index_select(0, changed.to(tiers.device)).long()  # [M]
     hot = lines >= 0
     hot_lines, hot_values = lines[hot], values.to(tiers.device)[hot]
+    own = None if tiers.host.claim(tiers) else tiers.own_store(new.host)
 
     def write() -> None:
-        tiers.store.write(changed, values)
+        if own is None:
+            tiers.store.write(changed, values)
+        else:
+            tiers.use(*own)
         tiers.hot.index_copy_(0, hot_lines, hot_values)
 
     return write
@@ -302,11 +406,15 @@ class TieredRows:
     whichever tier holds them, and whether that was HBM; one kernel on CUDA, two gathers and a
     ``where`` on CPU."""
 
-    def __init__(self, host_rows: torch.Tensor, hot: torch.Tensor, device: torch.device) -> None:
-        """``host_rows`` [C, dim] float32 on the CPU (kept as they are, page-locked on CUDA);
-        ``hot`` [H] int64 the rows to keep in HBM (distinct)."""
+    def __init__(
+        self, host_rows: torch.Tensor, hot: torch.Tensor, device: torch.device, host: HostTiers
+    ) -> None:
+        """``host_rows`` [C, dim] float32 on the CPU (kept as they are, page-locked on CUDA,
+        unless ``host`` holds equal rows: then those); ``hot`` [H] int64 the rows to keep in
+        HBM (distinct)."""
         self.device = device
         self.dim = host_rows.shape[1]
+        self.host = host
         cuda = device.type == "cuda"
         if cuda:
             from shared.hashtable.cuda import runtime
@@ -322,8 +430,11 @@ class TieredRows:
 
             # now, not at the first lookup (which may be inside a graph capture)
             runtime.compile_modules(device, [tier_gather.SOURCE])
-        self.store = TensorHostStore.holding(host_rows, pin=cuda, mapped=cuda)
-        self._host_ptr = self.store.device_pointer() if cuda else 0
+        self.store: TensorHostStore  # set by attach, under the registry's lock
+        host.attach(self, host_rows, pin=cuda, mapped=cuda)
+        # the host rows' device address, in a cell the gather kernel reads (and a CUDA graph
+        # captures): a store swapped in (copy-on-write) is one write of the cell, no capture
+        self.host_at = self._address(self.store)  # [1] int64 (device); CPU: unused
         hot = torch.sort(hot).values  # lines in row order: neighbouring rows, neighbouring lines
         self.lines = hot.numel()
         self.line_of_row = torch.full((host_rows.shape[0],), -1, dtype=torch.int32, device=device)
@@ -333,6 +444,24 @@ class TieredRows:
         # at least one row, so that a gather of line 0 (clamped misses) is in bounds
         hot_values = host_rows.index_select(0, hot) if self.lines else torch.zeros(1, self.dim)
         self.hot = hot_values.to(device)  # [max(H, 1), dim]
+
+    def _address(self, store: TensorHostStore) -> torch.Tensor:
+        """[1] int64 on the device: ``store``'s rows' device address (0 on the CPU)."""
+        ptr = store.device_pointer() if self.device.type == "cuda" else 0
+        return torch.tensor([ptr], dtype=torch.int64, device=self.device)
+
+    def own_store(self, rows: torch.Tensor) -> tuple[TensorHostStore, torch.Tensor]:
+        """A store of this group's own over ``rows`` [C, dim] float32 (page-locked and mapped
+        on CUDA) and its address cell, for :meth:`use`: made off the serving path."""
+        cuda = self.device.type == "cuda"
+        store = TensorHostStore.holding(rows.contiguous(), pin=cuda, mapped=cuda)
+        return store, self._address(store)
+
+    def use(self, store: TensorHostStore, address: torch.Tensor) -> None:
+        """Read ``store`` from now on (from :meth:`own_store`; between batches): the CPU path
+        reads :attr:`store`, the CUDA kernel the address in :attr:`host_at`."""
+        self.store = store
+        self.host_at.copy_(address)
 
     @property
     def hbm_bytes(self) -> int:
@@ -354,7 +483,7 @@ class TieredRows:
             from shared.hashtable.cuda import tier_gather
 
             out = torch.empty(idx.numel(), self.dim, device=self.device)
-            tier_gather.gather(self.hot, self._host_ptr, idx, self.line_of_row, out)
+            tier_gather.gather(self.hot, self.host_at, idx, self.line_of_row, out)
             return out, in_hbm
         hot = self.hot.index_select(0, line.clamp(min=0).long())  # [N, dim]
         cold = self.store.rows.index_select(0, row)  # [N, dim]: the same RAM

@@ -1,9 +1,11 @@
 """serve.tiers: a server whose dynamic tables live in host memory with an HBM cache of hot rows
-gives the all-in-HBM server's inputs and scores, counts its tiers, and plans or refuses a budget."""
+gives the all-in-HBM server's inputs and scores, counts its tiers, and plans or refuses a budget;
+the versions it holds share one host copy of equal rows, written copy-on-write."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from pathlib import Path
 
@@ -11,19 +13,23 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from bench.synthetic_bundle import write_synthetic_bundle
 from serve.batcher import concat_batches
 from serve.limits import Limits
 from serve.lookup import EmbeddingTables, InPlaceUnavailableError
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel, synthetic_batch
-from serve.tiers import KEY_BYTES, LINE_BYTES, TierConfig, plan_tiers
+from serve.spare import Spare, adopt
+from serve.tiers import KEY_BYTES, LINE_BYTES, TierConfig, TieredRows, plan_tiers
 from serve.validation import request_inputs
 from shared.batch import Batch
-from shared.bundle import Bundle, read_bundle
+from shared.bundle import Bundle, read_bundle, write_bundle
 from shared.dense_inputs import feature_parts, parts_by_table
+from shared.features import FeatureSet
 from shared.fg_request import request_columns_to_batch
 from shared.hashtable.placement import GIB, PlacementError, StorageMode
 
+from .conftest import export_tiny_program
 from .test_lookup import _assert_same, _multi_valued
 
 
@@ -204,15 +210,12 @@ def test_new_values_of_the_same_keys_are_written_into_both_tiers(bundle_v1: Path
         tables.prepare_update(dataclasses.replace(bundle, hash_tables=dropped))
 
 
-@pytest.mark.parametrize("keys", ["same", "changed"])
-def test_a_delta_on_a_cached_server(bundle_v1: Path, tmp_path: Path, keys: str) -> None:
-    """serve.delta: new values of the same keys go in place into both tiers; a delta that adds
-    or drops keys takes the rebuild. Either way the scores are those of the delta's tables."""
-    from serve.delta import ApplyPath, apply_delta
-    from shared.bundle import write_bundle
+def _delta(base: Bundle, root: Path, keys: str) -> tuple[Path, Path]:
+    """(a delta of ``base``, the full bundle of its tables): new values of rows 1-8 (among them
+    the first 8: hot without scores), and with ``keys`` "changed" the first key dropped and one
+    added."""
     from shared.delta import diff_tables, write_delta
 
-    base = read_bundle(bundle_v1)
     hashed = {}
     for name, (k, v) in base.hash_tables.items():
         v = v.clone()
@@ -221,7 +224,7 @@ def test_a_delta_on_a_cached_server(bundle_v1: Path, tmp_path: Path, keys: str) 
             k, v = torch.cat([k[1:], k.max().view(1) + 1]), torch.cat([v[1:], v[:1]])
         hashed[name] = (k, v)
     delta = write_delta(
-        tmp_path / "d1",
+        root / "d1",
         tables=diff_tables(base.dense_tables, base.hash_tables, base.dense_tables, hashed),
         base_manifest=base.manifest,
         delta_id="d1",
@@ -229,13 +232,24 @@ def test_a_delta_on_a_cached_server(bundle_v1: Path, tmp_path: Path, keys: str) 
         config_digest=base.config_digest,
     )
     full = write_bundle(
-        tmp_path / "d1-full",
+        root / "d1-full",
         dense_tables=base.dense_tables,
         hash_tables={n: [kv] for n, kv in hashed.items()},
         feature_set=base.feature_set,
         dense_program_path=base.dense_program_path,
         config_digest=base.config_digest,
     )
+    return delta, full
+
+
+@pytest.mark.parametrize("keys", ["same", "changed"])
+def test_a_delta_on_a_cached_server(bundle_v1: Path, tmp_path: Path, keys: str) -> None:
+    """serve.delta: new values of the same keys go in place into both tiers; a delta that adds
+    or drops keys takes the rebuild. Either way the scores are those of the delta's tables."""
+    from serve.delta import ApplyPath, apply_delta
+
+    base = read_bundle(bundle_v1)
+    delta, full = _delta(base, tmp_path, keys)
     cached = LoadedModel.load(bundle_v1, device="cpu", tiers=_few_rows(base, 8))
     applied = apply_delta(cached, delta)
     want = ApplyPath.IN_PLACE if keys == "same" else ApplyPath.REBUILD
@@ -302,3 +316,206 @@ def test_cuda_cached_scores_equal_hbm_only(din_bundles: tuple[Path, Path], graph
     assert sum(s.host_reads for s in cached.table_stats()) > 0  # misses read from host memory
     if stats is not None:  # every batch replayed (the lookup's misses inside the graph)
         assert (stats.replays, sum(stats.eager.values())) == (before[0] + 3, before[1])
+
+
+# --------------------------------------------------------------------------- shared host rows
+
+
+def _tiered(tables: EmbeddingTables) -> list[TieredRows]:
+    return [g.tiers for g in tables._groups if g.tiers is not None]
+
+
+def _next_version(fs: FeatureSet, base: Path, root: Path, seed: int = 2) -> Path:
+    """Version "2" of ``base``: its keys (so it can be written into a CACHING spare), other
+    values and program weights (the same program graph)."""
+    program = export_tiny_program(fs, root / "dense.pt2", seed)
+    keys = {n: k.numpy() for n, (k, _) in read_bundle(base).hash_tables.items()}
+    return write_synthetic_bundle(
+        root / "2", fs, keys=keys, program_path=program, version="2", seed=seed
+    )
+
+
+def _scores(model: LoadedModel, bundle: Bundle) -> list[torch.Tensor]:
+    return [
+        model.predict(
+            _multi_valued(bundle, synthetic_batch(bundle.feature_set, 3, 7, (0, 4, 1)), s)
+        )
+        for s in range(3)
+    ]
+
+
+def _assert_scores(got: LoadedModel, want: LoadedModel, bundle: Bundle) -> None:
+    for a, b in zip(_scores(got, bundle), _scores(want, bundle), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_two_loads_of_one_bundle_hold_one_host_copy(bundle_v1: Path) -> None:
+    bundle = read_bundle(bundle_v1)
+    tiers = _few_rows(bundle, 8)
+    served = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=tiers)
+    spare = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=tiers)
+    alone = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=_few_rows(bundle, 8))
+    groups = _tiered(served.tables)
+    assert groups and len(groups) == len(_tiered(spare.tables))
+    one_copy = sum(t.store.nbytes for t in groups)
+    assert one_copy == sum(s.host_bytes for s in served.table_stats())
+    for a, b, c in zip(groups, _tiered(spare.tables), _tiered(alone.tables), strict=True):
+        assert a.store is b.store and a.store.rows.data_ptr() == b.store.rows.data_ptr()
+        assert c.store.rows.data_ptr() != a.store.rows.data_ptr()  # another server's registry
+        assert tiers.host.holders(a.store) == 2
+    # with sharing: two versions, one copy; without (a registry each): a copy per version
+    assert (tiers.host.copies, tiers.host.nbytes) == (len(groups), one_copy)
+    assert tiers.host.nbytes + alone.tables.host_tiers.nbytes == 2 * one_copy
+    text = generate_latest(ServingMetrics(lambda m=served: m).registry).decode()
+    assert f"dynrec_serving_host_tier_bytes {float(one_copy)}" in text
+    assert f"dynrec_serving_host_tier_copies {float(len(groups))}" in text
+    hbm = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0)
+    _assert_scores(served, hbm, bundle)
+    _assert_scores(spare, hbm, bundle)
+    del served, spare, groups, a, b  # (a, b: the loop's last groups)
+    gc.collect()
+    assert (tiers.host.copies, tiers.host.nbytes) == (0, 0)  # freed with the last version
+
+
+def test_a_version_written_into_a_spare_sharing_its_rows_leaves_the_served_ones(
+    fs: FeatureSet, bundle_v1: Path, tmp_path: Path
+) -> None:
+    """serve.spare on a CACHING server: the startup spare shares the served version's host
+    rows; the next version written into it gets a store of its own (copy-on-write), the served
+    version keeps scoring as before, and the spare's next write is in place."""
+    bundle = read_bundle(bundle_v1)
+    tiers = _few_rows(bundle, 8)
+    served = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=tiers)
+    kept = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=tiers)
+    shared = [t.store for t in _tiered(served.tables)]
+    pointers = [s.rows.data_ptr() for s in shared]
+    spare = Spare()
+    assert spare.offer(kept, serving=served)
+    v2 = _next_version(fs, bundle_v1, tmp_path)
+    model = adopt(spare, v2, verify_checksums=True, warmup_candidates=10)
+    assert model is not None and model.tables is kept.tables  # written into the spare
+    groups = _tiered(model.tables)
+    assert [t.store for t in _tiered(served.tables)] == shared  # untouched
+    assert [s.rows.data_ptr() for s in shared] == pointers
+    assert all(t.store not in shared for t in groups)
+    one_copy = sum(s.nbytes for s in shared)
+    assert (tiers.host.copies, tiers.host.nbytes) == (2 * len(shared), 2 * one_copy)
+    _assert_scores(served, LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0), bundle)
+    fresh = LoadedModel.load(v2, device="cpu", warmup_rounds=0)
+    _assert_scores(model, fresh, bundle)
+    # the spare's store is its own now: the next version (v1 again) is written in place
+    own = [t.store.rows.data_ptr() for t in groups]
+    model.tables.prepare_update(bundle)()
+    assert [t.store.rows.data_ptr() for t in groups] == own
+    for seed in range(3):  # the tables only (the program keeps v2's weights)
+        batch = _multi_valued(bundle, synthetic_batch(bundle.feature_set, 3, 7, (0, 4, 1)), seed)
+        _assert_same(model.tables.embed(batch), served.tables.embed(batch))
+
+
+def test_a_store_being_written_in_place_is_not_shared_by_a_load_meanwhile(
+    bundle_v1: Path, requests
+) -> None:
+    """The only version holding its rows claims them when it prepares an update: a load
+    between the prepare and the write (rows still equal) gets a copy of its own."""
+    bundle = read_bundle(bundle_v1)
+    tiers = _few_rows(bundle, 8)
+    first = EmbeddingTables.from_bundle(bundle, device="cpu", tiers=tiers)
+    hashed = {n: (k, v + 1.0) for n, (k, v) in bundle.hash_tables.items()}
+    new = dataclasses.replace(bundle, hash_tables=hashed)
+    write = first.prepare_update(new)
+    meanwhile = EmbeddingTables.from_bundle(bundle, device="cpu", tiers=tiers)
+    for a, b in zip(_tiered(first), _tiered(meanwhile), strict=True):
+        assert a.store is not b.store and tiers.host.holders(a.store) == 1
+    before = [t.store for t in _tiered(first)]
+    write()
+    assert [t.store for t in _tiered(first)] == before  # written in place
+    batches = _batches(bundle, requests)
+    hbm_old = EmbeddingTables.from_bundle(bundle, device="cpu")
+    hbm_new = EmbeddingTables.from_bundle(new, device="cpu")
+    for batch in batches:
+        _assert_same(meanwhile.embed(batch), hbm_old.embed(batch))
+        _assert_same(first.embed(batch), hbm_new.embed(batch))
+
+
+def test_a_delta_in_place_on_the_served_version_leaves_the_spare_sharing_its_rows(
+    bundle_v1: Path, tmp_path: Path
+) -> None:
+    """serve.delta in place on a served version whose host rows the spare shares: the served
+    version's successor gets its own rows (the delta's), the spare keeps scoring the base."""
+    from serve.delta import ApplyPath, apply_delta
+
+    base = read_bundle(bundle_v1)
+    tiers = _few_rows(base, 8)
+    served = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=tiers)
+    kept = LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0, tiers=tiers)
+    shared = [t.store for t in _tiered(kept.tables)]
+    assert [t.store for t in _tiered(served.tables)] == shared
+    delta, full = _delta(base, tmp_path, "same")
+    applied = apply_delta(served, delta)
+    assert applied.path is ApplyPath.IN_PLACE, applied.reason
+    assert all(t.store not in shared for t in _tiered(applied.model.tables))
+    assert [t.store for t in _tiered(kept.tables)] == shared
+    _assert_scores(applied.model, LoadedModel.load(full, device="cpu", warmup_rounds=0), base)
+    _assert_scores(kept, LoadedModel.load(bundle_v1, device="cpu", warmup_rounds=0), base)
+
+
+def test_rows_equal_but_for_the_sign_of_a_zero_are_not_shared(bundle_v1: Path) -> None:
+    """Sharing compares bits: -0.0 is not 0.0 (scores stay bit for bit the version's own)."""
+    bundle = read_bundle(bundle_v1)
+    tiers = _few_rows(bundle, 8)
+    name = "user_id_emb"
+    k, v = bundle.hash_tables[name]
+    zeros, negative = v.clone(), v.clone()
+    zeros[0], negative[0] = 0.0, -0.0
+    a = dataclasses.replace(bundle, hash_tables={**bundle.hash_tables, name: (k, zeros)})
+    b = dataclasses.replace(bundle, hash_tables={**bundle.hash_tables, name: (k, negative)})
+    ta = EmbeddingTables.from_bundle(a, device="cpu", tiers=tiers)
+    tb = EmbeddingTables.from_bundle(b, device="cpu", tiers=tiers)
+    stores = [(x.store, y.store) for x, y in zip(_tiered(ta), _tiered(tb), strict=True)]
+    assert sum(x is y for x, y in stores) == len(stores) - 1  # all but user_id_emb's group
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_spare_sharing_host_rows_takes_the_next_version_through_its_graphs(
+    din_bundles: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """CUDA with graphs: served and spare share the pinned, mapped host rows; the next version
+    written into the spare swaps its own rows in through the address cell its captured graphs
+    read (no capture), and the served version's graphs keep reading the shared rows."""
+    from serve.graphs import Bucket
+    from shared.hashtable.cuda import runtime
+
+    reason = runtime.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    path = din_bundles[1]  # format 3: graphs
+    bundle = read_bundle(path)
+    buckets = (Bucket(64, 64, 8), Bucket(1024, 1024, 64))
+    tiers = _few_rows(bundle)
+    served = LoadedModel.load(path, device="cuda", graph_buckets=buckets, tiers=tiers)
+    kept = LoadedModel.load(path, device="cuda", graph_buckets=buckets, tiers=tiers)
+    assert served.graphs is not None and kept.graphs is not None
+    shared = [t.store for t in _tiered(served.tables)]
+    assert [t.store for t in _tiered(kept.tables)] == shared and tiers.host.copies == len(shared)
+    graphs, captures = kept.graphs, kept.graphs.stats.captures
+    spare = Spare()
+    assert spare.offer(kept, serving=served)
+    hashed = {n: (k, v + 0.5) for n, (k, v) in bundle.hash_tables.items()}
+    v2 = write_bundle(
+        tmp_path / "2",
+        dense_tables=bundle.dense_tables,
+        hash_tables={n: [kv] for n, kv in hashed.items()},
+        feature_set=bundle.feature_set,
+        dense_program_path=bundle.dense_program_path,
+        config_digest=bundle.config_digest,
+    )
+    model = adopt(spare, v2, verify_checksums=True, warmup_candidates=10)
+    assert model is not None and model.graphs is graphs and graphs.stats.captures == captures
+    assert all(t.store not in shared for t in _tiered(model.tables))
+    assert [t.store for t in _tiered(served.tables)] == shared
+    eager = {v2: LoadedModel.load(v2, device="cuda"), path: LoadedModel.load(path, device="cuda")}
+    for got, want in ((model, eager[v2]), (served, eager[path])):
+        for a, b in zip(_scores(got, bundle), _scores(want, bundle), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # CUDA: see the test above
+    assert sum(s.host_reads for s in model.table_stats()) > 0  # rows read from the new store

@@ -45,10 +45,43 @@ def test_gather_equals_one_matrix(dim: int, graph: bool) -> None:
     hot_rows = values[hot].to(dev)
     lines, rows = line_of_row.to(dev), idx.to(dev)
     out = torch.full((idx.numel(), dim), float("nan"), device=dev)
-    pointer = store.device_pointer()
+    host_at = torch.tensor([store.device_pointer()], dtype=torch.int64, device=dev)
 
     def run() -> None:
-        tier_gather.gather(hot_rows, pointer, rows, lines, out)
+        tier_gather.gather(hot_rows, host_at, rows, lines, out)
 
     run_on_cuda(run, graph=graph, out=out)
     assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+def test_a_captured_gather_reads_the_rows_its_cell_names_at_replay() -> None:
+    """serve.tiers' copy-on-write swaps a version's host rows by writing the address cell: a
+    graph captured over the first rows reads the second ones at its next replay."""
+    values, hot, line_of_row, idx, want = _case(16)
+    first = TensorHostStore.holding(values.clone(), pin=True, mapped=True)
+    second = TensorHostStore.holding(values + 1.0, pin=True, mapped=True)
+    dev = torch.device("cuda")
+    hot_rows = values[hot].to(dev)
+    lines, rows = line_of_row.to(dev), idx.to(dev)
+    out = torch.full((idx.numel(), 16), float("nan"), device=dev)
+    host_at = torch.tensor([first.device_pointer()], dtype=torch.int64, device=dev)
+
+    def run() -> None:
+        tier_gather.gather(hot_rows, host_at, rows, lines, out)
+
+    run()  # NVRTC compiles outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), want)
+    host_at.fill_(second.device_pointer())  # the cell, not the capture, says which rows
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    cold = (idx >= 0) & (line_of_row[idx.clamp(min=0)] < 0)  # hot rows: from the HBM lines
+    assert bool(cold.any())
+    assert torch.equal(out.cpu(), torch.where(cold.unsqueeze(1), want + 1.0, want))
