@@ -401,12 +401,37 @@ def pool_and_flag(
         flagged = [k for k, i in enumerate(idx) if hits[i] is not None]  # a prefix of idx
         if flagged:
             found_parts = [cast(torch.Tensor, hits[idx[k]]) for k in flagged]
-            found = torch.cat(found_parts) if len(found_parts) > 1 else found_parts[0]  # [n]
+            found = joined(found_parts)  # [n]
             r = sum(rows[k] for k in flagged)
             flags_r = _cold_of(found, bag[: found.shape[0]], lens[:r])  # [r]
             for k, part in zip(flagged, torch.split(flags_r, rows[: len(flagged)]), strict=True):
                 cold[idx[k]] = part  # [R_i] bool
     return out, cold  # type: ignore[return-value]
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` of 1-D tensors that need no gradient, as a view (no copy, no
+    launch) where they lie one after another in one storage, in order: a lookup's hits split
+    per feature (the dynamic storages return them in the caller's order, so a batch's pooled
+    features' hits, and its sequence features', are adjacent; issue #53). The view shares the
+    pieces' memory, which its callers only read; anything else is concatenated."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    base, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if (
+            p.dim() != 1
+            or p.requires_grad
+            or p.dtype != first.dtype
+            or p.device != first.device
+            or (p.numel() > 1 and p.stride(0) != 1)
+            or p.untyped_storage().data_ptr() != base
+            or p.storage_offset() != at
+        ):
+            return torch.cat(list(parts))
+        at += p.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,))  # [Σ n_i]
 
 
 def pool_features(
@@ -452,7 +477,7 @@ def pool_and_flag_features(
     cold = {n: f for n, f in zip(names, flags, strict=True) if f is not None}  # [rows] bool
     if seq_hits:
         got = [h for _, h in seq_hits]
-        missed = ~(torch.cat(got) if len(got) > 1 else got[0])  # [Σ T]
+        missed = ~joined(got)  # [Σ T]
         sizes = [int(h.shape[0]) for h in got]
         cold.update(zip((n for n, _ in seq_hits), torch.split(missed, sizes), strict=True))
     order = [p[1] for p, h in zip(parts, hits, strict=True) if h is not None]

@@ -127,18 +127,25 @@ def lookup_by_table(
 
 
 class _DynamicLookup(torch.autograd.Function):
-    """Rows of the distinct keys expanded to every occurrence; backward runs sparse Adagrad."""
+    """Rows of the distinct keys expanded to every occurrence, split into the lookup's parts
+    ([n_i, dim] each); backward runs sparse Adagrad on the parts' gradients. The split is the
+    node's own, so its backward hands the storage the parts' gradients as they are (the static
+    step concatenates them into its buffer in one launch) where a split after the node added a
+    concatenation of its own (issue #53)."""
 
     @staticmethod
-    def forward(ctx: Any, dummy: torch.Tensor, storage: FusedStorage, plan: Plan) -> torch.Tensor:
+    def forward(
+        ctx: Any, dummy: torch.Tensor, storage: FusedStorage, plan: Plan, sizes: list[int]
+    ) -> tuple[torch.Tensor, ...]:
         ctx.storage = storage
         ctx.plan = plan
-        return plan.expanded()  # [N, dim]
+        rows = plan.expanded()  # [N, dim]
+        return (rows,) if len(sizes) == 1 else tuple(torch.split(rows, sizes))  # [n_i, dim]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        ctx.storage.apply_gradients(ctx.plan, grad)  # grad: [N, dim]
-        return None, None, None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.storage.apply_part_gradients(ctx.plan, grads)  # [n_i, dim] each
+        return None, None, None, None
 
 
 def plan_storages(
@@ -374,12 +381,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
             for s in self._storages:
                 s.decay_scores(self._step)
         now = self._clock() if train else 0
-        by_table: dict[str, list[int]] = {}  # a table's pieces, tables in order of appearance
-        for i, (n, _keys) in enumerate(pieces):
-            by_table.setdefault(n, []).append(i)
+        # each storage's pieces in the caller's order, not grouped by table: the storage sorts
+        # its keys by (table id, key) stably, so its results are the same for any order that
+        # keeps a table's pieces in order, and its rows and hits come back in the caller's
+        # order (pool_and_flag_features then joins adjacent pieces' hits without a copy)
         tables_of: dict[FusedStorage, list[int]] = {}  # the storages these keys use, in order
-        for n, idx in by_table.items():
-            tables_of.setdefault(self._where[n][0], []).extend(idx)
+        for i, (n, _keys) in enumerate(pieces):
+            tables_of.setdefault(self._where[n][0], []).append(i)
         # several storages: one sign check for all (a host sync), unless each takes its static
         # step, which refuses a negative key itself (no row, no update; raised within
         # CHECK_EVERY lookups) as a single storage's does: a table at its own rate (a storage
@@ -394,12 +402,12 @@ class DynamicEmbeddingCollection(torch.nn.Module):
             parts = [(self._where[pieces[i][0]][1], checked[i]) for i in idx]
             score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
             plan = storage.lookup(parts, train=train, score_now=score)
-            if train and torch.is_grad_enabled():
-                rows = _DynamicLookup.apply(self._anchor, storage, plan)
-            else:
-                rows = plan.expanded()
             sizes = [k.numel() for _, k in parts]
-            for i, chunk in zip(idx, torch.split(rows, sizes), strict=True):
+            if train and torch.is_grad_enabled():
+                chunks = _DynamicLookup.apply(self._anchor, storage, plan, sizes)
+            else:
+                chunks = torch.split(plan.expanded(), sizes)
+            for i, chunk in zip(idx, chunks, strict=True):
                 out[i] = chunk  # [n_i, dim]
             if hits:
                 stored = plan.stored()  # [N]

@@ -46,7 +46,7 @@ import dataclasses
 import gc
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -409,6 +409,7 @@ class _Entry:
     score: torch.Tensor  # [] int64
     grad: torch.Tensor  # [P, dim] float32
     plan: StaticPlan | None = None
+    layout: tuple[tuple[int, int], ...] | None = None  # (table id, keys) a part, in tids
     serial: int = 0  # forwards so far (StaticPlan.serial of the latest)
     forward: Any = None  # torch.cuda.CUDAGraph
     backward: Any = None
@@ -472,12 +473,20 @@ class StaticStep:
         entry = self._entry(padded_size(n))
         keys = [k if k.dtype == torch.int64 else k.to(torch.int64) for _, k in parts]
         torch.cat(keys, out=entry.keys[:n])
-        entry.tids[:n].copy_(self.storage._part_ids(parts))
+        layout = tuple((t, k.numel()) for t, k in parts)
+        if entry.layout != layout:  # else entry.tids[:n] holds them from the last write
+            self.storage.write_part_ids(parts, entry.tids[:n])
+            entry.layout = layout
         entry.n_real.fill_(n)
         entry.score.fill_(score_now)
         return entry, n
 
     def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:
+        self.apply_part_gradients(plan, [grad])
+
+    def apply_part_gradients(self, plan: Plan, grads: Sequence[torch.Tensor]) -> None:
+        """The backward of ``plan`` given its parts' gradients ([n_i, dim] each, in order),
+        concatenated straight into the size's gradient buffer (one launch)."""
         assert isinstance(plan, StaticPlan)  # FusedStorage hands it only what lookup returned
         entry = self._entries.get(plan.keys.numel())
         if self.storage.payload.static_version() != plan.payload_version:
@@ -495,7 +504,10 @@ class StaticStep:
                 "forwards before a backward, or a load between): run that loop with "
                 "cuda_graphs off (the eager lookup), or one backward per forward"
             )
-        entry.grad[: plan.n].copy_(grad)
+        if len(grads) == 1:
+            entry.grad[: plan.n].copy_(grads[0])
+        else:
+            torch.cat(list(grads), out=entry.grad[: plan.n])  # [n, dim]
         entry.grad[plan.n :].zero_()
         if not self.capture:
             apply_gradients(self.storage, plan, entry.grad)

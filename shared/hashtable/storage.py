@@ -141,6 +141,8 @@ class StaticLookup(Protocol):
 
     def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None: ...
 
+    def apply_part_gradients(self, plan: Plan, grads: Sequence[torch.Tensor]) -> None: ...
+
     def check(self) -> None: ...
 
 
@@ -347,6 +349,25 @@ class FusedStorage:
         """Table ids as passed to the HashTable: None for a single-table storage."""
         return table_ids if len(self.specs) > 1 else None
 
+    def write_part_ids(self, parts: list[tuple[int, torch.Tensor]], out: torch.Tensor) -> None:
+        """:meth:`_part_ids` written into ``out`` ([N] int64) with one launch (the static
+        step's input buffer, where the ids' concatenation and a copy into it took two)."""
+        views = self._id_views(parts)
+        if len(views) == 1:
+            out.copy_(views[0])
+        else:
+            torch.cat(views, out=out)
+
+    def _id_views(self, parts: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """[n_i] int64 views of the table ids of each part (see :meth:`_part_ids`)."""
+        fills = self._id_fills
+        for t, k in parts:
+            n = k.numel()
+            if fills[t].numel() < n:
+                size = 1 << (n - 1).bit_length()
+                fills[t] = torch.full((size,), t, dtype=torch.int64, device=self.device)
+        return [fills[t][: k.numel()] for t, k in parts]
+
     def _part_ids(self, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """[N] int64: the table id of each key of ``parts``, concatenated.
 
@@ -357,12 +378,7 @@ class FusedStorage:
         """
         layout = tuple((t, k.numel()) for t, k in parts)
         if self._last_ids is None or self._last_ids[0] != layout:
-            fills = self._id_fills
-            for t, n in layout:
-                if fills[t].numel() < n:
-                    size = 1 << (n - 1).bit_length()
-                    fills[t] = torch.full((size,), t, dtype=torch.int64, device=self.device)
-            views = [fills[t][:n] for t, n in layout]
+            views = self._id_views(parts)
             self._last_ids = (layout, views[0] if len(views) == 1 else torch.cat(views))
         return self._last_ids[1]
 
@@ -610,6 +626,17 @@ class FusedStorage:
                 )
 
     # ------------------------------------------------------------------ backward
+
+    def apply_part_gradients(self, plan: Plan, grads: Sequence[torch.Tensor]) -> None:
+        """:meth:`apply_gradients` of the gradients of a lookup's parts ([n_i, dim] each, in
+        order: their concatenation is the [N, dim] gradient). The static step writes them into
+        its gradient buffer with one concatenation, where autograd's concatenation of a split's
+        gradients and a copy into the buffer took two launches (issue #53)."""
+        if not isinstance(plan, LookupPlan):
+            assert self.static is not None
+            self.static.apply_part_gradients(plan, grads)
+            return
+        self.apply_gradients(plan, grads[0] if len(grads) == 1 else torch.cat(list(grads)))
 
     def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:
         """Sum the gradients [N, dim] of duplicate keys, then Adagrad the rows in place."""

@@ -14,6 +14,7 @@ from shared.dense_inputs import (
     batch_pairs,
     cold_rows,
     dense_layout,
+    joined,
     padded_pair_index,
     pair_count,
     pair_index,
@@ -158,6 +159,28 @@ def test_pool_and_flag_features_flags_pooled_and_sequence_parts() -> None:
         want = ~found if which == "sequence" else _cold_by_definition(found, lengths)
         assert torch.equal(cold[name], want), name
     assert pool_and_flag_features(FS, parts, rows, [None] * len(parts))[2] == {}
+
+
+def test_joined_is_a_view_of_adjacent_pieces_else_a_concatenation() -> None:
+    """joined: the pieces of one split, in order, give a view of their span (no copy); pieces
+    out of order, with a gap, of other tensors or needing a gradient are concatenated. Either
+    way the values are torch.cat's."""
+    flags = torch.rand(10, generator=torch.Generator().manual_seed(0)) < 0.5
+    a, b, c, _rest = torch.split(flags, [3, 0, 4, 3])
+    for parts in ([a, b, c], [a, c]):
+        got = joined(parts)
+        assert torch.equal(got, torch.cat(parts))
+        assert got.data_ptr() == flags.data_ptr()  # a view: no copy
+    assert joined([a]) is a
+    gap = torch.split(flags, [3, 1, 4, 2])
+    other = torch.zeros(2, dtype=torch.bool)
+    for parts in ([c, a], [gap[0], gap[2]], [a, other], [flags[::2][:2], flags[::2][2:]]):
+        got = joined(parts)
+        assert torch.equal(got, torch.cat(parts))
+        assert got.data_ptr() not in (flags.data_ptr(), other.data_ptr())  # a copy
+    x = torch.randn(6, requires_grad=True)
+    got = joined(list(torch.split(x, [2, 4])))
+    assert torch.equal(got, x) and got.grad_fn is not None and got.data_ptr() != x.data_ptr()
 
 
 def test_layout_of_the_seed_config() -> None:
