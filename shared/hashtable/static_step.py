@@ -468,7 +468,9 @@ class StaticStep:
 
     def stage(self, parts: list[tuple[int, torch.Tensor]], score_now: int) -> tuple[_Entry, int]:
         """(the entry of the parts' padded size, their key count): the keys, table ids, count
-        and score copied into its inputs, what its graphs (or :func:`train_lookup`) read."""
+        and score copied into its inputs, what its graphs (or :func:`train_lookup`) read: the
+        table ids only when the parts' layout is new to the entry, the score only where it is
+        read (not LFU)."""
         n = sum(k.numel() for _, k in parts)
         entry = self._entry(padded_size(n))
         keys = [k if k.dtype == torch.int64 else k.to(torch.int64) for _, k in parts]
@@ -478,7 +480,8 @@ class StaticStep:
             self.storage.write_part_ids(parts, entry.tids[:n])
             entry.layout = layout
         entry.n_real.fill_(n)
-        entry.score.fill_(score_now)
+        if self.storage.strategy is not ScoreStrategy.LFU:  # LFU's scores are use counts:
+            entry.score.fill_(score_now)  # train_lookup never reads the step's (one launch)
         return entry, n
 
     def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:

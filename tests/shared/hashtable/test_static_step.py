@@ -15,7 +15,7 @@ import torch
 from shared.features import LfuDecaySpec, ScoreStrategy
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.static_insert import count_per_table, put_where, sum_per_table
-from shared.hashtable.static_step import padded_size, supports
+from shared.hashtable.static_step import StaticStep, padded_size, supports
 
 from .conftest import NEEDS_CUDA_KERNELS, dyn_table
 
@@ -118,6 +118,29 @@ def test_static_step_equals_eager(
         assert ran["eager"] == 8
     stats = static.stats()["a"]
     assert stats["evictions"] + stats["refusals"] > 0  # the full buckets were exercised
+
+
+@pytest.mark.parametrize("strategy", [ScoreStrategy.LFU, ScoreStrategy.STEP])
+def test_the_step_score_is_staged_only_where_it_is_read(strategy: ScoreStrategy) -> None:
+    """LFU scores are use counts: the static step never writes the step's score into its
+    inputs (test_static_step_equals_eager shows nothing reads it); STEP gets the step. The
+    table ids are staged again whenever the parts' layout changes (the results stay eager's)."""
+    eager, static = _pair(strategy, None)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 5):
+        keys = _batch(gen, step)
+        if step == 4:  # one layout again, then tables in the other order: the ids restaged
+            keys = dict(reversed(list(keys.items())))
+        for dec in (eager, static):
+            dec.set_step(step)
+            rows, _hits = dec.lookup(keys, hits=True)
+            sum(r.sum() for r in rows.values()).backward()  # type: ignore[union-attr]
+        _assert_same(_state(eager), _state(static), f"step {step} state")
+    assert static.static_stats()["g"]["eager"] == 4  # the static step ran each time
+    (storage,) = static._storages
+    assert isinstance(storage.static, StaticStep)
+    scores = {int(e.score) for e in storage.static._entries.values()}
+    assert scores == {0} if strategy is ScoreStrategy.LFU else 0 not in scores
 
 
 @pytest.mark.parametrize("threshold", [3, None])
