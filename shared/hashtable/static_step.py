@@ -410,6 +410,7 @@ class _Entry:
     grad: torch.Tensor  # [P, dim] float32
     plan: StaticPlan | None = None
     layout: tuple[tuple[int, int], ...] | None = None  # (table id, keys) a part, in tids
+    grad_rows: int = 0  # grad's rows past these are zero (apply_gradients' precondition)
     serial: int = 0  # forwards so far (StaticPlan.serial of the latest)
     forward: Any = None  # torch.cuda.CUDAGraph
     backward: Any = None
@@ -511,7 +512,9 @@ class StaticStep:
             entry.grad[: plan.n].copy_(grads[0])
         else:
             torch.cat(list(grads), out=entry.grad[: plan.n])  # [n, dim]
-        entry.grad[plan.n :].zero_()
+        if entry.grad_rows > plan.n:  # a larger earlier step's rows: zero them (else no op)
+            entry.grad[plan.n : entry.grad_rows].zero_()
+        entry.grad_rows = plan.n
         if not self.capture:
             apply_gradients(self.storage, plan, entry.grad)
             return

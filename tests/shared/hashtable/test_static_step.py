@@ -143,6 +143,27 @@ def test_the_step_score_is_staged_only_where_it_is_read(strategy: ScoreStrategy)
     assert scores == {0} if strategy is ScoreStrategy.LFU else 0 not in scores
 
 
+def test_the_gradient_buffer_is_zero_past_each_steps_keys() -> None:
+    """Steps of one padded size, with fewer keys, then more: the gradient buffer's rows past
+    each step's keys are zero when its update runs (apply_gradients' precondition; the stage
+    zeroes only the rows a larger earlier step wrote); the results stay the eager lookup's."""
+    eager, static = _pair(ScoreStrategy.LFU, None)
+    gen = torch.Generator().manual_seed(0)
+    for step, n in enumerate((100, 98, 103, 99), start=1):
+        keys = {"a": torch.randint(0, 600, (n,), generator=gen)}
+        grad = torch.randn(n, 4, generator=gen) + 2.0  # no zero rows
+        for dec in (eager, static):
+            dec.set_step(step)
+            (dec({"a": keys["a"]})["a"] * grad).sum().backward()
+        _assert_same(_state(eager), _state(static), f"step {step} state")
+        (storage,) = static._storages
+        assert isinstance(storage.static, StaticStep)
+        (entry,) = storage.static._entries.values()  # padded_size: 104 for each
+        assert entry.grad_rows == n and bool((entry.grad[:n] != 0).all())
+        assert not entry.grad[n:].any(), step
+    assert static.static_stats()["g"]["eager"] == 4
+
+
 @pytest.mark.parametrize("threshold", [3, None])
 @pytest.mark.parametrize("device", DEVICES)
 def test_static_step_with_lfu_decay_equals_eager(threshold: int | None, device: str) -> None:
