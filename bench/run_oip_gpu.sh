@@ -17,6 +17,7 @@ print("torch", torch.__version__, torch.cuda.get_device_name())
 PY
 python3 -m train.data all --size small --out /tmp/small \
   --config configs/multi_tower_din_taobao_dynamicemb.config > /dev/null 2>&1
+# CLIENTS: the concurrencies (default "8 16"; one of them saves ~100 s)
 # TESTS: the GPU test paths ("" skips them, when another call of the session ran them)
 TESTS=${TESTS-tests}
 if [ -n "$TESTS" ]; then
@@ -27,6 +28,6 @@ fi
 python3 -m train.tools plan --config configs/multi_tower_din_taobao_dynamicemb.config \
   --device cuda > "$OUT/plan_cuda.txt" 2>&1
 cat "$OUT/plan_cuda.txt"
-timeout 450 python3 -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --procs 4 \
+timeout 450 python3 -m bench.bench_oip --device cuda --candidates 500 --clients ${CLIENTS:-8 16} --procs 4 \
   --keys 2000000 --rounds 4 --settle 10 --frontends 4 --duration 10 --out "$OUT/bench_oip_gpu.json" > "$OUT/bench_oip.log" 2>&1
 echo "bench_oip rc=$?"; tail -15 "$OUT/bench_oip.log"
