@@ -121,14 +121,17 @@ def test_static_step_equals_eager(
 
 
 @pytest.mark.parametrize("strategy", [ScoreStrategy.LFU, ScoreStrategy.STEP])
-def test_the_step_score_is_staged_only_where_it_is_read(strategy: ScoreStrategy) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_step_score_is_staged_only_where_it_is_read(
+    strategy: ScoreStrategy, device: str
+) -> None:
     """LFU scores are use counts: the static step never writes the step's score into its
     inputs (test_static_step_equals_eager shows nothing reads it); STEP gets the step. The
     table ids are staged again whenever the parts' layout changes (the results stay eager's)."""
-    eager, static = _pair(strategy, None)
+    eager, static = _pair(strategy, None, device=device)
     gen = torch.Generator().manual_seed(0)
     for step in range(1, 5):
-        keys = _batch(gen, step)
+        keys = {n: k.to(device) for n, k in _batch(gen, step).items()}
         if step == 4:  # one layout again, then tables in the other order: the ids restaged
             keys = dict(reversed(list(keys.items())))
         for dec in (eager, static):
@@ -136,22 +139,24 @@ def test_the_step_score_is_staged_only_where_it_is_read(strategy: ScoreStrategy)
             rows, _hits = dec.lookup(keys, hits=True)
             sum(r.sum() for r in rows.values()).backward()  # type: ignore[union-attr]
         _assert_same(_state(eager), _state(static), f"step {step} state")
-    assert static.static_stats()["g"]["eager"] == 4  # the static step ran each time
+    ran = static.static_stats()["g"]
+    assert ran["replays" if device == "cuda" else "eager"] == 4  # the static step each time
     (storage,) = static._storages
     assert isinstance(storage.static, StaticStep)
     scores = {int(e.score) for e in storage.static._entries.values()}
     assert scores == {0} if strategy is ScoreStrategy.LFU else 0 not in scores
 
 
-def test_the_gradient_buffer_is_zero_past_each_steps_keys() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_gradient_buffer_is_zero_past_each_steps_keys(device: str) -> None:
     """Steps of one padded size, with fewer keys, then more: the gradient buffer's rows past
     each step's keys are zero when its update runs (apply_gradients' precondition; the stage
     zeroes only the rows a larger earlier step wrote); the results stay the eager lookup's."""
-    eager, static = _pair(ScoreStrategy.LFU, None)
+    eager, static = _pair(ScoreStrategy.LFU, None, device=device)
     gen = torch.Generator().manual_seed(0)
     for step, n in enumerate((100, 98, 103, 99), start=1):
-        keys = {"a": torch.randint(0, 600, (n,), generator=gen)}
-        grad = torch.randn(n, 4, generator=gen) + 2.0  # no zero rows
+        keys = {"a": torch.randint(0, 600, (n,), generator=gen).to(device)}
+        grad = (torch.randn(n, 4, generator=gen) + 2.0).to(device)  # no zero rows
         for dec in (eager, static):
             dec.set_step(step)
             (dec({"a": keys["a"]})["a"] * grad).sum().backward()
@@ -161,7 +166,8 @@ def test_the_gradient_buffer_is_zero_past_each_steps_keys() -> None:
         (entry,) = storage.static._entries.values()  # padded_size: 104 for each
         assert entry.grad_rows == n and bool((entry.grad[:n] != 0).all())
         assert not entry.grad[n:].any(), step
-    assert static.static_stats()["g"]["eager"] == 4
+    ran = static.static_stats()["g"]
+    assert ran["replays" if device == "cuda" else "eager"] == 4
 
 
 @pytest.mark.parametrize("threshold", [3, None])
