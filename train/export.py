@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +39,11 @@ from train.checkpoint import (
 )
 from train.data.loader import Loader
 from train.dense_ema import use_dense_ema
-from train.evaluate import EvalResult, UserCounts, evaluate
 from train.model.dense_arch import example_inputs, export_dense_arch
 from train.model.multi_tower_din import MultiTowerDIN
+
+if TYPE_CHECKING:  # imported where used: see evaluate_checkpoint
+    from train.evaluate import EvalResult
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +164,13 @@ def evaluate_checkpoint(
 ) -> EvalResult:
     """The metrics of a checkpoint on the eval samples (head/tail where the training samples
     are there), and with ``predictions`` every row's prediction in that Parquet file
-    (:func:`train.evaluate.write_predictions`)."""
+    (:func:`train.evaluate.write_predictions`).
+
+    :mod:`train.evaluate` is imported here, not with this module: it brings torchmetrics (and
+    matplotlib through it), about 0.5 s of a process start, which every exporting process (the
+    stream publisher's export process, ``python -m train export``) paid without evaluating."""
+    from train.evaluate import UserCounts, evaluate
+
     config = load_config(config_path)
     model, _progress, _ckpt = restore_model(
         config_path, model_dir=model_dir, checkpoint=checkpoint, device=device, for_eval=True
