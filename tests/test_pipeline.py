@@ -21,7 +21,7 @@ def test_pipeline_on_tiny(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(ROOT / "scripts" / "pipeline.py"), "--size", "tiny", "--out", str(out),
         "--batch-size", "256", "--num-workers", "0", "--eval-every", "8", "--candidates", "20",
-        "--load-users", "2", "--load-seconds", "3",
+        "--load-users", "2", "--load-seconds", "1",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -42,7 +42,7 @@ def test_pipeline_on_tiny(tmp_path: Path) -> None:
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
     # a second run skips every finished stage (outputs exist) and still serves
-    again = subprocess.run([*cmd[:2], "--size", "tiny", "--out", str(out), "--load-seconds", "2",
+    again = subprocess.run([*cmd[:2], "--size", "tiny", "--out", str(out), "--load-seconds", "1",
                             "--load-users", "1", "--candidates", "20"], cwd=ROOT,
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr[-4000:]
@@ -85,7 +85,7 @@ def test_pipeline_runs_a_config_with_another_delimiter_and_length(tmp_path: Path
         sys.executable, str(ROOT / "scripts" / "pipeline.py"), "--size", "tiny", "--out", str(out),
         "--config", str(_second_config(tmp_path / "second.config")), "--batch-size", "512",
         "--num-workers", "0", "--eval-every", "1000", "--candidates", "10", "--load-users", "1",
-        "--load-seconds", "2",
+        "--load-seconds", "1",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
