@@ -109,10 +109,14 @@ def test_minus_reference_pairs_seeds_both_ran() -> None:
     assert got["on"]["1"]["auc"] == 0.0
 
 
-def test_a_sweep_runs_what_bench_quality_runs(tiny_samples: Path, tmp_path: Path) -> None:
-    """Two recipes, one with a reference, two trainings at a time: each run equals
-    bench_quality's own run of the same arguments; the differences are the runs' differences."""
-    sweep = _sweep(tmp_path, f"""
+@pytest.fixture(scope="module")
+def swept(tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """A real sweep on tiny data (three trainings, two at a time) and its JSON: what
+    test_a_sweep_runs_what_bench_quality_runs checks, and the earlier sweep that
+    test_resume_runs_only_the_seeds_missing resumes (each training a process start of ~5 s on
+    a 2-core machine, so the two tests share these three). Both tests only read it."""
+    root = tmp_path_factory.mktemp("swept")
+    sweep = _sweep(root, f"""
 args = "--samples {tiny_samples} {FAST}"
 [recipes.base]
 args = "--sparse-lr 0.05"
@@ -123,8 +127,16 @@ args = "--sparse-lr 0.05 --crosses cms_group_id:cate_id"
 seeds = [1]
 reference = "base"
 """)  # fmt: skip
-    out = tmp_path / "sweep.json"
-    doc = main([str(sweep), "--jobs", "2", "--out", str(out)])
+    out = root / "sweep.json"
+    return main([str(sweep), "--jobs", "2", "--out", str(out)]), out
+
+
+def test_a_sweep_runs_what_bench_quality_runs(
+    swept: tuple[dict, Path], tiny_samples: Path, tmp_path: Path
+) -> None:
+    """Two recipes, one with a reference, two trainings at a time: each run equals
+    bench_quality's own run of the same arguments; the differences are the runs' differences."""
+    doc, out = swept
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     base, cross = doc["recipes"]["base"], doc["recipes"]["cross"]
     assert base["seeds"] == [0, 1] and cross["seeds"] == [1] and cross["not_run"] == []
@@ -153,24 +165,30 @@ def test_stop_after_starts_nothing_late_and_says_what_was_not_run(
 
 
 def test_resume_runs_only_the_seeds_missing(
-    tiny_samples: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    swept: tuple[dict, Path],
+    tiny_samples: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Resuming the shared sweep (its ``cross`` recipe left out of this one) with ``base``'s
+    seeds 0 and 2: only seed 2 trains, seed 0's runs are the earlier sweep's."""
+    first, first_out = swept
     common = f'args = "--samples {tiny_samples} {FAST}"\n'
-    first = main([str(_sweep(tmp_path, common + '[recipes.a]\nargs = "--sparse-lr 0.05"\n'
-                                                'seeds = [0]\n')),
-                  "--out", str(tmp_path / "first.json")])  # fmt: skip
-    capsys.readouterr()
-    sweep = _sweep(tmp_path, common + '[recipes.a]\nargs = "--sparse-lr 0.05"\nseeds = [0, 1]\n')
-    both = main([str(sweep), "--resume", str(tmp_path / "first.json"),
+    sweep = _sweep(tmp_path, common + '[recipes.base]\nargs = "--sparse-lr 0.05"\nseeds = [0, 2]\n')
+    both = main([str(sweep), "--resume", str(first_out),
                  "--out", str(tmp_path / "both.json")])  # fmt: skip
     printed = capsys.readouterr().out
-    assert "a seed 1:" in printed and "a seed 0:" not in printed
-    runs = both["recipes"]["a"]["variants"]["on"]["runs"]
+    assert "base seed 2:" in printed and "base seed 0:" not in printed
+    runs = both["recipes"]["base"]["variants"]["on"]["runs"]
     assert (
-        list(runs) == ["0", "1"]
-        and runs["0"] == first["recipes"]["a"]["variants"]["on"]["runs"]["0"]
+        list(runs) == ["0", "2"]
+        and runs["0"] == first["recipes"]["base"]["variants"]["on"]["runs"]["0"]
     )
     assert both["data"] == first["data"]
-    changed = _sweep(tmp_path, common + '[recipes.a]\nargs = "--sparse-lr 0.1"\nseeds = [0, 1]\n')
-    with pytest.raises(ValueError, match=r"recipes\.a\.args changed since \(--sparse-lr 0\.05\)"):
-        main([str(changed), "--resume", str(tmp_path / "first.json"), "--out", str(tmp_path / "x")])
+    changed = _sweep(
+        tmp_path, common + '[recipes.base]\nargs = "--sparse-lr 0.1"\nseeds = [0, 2]\n'
+    )
+    with pytest.raises(
+        ValueError, match=r"recipes\.base\.args changed since \(--sparse-lr 0\.05\)"
+    ):
+        main([str(changed), "--resume", str(first_out), "--out", str(tmp_path / "x")])
