@@ -489,6 +489,7 @@ def test_trainer_option_and_cli_flag(
     """CPU never builds graphs, whatever the option; ``--cuda-graphs`` / ``--no-cuda-graphs``
     reach TrainOptions (absent: None, the default)."""
     import train.trainer
+    from tests.conftest import SEED_CONFIG
     from tests.train.test_trainer import _options
     from train.__main__ import main
 
@@ -509,7 +510,8 @@ def test_trainer_option_and_cli_flag(
             raise Stop
 
     monkeypatch.setattr(train.trainer, "Trainer", FakeTrainer)
-    base = ["train", "--config", "c.config", "--device", "cpu"]
+    # a real config: the command parses it before it builds the trainer
+    base = ["train", "--config", str(SEED_CONFIG), "--device", "cpu"]
     for extra in ([], ["--cuda-graphs"], ["--no-cuda-graphs"]):
         with pytest.raises(Stop):
             main([*base, *extra])
