@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from bench.bench_loader import measure as measure_loader
+from bench.goals import check
 from bench.profile_train import batches_needed, device_batches, profile_model
 from bench.py_spy import by_thread, find_py_spy, record_stacks
 from bench.train_cached import CacheCountingTrainer, cache_figures, cached_config, cached_ratios
@@ -348,10 +349,8 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "device_busy_fraction": busy,
         }
         out["goals"] = {
-            k: {"goal": g, "got": got[k], "met": None if got[k] is None
-                else (got[k] <= g if k == "dynamic_step_over_buckets" else got[k] >= g)}
-            for k, g in GOALS.items()
-        }  # fmt: skip
+            k: check(got[k], g, at_most=k == "dynamic_step_over_buckets") for k, g in GOALS.items()
+        }
     return out
 
 
@@ -375,10 +374,8 @@ def cold_ratios(cold: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
         "syncs_per_step": cs.get("syncs_per_step"),
     }
     out["goals"] = {
-        k: {"goal": g, "got": got[k], "met": None if got[k] is None
-            else (got[k] <= g if k == "syncs_per_step" else got[k] >= g)}
-        for k, g in COLD_GOALS.items()
-    }  # fmt: skip
+        k: check(got[k], g, at_most=k == "syncs_per_step") for k, g in COLD_GOALS.items()
+    }
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from google.protobuf import text_format
 from google.protobuf.message import Message
 
+from bench.goals import check
 from shared.config import load_config
 from shared.hashtable.row_cache_lines import CacheCounters
 from train.evaluate import EvalResult, UserCounts
@@ -137,12 +138,6 @@ def cached_ratios(
         "auc_diff": diff,
         "step_ms": step_ms,
         "goals": {
-            k: _goal(got[k], g, at_most=k == "auc_abs_diff") for k, g in CACHED_GOALS.items()
+            k: check(got[k], g, at_most=k == "auc_abs_diff") for k, g in CACHED_GOALS.items()
         },
     }
-
-
-def _goal(got: float | None, goal: float, *, at_most: bool) -> dict[str, Any]:
-    """``got`` against ``goal`` (``at_most``: met at or below it, else at or above)."""
-    met = None if got is None else (got <= goal if at_most else got >= goal)
-    return {"goal": goal, "got": got, "met": met}
