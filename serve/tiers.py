@@ -148,7 +148,7 @@ class HostTiers:
         is shared no more (a later load does not pick it up, even before the write)."""
         with self._lock:
             store = holder.store
-            if sum(t.store is store for t in self._tiers) > 1:
+            if self._holders(store) > 1:
                 return False
             self._claimed.add(store)
             return True
@@ -156,7 +156,11 @@ class HostTiers:
     def holders(self, store: TensorHostStore) -> int:
         """How many groups of loaded versions read ``store``."""
         with self._lock:
-            return sum(t.store is store for t in self._tiers)
+            return self._holders(store)
+
+    def _holders(self, store: TensorHostStore) -> int:
+        """:meth:`holders`, under the lock the caller holds."""
+        return sum(t.store is store for t in self._tiers)
 
     @property
     def copies(self) -> int:
