@@ -46,6 +46,7 @@ from shared.hashtable import checkpoint
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.backend import Backend
 from shared.hashtable.hashing import check_key_tensor, check_keys
+from shared.hashtable.layout import RowArrays
 from shared.hashtable.static_step import StaticStep
 from shared.hashtable.storage import (
     FusedStorage,
@@ -68,6 +69,13 @@ def _factors(members: Sequence[TableSpec], override: Mapping[str, float]) -> lis
         own = t.dynamic.cache_load_factor
         out.append(override.get(t.name, 1.0 if own is None else own))
     return out
+
+
+def _row_arrays(members: Sequence[TableSpec], where: Mapping[str, RowArrays]) -> RowArrays:
+    """A storage's row arrays: on the host when any member's plan puts them there (a plan never
+    gives an HBM_ONLY table HOST, so the members that did not ask use less HBM than planned)."""
+    host = any(where.get(t.name) is RowArrays.HOST for t in members)
+    return RowArrays.HOST if host else RowArrays.DEVICE
 
 
 def default_clock() -> int:
@@ -221,6 +229,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         id_mode: str = IdMode.DYNREC.value,
         lr_scales: Mapping[str, float] | None = None,
         cache_load_factors: Mapping[str, float] | None = None,
+        row_arrays: Mapping[str, RowArrays] | None = None,
     ) -> None:
         """``backend``: every storage's hash-table backend (default: ``backend_for`` the
         device; e.g. ``TorchBackend()`` for the torch code on a GPU). ``id_mode``: the
@@ -232,7 +241,9 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         of the group's. ``cache_load_factors``: table name → the share of its rows cached in
         device memory (a plan's, :mod:`shared.hashtable.placement`), over the specs' own
         ``cache_load_factor``; a storage with a factor below 1 is CACHING
-        (:mod:`shared.hashtable.row_cache`), its results the same as HBM_ONLY's."""
+        (:mod:`shared.hashtable.row_cache`), its results the same as HBM_ONLY's. ``row_arrays``:
+        table name → where its storage's per-row index arrays live (a plan's, default
+        ``DEVICE``; ``HOST`` for CACHING tables only: :class:`FusedStorage`)."""
         super().__init__()
         modes = [m.value for m in IdMode]
         if id_mode not in modes:
@@ -247,12 +258,13 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                     "FeatureSet.dynamic_tables"
                 )
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
-        stray = sorted(set(cache_load_factors or {}) - set(self.tables))
-        if stray:
-            raise ValueError(
-                f"cache_load_factors name tables {stray} that are not dynamic tables here "
-                f"({', '.join(self.tables)}); pass factors of these tables only"
-            )
+        for what, given in (("cache_load_factors", cache_load_factors), ("row_arrays", row_arrays)):
+            stray = sorted(set(given or {}) - set(self.tables))
+            if stray:
+                raise ValueError(
+                    f"{what} name tables {stray} that are not dynamic tables here "
+                    f"({', '.join(self.tables)}); pass {what} of these tables only"
+                )
         self.adagrad = AdagradConfig(lr, eps, initial_accumulator_value)
         self.lr_scales = _checked_scales(lr_scales or {}, names)
         self.id_mode = id_mode
@@ -271,6 +283,7 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 max_load_factor=max_load_factor,
                 backend=backend,
                 cache_load_factors=_factors(members, cache_load_factors or {}),
+                row_arrays=_row_arrays(members, row_arrays or {}),
             )
             for name, members in plan_storages(tables, _without(fusion_groups, self.lr_scales))
         ]

@@ -302,6 +302,56 @@ class TensorHostStore:
             self._pending = None
 
 
+def mapped_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on ``device`` aliasing the memory of the contiguous CPU tensor ``host``,
+    which is page-locked and mapped into the device's address space (UVA) in place: torch ops
+    and the CUDA kernels work on it as on any CUDA tensor, each access crossing PCIe. The view
+    keeps ``host`` alive (torch holds the ``__cuda_array_interface__`` object it is made from);
+    the memory is unlocked when both are gone, after the device's queued work. It is not torch's
+    allocator's memory: ``torch.cuda.memory_allocated`` does not count it. Needs the CUDA
+    kernels' runtime (CuPy) for the device address.
+
+    A hash table's per-row arrays on the host (:class:`~shared.hashtable.layout.RowArrays`)
+    are made here."""
+    from shared.hashtable.cuda import runtime
+
+    if device.type != "cuda":
+        raise ValueError(f"mapped_device_view: {device} is not a CUDA device")
+    reason = runtime.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(
+            f"mapped_device_view: host memory cannot be mapped into {device} here: {reason}"
+        )
+    if host.device.type != "cpu" or not host.is_contiguous():
+        raise ValueError("mapped_device_view: host must be a contiguous CPU tensor")
+    if host.numel() == 0:
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+    with torch.cuda.device(device):
+        _register(host, mapped=True, drain=True)
+        pointer = _device_pointer(host)
+    view = torch.as_tensor(_MappedHost(host, pointer), device=device)
+    if view.data_ptr() != pointer:
+        raise RuntimeError(
+            f"mapped_device_view: torch copied the mapped memory to {view.device} instead of "
+            f"viewing it (the memory is registered with another device than {device})"
+        )
+    return view
+
+
+class _MappedHost:
+    """``host``'s memory at its device address, as ``__cuda_array_interface__`` (version 3)."""
+
+    def __init__(self, host: torch.Tensor, pointer: int) -> None:
+        self.host = host  # alive as long as torch's view holds this object
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": host.numpy().dtype.str,
+            "data": (pointer, False),
+            "strides": None,  # contiguous
+            "version": 3,
+        }
+
+
 def _device_pointer(rows: torch.Tensor) -> int:
     """The device address of page-locked, mapped ``rows`` (see
     :meth:`TensorHostStore.device_pointer`)."""

@@ -22,6 +22,17 @@ algorithms that read and write it are a backend's (:mod:`shared.hashtable.backen
 one (``torch_backend.py``) and the CUDA kernels (``cuda/``), which work on these same arrays.
 :class:`~shared.hashtable.table.HashTable` is the public table: a layout with its backend.
 
+**Where the row arrays live** (:class:`RowArrays`, chosen when the table is made): ``row_key``,
+``row_tid`` and ``row_score`` (20 B a slot) are device memory (``DEVICE``, the default) or, on
+CUDA, page-locked host memory mapped into the device (``HOST``,
+:func:`~shared.hashtable.host_store.mapped_device_view`): CUDA tensors aliasing host memory, so
+every algorithm, torch's and the CUDA kernels', runs on them unchanged, each access crossing PCIe
+(a find's confirmation reads ``row_key``/``row_tid`` there, a score write goes there). It is for
+CACHING storages of tables whose index does not fit the device (issue #52's 500M keys: the slot
+arrays stay, 16 B a slot; see docs/design.md). :meth:`TableLayout._allocate` is the one place
+they are made (growth and bulk builds go through it). On the CPU both are plain memory: the same
+arrays, the option changes only the planner's accounting.
+
 **Deferred counts.** A backend may leave changes of the size and counters to be read later
 (:meth:`TableLayout._defer`, :class:`Counts`): the CUDA erase of keys known valid
 (``HashTable.erase(..., count=False)``) and the CUDA overflow of full buckets for callers that
@@ -35,6 +46,7 @@ pending change reads.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +56,17 @@ import torch
 
 from shared.features import ScoreStrategy
 from shared.hashtable.hashing import bucket_sentinels, check_keys
+from shared.hashtable.host_store import mapped_device_view
 
 EMPTY_KEY = -1
+
+
+@enum.unique
+class RowArrays(enum.Enum):
+    """Where a table's per-row arrays (``row_key``, ``row_tid``, ``row_score``) live (module doc)."""
+
+    DEVICE = "DEVICE"  # the table's device
+    HOST = "HOST"  # on CUDA page-locked host memory mapped into the device (UVA); on CPU, memory
 
 
 class Counts(NamedTuple):
@@ -111,6 +132,7 @@ class TableLayout:
         with_accumulator: bool = False,
         initial_accumulator_value: float = 0.0,
         device: torch.device | str = "cpu",
+        row_arrays: RowArrays = RowArrays.DEVICE,
     ) -> None:
         if dim < 0:
             raise ValueError(f"HashTable: dim must be >= 0, got {dim}")
@@ -130,6 +152,7 @@ class TableLayout:
         self.with_accumulator = with_accumulator
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.device = torch.device(device)
+        self.row_arrays = row_arrays
         self._max_buckets = math.ceil(max_capacity / self.bucket_capacity)
         if self._max_buckets >= 1 << 31:
             raise ValueError(f"HashTable: max_capacity {max_capacity} needs >= 2**31 buckets")
@@ -245,9 +268,9 @@ class TableLayout:
         self._sentinel = bucket_sentinels(num_buckets, dev)  # [nb]
         self._slot_fp = self._sentinel.repeat_interleave(b)  # [cap]
         self._slot_row = torch.arange(cap, dtype=torch.int64, device=dev)
-        self._row_key = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=dev)
-        self._row_tid = torch.zeros(cap, dtype=torch.int32, device=dev)
-        self._row_score = torch.zeros(cap, dtype=torch.int64, device=dev)
+        self._row_key = self._row_array(cap, EMPTY_KEY, torch.int64)
+        self._row_tid = self._row_array(cap, 0, torch.int32)
+        self._row_score = self._row_array(cap, 0, torch.int64)
         self._values = torch.zeros(cap, self.dim, dtype=torch.float32, device=dev)
         self._accum = (
             torch.full(
@@ -259,6 +282,13 @@ class TableLayout:
         self._bucket_count = torch.zeros(num_buckets, dtype=torch.int64, device=dev)
         self._size = 0
         self._any_tid = False  # whether a non-zero table id was ever stored
+
+    def _row_array(self, n: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+        """[n] ``fill`` where :attr:`row_arrays` says: for ``HOST`` on CUDA host memory mapped
+        into the device (a CUDA tensor), else the table's device memory."""
+        if self.row_arrays is RowArrays.HOST and self.device.type == "cuda":
+            return mapped_device_view(torch.full((n,), fill, dtype=dtype), self.device)
+        return torch.full((n,), fill, dtype=dtype, device=self.device)
 
     def _prepare(
         self, keys: torch.Tensor, table_ids: torch.Tensor | None, what: str, validate: bool = True

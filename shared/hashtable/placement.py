@@ -6,13 +6,21 @@ HBM cache of that share of the rows over a host tier that holds every row. This 
 once per table, before anything is allocated, from the config alone:
 
 - each table's bytes on the device and on the host, from the layout the tables really allocate
-  (:mod:`shared.hashtable.layout`): an index of 36 bytes a slot (fingerprint, row, key, table id,
-  score), the values and the Adagrad state (``8 * dim`` bytes a slot, the part a cache tiers), and
-  an admission counter table of 36 bytes a counter slot;
+  (:mod:`shared.hashtable.layout`): the index's slot arrays (fingerprint, row: 16 bytes a slot,
+  and 16 a bucket), its per-row arrays (key, table id, score: 20 bytes a slot, on the device or
+  the host: :class:`~shared.hashtable.layout.RowArrays`), the values and the Adagrad state
+  (``8 * dim`` bytes a slot, the part a cache tiers), a CACHING table's line map (4 bytes a
+  slot) and each cache line's bookkeeping (17 bytes: row, stamp, dirty bit;
+  :mod:`shared.hashtable.row_cache_lines`), and an admission counter table of 36 bytes a counter
+  slot;
 - with a device budget (``train_config.table_hbm_budget_gib``, ``--hbm-budget-gib``), the factor of
   every table the config leaves unset, when the tables do not fit HBM-only, as tzrec's planner does:
   the index and the counters stay in HBM (as tzrec accounts them) and one common share of the values
-  is cached. A budget the indexes alone exceed is refused, naming the biggest table.
+  is cached. When even a :data:`MIN_PLANNED_FACTOR` cache does not fit, the CACHING tables' row
+  arrays move to host memory (the lead's decision for issue #52's 500M keys in 16 GiB: the
+  slot arrays stay, and a find confirms each match by reading ``row_key`` (and ``row_tid``)
+  over PCIe; docs/design.md), and the factor is planned again. A budget that still cannot hold the plan is refused, naming
+  the biggest table.
 
 A CACHING table's storage (:mod:`shared.hashtable.row_cache`) gets ``ceil(factor * max_capacity)``
 cache lines on the device over a host tier of every row: what ``hbm_bytes`` and ``host_bytes`` count.
@@ -25,13 +33,24 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.features import TableSpec
+from shared.hashtable.layout import RowArrays
 
 GIB = 1 << 30
-# Bytes a slot of a table's index: slot_fp, slot_row, row_key, row_score (int64) and row_tid (int32)
-INDEX_BYTES_PER_SLOT = 8 + 8 + 8 + 8 + 4
+# Bytes a slot of a table's index on the device whatever happens: slot_fp and slot_row (int64)
+SLOT_BYTES_PER_SLOT = 8 + 8
+# Bytes a bucket of it: its sentinel and its count (int64)
+BUCKET_BYTES = 8 + 8
+# Bytes a slot of its per-row arrays, where RowArrays says: row_key, row_score (int64), row_tid
+ROW_ARRAY_BYTES_PER_SLOT = 8 + 8 + 4
+# Bytes a slot of a whole index (an admission counter's: always on the device)
+INDEX_BYTES_PER_SLOT = SLOT_BYTES_PER_SLOT + ROW_ARRAY_BYTES_PER_SLOT
+# A CACHING table's device bytes beside its lines' payload: line_of_row (int32) a slot, and
+# row_of_line, stamp (int64) and dirty (bool) a line (row_cache_lines.CacheLines)
+LINE_MAP_BYTES_PER_SLOT = 4
+LINE_BYTES = 8 + 8 + 1
 # Bytes a slot of the values and of their Adagrad accumulators, per dim (float32 each)
 VALUE_BYTES_PER_DIM = 4 + 4
 # The smallest factor planned: below it a cache thrashes whatever the skew (dynamicemb's own sweep
@@ -53,7 +72,10 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class TablePlacement:
-    """One dynamic table's plan. ``slots``: its max capacity rounded up to whole buckets."""
+    """One dynamic table's plan. ``slots``: its max capacity rounded up to whole buckets.
+
+    The defaults of the last four fields are serving's (:mod:`serve.tiers`), which counts its
+    own index (keys and line map) in ``index_bytes``."""
 
     table: str
     mode: StorageMode
@@ -61,27 +83,51 @@ class TablePlacement:
     planned: bool  # True: the budget chose the factor; False: the config's (or 1.0)
     slots: int
     dim: int
-    index_bytes: int  # the hash index, always on the device
+    index_bytes: int  # the hash index's part always on the device (slot arrays and buckets)
     value_bytes: int  # values + Adagrad state of every slot
     counter_bytes: int  # admission counters, on the device
+    row_array_bytes: int = 0  # the index's per-row arrays (key, table id, score) of every slot
+    row_arrays: RowArrays = RowArrays.DEVICE  # where they are
+    line_bytes: int = 0  # CACHING: a cache line's device bytes beside its payload
+    line_map_bytes: int = 0  # CACHING: the row -> line map of every slot, on the device
+
+    @property
+    def cache_bytes(self) -> int:
+        """The device bytes of the payload: every slot's (HBM_ONLY), or the cache's lines with
+        their bookkeeping and the line map (CACHING)."""
+        payload = math.ceil(self.value_bytes * self.cache_load_factor)
+        if self.mode is not StorageMode.CACHING:
+            return payload
+        lines = math.ceil(self.slots * self.cache_load_factor)
+        return payload + lines * self.line_bytes + self.line_map_bytes
 
     @property
     def hbm_bytes(self) -> int:
-        cached = math.ceil(self.value_bytes * self.cache_load_factor)
-        return self.index_bytes + self.counter_bytes + cached
+        on_device = self.row_arrays is RowArrays.DEVICE
+        return (
+            self.index_bytes
+            + self.counter_bytes
+            + self.cache_bytes
+            + (self.row_array_bytes if on_device else 0)
+        )
 
     @property
     def host_bytes(self) -> int:
-        """CACHING keeps every row on the host (the cache is a copy of the hot ones)."""
-        return self.value_bytes if self.mode is StorageMode.CACHING else 0
+        """CACHING keeps every row on the host (the cache is a copy of the hot ones), and the
+        row arrays there when they are planned there."""
+        rows = self.value_bytes if self.mode is StorageMode.CACHING else 0
+        return rows + (self.row_array_bytes if self.row_arrays is RowArrays.HOST else 0)
 
     def line(self) -> str:
         """The plan's log line for this table."""
         source = "planned" if self.planned else "config"
+        rows = ""
+        if self.row_array_bytes:
+            rows = f"; row arrays on the {self.row_arrays.value.lower()}"
         return (
             f"{self.table}: mode={self.mode.value} cache_load_factor={self.cache_load_factor:.2f} "
             f"({source}) hbm={self.hbm_bytes / GIB:.3f}GiB host={self.host_bytes / GIB:.3f}GiB "
-            f"({self.slots:,} slots x dim {self.dim})"
+            f"({self.slots:,} slots x dim {self.dim}{rows})"
         )
 
 
@@ -94,10 +140,13 @@ def _base(t: TableSpec) -> TablePlacement:
     d = t.dynamic
     assert d is not None, f"{t.name} is not dynamic"
     slots = _slots(d.max_capacity, d.bucket_capacity)
+    buckets = slots // min(d.bucket_capacity, d.max_capacity)
     counters = 0
     if d.admission is not None:
         a = d.admission
-        counters = _slots(a.counter_capacity, a.counter_bucket_capacity) * INDEX_BYTES_PER_SLOT
+        counter_slots = _slots(a.counter_capacity, a.counter_bucket_capacity)
+        counter_buckets = counter_slots // min(a.counter_bucket_capacity, a.counter_capacity)
+        counters = counter_slots * INDEX_BYTES_PER_SLOT + counter_buckets * BUCKET_BYTES
     factor = 1.0 if d.cache_load_factor is None else d.cache_load_factor
     return TablePlacement(
         table=t.name,
@@ -106,9 +155,12 @@ def _base(t: TableSpec) -> TablePlacement:
         planned=False,
         slots=slots,
         dim=t.dim,
-        index_bytes=slots * INDEX_BYTES_PER_SLOT,
+        index_bytes=slots * SLOT_BYTES_PER_SLOT + buckets * BUCKET_BYTES,
         value_bytes=slots * t.dim * VALUE_BYTES_PER_DIM,
         counter_bytes=counters,
+        row_array_bytes=slots * ROW_ARRAY_BYTES_PER_SLOT,
+        line_bytes=LINE_BYTES,
+        line_map_bytes=slots * LINE_MAP_BYTES_PER_SLOT,
     )
 
 
@@ -116,7 +168,9 @@ def plan_placement(tables: Sequence[TableSpec], *, hbm_budget: int | None) -> li
     """Every dynamic table's placement. ``hbm_budget``: bytes of device memory the tables may use
     (None: no budget, each table as its config says). Tables whose config sets
     ``cache_load_factor`` keep it; the others share one planned factor when the budget needs one.
-    Raises :class:`PlacementError` when the budget cannot hold the plan."""
+    When no factor of at least :data:`MIN_PLANNED_FACTOR` fits, the CACHING tables' row arrays go
+    to the host and the factor is planned again. Raises :class:`PlacementError` when the budget
+    cannot hold the plan."""
     plans = [_base(t) for t in tables if t.dynamic is not None]
     if hbm_budget is None:
         return plans
@@ -125,41 +179,58 @@ def plan_placement(tables: Sequence[TableSpec], *, hbm_budget: int | None) -> li
     total = sum(p.hbm_bytes for p in plans)
     if total <= hbm_budget:
         return plans
-    free = [p for p in plans if p.cache_load_factor >= 1.0 and not _explicit(tables, p.table)]
-    fixed = sum(p.hbm_bytes for p in plans if p not in free)
-    fixed += sum(p.index_bytes + p.counter_bytes for p in free)
-    tiered = sum(p.value_bytes for p in free)
-    factor = math.floor((hbm_budget - fixed) / tiered * 100) / 100 if tiered else 0.0
+    explicit = {t.name for t in tables if t.dynamic and t.dynamic.cache_load_factor is not None}
+    free = {p.table for p in plans if p.cache_load_factor >= 1.0 and p.table not in explicit}
+    fitted = _fit(plans, free, hbm_budget)
+    if fitted is not None:
+        return fitted
+    # the tables that will be CACHING: the planned ones and those the config caches
+    hosted = [
+        replace(p, row_arrays=RowArrays.HOST)
+        if p.table in free or p.mode is StorageMode.CACHING
+        else p
+        for p in plans
+    ]
+    fitted = _fit(hosted, free, hbm_budget)
+    if fitted is not None:
+        return fitted
+    least = [_with_factor(p, MIN_PLANNED_FACTOR) if p.table in free else p for p in hosted]
+    biggest = max(plans, key=lambda p: p.hbm_bytes)
+    raise PlacementError(
+        f"the dynamic tables need {total / GIB:.2f} GiB of HBM HBM-only and at least "
+        f"{sum(p.hbm_bytes for p in least) / GIB:.2f} GiB with a {MIN_PLANNED_FACTOR:.0%} cache "
+        f"and the cached tables' row arrays (key, table id, score) in host memory, but the "
+        f"budget is {hbm_budget / GIB:.2f} GiB; the biggest is {biggest.line()}. Lower its "
+        "max_capacity (or dim), or raise the budget"
+    )
+
+
+def _fit(
+    plans: Sequence[TablePlacement], free: set[str], budget: int
+) -> list[TablePlacement] | None:
+    """``plans`` with one factor for the ``free`` tables that fits ``budget`` (unchanged when they
+    fit as they are), or None when a :data:`MIN_PLANNED_FACTOR` cache does not fit."""
+    if sum(p.hbm_bytes for p in plans) <= budget:
+        return list(plans)
+    if not free:
+        return None
+    fixed = sum(p.hbm_bytes for p in plans if p.table not in free)
+    fixed += sum(_with_factor(p, 0.0).hbm_bytes for p in plans if p.table in free)
+    # device bytes per unit of factor: the lines' payload and bookkeeping
+    tiered = sum(p.value_bytes + p.slots * p.line_bytes for p in plans if p.table in free)
+    room = budget - fixed - len(free) * (1 + LINE_BYTES)  # each table's ceil()s: < 18 B more
+    factor = math.floor(room / tiered * 100) / 100 if tiered else 0.0
     if factor < MIN_PLANNED_FACTOR:
-        biggest = max(plans, key=lambda p: p.hbm_bytes)
-        raise PlacementError(
-            f"the dynamic tables need {total / GIB:.2f} GiB of HBM HBM-only and at least "
-            f"{(fixed + math.ceil(tiered * MIN_PLANNED_FACTOR)) / GIB:.2f} GiB with a "
-            f"{MIN_PLANNED_FACTOR:.0%} cache, but the budget is {hbm_budget / GIB:.2f} GiB; the "
-            f"biggest is {biggest.line()}. Lower its max_capacity (or dim), or raise the budget"
-        )
-    return [_with_factor(p, factor) if p in free else p for p in plans]
-
-
-def _explicit(tables: Sequence[TableSpec], name: str) -> bool:
-    """Whether the config set the table's cache_load_factor itself."""
-    spec = next(t for t in tables if t.name == name)
-    return spec.dynamic is not None and spec.dynamic.cache_load_factor is not None
+        return None
+    hosted = any(p.row_arrays is RowArrays.HOST for p in plans if p.table in free)
+    if hosted:  # a table with host row arrays stays CACHING (unreachable at dim >= 1 anyway)
+        factor = min(factor, 1.0 - MIN_PLANNED_FACTOR)
+    return [_with_factor(p, factor) if p.table in free else p for p in plans]
 
 
 def _with_factor(p: TablePlacement, factor: float) -> TablePlacement:
     mode = StorageMode.HBM_ONLY if factor >= 1.0 else StorageMode.CACHING
-    return TablePlacement(
-        table=p.table,
-        mode=mode,
-        cache_load_factor=min(factor, 1.0),
-        planned=True,
-        slots=p.slots,
-        dim=p.dim,
-        index_bytes=p.index_bytes,
-        value_bytes=p.value_bytes,
-        counter_bytes=p.counter_bytes,
-    )
+    return replace(p, mode=mode, cache_load_factor=min(factor, 1.0), planned=True)
 
 
 def describe(plans: Sequence[TablePlacement]) -> list[str]:

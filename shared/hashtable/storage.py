@@ -40,6 +40,7 @@ from shared.hashtable.hashing import (
 )
 from shared.hashtable.host_store import TensorHostStore
 from shared.hashtable.initializers import KeyedInitializer
+from shared.hashtable.layout import RowArrays
 from shared.hashtable.payload import DevicePayload, RowPayload
 from shared.hashtable.row_cache import RowCache
 from shared.hashtable.table import HashTable
@@ -196,6 +197,11 @@ class FusedStorage:
     unset), else CACHING with ``sum(ceil(factor * max_capacity))`` cache lines over a host tier
     (:mod:`shared.hashtable.row_cache`). ``cache_load_factors`` (one per member, e.g. a budget's
     plan) replaces the specs' own.
+
+    ``row_arrays``: where the index's per-row arrays live (:class:`RowArrays`; a plan's, as the
+    factors). ``HOST`` (mapped host memory on CUDA, for tables whose index does not fit the
+    device) is for CACHING storages only: an HBM_ONLY storage has its payload on the device, so
+    its index on the host would be slower and save little; it is refused.
     """
 
     def __init__(
@@ -209,6 +215,7 @@ class FusedStorage:
         max_load_factor: float = 0.5,
         backend: Backend | None = None,
         cache_load_factors: Sequence[float] | None = None,
+        row_arrays: RowArrays = RowArrays.DEVICE,
     ) -> None:
         dyn = [s.dynamic for s in specs if s.dynamic is not None]
         assert len(dyn) == len(specs) and len({compatibility_key(s) for s in specs}) == 1
@@ -225,6 +232,12 @@ class FusedStorage:
         cache_load_factors = _checked_factors(name, self.names, dyn, cache_load_factors)
         self.cache_load_factors = cache_load_factors
         cached = any(f < 1.0 for f in cache_load_factors)
+        if row_arrays is RowArrays.HOST and not cached:
+            raise ValueError(
+                f"storage {name!r}: row_arrays HOST is for CACHING storages, but every table of "
+                f"{self.names} is HBM_ONLY (cache_load_factors {cache_load_factors}); give one a "
+                "cache_load_factor below 1, or keep its row arrays on the device"
+            )
         self.table = HashTable(
             0 if cached else self.dim,  # CACHING: the index alone, the payload in RowCache
             init_capacity=sum(d.init_capacity for d in dyn),
@@ -236,6 +249,7 @@ class FusedStorage:
             initial_accumulator_value=adagrad.initial_accumulator_value,
             device=device,
             backend=backend,
+            row_arrays=row_arrays,
         )
         self.backend = self.table.backend
         self.payload: RowPayload = (

@@ -23,9 +23,11 @@ import torch
 from shared.features import ScoreStrategy, TableSpec
 from shared.hashtable.backend import Backend, backend_for
 from shared.hashtable.hashing import count_ids, unique_pairs
-from shared.hashtable.layout import ExportedRows, InsertResult, TableLayout
+from shared.hashtable.layout import ExportedRows, InsertResult, RowArrays, TableLayout
 
-__all__ = ["ExportedRows", "HashTable", "InsertResult"]
+__all__ = ["ExportedRows", "HashTable", "InsertResult", "RowArrays"]
+# the per-row arrays whose place RowArrays chooses (layout.py)
+_ROW_ARRAYS = ("_row_key", "_row_tid", "_row_score")
 
 
 class HashTable(TableLayout):
@@ -41,7 +43,8 @@ class HashTable(TableLayout):
     refused instead. Evictions and refusals are counted in :attr:`evictions` / :attr:`refusals`.
     The table does not compute scores: the caller passes them (see ``storage.py``).
     ``backend`` (default: :func:`~shared.hashtable.backend.backend_for` the device) runs every
-    operation; it stays the table's :attr:`backend`.
+    operation; it stays the table's :attr:`backend`. ``row_arrays``: where the per-row arrays
+    live (:class:`~shared.hashtable.layout.RowArrays`; ``HOST``: mapped host memory on CUDA).
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class HashTable(TableLayout):
         initial_accumulator_value: float = 0.0,
         device: torch.device | str = "cpu",
         backend: Backend | None = None,
+        row_arrays: RowArrays = RowArrays.DEVICE,
     ) -> None:
         super().__init__(
             dim,
@@ -68,6 +72,7 @@ class HashTable(TableLayout):
             with_accumulator=with_accumulator,
             initial_accumulator_value=initial_accumulator_value,
             device=device,
+            row_arrays=row_arrays,
         )
         self.backend = self._checked(backend)
 
@@ -81,10 +86,11 @@ class HashTable(TableLayout):
         return chosen
 
     def __repr__(self) -> str:
+        host = ", row_arrays=HOST" if self.row_arrays is RowArrays.HOST else ""
         return (
             f"HashTable(dim={self.dim}, size={self.size}, capacity={self.capacity}, "
             f"max_capacity={self.max_capacity}, bucket_capacity={self.bucket_capacity}, "
-            f"score_strategy={self.score_strategy.value}, device={self.device}, "
+            f"score_strategy={self.score_strategy.value}{host}, device={self.device}, "
             f"backend={self.backend.name})"
         )
 
@@ -118,15 +124,19 @@ class HashTable(TableLayout):
 
     def to(self, device: torch.device | str, *, backend: Backend | None = None) -> HashTable:
         """A copy of this table on ``device`` with ``backend`` (default: ``backend_for`` the
-        device). Always a new table, also on the same device; this one keeps its backend."""
+        device). Always a new table, also on the same device; this one keeps its backend. The
+        copy's row arrays live where this table's do (:attr:`row_arrays`)."""
         device = torch.device(device)
         self._settle()  # the copy starts with the exact size and nothing pending
         out = copy.copy(self)
         out._pending = []
-        for name, value in vars(self).items():
-            if isinstance(value, torch.Tensor):
-                setattr(out, name, value.to(device, copy=True))
         out.device = device
+        for name, value in vars(self).items():
+            if name in _ROW_ARRAYS:  # where the copy's row_arrays says, as _allocate makes them
+                placed = out._row_array(value.numel(), 0, value.dtype)
+                setattr(out, name, placed.copy_(value))
+            elif isinstance(value, torch.Tensor):
+                setattr(out, name, value.to(device, copy=True))
         out.backend = out._checked(backend)
         return out
 

@@ -11,7 +11,8 @@ from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.dense_inputs import assemble_dense_inputs
 from shared.features import FeatureSet
-from shared.hashtable.placement import GIB, describe, plan_placement
+from shared.hashtable.layout import RowArrays
+from shared.hashtable.placement import GIB, TablePlacement, describe, plan_placement
 from train.model.dense_arch import DenseArch
 from train.model.id_dropout import IdDropout
 from train.model.sparse_arch import Embedded, SparseArch, table_lr_scales
@@ -34,6 +35,7 @@ class MultiTowerDIN(nn.Module):
         seed: int = 0,
         sparse_lr_scales: dict[str, float] | None = None,
         cache_load_factors: dict[str, float] | None = None,
+        row_arrays: dict[str, RowArrays] | None = None,
     ) -> None:
         super().__init__()
         self.fs = fs
@@ -50,6 +52,7 @@ class MultiTowerDIN(nn.Module):
             id_dropout=None if backoff is None else IdDropout.from_config(fs, backoff, seed=seed),
             lr_scales=sparse_lr_scales,
             cache_load_factors=cache_load_factors,
+            row_arrays=row_arrays,
         )
         self.dense = DenseArch.from_config(fs, model_config).to(device)
 
@@ -64,10 +67,10 @@ class MultiTowerDIN(nn.Module):
         hbm_budget_gib: float | None = None,
     ) -> MultiTowerDIN:
         """The model of ``config`` with its sparse optimizer settings, once the dynamic tables'
-        placement is planned (one log line per table); CACHING tables get their planned factor.
-        ``hbm_budget_gib``: the tables' device budget, over the config's
+        placement is planned (one log line per table); CACHING tables get their planned factor
+        and row arrays' place. ``hbm_budget_gib``: the tables' device budget, over the config's
         ``train_config.table_hbm_budget_gib``."""
-        factors = plan_tables(config, fs, hbm_budget_gib)
+        plans = plan_tables(config, fs, hbm_budget_gib)
         ada = sparse_adagrad(config.train_config)
         return cls(
             fs,
@@ -78,7 +81,8 @@ class MultiTowerDIN(nn.Module):
             device=device,
             seed=seed,
             sparse_lr_scales=table_lr_scales(fs, config.train_config.sparse_optimizer),
-            cache_load_factors=factors,
+            cache_load_factors={p.table: p.cache_load_factor for p in plans},
+            row_arrays={p.table: p.row_arrays for p in plans},
         )
 
     def dense_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -99,9 +103,10 @@ class MultiTowerDIN(nn.Module):
 
 def plan_tables(
     config: pipeline_pb2.EasyRecConfig, fs: FeatureSet, hbm_budget_gib: float | None
-) -> dict[str, float]:
+) -> list[TablePlacement]:
     """Log the dynamic tables' placement (shared.hashtable.placement), refuse a budget they
-    cannot fit, and return each table's planned cache_load_factor (1.0: HBM_ONLY)."""
+    cannot fit, and return each table's plan: its cache_load_factor (1.0: HBM_ONLY) and where
+    its row arrays live, which the storages honour."""
     tc = config.train_config
     if hbm_budget_gib is None and tc.HasField("table_hbm_budget_gib"):
         hbm_budget_gib = tc.table_hbm_budget_gib
@@ -109,7 +114,7 @@ def plan_tables(
     plans = plan_placement(fs.dynamic_tables, hbm_budget=budget)
     for line in describe(plans):
         log.info("table plan: %s", line)
-    return {p.table: p.cache_load_factor for p in plans}
+    return plans
 
 
 def sparse_adagrad(config: pipeline_pb2.TrainConfig) -> pipeline_pb2.AdagradOptimizer:

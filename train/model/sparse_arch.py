@@ -33,6 +33,7 @@ from shared.dense_inputs import (
 )
 from shared.features import FeatureSet
 from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.layout import RowArrays
 from train.model.fused_tables import DenseTables
 from train.model.id_dropout import IdDropout
 
@@ -124,6 +125,7 @@ class SparseArch(nn.Module):
         id_dropout: IdDropout | None = None,
         lr_scales: dict[str, float] | None = None,
         cache_load_factors: dict[str, float] | None = None,
+        row_arrays: dict[str, RowArrays] | None = None,
     ) -> None:
         super().__init__()
         self.fs = fs
@@ -153,6 +155,7 @@ class SparseArch(nn.Module):
             id_mode=fs.id_mode.value,
             lr_scales=lr_scales,
             cache_load_factors=cache_load_factors,
+            row_arrays=row_arrays,
         )
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:

@@ -56,6 +56,7 @@ def plan_report(
                 "dim": p.dim,
                 "hbm_bytes": p.hbm_bytes,
                 "host_bytes": p.host_bytes,
+                "row_arrays": p.row_arrays.value,
             }
             for p in plans
         },

@@ -5,16 +5,27 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from shared.features import FeatureSet, TableSpec
+from shared.hashtable.adagrad import AdagradConfig
+from shared.hashtable.host_store import TensorHostStore
+from shared.hashtable.layout import RowArrays
 from shared.hashtable.placement import (
+    BUCKET_BYTES,
     GIB,
     INDEX_BYTES_PER_SLOT,
+    ROW_ARRAY_BYTES_PER_SLOT,
+    SLOT_BYTES_PER_SLOT,
     PlacementError,
     StorageMode,
     describe,
     plan_placement,
 )
+from shared.hashtable.row_cache import RowCache
+from shared.hashtable.storage import FusedStorage
+
+from .conftest import dyn_table
 
 
 def _with_factor(t: TableSpec, factor: float | None) -> TableSpec:
@@ -31,11 +42,18 @@ def test_without_a_budget_every_table_is_hbm_only_with_its_layout_bytes(
     assert user.mode is StorageMode.HBM_ONLY and user.cache_load_factor == 1.0
     assert not user.planned
     assert user.slots == 300_032  # whole buckets of 128
-    assert user.index_bytes == 300_032 * INDEX_BYTES_PER_SLOT
+    assert user.index_bytes == 300_032 * SLOT_BYTES_PER_SLOT + 300_032 // 128 * BUCKET_BYTES
+    assert user.row_arrays is RowArrays.DEVICE
+    assert user.row_array_bytes == 300_032 * ROW_ARRAY_BYTES_PER_SLOT
     assert user.value_bytes == 300_032 * 16 * 8  # values + Adagrad state, float32
-    assert user.counter_bytes == 300_032 * INDEX_BYTES_PER_SLOT  # counter buckets of 1024
-    assert user.hbm_bytes == user.index_bytes + user.value_bytes + user.counter_bytes
+    # counter buckets of 1024
+    assert user.counter_bytes == 300_032 * INDEX_BYTES_PER_SLOT + 300_032 // 1024 * BUCKET_BYTES
+    assert user.cache_bytes == user.value_bytes  # HBM_ONLY: no line map
+    assert user.hbm_bytes == (
+        user.index_bytes + user.row_array_bytes + user.value_bytes + user.counter_bytes
+    )
     assert user.host_bytes == 0
+    assert user.line().endswith("(300,032 slots x dim 16; row arrays on the device)")
     no_admission = replace(seed_fs.tables["brand_emb"].dynamic, admission=None)
     brand = replace(seed_fs.tables["brand_emb"], dynamic=no_admission)
     assert plan_placement([brand], hbm_budget=None)[0].counter_bytes == 0
@@ -50,7 +68,8 @@ def test_a_tight_budget_plans_one_cached_share_of_the_values(seed_fs: FeatureSet
     budget = GIB // 10
     plans = plan_placement(seed_fs.dynamic_tables, hbm_budget=budget)
     assert {p.mode for p in plans} == {StorageMode.CACHING}
-    assert {p.cache_load_factor for p in plans} == {0.31}
+    assert {p.cache_load_factor for p in plans} == {0.24}
+    assert {p.row_arrays for p in plans} == {RowArrays.DEVICE}  # a 1 % cache fits with them
     assert all(p.planned for p in plans)
     assert sum(p.hbm_bytes for p in plans) <= budget
     assert all(p.host_bytes == p.value_bytes for p in plans)  # the host holds every row
@@ -66,15 +85,80 @@ def test_a_factor_the_config_sets_is_kept_and_the_others_planned(seed_fs: Featur
     assert plans["adgroup_id_emb"].planned and plans["adgroup_id_emb"].cache_load_factor < 1.0
 
 
-def test_a_budget_the_indexes_alone_exceed_is_refused_naming_the_biggest_table(
+def test_a_budget_too_tight_for_the_indexes_moves_the_cached_tables_row_arrays_to_the_host(
+    seed_fs: FeatureSet,
+) -> None:
+    budget = GIB // 16
+    with_device_rows = [
+        p.hbm_bytes for p in plan_placement(seed_fs.dynamic_tables, hbm_budget=None)
+    ]
+    plans = plan_placement(seed_fs.dynamic_tables, hbm_budget=budget)
+    assert {p.mode for p in plans} == {StorageMode.CACHING}
+    assert {p.row_arrays for p in plans} == {RowArrays.HOST}
+    assert {p.cache_load_factor for p in plans} == {0.09}
+    assert sum(p.hbm_bytes for p in plans) <= budget < sum(with_device_rows)
+    for p in plans:  # the host holds every row's payload and the row arrays
+        assert p.host_bytes == p.value_bytes + p.slots * ROW_ARRAY_BYTES_PER_SLOT
+        assert p.hbm_bytes == p.index_bytes + p.counter_bytes + p.cache_bytes
+        assert p.line().endswith(f"({p.slots:,} slots x dim {p.dim}; row arrays on the host)")
+
+
+def test_a_budget_the_slot_arrays_alone_exceed_is_refused_naming_the_biggest_table(
     seed_fs: FeatureSet,
 ) -> None:
     with pytest.raises(PlacementError) as e:
         plan_placement(seed_fs.dynamic_tables, hbm_budget=GIB // 100)
     message = str(e.value)
-    assert "the budget is 0.01 GiB" in message
+    assert "at least 0.05 GiB with a 1% cache and the cached tables' row arrays" in message
+    assert "(key, table id, score) in host memory, but the budget is 0.01 GiB" in message
     assert "the biggest is user_id_emb" in message
     assert "Lower its max_capacity (or dim), or raise the budget" in message
+
+
+def test_a_table_the_config_keeps_hbm_only_keeps_its_row_arrays_on_the_device(
+    seed_fs: FeatureSet,
+) -> None:
+    tables = [
+        _with_factor(t, 1.0) if t.name == "cate_id_emb" else t for t in seed_fs.dynamic_tables
+    ]
+    plans = {p.table: p for p in plan_placement(tables, hbm_budget=GIB // 16)}
+    assert plans["cate_id_emb"].mode is StorageMode.HBM_ONLY
+    assert plans["cate_id_emb"].row_arrays is RowArrays.DEVICE
+    assert {p.row_arrays for n, p in plans.items() if n != "cate_id_emb"} == {RowArrays.HOST}
+
+
+@pytest.mark.parametrize("row_arrays", list(RowArrays), ids=[r.value for r in RowArrays])
+def test_the_planned_bytes_are_those_a_cached_storage_allocates(row_arrays: RowArrays) -> None:
+    """The planner's bytes against the arrays a CACHING storage really makes (on the CPU every
+    array is host memory; what is counted where is the plan's)."""
+    t = _with_factor(
+        dyn_table("t_emb", dim=8, init_capacity=4096, max_capacity=4096, threshold=2), 0.25
+    )
+    (planned,) = plan_placement([t], hbm_budget=None)
+    plan = replace(planned, row_arrays=row_arrays)
+    s = FusedStorage(
+        "t", [t], adagrad=AdagradConfig(0.1), seed=0, device=torch.device("cpu"),
+        row_arrays=row_arrays,
+    )  # fmt: skip
+    table, cache, counter = s.table, s.payload, s.counter
+    assert isinstance(cache, RowCache) and counter is not None and table.row_arrays is row_arrays
+
+    def nbytes(*arrays: torch.Tensor) -> int:
+        return sum(a.nbytes for a in arrays)
+
+    assert plan.index_bytes == nbytes(
+        table._slot_fp, table._slot_row, table._bucket_count, table._sentinel
+    )
+    assert plan.row_array_bytes == nbytes(table._row_key, table._row_tid, table._row_score)
+    assert plan.line_map_bytes == nbytes(cache.line_of_row)
+    lines = nbytes(cache.values, cache.accum, cache.row_of_line, cache.stamp, cache.dirty)
+    assert cache.lines == 1024 and plan.cache_bytes == lines + plan.line_map_bytes
+    c = counter.table
+    arrays = (c._slot_fp, c._slot_row, c._bucket_count, c._sentinel, c._row_key, c._row_tid)
+    assert plan.counter_bytes == nbytes(*arrays, c._row_score)
+    assert isinstance(cache.store, TensorHostStore)
+    host = cache.store.nbytes + (plan.row_array_bytes if row_arrays is RowArrays.HOST else 0)
+    assert plan.host_bytes == host
 
 
 def test_a_config_factor_below_one_plans_caching(seed_fs: FeatureSet) -> None:

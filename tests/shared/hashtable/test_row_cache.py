@@ -339,17 +339,28 @@ def test_on_cuda_a_cache_of_a_few_rows_equals_hbm_only(strategy: ScoreStrategy) 
     assert isinstance(cache, RowCache) and isinstance(cache.store, TensorHostStore)
     # with the CUDA kernels the host tier's rows move through UVA (cuda/host_rows.py)
     assert cache.store.mapped == (cuda.unavailable_reason() is None)
-    for o1, o2 in zip(_run(hbm), _run(cached, prefetch=True), strict=True):
+    assert_close_on_cuda(_run(hbm), _run(cached, prefetch=True), hbm, cached)
+
+
+def assert_close_on_cuda(
+    outs_a: list[dict[str, torch.Tensor]],
+    outs_b: list[dict[str, torch.Tensor]],
+    a: DynamicEmbeddingCollection,
+    b: DynamicEmbeddingCollection,
+) -> None:
+    """Two CUDA runs of :func:`_run` alike: outputs, values and Adagrad sums within the CUDA
+    tests' tolerances; keys, scores, counters and stats equal."""
+    for o1, o2 in zip(outs_a, outs_b, strict=True):
         for t in o1:
             torch.testing.assert_close(o1[t], o2[t], rtol=1e-6, atol=1e-7, msg=t)
-    sa, sb = hbm.table_states(), cached.table_states()
+    sa, sb = a.table_states(), b.table_states()
     for t in sa:
         for f in ("keys", "scores", "counter_keys", "counter_counts"):
             x, y = getattr(sa[t], f), getattr(sb[t], f)
             assert (x is None and y is None) or torch.equal(x.cpu(), y.cpu()), (t, f)
         for f in ("values", "accumulators"):
             torch.testing.assert_close(getattr(sa[t], f), getattr(sb[t], f), rtol=1e-6, atol=1e-7)
-    assert hbm.stats() == cached.stats()
+    assert a.stats() == b.stats()
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ import pytest
 
 from shared.config import load_config
 from shared.features import build_feature_set
+from shared.hashtable.layout import RowArrays
 from tests.conftest import SEED_CONFIG
 from train.model.multi_tower_din import MultiTowerDIN
 from train.tools.__main__ import main
@@ -38,6 +39,7 @@ def test_plan_json_with_a_budget_plans_a_cache(capsys: pytest.CaptureFixture[str
     report = json.loads(capsys.readouterr().out)
     assert report["budget_source"] == "--hbm-gib"
     assert report["tables"]["user_id_emb"]["mode"] == "CACHING"
+    assert report["tables"]["user_id_emb"]["row_arrays"] == "DEVICE"
     assert report["hbm_bytes"] <= report["budget_bytes"]
 
 
@@ -75,8 +77,15 @@ def test_the_model_logs_its_plan_and_builds_the_planned_tiers(
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="train.model.multi_tower_din"):
         model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg))
-    assert any("cache_load_factor=0.31 (planned)" in r.getMessage() for r in caplog.records)
+    assert any("cache_load_factor=0.24 (planned)" in r.getMessage() for r in caplog.records)
     assert set(_names(model, "CACHING")) == {t.name for t in build_feature_set(cfg).dynamic_tables}
+    assert {s.table.row_arrays for s in model.sparse.dynamic._storages} == {RowArrays.DEVICE}
+    # a budget too tight for the indexes: the storages keep their row arrays on the host
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="train.model.multi_tower_din"):
+        model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg), hbm_budget_gib=1 / 16)
+    assert any("row arrays on the host)" in r.getMessage() for r in caplog.records)
+    assert {s.table.row_arrays for s in model.sparse.dynamic._storages} == {RowArrays.HOST}
     model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg), hbm_budget_gib=1.0)  # flag wins
     assert _names(model, "CACHING") == []
 
