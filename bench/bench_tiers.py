@@ -43,6 +43,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,48 @@ def index_bytes(dec: DynamicEmbeddingCollection) -> int:
     return sum(a.nbytes for a in arrays)
 
 
+@dataclass
+class StepTimes:
+    """What :func:`time_steps` measured over the timed steps (after the warm-up)."""
+
+    seconds: list[float]  # each timed step's wall time, up to a device sync
+    hit_rate: float  # rows of the forward lookups found in a cache line / rows they touched
+    per_step: dict[str, float]  # COUNTERS a step (both calls of a step)
+
+
+def time_steps(
+    dec: DynamicEmbeddingCollection, batches: list[torch.Tensor], grad: torch.Tensor, warmup: int
+) -> StepTimes:
+    """The embedding step of each batch (training lookup + backward of ``grad``), the first
+    ``warmup`` untimed; cache counters read outside the timed region (a read syncs)."""
+    device = grad.device
+    times: list[float] = []
+    fwd_hits = fwd_rows = 0.0  # rows of the timed forward lookups: found in a line, and all
+    totals: dict[str, float] = {}  # per-step cache counters of the timed steps (both calls)
+    for i, batch in enumerate(batches):
+        dec.set_step(i + 1)
+        s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
+        _sync(device)
+        t = time.perf_counter()
+        out = dec({TABLE: batch})[TABLE]  # [lookups, dim]
+        out.backward(grad)
+        _sync(device)
+        del out
+        if i < warmup:
+            continue
+        times.append(time.perf_counter() - t)
+        # read after the timed region: the counters live on the device (a read syncs). The
+        # backward reuses its lookup's lines (no second count) unless the lookup bypassed rows
+        s2 = dec.tier_stats()[TABLE]
+        if dec.tiered:
+            fwd_hits += s2["cache_hits"] - s0["cache_hits"]
+            fwd_rows += sum(s2[k] - s0[k] for k in ("cache_hits", "cache_misses", "cache_bypassed"))
+        for k in COUNTERS:
+            totals[k] = totals.get(k, 0.0) + s2.get(f"cache_{k}", 0.0) - s0.get(f"cache_{k}", 0.0)
+    per_step = {k: round(v / max(1, len(times)), 1) for k, v in totals.items()}
+    return StepTimes(times, fwd_hits / fwd_rows if fwd_rows else 0.0, per_step)
+
+
 def run_variant(
     dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
     grad: torch.Tensor, probe: torch.Tensor, warmup: int, static: bool = False,
@@ -122,28 +165,8 @@ def run_variant(
         dec.use_static_step(capture=device.type == "cuda")
     _sync(device)
     build_s = time.perf_counter() - t0
-    times: list[float] = []
-    fwd_hits = fwd_rows = 0.0  # rows of the timed forward lookups: found in a line, and all
-    totals: dict[str, float] = {}  # per-step cache counters of the timed steps (both calls)
-    for i, batch in enumerate(batches):
-        dec.set_step(i + 1)
-        s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
-        _sync(device)
-        t = time.perf_counter()
-        out = dec({TABLE: batch})[TABLE]  # [lookups, dim]
-        out.backward(grad)
-        _sync(device)
-        if i < warmup:
-            continue
-        times.append(time.perf_counter() - t)
-        # read after the timed region: the counters live on the device (a read syncs). The
-        # backward reuses its lookup's lines (no second count) unless the lookup bypassed rows
-        s2 = dec.tier_stats()[TABLE]
-        if factor is not None:
-            fwd_hits += s2["cache_hits"] - s0["cache_hits"]
-            fwd_rows += sum(s2[k] - s0[k] for k in ("cache_hits", "cache_misses", "cache_bypassed"))
-        for k in COUNTERS:
-            totals[k] = totals.get(k, 0.0) + s2.get(f"cache_{k}", 0.0) - s0.get(f"cache_{k}", 0.0)
+    steps = time_steps(dec, batches, grad, warmup)
+    times = steps.seconds
     after = dec.tier_stats()[TABLE]
     dec.eval()
     probed = dec({TABLE: probe})[TABLE].detach().cpu()
@@ -162,11 +185,11 @@ def run_variant(
     if factor is not None:
         result["cache_load_factor"] = factor
         result["cache_lines"] = int(after["cache_lines"])
-        result["hit_rate"] = fwd_hits / fwd_rows if fwd_rows else 0.0
-        result["per_step"] = {k: round(v / len(times), 1) for k, v in totals.items()}
+        result["hit_rate"] = steps.hit_rate
+        result["per_step"] = steps.per_step
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-    del dec, out
+    del dec
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
