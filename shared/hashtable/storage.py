@@ -186,6 +186,18 @@ def _checked_factors(
     return list(factors)
 
 
+def _check_row_arrays(
+    name: str, names: list[str], factors: Sequence[float], row_arrays: RowArrays
+) -> None:
+    """ValueError for row arrays on the host in an HBM_ONLY storage (every factor 1.0)."""
+    if row_arrays is RowArrays.HOST and all(f >= 1.0 for f in factors):
+        raise ValueError(
+            f"storage {name!r}: row_arrays HOST is for CACHING storages, but every table of "
+            f"{names} is HBM_ONLY (cache_load_factors {list(factors)}); give one a "
+            "cache_load_factor below 1, or keep its row arrays on the device"
+        )
+
+
 class FusedStorage:
     """Dynamic tables sharing one hash table; table ``specs[i]`` has table id ``i``.
 
@@ -232,12 +244,7 @@ class FusedStorage:
         cache_load_factors = _checked_factors(name, self.names, dyn, cache_load_factors)
         self.cache_load_factors = cache_load_factors
         cached = any(f < 1.0 for f in cache_load_factors)
-        if row_arrays is RowArrays.HOST and not cached:
-            raise ValueError(
-                f"storage {name!r}: row_arrays HOST is for CACHING storages, but every table of "
-                f"{self.names} is HBM_ONLY (cache_load_factors {cache_load_factors}); give one a "
-                "cache_load_factor below 1, or keep its row arrays on the device"
-            )
+        _check_row_arrays(name, self.names, cache_load_factors, row_arrays)
         self.table = HashTable(
             0 if cached else self.dim,  # CACHING: the index alone, the payload in RowCache
             init_capacity=sum(d.init_capacity for d in dyn),
