@@ -78,6 +78,9 @@ def populate(storage: FusedStorage, keys: int, chunk: int) -> dict[str, Any]:
         k = torch.arange(a, min(a + chunk, keys), device=device)  # [chunk]
         zeros = torch.zeros(k.numel(), dim, device=device)  # [chunk, dim]
         storage.payload.insert_or_assign(k, zeros, torch.zeros_like(k), table_ids=None)
+        if (a // chunk) % 16 == 15:  # progress in the log (a run cut short says how far)
+            took = time.perf_counter() - t0
+            print(f"populate: {a + k.numel():,} keys, {took:.1f} s", file=sys.stderr, flush=True)
     storage.mutations += 1
     _sync(device)
     t = storage.table
@@ -160,6 +163,7 @@ def run(args: Any) -> dict[str, Any]:
     assert isinstance(cache, RowCache)
     _sync(device)
     result["allocate_s"] = round(time.perf_counter() - t0, 2)
+    print(f"allocated in {result['allocate_s']} s: {placed.line()}", file=sys.stderr, flush=True)
     result["populate"] = populate(storage, args.scale_keys, args.chunk)
     result["bytes"] = tier_bytes(storage, cache)
     if cuda:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call (under 550 s) for issue #52's scale goal: the row-arrays-on-the-host GPU tests,
+# then bench/bench_tiers_scale.py on the card: 500M keys at dim 16 (625M slots), CACHING with the
+# index's row arrays (key, table id, score) in mapped host memory and the cache the planner sizes
+# for 16 GiB of HBM, populated in chunks of 4M keys, then 20 + 30 Zipf 1.05 steps of 1M lookups.
+# Host memory: 625M slots x (128 B of payload + 20 B of row arrays) = 92.5 GB page-locked, of the
+# machine's 128 GiB (137 GB); nothing else big runs beside it. Device: ~17.1 GB of tables (the
+# plan's 15.93 GiB) plus the Zipf CDF (4 GB, freed before the table is built) and a step's work.
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: scale_tests.log,
+# bench_tiers_scale_gpu.json (after the populate, then complete), bench_tiers_scale.log.
+# KEYS / BUDGET_GIB / LOOKUPS / WARMUP / STEPS / CHUNK override the sizes; SCALE_TESTS=0 skips the
+# tests (when another call of the session ran them).
+set -x
+. bench/device_env.sh
+if [ "${SCALE_TESTS:-1}" != 0 ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/shared/hashtable/test_layout.py tests/shared/hashtable/test_row_cache.py \
+    > "$OUT/scale_tests.log" 2>&1
+  echo "scale tests rc=$?"; tail -4 "$OUT/scale_tests.log"
+fi
+timeout ${BENCH_TIMEOUT:-380} python3 -m bench.bench_tiers_scale --device cuda \
+  --scale-keys "${KEYS:-500000000}" --hbm-budget-gib "${BUDGET_GIB:-16}" --lookups "${LOOKUPS:-1000000}" \
+  --warmup "${WARMUP:-20}" --steps "${STEPS:-30}" --chunk "${CHUNK:-4194304}" \
+  --out "$OUT/bench_tiers_scale_gpu.json" > "$OUT/bench_tiers_scale.log" 2>&1
+echo "bench_tiers_scale rc=$?"; tail -12 "$OUT/bench_tiers_scale.log"
+free -g | head -2
