@@ -3,8 +3,9 @@ and ``row_score`` live, never what a storage computes.
 
 On the CPU both places are plain memory: a CACHING storage with its row arrays on the host equals
 one with them on the device bit for bit, step by step (lookups, Adagrad, inserts that evict,
-growth, export). On CUDA (``gpu``) the host arrays are page-locked host memory mapped into the
-device: the same script, the pointers' memory types and the allocator's bytes checked.
+growth, export; the eager step and the static one). On CUDA (``gpu``) the host arrays are
+page-locked host memory mapped into the device: the same scripts (the static step captured in
+CUDA graphs), the pointers' memory types and the allocator's bytes checked.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.features import ScoreStrategy
-from shared.hashtable import cuda
+from shared.features import LfuDecaySpec, ScoreStrategy
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.layout import RowArrays
 from shared.hashtable.table import HashTable
 
+from .conftest import NEEDS_CUDA_KERNELS
 from .test_row_cache import _assert_equal, _run, _tables, assert_close_on_cuda
+from .test_row_cache_static import _static_dec, _static_run
 
 HOST = {"a_emb": RowArrays.HOST}  # one member of the fused storage asks: the storage takes it
 
@@ -69,12 +71,6 @@ def test_row_arrays_of_a_table_that_is_not_here_are_refused() -> None:
         _dec({"x_emb": RowArrays.HOST})
 
 
-NEEDS_KERNELS = pytest.mark.skipif(
-    cuda.unavailable_reason() is not None,
-    reason=f"needs CUDA and CuPy: {cuda.unavailable_reason()}",
-)
-
-
 def _memory_type(t: torch.Tensor) -> int:
     """cudaPointerGetAttributes' type of ``t``'s memory: 1 host (registered), 2 device."""
     import cupy
@@ -93,7 +89,7 @@ def _allocated(row_arrays: RowArrays) -> tuple[int, HashTable]:
 
 
 @pytest.mark.gpu
-@NEEDS_KERNELS
+@NEEDS_CUDA_KERNELS
 def test_on_cuda_host_row_arrays_are_mapped_host_memory_outside_the_allocator() -> None:
     _allocated(RowArrays.HOST)  # anything a first table allocates once
     on_device, _ = _allocated(RowArrays.DEVICE)
@@ -110,7 +106,7 @@ def test_on_cuda_host_row_arrays_are_mapped_host_memory_outside_the_allocator() 
 
 
 @pytest.mark.gpu
-@NEEDS_KERNELS
+@NEEDS_CUDA_KERNELS
 def test_on_cuda_host_row_arrays_change_no_result() -> None:
     device, host = _dec({}, "cuda"), _dec(HOST, "cuda")
     t = host._storages[0].table
@@ -118,3 +114,21 @@ def test_on_cuda_host_row_arrays_change_no_result() -> None:
     assert_close_on_cuda(_run(device), _run(host, prefetch=True), device, host)
     assert t.generation > 0 and host.stats()["a_emb"]["evictions"] > 0  # grown, evicted
     assert [_memory_type(a) for a in (t._row_key, t._row_tid, t._row_score)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_CUDA_KERNELS])]
+)
+def test_the_static_step_with_host_row_arrays_equals_it_with_device_ones(device: str) -> None:
+    """The static sparse step (captured in CUDA graphs on CUDA) of a 640-line cache under LFU
+    with decay (an in-place shift of the host score array), step by step: bit for bit on the
+    CPU, within the CUDA tests' tolerances on CUDA."""
+    decay = LfuDecaySpec(interval_steps=2)
+    on_device = _static_dec(ScoreStrategy.LFU, 0.3125, device, lfu_decay=decay)
+    host = _static_dec(ScoreStrategy.LFU, 0.3125, device, lfu_decay=decay, row_arrays=HOST)
+    assert host._storages[0].table.row_arrays is RowArrays.HOST
+    _static_run([on_device, host], range(1, 13), exact=device == "cpu")
+    ran = host.static_stats()["g"]
+    assert ran == on_device.static_stats()["g"]
+    assert ran["eager" if device == "cpu" else "replays"] == 12, ran
+    assert host.stats()["a_emb"]["evictions"] > 0

@@ -18,6 +18,7 @@ from shared.features import LfuDecaySpec, ScoreStrategy
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.host_store import TensorHostStore
+from shared.hashtable.layout import RowArrays
 from shared.hashtable.row_cache import RowCache
 from shared.hashtable.static_step import supports
 
@@ -48,10 +49,11 @@ def _static_dec(
     *,
     grown: bool = True,
     lfu_decay: LfuDecaySpec | None = None,
+    row_arrays: dict[str, RowArrays] | None = None,
 ) -> DynamicEmbeddingCollection:
     """Two fused tables of 1024 rows each (full buckets), one with admission, with the static
     sparse step (captured on CUDA); ``grown``: at their max capacity from the start, else
-    growing from 64 rows each (eager steps until the max)."""
+    growing from 64 rows each (eager steps until the max). ``row_arrays``: the collection's."""
     init = 1024 if grown else 64
     kw = dict(init_capacity=init, bucket_capacity=16, max_capacity=1024, strategy=strategy,
               lfu_decay=lfu_decay)  # fmt: skip
@@ -60,6 +62,7 @@ def _static_dec(
     dec = DynamicEmbeddingCollection(
         [_cached(t, factor) for t in tables], {"g": ["a_emb", "b_emb"]}, lr=0.03,
         initial_accumulator_value=0.1, device=device, clock=lambda: next(clock),
+        row_arrays=row_arrays,
     )  # fmt: skip
     dec.use_static_step(capture=device == "cuda")
     if grown:
