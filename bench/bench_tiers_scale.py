@@ -24,8 +24,9 @@ Zipf CDF over 500M ranks takes 4 GB of device memory for a moment).
 
 The JSON: the plan's line and bytes, keys inserted and stored, allocation and populate seconds,
 the median step (ms, steps/s, lookups/s), the cache's hit rate and per-step counters over the
-timed steps, bytes per tier (device: slot arrays, line map, lines, and on CUDA what torch's
-allocator held after the populate and at its peak during the steps; host: the rows' payload and
+timed steps, bytes per tier (device: slot arrays, line map, lines, the CUDA insert kernels'
+scratch, which the planner does not count (12 B a slot), and on CUDA what torch's allocator held
+after the populate and at its peak during the steps; host: the rows' payload and
 the row arrays; on the CPU every tier is the same memory, the split is where a CUDA run puts
 them) and the process's peak resident memory. Written after the populate and again
 at the end, so a run cut short keeps the first part.
@@ -46,6 +47,7 @@ import torch
 from bench.bench_tiers import LOAD, TABLE, _sync, spec, time_steps, zipf_ranks
 from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
+from shared.hashtable.cuda import insert
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.layout import RowArrays
 from shared.hashtable.placement import GIB, StorageMode, TablePlacement, plan_placement
@@ -105,6 +107,8 @@ def tier_bytes(storage: FusedStorage, cache: RowCache) -> dict[str, dict[str, in
         "line_map": cache._line_map.nbytes,
         "lines": sum(a.nbytes for a in lines),
         "row_arrays": 0 if hosted else row_arrays,
+        # kept with the table by the CUDA insert kernels, and not in the plan
+        "insert_scratch": insert.scratch_bytes(t),
     }
     host = {
         "rows": cache.store.capacity * 2 * storage.dim * 4,

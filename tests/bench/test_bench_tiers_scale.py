@@ -28,6 +28,7 @@ def test_the_scale_bench_plans_host_row_arrays_populates_and_trains(tmp_path: Pa
     assert stored + populated["refusals"] + populated["evictions"] >= 20_000
     device, host = got["bytes"]["device"], got["bytes"]["host"]
     assert device["row_arrays"] == 0 and host["row_arrays"] == 25_088 * (8 + 4 + 8)  # slots
+    assert device["insert_scratch"] == 0  # the CUDA kernels' only
     # the planner's device bytes are the arrays' (the arrays' sink slots aside)
     assert 0 <= sum(device.values()) - plan["hbm_bytes"] < 1024
     assert host["rows"] + host["row_arrays"] == plan["host_bytes"]

@@ -214,6 +214,17 @@ _optin: dict[int, int] = {}  # device index -> opt-in shared memory a block may 
 _smem_set: dict[tuple[int, str], int] = {}  # dynamic shared memory a kernel was allowed
 
 
+def scratch_bytes(table: TableLayout) -> int:
+    """Device bytes of the scratch these kernels keep with ``table`` (0 before its first CUDA
+    insert or erase): ``stage`` and ``win``, 12 bytes a slot, and 20 bytes a bucket, as long as
+    the table lives. :mod:`shared.hashtable.placement` does not plan them (issue #52's scale
+    bench reports them: at 625M slots they are 7.6 GB)."""
+    sc = _scratch.get(table)
+    if sc is None:
+        return 0
+    return sum(v.nbytes for v in vars(sc).values() if isinstance(v, torch.Tensor) and v.is_cuda)
+
+
 def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
     """The table's scratch for a call on ``launcher``'s stream, the table's pending counts
     settled first (a deferred erase reads ``erase_host``, which the next one overwrites)."""
