@@ -24,6 +24,9 @@ once per table, before anything is allocated, from the config alone:
 
 A CACHING table's storage (:mod:`shared.hashtable.row_cache`) gets ``ceil(factor * max_capacity)``
 cache lines on the device over a host tier of every row: what ``hbm_bytes`` and ``host_bytes`` count.
+Not counted: the scratch the CUDA insert kernels keep with each table on the device (12 bytes a
+slot, 20 a bucket: ``shared.hashtable.cuda.insert.scratch_bytes``), which the torch backend does
+not have; the plan is the same whatever the backend.
 
     >>> lines = describe(plan_placement(fs.dynamic_tables, hbm_budget=None))
 """
