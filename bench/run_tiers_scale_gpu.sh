@@ -4,8 +4,9 @@
 # index's row arrays (key, table id, score) in mapped host memory and the cache the planner sizes
 # for 16 GiB of HBM, populated in chunks of 4M keys, then 20 + 30 Zipf 1.05 steps of 1M lookups.
 # Host memory: 625M slots x (128 B of payload + 20 B of row arrays) = 92.5 GB page-locked, of the
-# machine's 128 GiB (137 GB); nothing else big runs beside it. Device: ~17.1 GB of tables (the
-# plan's 15.93 GiB) plus the Zipf CDF (4 GB, freed before the table is built) and a step's work.
+# machine's 128 GiB (137 GB); nothing else big runs beside it. Device: the plan's 15.93 GiB of
+# tables, plus the CUDA insert kernels' scratch the plan leaves out (12 B a slot: 7.6 GB), a
+# step's work and, before the table is built, the Zipf CDF (4 GB): about 25 GB, so an 80 GB card.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: scale_tests.log,
 # bench_tiers_scale_gpu.json (after the populate, then complete), bench_tiers_scale.log.
