@@ -326,6 +326,8 @@ def mapped_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor
         raise ValueError("mapped_device_view: host must be a contiguous CPU tensor")
     if host.numel() == 0:
         return torch.empty(host.shape, dtype=host.dtype, device=device)
+    if device.index is None:  # "cuda": the current device, as torch places "cuda" tensors
+        device = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(device):
         _register(host, mapped=True, drain=True)
         pointer = _device_pointer(host)
