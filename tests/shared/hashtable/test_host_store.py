@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.hashtable.host_store import HostStore, TensorHostStore
+from shared.hashtable import cuda
+from shared.hashtable.host_store import HostStore, TensorHostStore, mapped_device_view
 
 
 def _store(pin: bool = False) -> TensorHostStore:
@@ -88,3 +89,15 @@ def test_a_store_holding_rows_reads_them_without_a_copy() -> None:
         store.device_pointer()
     with pytest.raises(ValueError, match="contiguous float32"):
         TensorHostStore.holding(rows.t(), pin=False)
+
+
+def test_a_mapped_device_view_is_refused_off_cuda() -> None:
+    with pytest.raises(ValueError, match="cpu is not a CUDA device"):
+        mapped_device_view(torch.zeros(4), torch.device("cpu"))
+
+
+@pytest.mark.skipif(cuda.unavailable_reason() is None, reason="the CUDA kernels can run here")
+def test_a_mapped_device_view_without_the_cuda_kernels_says_why() -> None:
+    with pytest.raises(RuntimeError, match="cannot be mapped into cuda here: ") as e:
+        mapped_device_view(torch.zeros(4), torch.device("cuda"))
+    assert str(cuda.unavailable_reason()) in str(e.value)
