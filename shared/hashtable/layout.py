@@ -268,9 +268,9 @@ class TableLayout:
         self._sentinel = bucket_sentinels(num_buckets, dev)  # [nb]
         self._slot_fp = self._sentinel.repeat_interleave(b)  # [cap]
         self._slot_row = torch.arange(cap, dtype=torch.int64, device=dev)
-        self._row_key = self._row_array(cap, EMPTY_KEY, torch.int64)
-        self._row_tid = self._row_array(cap, 0, torch.int32)
-        self._row_score = self._row_array(cap, 0, torch.int64)
+        self._row_key = self.row_array(cap, EMPTY_KEY, torch.int64)
+        self._row_tid = self.row_array(cap, 0, torch.int32)
+        self._row_score = self.row_array(cap, 0, torch.int64)
         self._values = torch.zeros(cap, self.dim, dtype=torch.float32, device=dev)
         self._accum = (
             torch.full(
@@ -283,9 +283,10 @@ class TableLayout:
         self._size = 0
         self._any_tid = False  # whether a non-zero table id was ever stored
 
-    def _row_array(self, n: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    def row_array(self, n: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
         """[n] ``fill`` where :attr:`row_arrays` says: for ``HOST`` on CUDA host memory mapped
-        into the device (a CUDA tensor), else the table's device memory."""
+        into the device (a CUDA tensor), else the table's device memory. The row arrays, and
+        the CUDA insert kernels' per-slot ``stage`` scratch (``cuda/insert.py``), are made here."""
         if self.row_arrays is RowArrays.HOST and self.device.type == "cuda":
             return mapped_device_view(torch.full((n,), fill, dtype=dtype), self.device)
         return torch.full((n,), fill, dtype=dtype, device=self.device)

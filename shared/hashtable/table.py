@@ -133,7 +133,7 @@ class HashTable(TableLayout):
         out.device = device
         for name, value in vars(self).items():
             if name in _ROW_ARRAYS:  # where the copy's row_arrays says, as _allocate makes them
-                placed = out._row_array(value.numel(), 0, value.dtype)
+                placed = out.row_array(value.numel(), 0, value.dtype)
                 setattr(out, name, placed.copy_(value))
             elif isinstance(value, torch.Tensor):
                 setattr(out, name, value.to(device, copy=True))

@@ -76,7 +76,7 @@ from shared.features import ScoreStrategy
 from shared.hashtable.cuda import runtime as rt
 from shared.hashtable.cuda.find import window
 from shared.hashtable.hashing import bucket_of
-from shared.hashtable.layout import Counts, InsertResult, SelectedInsert, TableLayout
+from shared.hashtable.layout import Counts, InsertResult, RowArrays, SelectedInsert, TableLayout
 
 if TYPE_CHECKING:
     from shared.hashtable.torch_backend import TorchBackend
@@ -162,7 +162,11 @@ class _Scratch:
         self.shape = (nb, bc)
         self.S = STAGE_FACTOR * bc
         self.scount = torch.zeros(nb, dtype=torch.int32, device=dev)  # staged occurrences
-        self.stage = torch.empty(nb * self.S, dtype=torch.int32, device=dev)  # input indices
+        # input indices staged per bucket: plain stores and loads only, so where the table's
+        # row arrays are (host memory mapped into the device for RowArrays.HOST: 8 B a slot
+        # off the device); win takes atomics and stays in device memory
+        self.stage = table.row_array(nb * self.S, 0, torch.int32)
+        self.stage_on_host = table.row_arrays is RowArrays.HOST
         self.win = torch.full((nb * bc,), -1, dtype=torch.int32, device=dev)  # writer of a row
         self.nnew = torch.empty(nb, dtype=torch.int64, device=dev)  # new pairs (over buckets)
         self.over_list = torch.empty(nb, dtype=torch.int64, device=dev)  # buckets without room
@@ -216,13 +220,17 @@ _smem_set: dict[tuple[int, str], int] = {}  # dynamic shared memory a kernel was
 
 def scratch_bytes(table: TableLayout) -> int:
     """Device bytes of the scratch these kernels keep with ``table`` (0 before its first CUDA
-    insert or erase): ``stage`` and ``win``, 12 bytes a slot, and 20 bytes a bucket, as long as
-    the table lives. :mod:`shared.hashtable.placement` does not plan them (issue #52's scale
-    bench reports them: at 625M slots they are 7.6 GB)."""
+    insert or erase), as long as the table lives: ``win`` 4 bytes a slot, ``stage`` 8 bytes a
+    slot unless the row arrays are on the host (it is then with them), and 20 bytes a bucket
+    (:func:`shared.hashtable.placement.insert_scratch_bytes` plans the same)."""
     sc = _scratch.get(table)
     if sc is None:
         return 0
-    return sum(v.nbytes for v in vars(sc).values() if isinstance(v, torch.Tensor) and v.is_cuda)
+    return sum(
+        v.nbytes
+        for v in vars(sc).values()
+        if isinstance(v, torch.Tensor) and v.is_cuda and not (v is sc.stage and sc.stage_on_host)
+    )
 
 
 def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
