@@ -22,14 +22,17 @@ training lookup and the backward of a fixed gradient, sparse Adagrad on the rows
 ``--lookups`` keys drawn Zipf(``--alpha``, 1.05) over the keys before the table is built (the
 Zipf CDF over 500M ranks takes 4 GB of device memory for a moment).
 
-The JSON: the plan's line and bytes, keys inserted and stored, allocation and populate seconds,
-the median step (ms, steps/s, lookups/s), the cache's hit rate and per-step counters over the
-timed steps, bytes per tier (device: slot arrays, line map, lines, the CUDA insert kernels'
-scratch, which the planner does not count (12 B a slot), and on CUDA what torch's allocator held
-after the populate and at its peak during the steps; host: the rows' payload and
-the row arrays; on the CPU every tier is the same memory, the split is where a CUDA run puts
-them) and the process's peak resident memory. Written after the populate and again
-at the end, so a run cut short keeps the first part.
+The JSON: the plan's line and bytes, in all and by part (``device_parts``: index, row arrays,
+cache, counters, the CUDA insert kernels' scratch; ``host_parts``: rows, row arrays, the insert
+kernels' stage), keys inserted and stored, allocation and populate seconds, the median step (ms,
+steps/s, lookups/s), the cache's hit rate and per-step counters over the timed steps, the bytes
+measured per tier (device: slot arrays, line map, lines, the insert kernels' scratch (their
+``scratch_bytes``: the plan's ``insert_scratch`` and ``rep_of``, 4 B a key of a populate chunk),
+and on CUDA what torch's allocator held after the populate and at its peak during the steps;
+host: the rows' payload, the row arrays and the insert kernels' stage; on the CPU every tier is
+the same memory, the split is where a CUDA run puts them, and the torch backend has no insert
+scratch: 0 where the plan counts it) and the process's peak resident memory. Written after the
+populate and again at the end, so a run cut short keeps the first part.
 """
 
 from __future__ import annotations
@@ -107,12 +110,13 @@ def tier_bytes(storage: FusedStorage, cache: RowCache) -> dict[str, dict[str, in
         "line_map": cache._line_map.nbytes,
         "lines": sum(a.nbytes for a in lines),
         "row_arrays": 0 if hosted else row_arrays,
-        # kept with the table by the CUDA insert kernels, and not in the plan
+        # kept with the table by the CUDA insert kernels (the CPU's torch backend has none)
         "insert_scratch": insert.scratch_bytes(t),
     }
     host = {
         "rows": cache.store.capacity * 2 * storage.dim * 4,
         "row_arrays": row_arrays if hosted else 0,
+        "insert_stage": insert.stage_host_bytes(t),
     }
     return {"device": device, "host": host}
 
@@ -141,6 +145,8 @@ def run(args: Any) -> dict[str, Any]:
             "row_arrays": placed.row_arrays.value,
             "hbm_bytes": placed.hbm_bytes,
             "host_bytes": placed.host_bytes,
+            "device_parts": placed.device_parts(),
+            "host_parts": placed.host_parts(),
         },
     }
     gen = torch.Generator(device=device).manual_seed(args.seed)

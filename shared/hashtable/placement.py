@@ -11,22 +11,27 @@ once per table, before anything is allocated, from the config alone:
   the host: :class:`~shared.hashtable.layout.RowArrays`), the values and the Adagrad state
   (``8 * dim`` bytes a slot, the part a cache tiers), a CACHING table's line map (4 bytes a
   slot) and each cache line's bookkeeping (17 bytes: row, stamp, dirty bit;
-  :mod:`shared.hashtable.row_cache_lines`), and an admission counter table of 36 bytes a counter
-  slot;
+  :mod:`shared.hashtable.row_cache_lines`), an admission counter table of 36 bytes a counter
+  slot, and the scratch the CUDA insert kernels keep with every table they insert into, the
+  counter table included (:func:`insert_scratch_bytes`: 4 bytes a slot, 20 a bucket and 256 a
+  table on the device, and 8 bytes a slot where the row arrays are; a counter's are on the
+  device, so its table takes 48 bytes a counter slot in all);
 - with a device budget (``train_config.table_hbm_budget_gib``, ``--hbm-budget-gib``), the factor of
   every table the config leaves unset, when the tables do not fit HBM-only, as tzrec's planner does:
   the index and the counters stay in HBM (as tzrec accounts them) and one common share of the values
   is cached. When even a :data:`MIN_PLANNED_FACTOR` cache does not fit, the CACHING tables' row
   arrays move to host memory (the lead's decision for issue #52's 500M keys in 16 GiB: the
   slot arrays stay, and a find confirms each match by reading ``row_key`` (and ``row_tid``)
-  over PCIe; docs/design.md), and the factor is planned again. A budget that still cannot hold the plan is refused, naming
-  the biggest table.
+  over PCIe; docs/design.md), and the factor is planned again. A budget that still cannot hold
+  the plan is refused, naming the biggest table.
 
 A CACHING table's storage (:mod:`shared.hashtable.row_cache`) gets ``ceil(factor * max_capacity)``
 cache lines on the device over a host tier of every row: what ``hbm_bytes`` and ``host_bytes`` count.
-Not counted: the scratch the CUDA insert kernels keep with each table on the device (12 bytes a
-slot, 20 a bucket: ``shared.hashtable.cuda.insert.scratch_bytes``), which the torch backend does
-not have; the plan is the same whatever the backend.
+The insert scratch is the CUDA backend's (``shared.hashtable.cuda.insert._Scratch``); the torch
+backend (the CPU) has none, but the plan is one plan whatever the backend: on the CPU it is
+conservative by that much (and by 256 bytes a member of a fused storage, whose one table has
+one stats buffer). Not planned: the scratch's ``rep_of``, 4 bytes a key of the largest insert
+batch (a step's working memory, like the batch's own tensors).
 
     >>> lines = describe(plan_placement(fs.dynamic_tables, hbm_budget=None))
 """
@@ -54,6 +59,17 @@ INDEX_BYTES_PER_SLOT = SLOT_BYTES_PER_SLOT + ROW_ARRAY_BYTES_PER_SLOT
 # row_of_line, stamp (int64) and dirty (bool) a line (row_cache_lines.CacheLines)
 LINE_MAP_BYTES_PER_SLOT = 4
 LINE_BYTES = 8 + 8 + 1
+# The CUDA insert kernels' scratch of a table (cuda/insert.py _Scratch, made at the table's first
+# insert or erase and kept while it lives): ``win`` (int32) a slot, a target of atomics, on the
+# device whatever the row arrays
+INSERT_SCRATCH_BYTES_PER_SLOT = 4
+# ``stage`` (int32, STAGE_FACTOR = 2 a slot of each bucket): plain stores and loads, so where the
+# row arrays are (host memory mapped into the device for RowArrays.HOST)
+INSERT_STAGE_BYTES_PER_SLOT = 2 * 4
+# ``scount`` (int32), ``nnew`` and ``over_list`` (int64) a bucket, on the device
+INSERT_SCRATCH_BYTES_PER_BUCKET = 4 + 8 + 8
+# ``stats``: two calls' (2 x ST_LEN int64) a table, on the device
+INSERT_SCRATCH_BYTES_PER_TABLE = 2 * 16 * 8
 # Bytes a slot of the values and of their Adagrad accumulators, per dim (float32 each)
 VALUE_BYTES_PER_DIM = 4 + 4
 # The smallest factor planned: below it a cache thrashes whatever the skew (dynamicemb's own sweep
@@ -77,8 +93,8 @@ class PlacementError(ValueError):
 class TablePlacement:
     """One dynamic table's plan. ``slots``: its max capacity rounded up to whole buckets.
 
-    The defaults of the last four fields are serving's (:mod:`serve.tiers`), which counts its
-    own index (keys and line map) in ``index_bytes``."""
+    The defaults of the last six fields are serving's (:mod:`serve.tiers`), which counts its
+    own index (keys and line map) in ``index_bytes`` and inserts nothing on the device."""
 
     table: str
     mode: StorageMode
@@ -88,11 +104,13 @@ class TablePlacement:
     dim: int
     index_bytes: int  # the hash index's part always on the device (slot arrays and buckets)
     value_bytes: int  # values + Adagrad state of every slot
-    counter_bytes: int  # admission counters, on the device
+    counter_bytes: int  # admission counters, on the device: their table and its insert scratch
     row_array_bytes: int = 0  # the index's per-row arrays (key, table id, score) of every slot
     row_arrays: RowArrays = RowArrays.DEVICE  # where they are
     line_bytes: int = 0  # CACHING: a cache line's device bytes beside its payload
     line_map_bytes: int = 0  # CACHING: the row -> line map of every slot, on the device
+    scratch_bytes: int = 0  # the CUDA insert kernels' scratch on the device: win, buckets, stats
+    stage_bytes: int = 0  # their per-slot stage scratch, where the row arrays are
 
     @property
     def cache_bytes(self) -> int:
@@ -105,21 +123,43 @@ class TablePlacement:
         return payload + lines * self.line_bytes + self.line_map_bytes
 
     @property
-    def hbm_bytes(self) -> int:
+    def insert_scratch_bytes(self) -> int:
+        """The device bytes of the CUDA insert kernels' scratch (the stage where the row arrays
+        are on the device): ``shared.hashtable.cuda.insert.scratch_bytes`` after a first insert,
+        less its batch-sized ``rep_of``."""
         on_device = self.row_arrays is RowArrays.DEVICE
-        return (
-            self.index_bytes
-            + self.counter_bytes
-            + self.cache_bytes
-            + (self.row_array_bytes if on_device else 0)
-        )
+        return self.scratch_bytes + (self.stage_bytes if on_device else 0)
+
+    def device_parts(self) -> dict[str, int]:
+        """The device bytes by part (:attr:`hbm_bytes` is their sum; ``counters`` holds the
+        counter table's insert scratch, ``insert_scratch`` this table's)."""
+        on_device = self.row_arrays is RowArrays.DEVICE
+        return {
+            "index": self.index_bytes,
+            "row_arrays": self.row_array_bytes if on_device else 0,
+            "cache": self.cache_bytes,
+            "counters": self.counter_bytes,
+            "insert_scratch": self.insert_scratch_bytes,
+        }
+
+    def host_parts(self) -> dict[str, int]:
+        """The host bytes by part (:attr:`host_bytes` is their sum): CACHING keeps every row on
+        the host (the cache is a copy of the hot ones); the row arrays and the insert kernels'
+        stage scratch are there when the row arrays are planned there."""
+        hosted = self.row_arrays is RowArrays.HOST
+        return {
+            "rows": self.value_bytes if self.mode is StorageMode.CACHING else 0,
+            "row_arrays": self.row_array_bytes if hosted else 0,
+            "insert_stage": self.stage_bytes if hosted else 0,
+        }
+
+    @property
+    def hbm_bytes(self) -> int:
+        return sum(self.device_parts().values())
 
     @property
     def host_bytes(self) -> int:
-        """CACHING keeps every row on the host (the cache is a copy of the hot ones), and the
-        row arrays there when they are planned there."""
-        rows = self.value_bytes if self.mode is StorageMode.CACHING else 0
-        return rows + (self.row_array_bytes if self.row_arrays is RowArrays.HOST else 0)
+        return sum(self.host_parts().values())
 
     def line(self) -> str:
         """The plan's log line for this table."""
@@ -139,17 +179,39 @@ def _slots(capacity: int, bucket_capacity: int) -> int:
     return math.ceil(capacity / bucket) * bucket
 
 
+def insert_scratch_bytes(slots: int, buckets: int, row_arrays: RowArrays) -> int:
+    """Device bytes of the scratch the CUDA insert kernels keep with a table of ``slots`` in
+    ``buckets`` whose row arrays are where ``row_arrays`` says (the stage goes with them):
+    ``shared.hashtable.cuda.insert.scratch_bytes`` after a first insert, less the batch-sized
+    ``rep_of`` (module doc).
+
+    >>> insert_scratch_bytes(1024, 8, RowArrays.DEVICE)  # 12 B a slot, 20 a bucket, 256
+    12704
+    """
+    stage = INSERT_STAGE_BYTES_PER_SLOT * slots if row_arrays is RowArrays.DEVICE else 0
+    return (
+        INSERT_SCRATCH_BYTES_PER_SLOT * slots
+        + stage
+        + INSERT_SCRATCH_BYTES_PER_BUCKET * buckets
+        + INSERT_SCRATCH_BYTES_PER_TABLE
+    )
+
+
 def _base(t: TableSpec) -> TablePlacement:
     d = t.dynamic
     assert d is not None, f"{t.name} is not dynamic"
     slots = _slots(d.max_capacity, d.bucket_capacity)
     buckets = slots // min(d.bucket_capacity, d.max_capacity)
     counters = 0
-    if d.admission is not None:
+    if d.admission is not None:  # a table of its own (row arrays on the device), inserted into
         a = d.admission
         counter_slots = _slots(a.counter_capacity, a.counter_bucket_capacity)
         counter_buckets = counter_slots // min(a.counter_bucket_capacity, a.counter_capacity)
-        counters = counter_slots * INDEX_BYTES_PER_SLOT + counter_buckets * BUCKET_BYTES
+        counters = (
+            counter_slots * INDEX_BYTES_PER_SLOT
+            + counter_buckets * BUCKET_BYTES
+            + insert_scratch_bytes(counter_slots, counter_buckets, RowArrays.DEVICE)
+        )
     factor = 1.0 if d.cache_load_factor is None else d.cache_load_factor
     return TablePlacement(
         table=t.name,
@@ -164,6 +226,10 @@ def _base(t: TableSpec) -> TablePlacement:
         row_array_bytes=slots * ROW_ARRAY_BYTES_PER_SLOT,
         line_bytes=LINE_BYTES,
         line_map_bytes=slots * LINE_MAP_BYTES_PER_SLOT,
+        scratch_bytes=slots * INSERT_SCRATCH_BYTES_PER_SLOT
+        + buckets * INSERT_SCRATCH_BYTES_PER_BUCKET
+        + INSERT_SCRATCH_BYTES_PER_TABLE,
+        stage_bytes=slots * INSERT_STAGE_BYTES_PER_SLOT,
     )
 
 
@@ -217,6 +283,7 @@ def _fit(
         return list(plans)
     if not free:
         return None
+    # every byte but the cache's lines: the index, counters, row arrays, insert scratch
     fixed = sum(p.hbm_bytes for p in plans if p.table not in free)
     fixed += sum(_with_factor(p, 0.0).hbm_bytes for p in plans if p.table in free)
     # device bytes per unit of factor: the lines' payload and bookkeeping

@@ -221,8 +221,10 @@ _smem_set: dict[tuple[int, str], int] = {}  # dynamic shared memory a kernel was
 def scratch_bytes(table: TableLayout) -> int:
     """Device bytes of the scratch these kernels keep with ``table`` (0 before its first CUDA
     insert or erase), as long as the table lives: ``win`` 4 bytes a slot, ``stage`` 8 bytes a
-    slot unless the row arrays are on the host (it is then with them), and 20 bytes a bucket
-    (:func:`shared.hashtable.placement.insert_scratch_bytes` plans the same)."""
+    slot unless the row arrays are on the host (it is then with them: :func:`stage_host_bytes`),
+    20 bytes a bucket, the stats (256 bytes) and ``rep_of``, 4 bytes a key of the largest batch.
+    The planner counts all but ``rep_of``: :func:`shared.hashtable.placement.insert_scratch_bytes`
+    (``TablePlacement.insert_scratch_bytes``; test_layout checks that they agree)."""
     sc = _scratch.get(table)
     if sc is None:
         return 0
@@ -231,6 +233,13 @@ def scratch_bytes(table: TableLayout) -> int:
         for v in vars(sc).values()
         if isinstance(v, torch.Tensor) and v.is_cuda and not (v is sc.stage and sc.stage_on_host)
     )
+
+
+def stage_host_bytes(table: TableLayout) -> int:
+    """Host bytes of the scratch these kernels keep with ``table``: its ``stage`` where the row
+    arrays are on the host, else 0 (0 before its first CUDA insert or erase)."""
+    sc = _scratch.get(table)
+    return sc.stage.nbytes if sc is not None and sc.stage_on_host else 0
 
 
 def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:

@@ -20,6 +20,7 @@ from shared.hashtable.layout import RowArrays
 from shared.hashtable.table import HashTable
 
 from .conftest import NEEDS_CUDA_KERNELS
+from .test_placement import planned_storage, table_bytes
 from .test_row_cache import _assert_equal, _run, _tables, assert_close_on_cuda
 from .test_row_cache_static import _static_dec, _static_run
 
@@ -110,6 +111,36 @@ def test_on_cuda_host_row_arrays_are_mapped_host_memory_outside_the_allocator() 
     t.insert_or_assign(keys, torch.zeros(1000, 0, device="cuda"), torch.zeros_like(keys))
     assert t.size == 1000 and (1 << 16) * 4 <= insert.scratch_bytes(t) < (1 << 16) * 5
     assert _memory_type(insert._scratch[t].stage) == 1
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("row_arrays", list(RowArrays), ids=[r.value for r in RowArrays])
+def test_on_cuda_the_plan_counts_the_insert_kernels_scratch(row_arrays: RowArrays) -> None:
+    """The planner's insert scratch (``TablePlacement.insert_scratch_bytes`` on the device,
+    ``host_parts()["insert_stage"]`` on the host; the counter's in ``counter_bytes``) is what the
+    CUDA insert kernels keep with a CACHING storage's table and its admission counter after a
+    first insert, their batch-sized ``rep_of`` aside."""
+    plan, s = planned_storage(row_arrays, "cuda")
+    table, counter = s.table, s.counter
+    assert counter is not None and table.row_arrays is row_arrays
+    assert insert.scratch_bytes(table) == insert.scratch_bytes(counter.table) == 0
+    keys = torch.arange(1000, device="cuda")
+    table.insert_or_assign(
+        keys, torch.zeros(1000, table.dim, device="cuda"), torch.zeros_like(keys)
+    )
+    counter.add(keys, torch.ones_like(keys))
+    assert table.size == counter.size == 1000  # no bucket full (the torch backend's too)
+
+    def on_device(t: HashTable) -> int:
+        return insert.scratch_bytes(t) - insert._scratch[t].rep_of.nbytes
+
+    assert on_device(table) == plan.insert_scratch_bytes
+    assert insert.stage_host_bytes(table) == plan.host_parts()["insert_stage"]
+    hosted = row_arrays is RowArrays.HOST
+    assert _memory_type(insert._scratch[table].stage) == (1 if hosted else 2)
+    c = counter.table
+    assert plan.counter_bytes == table_bytes(c) + on_device(c) and insert.stage_host_bytes(c) == 0
 
 
 @pytest.mark.gpu

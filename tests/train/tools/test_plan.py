@@ -31,7 +31,7 @@ def test_plan_prints_every_table_and_the_totals(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "budget: none (no budget)"
     assert out[1].startswith("user_id_emb: mode=HBM_ONLY cache_load_factor=1.00 (config) hbm=")
-    assert out[-1].startswith("total: hbm=0.178GiB host=0.000GiB (6 dynamic tables)")
+    assert out[-1].startswith("total: hbm=0.200GiB host=0.000GiB (6 dynamic tables)")
 
 
 def test_plan_json_with_a_budget_plans_a_cache(capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,7 +46,7 @@ def test_plan_json_with_a_budget_plans_a_cache(capsys: pytest.CaptureFixture[str
 def test_plan_refuses_an_unfittable_budget(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--config", str(SEED_CONFIG), "--hbm-gib", "0.01"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the dynamic tables need 0.18 GiB of HBM HBM-only")
+    assert err.startswith("error: the dynamic tables need 0.20 GiB of HBM HBM-only")
     assert "the biggest is user_id_emb" in err
 
 
@@ -77,13 +77,13 @@ def test_the_model_logs_its_plan_and_builds_the_planned_tiers(
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="train.model.multi_tower_din"):
         model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg))
-    assert any("cache_load_factor=0.24 (planned)" in r.getMessage() for r in caplog.records)
+    assert any("cache_load_factor=0.08 (planned)" in r.getMessage() for r in caplog.records)
     assert set(_names(model, "CACHING")) == {t.name for t in build_feature_set(cfg).dynamic_tables}
     assert {s.table.row_arrays for s in model.sparse.dynamic._storages} == {RowArrays.DEVICE}
     # a budget too tight for the indexes: the storages keep their row arrays on the host
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="train.model.multi_tower_din"):
-        model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg), hbm_budget_gib=1 / 16)
+        model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg), hbm_budget_gib=1 / 12)
     assert any("row arrays on the host)" in r.getMessage() for r in caplog.records)
     assert {s.table.row_arrays for s in model.sparse.dynamic._storages} == {RowArrays.HOST}
     model = MultiTowerDIN.from_config(cfg, build_feature_set(cfg), hbm_budget_gib=1.0)  # flag wins
