@@ -57,6 +57,8 @@ def plan_report(
                 "hbm_bytes": p.hbm_bytes,
                 "host_bytes": p.host_bytes,
                 "row_arrays": p.row_arrays.value,
+                "hbm_parts": p.device_parts(),
+                "host_parts": p.host_parts(),
             }
             for p in plans
         },

@@ -41,6 +41,10 @@ def test_plan_json_with_a_budget_plans_a_cache(capsys: pytest.CaptureFixture[str
     assert report["tables"]["user_id_emb"]["mode"] == "CACHING"
     assert report["tables"]["user_id_emb"]["row_arrays"] == "DEVICE"
     assert report["hbm_bytes"] <= report["budget_bytes"]
+    for table in report["tables"].values():  # the parts add up to the totals
+        assert sum(table["hbm_parts"].values()) == table["hbm_bytes"]
+        assert sum(table["host_parts"].values()) == table["host_bytes"]
+    assert report["tables"]["user_id_emb"]["hbm_parts"]["cache"] > 0
 
 
 def test_plan_refuses_an_unfittable_budget(capsys: pytest.CaptureFixture[str]) -> None:
