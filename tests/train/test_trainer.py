@@ -403,24 +403,41 @@ def test_a_cached_run_equals_the_hbm_only_run(tiny_samples: Path, tmp_path: Path
     assert result.loop_times.seconds["row_prefetch"] > 0
 
 
+# a tenth of the seed config's max capacities of the big tables (the cate table's 5000 stays:
+# a max capacity below init_capacity_per_rank's 1024 is refused)
+TENTH_CAPACITIES = {
+    f"max_capacity: {n}\n": f"max_capacity: {n // 10}\n" for n in (300000, 250000, 150000, 100000)
+}
+
+
 def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     tiny_samples: Path, tmp_path: Path
 ) -> None:
-    """cache_load_factor 0.0002 on every dynamic table (under 200 lines, fewer than a step's 7168
+    """cache_load_factor 0.0018 on every dynamic table (under 200 lines, fewer than a step's 7168
     padded keys and than the rows the run stores) with the static sparse step on (eagerly on
     CPU, as cuda_graphs_for turns it on for CUDA): every step of the cached storage takes the
     static path (lines resolved with no host read, evictions, new keys' rows made in their
     lines, rows past the lines bypassed through staging slots), and the run equals HBM_ONLY's
     with the static step, bit for bit: dense weights, tables, eval AUC and rows."""
-    cached_config = write_config(
-        SEED_CONFIG,
-        tmp_path / "cached.config",
-        train=tiny_samples / "train",
-        eval_=tiny_samples / "eval",
-        replace={"max_capacity: ": "cache_load_factor: 0.0002\nmax_capacity: "},
-    )
+    # both runs' big tables at a tenth of the seed config's max capacities (the static step ranks
+    # every bucket of a table reserved at its max: a step's CPU time follows the capacity), still
+    # far above the rows 6 steps store; the cached one at 0.0018 of them: 180 lines in all, about
+    # what 0.0002 of the seed's capacities gives
+    configs = {
+        name: write_config(
+            SEED_CONFIG,
+            tmp_path / f"{name}.config",
+            train=tiny_samples / "train",
+            eval_=tiny_samples / "eval",
+            replace={**TENTH_CAPACITIES, **cache},
+        )
+        for name, cache in (
+            ("hbm", {}),
+            ("cached", {"max_capacity: ": "cache_load_factor: 0.0018\nmax_capacity: "}),
+        )
+    }
     runs = []
-    for name, config in (("hbm", SEED_CONFIG), ("cached", cached_config)):
+    for name, config in configs.items():
         trainer = Trainer(
             _options(tiny_samples, tmp_path / name, config, max_steps=6, checkpoint_every=100)
         )
