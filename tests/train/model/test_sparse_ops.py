@@ -27,8 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shared.hashtable.embedding as embedding
 import shared.hashtable.static_step as static_step
 import train.model.sparse_arch as sparse_arch
+from protos import pipeline_pb2
 from shared.batch import Batch
-from shared.config import load_config
+from shared.config import load_config, parse_config
 from shared.dense_inputs import FeaturePart
 from shared.features import FeatureSet, build_feature_set
 from shared.fg import table_to_batch
@@ -191,15 +192,34 @@ def test_fused_id_check_names_the_feature(seed_fs: FeatureSet) -> None:
 # ------------------------------------------------------------------ the cold-ids config
 
 
+# a tenth of the cold-ids config's max capacities of its big tables (the cate table's 5000
+# stays: below init_capacity_per_rank's 1024 is refused). The static step ranks every bucket of
+# a table reserved at its max, so a CPU step's time follows the capacity; three batches of 1024
+# rows stay far below it, and the op counts and bits do not depend on it.
+TENTH_CAPACITIES = {
+    f"max_capacity: {n}\n": f"max_capacity: {n // 10}\n" for n in (300000, 250000, 150000, 100000)
+}
+
+
+def _cold_config() -> pipeline_pb2.EasyRecConfig:
+    """The cold-ids config with :data:`TENTH_CAPACITIES`."""
+    text = COLD_CONFIG.read_text()
+    for old, new in TENTH_CAPACITIES.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    return parse_config(text, str(COLD_CONFIG))
+
+
 @pytest.fixture(scope="module")
 def cold_fs() -> FeatureSet:
-    return build_feature_set(load_config(COLD_CONFIG))
+    return build_feature_set(_cold_config())
 
 
 def _cold_model(fs: FeatureSet, *, static: bool = True) -> MultiTowerDIN:
-    """The cold-ids config's model in training, its dynamic tables at max capacity and (with
-    ``static``) taking the static step, run eagerly on the CPU: the GPU's code path."""
-    model = MultiTowerDIN.from_config(load_config(COLD_CONFIG), fs, seed=0).train()
+    """The cold-ids config's model (:func:`_cold_config`) in training, its dynamic tables at max
+    capacity and (with ``static``) taking the static step, run eagerly on the CPU: the GPU's
+    code path."""
+    model = MultiTowerDIN.from_config(_cold_config(), fs, seed=0).train()
     if static:
         model.sparse.dynamic.reserve_max_capacity()
         model.sparse.dynamic.use_static_step(capture=False)
