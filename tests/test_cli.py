@@ -1,6 +1,6 @@
 """Every CLI, run as a user runs it: an ordinary mistake is one ``error: <what>; <what to do>``
 line naming the flag or path, exit code 2, no traceback (``--debug`` shows it); help texts are
-complete. One subprocess per bad input (the exit code is the process's)."""
+complete. One subprocess per bad input (the exit code is the process's), two at a time."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -144,12 +145,31 @@ CUDA_CASES: dict[str, Case] = {
 }
 
 
+@pytest.fixture(scope="module")
+def mistakes(
+    tmp_path_factory: pytest.TempPathFactory, busy_port: int, dead_address: str
+) -> Iterator[dict[str, tuple[list[str], Future[subprocess.CompletedProcess[str]]]]]:
+    """name -> (what the line must name, the case's run), every case's process started here two
+    at a time: each spends seconds importing torch on one core, so the module's cases take half
+    the time on a 2-core machine. Cases not run when the module ends (a -k selection) are
+    cancelled."""
+    cases = {**CASES, **({} if torch.cuda.is_available() else CUDA_CASES)}
+    runs = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for i, (name, case) in enumerate(cases.items()):
+            argv, named = case(tmp_path_factory.mktemp(f"case{i}"), busy_port, dead_address)
+            runs[name] = (named, pool.submit(_run, argv))
+        yield runs
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize("name", [*CASES, *(pytest.param(n, marks=NO_CUDA) for n in CUDA_CASES)])
 def test_mistake_is_one_error_line(
-    name: str, tmp_path: Path, busy_port: int, dead_address: str
+    name: str,
+    mistakes: dict[str, tuple[list[str], Future[subprocess.CompletedProcess[str]]]],
 ) -> None:
-    argv, named = {**CASES, **CUDA_CASES}[name](tmp_path, busy_port, dead_address)
-    line = _error_line(_run(argv))
+    named, run = mistakes[name]
+    line = _error_line(run.result())
     assert "; " in line, f"{line!r} does not say what to do"
     for what in named:
         assert what in line, f"{what!r} not in {line!r}"
