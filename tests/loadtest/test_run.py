@@ -113,7 +113,7 @@ def test_load_test_reports_exact_percentiles(
         out,
         users=2,
         spawn_rate=10,
-        duration_s=3,
+        duration_s=1,  # every check holds for any count of calls > 0
         num_candidates=20,
         num_requests=50,
         columnar=columnar,
@@ -128,7 +128,7 @@ def test_load_test_reports_exact_percentiles(
     assert lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
 
     raw = read_raw_latencies(out / "raw")
-    assert summary["requests"] == len(raw) > 0  # how many fit in 3 s depends on the machine
+    assert summary["requests"] == len(raw) > 0  # how many fit in 1 s depends on the machine
     assert raw.ok.all()
     locust_row = summary["locust"]["stats"]["Predict"]
     assert locust_row["Request Count"] == len(raw)
@@ -161,7 +161,7 @@ def test_failures_are_counted_and_named(
         tmp_path / "lt",
         users=1,
         spawn_rate=10,
-        duration_s=2,
+        duration_s=1,
         num_candidates=5,
         num_requests=10,
     )
@@ -176,7 +176,7 @@ def test_failures_are_counted_and_named(
     # last one written when locust exited
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("loadtest: ")]
     assert lines, "no progress line on stderr"
-    assert "/2 s (" in lines[-1] and " requests, " in lines[-1] and " failures, in " in lines[-1]
+    assert "/1 s (" in lines[-1] and " requests, " in lines[-1] and " failures, in " in lines[-1]
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_the_same_requests_over_both_protocols(
             out,
             users=2,
             spawn_rate=10,
-            duration_s=2,
+            duration_s=1,
             num_candidates=5,
             num_requests=20,
             protocol=protocol,
