@@ -145,20 +145,25 @@ CUDA_CASES: dict[str, Case] = {
 }
 
 
+DEBUG = "train typo'd config field --debug"  # not a case: shows the traceback
+
+
 @pytest.fixture(scope="module")
 def mistakes(
     tmp_path_factory: pytest.TempPathFactory, busy_port: int, dead_address: str
 ) -> Iterator[dict[str, tuple[list[str], Future[subprocess.CompletedProcess[str]]]]]:
-    """name -> (what the line must name, the case's run), every case's process started here two
-    at a time: each spends seconds importing torch on one core, so the module's cases take half
-    the time on a 2-core machine. Cases not run when the module ends (a -k selection) are
-    cancelled."""
+    """name -> (what the line must name, the case's run), every case's process (and
+    :data:`DEBUG`'s) started here two at a time: each spends seconds importing torch on one
+    core, so the module's cases take half the time on a 2-core machine. Cases not run when the
+    module ends (a -k selection) are cancelled."""
     cases = {**CASES, **({} if torch.cuda.is_available() else CUDA_CASES)}
     runs = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         for i, (name, case) in enumerate(cases.items()):
             argv, named = case(tmp_path_factory.mktemp(f"case{i}"), busy_port, dead_address)
             runs[name] = (named, pool.submit(_run, argv))
+        typo = _typo_config(tmp_path_factory.mktemp("debug"))
+        runs[DEBUG] = ([], pool.submit(_run, [*TRAIN, str(typo), "--debug"]))
         yield runs
         pool.shutdown(cancel_futures=True)
 
@@ -175,8 +180,10 @@ def test_mistake_is_one_error_line(
         assert what in line, f"{what!r} not in {line!r}"
 
 
-def test_debug_shows_the_traceback(tmp_path: Path) -> None:
-    proc = _run([*TRAIN, str(_typo_config(tmp_path)), "--debug"])
+def test_debug_shows_the_traceback(
+    mistakes: dict[str, tuple[list[str], Future[subprocess.CompletedProcess[str]]]],
+) -> None:
+    proc = mistakes[DEBUG][1].result()  # the typo'd config with --debug
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr
     assert not any(line.startswith("error:") for line in proc.stderr.splitlines())
