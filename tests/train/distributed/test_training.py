@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +48,27 @@ def _argv(
     ]  # fmt: skip
 
 
-def _torchrun(ranks: int, argv: list[str]) -> None:
+def _torchrun(ranks: int, argv: list[str], meanwhile: Callable[[], None] | None = None) -> None:
+    """``ranks`` processes of ``python -m train train argv``; ``meanwhile`` runs in this process
+    as they start (the launcher's imports keep one core busy for a second or two first)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [*cmd, "--nproc_per_node", str(ranks), "-m", "train", "train", *argv],
         cwd=ROOT,
         env=os.environ | {"OMP_NUM_THREADS": "1"},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-4000:] + err[-8000:]
 
 
 def _one_process(
@@ -83,8 +94,11 @@ def _one_process(
 @pytest.fixture(scope="module")
 def runs(tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dist")
-    _one_process(tiny_samples, root / "one")
-    _torchrun(2, _argv(tiny_samples, root / "two", GLOBAL_BATCH // 2))
+    _torchrun(
+        2,
+        _argv(tiny_samples, root / "two", GLOBAL_BATCH // 2),
+        meanwhile=lambda: _one_process(tiny_samples, root / "one"),
+    )
     return root
 
 
@@ -154,8 +168,11 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_on_three(
     start = runs / "two" / "checkpoints" / "step_2"
     for name in ("resumed1", "resumed3"):
         shutil.copytree(start, runs / name / "checkpoints" / "step_2")
-    _one_process(tiny_samples, runs / "resumed1", resume=True)
-    _torchrun(3, _argv(tiny_samples, runs / "resumed3", GLOBAL_BATCH // 3, "--resume"))
+    _torchrun(
+        3,
+        _argv(tiny_samples, runs / "resumed3", GLOBAL_BATCH // 3, "--resume"),
+        meanwhile=lambda: _one_process(tiny_samples, runs / "resumed1", resume=True),
+    )
     files = runs / "resumed3" / "checkpoints" / "step_4" / "dynamicemb" / DEEP_COLLECTION
     assert (files / "user_id_emb_emb_keys.rank_2.world_size_3").exists()
     assert not (files / "user_id_emb_emb_keys.rank_0.world_size_2").exists()
@@ -201,8 +218,11 @@ def test_schedules_and_the_dense_ema_train_on_two_ranks_as_on_one(
     )  # fmt: skip
     config = tmp_path / "scheduled.config"
     config.write_text(text)
-    _one_process(tiny_samples, tmp_path / "one", config=config)
-    _torchrun(2, _argv(tiny_samples, tmp_path / "two", GLOBAL_BATCH // 2, config=config))
+    _torchrun(
+        2,
+        _argv(tiny_samples, tmp_path / "two", GLOBAL_BATCH // 2, config=config),
+        meanwhile=lambda: _one_process(tiny_samples, tmp_path / "one", config=config),
+    )
     one, two = (tmp_path / n / "checkpoints" / "step_4" for n in ("one", "two"))
     assert_same_model(one, two)
     t1, t2 = _records(tmp_path / "one", "train"), _records(tmp_path / "two", "train")
