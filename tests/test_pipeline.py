@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.background import Background, start, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_CONFIG = ROOT / "configs" / "multi_tower_din_taobao_dynamicemb.config"
@@ -24,54 +24,25 @@ SECOND_ARGS = ["--batch-size", "512", "--num-workers", "0", "--eval-every", "100
                "--candidates", "10", "--load-users", "1", "--load-seconds", "1"]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Run:
-    """A pipeline process started by :func:`runs`: its command, --out and output files."""
-
-    cmd: list[str]
-    out: Path
-    proc: subprocess.Popen[bytes]
-    stderr: Path
-
-    def wait(self) -> None:
-        """Wait for it to exit 0 (else the test fails with its stderr's tail)."""
-        rc = self.proc.wait(timeout=600)
-        assert rc == 0, self.stderr.read_text()[-4000:]
-
-
-def _start(root: Path, *args: str) -> Run:
-    root.mkdir(parents=True)
-    out = root / "run"
-    cmd = [*PIPELINE, "--out", str(out), *args]
-    err = root / "stderr.txt"
-    with err.open("wb") as f:  # a file, not a pipe: nobody reads it while the other test runs
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=f,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    return Run(cmd, out, proc, err)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
-    """The two tests' pipelines, started together: each is a chain of stage processes that
-    mostly keep one core busy (imports of torch and torchrec, then tiny work), so on a 2-core
-    machine both take about the time of the longer. Killed if a test leaves one running."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Background]]:
+    """The two tests' pipelines, started together (:mod:`tests.background`): each is a chain of
+    stage processes that mostly keep one core busy, so on a 2-core machine both take about the
+    time of the longer."""
     root = tmp_path_factory.mktemp("pipelines")
-    second = _second_config(root / "second.config")
+    tiny, second = root / "tiny", root / "second"
+    config = ["--config", str(_second_config(root / "second.config"))]
     started = {
-        "tiny": _start(root / "tiny", *TINY_ARGS),
-        "second": _start(root / "second", "--config", str(second), *SECOND_ARGS),
+        "tiny": start([*PIPELINE, "--out", str(tiny / "run"), *TINY_ARGS], tiny),
+        "second": start([*PIPELINE, "--out", str(second / "run"), *config, *SECOND_ARGS], second),
     }
     yield started
-    for run in started.values():
-        if run.proc.poll() is None:
-            run.proc.kill()
-            run.proc.wait()
+    stop(started.values())
 
 
-def test_pipeline_on_tiny(runs: dict[str, Run]) -> None:
-    run = runs["tiny"]
-    run.wait()
-    out, cmd = run.out, run.cmd
+def test_pipeline_on_tiny(runs: dict[str, Background]) -> None:
+    runs["tiny"].wait()
+    out, cmd = runs["tiny"].folder / "run", runs["tiny"].cmd
     report = json.loads((out / "report.json").read_text())
     assert report["data"]["train_rows"] > 0 and report["data"]["eval_rows"] > 0
     ev = report["train"]["eval"]
@@ -121,14 +92,15 @@ def _second_config(path: Path) -> Path:
     return path
 
 
-def test_pipeline_runs_a_config_with_another_delimiter_and_length(runs: dict[str, Run]) -> None:
+def test_pipeline_runs_a_config_with_another_delimiter_and_length(
+    runs: dict[str, Background],
+) -> None:
     """Every fg setting (delimiter, length, names, dims) reaches data, parity and the load test
     from the config, the bundle's fg.json and the server's metadata: nothing assumes ``|``."""
     import pyarrow.dataset as ds
 
-    run = runs["second"]
-    run.wait()
-    out = run.out
+    runs["second"].wait()
+    out = runs["second"].folder / "run"
     # the samples are written with the config's delimiter and length
     seq = ds.dataset(str(out / "data" / "samples" / "eval"), format="parquet").to_table(
         columns=["click_seq__adgroup_id"]

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from bench.bench_train import CONFIGS, _config_paths, batch_size
+from tests.background import Background, start, stop
 from tests.conftest import ROOT
 
 
@@ -46,39 +45,19 @@ def _with_batch(base: Path, out: Path, batch: int) -> Path:
     return out
 
 
-@dataclass(frozen=True)
-class Bench:
-    """A ``python -m bench.bench_train`` process started by :func:`benches`."""
-
-    out: Path
-    proc: subprocess.Popen[bytes]
-    stdout: Path
-    stderr: Path
-
-    def wait(self) -> str:
-        """Its stdout once it exits 0 (else the test fails with its stderr's tail)."""
-        rc = self.proc.wait(timeout=600)
-        assert rc == 0, self.stderr.read_text()[-4000:]
-        return self.stdout.read_text()
-
-
-def _start(root: Path, *argv: str) -> Bench:
-    out = root / "bench_train.json"
-    files = root / "stdout.txt", root / "stderr.txt"
-    cmd = [sys.executable, "-m", "bench.bench_train", *argv, "--out", str(out)]
-    with files[0].open("wb") as o, files[1].open("wb") as e:  # not pipes: nobody reads them yet
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=e)
-    return Bench(out, proc, *files)
+def _start(folder: Path, *argv: str) -> Background:
+    out = folder / "bench_train.json"
+    return start([sys.executable, "-m", "bench.bench_train", *argv, "--out", str(out)], folder)
 
 
 @pytest.fixture(scope="module")
 def benches(
     tiny_samples: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Bench]]:
-    """The two CPU runs below, started together: each measures its configs one child process at
-    a time (mostly the imports of torch and torchrec on one core), so on a 2-core machine both
-    take about the time of the longer. Their step figures are then of a shared machine: no test
-    here checks a time, only how the figures relate. Killed if a test leaves one running."""
+) -> Iterator[dict[str, Background]]:
+    """The two CPU runs below, started together (:mod:`tests.background`): each measures its
+    configs one child process at a time (mostly the imports of torch and torchrec on one core),
+    so on a 2-core machine both take about the time of the longer. Their step figures are then
+    of a shared machine: no test here checks a time, only how the figures relate."""
     side, e2e = tmp_path_factory.mktemp("side_by_side"), tmp_path_factory.mktemp("end_to_end")
     dynamic = _with_batch(CONFIGS["dynamic"], side / "dynamic.config", 256)
     cold = _with_batch(CONFIGS["cold"], side / "cold.config", 128)
@@ -92,19 +71,15 @@ def benches(
                              "--eval-max-batches", "2"),
     }  # fmt: skip
     yield started
-    for bench in started.values():
-        if bench.proc.poll() is None:
-            bench.proc.kill()
-            bench.proc.wait()
+    stop(started.values())
 
 
-def test_configs_side_by_side_at_their_own_batches(benches: dict[str, Bench]) -> None:
+def test_configs_side_by_side_at_their_own_batches(benches: dict[str, Background]) -> None:
     """The step figures of the seed config (at 256 rows) and the cold-ids config (at 128) in one
     run: each at its batch, the EMA phase in the cold-ids step only, one summary line each and
     the cold/dynamic ratios with issue #53's goals (unmet or unknown on CPU: no end to end)."""
-    bench = benches["side_by_side"]
-    printed = bench.wait()
-    out = bench.out
+    printed = benches["side_by_side"].wait()
+    out = benches["side_by_side"].folder / "bench_train.json"
     result = json.loads(out.read_text())
     configs = result["configs"]
     assert result["batch"] == "each config's own"
@@ -125,13 +100,12 @@ def test_configs_side_by_side_at_their_own_batches(benches: dict[str, Bench]) ->
     assert "cold/dynamic: " in printed
 
 
-def test_cached_against_dynamic_end_to_end(benches: dict[str, Bench]) -> None:
+def test_cached_against_dynamic_end_to_end(benches: dict[str, Background]) -> None:
     """Issue #52's item 2 on CPU: ``cached`` (a CACHING storage) beside ``dynamic``, a few steps
     end to end each: eval AUCs, the cached/dynamic samples/s ratio and AUC difference with their
     goals, and the cache's training hit rate and misses a step (the dynamic config has none)."""
-    bench = benches["end_to_end"]
-    printed = bench.wait()
-    out = bench.out
+    printed = benches["end_to_end"].wait()
+    out = benches["end_to_end"].folder / "bench_train.json"
     result = json.loads(out.read_text())
     assert result["configs"]["cached"]["config"] == str(out.parent / "bench_train.cached.config")
     e2e = {n: result["configs"][n]["end_to_end"] for n in ("dynamic", "cached")}
