@@ -167,6 +167,12 @@ class Backend(Protocol):
         merges with torch ops."""
         ...
 
+    def reserve_selected(self, t: TableLayout) -> None:
+        """Make now, outside any capture, what :meth:`insert_selected` keeps with ``t`` between
+        calls (the CUDA kernels' scratch): a capture may not page-lock the host memory of a
+        table whose row arrays are on the host (``RowArrays.HOST``)."""
+        ...
+
     def erase(
         self,
         t: TableLayout,

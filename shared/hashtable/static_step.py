@@ -578,6 +578,8 @@ class StaticStep:
             self.errors |= plan.errors
             return plan
         if entry.forward is None:
+            for t in self._tables():  # what the insert keeps, made outside the capture
+                t.backend.reserve_selected(t)
             graph = torch.cuda.CUDAGraph()
             try:  # a capture queues nothing: on failure the tables are as they were
                 with self._capturing(graph):

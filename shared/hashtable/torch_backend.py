@@ -277,6 +277,9 @@ class TorchBackend:
         """None: no kernels (``static_insert.insert_absent`` merges with torch ops)."""
         return None
 
+    def reserve_selected(self, t: TableLayout) -> None:
+        """Nothing is kept between calls."""
+
     def erase(
         self,
         t: TableLayout,

@@ -243,6 +243,9 @@ class CudaBackend(TorchBackend):
     ) -> SelectedInsert | None:
         return cuda_insert.insert_selected(t, keys, table_ids, values, scores, mask, pinned)
 
+    def reserve_selected(self, t: TableLayout) -> None:
+        cuda_insert.reserve_scratch(t)
+
     def erase(
         self,
         t: TableLayout,

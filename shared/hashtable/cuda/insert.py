@@ -242,6 +242,13 @@ def stage_host_bytes(table: TableLayout) -> int:
     return sc.stage.nbytes if sc is not None and sc.stage_on_host else 0
 
 
+def reserve_scratch(table: TableLayout) -> None:
+    """Make ``table``'s scratch now, if it has none of its size: before a capture whose
+    :func:`insert_selected` would otherwise make it inside (where the host memory of a ``stage``
+    for ``RowArrays.HOST`` cannot be page-locked)."""
+    _table_scratch(table)
+
+
 def _scratch_of(table: TableLayout, launcher: rt.Launcher) -> _Scratch:
     """The table's scratch for a call on ``launcher``'s stream, the table's pending counts
     settled first (a deferred erase reads ``erase_host``, which the next one overwrites)."""
