@@ -189,9 +189,13 @@ def insert_scratch_bytes(slots: int, buckets: int, row_arrays: RowArrays) -> int
     12704
     """
     stage = INSERT_STAGE_BYTES_PER_SLOT * slots if row_arrays is RowArrays.DEVICE else 0
+    return _scratch_on_device(slots, buckets) + stage
+
+
+def _scratch_on_device(slots: int, buckets: int) -> int:
+    """The insert scratch's bytes on the device wherever the row arrays are (all but ``stage``)."""
     return (
         INSERT_SCRATCH_BYTES_PER_SLOT * slots
-        + stage
         + INSERT_SCRATCH_BYTES_PER_BUCKET * buckets
         + INSERT_SCRATCH_BYTES_PER_TABLE
     )
@@ -226,9 +230,7 @@ def _base(t: TableSpec) -> TablePlacement:
         row_array_bytes=slots * ROW_ARRAY_BYTES_PER_SLOT,
         line_bytes=LINE_BYTES,
         line_map_bytes=slots * LINE_MAP_BYTES_PER_SLOT,
-        scratch_bytes=slots * INSERT_SCRATCH_BYTES_PER_SLOT
-        + buckets * INSERT_SCRATCH_BYTES_PER_BUCKET
-        + INSERT_SCRATCH_BYTES_PER_TABLE,
+        scratch_bytes=_scratch_on_device(slots, buckets),
         stage_bytes=slots * INSERT_STAGE_BYTES_PER_SLOT,
     )
 
