@@ -150,7 +150,9 @@ class CacheLines:
         old = self._row_of_line[victims]  # [k]
         held = old >= 0 if taking is None else taking & (old >= 0)
         back = held & self._dirty[victims]
-        self._line_map[torch.where(held, old, self.line_of_row.numel())] = -1  # free: the sink
+        # index_fill_, not ``[...] = -1``: a Python scalar assigned through an index is copied
+        # from unpinned host memory, which a CUDA graph capture refuses
+        self._line_map.index_fill_(0, torch.where(held, old, self.line_of_row.numel()), -1)
         self._evicted += torch.stack([held.sum(), back.sum()])
         return torch.where(back, old, -1)
 

@@ -176,7 +176,7 @@ class StaticCacheLines(CacheLines):
         more keys than lines) go back to the host tier in one fixed-size write (-1 skipped)."""
         big = self.lines
         lined = (slots >= 0) & (slots < big)
-        self._dirty[torch.where(lined, slots, big)] = True
+        self._dirty.index_fill_(0, torch.where(lined, slots, big), True)  # (captured: no setitem)
         if rows.numel() > big:  # a step that may bypass rows (its size decides: no host read)
             staged = slots > big
             at = torch.where(staged, slots, big)

@@ -117,10 +117,11 @@ def test_pool_and_flag_on_a_device_with_int32_and_int64_lengths(
     want, want_cold = pool_and_flag(embs, lengths, ["sum", "mean"], hits)
     on = [(n.to(device, dtype)) for n in lengths]
     found = [None if h is None else h.to(device) for h in hits]
+    on_device = [e.to(device) for e in embs]  # (a pageable copy syncs: made before the guard)
     if device == "cuda":
         torch.cuda.set_sync_debug_mode("error")  # a host read would raise
     try:
-        got, cold = pool_and_flag([e.to(device) for e in embs], on, ["sum", "mean"], found)
+        got, cold = pool_and_flag(on_device, on, ["sum", "mean"], found)
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode(0)
