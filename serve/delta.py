@@ -30,9 +30,17 @@ free slots the tables are built with (:data:`serve.lookup.HEADROOM`). The target
 base + this delta, so the previous delta's rows (and keys it added) are replaced as by a
 rebuild. The new model (:meth:`~serve.model.LoadedModel.successor`) shares the tables, and the
 old one is superseded inside the same lock, so a batch sees either the old tables and program
-or the new ones. A delta with a dense program (or back to the base's) gets it loaded as a
-rebuild does, and warmed up (CUDA: its graphs captured over the live tensors) before the
-writes. Where in place is impossible (no room for the new keys, a key beyond a shared key
+or the new ones.
+
+Dense weights, in place too: a delta's ``dense.pt2`` of the serving program's graph (the
+archive digest of :mod:`serve.program_cache`, weights left out; what ``train stream`` publishes
+every few seconds) has its weights copied into the serving program's own tensors with the
+table writes, under the same lock, so its CUDA graphs stay valid and nothing is captured (on
+the H100 on 2026-12-07, loading each streamed delta's program and capturing its 42 graphs took
+29-34 s under serving load: most of the event-to-served time). The base's weights are kept in a
+copy of the program the first time they are overwritten, and a later delta without a program
+gets them back the same way. A program of another graph is loaded as a rebuild does, and
+warmed up (CUDA: its graphs captured over the live tensors) before the writes. Where in place is impossible (no room for the new keys, a key beyond a shared key
 space, a table of another shape) :func:`apply_delta` falls back to the rebuild below and says
 so (:class:`Applied`, the log, ``dynrec_serving_delta_applies_total{path}``).
 One difference from the rebuild: a request accepted before the swap and scored after the writes
@@ -53,6 +61,7 @@ them). Because deltas are relative to the base, applying one replaces the previo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -74,6 +83,7 @@ from serve.model import (
     build_tables,
     load_program,
 )
+from serve.program_cache import read_weights, refill
 from shared.bundle import Bundle, BundleError
 from shared.delta import (
     DELTA_MANIFEST,
@@ -221,9 +231,12 @@ def _write_in_place(
         write = current.tables.prepare_update(patched)
         _sync(dev)
         t2 = time.perf_counter()
-        program = _program(current, delta, dev)
+        weights = _weights_in_place(current, delta)
+        program = current.program if weights is not None else _program(current, delta, dev)
         t3 = time.perf_counter()
         model = current.successor(patched, program)
+        if weights and current.base_program is current.program:
+            model.base_program = _copy(current.base_program)  # the base's weights kept
         if program is not current.program:  # checked, and graphs captured, before the writes
             _warmup(model, delta, warmup_candidates)
         _sync(dev)
@@ -231,12 +244,45 @@ def _write_in_place(
     with current.between_batches():
         t_lock = time.perf_counter()
         write()
+        if weights:
+            refill(_module(program), weights)
         current.supersede(model)
     t5 = time.perf_counter()
     table_s = t2 - t1 + t5 - t4
     model.startup = StartupTimes.split(t1 - t0, table_s, t3 - t2, t4 - t3, t5 - t0, model=model)
     model.deltas = (*current.deltas, delta.delta_id)
     return model, t5 - t_lock
+
+
+def _module(program: DenseProgram) -> torch.nn.Module:
+    assert isinstance(program.module, torch.nn.Module)
+    return program.module
+
+
+def _weights_in_place(current: LoadedModel, delta: Delta) -> dict[str, torch.Tensor] | None:
+    """The weights to write into the serving program's own tensors, so that its graphs stay
+    valid and nothing is captured (module doc, "Dense weights"): the delta's program's when
+    it has the serving one's graph (:func:`serve.program_cache.program_digest`), the base's
+    when the delta has none and the serving program is the base's graph with other weights;
+    ``{}`` when the serving program already is the base's; None when the program must be
+    loaded (another graph, weights that are not plain tensors)."""
+    serving = current.program
+    if not isinstance(serving.module, torch.nn.Module) or serving.digest is None:
+        return None
+    if delta.dense_program_path is not None:
+        digest, weights = read_weights(delta.dense_program_path, serving.module)
+        return weights if digest == serving.digest else None
+    base = current.base_program
+    if base is serving:
+        return {}
+    if base.digest != serving.digest or not isinstance(base.module, torch.nn.Module):
+        return None
+    return {k: v.detach() for k, v in base.module.state_dict(keep_vars=True).items()}
+
+
+def _copy(program: DenseProgram) -> DenseProgram:
+    """``program`` with a module of its own (the same graph and weights, new tensors)."""
+    return dataclasses.replace(program, module=copy.deepcopy(program.module))
 
 
 def _program(current: LoadedModel, delta: Delta, dev: torch.device) -> DenseProgram:

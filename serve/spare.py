@@ -32,7 +32,9 @@ When there is a spare: the server keeps one when it watches a model directory wi
 on (:class:`serve.server.ServerConfig` ``reuse_graphs``; without graphs a full load captures
 nothing, so a spare would only hold memory). A model becomes the spare when it retires
 (:mod:`serve.versions`: ``RETIRE_AFTER_S`` after its swap, when the requests validated against it
-have finished), if it has had no delta applied and shares no tensors with the serving model. The
+have finished), if it shares no tensors with the serving model (a model an in-place delta's
+successor replaced shares its tables with it; the last model of a chain of deltas does not,
+and is kept: ``train stream``'s next full version is written into it). The
 server also builds one at startup (a second copy of the first version), so that the first swap is
 as cheap as the later ones. The writes happen under the spare's predict lock with the device idle
 (:meth:`~serve.model.LoadedModel.between_batches`), and the spare is superseded by the new model:
@@ -112,8 +114,8 @@ class Spare:
 
 
 def _unfit(model: LoadedModel, serving: LoadedModel | None) -> str | None:
-    if model.deltas or model.superseded:
-        return "it had deltas applied"
+    if model.superseded:
+        return "an in-place delta's successor serves its tables"
     if serving is not None and (
         serving.tables is model.tables
         or serving.program is model.program

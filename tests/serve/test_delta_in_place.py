@@ -148,7 +148,9 @@ def test_a_delta_is_written_into_the_live_tensors(dyn_run, root: Path) -> None:
     assert applied.path is ApplyPath.IN_PLACE and applied.reason == ""
     assert model.tables is base.tables and _tensors(model) == before
     assert model.version == "step-4+step-8" and model.deltas == ("step-8",)
-    assert model.program is not base.program  # the delta brought its program
+    # the delta's program has the base's graph: its weights are written into the serving
+    # program's tensors (no program loaded, no graph captured), the base's kept in a copy
+    assert model.program is base.program and model.base_program is not base.program
     assert _max_diff(model, LoadedModel.load(dyn_run.base_bundle, device="cpu")) > 1e-4
     _assert_same_scores(model, LoadedModel.load(dyn_run.full_bundle, device="cpu"))
     rebuilt = apply_delta(
@@ -181,9 +183,9 @@ def test_a_table_delta_keeps_the_program_and_replaces_the_previous_deltas_rows(
     _assert_same_scores(noop.model, LoadedModel.load(dyn_run.base_bundle, device="cpu"))
     # and the step-8 delta (with its program) after both equals its full export
     step8 = apply_delta(noop.model, root / "step-8")
-    assert step8.path is ApplyPath.IN_PLACE
+    assert step8.path is ApplyPath.IN_PLACE and step8.model.program is base.program
     _assert_same_scores(step8.model, LoadedModel.load(dyn_run.full_bundle, device="cpu"))
-    # back to the base's program with the next delta
+    # back to the base's weights with the next delta, written into the same program
     again = apply_delta(step8.model, root / "tables")
     assert again.path is ApplyPath.IN_PLACE and again.model.program is base.program
     _assert_same_scores(again.model, LoadedModel.load(root / "tables-full", device="cpu"))
@@ -296,7 +298,9 @@ def test_predicts_during_an_in_place_apply_get_the_old_or_the_new_scores(
 @cuda
 def test_graphs_replay_over_tables_written_in_place(dyn_run, root: Path) -> None:
     """A table delta keeps the program and the graphs: replays read the rewritten tensors and
-    equal eager scores of the full export; a delta with a program recaptures over them."""
+    equal eager scores of the full export; so does a delta with a program of the same graph
+    (its weights written into the program's tensors) and the next one, back to the base's
+    weights: nothing is captured again."""
     base = LoadedModel.load(dyn_run.base_bundle, device="cuda", graph_buckets=BUCKETS)
     before, graphs = _tensors(base), base.graphs
     assert graphs is not None and graphs.stats.captures == len(BUCKETS)
@@ -307,8 +311,11 @@ def test_graphs_replay_over_tables_written_in_place(dyn_run, root: Path) -> None
     _assert_same_scores(tables.model, LoadedModel.load(root / "tables-full", device="cuda"))
     assert graphs.stats.replays == replays + 2 and graphs.stats.eager == {}
     step8 = apply_delta(tables.model, root / "step-8")
-    stats = step8.model.graph_stats()
     assert step8.path is ApplyPath.IN_PLACE and _tensors(step8.model) == before
-    assert stats is not None and stats.captures == len(BUCKETS) and stats.failures == {}
+    assert step8.model.graphs is graphs and step8.model.program is base.program
     _assert_same_scores(step8.model, LoadedModel.load(dyn_run.full_bundle, device="cuda"))
-    assert stats.replays == 2 and stats.eager == {}
+    again = apply_delta(step8.model, root / "tables")
+    assert again.path is ApplyPath.IN_PLACE and again.model.graphs is graphs
+    _assert_same_scores(again.model, LoadedModel.load(root / "tables-full", device="cuda"))
+    assert graphs.stats.captures == len(BUCKETS) and graphs.stats.failures == {}
+    assert graphs.stats.replays == replays + 6 and graphs.stats.eager == {}

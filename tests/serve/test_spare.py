@@ -124,8 +124,8 @@ def test_a_bundle_that_does_not_read_keeps_the_spare(bundle_v1: Path, tmp_path: 
 
 
 def test_models_sharing_tensors_with_the_serving_one_are_not_kept(dyn_run, tmp_path: Path) -> None:
-    """A model whose tables an in-place delta's successor serves, or one with deltas applied,
-    is retired, not kept; a spare displaced by another is retired."""
+    """A model whose tables an in-place delta's successor serves is retired, not kept; a
+    spare displaced by another is retired."""
     from tests.conftest import SEED_CONFIG
     from train.tools.delta import export_delta
 
@@ -135,13 +135,34 @@ def test_models_sharing_tensors_with_the_serving_one_are_not_kept(dyn_run, tmp_p
     applied = apply_delta(base, tmp_path / "d")
     spare = Spare()
     assert not spare.offer(base, serving=applied.model)  # shares its tables
-    assert not spare.offer(applied.model, serving=None)  # a delta applied
     first = LoadedModel.load(dyn_run.base_bundle, device="cpu")
     second = LoadedModel.load(dyn_run.full_bundle, device="cpu")
     assert spare.offer(first, serving=None) and spare.offer(second, serving=first)
     assert spare.take() is second and first.graphs is None
     spare.clear()
     assert not spare.ready
+
+
+def test_a_model_with_deltas_applied_is_a_spare_for_the_next_full_version(
+    dyn_run, tmp_path: Path
+) -> None:
+    """What ``train stream`` publishes: a base, deltas written into it in place (its program's
+    weights too), then a full version. The last delta's model, once replaced, is the spare the
+    full version is written into (here step-4 again, whose rows and weights the delta to
+    step-8 changed): it scores as loaded in full."""
+    from tests.conftest import SEED_CONFIG
+    from train.tools.delta import export_delta
+
+    export_delta(SEED_CONFIG, base=dyn_run.base_bundle, checkpoint=dyn_run.checkpoint,
+                 out=tmp_path / "d")  # fmt: skip
+    applied = apply_delta(LoadedModel.load(dyn_run.base_bundle, device="cpu"), tmp_path / "d")
+    spare = Spare()
+    assert applied.model.deltas and spare.offer(applied.model, serving=None)
+    step4 = LoadedModel.load(dyn_run.base_bundle, device="cpu")
+    assert _max_diff(applied.model, step4) > 1e-4
+    model = _adopt(spare, dyn_run.base_bundle)
+    assert model is not None and model.deltas == () and model.base_program is model.program
+    assert _max_diff(model, step4) <= ATOL
 
 
 def test_the_trained_versions_fit_each_other(dyn_run) -> None:
