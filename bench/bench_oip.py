@@ -1,24 +1,42 @@
 """Open Inference Protocol (gRPC ModelInfer) against Predict at the same load, in the same run.
 
-    python -m bench.bench_oip --device cpu --out bench/results/bench_oip_cpu.json
-    python -m bench.bench_oip --device cuda --candidates 500 --clients 8 16 --frontends 4 \\
-        --out bench/results/bench_oip_h100.json
+    python -m bench.bench_oip --device cpu --keys 100000 --clients 2 4 --rounds 4 --duration 8 \\
+        --out bench/results/bench_oip_cpu.json
+    python -m bench.bench_oip --device cuda --candidates 500 --clients 16 8 --procs 4 \\
+        --keys 2000000 --frontends 4 --rounds 6 --out bench/results/bench_oip_h100.json
 
 One ``python -m serve`` (``bench.bench_serving``'s synthetic bundle with the real MultiTowerDIN
 dense part, and eval rows of ``train.data`` as requests, ``loadtest.requests``); per
-concurrency, closed-loop clients (``--procs`` processes x threads, raw bytes on the wire, no
-parsing of the answers) send Predict and ModelInfer in alternating phases (``--rounds`` of each,
-``--duration`` s after ``--warmup`` s; Predict first in even rounds, ModelInfer first in odd ones,
-after one unmeasured ``--settle`` phase of each: on the H100 on 2026-12-06, with neither, the
-first ModelInfer phase ran at 0.64-0.76x Predict's and the second at 1.02-1.03x), the same
-requests: Predict's columnar PredictRequest and
-the ModelInferRequest of the same features (``loadtest.oip``, tensors in raw_input_contents).
-The scores of both are compared first (bit-equal on CPU; on CUDA within ``MAX_SCORE_GAP``, next
-to Predict's own gap between two calls). Per protocol and concurrency: candidates/s and
-p50/p99 latency (all rounds pooled); the ratios OIP/Predict, pooled and the median of the
-rounds' paired ratios (each OIP phase against the Predict phase of its round, run just before or
-after it: a busy shared host moves both alike). The issue's bar: OIP candidates/s >= 0.9x Predict's at equal p99
-(closed loop at equal concurrency: p99 ratio ~1).
+concurrency N, closed-loop clients (``--procs`` processes x threads, raw bytes on the wire, no
+parsing of the answers) send the same requests over both protocols: Predict's columnar
+PredictRequest and the ModelInferRequest of the same features (``loadtest.oip``, tensors in
+raw_input_contents). The scores of both are compared first (bit-equal on CPU; on CUDA within
+``MAX_SCORE_GAP``, next to Predict's own gap between two calls).
+
+``--mode mixed`` (the default): each round is ONE window of ``--duration`` s (after
+``--warmup`` s) in which half of the client processes send Predict and the other half
+ModelInfer, N/2 concurrent calls each, against the same server, started and stopped at the same
+instants. The loops are closed, so the slower protocol completes fewer requests; the round's
+ratio is OIP candidates/s over Predict's in that window. Why: the alternating phases measured
+the host's drift, not the protocol. On an H100 on 2026-12-07 (16 cores shared by the server's
+4 frontends, the device process and 4 client processes; ``TESTS="" CLIENTS="16 8" bash
+bench/run_oip_gpu.sh``) the rounds' ratios were 0.36, 0.97, 1.03, 0.72 at 16 clients and 0.99,
+1.01, 0.99, 0.71 at 8, Predict's own 10 s phases swung from 463K to 685K candidates/s, while the
+host time of one request was the same (``per_request_us``: 104 us before feature generation
+for Predict, 108 us for OIP). In one window a slow or busy host slows both protocols alike.
+What stays random per window is how the kernel spreads the connections over the frontends
+(SO_REUSEPORT): it favours neither protocol, so several rounds are pooled.
+
+``--mode alternating``: the previous method, kept to compare with: phases of one protocol at a
+time, all N calls, Predict first in even rounds and ModelInfer first in odd ones (on the H100
+on 2026-12-06 the first ModelInfer phase ran at 0.64-0.76x Predict's and the second at
+1.02-1.03x).
+
+Either mode starts each concurrency with the windows of one round, unmeasured and ``--settle`` s
+long (the server's first calls). Per protocol and concurrency: candidates/s, per round and
+pooled, and p50/p99 latency (all rounds pooled); the ratios OIP/Predict: pooled (the goal's
+figure), per round and their median, and the p99 ratio beside them. The issue's bar: OIP
+candidates/s >= 0.9x Predict's at equal p99 (closed loop at equal concurrency: p99 ratio ~1).
 
 ``per_request_us`` is where one request's host time goes, in this process on the first
 ``--profile-requests`` requests of the pool (medians, microseconds, one thread): Predict's parse
@@ -36,6 +54,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, unique
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +71,49 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 GOAL_RATIO = 0.9
 
 
+@unique
+class Mode(Enum):
+    """How the two protocols share the measured time (the module docstring says why mixed)."""
+
+    MIXED = "mixed"  # one window per round, N/2 calls of each protocol at once
+    ALTERNATING = "alternating"  # two windows per round, N calls of one protocol each
+
+    def __str__(self) -> str:  # argparse's choices and --help
+        return self.value
+
+
+GOAL = {
+    Mode.MIXED: f"OIP candidates/s >= {GOAL_RATIO} x Predict's in the same windows (N/2 calls "
+    "each, at once; pooled over the rounds; ratio_p99 beside it)",
+    Mode.ALTERNATING: f"OIP candidates/s >= {GOAL_RATIO} x Predict's at the same concurrency "
+    "(alternating windows, pooled over the rounds; ratio_p99 beside it)",
+}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One protocol's part of a window: ``clients`` concurrent calls of ``method`` from ``procs``
+    client processes, cycling through ``payloads``."""
+
+    name: str  # "predict" or "oip"
+    method: str
+    payloads: list[bytes]
+    clients: int
+    procs: int
+
+
 def _client(
-    host: str, method: str, payloads: list[bytes], threads: int, start: float, stop: float, out: Any
+    host: str,
+    name: str,
+    method: str,
+    payloads: list[bytes],
+    threads: int,
+    start: float,
+    stop: float,
+    out: Any,
 ) -> None:
     """A client process: ``threads`` closed loops from ``start`` to ``stop`` (perf_counter of
-    this host); sends (latencies of the answers started in the window, errors)."""
+    this host); sends (``name``, latencies of the answers started in the window, errors)."""
     import threading
 
     lat: list[float] = []
@@ -82,30 +141,60 @@ def _client(
         t.start()
     for t in ts:
         t.join()
-    out.put((lat, errors[:20]))
+    out.put((name, lat, errors[:20]))
 
 
-def phase(
-    host: str, method: str, payloads: list[bytes], clients: int, a: argparse.Namespace
-) -> dict[str, Any]:
-    """One closed-loop phase of ``clients`` concurrent calls; latencies in seconds."""
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal counts (the first ones one larger)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def window(host: str, sides: list[Side], duration: float, warmup: float) -> dict[str, Any]:
+    """One closed-loop window: every side's processes start and stop at the same instants.
+    Per side: {"latencies" (s), "errors", "seconds"}."""
     ctx = mp.get_context("spawn")
-    procs = min(a.procs, clients)
-    per = [clients // procs + (i < clients % procs) for i in range(procs)]
     queue = ctx.Queue()
-    start = time.perf_counter() + a.warmup + 2.0  # spawn time
-    stop = start + a.duration
-    ps = [
-        ctx.Process(target=_client, args=(host, method, payloads, n, start, stop, queue))
-        for n in per
+    start = time.perf_counter() + warmup + 2.0  # spawn time
+    stop = start + duration
+    per_side = [
+        [
+            ctx.Process(
+                target=_client, args=(host, s.name, s.method, s.payloads, n, start, stop, queue)
+            )
+            for n in _split(s.clients, min(s.procs, s.clients))
+        ]
+        for s in sides
     ]
+    ps = [p for group in zip_longest(*per_side) for p in group if p is not None]  # interleaved
     for p in ps:
         p.start()
-    results = [queue.get(timeout=a.warmup + a.duration + 120) for _ in ps]
+    results = [queue.get(timeout=warmup + duration + 120) for _ in ps]
     for p in ps:
         p.join(30)
-    lat = [x for r, _ in results for x in r]
-    return {"latencies": lat, "errors": [e for _, es in results for e in es], "seconds": a.duration}
+    out: dict[str, Any] = {
+        s.name: {"latencies": [], "errors": [], "seconds": duration} for s in sides
+    }
+    for name, lat, errors in results:
+        out[name]["latencies"] += lat
+        out[name]["errors"] += errors
+    return out
+
+
+def round_windows(
+    mode: Mode, r: int, predict: list[bytes], infer: list[bytes], clients: int, procs: int
+) -> list[list[Side]]:
+    """The windows of round ``r``, each a list of the sides that run together."""
+    if mode is Mode.MIXED:  # _check: clients even, procs even and >= 2
+        return [[
+            Side("predict", PREDICT, predict, clients // 2, procs // 2),
+            Side("oip", INFER, infer, clients // 2, procs // 2),
+        ]]  # fmt: skip
+    phases = [
+        [Side("predict", PREDICT, predict, clients, procs)],
+        [Side("oip", INFER, infer, clients, procs)],
+    ]
+    # odd rounds OIP first: neither always runs after the other
+    return phases[::-1] if r % 2 else phases
 
 
 def _rate(phase: dict[str, Any], candidates: int) -> float:
@@ -122,6 +211,46 @@ def summarize(phases: list[dict[str, Any]], candidates: int) -> dict[str, Any]:
         "latency_ms": _pct(lat),
         "errors": [e for p in phases for e in p["errors"]][:10],
     }
+
+
+def compare(by: dict[str, list[dict[str, Any]]], candidates: int) -> dict[str, Any]:
+    """Each protocol's summary and the ratios OIP/Predict of ``by`` (one phase per protocol and
+    round): pooled (the goal's figure), per round, their median, and the p99 ratio."""
+    summary = {k: summarize(v, candidates) for k, v in by.items()}
+    p99 = {k: s["latency_ms"]["p99"] or float("nan") for k, s in summary.items()}
+    ratio = summary["oip"]["candidates_per_s"] / max(summary["predict"]["candidates_per_s"], 1e-9)
+    paired = [
+        o / max(p, 1e-9)
+        for p, o in zip(
+            summary["predict"]["candidates_per_s_rounds"],
+            summary["oip"]["candidates_per_s_rounds"],
+            strict=True,
+        )
+    ]
+    return {
+        **summary,
+        "ratio_candidates_per_s": ratio,
+        "ratio_candidates_per_s_rounds": paired,
+        "ratio_candidates_per_s_median_of_rounds": statistics.median(paired),
+        "ratio_p99": p99["oip"] / p99["predict"],
+        "meets_goal": ratio >= GOAL_RATIO,
+    }
+
+
+def measure(
+    host: str, predict: list[bytes], infer: list[bytes], clients: int, a: argparse.Namespace
+) -> dict[str, Any]:
+    """One concurrency: the settle round (unmeasured), then ``a.rounds`` rounds."""
+    if a.settle > 0:
+        for sides in round_windows(a.mode, 0, predict, infer, clients, a.procs):
+            window(host, sides, a.settle, a.warmup)
+    by: dict[str, list[dict[str, Any]]] = {"predict": [], "oip": []}
+    for r in range(a.rounds):
+        for sides in round_windows(a.mode, r, predict, infer, clients, a.procs):
+            for name, phase in window(host, sides, a.duration, a.warmup).items():
+                by[name].append(phase)
+    share = clients // 2 if a.mode is Mode.MIXED else clients
+    return {"clients": clients, "clients_per_protocol": share, **compare(by, a.candidates)}
 
 
 def _median_us(stage: Callable[[], object], iters: int) -> float:
@@ -287,6 +416,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "command": "python -m bench.bench_oip " + " ".join(sys.argv[1:]),
             "machine": _machine(),
             "device": a.device,
+            "mode": a.mode.value,
             "bundle": bundle_info,
             "startup_s": startup,
             "candidates": a.candidates,
@@ -294,48 +424,40 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "scores_checked": checked,
             "per_request_us": stages,
             "settings": {
-                k: v for k, v in vars(a).items() if k not in ("out",) and not isinstance(v, Path)
+                k: str(v) if isinstance(v, Mode) else v
+                for k, v in vars(a).items()
+                if k not in ("out",) and not isinstance(v, Path)
             },
-            "goal": f"OIP candidates/s >= {GOAL_RATIO} x Predict's at the same concurrency",
+            "goal": GOAL[a.mode],
             "runs": runs,
         }
         for clients in a.clients:
-            protocols = [("predict", PREDICT, predict), ("oip", INFER, infer)]
-            if a.settle > 0:  # one unmeasured phase of each first: the server's first calls
-                settle = argparse.Namespace(**{**vars(a), "duration": a.settle})
-                for _, method, payloads in protocols:
-                    phase(group.host, method, payloads, clients, settle)
-            by: dict[str, list[dict[str, Any]]] = {"predict": [], "oip": []}
-            for r in range(a.rounds):  # odd rounds OIP first: neither always runs after the other
-                for name, method, payloads in protocols[:: -1 if r % 2 else 1]:
-                    by[name].append(phase(group.host, method, payloads, clients, a))
-            summary = {k: summarize(v, a.candidates) for k, v in by.items()}
-            p99 = {k: s["latency_ms"]["p99"] or float("nan") for k, s in summary.items()}
-            ratio = summary["oip"]["candidates_per_s"] / max(
-                summary["predict"]["candidates_per_s"], 1e-9
-            )
-            paired = [
-                o / max(p, 1e-9)
-                for p, o in zip(
-                    summary["predict"]["candidates_per_s_rounds"],
-                    summary["oip"]["candidates_per_s_rounds"],
-                    strict=True,
-                )
-            ]
-            runs.append({
-                "clients": clients,
-                **summary,
-                "ratio_candidates_per_s": ratio,
-                "ratio_candidates_per_s_rounds": paired,
-                "ratio_candidates_per_s_median_of_rounds": statistics.median(paired),
-                "ratio_p99": p99["oip"] / p99["predict"],
-                "meets_goal": ratio >= GOAL_RATIO,
-            })  # fmt: skip
+            runs.append(measure(group.host, predict, infer, clients, a))
             write_result(a.out, result)  # each concurrency as it ends: a run cut short keeps it
-            print(f"clients {clients}: predict {summary['predict']['candidates_per_s']:,.0f} cand/s p99 {p99['predict']:.2f} ms; oip {summary['oip']['candidates_per_s']:,.0f} cand/s p99 {p99['oip']:.2f} ms; ratio {ratio:.3f}", flush=True)  # fmt: skip
+            print(_line(runs[-1]), flush=True)
     finally:
         group.stop()
     return result
+
+
+def _line(run: dict[str, Any]) -> str:
+    p, o = run["predict"], run["oip"]
+    rounds = ", ".join(f"{x:.2f}" for x in run["ratio_candidates_per_s_rounds"])
+    return (
+        f"clients {run['clients']}: predict {p['candidates_per_s']:,.0f} cand/s p99 "
+        f"{p['latency_ms']['p99']:.2f} ms; oip {o['candidates_per_s']:,.0f} cand/s p99 "
+        f"{o['latency_ms']['p99']:.2f} ms; ratio {run['ratio_candidates_per_s']:.3f} (rounds "
+        f"{rounds}), p99 ratio {run['ratio_p99']:.3f}"
+    )
+
+
+def _mode(text: str) -> Mode:
+    try:
+        return Mode(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give one of {', '.join(m.value for m in Mode)}"
+        ) from None
 
 
 def _parser() -> Parser:
@@ -349,15 +471,24 @@ def _parser() -> Parser:
     p.add_argument("--candidates", type=int, default=100)
     p.add_argument("--requests", type=int, default=200, help="distinct requests in the pool")
     p.add_argument("--clients", type=int, nargs="+", default=[4], help="concurrent calls")
-    p.add_argument("--procs", type=int, default=2, help="client processes")
-    p.add_argument("--rounds", type=int, default=2, help="phases of each protocol, alternating")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds measured per phase")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds before each phase")
+    p.add_argument(
+        "--mode",
+        type=_mode,
+        choices=list(Mode),
+        default=Mode.MIXED,
+        help="mixed: both protocols in one window, N/2 calls each; alternating: one at a time",
+    )
+    p.add_argument(
+        "--procs", type=int, default=2, help="client processes (mixed: half for each protocol)"
+    )
+    p.add_argument("--rounds", type=int, default=2, help="measured rounds per concurrency")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds measured per window")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds before each window")
     p.add_argument(
         "--settle",
         type=float,
         default=10.0,
-        help="seconds of one unmeasured phase of each protocol per concurrency, first (0: none)",
+        help="seconds of each window of one unmeasured round per concurrency, first (0: none)",
     )
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--frontends", type=int, default=0, help="serve --frontends N")
@@ -373,8 +504,31 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(_main, argv)
 
 
+def _check(p: Parser, a: argparse.Namespace) -> None:
+    """Refuse what the mode cannot honour: in mixed mode each protocol gets half the calls and
+    half the client processes, so both must split evenly (an uneven split would give one
+    protocol more load or more client CPU, and the ratio would measure that)."""
+    if a.rounds < 1 or a.procs < 1 or min(a.clients) < 1:
+        p.error("--rounds, --procs and --clients must be at least 1")
+    if a.mode is not Mode.MIXED:
+        return
+    odd = [c for c in a.clients if c % 2]
+    if odd:
+        p.error(
+            f"--mode mixed splits each --clients value in half between Predict and ModelInfer; "
+            f"{' '.join(map(str, odd))} is odd: give even values (or --mode alternating)"
+        )
+    if a.procs % 2:
+        p.error(
+            f"--mode mixed gives half the client processes to each protocol; --procs {a.procs} "
+            f"is odd: give an even --procs (2 at least)"
+        )
+
+
 def _main(argv: list[str]) -> int:
-    a = _parser().parse_args(argv)
+    parser = _parser()
+    a = parser.parse_args(argv)
+    _check(parser, a)
     with work_dir(a.work, "bench_oip-") as work:
         write_result(a.out, run(a, work))
     print(f"wrote {a.out}")
