@@ -45,7 +45,7 @@ batch. A bucket's host slots are refilled only once its last copy in has read th
 (:meth:`BucketGraph.fill` waits for that copy's event).
 
 Memory: all graphs of one model are captured into **one** memory pool
-(``torch.cuda.graph_pool_handle()``), so their intermediates share blocks and the pool is about
+(:func:`shared.cuda_capture.graph_pool`), so their intermediates share blocks and the pool is about
 the largest graph's activations, not the sum over the buckets. Sharing is safe because no two of
 them ever run at once: replays are issued on one stream, by one thread at a time (under the
 model's lock, :meth:`serve.model.LoadedModel.start`), and each replay recomputes every
@@ -78,7 +78,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -88,7 +88,7 @@ from serve.batcher import PendingScores
 from serve.host_batch import HostBatch, HostKjt
 from serve.lookup import PAD_ID
 from shared.batch import Batch
-from shared.cuda_capture import capture
+from shared.cuda_capture import capture, graph_pool
 from shared.dense_inputs import DenseLayout, Pairs, batch_pair_count, padded_pair_index, pair_count
 
 if TYPE_CHECKING:
@@ -431,9 +431,7 @@ class CudaGraphs:
         self._logged: set[str] = set()
         # what the graphs read (module docstring): replays only while the model still has them
         self._tables, self._program = model.tables, model.program
-        self._pool: torch.cuda._POOL_HANDLE | None = (
-            None  # one memory pool for every capture (CUDA)
-        )
+        self._pool: Any = None  # one memory pool for every capture (shared.cuda_capture.graph_pool)
 
     @classmethod
     def capture(cls, model: LoadedModel, buckets: Iterable[Bucket]) -> CudaGraphs:
@@ -450,7 +448,7 @@ class CudaGraphs:
             )
         probe = synthetic_batch(model.fs, 1, 1, (0,))
         graphs = cls(model, [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)])
-        graphs._pool = torch.cuda.graph_pool_handle()
+        graphs._pool = graph_pool(model.device)
         pairs = batch_pair_count(probe, model.tables.layout)
         torch.cuda.current_stream(model.device).synchronize()
         t0 = time.perf_counter()
@@ -506,7 +504,7 @@ class CudaGraphs:
             if pairs > bucket.pairs:
                 raise ValueError(f"the capture batch's {pairs} pairs do not fit")
             graph.fill(probe)
-            diff = graph.capture(self._run, self._pool)
+            diff = graph.capture(self._run, self._pool.id)
             if not diff <= CHECK_ATOL:  # also NaN
                 raise RuntimeError(f"replay differs from eager by {diff} (> {CHECK_ATOL})")
         except Exception as err:  # noqa: BLE001 - any failure: that bucket runs eagerly

@@ -39,12 +39,23 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
+def graph_pool(device: torch.device) -> Any:
+    """A memory pool for graphs of ``device`` (a ``torch.cuda.MemPool``; give its ``id`` to
+    :func:`capture`), alive while the caller holds it. Not ``graph_pool_handle()``: only the
+    graphs captured into that id hold it, so once they are all dropped the allocator releases
+    it with their blocks still cached there, and the next capture into the id fails ("use_count
+    > 0 INTERNAL ASSERT FAILED": the static step's on the H100 on 2026-12-07, after its tables
+    grew and it dropped every graph)."""
+    with torch.cuda.device(device):
+        return torch.cuda.MemPool()
+
+
 @contextlib.contextmanager
 def capture(
     graph: torch.cuda.CUDAGraph, *, pool: Any = None, device: torch.device | None = None
 ) -> Iterator[None]:
-    """Capture the CUDA work of the ``with`` body into ``graph`` (memory from ``pool``, a
-    ``graph_pool_handle()`` or another graph's ``pool()``, shared by graphs that never run at
+    """Capture the CUDA work of the ``with`` body into ``graph`` (memory from ``pool``, the ``id`` of
+    a :func:`graph_pool` or another graph's ``pool()``, shared by graphs that never run at
     the same time). The body runs on the capture stream; work queued before the ``with`` on the
     current stream is ordered before it, and work after it after the capture. A failed body
     ends the capture and re-raises."""

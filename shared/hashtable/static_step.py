@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shared.cuda_capture import capture
+from shared.cuda_capture import capture, graph_pool
 from shared.features import ScoreStrategy
 from shared.hashtable.hashing import INT64_MAX, sort_pairs
 from shared.hashtable.static_insert import (
@@ -424,7 +424,7 @@ class StaticStep:
         self.storage = storage
         self.capture = capture and storage.device.type == "cuda"
         self._entries: dict[int, _Entry] = {}
-        self._pool: Any = None
+        self._pool: Any = None  # shared.cuda_capture.graph_pool, made before the first capture
         self._arrays: tuple[Any, ...] = ()
         self.counts = DeviceCounts(storage.table)
         counter = storage.counter
@@ -590,7 +590,6 @@ class StaticStep:
             except RuntimeError as e:
                 self._fail(f"capture failed: {e}")
                 return None
-            self._pool = self._pool or graph.pool()
             entry.forward = graph
             self.stats["captures"] += 1
         entry.forward.replay()
@@ -608,10 +607,13 @@ class StaticStep:
         with calls a capturing thread may not make (on the H200, 2026-12-02: a dead table's
         scratch, its pinned buffers freed during a capture, aborted the GPU tests).
         :func:`shared.cuda_capture.capture` neither synchronizes nor empties the caches."""
+        device = self.storage.table.device
+        if self._pool is None:
+            self._pool = graph_pool(device)
         enabled = gc.isenabled()
         gc.disable()
         try:
-            with capture(graph, pool=self._pool, device=self.storage.table.device):
+            with capture(graph, pool=self._pool.id, device=device):
                 yield
         finally:
             if enabled:
@@ -631,7 +633,9 @@ class StaticStep:
                 t._any_tid = True
         arrays = self._array_key()
         if arrays != self._arrays:  # the tables were rebuilt: the graphs read the old arrays
-            # (the pool stays: freeing its memory during a later capture would break it)
+            # (the pool stays, held by self._pool: a pool only graphs held, all dropped here,
+            # would be released with blocks still in it, and the next capture into its id
+            # fails: "use_count > 0 INTERNAL ASSERT FAILED", on the H100 on 2026-12-07)
             self._entries.clear()
             self._arrays = arrays
         entry = self._entries.get(size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.cuda_capture import capture, capture_stream
+from shared.cuda_capture import capture, capture_stream, graph_pool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,3 +64,20 @@ def test_a_failed_body_ends_the_capture_and_a_later_one_works() -> None:
     graph.replay()
     torch.testing.assert_close(z, torch.full((4,), 5.0, device="cuda"))
     assert capture_stream(torch.device("cuda")) is capture_stream(torch.device("cuda", 0))
+
+
+def test_a_graph_pool_outlives_every_graph_captured_into_it() -> None:
+    """The static step's case (H100, 2026-12-07): every graph of a pool dropped while a tensor
+    made in it lives on, then another capture into the same pool: it works, and replays."""
+    pool = graph_pool(torch.device("cuda"))
+    x = torch.ones(1024, device="cuda")
+    first = torch.cuda.CUDAGraph()
+    with capture(first, pool=pool.id):
+        kept = x * 2  # allocated in the pool, outlives its graph
+    first.replay()
+    del first  # the pool's only graph
+    second = torch.cuda.CUDAGraph()
+    with capture(second, pool=pool.id):
+        y = kept + x
+    second.replay()
+    torch.testing.assert_close(y, torch.full((1024,), 3.0, device="cuda"))

@@ -72,7 +72,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from shared.cuda_capture import capture, capture_stream
+from shared.cuda_capture import capture, capture_stream, graph_pool
 from shared.dense_inputs import COLD_NAMES
 
 log = logging.getLogger(__name__)
@@ -512,13 +512,13 @@ class JaggedGraphs:
             self._entries.popitem(last=False)  # least recently used
             self.stats["evictions"] += 1
         if self._pool is None and not self.emulate:
-            self._pool = torch.cuda.graph_pool_handle()
+            self._pool = graph_pool(seq.device)
         start = time.perf_counter()
         entry = _Entry(self, rows, seq, lengths, elements, t_pad, amp)
         try:
             with torch.no_grad():
                 entry.load(rows, seq, lengths, elements)
-            entry.capture(self._pool)
+            entry.capture(None if self._pool is None else self._pool.id)
         except Exception as err:  # noqa: BLE001 - fall back to eager for this shape
             self._failed.add(key)
             self.stats["capture_failures"] += 1
