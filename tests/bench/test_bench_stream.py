@@ -21,6 +21,7 @@ from bench.bench_stream import (
     parser,
     phase_2,
     records,
+    replay_rate,
     rows_once_in_order,
     serving_report,
     training_report,
@@ -285,3 +286,11 @@ def test_rows_once_in_order_holds_only_for_every_row_once_in_order(tmp_path: Pat
     }
     for name, spans in bad.items():
         assert not rows_once_in_order(src, _log(tmp_path / name.replace(" ", "_"), spans)), name
+
+
+def test_the_replay_rate_is_the_rows_landed_over_the_landings_span() -> None:
+    """Landing 0 is the start's; partitions 1..3 land on time at 1,000 rows/s (each when the rows
+    before it are due): the rate is 1,000, not the rows over the wall time."""
+    landed = [(0.0, 500), (10.0, 1000), (11.0, 3000), (14.0, 2000)]
+    assert replay_rate(landed) == 1000.0
+    assert replay_rate(landed[:2]) == 0.0  # one replayed landing: no interval yet
