@@ -34,6 +34,12 @@ start), as training with CUDA graphs does: for CACHING the fixed-shape resolve w
 read. Without it both run the eager lookup (one host read a resolve for CACHING). Each
 variant's ``static_runs`` says which path ran. What it does not measure: a prefetch overlapped
 with compute (not built).
+
+``--profile N``: after every timed run (a profiler slows the launches that follow it in its
+process), each variant is built again, warmed by the same ``--warmup`` steps and profiled over
+``N`` steps (:mod:`bench.step_profile`): its ``profile`` in the JSON (kernels and device ms a
+step on CUDA; operators, host ms and bytes allocated a step everywhere) and the top kernels by
+self device time (operators by self CPU time) in ``<out stem>.<dim>_<variant>.profile.txt``.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from typing import Any
 
 import torch
 
+from bench.step_profile import profile_steps
 from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.features import CONSTANT_ZERO, DynamicTableSpec, ScoreStrategy, TableSpec
@@ -129,14 +136,11 @@ def time_steps(
     fwd_hits = fwd_rows = 0.0  # rows of the timed forward lookups: found in a line, and all
     totals: dict[str, float] = {}  # per-step cache counters of the timed steps (both calls)
     for i, batch in enumerate(batches):
-        dec.set_step(i + 1)
         s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
         _sync(device)
         t = time.perf_counter()
-        out = dec({TABLE: batch})[TABLE]  # [lookups, dim]
-        out.backward(grad)
+        _step(dec, i, batch, grad)
         _sync(device)
-        del out
         if i < warmup:
             continue
         times.append(time.perf_counter() - t)
@@ -196,24 +200,46 @@ def run_variant(
     return result, probed
 
 
-def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
+@dataclass
+class Workload:
+    """One dim's table and batches (the same for every variant; :func:`workload` remakes them
+    from the seed)."""
+
+    rows: int
+    slots: int
+    keys: torch.Tensor  # [rows] rank -> key
+    batches: list[torch.Tensor]  # warmup + steps batches of lookups keys
+    grad: torch.Tensor  # [lookups, dim] the backward's gradient
+    probe: torch.Tensor  # keys whose rows are compared with the baseline's after the run
+
+
+def workload(args: Any, dim: int, device: torch.device) -> Workload:
     rows = args.rows_128 if dim > 64 and args.rows_128 else args.rows
-    slots = math.ceil(rows / LOAD)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     keys = torch.randperm(rows, device=device, generator=gen)  # rank -> key
     batches = [
         keys[zipf_ranks(rows, args.alpha, args.lookups, gen)]
         for _ in range(args.warmup + args.steps)
     ]
-    distinct = statistics.median(int(torch.unique(b).numel()) for b in batches)
     grad = torch.randn(args.lookups, dim, device=device, generator=gen) * 1e-3
-    probe = batches[-1][:4096]
+    return Workload(rows, math.ceil(rows / LOAD), keys, batches, grad, batches[-1][:4096])
+
+
+def factor_of(pct: float | None, w: Workload) -> float | None:
+    """A variant's ``cache_load_factor``: ``pct`` of the rows over the table's slots."""
+    return None if pct is None else min(1.0, pct * w.rows / w.slots)
+
+
+def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
+    w = workload(args, dim, device)
+    rows, slots, keys, batches, grad, probe = w.rows, w.slots, w.keys, w.batches, w.grad, w.probe
+    distinct = statistics.median(int(torch.unique(b).numel()) for b in batches)
     out: dict[str, Any] = {"rows": rows, "slots": slots, "distinct_keys_a_step": distinct}
     base_probe = None
     per_round: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for r in range(args.rounds):  # the variants in turn, each round: drift hits them alike
         for name, pct in VARIANTS.items():
-            factor = None if pct is None else min(1.0, pct * rows / slots)
+            factor = factor_of(pct, w)
             res, probed = run_variant(
                 dim, slots, factor, keys, batches, grad, probe, args.warmup, args.static
             )
@@ -262,7 +288,53 @@ def run(args: Any) -> dict[str, Any]:
     for dim in args.dims:
         result["dims"][str(dim)] = run_dim(args, dim, device)
         write_result(args.out, result)  # each dim as it ends: a run cut short keeps the others
+    if args.profile:  # after every timed step: a profiler slows later launches in its process
+        for dim in args.dims:
+            for name, (figures, text) in profile_dim(args, dim, device).items():
+                result["dims"][str(dim)][name]["profile"] = figures
+                profile_path(args.out, dim, name).write_text(text)
+            write_result(args.out, result)
     return result
+
+
+def profile_path(out: Path, dim: int, variant: str) -> Path:
+    """Where ``--profile`` writes a variant's tables: beside the JSON."""
+    return out.with_name(f"{out.stem}.{dim}_{variant}.profile.txt")
+
+
+def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[dict[str, Any], str]]:
+    """Each variant of ``dim`` built again, warmed by the same ``--warmup`` steps as its timed
+    run (the cache as warm, the same padded sizes captured), then ``--profile`` steps on the
+    next batches under torch.profiler (:func:`bench.step_profile.profile_steps`): per variant
+    (figures a step, text tables)."""
+    w = workload(args, dim, device)
+    out: dict[str, tuple[dict[str, Any], str]] = {}
+    for name, pct in VARIANTS.items():
+        dec = build(dim, w.slots, factor_of(pct, w), w.keys)
+        if args.static:
+            dec.use_static_step(capture=device.type == "cuda")
+        for i in range(args.warmup):
+            _step(dec, i, w.batches[i], w.grad)
+        _sync(device)
+
+        def step(i: int, dec: DynamicEmbeddingCollection = dec) -> None:
+            at = args.warmup + i % args.steps
+            _step(dec, at, w.batches[at], w.grad)
+
+        out[name] = profile_steps(step, args.profile, device)
+        print(f"dim {dim} {name}: profiled {out[name][0]}", file=sys.stderr, flush=True)
+        del dec
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _step(dec: DynamicEmbeddingCollection, i: int, batch: torch.Tensor, grad: torch.Tensor) -> None:
+    """The embedding step of batch ``i``: its training lookup and the backward of ``grad``."""
+    dec.set_step(i + 1)
+    out = dec({TABLE: batch})[TABLE]  # [lookups, dim]
+    out.backward(grad)
 
 
 def _parser() -> Parser:
@@ -279,6 +351,13 @@ def _parser() -> Parser:
     p.add_argument("--seed", type=int, default=0, help="keys, batches and gradients")
     p.add_argument(
         "--static", action="store_true", help="the static sparse step (CUDA graphs on CUDA)"
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the timed runs, profile STEPS steps of each variant (0: none)",
     )
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from bench.step_profile import device_busy_us
 from shared.batch import Batch
 from shared.cli import Parser, plain, run_cli
 from shared.cli import exit_code as _exit_code
@@ -96,26 +97,6 @@ def phased_step(
     if ema is not None:
         phase("dense_ema", ema.update)
     return times
-
-
-def device_busy_us(events: Sequence[Any]) -> float:
-    """Microseconds in which at least one kernel or copy ran on the GPU: the union of the
-    device events' intervals (summing the operators' device times would count a kernel under
-    its operator and again on its own). The device-side spans of ``record_function`` ranges
-    (``gpu_user_annotation``: the phases) are not work: they run from a range's first kernel
-    to its last, idle gaps included, and would cover the whole step."""
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
-    )
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if a > end:
-            busy, end = busy + (b - a), b
-        elif b > end:
-            busy, end = busy + (b - end), b
-    return busy
 
 
 def launch_sites(

@@ -40,3 +40,22 @@ def test_bench_tiers_static_runs_every_variant_through_the_static_step(tmp_path:
         assert got[name]["equal_to_hbm_only"], name
         assert got[name]["per_step"]["misses"] > 0, name
     assert got["cache_10"]["per_step"]["bypassed"] > 0
+
+
+def test_bench_tiers_profile_writes_each_variants_figures_and_tables(tmp_path: Path) -> None:
+    """--profile N: after the timed runs each variant is profiled over N steps: its figures a
+    step in the JSON (CPU: no kernels), its tables beside the JSON; a cached step runs the
+    resolve's ops on top of HBM_ONLY's."""
+    out = tmp_path / "tiers.json"
+    argv = ["--out", str(out), "--rows", "4000", "--lookups", "1500", "--dims", "4",
+            "--warmup", "2", "--steps", "2", "--static", "--profile", "2"]  # fmt: skip
+    assert bench_tiers.main(argv) == 0
+    got = json.loads(out.read_text())["dims"]["4"]
+    for name in ("hbm_only", "cache_10", "cache_50", "cache_100"):
+        prof = got[name]["profile"]
+        assert prof["profiled_steps"] == 2, name
+        assert prof["ops_per_step"] > 0 and prof["allocated_bytes_per_step"] > 0, name
+        assert "kernels_per_step" not in prof, name  # no device work on CPU
+        text = (tmp_path / f"tiers.4_{name}.profile.txt").read_text()
+        assert "operators by self CPU time" in text and "aten::" in text, name
+    assert got["cache_100"]["profile"]["ops_per_step"] > got["hbm_only"]["profile"]["ops_per_step"]
