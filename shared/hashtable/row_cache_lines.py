@@ -20,8 +20,9 @@ select its positions first.
 
 The call counter (the current stamp), the clock hand and the eviction counters are device
 tensors, so that the static step's captured resolve advances them as the eager one does.
-:meth:`CacheLines._clock_window` is the victim choice both resolves share: the lines after the
-hand, each with its stamp as its age (this call's own lines never candidates).
+:meth:`CacheLines._window` is the victim window both resolves share: the lines after the hand,
+each with its stamp as its age (this call's own lines never candidates; the eager resolve ranks
+them with :meth:`CacheLines._clock_window`, the static one sorts int32 ages).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.hashtable.backend import Backend
-from shared.hashtable.host_store import HostStore
+from shared.hashtable.host_store import HostStore, TensorHostStore
 from shared.hashtable.table import HashTable
 
 # a stamp above every real one: lines a call must keep sort after every candidate victim
@@ -112,6 +113,11 @@ class CacheLines:
         self._static = torch.zeros(4, dtype=torch.int64, device=dev)
         self._staged = 0  # staging slots after the sink of _values / _accum (static bypass)
         self._store_moves = 0  # growths of the host tier (a captured swap holds its address)
+        # the static resolve fills its slots in place, in one kernel, where the device reads
+        # and writes the host rows itself (a mapped store on CUDA); else through torch ops
+        self._fills_in_place = (
+            isinstance(store, TensorHostStore) and store.mapped and dev.type == "cuda"
+        )
 
     def _set_line_map(self, capacity: int) -> None:
         """An empty ``line_of_row`` [capacity] (and its sink)."""
@@ -127,10 +133,15 @@ class CacheLines:
         :data:`KEEP` for the lines call ``tick`` stamped itself): the candidate victims, the
         least recently used smallest. The hand moves past the window. Why a window, not every
         line: :mod:`shared.hashtable.row_cache`'s doc."""
-        window = (self._hand + torch.arange(width, device=self.values.device)) % self.lines
-        self._hand.add_(width).remainder_(self.lines)
+        window = self._window(width)
         stamps = self.stamp[window]  # [width]
         return window, torch.where(stamps < tick, stamps, KEEP)
+
+    def _window(self, width: int) -> torch.Tensor:
+        """[width] the lines after the clock hand, wrapping around; the hand moves past them."""
+        window = (self._hand + torch.arange(width, device=self.values.device)) % self.lines
+        self._hand.add_(width).remainder_(self.lines)
+        return window
 
     def _packed(self, slots: torch.Tensor) -> torch.Tensor:
         """[n, 2 * dim]: the values, then the accumulators, of ``slots`` [n] (lines, the sink,

@@ -11,14 +11,15 @@ clock hand, the tick and the counters, all device tensors.
 :meth:`StaticCacheLines.static_resolve` is the eager resolve with fixed shapes and no host read.
 The step's P padded distinct rows (a validity mask) resolve through masks: a cumsum over "needs
 a line" gives each such row its victim among a window of ``min(L, 2P)`` lines after the clock
-hand (sorted by stamp, this call's last: :meth:`~CacheLines._clock_window`), one
-:meth:`HostStore.swap` of P slots (-1: nothing) writes the dirty victims back and reads the
-stored rows, and a new key's line takes its initializer row at once (dirty), never crossing to
-the host and back. The lookup then gathers from lines and the backward's Adagrad updates lines
+hand (sorted by stamp, this call's last: :meth:`~CacheLines._window`), the slots that take a
+row are filled in place (:meth:`StaticCacheLines._fill_slots`: on CUDA one kernel over the P
+positions that writes the dirty victims back and reads the stored rows straight into their
+lines, no staging tensor of P rows), and a new key's line takes its initializer row at once
+(dirty), never crossing to the host and back. The lookup then gathers from lines and the backward's Adagrad updates lines
 (dirty marked): HBM_ONLY's arithmetic on other slots. A step with more distinct rows than lines
 (or than the lines it does not use itself) bypasses the rest in fixed shapes too: ``P - L``
 staging slots after the lines' sink (made on the host before the step,
-:meth:`StaticCacheLines.static_began`) take their payload in the forward's swap, and the
+:meth:`StaticCacheLines.static_began`) take their payload in the forward's fill, and the
 backward writes them back to the host tier in one write of P slots (-1 skipped), which only
 steps of more keys than lines issue. Lines the eager path thinks never used are forgotten once a
 static step ran (``_fresh``): the window finds them by their stamp (-1 sorts first).
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.hashtable.row_cache_lines import KEEP, CacheLines
+from shared.hashtable.host_store import TensorHostStore
+from shared.hashtable.row_cache_lines import CacheLines
 
 
 class StaticCacheLines(CacheLines):
@@ -105,14 +107,15 @@ class StaticCacheLines(CacheLines):
           ``P - L`` of them), and the backward writes it back to the host tier
           (:meth:`static_updated`); a bypassed new key's initializer row is written there at
           once (a step without a backward leaves it as HBM_ONLY's insert does).
-        - One :meth:`HostStore.swap` of P slots: dirty victims written back, the stored rows
-          read, -1 elsewhere; a new key's line takes its initializer row and is dirty at once,
+        - The slots taking a row filled in place (:meth:`_fill_slots`): dirty victims
+          written back, the stored rows read; a new key's line takes its initializer row and
+          is dirty at once,
           so its row never crosses to the host and back (the eager path writes it to the host
           tier and reads it at the next resolve).
         - Maps, stamps and dirty bits are scattered with the sink slots for unused positions;
           hits, misses, new rows, bypassed rows, evictions and write-backs are counted on the
           device."""
-        big, dev = self.lines, self.values.device
+        big = self.lines
         p, sink_row = rows.numel(), self.line_of_row.numel()
         assert p - big <= self._staged, "static_began(padded) makes the staging slots first"
         self._tick += 1
@@ -126,12 +129,6 @@ class StaticCacheLines(CacheLines):
         gets, taken = self._static_victims(need, tick)  # [P] each
         back = self._unmap(taken, gets)  # [P] the row each dirty victim goes back to, or -1
         read = torch.where(need & found, rows, -1)
-        payload = self.store.swap(back, self._packed(taken), read)  # [P, 2 * dim]
-        payload = payload.to(dev, non_blocking=True)
-        init = torch.cat(
-            [new_values, torch.full_like(new_values, self.initial_accumulator_value)], 1
-        )
-        payload = torch.where(new.unsqueeze(1), init, payload)
         slots = torch.where(has, line, torch.where(gets, taken, -1))  # [P]
         bypass = need & ~gets
         if p > big:  # a step that may bypass rows (its size decides: no host read)
@@ -139,34 +136,87 @@ class StaticCacheLines(CacheLines):
             slots = torch.where(bypass, big + torch.cumsum(bypass, 0), slots)
             # a bypassed new key's row goes to the host tier now, as a line would hold it:
             # with no backward (no update) nothing else would write it there
-            self.store.write(torch.where(bypass & new, rows, -1), init)
-        fill = torch.where(need | new, slots, big)  # [P] slots written: misses', new keys'
-        self._unpack(fill, payload)
+            self.store.write(torch.where(bypass & new, rows, -1), self._initial(new_values))
+        # [P] slots written: misses' (their victims written back first), new keys'
+        self._fill_slots(torch.where(need | new, slots, -1), back, read, new, new_values)
         lined = torch.where(gets | (new & has), slots, big)  # [P] lines (re)mapped
         self._row_of_line[lined] = rows
         self._line_map[torch.where(gets, rows, sink_row)] = slots.to(torch.int32)
         self._stamps[lined] = tick
         self._dirty[lined] = new
-        counts = [found & has, found & gets, new & ~bypass, bypass]
-        self._static += torch.stack([c.sum() for c in counts])
+        counts = torch.stack([found & has, found & gets, new & ~bypass, bypass])  # [4, P]
+        self._static += counts.sum(1)
         return slots
+
+    def _initial(self, new_values: torch.Tensor) -> torch.Tensor:
+        """[n, 2 * dim]: new rows' packed payload: ``new_values`` [n, dim], then the initial
+        accumulators."""
+        return torch.cat(
+            [new_values, torch.full_like(new_values, self.initial_accumulator_value)], 1
+        )
+
+    def _fill_slots(
+        self,
+        slots: torch.Tensor,
+        back: torch.Tensor,
+        read: torch.Tensor,
+        new: torch.Tensor,
+        new_values: torch.Tensor,
+    ) -> None:
+        """Slots ``slots`` [P] (-1: none) take their payload: each one's old payload goes back
+        to host row ``back`` [P] (-1: none) first, then it takes ``new_values`` [P, dim] and
+        the initial accumulators (``new`` [P]) or host row ``read`` [P] (-1: none).
+
+        Only the slots given move, in place: on a mapped host tier (CUDA) one kernel reads
+        and writes them (:func:`shared.hashtable.cuda.host_rows.fill_slots`; a position
+        without a slot costs a load), elsewhere (the CPU) the same in torch ops on the slots
+        given, picked by a host read, which costs nothing there (no device to wait for; a
+        CUDA storage takes the static step only with a mapped tier:
+        :meth:`StaticCacheLines.why_not_static`). Until 2026-12-07 every position's packed
+        payload [P, 2 * dim] was swapped through the store, the new rows' taken in, and the
+        whole scattered into the slots, positions without a slot into the sink row: at the
+        H100's P = 1M at dim 128, 5.5 GiB of payload temporaries a step (about 12 GiB read
+        and written) and two 1M-row scatters onto one row, for the 2 to 12 % of positions that
+        needed a slot (bench_tiers' misses at 100 % and 10 %)."""
+        if self._fills_in_place:
+            from shared.hashtable.cuda import host_rows
+
+            assert isinstance(self.store, TensorHostStore)
+            host_rows.fill_slots(
+                self.store.device_pointer(), back, read, slots, new,
+                new_values.to(torch.float32).contiguous(), self.initial_accumulator_value,
+                self._values, self._accum,
+            )  # fmt: skip
+            self.store.used_by_device(self.values.device)
+            return
+        assert not slots.is_cuda, "a CUDA storage's static resolve needs a mapped host tier"
+        at = torch.nonzero(slots >= 0).squeeze(1)  # [k] positions with a slot (host read)
+        slot = slots[at]  # [k]
+        payload = self.store.swap(back[at], self._packed(slot), read[at])  # [k, 2 * dim]
+        payload = torch.where(new[at].unsqueeze(1), self._initial(new_values[at]), payload)
+        self._unpack(slot, payload)
 
     def _static_victims(
         self, need: torch.Tensor, tick: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """([P] bool: the row got a line; [P] that line, the lines' sink where none) for the
         rows ``need`` [P] marks, in fixed shapes: the i-th such row (a cumsum over the mask)
-        takes the i-th line of the clock window (:meth:`~CacheLines._clock_window`, width
+        takes the i-th line of the clock window (:meth:`~CacheLines._window`, width
         ``min(L, 2P)``) sorted by stamp, unless that line is call ``tick``'s own."""
         big, p = self.lines, need.numel()
         rank = torch.cumsum(need, 0) - 1  # [P] each one's victim
         width = min(big, 2 * p)
-        window, candidate = self._clock_window(width, tick)  # [width] each
-        ranked, by_age = torch.sort(candidate, stable=True)
+        window = self._window(width)  # [width]
+        # each line's age key: its stamp - tick (<= 0; 0: this call's, sorting last, as KEEP
+        # does in the eager window) in int32: the sort's radix passes halve (int64 keys).
+        # The order is the stamps' while fewer than 2**31 calls ran (an older stamp clamped
+        # ties with its neighbours: another victim, never another result)
+        age = (self.stamp[window] - tick).clamp_(min=-(2**31)).to(torch.int32)  # [width]
+        ranked, by_age = torch.sort(age, stable=True)
         n_victims = min(width, p)
         victims = window[by_age[:n_victims]]  # [n_victims] oldest first
         at = rank.clamp(0, n_victims - 1)
-        gets = need & (rank < n_victims) & (ranked[:n_victims][at] < KEEP)  # not this call's
+        gets = need & (rank < n_victims) & (ranked[:n_victims][at] < 0)  # not this call's
         taken = torch.where(gets, victims[at], big)  # [P] the sink: none
         return gets, taken
 

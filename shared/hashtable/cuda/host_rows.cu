@@ -63,6 +63,48 @@ __device__ void host_swap(V* host, const i64* __restrict__ write_rows, const V* 
   });
 }
 
+template <typename V>
+__device__ V splat(float x);
+template <>
+__device__ float splat<float>(float x) {
+  return x;
+}
+template <>
+__device__ float4 splat<float4>(float x) {
+  return make_float4(x, x, x, x);
+}
+
+// A cache's device slots take their payload in place (the static resolve's line fill): slot
+// slots[i] (< 0: nothing) of the lines values and accum ([*, dim] each: a host row's two halves,
+// dim / VEC pieces each) first writes the payload it holds back to host row back[i] (if >= 0),
+// then takes init[i] and the initial accumulator (fresh[i]: a new key's row) or host row
+// read[i] (if >= 0). Positions without a slot cost one load and return: no staging tensor of
+// every position's payload, no scatter of the unused ones to a sink. The slots are distinct
+// and the rows read are not among the rows written (as in host_swap). The piece a thread
+// writes back is the piece it then overwrites: the write-back reads the old payload.
+template <typename V, int VEC>
+__device__ void fill_slots(V* host, const i64* __restrict__ back, const i64* __restrict__ read,
+                           const i64* __restrict__ slots, const bool* __restrict__ fresh,
+                           const V* __restrict__ init, float initial, V* __restrict__ values,
+                           V* __restrict__ accum, i64 n, int dim) {
+  const i64 half = dim / VEC;
+  each_piece<VEC>(n, 2 * dim, [&](i64 t, i64 i, i64 j, i64 per_row) {
+    const i64 s = slots[i];
+    if (s < 0) return;
+    const bool first = j < half;
+    const i64 k = first ? j : j - half;
+    V* line = (first ? values : accum) + s * half + k;
+    const i64 w = back[i];
+    if (w >= 0) host[w * per_row + j] = *line;
+    if (fresh[i]) {
+      *line = first ? init[i * half + k] : splat<V>(initial);
+    } else {
+      const i64 r = read[i];
+      if (r >= 0) *line = host[r * per_row + j];
+    }
+  });
+}
+
 extern "C" __global__ void hr_gather4(const float4* host, const i64* rows, float4* out, i64 n,
                                       int width) {
   host_gather<float4, 4>(host, rows, out, n, width);
@@ -91,4 +133,17 @@ extern "C" __global__ void hr_swap4(float4* host, const i64* write_rows, const f
 extern "C" __global__ void hr_swap1(float* host, const i64* write_rows, const float* out,
                                     const i64* read_rows, float* in, i64 n, int width) {
   host_swap<float, 1>(host, write_rows, out, read_rows, in, n, width);
+}
+
+extern "C" __global__ void hr_fill4(float4* host, const i64* back, const i64* read,
+                                    const i64* slots, const bool* fresh, const float4* init,
+                                    float initial, float4* values, float4* accum, i64 n,
+                                    int dim) {
+  fill_slots<float4, 4>(host, back, read, slots, fresh, init, initial, values, accum, n, dim);
+}
+
+extern "C" __global__ void hr_fill1(float* host, const i64* back, const i64* read,
+                                    const i64* slots, const bool* fresh, const float* init,
+                                    float initial, float* values, float* accum, i64 n, int dim) {
+  fill_slots<float, 1>(host, back, read, slots, fresh, init, initial, values, accum, n, dim);
 }

@@ -31,6 +31,8 @@ SIGNATURES = {
     "hr_scatter1": "ppppqi",
     "hr_swap4": "pppppqi",
     "hr_swap1": "pppppqi",
+    "hr_fill4": "ppppppfppqi",
+    "hr_fill1": "ppppppfppqi",
 }
 MAX_GRID = 1 << 16  # blocks of a launch; the threads loop over the rest
 
@@ -98,6 +100,66 @@ def swap(
         return
     args = [rt.Address(host_pointer), write_rows, out, read_rows, into, rt.i64(n), rt.i32(width)]
     _launch("hr_swap", write_rows, width, args)
+
+
+def fill_slots(
+    host_pointer: int,
+    back: torch.Tensor,
+    read: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    init: torch.Tensor,
+    initial: float,
+    values: torch.Tensor,
+    accum: torch.Tensor,
+) -> None:
+    """A cache's device slots take their payload in place, in one launch: for each ``i`` with
+    ``slots[i]`` >= 0, ``host[back[i]] = (values | accum)[slots[i]]`` where ``back[i]`` >= 0 (the
+    slot's old payload written back), then ``values[slots[i]] = init[i]`` and ``accum[slots[i]]
+    = initial`` where ``fresh[i]``, else ``(values | accum)[slots[i]] = host[read[i]]`` where
+    ``read[i]`` >= 0. The host rows are ``[capacity, 2 * dim]`` (values, then accumulators).
+    Equal to :meth:`~shared.hashtable.host_store.HostStore.swap` of the slots' packed payload
+    followed by a scatter of the rows read (or ``init``) into the slots, without the staging
+    tensors of every position's payload, or the scatter of the positions without a slot to a
+    sink row (the static resolve's fixed shapes have ``P`` positions, most of them without a
+    slot). ``back``, ``read`` and ``slots`` [n] int64 (distinct slots >= 0; rows read not among
+    rows written), ``fresh`` [n] bool, ``init`` [n, dim], ``values`` and ``accum`` [*, dim]
+    float32, contiguous on one CUDA device."""
+    n, dim = init.shape
+    for rows in (back, read, slots):
+        _check(rows, init, "init")
+    ok = (
+        fresh.dtype == torch.bool
+        and fresh.shape == slots.shape
+        and all(
+            t.device == slots.device and t.is_contiguous() and t.dtype == torch.float32
+            for t in (values, accum)
+        )
+        and values.dim() == accum.dim() == 2
+        and values.shape[1] == accum.shape[1] == dim
+        and fresh.device == slots.device
+    )
+    if not ok:
+        raise ValueError(
+            f"host_rows.fill_slots: fresh must be bool [{n}] and values, accum contiguous float32 "
+            f"[*, {dim}] on {slots.device}, got fresh {fresh.dtype} {list(fresh.shape)}, values "
+            f"{values.dtype} {list(values.shape)}, accum {accum.dtype} {list(accum.shape)}"
+        )
+    if n == 0 or dim == 0:
+        return
+    vec = 4 if dim % 4 == 0 else 1  # each half of a host row float4-aligned
+    name = f"hr_fill{vec}"
+    args = [rt.Address(host_pointer), back, read, slots, fresh.contiguous(), init,
+            rt.f32(initial), values, accum, rt.i64(n), rt.i32(dim)]  # fmt: skip
+    rt.launch(
+        name,
+        SIGNATURES[name],
+        min(rt.blocks(n * (2 * dim // vec)), MAX_GRID),
+        rt.BLOCK,
+        args,
+        device=slots.device,
+        source=SOURCE,
+    )
 
 
 def _check(rows: torch.Tensor, matrix: torch.Tensor, what: str) -> None:

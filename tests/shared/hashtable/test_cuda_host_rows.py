@@ -157,3 +157,60 @@ def test_a_mapped_store_moves_device_rows_on_the_device(width: int) -> None:
     assert mapped.capacity == 4000 and mapped.device_pointer() != before
     assert torch.equal(mapped.rows, plain.rows)
     assert torch.equal(mapped.read(new.to(dev)).cpu(), plain.read(new))
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("dim", [16, 3, 128])  # float4 halves, scalar halves, wide rows
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_fill_slots_writes_back_then_fills_the_slots_in_place(dim: int, graph: bool) -> None:
+    """A cache's slots take their payload in one kernel (the static resolve's fill): the old
+    payload written back where asked, then a host row or a new row (with the initial
+    accumulator) in place; positions without a slot touch nothing. Equal to index_copy_ /
+    index_select on CPU tensors."""
+    n, lines, initial = 400, 350, 0.25  # 2n distinct host rows of 1000
+    mapped, host = _store(2 * dim)
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(lines + 1, dim, generator=gen)  # the lines and a sink
+    accum = torch.rand(lines + 1, dim, generator=gen)
+    init = torch.randn(n, dim, generator=gen)
+    slots = torch.full((n,), -1, dtype=torch.int64)
+    at = torch.randperm(n, generator=gen)[:300]  # positions with a slot
+    slots[at] = torch.randperm(lines, generator=gen)[:300]
+    perm = torch.randperm(host.shape[0], generator=gen)
+    back = torch.where(torch.rand(n, generator=gen) < 0.5, perm[:n], -1)  # dirty lines
+    read = torch.where(torch.rand(n, generator=gen) < 0.7, perm[n : 2 * n], -1)
+    fresh = torch.rand(n, generator=gen) < 0.3
+    want_host, want_v, want_a = host.clone(), values.clone(), accum.clone()
+    sel = slots >= 0
+    wb = sel & (back >= 0)
+    want_host[back[wb]] = torch.cat([values[slots[wb]], accum[slots[wb]]], 1)
+    rd = sel & ~fresh & (read >= 0)
+    want_v[slots[rd]], want_a[slots[rd]] = host[read[rd], :dim], host[read[rd], dim:]
+    fr = sel & fresh
+    want_v[slots[fr]], want_a[slots[fr]] = init[fr], initial
+    dev = torch.device("cuda")
+    v, a = values.to(dev), accum.to(dev)
+    args = (back.to(dev), read.to(dev), slots.to(dev), fresh.to(dev), init.to(dev))
+
+    def run() -> None:
+        host_rows.fill_slots(mapped.device_pointer(), *args, initial, v, a)
+
+    if graph:
+        rt.compile_modules(dev, [host_rows.SOURCE])  # outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        g.replay()
+    else:
+        run()
+    torch.cuda.synchronize()
+    assert torch.equal(v.cpu(), want_v) and torch.equal(a.cpu(), want_a)
+    assert torch.equal(mapped.rows, want_host)
+
+
+def test_fill_slots_refuses_tensors_off_the_layout() -> None:
+    rows = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"contiguous int64 \[n\] on a CUDA device"):
+        host_rows.fill_slots(0, rows, rows, rows, rows > 0, torch.zeros(2, 4), 0.1,
+                             torch.zeros(3, 4), torch.zeros(3, 4))  # fmt: skip
