@@ -72,8 +72,11 @@ def profile_steps(
         "profiled_wall_ms_per_step": round(wall_ms, 3),
         "ops_per_step": sum(e.name.startswith("aten::") for e in ops) / steps,
         "host_self_ms_per_step": round(sum(e.self_cpu_time_total for e in ops) / steps / 1e3, 3),
-        "allocated_bytes_per_step": sum(max(0, e.cpu_memory_usage) for e in ops) // steps
-        + sum(max(0, e.device_memory_usage) for e in ops) // steps,
+        # each operator's own allocations (an op's total counts its children's again)
+        "allocated_bytes_per_step": sum(
+            max(0, e.self_cpu_memory_usage) + max(0, e.self_device_memory_usage) for e in ops
+        )
+        // steps,
     }
     averages = prof.key_averages()
     text = [f"== {steps} steps on {device}: {figures}", "== operators by self CPU time"]
