@@ -11,6 +11,9 @@
 # STEPS the steps (100 untimed first: on 2026-12-06 20 left the caches filling, 0.59 hit rate at
 # 10 % and 0.63 at 50 % with 105K-118K misses a step: a cold start, not the steady state).
 # STATIC=1: every variant takes the static sparse step, captured in CUDA graphs (--static).
+# PROFILE=N: after the timed runs, each variant rebuilt, warmed and profiled over N steps
+# (--profile: kernels and device ms a step in the JSON, the top kernels in
+# bench_tiers_gpu.<dim>_<variant>.profile.txt; a build and WARMUP steps more per variant).
 set -x
 . bench/device_env.sh
 # TIER_TESTS=0 skips the tier tests (when another call of the session ran every GPU test)
@@ -25,5 +28,5 @@ if [ "${TIER_TESTS:-1}" != 0 ]; then
 fi
 timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims ${DIMS:-16 128} --rows "${ROWS:-100000000}" \
   --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup "${WARMUP:-100}" --steps "${STEPS:-30}" --rounds 1 \
-  ${STATIC:+--static} --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
+  ${STATIC:+--static} ${PROFILE:+--profile "$PROFILE"} --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
 echo "bench_tiers rc=$?"; tail -12 "$OUT/bench_tiers.log"
