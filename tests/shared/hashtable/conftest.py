@@ -62,15 +62,23 @@ def dyn_table(
     return TableSpec(name, dim, None, dyn, "sum")
 
 
-def run_on_cuda(run: Callable[[], None], *, graph: bool, out: torch.Tensor) -> None:
+def run_on_cuda(
+    run: Callable[[], None],
+    *,
+    graph: bool,
+    out: torch.Tensor | None,
+    warm: Callable[[], None] | None = None,
+) -> None:
     """``run()`` eagerly, or captured in a CUDA graph and replayed (run once eagerly first, so
-    that NVRTC compiles outside the capture; ``out`` filled with NaN before the capture, so the
-    replay must write it); synchronized after."""
+    that NVRTC compiles outside the capture, or ``warm()`` instead where a run changes what the
+    replay reads; ``out``, if given, filled with NaN before the capture, so the replay must
+    write it); synchronized after."""
     if graph:
-        run()
+        (warm or run)()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        out.fill_(float("nan"))
+        if out is not None:
+            out.fill_(float("nan"))
         with torch.cuda.graph(g):
             run()
         g.replay()

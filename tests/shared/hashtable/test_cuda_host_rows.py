@@ -196,15 +196,10 @@ def test_fill_slots_writes_back_then_fills_the_slots_in_place(dim: int, graph: b
     def run() -> None:
         host_rows.fill_slots(mapped.device_pointer(), *args, initial, v, a)
 
-    if graph:
-        rt.compile_modules(dev, [host_rows.SOURCE])  # outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        g.replay()
-    else:
-        run()
-    torch.cuda.synchronize()
+    # a run writes the slots and the host rows: the graph's warm-up only compiles
+    run_on_cuda(
+        run, graph=graph, out=None, warm=lambda: rt.compile_modules(dev, [host_rows.SOURCE])
+    )
     assert torch.equal(v.cpu(), want_v) and torch.equal(a.cpu(), want_a)
     assert torch.equal(mapped.rows, want_host)
 
