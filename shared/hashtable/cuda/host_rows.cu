@@ -78,10 +78,11 @@ __device__ float4 splat<float4>(float x) {
 // slots[i] (< 0: nothing) of the lines values and accum ([*, dim] each: a host row's two halves,
 // dim / VEC pieces each) first writes the payload it holds back to host row back[i] (if >= 0),
 // then takes init[i] and the initial accumulator (fresh[i]: a new key's row) or host row
-// read[i] (if >= 0). Positions without a slot cost one load and return: no staging tensor of
-// every position's payload, no scatter of the unused ones to a sink. The slots are distinct
-// and the rows read are not among the rows written (as in host_swap). The piece a thread
-// writes back is the piece it then overwrites: the write-back reads the old payload.
+// read[i] (if >= 0). fresh (with init) and read may be null: the slots only written back.
+// Positions without a slot cost one load and return: no staging tensor of every position's
+// payload, no scatter of the unused ones to a sink. The slots are distinct and the rows read
+// are not among the rows written (as in host_swap). The piece a thread writes back is the
+// piece it then overwrites: the write-back reads the old payload.
 template <typename V, int VEC>
 __device__ void fill_slots(V* host, const i64* __restrict__ back, const i64* __restrict__ read,
                            const i64* __restrict__ slots, const bool* __restrict__ fresh,
@@ -96,9 +97,9 @@ __device__ void fill_slots(V* host, const i64* __restrict__ back, const i64* __r
     V* line = (first ? values : accum) + s * half + k;
     const i64 w = back[i];
     if (w >= 0) host[w * per_row + j] = *line;
-    if (fresh[i]) {
+    if (fresh != nullptr && fresh[i]) {
       *line = first ? init[i * half + k] : splat<V>(initial);
-    } else {
+    } else if (read != nullptr) {
       const i64 r = read[i];
       if (r >= 0) *line = host[r * per_row + j];
     }

@@ -105,10 +105,10 @@ def swap(
 def fill_slots(
     host_pointer: int,
     back: torch.Tensor,
-    read: torch.Tensor,
+    read: torch.Tensor | None,
     slots: torch.Tensor,
-    fresh: torch.Tensor,
-    init: torch.Tensor,
+    fresh: torch.Tensor | None,
+    init: torch.Tensor | None,
     initial: float,
     values: torch.Tensor,
     accum: torch.Tensor,
@@ -117,40 +117,52 @@ def fill_slots(
     ``slots[i]`` >= 0, ``host[back[i]] = (values | accum)[slots[i]]`` where ``back[i]`` >= 0 (the
     slot's old payload written back), then ``values[slots[i]] = init[i]`` and ``accum[slots[i]]
     = initial`` where ``fresh[i]``, else ``(values | accum)[slots[i]] = host[read[i]]`` where
-    ``read[i]`` >= 0. The host rows are ``[capacity, 2 * dim]`` (values, then accumulators).
+    ``read[i]`` >= 0. ``read`` None reads nothing, ``fresh`` None (and ``init``) makes nothing
+    new: with both None the slots are only written back. The host rows are ``[capacity, 2 *
+    dim]`` (values, then accumulators).
+
     Equal to :meth:`~shared.hashtable.host_store.HostStore.swap` of the slots' packed payload
     followed by a scatter of the rows read (or ``init``) into the slots, without the staging
-    tensors of every position's payload, or the scatter of the positions without a slot to a
+    tensors of every position's payload or the scatter of the positions without a slot to a
     sink row (the static resolve's fixed shapes have ``P`` positions, most of them without a
     slot). ``back``, ``read`` and ``slots`` [n] int64 (distinct slots >= 0; rows read not among
     rows written), ``fresh`` [n] bool, ``init`` [n, dim], ``values`` and ``accum`` [*, dim]
     float32, contiguous on one CUDA device."""
-    n, dim = init.shape
-    for rows in (back, read, slots):
-        _check(rows, init, "init")
+    n, dim = slots.numel(), values.shape[-1]
+    if (fresh is None) != (init is None):
+        raise ValueError("host_rows.fill_slots: pass fresh and init together (or neither)")
+    for rows in (back, slots) if read is None else (back, read, slots):
+        if init is not None:
+            _check(rows, init, "init")
+        elif not (_ids(rows) and rows.shape == slots.shape and rows.device == slots.device):
+            raise ValueError(
+                f"host_rows.fill_slots: row ids must be contiguous int64 [{n}] on a CUDA "
+                f"device, got {rows.dtype} {list(rows.shape)} on {rows.device}"
+            )
     ok = (
-        fresh.dtype == torch.bool
-        and fresh.shape == slots.shape
+        (fresh is None or (fresh.dtype == torch.bool and fresh.shape == slots.shape))
         and all(
             t.device == slots.device and t.is_contiguous() and t.dtype == torch.float32
             for t in (values, accum)
         )
         and values.dim() == accum.dim() == 2
         and values.shape[1] == accum.shape[1] == dim
-        and fresh.device == slots.device
+        and (fresh is None or fresh.device == slots.device)
     )
     if not ok:
         raise ValueError(
             f"host_rows.fill_slots: fresh must be bool [{n}] and values, accum contiguous float32 "
-            f"[*, {dim}] on {slots.device}, got fresh {fresh.dtype} {list(fresh.shape)}, values "
-            f"{values.dtype} {list(values.shape)}, accum {accum.dtype} {list(accum.shape)}"
+            f"[*, {dim}] on {slots.device}, got fresh {None if fresh is None else fresh.dtype} "
+            f"{None if fresh is None else list(fresh.shape)}, values {values.dtype} "
+            f"{list(values.shape)}, accum {accum.dtype} {list(accum.shape)}"
         )
     if n == 0 or dim == 0:
         return
     vec = 4 if dim % 4 == 0 else 1  # each half of a host row float4-aligned
     name = f"hr_fill{vec}"
-    args = [rt.Address(host_pointer), back, read, slots, fresh.contiguous(), init,
-            rt.f32(initial), values, accum, rt.i64(n), rt.i32(dim)]  # fmt: skip
+    args = [rt.Address(host_pointer), back, read, slots,
+            None if fresh is None else fresh.contiguous(), init, rt.f32(initial), values,
+            accum, rt.i64(n), rt.i32(dim)]  # fmt: skip
     rt.launch(
         name,
         SIGNATURES[name],
@@ -166,10 +178,7 @@ def _check(rows: torch.Tensor, matrix: torch.Tensor, what: str) -> None:
     """The launch's layout: int64 rows [n] and a float32 [n, width] matrix, contiguous on one
     CUDA device (checked on the host: no sync)."""
     ok = (
-        rows.is_cuda
-        and rows.dtype == torch.int64
-        and rows.dim() == 1
-        and rows.is_contiguous()
+        _ids(rows)
         and matrix.dtype == torch.float32
         and matrix.dim() == 2
         and matrix.is_contiguous()
@@ -183,6 +192,11 @@ def _check(rows: torch.Tensor, matrix: torch.Tensor, what: str) -> None:
             f"{list(rows.shape)} on {rows.device}, {what} {matrix.dtype} {list(matrix.shape)} "
             f"on {matrix.device}"
         )
+
+
+def _ids(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` are row ids a launch takes: contiguous int64 [n] on a CUDA device."""
+    return rows.is_cuda and rows.dtype == torch.int64 and rows.dim() == 1 and rows.is_contiguous()
 
 
 def _launch(family: str, rows: torch.Tensor, width: int, args: list[object]) -> None:

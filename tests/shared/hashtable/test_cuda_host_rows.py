@@ -163,11 +163,15 @@ def test_a_mapped_store_moves_device_rows_on_the_device(width: int) -> None:
 @NEEDS_CUDA_KERNELS
 @pytest.mark.parametrize("dim", [16, 3, 128])  # float4 halves, scalar halves, wide rows
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_fill_slots_writes_back_then_fills_the_slots_in_place(dim: int, graph: bool) -> None:
+@pytest.mark.parametrize("write_only", [False, True], ids=["fill", "write_only"])
+def test_fill_slots_writes_back_then_fills_the_slots_in_place(
+    dim: int, graph: bool, write_only: bool
+) -> None:
     """A cache's slots take their payload in one kernel (the static resolve's fill): the old
     payload written back where asked, then a host row or a new row (with the initial
-    accumulator) in place; positions without a slot touch nothing. Equal to index_copy_ /
-    index_select on CPU tensors."""
+    accumulator) in place; positions without a slot touch nothing; with no rows to read and
+    no new rows, the slots are only written back (a bypassed row's staging slot). Equal to
+    index_copy_ / index_select on CPU tensors."""
     n, lines, initial = 400, 350, 0.25  # 2n distinct host rows of 1000
     mapped, host = _store(2 * dim)
     gen = torch.Generator().manual_seed(5)
@@ -185,16 +189,19 @@ def test_fill_slots_writes_back_then_fills_the_slots_in_place(dim: int, graph: b
     sel = slots >= 0
     wb = sel & (back >= 0)
     want_host[back[wb]] = torch.cat([values[slots[wb]], accum[slots[wb]]], 1)
-    rd = sel & ~fresh & (read >= 0)
-    want_v[slots[rd]], want_a[slots[rd]] = host[read[rd], :dim], host[read[rd], dim:]
-    fr = sel & fresh
-    want_v[slots[fr]], want_a[slots[fr]] = init[fr], initial
+    if not write_only:
+        rd = sel & ~fresh & (read >= 0)
+        want_v[slots[rd]], want_a[slots[rd]] = host[read[rd], :dim], host[read[rd], dim:]
+        fr = sel & fresh
+        want_v[slots[fr]], want_a[slots[fr]] = init[fr], initial
     dev = torch.device("cuda")
     v, a = values.to(dev), accum.to(dev)
-    args = (back.to(dev), read.to(dev), slots.to(dev), fresh.to(dev), init.to(dev))
+    b, r, s, f, i = (t.to(dev) for t in (back, read, slots, fresh, init))
+    if write_only:
+        r = f = i = None
 
     def run() -> None:
-        host_rows.fill_slots(mapped.device_pointer(), *args, initial, v, a)
+        host_rows.fill_slots(mapped.device_pointer(), b, r, s, f, i, initial, v, a)
 
     # a run writes the slots and the host rows: the graph's warm-up only compiles
     run_on_cuda(
@@ -206,6 +213,10 @@ def test_fill_slots_writes_back_then_fills_the_slots_in_place(dim: int, graph: b
 
 def test_fill_slots_refuses_tensors_off_the_layout() -> None:
     rows = torch.zeros(2, dtype=torch.int64)
+    v = torch.zeros(3, 4)
     with pytest.raises(ValueError, match=r"contiguous int64 \[n\] on a CUDA device"):
-        host_rows.fill_slots(0, rows, rows, rows, rows > 0, torch.zeros(2, 4), 0.1,
-                             torch.zeros(3, 4), torch.zeros(3, 4))  # fmt: skip
+        host_rows.fill_slots(0, rows, rows, rows, rows > 0, torch.zeros(2, 4), 0.1, v, v)
+    with pytest.raises(ValueError, match=r"row ids must be contiguous int64 \[2\] on a CUDA"):
+        host_rows.fill_slots(0, rows, None, rows, None, None, 0.1, v, v)
+    with pytest.raises(ValueError, match="pass fresh and init together"):
+        host_rows.fill_slots(0, rows, None, rows, rows > 0, None, 0.1, v, v)
