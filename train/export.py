@@ -39,7 +39,7 @@ from train.checkpoint import (
 )
 from train.data.loader import Loader
 from train.dense_ema import use_dense_ema
-from train.model.dense_arch import example_inputs, export_dense_arch
+from train.export_cache import ExportCache
 from train.model.multi_tower_din import MultiTowerDIN
 
 if TYPE_CHECKING:  # imported where used: see evaluate_checkpoint
@@ -55,10 +55,13 @@ def restore_model(
     checkpoint: Path | None = None,
     device: str = "cpu",
     for_eval: bool = False,
+    dynamic_tables: bool = True,
 ) -> tuple[MultiTowerDIN, Progress, Path]:
     """The model of ``config_path`` with the weights of ``checkpoint`` (default: the newest):
     the dense EMA's averages where the config's ``export_config`` (``eval_config`` with
-    ``for_eval``) uses them (:func:`train.dense_ema.use_dense_ema`)."""
+    ``for_eval``) uses them (:func:`train.dense_ema.use_dense_ema`). ``dynamic_tables=False``:
+    the dynamic tables stay empty (exports read their rows from the checkpoint's files,
+    :func:`train.checkpoint.saved_parts`; :func:`train.checkpoint.load_checkpoint`)."""
     config = load_config(config_path)
     which = config.eval_config if for_eval else config.export_config  # unset: the default
     ema_weights = use_dense_ema(which, config.train_config)
@@ -70,7 +73,7 @@ def restore_model(
             f"no complete checkpoint under {model_dir}/checkpoints; train first or pass --checkpoint"
         )
     model = MultiTowerDIN.from_config(config, fs, device=device)
-    progress = load_checkpoint(ckpt, model, ema_weights=ema_weights)
+    progress = load_checkpoint(ckpt, model, ema_weights=ema_weights, dynamic_tables=dynamic_tables)
     model.eval()
     return model, progress, ckpt
 
@@ -84,14 +87,18 @@ def export_bundle(
     version: str | None = None,
     overwrite: bool = False,
     naming: BundleNaming = TZREC_NAMING,
+    cache: ExportCache | None = None,
 ) -> Path:
     """Write the serving bundle of a checkpoint to ``out_dir`` (atomically), its files and
-    tensors named by ``naming`` (:mod:`shared.bundle.naming`)."""
+    tensors named by ``naming`` (:mod:`shared.bundle.naming`). ``cache``: the traced dense
+    program of an earlier export of this process (:mod:`train.export_cache`); None: traced."""
     config = load_config(config_path)
     check_destination(out_dir, overwrite=overwrite)  # before the minutes of restore and export
+    # the dynamic tables' rows come from the checkpoint's files (saved_parts), not the model
     model, progress, ckpt = restore_model(
-        config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu"
-    )
+        config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu",
+        dynamic_tables=False,
+    )  # fmt: skip
     fs = model.fs
     dense_tables = {
         name: w.detach().cpu().contiguous()
@@ -100,7 +107,7 @@ def export_bundle(
     hash_tables = with_scores(ckpt, fs, saved_parts(ckpt, fs))  # a part per saving rank
     # format 1 servers predate the pair inputs: their program sizes the pairs itself
     pairs = naming.format_version != DYNREC_NAMING.format_version
-    program = export_dense_arch(model.dense, example_inputs(model.dense, pairs=pairs))
+    program = (cache or ExportCache()).dense_program(model.dense, pairs=pairs)
     with tempfile.TemporaryDirectory() as tmp:
         program_path = Path(tmp) / "dense.pt2"
         torch.export.save(program, program_path)

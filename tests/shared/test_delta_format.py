@@ -12,6 +12,7 @@ import torch
 from serve.freshness import event_time, model_age
 from shared.delta import DeltaError, TableDelta, diff_tables, write_delta
 from shared.delta_reader import read_delta
+from shared.dense_inputs import Signature
 
 BASE = {"version": "step-1", "config_digest": "c" * 64, "files": {}}
 
@@ -83,3 +84,23 @@ def test_a_table_empty_in_the_base_diffs_to_all_new_keys() -> None:
     delta = diff_tables({}, {"t": empty}, {}, {"t": new})["t"]
     assert delta.upsert_keys.tolist() == [7, 3] and delta.new == 2
     assert delta.evict_keys.numel() == 0
+
+
+def test_evicted_keys_are_the_base_keys_the_new_table_lacks() -> None:
+    """Unsorted keys on both sides, and a new table that lost every key."""
+    g = torch.Generator().manual_seed(0)
+    base_keys = torch.randperm(1000, generator=g)[:300] * 7
+    new_keys = torch.cat([base_keys[torch.randperm(300, generator=g)[:200]], torch.tensor([5])])
+    base = (base_keys, torch.zeros(300, 2))
+    new = (new_keys, torch.ones(201, 2))
+    delta = diff_tables({}, {"t": base}, {}, {"t": new})["t"]
+    want = sorted(set(base_keys.tolist()) - set(new_keys.tolist()))
+    assert delta.evict_keys.tolist() == want and len(want) == 100
+    empty = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2))
+    gone = diff_tables({}, {"t": base}, {}, {"t": empty})["t"]
+    assert gone.evict_keys.tolist() == sorted(base_keys.tolist())
+
+
+def test_program_inputs_without_a_program_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(DeltaError, match="program_inputs without dense_program_path"):
+        _delta(tmp_path / "d", program_inputs=Signature.PAIRS)

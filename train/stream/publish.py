@@ -44,6 +44,7 @@ from typing import Any
 
 from train.data.loader import die_with_parent
 from train.export import export_bundle
+from train.export_cache import ExportCache
 from train.tools.delta import export_delta
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,10 @@ def _warm() -> None:
     """Nothing: the import of this module (torch, the exporters) in the spawned process."""
 
 
+# the export process's: the base bundle and the traced dense program, kept between publishes
+_CACHE = ExportCache()
+
+
 def export(
     config_path: str, full: bool, full_root: str, delta_root: str, base: int, checkpoint: str,
     step: int,
@@ -187,7 +192,10 @@ def export(
     version = f"step-{step}"
     if full:
         out = export_bundle(
-            Path(config_path), out_dir=Path(full_root) / version, checkpoint=Path(checkpoint)
+            Path(config_path),
+            out_dir=Path(full_root) / version,
+            checkpoint=Path(checkpoint),
+            cache=_CACHE,
         )
         record: dict[str, Any] = {"what": "full", "version": version, "path": str(out)}
     else:
@@ -198,6 +206,7 @@ def export(
             out=Path(delta_root) / name / version,
             checkpoint=Path(checkpoint),
             delta_id=version,
+            cache=_CACHE,
         )
         record = {
             "what": "delta",
