@@ -23,11 +23,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from shared.bundle import DYNREC_NAMING, TZREC_NAMING, BundleNaming, write_bundle
 from shared.bundle.writer import HashPart, check_destination
 from shared.config import config_digest, load_config
+from shared.dense_inputs import program_input_names, signature_of
 from shared.features import FeatureSet, build_feature_set
 from shared.hashtable.checkpoint import collection_paths, read_table
 from shared.hashtable.summary import checkpoint_summaries
@@ -128,7 +130,15 @@ def export_bundle(
             },
             overwrite=overwrite,
             naming=naming.for_tables(collection_paths(fs)),  # tzrec: the checkpoint's dirs
+            program_inputs=signature_of(program_input_names(program)),  # what a load tells
         )
+
+
+def key_order(keys: torch.Tensor) -> torch.Tensor:
+    """The permutation that sorts ``keys`` (int64 [N], distinct), as ``torch.argsort``.
+    numpy's stable sort (timsort) takes a few ms for a checkpoint's keys, which every rank saves
+    sorted, where torch.argsort of 280K keys took 0.1-0.9 s on a busy 2-core CPU."""
+    return torch.from_numpy(np.argsort(keys.numpy(), kind="stable"))
 
 
 def with_scores(
@@ -143,7 +153,7 @@ def with_scores(
     for t in fs.dynamic_tables:
         state, _ = read_table(ckpt, t.name, spec=t)
         keys = torch.cat([k for k, _ in parts[t.name]])
-        order = torch.argsort(state.keys)
+        order = key_order(state.keys)
         sorted_keys = state.keys[order]
         pos = torch.searchsorted(sorted_keys, keys).clamp(max=max(sorted_keys.numel() - 1, 0))
         if keys.numel() and not bool((sorted_keys[pos] == keys).all()):

@@ -9,6 +9,11 @@ from pathlib import Path
 import torch
 
 from serve.program_cache import program_digest
+from shared.bundle import TZREC_NAMING
+from shared.bundle.naming import format_version
+from shared.bundle.reader import read_manifest
+from shared.bundle.writer import program_signature
+from shared.delta import delta_format_version
 from tests.conftest import SEED_CONFIG
 from train.export import export_bundle, restore_model
 from train.export_cache import ExportCache
@@ -40,6 +45,11 @@ def test_cached_exports_write_the_bytes_of_cold_ones(dyn_run, tmp_path: Path) ->
     assert _files(full) == _files(dyn_run.base_bundle)  # the fixture's, exported cold
     cold = _files(tmp_path / "cold")
     assert "dense.pt2" in cold  # 4 steps moved the dense weights: the delta has a program
+    # the formats told from the programs in memory are those a load of the files tells
+    signature = program_signature(full / "dense.pt2")
+    assert read_manifest(full)["format_version"] == format_version(TZREC_NAMING, signature)
+    delta_manifest = json.loads(cold["manifest.json"])
+    assert delta_manifest["format_version"] == delta_format_version(tmp_path / "cold" / "dense.pt2")
     assert _files(tmp_path / "warm-1") == cold
     assert _files(tmp_path / "warm-2") == cold
     # the reused program holds step 8's weights, not those of step 4 it was traced with
