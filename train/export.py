@@ -109,11 +109,12 @@ def export_bundle(
     hash_tables = with_scores(ckpt, fs, saved_parts(ckpt, fs))  # a part per saving rank
     # format 1 servers predate the pair inputs: their program sizes the pairs itself
     pairs = naming.format_version != DYNREC_NAMING.format_version
-    program = (cache or ExportCache()).dense_program(model.dense, pairs=pairs)
+    cache = cache or ExportCache()
+    program = cache.dense_program(model.dense, pairs=pairs)
     with tempfile.TemporaryDirectory() as tmp:
         program_path = Path(tmp) / "dense.pt2"
         torch.export.save(program, program_path)
-        return write_bundle(
+        path = write_bundle(
             out_dir,
             dense_tables=dense_tables,
             hash_tables=hash_tables,
@@ -132,6 +133,8 @@ def export_bundle(
             naming=naming.for_tables(collection_paths(fs)),  # tzrec: the checkpoint's dirs
             program_inputs=signature_of(program_input_names(program)),  # what a load tells
         )
+    cache.wrote_bundle(path, program)  # the deltas against it compare with these weights
+    return path
 
 
 def key_order(keys: torch.Tensor) -> torch.Tensor:

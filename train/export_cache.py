@@ -16,8 +16,9 @@ a graph and a base that had not changed. This cache keeps both:
   place, ``serve.program_cache``), the new weight payloads. Anything else (another
   architecture, other inputs, a renamed or reshaped weight) traces again.
 - **the base bundle**, per base: :func:`~shared.bundle.read_bundle` (checksums of every file)
-  and its program's weights (one ``torch.export.load``), keyed by the base's path and its
-  manifest's digest, so a base replaced at the same path is read again.
+  and its program's weights (one ``torch.export.load``, none when this process wrote the
+  bundle), keyed by the base's path and its manifest's digest, so a base replaced at the same
+  path is read again.
 
 A cache is not shared between processes; one-off exports (``python -m train export``,
 ``python -m train.tools delta-export``) use a fresh one, which traces. Example::
@@ -88,6 +89,12 @@ def _refill(program: ExportedProgram, dense: DenseArch) -> bool:
     return True
 
 
+def _weights(program: ExportedProgram) -> dict[str, torch.Tensor]:
+    """The tensors of ``program``'s state_dict and constants, by name."""
+    held = {**program.state_dict, **program.constants}
+    return {n: w for n, w in held.items() if isinstance(w, torch.Tensor)}
+
+
 class ExportCache:
     """The dense program of the last graph exported and the last base bundle read (module doc).
     Not thread-safe: one export at a time (the stream's export process runs one)."""
@@ -99,6 +106,7 @@ class ExportCache:
         self.traced = 0  # programs traced by torch.export
         self.reused = 0  # programs served from the cache with new weights
         self.bases_read = 0  # base bundles read (with their checksums)
+        self.base_programs_loaded = 0  # base dense.pt2 loaded to compare weights
 
     def dense_program(self, dense: DenseArch, *, pairs: bool) -> ExportedProgram:
         """The ``torch.export`` program of ``dense`` (:func:`export_dense_arch` of
@@ -139,11 +147,17 @@ class ExportCache:
 
     def base_program_weights(self, bundle: Bundle) -> dict[str, torch.Tensor]:
         """The weights (state_dict and tensor constants) of ``bundle``'s dense program, loaded
-        once per base."""
+        once per base, or not at all when this process wrote the bundle
+        (:meth:`wrote_bundle`)."""
         key = self._base_key(bundle.path)
         if self._base_weights is None or self._base_weights[0] != key:
-            program = torch.export.load(bundle.dense_program_path)
-            weights = {**program.state_dict, **program.constants}
-            tensors = {n: w for n, w in weights.items() if isinstance(w, torch.Tensor)}
-            self._base_weights = (key, tensors)
+            self._base_weights = (key, _weights(torch.export.load(bundle.dense_program_path)))
+            self.base_programs_loaded += 1
         return self._base_weights[1]
+
+    def wrote_bundle(self, path: Path, program: ExportedProgram) -> None:
+        """``program`` was saved as the ``dense.pt2`` of the bundle at ``path``: keep copies of
+        its weights for the deltas against it (the next :meth:`dense_program` call may
+        overwrite the program's own)."""
+        copies = {n: w.detach().clone() for n, w in _weights(program).items()}
+        self._base_weights = (self._base_key(path), copies)

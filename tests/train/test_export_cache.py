@@ -37,11 +37,21 @@ def test_cached_exports_write_the_bytes_of_cold_ones(dyn_run, tmp_path: Path) ->
     full = export_bundle(
         SEED_CONFIG, out_dir=tmp_path / "full", checkpoint=dyn_run.base_checkpoint, cache=cache
     )
+    # against the bundle this cache wrote: its program's weights are known, no load
+    export_delta(SEED_CONFIG, base=full, checkpoint=dyn_run.checkpoint, out=tmp_path / "on-full",
+                 cache=cache)  # fmt: skip
+    assert (cache.traced, cache.reused, cache.bases_read, cache.base_programs_loaded) == (
+        1,
+        1,
+        1,
+        0,
+    )
     kw = {"base": dyn_run.base_bundle, "checkpoint": dyn_run.checkpoint}
     export_delta(SEED_CONFIG, out=tmp_path / "warm-1", cache=cache, **kw)
     export_delta(SEED_CONFIG, out=tmp_path / "warm-2", cache=cache, **kw)
     export_delta(SEED_CONFIG, out=tmp_path / "cold", **kw)
-    assert (cache.traced, cache.reused, cache.bases_read) == (1, 2, 1)
+    assert (cache.traced, cache.reused, cache.bases_read) == (1, 3, 2)
+    assert cache.base_programs_loaded == 1  # the fixture's base program, once
     assert _files(full) == _files(dyn_run.base_bundle)  # the fixture's, exported cold
     cold = _files(tmp_path / "cold")
     assert "dense.pt2" in cold  # 4 steps moved the dense weights: the delta has a program
@@ -52,6 +62,9 @@ def test_cached_exports_write_the_bytes_of_cold_ones(dyn_run, tmp_path: Path) ->
     assert delta_manifest["format_version"] == delta_format_version(tmp_path / "cold" / "dense.pt2")
     assert _files(tmp_path / "warm-1") == cold
     assert _files(tmp_path / "warm-2") == cold
+    on_full = _files(tmp_path / "on-full")
+    assert on_full["delta.safetensors"] == cold["delta.safetensors"]
+    assert on_full["dense.pt2"] == cold["dense.pt2"]
     # the reused program holds step 8's weights, not those of step 4 it was traced with
     program = torch.export.load(tmp_path / "warm-2" / "dense.pt2")
     model, _, _ = restore_model(SEED_CONFIG, checkpoint=dyn_run.checkpoint, dynamic_tables=False)
