@@ -23,6 +23,7 @@ if [ "${TIER_TESTS:-1}" != 0 ]; then
     tests/shared/hashtable/test_host_store.py \
     tests/shared/hashtable/test_static_step.py \
     tests/shared/hashtable/test_cuda_host_rows.py tests/shared/hashtable/test_cuda_tier_gather.py \
+    tests/shared/hashtable/test_layout.py tests/shared/test_cuda_capture.py \
     > "$OUT/tier_tests.log" 2>&1
   echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
 fi
