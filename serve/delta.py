@@ -66,6 +66,7 @@ import dataclasses
 import logging
 import os
 import time
+import zipfile
 from dataclasses import dataclass
 from enum import Enum, unique
 from pathlib import Path, PurePosixPath
@@ -270,7 +271,10 @@ def _weights_in_place(current: LoadedModel, delta: Delta) -> dict[str, torch.Ten
     if not isinstance(serving.module, torch.nn.Module) or serving.digest is None:
         return None
     if delta.dense_program_path is not None:
-        digest, weights = read_weights(delta.dense_program_path, serving.module)
+        try:
+            digest, weights = read_weights(delta.dense_program_path, serving.module)
+        except (zipfile.BadZipFile, OSError, ValueError, KeyError):
+            return None  # loaded as a program, which says what is wrong with it (a DeltaError)
         return weights if digest == serving.digest else None
     base = current.base_program
     if base is serving:
