@@ -21,6 +21,8 @@ Histogram bins: LFU scores (use counts) in powers of two ``[1, 2), [2, 4), [4, 8
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,13 @@ import numpy as np
 import torch
 
 from shared.hashtable.checkpoint import DEEP_COLLECTION, open_checkpoint
-from shared.hashtable.checkpoint_io import ReadRequest
+from shared.hashtable.checkpoint_io import (
+    CheckpointReader,
+    ReadRequest,
+    ReadTable,
+    SavedTable,
+    TableInfo,
+)
 from shared.hashtable.storage import TableState
 
 DEFAULT_TOP_K = 20  # top keys stored in bundle / delta manifests
@@ -57,9 +65,15 @@ def score_histogram(
 
 
 def top_keys(keys: np.ndarray, scores: np.ndarray, k: int) -> list[dict[str, int]]:
-    """The ``k`` keys of highest score (ties: lower key first)."""
+    """The ``k`` keys of highest score (ties: lower key first). Only the keys scored at least
+    the ``k``-th highest score are sorted (a partition finds it): every one of the top ``k`` is
+    among them, and a lexsort of all of a table's keys was most of a summary's time."""
     if k <= 0 or keys.size == 0:
         return []
+    if keys.size > k:
+        kth = np.partition(scores, keys.size - k)[keys.size - k]  # the k-th highest score
+        chosen = np.flatnonzero(scores >= kth)
+        keys, scores = keys[chosen], scores[chosen]
     order = np.lexsort((keys, -scores))[:k]
     return [{"key": int(keys[i]), "score": int(scores[i])} for i in order]
 
@@ -92,35 +106,75 @@ def table_summary(
     return out
 
 
-def checkpoint_summaries(
-    ckpt_dir: str | Path, *, top_k: int = DEFAULT_TOP_K
+@dataclass(frozen=True)
+class SavedRead:
+    """One saved table as read once (:func:`read_saved_tables`): its files, what they say
+    without a config, and every rank's rows joined (:meth:`CheckpointReader.read`)."""
+
+    table: SavedTable
+    info: TableInfo
+    got: ReadTable
+
+
+def read_saved_tables(
+    reader: CheckpointReader,
+    *,
+    dims: Mapping[SavedTable, int] | None = None,
+    now: int | None = None,
+) -> list[SavedRead]:
+    """Every dynamic table of the checkpoint, each table's files read once, in summary order
+    (the deep collection first). ``dims``: the config's dim of the tables an export takes rows
+    from (their values are checked against it, as :meth:`CheckpointReader.parts` checks them);
+    the others are read with the dim the files say. ``now``: the TIMESTAMP clock (µs, default
+    the wall clock). One read serves both an export's rows and its summaries
+    (:func:`summaries_of`), instead of a second read of every file for the summaries; the reads
+    are held together (every table's rows and optimizer states), where a summary alone held
+    one table's at a time."""
+    saved = sorted(reader.tables(), key=lambda t: (t.collection != DEEP_COLLECTION, t.collection))
+    dims = dims or {}
+    now = time.time_ns() // 1000 if now is None else now
+    out = []
+    for table in saved:
+        info = reader.describe(table)
+        want = ReadRequest(dims.get(table, info.dim), info.strategy, 0.0, now)
+        out.append(SavedRead(table, info, reader.read(table, want)))
+    return out
+
+
+def summaries_of(
+    reads: Sequence[SavedRead], layout: str, *, top_k: int = DEFAULT_TOP_K
 ) -> dict[str, dict[str, Any]]:
-    """Per dynamic table of the checkpoint (any layout, no config needed): :func:`table_summary`
-    plus ``dim``, ``world_size`` (of the files), ``max_capacity`` (per rank; None when the files
-    do not say, as in TorchEasyRec's), ``collection`` and ``layout``. Reads every rank's files.
+    """Per table of ``reads`` (:func:`read_saved_tables` of a checkpoint of ``layout``):
+    :func:`table_summary` plus ``dim``, ``world_size`` (of the files), ``max_capacity`` (per
+    rank; None when the files do not say, as in TorchEasyRec's), ``collection`` and ``layout``.
 
     Keyed by table name; a second copy of a name in another collection (TorchEasyRec keeps the
     sequence tables twice) is keyed ``<collection>.<name>``.
     """
-    reader = open_checkpoint(ckpt_dir)
-    saved = sorted(reader.tables(), key=lambda t: (t.collection != DEEP_COLLECTION, t.collection))
     out: dict[str, dict[str, Any]] = {}
-    now = time.time_ns() // 1000
-    for table in saved:
-        info = reader.describe(table)
-        got = reader.read(table, ReadRequest(info.dim, info.strategy, 0.0, now))
-        strategy = info.strategy.value if info.strategy is not None else "unknown"
+    for r in reads:
+        strategy = r.info.strategy.value if r.info.strategy is not None else "unknown"
         summary = table_summary(
-            got.state, strategy=strategy, threshold=info.admission_threshold, top_k=top_k
+            r.got.state, strategy=strategy, threshold=r.info.admission_threshold, top_k=top_k
         )
-        summary["dim"] = int(info.dim or 0)
-        summary["world_size"] = int(table.world_size or 0)
-        summary["max_capacity"] = info.max_capacity
-        summary["collection"] = table.collection
-        summary["layout"] = reader.layout
-        key = table.name if table.name not in out else f"{table.collection}.{table.name}"
+        summary["dim"] = int(r.info.dim or 0)
+        summary["world_size"] = int(r.table.world_size or 0)
+        summary["max_capacity"] = r.info.max_capacity
+        summary["collection"] = r.table.collection
+        summary["layout"] = layout
+        key = r.table.name if r.table.name not in out else f"{r.table.collection}.{r.table.name}"
         out[key] = summary
     return out
+
+
+def checkpoint_summaries(
+    ckpt_dir: str | Path, *, top_k: int = DEFAULT_TOP_K, now: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """:func:`summaries_of` every dynamic table of the checkpoint (any layout, no config
+    needed; every rank's files). An export that also reads the tables' rows reads once
+    (:func:`read_saved_tables`) and passes the reads to :func:`summaries_of` instead."""
+    reader = open_checkpoint(ckpt_dir)
+    return summaries_of(read_saved_tables(reader, now=now), reader.layout, top_k=top_k)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

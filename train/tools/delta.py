@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ from shared.config import config_digest, load_config
 from shared.delta import DELTA_MANIFEST, DeltaError, diff_tables, write_delta
 from shared.dense_inputs import program_input_names, signature_of
 from shared.features import FeatureSet
-from shared.hashtable.summary import checkpoint_summaries
-from train.checkpoint import saved_parts
+from shared.hashtable.checkpoint import collection_paths, open_checkpoint, select_tables
+from shared.hashtable.summary import read_saved_tables, summaries_of
 from train.export import key_order, restore_model
 from train.export_cache import ExportCache
 from train.model.multi_tower_din import MultiTowerDIN
@@ -47,18 +48,37 @@ def program_changed(base_weights: Mapping[str, torch.Tensor], model: MultiTowerD
     return any(not torch.equal(base_weights[k], v.detach().cpu()) for k, v in new.items())
 
 
-def checkpoint_tables(ckpt: Path, fs: FeatureSet) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per dynamic table, (keys [N] int64 sorted, values [N, dim]) as the checkpoint's files hold
-    them (every saving rank's part): what restoring the tables and exporting them gives
-    (``export_table``: admitted keys, sorted), without inserting every key into a hash table
-    and reading it back, which took 24 of a delta export's 27 s at the full config's
-    capacities on CPU."""
-    out = {}
-    for name, parts in saved_parts(ckpt, fs).items():
-        keys = torch.cat([k for k, _ in parts])
+@dataclass(frozen=True)
+class CheckpointRows:
+    """What a delta export takes from a checkpoint's table files, read once
+    (:func:`read_checkpoint`)."""
+
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]]  # config's tables: keys sorted, values
+    summaries: dict[str, dict[str, Any]]  # every saved table (shared.hashtable.summary)
+
+
+def read_checkpoint(ckpt: Path, fs: FeatureSet, *, now: int | None = None) -> CheckpointRows:
+    """Per dynamic table of ``fs``, (keys [N] int64 sorted, values [N, dim]) as the checkpoint's
+    files hold them (every saving rank's part), and the summaries of every saved table, from one
+    read of each table's files (:func:`shared.hashtable.summary.read_saved_tables`).
+
+    The rows are what restoring the tables and exporting them gives (``export_table``: admitted
+    keys, sorted), without inserting every key into a hash table and reading it back, which
+    took 24 of a delta export's 27 s at the full config's capacities on CPU; the summaries are
+    :func:`~shared.hashtable.summary.checkpoint_summaries`' (``now``: its TIMESTAMP clock)
+    without its second read of the same files."""
+    reader = open_checkpoint(ckpt)
+    names = [t.name for t in fs.dynamic_tables]
+    chosen = select_tables(reader, names, collection_paths(fs))[0] if names else {}
+    dims = {chosen[t.name]: t.dim for t in fs.dynamic_tables}
+    reads = read_saved_tables(reader, dims=dims, now=now)
+    state = {r.table: r.got.state for r in reads}
+    tables = {}
+    for name in names:
+        keys, values = state[chosen[name]].keys, state[chosen[name]].values
         order = key_order(keys)  # a merge of the ranks' sorted runs
-        out[name] = (keys[order], torch.cat([v for _, v in parts])[order])
-    return out
+        tables[name] = (keys[order], values[order])
+    return CheckpointRows(tables, summaries_of(reads, reader.layout))
 
 
 def export_delta(
@@ -91,9 +111,8 @@ def export_delta(
         dynamic_tables=False,
     )  # fmt: skip
     dense = {n: w.detach().cpu() for n, w in model.sparse.dense_table_weights().items()}
-    hashed = checkpoint_tables(ckpt, model.fs)
-    tables = diff_tables(base_bundle.dense_tables, base_bundle.hash_tables, dense, hashed)
-    summaries = checkpoint_summaries(ckpt)
+    rows = read_checkpoint(ckpt, model.fs)
+    tables = diff_tables(base_bundle.dense_tables, base_bundle.hash_tables, dense, rows.tables)
     target = f"step-{progress.step}"
     with tempfile.TemporaryDirectory() as tmp:
         program: Path | None = None
@@ -114,7 +133,7 @@ def export_delta(
             config_digest=digest,
             dense_program_path=program,
             program_inputs=inputs,
-            table_summaries=summaries,
+            table_summaries=rows.summaries,
             overwrite=overwrite,
             event_time=progress.event_time or None,
         )

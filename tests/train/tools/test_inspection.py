@@ -66,6 +66,18 @@ def test_histogram_bins() -> None:
     ]
 
 
+def test_top_keys_are_those_of_a_full_sort() -> None:
+    """Only the keys scored at least the k-th highest score are sorted: the same keys, in the
+    same order, as a lexsort of every key, ties at the k-th score included."""
+    rng = np.random.default_rng(0)
+    keys = rng.permutation(5000).astype(np.int64)
+    for scores in (rng.integers(0, 30, 5000), rng.integers(0, 10**9, 5000), np.zeros(5000)):
+        for k in (1, 7, 20, 4999, 5000, 6000):
+            order = np.lexsort((keys, -scores))[:k]
+            want = [{"key": int(keys[i]), "score": int(scores[i])} for i in order]
+            assert top_keys(keys, scores, k) == want, (k, scores[:5])
+
+
 def test_cli_json(dyn_run, capsys) -> None:
     assert main(["inspect", "--checkpoint", str(dyn_run.checkpoint), "--json", "--top-k", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
