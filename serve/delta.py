@@ -40,9 +40,10 @@ the H100 on 2026-12-07, loading each streamed delta's program and capturing its 
 29-34 s under serving load: most of the event-to-served time). The base's weights are kept in a
 copy of the program the first time they are overwritten, and a later delta without a program
 gets them back the same way. A program of another graph is loaded as a rebuild does, and
-warmed up (CUDA: its graphs captured over the live tensors) before the writes. Where in place is impossible (no room for the new keys, a key beyond a shared key
-space, a table of another shape) :func:`apply_delta` falls back to the rebuild below and says
-so (:class:`Applied`, the log, ``dynrec_serving_delta_applies_total{path}``).
+warmed up (CUDA: its graphs captured over the live tensors) before the writes. Where in place
+is impossible (no room for the new keys, a key beyond a shared key space, a table of another
+shape) :func:`apply_delta` falls back to the rebuild below and says so (:class:`Applied`, the
+log, ``dynrec_serving_delta_applies_total{path}``).
 One difference from the rebuild: a request accepted before the swap and scored after the writes
 gets the new scores but names the old version (the servicer reads the version from the model it
 validated the request against); no request gets a mix of the two.
@@ -84,7 +85,7 @@ from serve.model import (
     build_tables,
     load_program,
 )
-from serve.program_cache import read_weights, refill
+from serve.program_cache import refill, same_graph_weights
 from shared.bundle import Bundle, BundleError
 from shared.delta import (
     DELTA_MANIFEST,
@@ -263,7 +264,7 @@ def _module(program: DenseProgram) -> torch.nn.Module:
 def _weights_in_place(current: LoadedModel, delta: Delta) -> dict[str, torch.Tensor] | None:
     """The weights to write into the serving program's own tensors, so that its graphs stay
     valid and nothing is captured (module doc, "Dense weights"): the delta's program's when
-    it has the serving one's graph (:func:`serve.program_cache.program_digest`), the base's
+    it has the serving one's graph (:func:`serve.program_cache.same_graph_weights`), the base's
     when the delta has none and the serving program is the base's graph with other weights;
     ``{}`` when the serving program already is the base's; None when the program must be
     loaded (another graph, weights that are not plain tensors)."""
@@ -272,10 +273,9 @@ def _weights_in_place(current: LoadedModel, delta: Delta) -> dict[str, torch.Ten
         return None
     if delta.dense_program_path is not None:
         try:
-            digest, weights = read_weights(delta.dense_program_path, serving.module)
+            return same_graph_weights(delta.dense_program_path, serving.module, serving.digest)
         except (zipfile.BadZipFile, OSError, ValueError, KeyError):
             return None  # loaded as a program, which says what is wrong with it (a DeltaError)
-        return weights if digest == serving.digest else None
     base = current.base_program
     if base is serving:
         return {}

@@ -83,15 +83,18 @@ def program_digest(path: Path) -> str:
         return archive_digest(zf)
 
 
-def read_weights(path: Path, module: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor] | None]:
-    """The digest of the archive at ``path`` and its weights as CPU tensors shaped like
-    ``module``'s (None when they are not plain: pickled, of another size, another layout)."""
+def same_graph_weights(
+    path: Path, module: torch.nn.Module, digest: str | None
+) -> dict[str, torch.Tensor] | None:
+    """The weights of the archive at ``path`` as CPU tensors shaped like ``module``'s, when the
+    archive holds the graph ``digest`` names (:func:`archive_digest`); None for another graph
+    or weights that are not plain (pickled, of another size, another layout)."""
     with zipfile.ZipFile(path) as zf:
-        return archive_digest(zf), _new_weights(zf, module)
+        return _new_weights(zf, module) if archive_digest(zf) == digest else None
 
 
 def refill(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy ``weights`` (:func:`read_weights`) into ``module``'s own tensors, in place."""
+    """Copy ``weights`` (:func:`same_graph_weights`) into ``module``'s own tensors, in place."""
     with torch.no_grad():
         for fqn, value in module.state_dict(keep_vars=True).items():
             if fqn in weights:

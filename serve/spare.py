@@ -17,7 +17,8 @@ What is written, off the serving path (the spare serves nobody):
 - the tables, by :meth:`serve.lookup.EmbeddingTables.prepare_update`, the same writes as an
   in-place delta's (:mod:`serve.delta`): the dynamic tables' sorted keys and rows (they have
   :data:`serve.lookup.HEADROOM` free slots for new keys), the dense tables' changed rows;
-- the program's weights, read from the new ``dense.pt2`` (:func:`serve.program_cache.read_weights`)
+- the program's weights, read from the new ``dense.pt2``
+  (:func:`serve.program_cache.same_graph_weights`)
   into the spare's module.
 
 A version fits the spare when its feature set has the same tables, its dynamic tables' keys fit
@@ -66,7 +67,7 @@ from serve.model import (
     _sync,
     check_signature,
 )
-from serve.program_cache import read_weights, refill
+from serve.program_cache import refill, same_graph_weights
 from shared.bundle import Bundle, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
 
@@ -166,8 +167,8 @@ def _write(
     if not isinstance(program.module, torch.nn.Module):
         return None
     # the program first: reading its weights is cheaper than preparing the tables' writes
-    digest, weights = read_weights(bundle.path / DENSE_PROGRAM, program.module)
-    if digest != program.digest or weights is None:
+    weights = same_graph_weights(bundle.path / DENSE_PROGRAM, program.module, program.digest)
+    if weights is None:
         log.info(
             "model %s: its %s has another graph than the spare's, or weights that are not "
             "plain tensors",

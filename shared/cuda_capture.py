@@ -54,8 +54,8 @@ def graph_pool(device: torch.device) -> Any:
 def capture(
     graph: torch.cuda.CUDAGraph, *, pool: Any = None, device: torch.device | None = None
 ) -> Iterator[None]:
-    """Capture the CUDA work of the ``with`` body into ``graph`` (memory from ``pool``, the ``id`` of
-    a :func:`graph_pool` or another graph's ``pool()``, shared by graphs that never run at
+    """Capture the CUDA work of the ``with`` body into ``graph`` (memory from ``pool``, the
+    ``id`` of a :func:`graph_pool` or another graph's ``pool()``, shared by graphs that never run at
     the same time). The body runs on the capture stream; work queued before the ``with`` on the
     current stream is ordered before it, and work after it after the capture. A failed body
     ends the capture and re-raises."""

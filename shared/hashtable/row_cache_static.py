@@ -15,10 +15,10 @@ hand (sorted by stamp, this call's last: :meth:`~CacheLines._window`), the slots
 row are filled in place (:meth:`StaticCacheLines._fill_slots`: on CUDA one kernel over the P
 positions that writes the dirty victims back and reads the stored rows straight into their
 lines, no staging tensor of P rows), and a new key's line takes its initializer row at once
-(dirty), never crossing to the host and back. The lookup then gathers from lines and the backward's Adagrad updates lines
-(dirty marked): HBM_ONLY's arithmetic on other slots. A step with more distinct rows than lines
-(or than the lines it does not use itself) bypasses the rest in fixed shapes too: ``P - L``
-staging slots after the lines' sink (made on the host before the step,
+(dirty), never crossing to the host and back. The lookup then gathers from lines and the
+backward's Adagrad updates lines (dirty marked): HBM_ONLY's arithmetic on other slots. A step
+with more distinct rows than lines (or than the lines it does not use itself) bypasses the rest
+in fixed shapes too: ``P - L`` staging slots after the lines' sink (made on the host before the step,
 :meth:`StaticCacheLines.static_began`) take their payload in the forward's fill, and the
 backward writes them back to the host tier in one write of P slots (-1 skipped), which only
 steps of more keys than lines issue. Lines the eager path thinks never used are forgotten once a
