@@ -39,15 +39,31 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
-def graph_pool(device: torch.device) -> Any:
-    """A memory pool for graphs of ``device`` (a ``torch.cuda.MemPool``; give its ``id`` to
-    :func:`capture`), alive while the caller holds it. Not ``graph_pool_handle()``: only the
-    graphs captured into that id hold it, so once they are all dropped the allocator releases
-    it with their blocks still cached there, and the next capture into the id fails ("use_count
-    > 0 INTERNAL ASSERT FAILED": the static step's on the H100 on 2026-12-07, after its tables
-    grew and it dropped every graph)."""
-    with torch.cuda.device(device):
-        return torch.cuda.MemPool()
+class GraphPool:
+    """A memory pool for graphs of one device: give :attr:`id` to :func:`capture`. It stays
+    usable while its owner holds it, even after every graph captured into it is dropped.
+
+    ``graph_pool_handle()`` alone is not enough: torch counts a pool's users by the graphs
+    captured into it, in the device allocator and (since 2.10) in the pinned host allocator
+    alike. Once the last graph is dropped the host allocator marks the pool freeable, and the
+    next capture into the id fails its ``use_count > 0`` INTERNAL ASSERT
+    (``CachingHostAllocator.h``; the static step's and the graph test's on the H100, 2026-12-07,
+    torch 2.11; a ``torch.cuda.MemPool`` holds only the device allocator's count). So the pool
+    keeps one graph of its own, captured into it at construction (one fill of one element),
+    which holds both counts for the pool's life."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            self.id: Any = torch.cuda.graph_pool_handle()
+            self._keeper = torch.cuda.CUDAGraph()
+            with capture(self._keeper, pool=self.id, device=device):
+                torch.empty(1, device=device).zero_()
+
+
+def graph_pool(device: torch.device) -> GraphPool:
+    """A :class:`GraphPool` for ``device`` (made outside any capture)."""
+    return GraphPool(device)
 
 
 @contextlib.contextmanager

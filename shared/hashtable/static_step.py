@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shared.cuda_capture import capture, graph_pool
+from shared.cuda_capture import GraphPool, capture, graph_pool
 from shared.features import ScoreStrategy
 from shared.hashtable.hashing import INT64_MAX, sort_pairs
 from shared.hashtable.static_insert import (
@@ -424,7 +424,7 @@ class StaticStep:
         self.storage = storage
         self.capture = capture and storage.device.type == "cuda"
         self._entries: dict[int, _Entry] = {}
-        self._pool: Any = None  # shared.cuda_capture.graph_pool, made before the first capture
+        self._pool: GraphPool | None = None  # made before the first capture
         self._arrays: tuple[Any, ...] = ()
         self.counts = DeviceCounts(storage.table)
         counter = storage.counter
@@ -633,9 +633,8 @@ class StaticStep:
                 t._any_tid = True
         arrays = self._array_key()
         if arrays != self._arrays:  # the tables were rebuilt: the graphs read the old arrays
-            # (the pool stays, held by self._pool: a pool only graphs held, all dropped here,
-            # would be released with blocks still in it, and the next capture into its id
-            # fails: "use_count > 0 INTERNAL ASSERT FAILED", on the H100 on 2026-12-07)
+            # (the pool stays usable: self._pool is a GraphPool, which keeps a graph of its own
+            # in it; a pool only these graphs held could not be captured into again)
             self._entries.clear()
             self._arrays = arrays
         entry = self._entries.get(size)

@@ -72,7 +72,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from shared.cuda_capture import capture, capture_stream, graph_pool
+from shared.cuda_capture import GraphPool, capture, capture_stream, graph_pool
 from shared.dense_inputs import COLD_NAMES
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,7 @@ class JaggedGraphs:
         self.stats: collections.Counter[str] = collections.Counter()
         self._entries: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         self._failed: set[tuple] = set()
-        self._pool: Any = None
+        self._pool: GraphPool | None = None
         self._pending: weakref.ref[_Token] | None = None
         self._generation = 0
         self._logged: set[str] = set()
