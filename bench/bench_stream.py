@@ -240,7 +240,8 @@ def _free_port() -> int:
 
 def _process(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     out = open(log, "wb")  # noqa: SIM115 - the child's log, open while it runs
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # faulthandler: a process that aborts writes every thread's stack into its log
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
@@ -548,11 +549,14 @@ def phase_2(args: argparse.Namespace, work: Path, parts: list[pa.Table],
         lander.close()
         if trainer is not None:
             stop(trainer)
-    if trainer.returncode != 0:
-        raise SystemExit(f"the trainer without publishing exited {trainer.returncode} at "
-                         f"SIGTERM (0 expected): see {home}/trainer.log")  # fmt: skip
     rows = sum(p.num_rows for p in parts)
     report = training_report(records(home, "stream"), replay_start, end, rows)
+    # an exit other than 0 after the window (the H100 on 2026-12-07: -6, an abort at exit) is
+    # a problem of the run, kept in the JSON: the phases after this one still measure
+    report["exit_code_at_sigterm"] = trainer.returncode
+    if trainer.returncode != 0:
+        print(f"the trainer without publishing exited {trainer.returncode} at SIGTERM "
+              f"(0 expected): see {home}/trainer.log", file=sys.stderr, flush=True)  # fmt: skip
     report["partitions_landed"] = len(lander.landed)
     report["publishes"] = len(records(home, "publish"))  # none: the trainer did not publish
     return {"window": (t0, t1), "train": report}
@@ -945,6 +949,14 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     write(args.out, result)
     print(json.dumps(result))
+    code = result.get("train_without_publishing", {}).get("exit_code_at_sigterm", 0)
+    if code != 0:
+        print(
+            f"failed: the trainer without publishing exited {code} at SIGTERM (see the "
+            "JSON's train_without_publishing)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

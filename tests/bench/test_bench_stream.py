@@ -194,6 +194,7 @@ def test_phase_2_trains_the_rows_again_without_publishing_in_its_own_directory(
     assert not (home / "pub").exists() and records(home, "publish") == []
     report = out["train"]
     assert report["publishes"] == 0 and report["partitions_landed"] == 3 and report["rows"] == 1200
+    assert report["exit_code_at_sigterm"] == 0
     assert report["trained_rows"] >= 600  # every record of the window: after the first partition
     for i, part in enumerate(parts):
         landed = pq.read_table(home / "src" / f"h{i:06d}" / "part-00000.parquet")
