@@ -22,7 +22,11 @@ Correctness on CUDA, per batch:
   keeps a pinned block of a pending copy alive);
 - the batches come out in the loader's order; an error of the loader (or of a copy) is raised
   in the caller at the batch where it happened; a caller that stops early stops the feeder
-  (after the batch it is taking, if any), which then lets go of the loader.
+  (after the batch it is taking, if any), which then lets go of the loader, and waits for the
+  feeder to end (up to :data:`JOIN_S`: a feeder left running while the interpreter exits dies
+  inside torch's C++ and aborts the process, "terminate called without an active exception",
+  the stream trainer's at SIGTERM on the H100 on 2026-12-07). A caller whose loader can block
+  for good (the stream trainer's, waiting for new rows) ends the loader first.
 
 One copy (``one_copy=True``, the default): a batch whose tensors all lie in one host storage (the
 loader packs them so, :func:`shared.batch.pack`) is copied as one byte range, and its device
@@ -36,9 +40,10 @@ with :meth:`Batch.to` (other devices). Example::
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -62,7 +67,9 @@ class _Failed:
     error: BaseException  # raised in the caller's thread, where the producer met it
 
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+JOIN_S = 30.0  # how long a caller that stopped waits for the feeder to end
 _END = object()  # the items are exhausted
 DEPTH = 2  # device batches the feeder keeps ready (besides the one it is copying)
 
@@ -146,6 +153,10 @@ def ahead(items: Iterator[T], depth: int, *, name: str = "prefetch") -> Iterator
             yield item
     finally:
         stop.set()  # the thread ends at its next hand-over (a caller that stopped early)
+        thread.join(JOIN_S)
+        if thread.is_alive():
+            log.warning("%s: the feeder thread did not end within %.0f s of the caller's stop "
+                        "(its source still blocks)", name, JOIN_S)  # fmt: skip
 
 
 def with_next(items: Iterable[T]) -> Iterator[tuple[T, T | None]]:
@@ -166,7 +177,7 @@ def prefetch_to_device(
     *,
     one_copy: bool = True,
     depth: int = DEPTH,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """``batches`` on ``device``, in order, copied ahead by a feeder thread (see the module
     doc; ``depth`` batches ready at most). On CPU: the same Batch objects."""
     if device.type == "cpu":

@@ -200,12 +200,14 @@ class StreamTrainer:
         progress = self._start()
         rows = RowLog(self.options.row_log, progress.step) if self.options.row_log else None
         reader = self._reader(progress)
+        batches = prefetch_to_device(reader.batches(), self.device)
         try:
-            meter = self._loop(progress, reader, rows)
+            meter = self._loop(progress, reader, batches, rows)
             checkpoint = self._commit(progress, rows)
             self._publish_now(progress)
         finally:
-            reader.close()
+            reader.close()  # first: the loader's workers end, so the feeder's source ends
+            batches.close()  # then the feeder thread, which may wait for the loader, is joined
             if self.publisher is not None:
                 self.publisher.close()
             self._writes.shutdown(wait=True)
@@ -214,11 +216,17 @@ class StreamTrainer:
         self._log(progress, meter, force=True)
         return StreamResult(progress, checkpoint, self.publishes, dict(self.stalls))
 
-    def _loop(self, progress: Progress, reader: StreamReader, rows: RowLog | None) -> _Meter:
-        """Plan, step, checkpoint, publish and log until stopped; returns the rate meter."""
+    def _loop(
+        self,
+        progress: Progress,
+        reader: StreamReader,
+        batches: Iterator[Batch],
+        rows: RowLog | None,
+    ) -> _Meter:
+        """Plan, step, checkpoint, publish and log until stopped (``batches``: the reader's, on
+        the device); returns the rate meter."""
         self.model.train()
         meter = _Meter(progress.samples)
-        batches: Iterator[Batch] = prefetch_to_device(reader.batches(), self.device)
         idle_since = time.monotonic()
         while not self.stop.event.is_set():
             if not reader.plan():
