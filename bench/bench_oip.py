@@ -14,18 +14,20 @@ raw_input_contents). The scores of both are compared first (bit-equal on CPU; on
 ``MAX_SCORE_GAP``, next to Predict's own gap between two calls).
 
 ``--mode mixed`` (the default): each round is ONE window of ``--duration`` s (after
-``--warmup`` s) in which half of the client processes send Predict and the other half
-ModelInfer, N/2 concurrent calls each, against the same server, started and stopped at the same
-instants. The loops are closed, so the slower protocol completes fewer requests; the round's
-ratio is OIP candidates/s over Predict's in that window. Why: the alternating phases measured
-the host's drift, not the protocol. On an H100 on 2026-12-07 (16 cores shared by the server's
-4 frontends, the device process and 4 client processes; ``TESTS="" CLIENTS="16 8" bash
-bench/run_oip_gpu.sh``) the rounds' ratios were 0.36, 0.97, 1.03, 0.72 at 16 clients and 0.99,
-1.01, 0.99, 0.71 at 8, Predict's own 10 s phases swung from 463K to 685K candidates/s, while the
-host time of one request was the same (``per_request_us``: 104 us before feature generation
-for Predict, 108 us for OIP). In one window a slow or busy host slows both protocols alike.
-What stays random per window is how the kernel spreads the connections over the frontends
-(SO_REUSEPORT): it favours neither protocol, so several rounds are pooled.
+``--warmup`` s) in which both protocols run at once, N/2 concurrent calls each, against the same
+server, started and stopped at the same instants; every client process runs both, and each of
+its N/2 connections carries one closed loop of each (:mod:`bench.oip_load`). The loops are
+closed, so the slower protocol completes fewer requests; the round's ratio is OIP candidates/s
+over Predict's in that window. Why one window: the alternating phases measured the host's drift,
+not the protocol (on an H100 on 2026-12-07 their rounds' ratios were 0.36-1.03 and Predict's own
+phases swung from 463K to 685K candidates/s at equal host time per request). Why both protocols
+on every connection: a connection reaches one frontend (SO_REUSEPORT), and when each protocol
+had its own client processes (one connection each), a round's ratio was that of the frontends
+they reached: 0.54 or 0.99 at 16 clients and 0.60, 0.99 or 1.66 at 8 on the H100 on
+2026-12-07, at equal pooled p99 (issue #54; the evidence is in :mod:`bench.oip_load`).
+Each window records, per client process, its requests per protocol and the frontend of each of
+its connections (``windows``); a window in which a process completed no request of a protocol is
+listed in ``windows_with_idle_procs``.
 
 ``--mode alternating``: the previous method, kept to compare with: phases of one protocol at a
 time, all N calls, Predict first in even rounds and ModelInfer first in odd ones (on the H100
@@ -34,9 +36,10 @@ on 2026-12-06 the first ModelInfer phase ran at 0.64-0.76x Predict's and the sec
 
 Either mode starts each concurrency with the windows of one round, unmeasured and ``--settle`` s
 long (the server's first calls). Per protocol and concurrency: candidates/s, per round and
-pooled, and p50/p99 latency (all rounds pooled); the ratios OIP/Predict: pooled (the goal's
-figure), per round and their median, and the p99 ratio beside them. The issue's bar: OIP
-candidates/s >= 0.9x Predict's at equal p99 (closed loop at equal concurrency: p99 ratio ~1).
+pooled, p50/p99 latency (all rounds pooled), p99 and requests per client process per round;
+the ratios OIP/Predict: pooled (the goal's figure), per round and their median, and the p99
+ratio beside them. The issue's bar: OIP candidates/s >= 0.9x Predict's at equal p99 (closed
+loop at equal concurrency: p99 ratio ~1).
 
 ``per_request_us`` is where one request's host time goes (:mod:`bench.oip_stages`), on the
 first ``--profile-requests`` requests of the pool.
@@ -45,13 +48,10 @@ first ``--profile-requests`` requests of the pool.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import re
 import statistics
 import sys
-import time
-from dataclasses import dataclass
 from enum import Enum, unique
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ import grpc
 import numpy as np
 
 from bench.bench_serving import ServerGroup, _machine, _pct, make_bundle, make_samples, work_dir
+from bench.oip_load import Protocol, Window, window
 from bench.oip_stages import per_request
 from shared.cli import Parser, plain, run_cli, write_result
 
@@ -86,109 +87,14 @@ GOAL = {
 }
 
 
-@dataclass(frozen=True)
-class Side:
-    """One protocol's part of a window: ``clients`` concurrent calls of ``method`` from ``procs``
-    client processes, cycling through ``payloads``."""
-
-    name: str  # "predict" or "oip"
-    method: str
-    payloads: list[bytes]
-    clients: int
-    procs: int
-
-
-def _client(
-    host: str,
-    name: str,
-    method: str,
-    payloads: list[bytes],
-    threads: int,
-    start: float,
-    stop: float,
-    out: Any,
-) -> None:
-    """A client process: ``threads`` closed loops from ``start`` to ``stop`` (perf_counter of
-    this host); sends (``name``, latencies of the answers started in the window, errors)."""
-    import threading
-
-    lat: list[float] = []
-    errors: list[str] = []
-
-    def loop(k: int) -> None:
-        with grpc.insecure_channel(host) as channel:
-            call: Any = channel.unary_unary(
-                method, request_serializer=None, response_deserializer=None
-            )
-            i = k
-            while time.perf_counter() < start:
-                call(payloads[i % len(payloads)], timeout=60)  # warm-up, not counted
-                i += 1
-            while (t := time.perf_counter()) < stop:
-                try:
-                    call(payloads[i % len(payloads)], timeout=60)
-                    lat.append(time.perf_counter() - t)
-                except grpc.RpcError as err:
-                    errors.append(f"{err.code().name}: {(err.details() or '')[:200]}")
-                i += 1
-
-    ts = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    out.put((name, lat, errors[:20]))
-
-
-def _split(total: int, parts: int) -> list[int]:
-    """``total`` as ``parts`` near-equal counts (the first ones one larger)."""
-    return [total // parts + (i < total % parts) for i in range(parts)]
-
-
-def window(host: str, sides: list[Side], duration: float, warmup: float) -> dict[str, Any]:
-    """One closed-loop window: every side's processes start and stop at the same instants.
-    Per side: {"latencies" (s), "errors", "seconds"}."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    start = time.perf_counter() + warmup + 2.0  # spawn time
-    stop = start + duration
-    per_side = [
-        [
-            ctx.Process(
-                target=_client, args=(host, s.name, s.method, s.payloads, n, start, stop, queue)
-            )
-            for n in _split(s.clients, min(s.procs, s.clients))
-        ]
-        for s in sides
-    ]
-    ps = [p for group in zip_longest(*per_side) for p in group if p is not None]  # interleaved
-    for p in ps:
-        p.start()
-    results = [queue.get(timeout=warmup + duration + 120) for _ in ps]
-    for p in ps:
-        p.join(30)
-    out: dict[str, Any] = {
-        s.name: {"latencies": [], "errors": [], "seconds": duration} for s in sides
-    }
-    for name, lat, errors in results:
-        out[name]["latencies"] += lat
-        out[name]["errors"] += errors
-    return out
-
-
 def round_windows(
     mode: Mode, r: int, predict: list[bytes], infer: list[bytes], clients: int, procs: int
-) -> list[list[Side]]:
-    """The windows of round ``r``, each a list of the sides that run together."""
-    if mode is Mode.MIXED:  # _check: clients even, procs even and >= 2
-        return [[
-            Side("predict", PREDICT, predict, clients // 2, procs // 2),
-            Side("oip", INFER, infer, clients // 2, procs // 2),
-        ]]  # fmt: skip
-    phases = [
-        [Side("predict", PREDICT, predict, clients, procs)],
-        [Side("oip", INFER, infer, clients, procs)],
-    ]
+) -> list[Window]:
+    """The windows of round ``r``."""
+    p, o = Protocol("predict", PREDICT, predict), Protocol("oip", INFER, infer)
+    if mode is Mode.MIXED:  # each connection one loop of each: clients / 2 connections
+        return [Window((p, o), clients, procs)]
+    phases = [Window((p,), clients, procs), Window((o,), clients, procs)]
     # odd rounds OIP first: neither always runs after the other
     return phases[::-1] if r % 2 else phases
 
@@ -198,6 +104,9 @@ def _rate(phase: dict[str, Any], candidates: int) -> float:
 
 
 def summarize(phases: list[dict[str, Any]], candidates: int) -> dict[str, Any]:
+    """One protocol over its phases (one per round): pooled and per round. The rounds' p99 and
+    requests per client process show a round in which the protocol's calls were slower or a
+    process sent less."""
     lat = np.array([x for p in phases for x in p["latencies"]]) * 1e3
     seconds = sum(p["seconds"] for p in phases)
     return {
@@ -205,6 +114,8 @@ def summarize(phases: list[dict[str, Any]], candidates: int) -> dict[str, Any]:
         "candidates_per_s": len(lat) * candidates / seconds,
         "candidates_per_s_rounds": [_rate(p, candidates) for p in phases],
         "latency_ms": _pct(lat),
+        "p99_ms_rounds": [_pct(np.array(p["latencies"]) * 1e3)["p99"] for p in phases],
+        "requests_per_proc_rounds": [p["requests_per_proc"] for p in phases],
         "errors": [e for p in phases for e in p["errors"]][:10],
     }
 
@@ -234,19 +145,41 @@ def compare(by: dict[str, list[dict[str, Any]]], candidates: int) -> dict[str, A
 
 
 def measure(
-    host: str, predict: list[bytes], infer: list[bytes], clients: int, a: argparse.Namespace
+    host: str,
+    predict: list[bytes],
+    infer: list[bytes],
+    clients: int,
+    servers: list[int],
+    a: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One concurrency: the settle round (unmeasured), then ``a.rounds`` rounds."""
+    """One concurrency: the settle round (unmeasured), then ``a.rounds`` rounds. ``servers``:
+    the pids of the processes on the port (the frontends), whose index each connection reports.
+    Beside the protocols' figures, ``windows``: per window its client processes' requests and
+    frontends; ``windows_with_idle_procs``: those in which a process completed no request of a
+    protocol (a stalled process: its round's ratio is suspect)."""
     if a.settle > 0:
-        for sides in round_windows(a.mode, 0, predict, infer, clients, a.procs):
-            window(host, sides, a.settle, a.warmup)
+        for w in round_windows(a.mode, 0, predict, infer, clients, a.procs):
+            window(host, w, a.settle, a.warmup, servers)
     by: dict[str, list[dict[str, Any]]] = {"predict": [], "oip": []}
+    windows: list[dict[str, Any]] = []
     for r in range(a.rounds):
-        for sides in round_windows(a.mode, r, predict, infer, clients, a.procs):
-            for name, phase in window(host, sides, a.duration, a.warmup).items():
+        for w in round_windows(a.mode, r, predict, infer, clients, a.procs):
+            got = window(host, w, a.duration, a.warmup, servers)
+            for name, phase in got.pop("phases").items():
                 by[name].append(phase)
+            windows.append({"round": r, "protocols": [p.name for p in w.protocols], **got})
+    idle = [i for i, w in enumerate(windows) if w["idle_procs"]]
+    if idle:
+        print(f"clients {clients}: windows {idle} had a client process that completed no "
+              "request of a protocol (see 'windows' in the JSON)", flush=True)  # fmt: skip
     share = clients // 2 if a.mode is Mode.MIXED else clients
-    return {"clients": clients, "clients_per_protocol": share, **compare(by, a.candidates)}
+    return {
+        "clients": clients,
+        "clients_per_protocol": share,
+        **compare(by, a.candidates),
+        "windows": windows,
+        "windows_with_idle_procs": idle,
+    }
 
 
 def _payloads(host: str, samples: Path, a: argparse.Namespace) -> tuple[list[bytes], list[bytes]]:
@@ -335,6 +268,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     group = ServerGroup(["--bundle", str(bundle)], a.device, 1, work, extra)
     startup = group.start()
     try:
+        servers = server_pids(group.tail(0, 100_000), group.procs[0].pid)
         predict, infer = _payloads(group.host, samples, a)
         checked = check_same_scores(group.host, predict, infer)
         stages = per_request(bundle, predict, infer, a.profile_requests, a.profile_iters)
@@ -357,15 +291,26 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if k not in ("out",) and not isinstance(v, Path)
             },
             "goal": GOAL[a.mode],
+            "server_pids": servers,
             "runs": runs,
         }
         for clients in a.clients:
-            runs.append(measure(group.host, predict, infer, clients, a))
+            runs.append(measure(group.host, predict, infer, clients, servers, a))
             write_result(a.out, result)  # each concurrency as it ends: a run cut short keeps it
             print(_line(runs[-1]), flush=True)
     finally:
         group.stop()
     return result
+
+
+def server_pids(log: str, pid: int) -> list[int]:
+    """The pids of the processes that accept connections on the port: the frontends the server's
+    log names on its SERVING line (``--frontends N``; one not running then, ``None`` there, is left
+    out: connections to it report no frontend), else the server ``pid`` itself."""
+    found = re.search(r"SERVING on .*frontend pids \[([^\]]*)\]", log)
+    if found is None:
+        return [pid]
+    return [int(x) for x in found.group(1).split(",") if x.strip().isdigit()]
 
 
 def _line(run: dict[str, Any]) -> str:
@@ -407,7 +352,10 @@ def _parser() -> Parser:
         help="mixed: both protocols in one window, N/2 calls each; alternating: one at a time",
     )
     p.add_argument(
-        "--procs", type=int, default=2, help="client processes (mixed: half for each protocol)"
+        "--procs",
+        type=int,
+        default=2,
+        help="client processes (each runs every protocol of the window; no more than connections)",
     )
     p.add_argument("--rounds", type=int, default=2, help="measured rounds per concurrency")
     p.add_argument("--duration", type=float, default=10.0, help="seconds measured per window")
@@ -433,9 +381,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check(p: Parser, a: argparse.Namespace) -> None:
-    """Refuse what the mode cannot honour: in mixed mode each protocol gets half the calls and
-    half the client processes, so both must split evenly (an uneven split would give one
-    protocol more load or more client CPU, and the ratio would measure that)."""
+    """Refuse what the mode cannot honour: in mixed mode each connection carries one call of
+    each protocol, so every --clients value must be even (an odd one would give one protocol
+    more load, and the ratio would measure that)."""
     if a.rounds < 1 or a.procs < 1 or min(a.clients) < 1:
         p.error("--rounds, --procs and --clients must be at least 1")
     if a.mode is not Mode.MIXED:
@@ -445,11 +393,6 @@ def _check(p: Parser, a: argparse.Namespace) -> None:
         p.error(
             f"--mode mixed splits each --clients value in half between Predict and ModelInfer; "
             f"{' '.join(map(str, odd))} is odd: give even values (or --mode alternating)"
-        )
-    if a.procs % 2:
-        p.error(
-            f"--mode mixed gives half the client processes to each protocol; --procs {a.procs} "
-            f"is odd: give an even --procs (2 at least)"
         )
 
 
