@@ -356,7 +356,12 @@ class PacedLoad:
         return self
 
     def _run(self, k: int, n: int) -> None:
-        with grpc.insecure_channel(self.host) as channel:
+        # a connection of its own per thread: gRPC's global subchannel pool would carry every
+        # thread's calls over one connection, which reaches one of the server's --frontends
+        # (SO_REUSEPORT): on the H100 on 2026-12-07 that one frontend was the bottleneck, at
+        # p50 168 ms with no trainer running (as bench_oip found, bench/oip_load.py)
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        with grpc.insecure_channel(self.host, options=options) as channel:
             stub = predict_pb2_grpc.PredictionServiceStub(channel)
             i = k
             while not self.stop.is_set():
