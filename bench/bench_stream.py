@@ -815,6 +815,7 @@ def serving_phases(
         seconds, load = p1["t1"] - p1["t0"], p1["load"]
         windows = {"with_publishing": (p1["t0"], p1["t1"])}
         result["train"], result["publish"] = train_report(work, p1, lander), publish_report(work)
+        result["train"]["exit_code_at_sigterm"] = ctx["trainer"].returncode  # as phase 2's
         result["freshness"] = freshness(p1)
         result["serving"] = serving_report(load.so_far(), windows)
         save()
@@ -954,13 +955,14 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     write(args.out, result)
     print(json.dumps(result))
-    code = result.get("train_without_publishing", {}).get("exit_code_at_sigterm", 0)
-    if code != 0:
-        print(
-            f"failed: the trainer without publishing exited {code} at SIGTERM (see the "
-            "JSON's train_without_publishing)",
-            file=sys.stderr,
-        )
+    codes = {
+        phase: result.get(phase, {}).get("exit_code_at_sigterm", 0)
+        for phase in ("train", "train_without_publishing")
+    }
+    failed = {phase: code for phase, code in codes.items() if code != 0}
+    if failed:
+        print(f"failed: trainers exited other than 0 at SIGTERM: {failed} (see the JSON)",
+              file=sys.stderr)  # fmt: skip
         return 1
     return 0
 
