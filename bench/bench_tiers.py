@@ -23,10 +23,10 @@ per dim and variant the median step ms, its ratio to ``hbm_only`` (same run), th
 rate over the timed steps (rows found in a line / rows the lookups touched: the backward's
 Adagrad takes the lines its lookup resolved, and resolves its rows again, counted too, only when
 the lookup bypassed some), misses, bypassed rows, evictions and write-backs a step (the counters
-are read outside the timed region: they live on the device), the bytes per tier (device: the
-index and the cache lines or the payload; host: every row's payload), the peak device memory
-(CUDA), and whether the rows of a probe of keys equal the baseline's after the run (they
-should: the tier is transparent).
+are read outside the timed region: they live on the device) and the host tier rows they imply
+(:func:`host_rows`), the bytes per tier (device: the index and the cache lines or the payload;
+host: every row's payload), the peak device memory (CUDA), and whether the rows of a probe of
+keys equal the baseline's after the run (they should: the tier is transparent).
 
 ``--static``: every variant takes the static sparse step (:mod:`shared.hashtable.static_step`,
 captured in CUDA graphs on CUDA, eager elsewhere; the tables are at their max capacity from the
@@ -39,7 +39,12 @@ with compute (not built).
 process), each variant is built again, warmed by the same ``--warmup`` steps and profiled over
 ``N`` steps (:mod:`bench.step_profile`): its ``profile`` in the JSON (kernels and device ms a
 step on CUDA; operators, host ms and bytes allocated a step everywhere) and the top kernels by
-self device time (operators by self CPU time) in ``<out stem>.<dim>_<variant>.profile.txt``.
+self device time (operators by self CPU time) in ONE file, ``<out stem>.profiles.txt``, a
+section a dim and variant (written after each dim): a device call returns at most 8 files, and
+a file a variant (8 at two dims) with the JSON and logs passed that (2026-12-07: no JSON back).
+
+Each variant's log line (stderr) carries its step ms and, for a cache, the hit rate and host
+rows read and written a step, so the log alone holds the figures if the JSON does not come back.
 """
 
 from __future__ import annotations
@@ -156,6 +161,35 @@ def time_steps(
     return StepTimes(times, fwd_hits / fwd_rows if fwd_rows else 0.0, per_step)
 
 
+def host_rows(per_step: dict[str, float]) -> dict[str, float]:
+    """Host tier rows a step from the counters a step: ``read`` = misses + bypassed (a resolve
+    reads the rows it bypasses), ``written`` = write-backs + bypassed (the backward writes a
+    bypassed row back). Exact for the static step and stored keys (its backward reuses the
+    forward's slots); an upper bound on ``written`` for the eager step, which counts a row
+    bypassed by its lookup and again by its backward, which alone writes it."""
+    bypassed = per_step.get("bypassed", 0.0)
+    return {
+        "read": per_step.get("misses", 0.0) + bypassed,
+        "written": per_step.get("writebacks", 0.0) + bypassed,
+    }
+
+
+def log_line(dim: int, r: int, name: str, res: dict[str, Any], static: bool) -> str:
+    """A variant's line in the log: its step ms and, for a cache, the hit rate and host rows
+    a step (:func:`host_rows`; ``<=`` where ``written`` is an upper bound)."""
+    line = f"dim {dim} round {r} {name}: {res['step_ms_median']:.2f} ms"
+    if "per_step" not in res:
+        return line
+    c, rows = res["per_step"], res["host_rows"]
+    at_most = "" if static else "<= "
+    return (
+        f"{line}, hit rate {res['hit_rate']:.3f}, host rows a step: read {rows['read']:.0f} "
+        f"(misses {c['misses']:.0f} + bypassed {c['bypassed']:.0f}), written {at_most}"
+        f"{rows['written']:.0f} (write-backs {c['writebacks']:.0f} + bypassed "
+        f"{c['bypassed']:.0f}), evictions {c['evictions']:.0f}"
+    )
+
+
 def run_variant(
     dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
     grad: torch.Tensor, probe: torch.Tensor, warmup: int, static: bool = False,
@@ -191,6 +225,7 @@ def run_variant(
         result["cache_lines"] = int(after["cache_lines"])
         result["hit_rate"] = steps.hit_rate
         result["per_step"] = steps.per_step
+        result["host_rows"] = host_rows(steps.per_step)
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     del dec
@@ -255,8 +290,7 @@ def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
                 out[name]["step_ms"] += res["step_ms"]
                 if "equal_to_hbm_only" in res:
                     out[name]["equal_to_hbm_only"] &= res["equal_to_hbm_only"]
-            ms = res["step_ms_median"]
-            print(f"dim {dim} round {r} {name}: {ms:.2f} ms", file=sys.stderr, flush=True)
+            print(log_line(dim, r, name, res, args.static), file=sys.stderr, flush=True)
     for name in VARIANTS:
         v = out[name]
         v["step_ms_median"] = statistics.median(v["step_ms"])
@@ -289,17 +323,19 @@ def run(args: Any) -> dict[str, Any]:
         result["dims"][str(dim)] = run_dim(args, dim, device)
         write_result(args.out, result)  # each dim as it ends: a run cut short keeps the others
     if args.profile:  # after every timed step: a profiler slows later launches in its process
+        sections: list[str] = []
         for dim in args.dims:
             for name, (figures, text) in profile_dim(args, dim, device).items():
                 result["dims"][str(dim)][name]["profile"] = figures
-                profile_path(args.out, dim, name).write_text(text)
+                sections.append(f"{'=' * 24} dim {dim} {name} {'=' * 24}\n{text.rstrip()}\n")
+            profiles_path(args.out).write_text("\n".join(sections))  # each dim as it ends
             write_result(args.out, result)
     return result
 
 
-def profile_path(out: Path, dim: int, variant: str) -> Path:
-    """Where ``--profile`` writes a variant's tables: beside the JSON."""
-    return out.with_name(f"{out.stem}.{dim}_{variant}.profile.txt")
+def profiles_path(out: Path) -> Path:
+    """Where ``--profile`` writes every variant's tables, a section each: beside the JSON."""
+    return out.with_name(f"{out.stem}.profiles.txt")
 
 
 def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[dict[str, Any], str]]:

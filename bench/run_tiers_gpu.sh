@@ -12,8 +12,11 @@
 # 10 % and 0.63 at 50 % with 105K-118K misses a step: a cold start, not the steady state).
 # STATIC=1: every variant takes the static sparse step, captured in CUDA graphs (--static).
 # PROFILE=N: after the timed runs, each variant rebuilt, warmed and profiled over N steps
-# (--profile: kernels and device ms a step in the JSON, the top kernels in
-# bench_tiers_gpu.<dim>_<variant>.profile.txt; a build and WARMUP steps more per variant).
+# (--profile: kernels and device ms a step in the JSON, the top kernels of every variant in ONE
+# file, bench_tiers_gpu.profiles.txt, a section each; a build and WARMUP steps more per variant):
+# 4 files in all (a device call returns at most 8; a file a variant made 10 on 2026-12-07 and
+# lost the JSON). bench_tiers.log's line per variant carries the step ms and, for a cache, the
+# hit rate and host rows read and written a step, so the log alone holds them.
 set -x
 . bench/device_env.sh
 # TIER_TESTS=0 skips the tier tests (when another call of the session ran every GPU test)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import bench_tiers
 
 
-def test_bench_tiers_writes_every_variant_with_rows_equal_to_hbm_only(tmp_path: Path) -> None:
+def test_bench_tiers_writes_every_variant_with_rows_equal_to_hbm_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "tiers.json"
     argv = ["--out", str(out), "--rows", "4000", "--lookups", "1500", "--dims", "4",
             "--warmup", "2", "--steps", "2"]  # fmt: skip
@@ -22,9 +26,24 @@ def test_bench_tiers_writes_every_variant_with_rows_equal_to_hbm_only(tmp_path: 
         assert v["bytes"]["host_payload"] == got["hbm_only"]["bytes"]["device_payload"]
     assert got["cache_10"]["cache_lines"] == -(-4000 // 10)  # 10 % of the rows
     assert got["cache_10"]["per_step"]["evictions"] > 0
+    log = capsys.readouterr().err.splitlines()
+    for name in ("cache_10", "cache_50", "cache_100"):  # the log line carries the counters
+        c, rows = got[name]["per_step"], got[name]["host_rows"]
+        assert rows == {
+            "read": c["misses"] + c["bypassed"],
+            "written": c["writebacks"] + c["bypassed"],
+        }
+        (line,) = [x for x in log if x.startswith(f"dim 4 round 0 {name}: ")]
+        assert f"hit rate {got[name]['hit_rate']:.3f}" in line, line
+        assert f"read {rows['read']:.0f} (misses {c['misses']:.0f}" in line, line
+        assert f"written <= {rows['written']:.0f}" in line, line  # eager: an upper bound
+    (line,) = [x for x in log if x.startswith("dim 4 round 0 hbm_only: ")]
+    assert "hit rate" not in line
 
 
-def test_bench_tiers_static_runs_every_variant_through_the_static_step(tmp_path: Path) -> None:
+def test_bench_tiers_static_runs_every_variant_through_the_static_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--static: each variant's steps take the static sparse step (eager on CPU), the caches'
     too (cache_10's 400 lines under 1536 padded keys: rows bypassed in fixed shapes)."""
     out = tmp_path / "tiers.json"
@@ -40,22 +59,31 @@ def test_bench_tiers_static_runs_every_variant_through_the_static_step(tmp_path:
         assert got[name]["equal_to_hbm_only"], name
         assert got[name]["per_step"]["misses"] > 0, name
     assert got["cache_10"]["per_step"]["bypassed"] > 0
+    rows = got["cache_10"]["host_rows"]
+    assert f"written {rows['written']:.0f} (write-backs" in capsys.readouterr().err  # exact
 
 
 def test_bench_tiers_profile_writes_each_variants_figures_and_tables(tmp_path: Path) -> None:
     """--profile N: after the timed runs each variant is profiled over N steps: its figures a
-    step in the JSON (CPU: no kernels), its tables beside the JSON; a cached step runs the
-    resolve's ops on top of HBM_ONLY's."""
+    step in the JSON (CPU: no kernels), every variant's tables in one file beside the JSON, a
+    section each (a device call returns at most 8 files); a cached step runs the resolve's ops
+    on top of HBM_ONLY's."""
     out = tmp_path / "tiers.json"
-    argv = ["--out", str(out), "--rows", "4000", "--lookups", "1500", "--dims", "4",
+    argv = ["--out", str(out), "--rows", "4000", "--lookups", "1500", "--dims", "4", "8",
             "--warmup", "2", "--steps", "2", "--static", "--profile", "2"]  # fmt: skip
     assert bench_tiers.main(argv) == 0
-    got = json.loads(out.read_text())["dims"]["4"]
-    for name in ("hbm_only", "cache_10", "cache_50", "cache_100"):
-        prof = got[name]["profile"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiers.json", "tiers.profiles.txt"]
+    text = (tmp_path / "tiers.profiles.txt").read_text()
+    sections = text.split("=" * 24 + " dim ")[1:]  # "<dim> <variant> ====...\n<tables>"
+    result = json.loads(out.read_text())["dims"]
+    titles = [section.split(" " + "=" * 24, 1)[0].split() for section in sections]
+    variants = ["hbm_only", "cache_10", "cache_50", "cache_100"]
+    assert titles == [[dim, name] for dim in ("4", "8") for name in variants]
+    for (dim, name), section in zip(titles, sections, strict=True):
+        prof = result[dim][name]["profile"]
         assert prof["profiled_steps"] == 2, name
         assert prof["ops_per_step"] > 0 and prof["allocated_bytes_per_step"] > 0, name
         assert "kernels_per_step" not in prof, name  # no device work on CPU
-        text = (tmp_path / f"tiers.4_{name}.profile.txt").read_text()
-        assert "operators by self CPU time" in text and "aten::" in text, name
+        assert "operators by self CPU time" in section and "aten::" in section, name
+    got = result["4"]
     assert got["cache_100"]["profile"]["ops_per_step"] > got["hbm_only"]["profile"]["ops_per_step"]
