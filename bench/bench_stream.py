@@ -24,6 +24,10 @@ The run, in phases:
    epoch at the same batch size:
 
    - ``stream``: the streamed model's last checkpoint (phase 1's live run);
+   - ``stream_without_publishing``: phase 2's live run, the same rows at the same pace without
+     publishing; ``stream`` against it is the spread of two live runs (their batch boundaries
+     fall where the landed rows ended, and the device's sums are not deterministic), the
+     yardstick for the differences below;
    - ``batch``: ``train.trainer.Trainer`` as a user runs it, the config's shuffling (row groups
      permuted, rows shuffled in windows: ``train/data/loader.py``);
    - ``batch_in_order``: the same trainer on the stream's rows in the stream's order (the landed
@@ -691,15 +695,19 @@ DIFFERENCES = {
     "stream_minus_batch_in_order": ("stream", "batch_in_order"),  # the live batch boundaries
     "stream_replay_minus_batch_in_order": ("stream_replay", "batch_in_order"),  # the stream's path
     "batch_in_order_minus_batch": ("batch_in_order", "batch"),  # the order's effect
+    # two live runs over the same rows at the same pace, one publishing: the live runs' spread
+    # (their batch boundaries fall where the landed rows ended, and CUDA's sums are not
+    # deterministic), against which the differences above are read
+    "stream_minus_stream_without_publishing": ("stream", "stream_without_publishing"),
 }
 
 
 def auc(
     args: argparse.Namespace, work: Path, samples: Path, save: Callable[[dict[str, Any]], None]
 ) -> dict[str, Any]:
-    """Phase 4 (module doc): the live stream, the shuffled batch run, the stream's replay and
-    the batch run in the stream's order (the slowest: one loader worker), each evaluated on
-    the eval samples; ``save`` gets what is measured after each, so a run cut short keeps it."""
+    """Phase 4 (module doc): the live stream, phase 2's live stream without publishing (where it
+    left a checkpoint), the shuffled batch run, the stream's replay and the batch run in the
+    stream's order (the slowest: one loader worker), each evaluated on the eval samples; ``save`` gets what is measured after each, so a run cut short keeps it."""
     from train.checkpoint import latest_checkpoint
     from train.export import evaluate_checkpoint
 
@@ -723,6 +731,12 @@ def auc(
     out["stream_rows_once_in_order"] = rows_once_in_order(work / "src", work / "rows.jsonl")
     measured("stream", evaluate(latest_checkpoint(work / "model")), live["step"],
              live["samples"], t)  # fmt: skip
+    second = work / "training"  # phase 2's trainer, stopped after the same rows
+    if latest_checkpoint(second / "model") is not None:
+        t = time.perf_counter()
+        last = records(second, "stream")[-1]
+        measured("stream_without_publishing", evaluate(latest_checkpoint(second / "model")),
+                 last["step"], last["samples"], t)  # fmt: skip
     t = time.perf_counter()
     batch = _batch(args, args.config, samples, work / "batch", args.num_workers)
     assert batch.final_eval is not None
