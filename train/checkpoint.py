@@ -38,13 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shared.features import FeatureSet
-from shared.hashtable.checkpoint import (
-    TablesSnapshot,
-    collection_paths,
-    open_checkpoint,
-    select_tables,
-)
+from shared.hashtable.checkpoint import TablesSnapshot, collection_paths
 from shared.hashtable.checkpoint import save as save_tables
 from shared.hashtable.checkpoint_io import CheckpointError
 from shared.stale_dirs import remove_stale_dirs
@@ -271,8 +265,9 @@ def load_checkpoint(
     the saved progress. ``ema_weights``: the dense part takes the saved dense EMA's averages
     instead of its trained values (evaluation and export: :mod:`train.dense_ema`).
     ``dynamic_tables=False`` leaves the dynamic tables empty: for readers that take the tables'
-    rows from the files (:func:`saved_parts`), inserting every key into a hash table only to
-    read it back is most of a restore (15 of 16 s at the full config's capacities on CPU)."""
+    rows from the files (:func:`train.checkpoint_rows.read_rows`), inserting every key into a
+    hash table only to read it back is most of a restore (15 of 16 s at the full config's
+    capacities on CPU)."""
     path = Path(path)
     if not (path / "DONE").exists():
         raise FileNotFoundError(
@@ -303,14 +298,3 @@ def load_checkpoint(
             opt.load_state_dict(state["optimizers"][name])
     torch.set_rng_state(state["rng"])
     return Progress(**state["progress"])
-
-
-def saved_parts(path: Path, fs: FeatureSet) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per dynamic table, the (keys [N], values [N, dim]) that each saving rank wrote, in rank
-    order: the ``part_R_W`` of a serving bundle, read without building any hash table."""
-    if not fs.dynamic_tables:
-        return {}
-    reader = open_checkpoint(path)
-    names = [t.name for t in fs.dynamic_tables]
-    chosen, _ = select_tables(reader, names, collection_paths(fs))
-    return {t.name: reader.parts(chosen[t.name], t.dim) for t in fs.dynamic_tables}

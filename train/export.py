@@ -18,27 +18,20 @@ format 2.
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from shared.bundle import DYNREC_NAMING, TZREC_NAMING, BundleNaming, write_bundle
-from shared.bundle.writer import HashPart, check_destination
+from shared.bundle.writer import check_destination
 from shared.config import config_digest, load_config
 from shared.dense_inputs import program_input_names, signature_of
-from shared.features import FeatureSet, build_feature_set
-from shared.hashtable.checkpoint import collection_paths, read_table
-from shared.hashtable.summary import checkpoint_summaries
-from train.checkpoint import (
-    Progress,
-    latest_checkpoint,
-    load_checkpoint,
-    saved_parts,
-)
+from shared.features import build_feature_set
+from shared.hashtable.checkpoint import collection_paths
+from train.checkpoint import Progress, latest_checkpoint, load_checkpoint
+from train.checkpoint_rows import read_rows
 from train.data.loader import Loader
 from train.dense_ema import use_dense_ema
 from train.export_cache import ExportCache
@@ -46,8 +39,6 @@ from train.model.multi_tower_din import MultiTowerDIN
 
 if TYPE_CHECKING:  # imported where used: see evaluate_checkpoint
     from train.evaluate import EvalResult
-
-log = logging.getLogger(__name__)
 
 
 def restore_model(
@@ -63,7 +54,7 @@ def restore_model(
     the dense EMA's averages where the config's ``export_config`` (``eval_config`` with
     ``for_eval``) uses them (:func:`train.dense_ema.use_dense_ema`). ``dynamic_tables=False``:
     the dynamic tables stay empty (exports read their rows from the checkpoint's files,
-    :func:`train.checkpoint.saved_parts`; :func:`train.checkpoint.load_checkpoint`)."""
+    :func:`train.checkpoint_rows.read_rows`; :func:`train.checkpoint.load_checkpoint`)."""
     config = load_config(config_path)
     which = config.eval_config if for_eval else config.export_config  # unset: the default
     ema_weights = use_dense_ema(which, config.train_config)
@@ -96,7 +87,7 @@ def export_bundle(
     program of an earlier export of this process (:mod:`train.export_cache`); None: traced."""
     config = load_config(config_path)
     check_destination(out_dir, overwrite=overwrite)  # before the minutes of restore and export
-    # the dynamic tables' rows come from the checkpoint's files (saved_parts), not the model
+    # the dynamic tables' rows come from the checkpoint's files (read_rows), not the model
     model, progress, ckpt = restore_model(
         config_path, model_dir=model_dir, checkpoint=checkpoint, device="cpu",
         dynamic_tables=False,
@@ -106,7 +97,9 @@ def export_bundle(
         name: w.detach().cpu().contiguous()
         for name, w in model.sparse.dense_table_weights().items()
     }
-    hash_tables = with_scores(ckpt, fs, saved_parts(ckpt, fs))  # a part per saving rank
+    rows = read_rows(ckpt, fs)  # each table file read once: the rows and the summaries
+    # a part per saving rank, each row with its score (the hotness of serve.tiers)
+    hash_tables = {t.name: rows.parts(t.name) for t in fs.dynamic_tables}
     # format 1 servers predate the pair inputs: their program sizes the pairs itself
     pairs = naming.format_version != DYNREC_NAMING.format_version
     cache = cache or ExportCache()
@@ -125,7 +118,7 @@ def export_bundle(
             # admission counters stay in training (the rows' scores go as their hotness):
             # serving shows this summary
             extra={
-                "table_summaries": checkpoint_summaries(ckpt),
+                "table_summaries": rows.summaries,
                 # online training: the newest trained row's time (freshness, serve.freshness)
                 **({"event_time": progress.event_time} if progress.event_time else {}),
             },
@@ -135,40 +128,6 @@ def export_bundle(
         )
     cache.wrote_bundle(path, program)  # the deltas against it compare with these weights
     return path
-
-
-def key_order(keys: torch.Tensor) -> torch.Tensor:
-    """The permutation that sorts ``keys`` (int64 [N], distinct), as ``torch.argsort``.
-    numpy's stable sort (timsort) takes a few ms for a checkpoint's keys, which every rank saves
-    sorted, where torch.argsort of 280K keys took 0.1-0.9 s on a busy 2-core CPU."""
-    return torch.from_numpy(np.argsort(keys.numpy(), kind="stable"))
-
-
-def with_scores(
-    ckpt: Path, fs: FeatureSet, parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
-) -> dict[str, list[HashPart]]:
-    """Each part with its rows' scores as the training table keeps them (STEP: the step a row
-    was last seen, TIMESTAMP: its time in µs, LFU: its count; larger is hotter): the bundle's
-    hotness, by which a server with a host tier keeps the hottest rows in HBM (``serve.tiers``).
-    A table whose scores cannot be matched to its parts' keys is exported without them (logged:
-    serving then caches its first rows)."""
-    out: dict[str, list[HashPart]] = {}
-    for t in fs.dynamic_tables:
-        state, _ = read_table(ckpt, t.name, spec=t)
-        keys = torch.cat([k for k, _ in parts[t.name]])
-        order = key_order(state.keys)
-        sorted_keys = state.keys[order]
-        pos = torch.searchsorted(sorted_keys, keys).clamp(max=max(sorted_keys.numel() - 1, 0))
-        if keys.numel() and not bool((sorted_keys[pos] == keys).all()):
-            log.warning("table %s: its scores do not match its keys; exported without", t.name)
-            out[t.name] = list(parts[t.name])
-            continue
-        scores = state.scores.to(torch.int64)[order][pos] if keys.numel() else keys.clone()
-        sizes = [k.numel() for k, _ in parts[t.name]]
-        out[t.name] = [
-            (k, v, sc) for (k, v), sc in zip(parts[t.name], scores.split(sizes), strict=True)
-        ]
-    return out
 
 
 def evaluate_checkpoint(

@@ -279,7 +279,8 @@ class DynamicembReader:
         if accum is None:
             accum = torch.full((keys.numel(), dim), float(want.initial_accumulator_value))
         ck, cc = self._counters(table, len(parts))
-        return ReadTable(TableState(keys, values, scores, accum, ck, cc), notes)
+        rows = tuple(k.numel() for k, _ in parts)
+        return ReadTable(TableState(keys, values, scores, accum, ck, cc), rows, notes)
 
     def _check_meta(
         self, table: SavedTable, args: dict[str, Any], strategy: ScoreStrategy | None

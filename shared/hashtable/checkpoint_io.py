@@ -124,9 +124,12 @@ class ReadRequest:
 
 @dataclass
 class ReadTable:
-    """Every saved rank of a table, joined, in our semantics."""
+    """Every saved rank of a table, joined, in our semantics. ``part_rows``: the rows of each
+    saving rank, in rank order (the state's rows are theirs one after another), so that a
+    reader of the joined state can give each rank's part back (a bundle's ``part_R_W``)."""
 
     state: TableState
+    part_rows: tuple[int, ...]
     notes: list[str] = field(default_factory=list)  # conversions and states left out
 
     @property

@@ -160,4 +160,4 @@ class V1Reader:
             ck,
             cc,
         )
-        return ReadTable(state, [])
+        return ReadTable(state, tuple(k.numel() for k, _ in parts), [])

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.features import TableSpec
 from shared.hashtable.checkpoint import DEEP_COLLECTION, open_checkpoint
 from shared.hashtable.checkpoint_io import (
     CheckpointReader,
@@ -119,24 +120,29 @@ class SavedRead:
 def read_saved_tables(
     reader: CheckpointReader,
     *,
-    dims: Mapping[SavedTable, int] | None = None,
+    specs: Mapping[SavedTable, TableSpec] | None = None,
     now: int | None = None,
 ) -> list[SavedRead]:
     """Every dynamic table of the checkpoint, each table's files read once, in summary order
-    (the deep collection first). ``dims``: the config's dim of the tables an export takes rows
-    from (their values are checked against it, as :meth:`CheckpointReader.parts` checks them);
-    the others are read with the dim the files say. ``now``: the TIMESTAMP clock (µs, default
-    the wall clock). One read serves both an export's rows and its summaries
-    (:func:`summaries_of`), instead of a second read of every file for the summaries; the reads
-    are held together (every table's rows and optimizer states), where a summary alone held
-    one table's at a time."""
+    (the deep collection first). ``specs``: the config's tables an export takes rows from, by
+    their files: read with the config's dim and score strategy (the values checked against the
+    dim, the strategy against the files' ``evict_strategy``, as a load checks them); the others
+    are read as the files say. ``now``: the TIMESTAMP clock (µs, default the wall clock). One
+    read serves both an export's rows and its summaries (:func:`summaries_of`), instead of a
+    second read of every file for the summaries; the reads are held together (every table's
+    rows and optimizer states), where a summary alone held one table's at a time."""
     saved = sorted(reader.tables(), key=lambda t: (t.collection != DEEP_COLLECTION, t.collection))
-    dims = dims or {}
+    specs = specs or {}
     now = time.time_ns() // 1000 if now is None else now
     out = []
     for table in saved:
         info = reader.describe(table)
-        want = ReadRequest(dims.get(table, info.dim), info.strategy, 0.0, now)
+        spec = specs.get(table)
+        want = (
+            ReadRequest(spec.dim, spec.dynamic.score_strategy, 0.0, now)
+            if spec is not None and spec.dynamic is not None
+            else ReadRequest(info.dim, info.strategy, 0.0, now)
+        )
         out.append(SavedRead(table, info, reader.read(table, want)))
     return out
 

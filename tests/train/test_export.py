@@ -1,9 +1,11 @@
 """Checkpoint → bundle → offline scorer: the bundle alone reproduces the trained model, in
 TorchEasyRec's names with a program taking the pairs (format 3, the default) and in ours of
-format 1 (program without them) alike."""
+format 1 (program without them) alike; each checkpoint table file read once, and checkpoints of
+2 and 3 ranks exported as the one-process checkpoint of the same model state."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +18,14 @@ from safetensors import safe_open
 
 from serve.model import LoadedModel
 from serve.offline import score_table
-from shared.bundle import DYNREC_NAMING, TZREC_COLLECTION, TZREC_NAMING, read_bundle
+from shared.bundle import DYNREC_NAMING, TZREC_COLLECTION, TZREC_NAMING, read_bundle, write_bundle
+from shared.bundle.writer import HashPart
+from shared.features import FeatureSet
 from shared.fg import table_to_batch
+from shared.hashtable.checkpoint import collection_paths, open_checkpoint, read_table, select_tables
+from shared.hashtable.summary import checkpoint_summaries
 from tests.conftest import SEED_CONFIG, write_config
+from tests.train.export_checks import assert_same_model, bundle_files, by_ranks
 from train.export import export_bundle, restore_model
 from train.trainer import Trainer, TrainOptions
 
@@ -221,3 +228,99 @@ def test_exported_backoff_scores_as_trained(
         expected = torch.sigmoid(model(table_to_batch(model.fs, rows))).numpy()
     served = score_table(LoadedModel.load(bundle, device="cpu", warmup_rounds=0), rows, tiled=True)
     np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- table files: read once, any W
+
+
+@pytest.fixture(scope="module")
+def ranked(dyn_run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """dyn_run's step-8 checkpoint as one process saved it and as 2 and 3 ranks save it."""
+    return by_ranks(dyn_run.checkpoint, tmp_path_factory.mktemp("export_ranked"))
+
+
+def _tables_read_thrice(ckpt: Path, fs: FeatureSet) -> tuple[dict[str, list[HashPart]], dict]:
+    """The hash tables and summaries as export_bundle took them before it read each file once:
+    each rank's (keys, values) from ``reader.parts``, their scores matched by key from a second
+    read (``read_table``), the summaries from a third (``checkpoint_summaries``)."""
+    reader = open_checkpoint(ckpt)
+    chosen, _ = select_tables(reader, [t.name for t in fs.dynamic_tables], collection_paths(fs))
+    tables: dict[str, list[HashPart]] = {}
+    for t in fs.dynamic_tables:
+        state, _ = read_table(ckpt, t.name, spec=t)
+        score = dict(zip(state.keys.tolist(), state.scores.tolist(), strict=True))
+        tables[t.name] = [
+            (k, v, torch.tensor([score[x] for x in k.tolist()], dtype=torch.int64))
+            for k, v in reader.parts(chosen[t.name], t.dim)
+        ]
+    return tables, checkpoint_summaries(ckpt)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_full_export_writes_the_bytes_of_three_reads(
+    ranked: dict[int, Path], world_size: int, tmp_path: Path
+) -> None:
+    """The bundle of one read per file is byte for byte the bundle of the former three (its
+    tables and summaries written with the same dense part, program and version)."""
+    ckpt = ranked[world_size]
+    bundle = export_bundle(SEED_CONFIG, out_dir=tmp_path / "once", checkpoint=ckpt)
+    b = read_bundle(bundle)
+    tables, summaries = _tables_read_thrice(ckpt, b.feature_set)
+    assert all(len(parts) == world_size for parts in tables.values())
+    before = write_bundle(
+        tmp_path / "thrice",
+        dense_tables=b.dense_tables,
+        hash_tables=tables,
+        feature_set=b.feature_set,
+        dense_program_path=bundle / "dense.pt2",
+        config_digest=b.config_digest,
+        version=b.version,
+        extra={"table_summaries": summaries},
+        naming=TZREC_NAMING.for_tables(collection_paths(b.feature_set)),
+    )
+    assert bundle_files(bundle) == bundle_files(before)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[Path]:
+    """Every raw array file read from now on (``read_array``, the one reader of table files
+    in every layout), counted by path; the reads still happen."""
+    from shared.hashtable import checkpoint_dynamicemb, checkpoint_io, checkpoint_v1
+
+    counts: Counter[Path] = Counter()
+    real = checkpoint_io.read_array
+
+    def counted(path: Path, dtype: str) -> torch.Tensor:
+        counts[Path(path)] += 1
+        return real(path, dtype)
+
+    for module in (checkpoint_io, checkpoint_dynamicemb, checkpoint_v1):
+        monkeypatch.setattr(module, "read_array", counted)
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_full_export_reads_each_table_file_once(
+    ranked: dict[int, Path], world_size: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every file of every rank (keys, values, scores, optimizer states, admission counters)
+    read exactly once for the rows, their scores and the summaries."""
+    ckpt = ranked[world_size]
+    files = {p for p in (ckpt / "dynamicemb").rglob("*.rank_*") if p.is_file()}
+    assert len(files) == 6 * 6 * world_size  # 6 tables, 6 kinds (counters too), W ranks
+    counts = _count_reads(monkeypatch)
+    export_bundle(SEED_CONFIG, out_dir=tmp_path / "bundle", checkpoint=ckpt)
+    assert dict(counts) == dict.fromkeys(files, 1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_export_the_one_process_bundle(
+    ranked: dict[int, Path], world_size: int, tmp_path: Path
+) -> None:
+    """W ranks' checkpoint of a model state exports what the one-process checkpoint of it
+    exports: W parts per table (``part_R_W``) that a load joins into the same rows and scores
+    by key, the same dense part and program bytes, summaries but for the files' world size."""
+    one = read_bundle(export_bundle(SEED_CONFIG, out_dir=tmp_path / "w1", checkpoint=ranked[1]))
+    many = read_bundle(
+        export_bundle(SEED_CONFIG, out_dir=tmp_path / "wn", checkpoint=ranked[world_size])
+    )
+    assert_same_model(one, many, world_size)

@@ -9,25 +9,17 @@ from pathlib import Path
 import torch
 
 from serve.program_cache import program_digest
-from shared.bundle import TZREC_NAMING
+from shared.bundle import TZREC_NAMING, read_bundle
 from shared.bundle.naming import format_version
 from shared.bundle.reader import read_manifest
 from shared.bundle.writer import program_signature
 from shared.delta import delta_format_version
 from tests.conftest import SEED_CONFIG
+from tests.train.export_checks import assert_same_model, bundle_files, by_ranks
 from train.export import export_bundle, restore_model
 from train.export_cache import ExportCache
 from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
 from train.tools.delta import export_delta
-
-
-def _files(path: Path) -> dict[str, bytes]:
-    """Every file of a bundle or delta; the manifest without its time of writing."""
-    out = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "manifest.json"}
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest.pop("created_at")
-    out["manifest.json"] = json.dumps(manifest, sort_keys=True).encode()
-    return out
 
 
 def test_cached_exports_write_the_bytes_of_cold_ones(dyn_run, tmp_path: Path) -> None:
@@ -52,17 +44,17 @@ def test_cached_exports_write_the_bytes_of_cold_ones(dyn_run, tmp_path: Path) ->
     export_delta(SEED_CONFIG, out=tmp_path / "cold", **kw)
     assert (cache.traced, cache.reused, cache.bases_read) == (1, 3, 2)
     assert cache.base_programs_loaded == 1  # the fixture's base program, once
-    assert _files(full) == _files(dyn_run.base_bundle)  # the fixture's, exported cold
-    cold = _files(tmp_path / "cold")
+    assert bundle_files(full) == bundle_files(dyn_run.base_bundle)  # the fixture's, exported cold
+    cold = bundle_files(tmp_path / "cold")
     assert "dense.pt2" in cold  # 4 steps moved the dense weights: the delta has a program
     # the formats told from the programs in memory are those a load of the files tells
     signature = program_signature(full / "dense.pt2")
     assert read_manifest(full)["format_version"] == format_version(TZREC_NAMING, signature)
     delta_manifest = json.loads(cold["manifest.json"])
     assert delta_manifest["format_version"] == delta_format_version(tmp_path / "cold" / "dense.pt2")
-    assert _files(tmp_path / "warm-1") == cold
-    assert _files(tmp_path / "warm-2") == cold
-    on_full = _files(tmp_path / "on-full")
+    assert bundle_files(tmp_path / "warm-1") == cold
+    assert bundle_files(tmp_path / "warm-2") == cold
+    on_full = bundle_files(tmp_path / "on-full")
     assert on_full["delta.safetensors"] == cold["delta.safetensors"]
     assert on_full["dense.pt2"] == cold["dense.pt2"]
     # the reused program holds step 8's weights, not those of step 4 it was traced with
@@ -114,3 +106,28 @@ def test_another_graph_is_traced_again_and_the_same_graph_reused(tmp_path: Path)
     assert program_digest(tmp_path / "b2.pt2") == program_digest(
         _saved(cold_plain, tmp_path / "b2-cold.pt2")
     )
+
+
+def test_cached_exports_of_ranks_checkpoints(dyn_run, tmp_path: Path) -> None:
+    """As the stream's export process, over checkpoints saved by 1, 2 and 3 ranks of one model
+    state: each full export through one cache writes the bytes of a cold export of the same
+    checkpoint and holds the one-process bundle's model; a delta of the 3 ranks' checkpoint
+    against the one-process bundle changes nothing (same rows bit for bit, same program)."""
+    ckpts = by_ranks(dyn_run.checkpoint, tmp_path)
+    cache = ExportCache()
+    full = {
+        w: export_bundle(SEED_CONFIG, out_dir=tmp_path / f"full-{w}", checkpoint=c, cache=cache)
+        for w, c in ckpts.items()
+    }
+    assert (cache.traced, cache.reused) == (1, 2)
+    for w in (2, 3):
+        cold = export_bundle(SEED_CONFIG, out_dir=tmp_path / f"cold-{w}", checkpoint=ckpts[w])
+        assert bundle_files(full[w]) == bundle_files(cold)
+        assert_same_model(read_bundle(full[1]), read_bundle(full[w]), w)
+    report = export_delta(
+        SEED_CONFIG, base=full[1], checkpoint=ckpts[3], out=tmp_path / "delta", cache=cache
+    )
+    assert report["dense_program"] is False
+    hashed = {n: t for n, t in report["tables"].items() if t["is_hashmap"]}
+    assert hashed and all(t["new"] == t["updated"] == t["evicted"] == 0 for t in hashed.values())
+    assert all(t["rows"] == 0 for t in report["tables"].values())

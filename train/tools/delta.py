@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,8 @@ from shared.bundle.naming import program_signature
 from shared.config import config_digest, load_config
 from shared.delta import DELTA_MANIFEST, DeltaError, diff_tables, write_delta
 from shared.dense_inputs import program_input_names, signature_of
-from shared.features import FeatureSet
-from shared.hashtable.checkpoint import collection_paths, open_checkpoint, select_tables
-from shared.hashtable.summary import read_saved_tables, summaries_of
-from train.export import key_order, restore_model
+from train.checkpoint_rows import read_rows
+from train.export import restore_model
 from train.export_cache import ExportCache
 from train.model.multi_tower_din import MultiTowerDIN
 
@@ -46,39 +43,6 @@ def program_changed(base_weights: Mapping[str, torch.Tensor], model: MultiTowerD
     if set(new) - set(base_weights):
         return True
     return any(not torch.equal(base_weights[k], v.detach().cpu()) for k, v in new.items())
-
-
-@dataclass(frozen=True)
-class CheckpointRows:
-    """What a delta export takes from a checkpoint's table files, read once
-    (:func:`read_checkpoint`)."""
-
-    tables: dict[str, tuple[torch.Tensor, torch.Tensor]]  # config's tables: keys sorted, values
-    summaries: dict[str, dict[str, Any]]  # every saved table (shared.hashtable.summary)
-
-
-def read_checkpoint(ckpt: Path, fs: FeatureSet, *, now: int | None = None) -> CheckpointRows:
-    """Per dynamic table of ``fs``, (keys [N] int64 sorted, values [N, dim]) as the checkpoint's
-    files hold them (every saving rank's part), and the summaries of every saved table, from one
-    read of each table's files (:func:`shared.hashtable.summary.read_saved_tables`).
-
-    The rows are what restoring the tables and exporting them gives (``export_table``: admitted
-    keys, sorted), without inserting every key into a hash table and reading it back, which
-    took 24 of a delta export's 27 s at the full config's capacities on CPU; the summaries are
-    :func:`~shared.hashtable.summary.checkpoint_summaries`' (``now``: its TIMESTAMP clock)
-    without its second read of the same files."""
-    reader = open_checkpoint(ckpt)
-    names = [t.name for t in fs.dynamic_tables]
-    chosen = select_tables(reader, names, collection_paths(fs))[0] if names else {}
-    dims = {chosen[t.name]: t.dim for t in fs.dynamic_tables}
-    reads = read_saved_tables(reader, dims=dims, now=now)
-    state = {r.table: r.got.state for r in reads}
-    tables = {}
-    for name in names:
-        keys, values = state[chosen[name]].keys, state[chosen[name]].values
-        order = key_order(keys)  # a merge of the ranks' sorted runs
-        tables[name] = (keys[order], values[order])
-    return CheckpointRows(tables, summaries_of(reads, reader.layout))
 
 
 def export_delta(
@@ -111,8 +75,9 @@ def export_delta(
         dynamic_tables=False,
     )  # fmt: skip
     dense = {n: w.detach().cpu() for n, w in model.sparse.dense_table_weights().items()}
-    rows = read_checkpoint(ckpt, model.fs)
-    tables = diff_tables(base_bundle.dense_tables, base_bundle.hash_tables, dense, rows.tables)
+    rows = read_rows(ckpt, model.fs)  # each table file read once: the rows and the summaries
+    hashed = {t.name: rows.sorted_rows(t.name) for t in model.fs.dynamic_tables}
+    tables = diff_tables(base_bundle.dense_tables, base_bundle.hash_tables, dense, hashed)
     target = f"step-{progress.step}"
     with tempfile.TemporaryDirectory() as tmp:
         program: Path | None = None

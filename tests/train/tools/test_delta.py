@@ -15,11 +15,9 @@ from shared.bundle.writer import program_signature
 from shared.delta import PAIR_PROGRAM_DELTA_FORMAT, DeltaError, apply_delta_tables, manifest_digest
 from shared.delta_reader import read_delta
 from shared.dense_inputs import Signature
-from shared.hashtable.summary import checkpoint_summaries
 from tests.conftest import SEED_CONFIG, write_config
-from train.export import restore_model
 from train.tools.__main__ import main
-from train.tools.delta import export_delta, read_checkpoint
+from train.tools.delta import export_delta
 
 
 @pytest.fixture(scope="module")
@@ -148,18 +146,3 @@ def test_unknown_or_inconsistent_delta_versions_are_refused(
         read_delta(_with_manifest(delta_dir, tmp_path / "v9", format_version=9))
     with pytest.raises(DeltaError, match="'dense_program' is false"):
         read_delta(_with_manifest(delta_dir, tmp_path / "v2", dense_program=False))
-
-
-def test_checkpoint_rows_are_the_restored_tables(dyn_run) -> None:
-    """The rows read from the checkpoint's files are what restoring the model's hash tables and
-    exporting them gave (the delta's source before: keys sorted, values bit for bit), and the
-    summaries of the same read are checkpoint_summaries' (its own read of the files)."""
-    model, _, ckpt = restore_model(SEED_CONFIG, checkpoint=dyn_run.checkpoint)
-    got = read_checkpoint(ckpt, model.fs, now=1_000_000)
-    assert set(got.tables) == {t.name for t in model.fs.dynamic_tables}
-    for name, (keys, values) in got.tables.items():
-        want_keys, want_values = model.sparse.dynamic.export_table(name)
-        assert keys.numel() > 0 and torch.equal(keys, want_keys), name
-        assert torch.equal(values.view(torch.int32), want_values.view(torch.int32)), name
-    assert got.summaries == checkpoint_summaries(ckpt, now=1_000_000)
-    assert set(got.summaries) >= set(got.tables)
