@@ -11,7 +11,6 @@ import torch
 from shared.hashtable.checkpoint import read_table
 from shared.hashtable.summary import checkpoint_summaries
 from tests.conftest import SEED_CONFIG
-from tests.train.export_checks import by_ranks
 from train.checkpoint_rows import key_order, read_rows
 from train.export import restore_model
 
@@ -39,26 +38,20 @@ def test_rows_are_the_restored_tables(dyn_run) -> None:
     assert set(got.summaries) >= set(got.reads)
 
 
-@pytest.fixture(scope="module")
-def ranked(dyn_run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """dyn_run's step-8 checkpoint as 1 process saved it and as 2 and 3 ranks save it."""
-    return by_ranks(dyn_run.checkpoint, tmp_path_factory.mktemp("ranked"))
-
-
 def _by_key(keys: torch.Tensor, *columns: torch.Tensor) -> list[torch.Tensor]:
     order = key_order(keys)
     return [keys[order], *(c[order] for c in columns)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_join_to_the_one_process_rows(ranked: dict[int, Path], world_size: int) -> None:
+def test_ranks_join_to_the_one_process_rows(dyn_ranks: dict[int, Path], world_size: int) -> None:
     """W ranks' files: W parts per table, rank R's keys those with key % W == R, and joined they
     are the one-process checkpoint's rows: keys, values, scores, Adagrad sums and admission
     counters alike; the summaries differ only in the files' world_size."""
-    model, _, _ = restore_model(SEED_CONFIG, checkpoint=ranked[1], dynamic_tables=False)
+    model, _, _ = restore_model(SEED_CONFIG, checkpoint=dyn_ranks[1], dynamic_tables=False)
     one, many = (
-        read_rows(ranked[1], model.fs, now=NOW),
-        read_rows(ranked[world_size], model.fs, now=NOW),
+        read_rows(dyn_ranks[1], model.fs, now=NOW),
+        read_rows(dyn_ranks[world_size], model.fs, now=NOW),
     )
     for t in model.fs.dynamic_tables:
         parts = many.parts(t.name)

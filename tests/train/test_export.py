@@ -25,7 +25,7 @@ from shared.fg import table_to_batch
 from shared.hashtable.checkpoint import collection_paths, open_checkpoint, read_table, select_tables
 from shared.hashtable.summary import checkpoint_summaries
 from tests.conftest import SEED_CONFIG, write_config
-from tests.train.export_checks import assert_same_model, bundle_files, by_ranks
+from tests.train.export_checks import assert_same_model, bundle_files
 from train.export import export_bundle, restore_model
 from train.trainer import Trainer, TrainOptions
 
@@ -233,12 +233,6 @@ def test_exported_backoff_scores_as_trained(
 # ---------------------------------------------------------------- table files: read once, any W
 
 
-@pytest.fixture(scope="module")
-def ranked(dyn_run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """dyn_run's step-8 checkpoint as one process saved it and as 2 and 3 ranks save it."""
-    return by_ranks(dyn_run.checkpoint, tmp_path_factory.mktemp("export_ranked"))
-
-
 def _tables_read_thrice(ckpt: Path, fs: FeatureSet) -> tuple[dict[str, list[HashPart]], dict]:
     """The hash tables and summaries as export_bundle took them before it read each file once:
     each rank's (keys, values) from ``reader.parts``, their scores matched by key from a second
@@ -258,12 +252,12 @@ def _tables_read_thrice(ckpt: Path, fs: FeatureSet) -> tuple[dict[str, list[Hash
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_full_export_writes_the_bytes_of_three_reads(
-    ranked: dict[int, Path], world_size: int, tmp_path: Path
+    dyn_ranks: dict[int, Path], dyn_rank_bundles: dict[int, Path], world_size: int, tmp_path: Path
 ) -> None:
-    """The bundle of one read per file is byte for byte the bundle of the former three (its
-    tables and summaries written with the same dense part, program and version)."""
-    ckpt = ranked[world_size]
-    bundle = export_bundle(SEED_CONFIG, out_dir=tmp_path / "once", checkpoint=ckpt)
+    """The bundle of one read per file (the session's cold export of the checkpoint) is byte for
+    byte the bundle of the former three (its tables and summaries written with the same dense
+    part, program and version)."""
+    ckpt, bundle = dyn_ranks[world_size], dyn_rank_bundles[world_size]
     b = read_bundle(bundle)
     tables, summaries = _tables_read_thrice(ckpt, b.feature_set)
     assert all(len(parts) == world_size for parts in tables.values())
@@ -300,11 +294,11 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[Path]:
 
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_full_export_reads_each_table_file_once(
-    ranked: dict[int, Path], world_size: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    dyn_ranks: dict[int, Path], world_size: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Every file of every rank (keys, values, scores, optimizer states, admission counters)
     read exactly once for the rows, their scores and the summaries."""
-    ckpt = ranked[world_size]
+    ckpt = dyn_ranks[world_size]
     files = {p for p in (ckpt / "dynamicemb").rglob("*.rank_*") if p.is_file()}
     assert len(files) == 6 * 6 * world_size  # 6 tables, 6 kinds (counters too), W ranks
     counts = _count_reads(monkeypatch)
@@ -314,13 +308,11 @@ def test_full_export_reads_each_table_file_once(
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_export_the_one_process_bundle(
-    ranked: dict[int, Path], world_size: int, tmp_path: Path
+    dyn_rank_bundles: dict[int, Path], world_size: int
 ) -> None:
     """W ranks' checkpoint of a model state exports what the one-process checkpoint of it
     exports: W parts per table (``part_R_W``) that a load joins into the same rows and scores
-    by key, the same dense part and program bytes, summaries but for the files' world size."""
-    one = read_bundle(export_bundle(SEED_CONFIG, out_dir=tmp_path / "w1", checkpoint=ranked[1]))
-    many = read_bundle(
-        export_bundle(SEED_CONFIG, out_dir=tmp_path / "wn", checkpoint=ranked[world_size])
-    )
+    by key, the same dense part and program bytes, summaries but for the files' world size
+    (the session's cold exports of each checkpoint)."""
+    one, many = (read_bundle(dyn_rank_bundles[w]) for w in (1, world_size))
     assert_same_model(one, many, world_size)

@@ -15,7 +15,7 @@ from shared.bundle.reader import read_manifest
 from shared.bundle.writer import program_signature
 from shared.delta import delta_format_version
 from tests.conftest import SEED_CONFIG
-from tests.train.export_checks import assert_same_model, bundle_files, by_ranks
+from tests.train.export_checks import assert_same_model, bundle_files
 from train.export import export_bundle, restore_model
 from train.export_cache import ExportCache
 from train.model.dense_arch import DenseArch, example_inputs, export_dense_arch
@@ -108,12 +108,15 @@ def test_another_graph_is_traced_again_and_the_same_graph_reused(tmp_path: Path)
     )
 
 
-def test_cached_exports_of_ranks_checkpoints(dyn_run, tmp_path: Path) -> None:
+def test_cached_exports_of_ranks_checkpoints(
+    dyn_ranks: dict[int, Path], dyn_rank_bundles: dict[int, Path], tmp_path: Path
+) -> None:
     """As the stream's export process, over checkpoints saved by 1, 2 and 3 ranks of one model
     state: each full export through one cache writes the bytes of a cold export of the same
-    checkpoint and holds the one-process bundle's model; a delta of the 3 ranks' checkpoint
-    against the one-process bundle changes nothing (same rows bit for bit, same program)."""
-    ckpts = by_ranks(dyn_run.checkpoint, tmp_path)
+    checkpoint (the session's) and holds the one-process bundle's model; a delta of the 3
+    ranks' checkpoint against the one-process bundle changes nothing (same rows bit for bit,
+    same program)."""
+    ckpts = dyn_ranks
     cache = ExportCache()
     full = {
         w: export_bundle(SEED_CONFIG, out_dir=tmp_path / f"full-{w}", checkpoint=c, cache=cache)
@@ -121,8 +124,7 @@ def test_cached_exports_of_ranks_checkpoints(dyn_run, tmp_path: Path) -> None:
     }
     assert (cache.traced, cache.reused) == (1, 2)
     for w in (2, 3):
-        cold = export_bundle(SEED_CONFIG, out_dir=tmp_path / f"cold-{w}", checkpoint=ckpts[w])
-        assert bundle_files(full[w]) == bundle_files(cold)
+        assert bundle_files(full[w]) == bundle_files(dyn_rank_bundles[w])
         assert_same_model(read_bundle(full[1]), read_bundle(full[w]), w)
     report = export_delta(
         SEED_CONFIG, base=full[1], checkpoint=ckpts[3], out=tmp_path / "delta", cache=cache

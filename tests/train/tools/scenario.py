@@ -79,3 +79,30 @@ def baseline_run(
 ) -> Path:
     """A num_buckets checkpoint (6 steps) of the shrunk baseline config."""
     return train(baseline_config, tiny_samples, tmp_path_factory.mktemp("nb_run") / "model", 6)
+
+
+@pytest.fixture(scope="session")
+def dyn_ranks(dyn_run: DynRun, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """``dyn_run``'s step-8 checkpoint by world size: as one process saved it (1) and as 2 and 3
+    ranks save it (``tests.train.export_checks.by_ranks``). Shared by the export, export-cache
+    and checkpoint-rows tests, which only read it."""
+    from tests.train.export_checks import by_ranks
+
+    return by_ranks(dyn_run.checkpoint, tmp_path_factory.mktemp("dyn_ranks"))
+
+
+@pytest.fixture(scope="session")
+def dyn_rank_bundles(
+    dyn_run: DynRun, dyn_ranks: dict[int, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, Path]:
+    """The cold full export (no cache) of each of ``dyn_ranks``' checkpoints: 1 is
+    ``dyn_run.full_bundle`` (the same export of the same checkpoint), 2 and 3 exported here once
+    for the tests that compare them (each export traces the dense program, about half a second
+    on CPU). Read only."""
+    from train.export import export_bundle
+
+    root = tmp_path_factory.mktemp("dyn_rank_bundles")
+    out = {1: dyn_run.full_bundle}
+    for w in (2, 3):
+        out[w] = export_bundle(SEED_CONFIG, out_dir=root / f"w{w}", checkpoint=dyn_ranks[w])
+    return out
