@@ -44,9 +44,9 @@ class GraphPool:
     usable while its owner holds it, even after every graph captured into it is dropped.
 
     ``graph_pool_handle()`` alone is not enough: torch counts a pool's users by the graphs
-    captured into it, in the device allocator and (since 2.10) in the pinned host allocator
-    alike. Once the last graph is dropped the host allocator marks the pool freeable, and the
-    next capture into the id fails its ``use_count > 0`` INTERNAL ASSERT
+    captured into it, in the device allocator and (in torch 2.11 and 2.13 at least) in the
+    pinned host allocator alike. Once the last graph is dropped the host allocator marks the
+    pool freeable, and the next capture into the id fails its ``use_count > 0`` INTERNAL ASSERT
     (``CachingHostAllocator.h``; the static step's and the graph test's on the H100, 2026-12-07,
     torch 2.11; a ``torch.cuda.MemPool`` holds only the device allocator's count). So the pool
     keeps one graph of its own, captured into it at construction (one fill of one element),
