@@ -31,7 +31,7 @@ class Probe:
 
     def __init__(self, stub: predict_pb2_grpc.PredictionServiceStub, every_s: float) -> None:
         self.stub, self.every_s = stub, every_s
-        self.samples: list[tuple[float, str, int, float]] = []
+        self.samples: list[tuple[float, str, float, float]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="probe", daemon=True)
 
