@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench.oip_load import CHANNEL_OPTIONS
 from protos import predict_pb2, predict_pb2_grpc
 
 
@@ -74,8 +75,7 @@ class PacedLoad:
         # thread's calls over one connection, which reaches one of the server's --frontends
         # (SO_REUSEPORT): on the H100 on 2026-12-07 that one frontend was the bottleneck, at
         # p50 168 ms with no trainer running (as bench_oip found, bench/oip_load.py)
-        options = [("grpc.use_local_subchannel_pool", 1)]
-        with grpc.insecure_channel(self.host, options=options) as channel:
+        with grpc.insecure_channel(self.host, options=CHANNEL_OPTIONS) as channel:
             stub = predict_pb2_grpc.PredictionServiceStub(channel)
             i = k
             while not self.stop.is_set():
