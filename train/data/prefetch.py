@@ -23,10 +23,11 @@ Correctness on CUDA, per batch:
 - the batches come out in the loader's order; an error of the loader (or of a copy) is raised
   in the caller at the batch where it happened; a caller that stops early stops the feeder
   (after the batch it is taking, if any), which then lets go of the loader, and waits for the
-  feeder to end (up to :data:`JOIN_S`: a feeder left running while the interpreter exits dies
-  inside torch's C++ and aborts the process, "terminate called without an active exception",
-  the stream trainer's at SIGTERM on the H100 on 2026-12-07). A caller whose loader can block
-  for good (the stream trainer's, waiting for new rows) ends the loader first.
+  feeder to end (up to :data:`JOIN_S`: a daemon thread still inside torch's C++ while the
+  interpreter exits can abort the process, "terminate called without an active exception",
+  the likely cause of the stream trainer's abort at SIGTERM on the H100 on 2026-12-07, not
+  proven). A caller whose loader can block for good (the stream trainer's, waiting for new
+  rows) ends the loader first.
 
 One copy (``one_copy=True``, the default): a batch whose tensors all lie in one host storage (the
 loader packs them so, :func:`shared.batch.pack`) is copied as one byte range, and its device
