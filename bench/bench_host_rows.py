@@ -16,7 +16,9 @@ For each n of ``--ns``, n distinct random row ids (a prefix of one permutation),
   (:func:`~shared.hashtable.cuda.host_rows.fill_slots`): ``--positions`` P positions of which
   n (random ones) have a slot, the rest idle; ``b_uva_fill_slots_writeback`` also writes each
   slot's old payload back to another row first (the 10 % cache's case; its GB/s counts both
-  ways, its rows/s the rows read);
+  ways, its rows/s the rows read); ``b_uva_fill_row_order*`` the same by
+  :func:`~shared.hashtable.cuda.host_rows.fill_slots_in_row_order` (what the static cache
+  runs: write-backs, then reads, each launch in its host rows' order; the sorts timed too);
 - ``c_*``: through the CPU, ids on the host: ``torch.index_select`` into a pinned staging
   buffer (``c_cpu_gather`` with torch threads = the cores, ``c_cpu_gather_1t`` with one), one
   bulk ``non_blocking`` copy to the device (``c_h2d_copy``), and both (``c_gather_copy``,
@@ -199,14 +201,20 @@ def cuda_methods(
     values = torch.empty(n, dim, device=dev)  # [n, dim]
     accum = torch.empty(n, dim, device=dev)  # [n, dim]
 
-    def fill(writeback: bool) -> Callable[[], float]:
+    def fill(writeback: bool, row_order: bool = False) -> Callable[[], float]:
+        def once(b: torch.Tensor) -> None:
+            if row_order:  # the sorts are inside the timed region: they are the step's too
+                host_rows.fill_slots_in_row_order(
+                    ptr, b, read, slots, None, None, 0.0, values, accum, capacity=m.host.shape[0]
+                )
+            else:
+                host_rows.fill_slots(ptr, b, read, slots, None, None, 0.0, values, accum)
+
         def run() -> float:
             values.copy_(old[:, :dim])  # the slots' old payload: written back unchanged
             accum.copy_(old[:, dim:])
             b = back if writeback else no_back
-            return clock.device_ms(
-                lambda: host_rows.fill_slots(ptr, b, read, slots, None, None, 0.0, values, accum)
-            )
+            return clock.device_ms(lambda: once(b))
 
         return run
 
@@ -256,6 +264,8 @@ def cuda_methods(
         ),
         "b_uva_fill_slots": Method(fill(False), n, n, filled),
         "b_uva_fill_slots_writeback": Method(fill(True), n, 2 * n, filled),
+        "b_uva_fill_row_order": Method(fill(False, True), n, n, filled),
+        "b_uva_fill_row_order_writeback": Method(fill(True, True), n, 2 * n, filled),
         "c_h2d_copy": Method(lambda: clock.device_ms(copy), n, n, is_staged),
         "c_gather_copy": Method(
             lambda: at_threads(cores, lambda: clock.host_ms(gather_copy)), n, n, is_staged
@@ -282,7 +292,8 @@ def cuda_methods(
 
 
 CUDA_METHODS = (
-    "a_uva_gather", "b_uva_fill_slots", "b_uva_fill_slots_writeback", "c_h2d_copy",
+    "a_uva_gather", "b_uva_fill_slots", "b_uva_fill_slots_writeback", "b_uva_fill_row_order",
+    "b_uva_fill_row_order_writeback", "c_h2d_copy",
     "c_gather_copy", "c_gather_copy_1t", "c_gather_copy_chunked", "d_uva_scatter",
     "e_bulk_h2d", "e_bulk_d2h",
 )  # fmt: skip

@@ -170,8 +170,9 @@ class StaticCacheLines(CacheLines):
         the initial accumulators (``new`` [P]) or host row ``read`` [P] (-1: none).
 
         Only the slots given move, in place: on a mapped host tier (CUDA) one kernel reads
-        and writes them (:func:`shared.hashtable.cuda.host_rows.fill_slots`; a position
-        without a slot costs a load), elsewhere (the CPU) the same in torch ops on the slots
+        and writes them (:func:`shared.hashtable.cuda.host_rows.fill_slots_in_row_order`: the
+        write-backs, then the reads, each launch in the host rows' order; a position without a
+        slot costs a load), elsewhere (the CPU) the same in torch ops on the slots
         given, picked by a host read, which costs nothing there (no device to wait for; a
         CUDA storage takes the static step only with a mapped tier:
         :meth:`StaticCacheLines.why_not_static`). Until 2026-12-07 every position's packed
@@ -184,10 +185,10 @@ class StaticCacheLines(CacheLines):
             from shared.hashtable.cuda import host_rows
 
             assert isinstance(self.store, TensorHostStore)
-            host_rows.fill_slots(
+            host_rows.fill_slots_in_row_order(
                 self.store.device_pointer(), back, read, slots, new,
                 new_values.to(torch.float32).contiguous(), self.initial_accumulator_value,
-                self._values, self._accum,
+                self._values, self._accum, capacity=self.store.capacity,
             )  # fmt: skip
             self.store.used_by_device(self.values.device)
             return
