@@ -128,6 +128,8 @@ def fill_slots_in_row_order(
     by_back = _order(back, capacity)
     fill_slots(host_pointer, back, None, slots, fresh, init, initial, values, accum, order=by_back)
     if read is not None:
+        if fresh is not None:  # a new row takes its initializer row, never a host row
+            read = torch.where(fresh, -1, read)
         by_read = _order(read, capacity)
         fill_slots(
             host_pointer, None, read, slots, None, None, initial, values, accum, order=by_read
