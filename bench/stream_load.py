@@ -96,15 +96,25 @@ class PacedLoad:
             t.join(30)
 
     def stats(self, start: float, end: float) -> dict[str, Any]:
-        lat = [x for t, x, ok in self.log if start <= t < end and ok]
+        """The answers sent in [``start``, ``end``) (monotonic): count, errors, rate, p50 and
+        p99, and ``by_second``: [answers, p99 ms] of each whole second from ``start`` (where
+        in the window the slow answers were: a publish's moment or the whole phase), with
+        ``start_unix``, the window's start on the wall clock the server's log uses."""
+        sent = [(t, x) for t, x, ok in self.log if start <= t < end and ok]
         errors = sum(1 for t, _, ok in self.log if start <= t < end and not ok)
-        a = np.asarray(lat) * 1e3
+        a = np.asarray([x for _, x in sent]) * 1e3
         seconds = max(end - start, 1e-9)
+        by_second: list[list[float]] = []
+        for s in range(int(np.ceil(seconds))):
+            xs = [x * 1e3 for t, x in sent if start + s <= t < start + s + 1]
+            by_second.append([len(xs), round(float(np.percentile(xs, 99)), 2) if xs else 0.0])
         return {
-            "requests": len(lat), "errors": errors, "seconds": seconds,
-            "requests_per_s": len(lat) / seconds,
+            "requests": len(a), "errors": errors, "seconds": seconds,
+            "requests_per_s": len(a) / seconds,
             "p50_ms": float(np.percentile(a, 50)) if len(a) else None,
             "p99_ms": float(np.percentile(a, 99)) if len(a) else None,
+            "start_unix": time.time() - time.monotonic() + start,
+            "by_second": by_second,
         }  # fmt: skip
 
 

@@ -3,6 +3,8 @@ ratios), the report of a trainer's replay window, and the replay's rate."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from bench.stream_load import PacedLoad
@@ -68,3 +70,16 @@ def test_the_replay_rate_is_the_rows_landed_over_the_landings_span() -> None:
     landed = [(0.0, 500), (10.0, 1000), (11.0, 3000), (14.0, 2000)]
     assert replay_rate(landed) == 1000.0
     assert replay_rate(landed[:2]) == 0.0  # one replayed landing: no interval yet
+
+
+def test_a_windows_stats_say_which_second_held_the_slow_answers() -> None:
+    """``by_second``: [answers, p99 ms] of each whole second of the window, so a publish's
+    moment shows as one slow second; ``start_unix`` places the window on the server log's
+    clock."""
+    load = PacedLoad("127.0.0.1:1", [], per_s=1.0, threads=0)
+    slow = [1.0] * 100 + [80.0] * 100 + [1.0] * 50  # seconds 0, 1 and half of 2, 0.01 s apart
+    load.log += [(5.0 + 0.01 * i, x / 1e3, True) for i, x in enumerate(slow)]
+    got = load.stats(5.0, 8.0)
+    assert [n for n, _ in got["by_second"]] == [100, 100, 50]
+    assert [p for _, p in got["by_second"]] == [1.0, 80.0, 1.0]
+    assert abs(got["start_unix"] - (time.time() - time.monotonic() + 5.0)) < 1.0
