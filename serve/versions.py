@@ -268,12 +268,15 @@ class ModelManager(Generic[M]):
             if not held:
                 return
             old = held.pop()
+        start = time.perf_counter()
+        version = old.version
         if self._on_retired is not None:
             try:
                 self._on_retired(old)
             except Exception:
-                log.exception("retiring model %s failed", old.version)
-        log.info("model %s retired", old.version)
+                log.exception("retiring model %s failed", version)
+        del old  # the last reference, unless kept as the spare: its memory is freed here
+        log.info("model %s retired in %.1f ms", version, (time.perf_counter() - start) * 1e3)
 
     def poll(self, model_dir: Path) -> bool:
         """Serve the highest loadable version of ``model_dir``; True if it changed the model.
