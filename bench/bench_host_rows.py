@@ -16,9 +16,10 @@ For each n of ``--ns``, n distinct random row ids (a prefix of one permutation),
   (:func:`~shared.hashtable.cuda.host_rows.fill_slots`): ``--positions`` P positions of which
   n (random ones) have a slot, the rest idle; ``b_uva_fill_slots_writeback`` also writes each
   slot's old payload back to another row first (the 10 % cache's case; its GB/s counts both
-  ways, its rows/s the rows read); ``b_uva_fill_row_order*`` the same by
-  :func:`~shared.hashtable.cuda.host_rows.fill_slots_in_row_order` (what the static cache
-  runs: write-backs, then reads, each launch in its host rows' order; the sorts timed too);
+  ways, its rows/s the rows read); ``b_uva_fill_paired*`` the same as the static cache runs
+  it (``row_cache_static._pair_in_row_order``): the k-th slot reads the k-th smallest row and
+  writes back to the k-th smallest, the threads walk the positions in that order, so both
+  directions go in address order in one launch (the order's sort timed too);
 - ``c_*``: through the CPU, ids on the host: ``torch.index_select`` into a pinned staging
   buffer (``c_cpu_gather`` with torch threads = the cores, ``c_cpu_gather_1t`` with one), one
   bulk ``non_blocking`` copy to the device (``c_h2d_copy``), and both (``c_gather_copy``,
@@ -186,40 +187,53 @@ def cuda_methods(
     rows_dev = ids.to(dev)  # [n]
     out = torch.empty(n, width, device=dev)  # [n, 2 * dim]
 
-    # the fill: P positions, n of them (random) with slots 0..n-1 reading rows_dev
+    # the fill: P positions, n of them (random) with slots 0..n-1 reading rows_dev; "paired":
+    # the static cache's pairing (row_cache_static._pair_in_row_order), the k-th slot reading
+    # the k-th smallest row and writing back to the k-th smallest, the threads walking the
+    # positions in that order (its sort timed too: the step sorts as well)
     p = max(positions, n)
     at = torch.randperm(p, generator=torch.Generator().manual_seed(n))[:n].to(dev)  # [n]
     slots = torch.full((p,), -1, dtype=torch.int64, device=dev)
     slots[at] = torch.arange(n, device=dev)
-    read = torch.full((p,), -1, dtype=torch.int64, device=dev)
-    read[at] = rows_dev
-    no_back = torch.full((p,), -1, dtype=torch.int64, device=dev)
     back_ids = m.perm[n : 2 * n]  # [n] rows written back: none of them read
-    back = no_back.clone()
-    back[at] = back_ids.to(dev)
-    old = pattern(back_ids, width).view(torch.float32).to(dev)  # [n, 2 * dim]: what they hold
+
+    def layout(ids_: torch.Tensor, backs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(read [P], back [P], no_back [P], the slots' old payload [n, 2 * dim])."""
+        read = torch.full((p,), -1, dtype=torch.int64, device=dev)
+        read[at] = ids_.to(dev)
+        back = torch.full((p,), -1, dtype=torch.int64, device=dev)
+        back[at] = backs.to(dev)
+        old = pattern(backs, width).view(torch.float32).to(dev)  # written back unchanged
+        return read, back, torch.full_like(back, -1), old
+
+    plain = layout(ids, back_ids)
+    paired = layout(ids.sort().values, back_ids.sort().values)
+    want_paired = pattern(ids.sort().values, width)
     values = torch.empty(n, dim, device=dev)  # [n, dim]
     accum = torch.empty(n, dim, device=dev)  # [n, dim]
 
-    def fill(writeback: bool, row_order: bool = False) -> Callable[[], float]:
-        def once(b: torch.Tensor) -> None:
-            if row_order:  # the sorts are inside the timed region: they are the step's too
-                host_rows.fill_slots_in_row_order(
-                    ptr, b, read, slots, None, None, 0.0, values, accum, capacity=m.host.shape[0]
-                )
-            else:
-                host_rows.fill_slots(ptr, b, read, slots, None, None, 0.0, values, accum)
+    def fill(writeback: bool, pair: bool = False) -> Callable[[], float]:
+        read, back, no_back, old = paired if pair else plain
+        b = back if writeback else no_back
+
+        def once() -> None:
+            order = None
+            if pair:  # above every row (the host's rows): the positions without a slot last
+                order = torch.argsort(torch.where(slots >= 0, read, m.host.shape[0]).int())
+            host_rows.fill_slots(ptr, b, read, slots, None, None, 0.0, values, accum, order=order)
 
         def run() -> float:
             values.copy_(old[:, :dim])  # the slots' old payload: written back unchanged
             accum.copy_(old[:, dim:])
-            b = back if writeback else no_back
-            return clock.device_ms(lambda: once(b))
+            return clock.device_ms(once)
 
         return run
 
     def filled() -> bool:
         return torch.equal(bits(torch.cat([values, accum], 1)), want)
+
+    def filled_paired() -> bool:
+        return torch.equal(bits(torch.cat([values, accum], 1)), want_paired)
 
     # the CPU gather, then one bulk copy of the staged rows
     staged = torch.empty(n, width, device=dev)  # [n, 2 * dim]
@@ -264,8 +278,8 @@ def cuda_methods(
         ),
         "b_uva_fill_slots": Method(fill(False), n, n, filled),
         "b_uva_fill_slots_writeback": Method(fill(True), n, 2 * n, filled),
-        "b_uva_fill_row_order": Method(fill(False, True), n, n, filled),
-        "b_uva_fill_row_order_writeback": Method(fill(True, True), n, 2 * n, filled),
+        "b_uva_fill_paired": Method(fill(False, True), n, n, filled_paired),
+        "b_uva_fill_paired_writeback": Method(fill(True, True), n, 2 * n, filled_paired),
         "c_h2d_copy": Method(lambda: clock.device_ms(copy), n, n, is_staged),
         "c_gather_copy": Method(
             lambda: at_threads(cores, lambda: clock.host_ms(gather_copy)), n, n, is_staged
@@ -292,8 +306,8 @@ def cuda_methods(
 
 
 CUDA_METHODS = (
-    "a_uva_gather", "b_uva_fill_slots", "b_uva_fill_slots_writeback", "b_uva_fill_row_order",
-    "b_uva_fill_row_order_writeback", "c_h2d_copy",
+    "a_uva_gather", "b_uva_fill_slots", "b_uva_fill_slots_writeback", "b_uva_fill_paired",
+    "b_uva_fill_paired_writeback", "c_h2d_copy",
     "c_gather_copy", "c_gather_copy_1t", "c_gather_copy_chunked", "d_uva_scatter",
     "e_bulk_h2d", "e_bulk_d2h",
 )  # fmt: skip

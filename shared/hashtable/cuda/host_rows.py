@@ -102,48 +102,6 @@ def swap(
     _launch("hr_swap", write_rows, width, args)
 
 
-def fill_slots_in_row_order(
-    host_pointer: int,
-    back: torch.Tensor,
-    read: torch.Tensor | None,
-    slots: torch.Tensor,
-    fresh: torch.Tensor | None,
-    init: torch.Tensor | None,
-    initial: float,
-    values: torch.Tensor,
-    accum: torch.Tensor,
-    *,
-    capacity: int,
-) -> None:
-    """:func:`fill_slots` (the same arguments, the same result; ``capacity``: the host rows')
-    in two launches that each
-    touch the host rows in ascending order: the write-backs (and the new keys' rows, which
-    cross nothing) in the order of ``back``, then the reads in the order of ``read``. Random
-    rows of a large host tier cost the device an address translation each; in address order
-    the same rows move 5.7x faster at 128-B rows (dim 16) and 1.7x at 1-KiB rows (dim 128), at
-    the bulk copy's 50 GB/s (``bench_host_pages`` on the H100, 2026-12-07, 256K rows of 30M and
-    10M). The price is two sorts of the ``n`` positions' row ids (device work, no host read:
-    capturable). The write-backs come first, so a slot's old payload leaves before it is
-    overwritten, as in the one-launch form."""
-    by_back = _order(back, capacity)
-    fill_slots(host_pointer, back, None, slots, fresh, init, initial, values, accum, order=by_back)
-    if read is not None:
-        if fresh is not None:  # a new row takes its initializer row, never a host row
-            read = torch.where(fresh, -1, read)
-        by_read = _order(read, capacity)
-        fill_slots(
-            host_pointer, None, read, slots, None, None, initial, values, accum, order=by_read
-        )
-
-
-def _order(rows: torch.Tensor, capacity: int) -> torch.Tensor:
-    """[n] int64 positions of ``rows`` [n] (ids below ``capacity``, or -1) in ascending order,
-    -1s first: sorted on 32-bit keys where the ids fit (half the radix passes)."""
-    if capacity <= 2**31 - 1:
-        return torch.argsort(rows.to(torch.int32)).to(torch.int64)
-    return torch.argsort(rows)
-
-
 def fill_slots(
     host_pointer: int,
     back: torch.Tensor | None,
@@ -165,7 +123,8 @@ def fill_slots(
     None (and ``init``) makes nothing new: with ``read`` and ``fresh`` None the slots are only
     written back. The host rows are ``[capacity, 2 * dim]`` (values, then accumulators).
     ``order`` [n] int64 (a permutation of the positions; None: in turn) is the order the
-    threads take the positions in (:func:`fill_slots_in_row_order`).
+    threads take the positions in: with the rows read and written both ascending along it
+    (the static cache pairs them so), neighbouring threads touch neighbouring host pages.
 
     Equal to :meth:`~shared.hashtable.host_store.HostStore.swap` of the slots' packed payload
     followed by a scatter of the rows read (or ``init``) into the slots, without the staging

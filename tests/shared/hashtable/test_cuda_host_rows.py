@@ -164,16 +164,16 @@ def test_a_mapped_store_moves_device_rows_on_the_device(width: int) -> None:
 @pytest.mark.parametrize("dim", [16, 3, 128])  # float4 halves, scalar halves, wide rows
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("write_only", [False, True], ids=["fill", "write_only"])
-@pytest.mark.parametrize("row_order", [False, True], ids=["one_launch", "row_order"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["in_turn", "ordered"])
 def test_fill_slots_writes_back_then_fills_the_slots_in_place(
-    dim: int, graph: bool, write_only: bool, row_order: bool
+    dim: int, graph: bool, write_only: bool, ordered: bool
 ) -> None:
     """A cache's slots take their payload in one kernel (the static resolve's fill): the old
     payload written back where asked, then a host row or a new row (with the initial
     accumulator) in place; positions without a slot touch nothing; with no rows to read and
     no new rows, the slots are only written back (a bypassed row's staging slot). Equal to
-    index_copy_ / index_select on CPU tensors. ``fill_slots_in_row_order`` (two launches, each
-    in its host rows' order, sorted on the device) gives the same."""
+    index_copy_ / index_select on CPU tensors. With an ``order`` (the positions in any order:
+    the static cache passes them in its host rows' order) the same."""
     n, lines, initial = 400, 350, 0.25  # 2n distinct host rows of 1000
     mapped, host = _store(2 * dim)
     gen = torch.Generator().manual_seed(5)
@@ -202,13 +202,10 @@ def test_fill_slots_writes_back_then_fills_the_slots_in_place(
     if write_only:
         r = f = i = None
 
+    order = torch.randperm(n, generator=gen).to(dev) if ordered else None
+
     def run() -> None:
-        if row_order:
-            host_rows.fill_slots_in_row_order(
-                mapped.device_pointer(), b, r, s, f, i, initial, v, a, capacity=host.shape[0]
-            )
-        else:
-            host_rows.fill_slots(mapped.device_pointer(), b, r, s, f, i, initial, v, a)
+        host_rows.fill_slots(mapped.device_pointer(), b, r, s, f, i, initial, v, a, order=order)
 
     # a run writes the slots and the host rows: the graph's warm-up only compiles
     run_on_cuda(

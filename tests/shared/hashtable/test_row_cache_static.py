@@ -279,6 +279,39 @@ def test_the_static_resolve_gives_lines_without_touching_the_host_tier_for_new_r
     assert store.rows[rows[0]].tolist() != before[rows[0]].tolist()  # written back
 
 
+def test_the_static_resolve_pairs_rows_read_with_victims_in_host_row_order() -> None:
+    """The re-pairing behind the one-launch fill: the k-th smallest row read takes the line
+    of the victim whose write-back row is the k-th smallest, the returned order walks the
+    positions that get a line first, by their row read, and the victims, their write-back
+    rows and the positions without a line are the resolve's own (only who takes which line
+    changes)."""
+    cache, _store, _rows, _init = _bare_cache(lines=16, keys=10)
+    gen = torch.Generator().manual_seed(3)
+    p = 12
+    gets = torch.rand(p, generator=gen) < 0.6
+    gets[:2] = True  # a few at least
+    n = int(gets.sum())
+    big = cache.lines
+    taken = torch.full((p,), big, dtype=torch.int64)
+    taken[gets] = torch.randperm(big, generator=gen)[:n]  # distinct victim lines
+    back = torch.full((p,), -1, dtype=torch.int64)
+    dirty = gets & (torch.rand(p, generator=gen) < 0.5)
+    back[dirty] = torch.randperm(10, generator=gen)[: int(dirty.sum())]
+    read = torch.full((p,), -1, dtype=torch.int64)
+    stored = gets & (torch.rand(p, generator=gen) < 0.8)  # the others: new keys (-1)
+    read[stored] = torch.randperm(10, generator=gen)[: int(stored.sum())]
+    paired_taken, paired_back, order = cache._pair_in_row_order(gets, taken, back, read)
+    walked = order[:n]
+    assert bool(gets[walked].all()) and not bool(gets[order[n:]].any())
+    assert read[walked].tolist() == sorted(read[gets].tolist())
+    assert paired_back[walked].tolist() == sorted(back[gets].tolist())
+    # the same victims, each with its own write-back row
+    assert sorted(
+        zip(paired_taken[gets].tolist(), paired_back[gets].tolist(), strict=True)
+    ) == sorted(zip(taken[gets].tolist(), back[gets].tolist(), strict=True))
+    assert bool((paired_taken[~gets] == big).all()) and bool((paired_back[~gets] == -1).all())
+
+
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS  # the host tier mapped: the static step's swap runs in the graph
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
