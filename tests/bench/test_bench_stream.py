@@ -35,8 +35,10 @@ def test_the_serving_goal_is_publishing_against_training_without_it() -> None:
     information); absent until phase 2 measured it; not met when it could not be measured."""
     r = {"train": {"replay_rows_per_s": 1.0}, "freshness": {"event_to_served_s": {"p99": 1.0}}}
     goal = "serving_p99_ratio<=1.1"
-    met = goals({**r, "serving": {"p99_ratio_publishing": 1.1, "p99_ratio_training": 3.0}})
-    assert met[goal] == {"value": 1.1, "met": True}
+    serving = {"p99_ratio_publishing": 1.1, "p99_ratio_training": 3.0,
+               "p99_ratio_publishing_ci95": [0.95, 1.3]}  # fmt: skip
+    met = goals({**r, "serving": serving})
+    assert met[goal] == {"value": 1.1, "met": True, "ci95": [0.95, 1.3]}  # the interval shown
     assert not goals({**r, "serving": {"p99_ratio_publishing": 1.11}})[goal]["met"]
     assert not goals({**r, "serving": {"p99_ratio_publishing": None}})[goal]["met"]
     assert goal not in goals({**r, "serving": {"with_publishing": {"p99_ms": 9.0}}})  # phase 1 only

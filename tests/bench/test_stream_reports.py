@@ -8,7 +8,12 @@ import time
 import numpy as np
 
 from bench.stream_load import PacedLoad
-from bench.stream_reports import replay_rate, serving_report, training_report
+from bench.stream_reports import (
+    p99_ratio_interval,
+    replay_rate,
+    serving_report,
+    training_report,
+)
 
 
 def _load(windows: dict[str, tuple[float, list[float]]]) -> PacedLoad:
@@ -83,3 +88,27 @@ def test_a_windows_stats_say_which_second_held_the_slow_answers() -> None:
     assert [n for n, _ in got["by_second"]] == [100, 100, 50]
     assert [p for _, p in got["by_second"]] == [1.0, 80.0, 1.0]
     assert abs(got["start_unix"] - (time.time() - time.monotonic() + 5.0)) < 1.0
+
+
+def test_the_p99_ratios_interval_holds_the_ratio_and_narrows_with_more_seconds() -> None:
+    """The block bootstrap's 95 % interval of a p99 ratio: it holds the measured ratio, is
+    seeded (the same run gives the same interval), and a longer window of the same latencies
+    gives a narrower one; the serving report carries it beside each ratio."""
+    gen = np.random.default_rng(1)
+
+    def seconds(n: int, scale: float) -> list[np.ndarray]:
+        return [gen.exponential(scale, 200) for _ in range(n)]
+
+    a, b = seconds(30, 1.2), seconds(30, 1.0)
+    ratio = float(np.percentile(np.concatenate(a), 99) / np.percentile(np.concatenate(b), 99))
+    low, high = p99_ratio_interval(a, b)
+    assert low <= ratio <= high and low < high
+    assert p99_ratio_interval(a, b) == [low, high]
+    a4, b4 = a + seconds(90, 1.2), b + seconds(90, 1.0)
+    low4, high4 = p99_ratio_interval(a4, b4)
+    assert high4 - low4 < high - low
+    lat = {"with_publishing": (0.0, [1.0] * 99 + [300.0] * 3),
+           "training_without_publishing": (10.0, [1.0] * 99 + [200.0] * 3)}  # fmt: skip
+    out = serving_report(_load(lat), {k: (s, s + 5.0) for k, (s, _) in lat.items()})
+    ci = out["p99_ratio_publishing_ci95"]
+    assert ci[0] <= out["p99_ratio_publishing"] <= ci[1]
