@@ -26,7 +26,8 @@ The cache is three modules, one class each, each class extending the one listed 
 A call that touches rows (:meth:`RowCache.gather`, :meth:`RowCache.adagrad`,
 :meth:`RowCache.prefetch`) resolves them to lines first, with **one host read** (the size of the
 miss list): hits are stamped; the misses are read from the host tier in ONE vectorized gather of
-the packed miss list (on CUDA a kernel reading the host rows through UVA, straight into device
+the packed miss list, in row order (the misses by row and the victims by write-back row, paired
+in that order: the device's random host reads cost a translation each, ordered ones share it) (on CUDA a kernel reading the host rows through UVA, straight into device
 memory: :mod:`shared.hashtable.cuda.host_rows`). Their lines are, first, lines never used yet (in
 order), then victims chosen by a **clock over the lines**: a window of ``2 * (misses + hits)``
 lines after the hand (the whole cache when that is more), of which the least recently used
@@ -124,8 +125,15 @@ class RowCache(StaticCacheLines):
         k = min(n_miss, self.lines - hits)
         if k:
             taken, back = self._take(k, hits, tick)
-            self._fill(taken, back, rows[at[:k]], tick)
-            lines[at[:k]] = taken
+            # which line a miss takes is free: the misses by row and the victims by write-back
+            # row, paired in that order, so the host tier is walked ascending both ways
+            # (row_cache_static._pair_in_row_order says why)
+            missed = at[:k][torch.argsort(rows[at[:k]])]  # [k] positions, rows ascending
+            if back is not None:
+                by_back = torch.argsort(back)
+                taken, back = taken[by_back], back[by_back]
+            self._fill(taken, back, rows[missed], tick)
+            lines[missed] = taken
         self._counts.misses += k
         self._counts.bypassed += n_miss - k
         return lines, n_miss - k
