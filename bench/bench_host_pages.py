@@ -41,6 +41,7 @@ import torch
 
 from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
+from shared.hashtable.host_store import _register
 
 HUGE = 2 << 20  # a transparent huge page
 ALLOCATIONS = ("register_4k", "register_thp", "host_alloc")
@@ -68,19 +69,6 @@ def thp_setting() -> dict[str, str]:
     return out
 
 
-def register(t: torch.Tensor) -> None:
-    """Page-lock and map ``t`` (as :class:`TensorHostStore` does); unregistered when freed."""
-    cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 1 | 2))
-    if err != 0:
-        raise RuntimeError(f"bench_host_pages: cudaHostRegister failed (cudaError {err})")
-
-
-def unregister(t: torch.Tensor) -> None:
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-
-
 def allocate(how: str, rows: int, width: int, cuda: bool) -> tuple[torch.Tensor, Any]:
     """[rows, width] float32 made ``how``, touched, row i's first column = i; and what keeps
     its memory alive (the mmap for ``register_thp``)."""
@@ -98,8 +86,8 @@ def allocate(how: str, rows: int, width: int, cuda: bool) -> tuple[torch.Tensor,
         t = torch.empty(rows, width, dtype=torch.float32)
     t.zero_()  # first touch: the pages (huge ones where THP takes) are allocated here
     t.view(torch.int32)[:, 0] = torch.arange(rows, dtype=torch.int32)  # the row id's bits
-    if cuda and how != "host_alloc":
-        register(t)
+    if cuda and how != "host_alloc":  # as TensorHostStore does: unlocked when t is freed
+        _register(t, mapped=True, drain=True)
     return t, keep
 
 
@@ -205,9 +193,7 @@ def run(args: Any) -> dict[str, Any]:
                                  for k, v in got.items())  # fmt: skip
                 print(f"dim {dim} {how} n {n}: {line}", file=sys.stderr, flush=True)
                 write_result(args.out, result)
-            if cuda and how != "host_alloc":
-                unregister(host)
-            del host, keep
+            del host, keep  # host first: its pages are unlocked before the mapping goes
             gc.collect()
     return result
 
