@@ -23,16 +23,35 @@ typedef struct {
   int64_t part;
 } hm_part;
 
+#define HM_AHEAD 8  // rows asked for ahead of the one copied
+
+static inline void hm_prefetch(const float* row, size_t bytes, int write) {
+  for (size_t at = 0; at < bytes; at += 64) {
+    if (write)
+      __builtin_prefetch((const char*)row + at, 1, 0);
+    else
+      __builtin_prefetch((const char*)row + at, 0, 0);
+  }
+}
+
 static void* hm_run_part(void* arg) {
   const hm_part* t = (const hm_part*)arg;
   const hm_params* p = t->p;
   const size_t bytes = (size_t)p->width * sizeof(float);
   const int64_t nb = p->counts[0], nr = p->counts[1];
-  // the write-backs first: a row read is never among the rows written (the cache's are not)
-  for (int64_t i = nb * t->part / p->threads; i < nb * (t->part + 1) / p->threads; ++i)
+  // the write-backs first: a row read is never among the rows written (the cache's are not).
+  // Random rows wait on memory: each loop asks for the row HM_AHEAD iterations on early, so
+  // several rows are on their way at once (every cache line of it).
+  const int64_t b0 = nb * t->part / p->threads, b1 = nb * (t->part + 1) / p->threads;
+  for (int64_t i = b0; i < b1; ++i) {
+    if (i + HM_AHEAD < b1) hm_prefetch(p->host + p->back[i + HM_AHEAD] * p->width, bytes, 1);
     memcpy(p->host + p->back[i] * p->width, p->out + i * p->width, bytes);
-  for (int64_t i = nr * t->part / p->threads; i < nr * (t->part + 1) / p->threads; ++i)
+  }
+  const int64_t r0 = nr * t->part / p->threads, r1 = nr * (t->part + 1) / p->threads;
+  for (int64_t i = r0; i < r1; ++i) {
+    if (i + HM_AHEAD < r1) hm_prefetch(p->host + p->read[i + HM_AHEAD] * p->width, bytes, 0);
     memcpy(p->in + i * p->width, p->host + p->read[i] * p->width, bytes);
+  }
   return NULL;
 }
 
