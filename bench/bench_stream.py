@@ -371,6 +371,12 @@ def parser() -> argparse.ArgumentParser:
         "on 2026-12-07 one process beside the trainer answered 66K of the 100K candidates/s "
         "asked, at p50 245 ms",
     )  # fmt: skip
+    p.add_argument(
+        "--key-headroom", type=float, default=None,
+        help="the server's --key-headroom (its tables' room for new keys; default: the "
+        "server's). The base is published within the first steps, so the keys of the first "
+        "deltas outgrow a 10 %% room and the server rebuilds its tables once",
+    )  # fmt: skip
     p.add_argument("--probe-every-s", type=float, default=0.2)
     p.add_argument("--candidates", type=int, default=100, help="candidates per request")
     p.add_argument("--load-candidates-per-s", type=float, default=2_000.0)

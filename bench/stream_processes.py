@@ -69,7 +69,9 @@ def start_server(args: argparse.Namespace, work: Path, port: int) -> subprocess.
            "--watch-deltas", str(work / "pub" / "deltas"), "--poll-interval-s",
            str(args.poll_s), "--device", args.device, "--port", str(port),
            "--max-candidates", str(max(args.candidates, 1000)),
-           *(["--frontends", str(args.frontends)] if args.frontends else [])]  # fmt: skip
+           *(["--frontends", str(args.frontends)] if args.frontends else []),
+           *(["--key-headroom", str(args.key_headroom)] if args.key_headroom is not None
+             else [])]  # fmt: skip
     return start_process(cmd, work / "server.log")
 
 

@@ -23,7 +23,7 @@ from serve.oip_servicer import DEFAULT_MODEL_NAME
 from serve.security import TlsConfig
 from serve.server import PredictionServer, ServerConfig
 from serve.slots import HandoffConfig
-from serve.tiers import TierConfig
+from serve.tiers import KEY_HEADROOM, TierConfig
 from shared.cli import Parser, check_device, check_port, plain, run_cli
 
 EXAMPLE = """examples:
@@ -108,6 +108,17 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="GPU memory the tables may use: tables without a factor share one planned factor "
         "when they do not fit; a budget that cannot fit refuses the load (default: no budget)",
+    )
+    p.add_argument(
+        "--key-headroom",
+        type=float,
+        default=KEY_HEADROOM,
+        metavar="FRACTION",
+        help="free slots of the GPU tables for new keys from deltas, a fraction of their keys at "
+        "load and at each rebuild: a delta whose new keys fit is written in place; one that "
+        "does not rebuilds the tables beside the serving version and captures its CUDA graphs "
+        "again. A server that follows a trainer from its first steps sees its keys grow many "
+        "times over: give it room (default %(default)s)",
     )
     p.add_argument(
         "--no-verify-checksums",
@@ -298,7 +309,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         verify_checksums=not a.no_verify_checksums,
         tls=_tls(a),
         admin=_admin(a),
-        tiers=TierConfig.from_flags(a.cache_load_factor, a.hbm_budget_gib),
+        tiers=TierConfig.from_flags(a.cache_load_factor, a.hbm_budget_gib, a.key_headroom),
     )
 
 

@@ -26,7 +26,7 @@ serving model's own tensors instead (:meth:`serve.lookup.EmbeddingTables.prepare
 comparisons and sorts off the serving path, then only the writes, between batches under the
 predict lock, :meth:`serve.model.LoadedModel.between_batches`): dense rows that changed,
 dynamic rows that changed, and when keys come or go the group's sorted keys rewritten in the
-free slots the tables are built with (:data:`serve.lookup.HEADROOM`). The target is always
+free slots the tables are built with (:attr:`serve.tiers.TierConfig.headroom`, ``--key-headroom``). The target is always
 base + this delta, so the previous delta's rows (and keys it added) are replaced as by a
 rebuild. The new model (:meth:`~serve.model.LoadedModel.successor`) shares the tables, and the
 old one is superseded inside the same lock, so a batch sees either the old tables and program

@@ -39,6 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from serve.tiers import (
     KEY_BYTES,
+    KEY_HEADROOM,
     LINE_BYTES,
     VALUE_BYTES_PER_DIM,
     HostTiers,
@@ -68,12 +69,7 @@ CACHING = StorageMode.CACHING
 WHOLE_KEY = 63  # the shift of a group of one dynamic table: keys as they are, no table bits
 PAD_ID = 0  # the id of padding values (serve.graphs): a valid row of every table
 SEQUENCE = 2  # the sequence KJT's position in (user, item, sequence)
-# free slots of each group's dynamic table, for deltas written in place (serve.delta): 10% of
-# its keys, at least 1024. A delta is relative to the base, so its new keys are those since the
-# base, less the evicted ones (the bench's deltas add 0.5% and evict 0.5%: net 0); 10% lasts
-# for many deltas at +10% of the hash tables' memory (and one mask op per lookup). A delta that
-# needs more takes the rebuild, which makes new tables with new free slots.
-HEADROOM = 0.10
+HEADROOM = KEY_HEADROOM  # the default free slots for new keys (serve.tiers says why)
 MIN_SPARE_ROWS = 1024
 # the tiers of tables built without a TierConfig (the bundle's fg.json factors): one per process,
 # so that such loads share equal host rows too (serve.tiers, "What a load shares")
@@ -373,12 +369,12 @@ class EmbeddingTables:
         bundle: Bundle,
         device: torch.device,
         *,
-        headroom: float = HEADROOM,
+        headroom: float | None = None,
         tiers: TierConfig | None = None,
     ) -> None:
         """``headroom``: free slots of the dynamic tables, a fraction of their keys
         (:func:`spare_rows`; 0: none, a delta is then written in place only if its key count
-        is the same). ``tiers``: where the dynamic tables live (:mod:`serve.tiers`; None: the
+        is the same; None: the tiers' :attr:`~serve.tiers.TierConfig.headroom`). ``tiers``: where the dynamic tables live (:mod:`serve.tiers`; None: the
         bundle's fg.json factors, no budget); the plan is logged one line per table, and a
         plan that does not fit raises :class:`~shared.hashtable.placement.PlacementError`."""
         self.fs = bundle.feature_set
@@ -388,6 +384,8 @@ class EmbeddingTables:
         self.build_seconds: dict[str, float] = {}  # dense_tables, hash_tables
         self.tiers = tiers  # as given: a rebuild of these tables (serve.delta) passes it on
         self.host_tiers = (tiers or DEFAULT_TIERS).host  # the server's host tiers (serve.tiers)
+        if headroom is None:
+            headroom = (tiers or DEFAULT_TIERS).headroom
         dense_bytes = sum(w.numel() * 4 for w in bundle.dense_tables.values())
         rows = {t.name: _rows(bundle, t.name) for t in self.fs.dynamic_tables}
         self.placements = {
@@ -438,7 +436,7 @@ class EmbeddingTables:
         bundle: Bundle,
         *,
         device: torch.device | str,
-        headroom: float = HEADROOM,
+        headroom: float | None = None,
         tiers: TierConfig | None = None,
     ) -> EmbeddingTables:
         """Every table of ``bundle`` on ``device``; build times in :attr:`build_seconds`."""

@@ -16,7 +16,7 @@ What is written, off the serving path (the spare serves nobody):
 
 - the tables, by :meth:`serve.lookup.EmbeddingTables.prepare_update`, the same writes as an
   in-place delta's (:mod:`serve.delta`): the dynamic tables' sorted keys and rows (they have
-  :data:`serve.lookup.HEADROOM` free slots for new keys), the dense tables' changed rows;
+  ``--key-headroom`` free slots for new keys), the dense tables' changed rows;
 - the program's weights, read from the new ``dense.pt2``
   (:func:`serve.program_cache.same_graph_weights`)
   into the spare's module.

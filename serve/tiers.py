@@ -179,20 +179,38 @@ class HostTiers:
         return list({id(t.store): t.store for t in list(self._tiers)}.values())
 
 
+# free slots of each HBM_ONLY group's dynamic table, for deltas written in place (serve.delta):
+# 10% of its keys by default, at least 1024. A delta is relative to the base, so its new keys are
+# those since the base, less the evicted ones (the bench's deltas add 0.5% and evict 0.5%: net
+# 0); 10% lasts for many deltas at +10% of the hash tables' memory (and one mask op per lookup).
+# A delta that needs more takes the rebuild, which makes new tables with new free slots beside
+# the serving version (and captures its CUDA graphs again). A server that follows a trainer from
+# its first steps sees its keys grow many times over: --key-headroom.
+KEY_HEADROOM = 0.10
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """Where a server's dynamic tables live: per-table factors (beat the bundle's fg.json) and
-    a budget of HBM bytes for all tables (None: no budget); ``host``: the server's host tiers
-    (:class:`HostTiers`, one per config: the loads made with one config share equal rows)."""
+    a budget of HBM bytes for all tables (None: no budget); ``headroom``: the HBM_ONLY tables'
+    free slots for new keys, a fraction of their keys at each build (:data:`KEY_HEADROOM`);
+    ``host``: the server's host tiers (:class:`HostTiers`, one per config: the loads made with
+    one config share equal rows)."""
 
     factors: Mapping[str, float] = field(default_factory=dict)
     hbm_budget: int | None = None
+    headroom: float = KEY_HEADROOM
     host: HostTiers = field(default_factory=HostTiers, compare=False, repr=False)
 
     @classmethod
-    def from_flags(cls, factors: Sequence[str], hbm_budget_gib: float | None) -> TierConfig:
-        """From ``--cache-load-factor TABLE=F`` (repeated) and ``--hbm-budget-gib``; ValueError
-        naming the bad flag value."""
+    def from_flags(
+        cls,
+        factors: Sequence[str],
+        hbm_budget_gib: float | None,
+        key_headroom: float = KEY_HEADROOM,
+    ) -> TierConfig:
+        """From ``--cache-load-factor TABLE=F`` (repeated), ``--hbm-budget-gib`` and
+        ``--key-headroom``; ValueError naming the bad flag value."""
         parsed: dict[str, float] = {}
         for item in factors:
             name, sep, value = item.partition("=")
@@ -213,7 +231,12 @@ class TierConfig:
             if not hbm_budget_gib > 0:
                 raise ValueError(f"--hbm-budget-gib must be > 0, got {hbm_budget_gib}")
             budget = int(hbm_budget_gib * GIB)
-        return cls(parsed, budget)
+        if not 0.0 <= key_headroom <= 1000.0:  # also NaN
+            raise ValueError(
+                f"--key-headroom must be in [0, 1000] (free slots for new keys, a fraction of "
+                f"the keys at load), got {key_headroom}"
+            )
+        return cls(parsed, budget, key_headroom)
 
 
 def _placement(

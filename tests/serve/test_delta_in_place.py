@@ -29,6 +29,7 @@ from serve.graphs import Bucket
 from serve.lookup import EmbeddingTables
 from serve.model import LoadedModel, StartupTimes, load_program, synthetic_batch
 from serve.server import PredictionServer, ServerConfig
+from serve.tiers import TierConfig
 from shared.batch import Batch
 from shared.bundle import read_bundle, write_bundle
 from shared.delta import diff_tables, write_delta
@@ -200,6 +201,23 @@ def test_tables_without_room_fall_back_to_the_rebuild(dyn_run, root: Path) -> No
     same = apply_delta(_no_headroom(dyn_run.base_bundle), root / "same-keys")  # as many keys
     assert same.path is ApplyPath.IN_PLACE
     _assert_same_scores(same.model, LoadedModel.load(root / "same-keys-full", device="cpu"))
+
+
+def test_the_servers_key_headroom_sizes_the_room_at_load_and_at_each_rebuild(
+    dyn_run, root: Path
+) -> None:
+    """``--key-headroom`` (TierConfig.headroom): the tables' free slots for new keys. With
+    none, a delta of new keys rebuilds, and the rebuilt tables keep the server's headroom
+    (none again); with room for them (the default's 10 %), the same delta is written in
+    place."""
+    tight = TierConfig(headroom=0.0)
+    base = LoadedModel.load(dyn_run.base_bundle, device="cpu", tiers=tight)
+    grown = apply_delta(base, root / "tables")  # 3 keys more per table
+    assert grown.path is ApplyPath.REBUILD and "room for" in grown.reason
+    assert grown.model.tables.tiers == tight
+    _assert_same_scores(grown.model, LoadedModel.load(root / "tables-full", device="cpu"))
+    roomy = LoadedModel.load(dyn_run.base_bundle, device="cpu", tiers=TierConfig(headroom=2.0))
+    assert apply_delta(roomy, root / "tables").path is ApplyPath.IN_PLACE
 
 
 def test_a_key_beyond_the_shared_key_space_falls_back_to_the_rebuild(dyn_run, root: Path) -> None:

@@ -20,7 +20,7 @@ from serve.lookup import EmbeddingTables, InPlaceUnavailableError
 from serve.metrics import ServingMetrics
 from serve.model import LoadedModel, synthetic_batch
 from serve.spare import Spare, adopt
-from serve.tiers import KEY_BYTES, LINE_BYTES, TierConfig, TieredRows, plan_tiers
+from serve.tiers import KEY_BYTES, KEY_HEADROOM, LINE_BYTES, TierConfig, TieredRows, plan_tiers
 from serve.validation import request_inputs
 from shared.batch import Batch
 from shared.bundle import Bundle, read_bundle, write_bundle
@@ -187,6 +187,14 @@ def test_bad_factor_flags_are_refused(flag: str) -> None:
     with pytest.raises(ValueError, match="--hbm-budget-gib must be > 0"):
         TierConfig.from_flags([], 0)
     assert TierConfig.from_flags(["a=1"], 2.0) == TierConfig({"a": 1.0}, 2 * GIB)
+
+
+@pytest.mark.parametrize("headroom", [-0.1, float("nan"), 1001.0])
+def test_a_key_headroom_outside_its_range_is_refused(headroom: float) -> None:
+    with pytest.raises(ValueError, match=r"--key-headroom must be in \[0, 1000\]"):
+        TierConfig.from_flags([], None, headroom)
+    assert TierConfig.from_flags([], None, 3.0).headroom == 3.0
+    assert TierConfig.from_flags([], None).headroom == KEY_HEADROOM
 
 
 def test_new_values_of_the_same_keys_are_written_into_both_tiers(bundle_v1: Path, requests) -> None:
