@@ -199,10 +199,10 @@ class StaticCacheLines(CacheLines):
 
         Only the slots given move, in place: on a mapped host tier (CUDA) one kernel reads
         and writes them (:func:`shared.hashtable.cuda.host_rows.fill_slots`, walking the
-        positions in ``order``; a position without a slot costs a load), elsewhere (the CPU) the same in torch ops on the slots
-        given, picked by a host read, which costs nothing there (no device to wait for; a
-        CUDA storage takes the static step only with a mapped tier:
-        :meth:`StaticCacheLines.why_not_static`). Until 2026-12-07 every position's packed
+        positions in ``order``; a position without a slot costs a load), elsewhere (the CPU)
+        the same in torch ops on the slots given, picked by a host read, which costs nothing
+        there (no device to wait for; a CUDA storage takes the static step only with a
+        mapped tier: :meth:`StaticCacheLines.why_not_static`). Until 2026-12-07 every position's packed
         payload [P, 2 * dim] was swapped through the store, the new rows' taken in, and the
         whole scattered into the slots, positions without a slot into the sink row: at the
         H100's P = 1M at dim 128, 5.5 GiB of payload temporaries a step (about 12 GiB read
