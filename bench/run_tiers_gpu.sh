@@ -30,6 +30,11 @@ if [ "${TIER_TESTS:-1}" != 0 ]; then
     > "$OUT/tier_tests.log" 2>&1
   echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
 fi
+# HOST_NODE=1: first bench/run_host_node_gpu.sh (the host node against the device's reads, about
+# 2 minutes; 3 files more)
+if [ -n "${HOST_NODE:-}" ]; then
+  bash bench/run_host_node_gpu.sh
+fi
 timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims ${DIMS:-16 128} --rows "${ROWS:-100000000}" \
   --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup "${WARMUP:-100}" --steps "${STEPS:-30}" --rounds 1 \
   ${STATIC:+--static} ${PROFILE:+--profile "$PROFILE"} --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
