@@ -5,11 +5,12 @@
 # UVA reads (random and sorted) against a host node in the graph (the native mover on every core,
 # then one read of the staged rows), with and without write-backs.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`. Writes under $OUT:
-# bench_host_node_16.json, bench_host_node_128.json, bench_host_node.log.
+# bench_host_node_16.json, bench_host_node_128.json, bench_host_node.log. NODE_TIMEOUT (s a dim,
+# default 150), ROWS, ROWS_128, NS, REPEATS override.
 . bench/device_env.sh
 for spec in "16 ${ROWS:-100000000}" "128 ${ROWS_128:-10000000}"; do
   set -- $spec
-  timeout "${BENCH_TIMEOUT:-150}" python3 -m bench.bench_host_node --device cuda --dims "$1" \
+  timeout "${NODE_TIMEOUT:-150}" python3 -m bench.bench_host_node --device cuda --dims "$1" \
     --rows "$2" --ns ${NS:-107000 262144} --repeats "${REPEATS:-9}" \
     --out "$OUT/bench_host_node_$1.json" >> "$OUT/bench_host_node.log" 2>&1
   echo "bench_host_node dim $1 rc=$?"
