@@ -6,7 +6,7 @@ through a host node, against the device's own reads, in one run (issue #52's fil
         --ns 107000 262144 --out out/bench_host_node_gpu.json                  # the device
 
 Why: at item 1's 100M rows the static cache's fill reads 107K random rows a step at about 35M
-rows/s (the device pays an address translation per row), while the host's cores gather 200-400M
+rows/s (a cost per row, most likely its address translation), while the host's cores gather 200-400M
 rows/s of the same tier. A graph cannot call Python, but it can run a host function: here
 :func:`shared.hashtable.host_move.launch_on_stream` queues the native mover between two
 kernels. The tier is ``bench_host_rows``' (:class:`~shared.hashtable.host_store.TensorHostStore`,

@@ -27,7 +27,7 @@ A call that touches rows (:meth:`RowCache.gather`, :meth:`RowCache.adagrad`,
 :meth:`RowCache.prefetch`) resolves them to lines first, with **one host read** (the size of the
 miss list): hits are stamped; the misses are read from the host tier in ONE vectorized gather of
 the packed miss list, in row order (the misses by row and the victims by write-back row, paired
-in that order: the device's random host reads cost a translation each, ordered ones share it;
+in that order: the device's random host reads cost it about the same per row, ordered ones less;
 on CUDA a kernel reading the host rows through UVA, straight into device
 memory: :mod:`shared.hashtable.cuda.host_rows`). Their lines are, first, lines never used yet (in
 order), then victims chosen by a **clock over the lines**: a window of ``2 * (misses + hits)``

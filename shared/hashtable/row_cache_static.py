@@ -163,7 +163,7 @@ class StaticCacheLines(CacheLines):
         Which victim line a row takes changes nothing but where it lives (the victims, the
         rows evicted and written back are the same), and it lets one fill launch touch the
         host tier in ascending order both ways at once (:meth:`_fill_slots` walks
-        ``order``): the device's reads of random host rows cost a translation each, in
+        ``order``): the device's reads of random host rows cost it about the same per row, in
         address order 5.7x less at 128-B rows and 1.7x at 1 KiB (bench_host_pages, H100);
         writes and reads cross PCIe in both directions together. Positions without a line sort
         last (their ``taken`` is the sink and ``back`` -1, and stay so). Fixed shapes: two

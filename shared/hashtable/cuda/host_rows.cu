@@ -86,8 +86,8 @@ __device__ float4 splat<float4>(float x) {
 // written back). order (may be null: 0..n-1) is the positions in the order the threads take
 // them: the i-th row of threads works on position order[i], so that, with order sorting the host
 // rows a launch touches, neighbouring threads touch neighbouring host pages (random rows of a
-// large host tier cost the device an address translation each: 5.7x slower at 128-B rows on
-// the H100, bench_host_pages).
+// large host tier cost the device about the same each, likely its address translation: 5.7x
+// slower at 128-B rows on the H100, bench_host_pages).
 template <typename V, int VEC>
 __device__ void fill_slots(V* host, const i64* __restrict__ order, const i64* __restrict__ back,
                            const i64* __restrict__ read, const i64* __restrict__ slots,
