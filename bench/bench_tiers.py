@@ -190,17 +190,29 @@ def log_line(dim: int, r: int, name: str, res: dict[str, Any], static: bool) -> 
     )
 
 
+def step_path(dec: DynamicEmbeddingCollection, static: bool, host_node: bool) -> None:
+    """The static sparse step (``static``; captured on CUDA), and for a cache the fill through
+    a host node (``host_node``: ``StaticCacheLines.fill_with_host_node``)."""
+    if static:
+        dec.use_static_step(capture=dec.device.type == "cuda")
+    if host_node:
+        for storage in dec._storages:
+            fill = getattr(storage.payload, "fill_with_host_node", None)
+            if fill is not None:  # a CACHING storage (HBM_ONLY has no fill)
+                fill()
+
+
 def run_variant(
     dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
     grad: torch.Tensor, probe: torch.Tensor, warmup: int, static: bool = False,
+    host_node: bool = False,
 ) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
     device = keys.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     dec = build(dim, slots, factor, keys)
-    if static:
-        dec.use_static_step(capture=device.type == "cuda")
+    step_path(dec, static, host_node)
     _sync(device)
     build_s = time.perf_counter() - t0
     steps = time_steps(dec, batches, grad, warmup)
@@ -276,7 +288,16 @@ def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
         for name, pct in VARIANTS.items():
             factor = factor_of(pct, w)
             res, probed = run_variant(
-                dim, slots, factor, keys, batches, grad, probe, args.warmup, args.static
+                dim,
+                slots,
+                factor,
+                keys,
+                batches,
+                grad,
+                probe,
+                args.warmup,
+                args.static,
+                args.host_node,
             )
             per_round[name].append(res["step_ms_median"])
             if base_probe is None:
@@ -316,6 +337,7 @@ def run(args: Any) -> dict[str, Any]:
         "warmup": args.warmup,
         "rounds": args.rounds,
         "static": args.static,
+        "host_node": args.host_node,
         "load": LOAD,
         "dims": {},
     }
@@ -347,8 +369,7 @@ def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[di
     out: dict[str, tuple[dict[str, Any], str]] = {}
     for name, pct in VARIANTS.items():
         dec = build(dim, w.slots, factor_of(pct, w), w.keys)
-        if args.static:
-            dec.use_static_step(capture=device.type == "cuda")
+        step_path(dec, args.static, args.host_node)
         for i in range(args.warmup):
             _step(dec, i, w.batches[i], w.grad)
         _sync(device)
@@ -389,6 +410,12 @@ def _parser() -> Parser:
         "--static", action="store_true", help="the static sparse step (CUDA graphs on CUDA)"
     )
     p.add_argument(
+        "--host-node",
+        action="store_true",
+        help="with --static on CUDA: the caches' fill moves rows with the host's cores, as a host "
+        "node of the step's graph (shared.hashtable.host_node_fill), not the device's reads",
+    )
+    p.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -401,6 +428,11 @@ def _parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.host_node and not (args.static and args.device.startswith("cuda")):
+        raise ValueError(
+            "bench_tiers: --host-node is the static step's fill on CUDA: give it with --static "
+            "and --device cuda"
+        )
     run(args)
     return 0
 

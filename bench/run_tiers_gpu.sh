@@ -31,7 +31,7 @@ if [ "${TIER_TESTS:-1}" != 0 ]; then
   echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
 fi
 # HOST_NODE=1: first bench/run_host_node_gpu.sh (the host node against the device's reads, about
-# 2 minutes; 3 files more)
+# 2 minutes; 3 files more), and after the timed runs the caches again with --host-node (below)
 if [ -n "${HOST_NODE:-}" ]; then
   bash bench/run_host_node_gpu.sh
 fi
@@ -39,3 +39,12 @@ timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims 
   --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup "${WARMUP:-100}" --steps "${STEPS:-30}" --rounds 1 \
   ${STATIC:+--static} ${PROFILE:+--profile "$PROFILE"} --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
 echo "bench_tiers rc=$?"; tail -12 "$OUT/bench_tiers.log"
+# HOST_NODE=1 also times the caches with the fill through a host node (--host-node, dim 16 by
+# default: HOST_NODE_DIMS), against HBM_ONLY again in the same run: 2 files more
+if [ -n "${HOST_NODE:-}" ]; then
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims ${HOST_NODE_DIMS:-16} \
+    --rows "${ROWS:-100000000}" --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" \
+    --warmup "${WARMUP:-100}" --steps "${STEPS:-30}" --rounds 1 --static --host-node \
+    --out "$OUT/bench_tiers_host_node_gpu.json" > "$OUT/bench_tiers_host_node.log" 2>&1
+  echo "bench_tiers --host-node rc=$?"; grep "round 0" "$OUT/bench_tiers_host_node.log"
+fi

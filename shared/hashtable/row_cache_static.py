@@ -27,14 +27,33 @@ static step ran (``_fresh``): the window finds them by their stamp (-1 sorts fir
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from shared.hashtable.host_node_fill import HostNodeFill
 from shared.hashtable.host_store import TensorHostStore
 from shared.hashtable.row_cache_lines import CacheLines
 
 
 class StaticCacheLines(CacheLines):
     """The cache's lines with the static step's fixed-shape resolve (see the module doc)."""
+
+    _host_node: HostNodeFill | None = None  # the fill through a host node (opt-in)
+
+    def fill_with_host_node(self, threads: int | None = None) -> None:
+        """From now on the static step's fill moves the rows with the host's cores, as a host
+        node of its graph (:mod:`shared.hashtable.host_node_fill`; ``threads``: default the
+        process's cores), instead of the device's reads. Needs the mapped host tier of a CUDA
+        storage and a C compiler; the step captures its graphs again."""
+        if not self._fills_in_place:
+            raise ValueError(
+                "fill_with_host_node: the host-node fill needs a CUDA storage whose host tier "
+                "is mapped (the static step's in-place fill)"
+            )
+        assert isinstance(self.store, TensorHostStore)
+        cores = threads if threads is not None else len(os.sched_getaffinity(0))
+        self._host_node = HostNodeFill(self.store, self.dim, cores)
 
     def why_not_static(self) -> str | None:
         """Why the static step cannot take this cache (None: it can): the host tier must be
@@ -55,6 +74,8 @@ class StaticCacheLines(CacheLines):
         self.store.used_by_device(self.values.device)
         if padded - self.lines > self._staged:
             self._stage(max(padded - self.lines, 2 * self._staged))
+        if self._host_node is not None:
+            self._host_node.ready(padded)
         return self._version
 
     def _stage(self, n: int) -> None:
@@ -83,7 +104,8 @@ class StaticCacheLines(CacheLines):
         """What a captured step reads at fixed addresses: changes when one of them moves."""
         arrays = (self._values, self._accum, self._line_map, self._row_of_line, self._stamps,
                   self._dirty, self._tick, self._hand, self._evicted, self._static)  # fmt: skip
-        return (*(a.data_ptr() for a in arrays), self._store_moves)
+        node = () if self._host_node is None else self._host_node.key()
+        return (*(a.data_ptr() for a in arrays), self._store_moves, *node)
 
     def static_resolve(
         self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
@@ -212,11 +234,15 @@ class StaticCacheLines(CacheLines):
             from shared.hashtable.cuda import host_rows
 
             assert isinstance(self.store, TensorHostStore)
-            host_rows.fill_slots(
-                self.store.device_pointer(), back, read, slots, new,
-                new_values.to(torch.float32).contiguous(), self.initial_accumulator_value,
-                self._values, self._accum, order=order,
-            )  # fmt: skip
+            init = new_values.to(torch.float32).contiguous()
+            if self._host_node is not None:
+                self._host_node.fill(slots, back, read, new, init,
+                                     self.initial_accumulator_value, self._values, self._accum)  # fmt: skip
+            else:
+                host_rows.fill_slots(
+                    self.store.device_pointer(), back, read, slots, new, init,
+                    self.initial_accumulator_value, self._values, self._accum, order=order,
+                )  # fmt: skip
             self.store.used_by_device(self.values.device)
             return
         assert not slots.is_cuda, "a CUDA storage's static resolve needs a mapped host tier"

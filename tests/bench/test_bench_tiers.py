@@ -87,3 +87,11 @@ def test_bench_tiers_profile_writes_each_variants_figures_and_tables(tmp_path: P
         assert "operators by self CPU time" in section and "aten::" in section, name
     got = result["4"]
     assert got["cache_100"]["profile"]["ops_per_step"] > got["hbm_only"]["profile"]["ops_per_step"]
+
+
+def test_the_host_node_fill_is_refused_off_the_static_step_on_cuda(tmp_path: Path) -> None:
+    """--host-node is the captured static step's fill: without --static and CUDA it is an
+    error, not a flag silently ignored."""
+    for extra in ([], ["--static"]):
+        with pytest.raises(ValueError, match="--host-node is the static step's fill on CUDA"):
+            bench_tiers.main(["--out", str(tmp_path / "x.json"), "--host-node", *extra])

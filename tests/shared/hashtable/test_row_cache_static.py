@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from shared.features import LfuDecaySpec, ScoreStrategy
+from shared.hashtable import host_move
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.embedding import DynamicEmbeddingCollection
+from shared.hashtable.host_node_fill import HostNodeFill
 from shared.hashtable.host_store import TensorHostStore
 from shared.hashtable.layout import RowArrays
 from shared.hashtable.row_cache import RowCache
@@ -312,19 +314,36 @@ def test_the_static_resolve_pairs_rows_read_with_victims_in_host_row_order() -> 
     assert bool((paired_taken[~gets] == big).all()) and bool((paired_back[~gets] == -1).all())
 
 
+def test_the_host_node_fill_needs_a_cuda_storage_with_a_mapped_tier() -> None:
+    """Opt-in, and refused where it cannot run, naming what is missing."""
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125)  # on the CPU: nothing to map
+    cache = cached._storages[0].payload
+    assert isinstance(cache, RowCache)
+    with pytest.raises(ValueError, match="needs a CUDA storage whose host tier is mapped"):
+        cache.fill_with_host_node(threads=2)
+    with pytest.raises(ValueError, match="needs a mapped host tier"):
+        HostNodeFill(TensorHostStore(4, capacity=8, pin=False), 4, threads=2)
+
+
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS  # the host tier mapped: the static step's swap runs in the graph
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
+@pytest.mark.parametrize("fill", ["device", "host_node"])
 def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
-    strategy: ScoreStrategy,
+    strategy: ScoreStrategy, fill: str
 ) -> None:
     """The static step on a 640-line cache captured in CUDA graphs and replayed (the resolve,
     the host tier's swap through UVA, the gather from lines; the backward on lines), step by
-    step against HBM_ONLY's captured static step."""
+    step against HBM_ONLY's captured static step. ``host_node``: the fill's rows moved by the
+    host's cores, as a host node of the graph (shared.hashtable.host_node_fill)."""
+    if fill == "host_node" and host_move.unavailable_reason() is not None:
+        pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
     hbm, cached = _static_dec(strategy, None, "cuda"), _static_dec(strategy, 0.3125, "cuda")
     cache = cached._storages[0].payload
     assert isinstance(cache, RowCache) and isinstance(cache.store, TensorHostStore)
     assert cache.store.mapped and cache.why_not_static() is None
+    if fill == "host_node":
+        cache.fill_with_host_node(threads=3)
     _static_run([hbm, cached], range(1, 13), exact=False)
     for dec in (hbm, cached):
         ran = dec.static_stats()["g"]

@@ -1,0 +1,115 @@
+"""The static cache's line fill through a host node: the host's cores move the rows, not the
+device's reads (opt-in: :meth:`~shared.hashtable.row_cache_static.StaticCacheLines.fill_with_host_node`).
+
+Why: at item 1's 100M rows the device's fill reads 107K random host rows a step at about 35M
+rows/s, a cost per row (``docs/design.md``, "Next: the misses' way across PCIe"), while the
+host's cores gather 200-400M rows/s of the same tier. A captured step cannot call Python, but it
+can run native code as a host node (:mod:`shared.hashtable.host_move`). The fill, in fixed
+shapes and one stream, all inside the step's graph:
+
+1. the positions that write a line back (``back`` >= 0) and that read a row (``read`` >= 0,
+   not a new key) get ranks (cumsums); their counts and their tier rows go to pinned arrays at
+   those ranks (UVA writes by :func:`~shared.hashtable.cuda.host_rows.scatter`);
+2. the write-backs' line payload goes to pinned staging rows at their ranks, one after another
+   (:func:`~shared.hashtable.cuda.host_rows.fill_slots` with the staging rows as its "host");
+3. the host node: the write-backs scattered into the tier, then the reads gathered into pinned
+   staging rows at their ranks, on every core (:c:func:`hm_move`);
+4. the staged rows read into their lines (one after another: the device's fast case) and the
+   new keys' lines made from their initializer rows (``fill_slots`` again).
+
+The lines end as :meth:`StaticCacheLines._fill_slots`' device fill leaves them, bit for bit (rows
+are copied, never computed). The pinned arrays are sized for the step's padded positions
+(:meth:`HostNodeFill.ready`, called before any capture); where they or the tier move, the step
+captures its graphs again (their addresses are in :meth:`HostNodeFill.key`). Not yet run on a
+card (2026-12-07): ``bench/bench_host_node.py`` measures the host node first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.hashtable import host_move
+from shared.hashtable.host_store import TensorHostStore
+
+
+class HostNodeFill:
+    """A CACHING storage's fill through a host node (module doc) over ``store`` (mapped, on
+    CUDA), rows of ``2 * dim`` floats, moved by ``threads`` host threads."""
+
+    def __init__(self, store: TensorHostStore, dim: int, threads: int) -> None:
+        if not store.mapped or threads < 1:
+            raise ValueError(
+                f"the host-node fill needs a mapped host tier and threads >= 1, got mapped="
+                f"{store.mapped}, threads={threads}"
+            )
+        why = host_move.unavailable_reason()
+        if why is not None:
+            raise RuntimeError(f"the host-node fill cannot run here: {why}")
+        self.store, self.dim, self.threads = store, dim, threads
+        self.positions = 0
+        self._pinned: dict[str, torch.Tensor] = {}
+        self._move: host_move.HostMove | None = None
+
+    def ready(self, positions: int) -> None:
+        """Pinned arrays for ``positions`` positions and a mover over the tier's rows where
+        they are now (outside any capture: the arrays move, and a step on them captures its
+        graphs again)."""
+        width = 2 * self.dim
+        if positions > self.positions:
+            self._pinned = {
+                "staging_in": torch.empty(positions, width, pin_memory=True),
+                "staging_out": torch.empty(positions, width, pin_memory=True),
+                "read_ids": torch.zeros(positions, dtype=torch.int64, pin_memory=True),
+                "back_ids": torch.zeros(positions, dtype=torch.int64, pin_memory=True),
+                "counts": torch.zeros(2, dtype=torch.int64, pin_memory=True),
+            }
+            self.positions = positions
+            self._move = None
+        rows = self.store.rows
+        if self._move is None or self._move.params.host != rows.data_ptr():
+            b = self._pinned
+            self._move = host_move.HostMove(rows, b["back_ids"], b["staging_out"], b["read_ids"],
+                                            b["staging_in"], b["counts"], threads=self.threads)  # fmt: skip
+
+    def key(self) -> tuple[int, ...]:
+        """The addresses a captured fill reads and writes (the step compares them)."""
+        return (*(t.data_ptr() for t in self._pinned.values()), self.store.rows.data_ptr())
+
+    def fill(
+        self,
+        slots: torch.Tensor,
+        back: torch.Tensor,
+        read: torch.Tensor,
+        new: torch.Tensor,
+        new_values: torch.Tensor,
+        initial: float,
+        values: torch.Tensor,
+        accum: torch.Tensor,
+    ) -> None:
+        """:meth:`StaticCacheLines._fill_slots`' arguments ([P] each, ``new_values`` [P, dim];
+        ``values``, ``accum`` the lines' arrays): the same lines, through the host node."""
+        from shared.hashtable.cuda import host_rows
+
+        p = slots.numel()
+        if p > self.positions or self._move is None:
+            raise RuntimeError(
+                f"the host-node fill was made ready for {self.positions} positions, the step "
+                f"has {p}: call ready() before the step (static_began does)"
+            )
+        b = self._pinned
+        has = slots >= 0
+        wb = has & (back >= 0)  # [P] lines written back
+        rd = has & ~new & (read >= 0)  # [P] rows read
+        rank_b = torch.where(wb, torch.cumsum(wb, 0) - 1, -1)  # [P] their staging rows
+        rank_r = torch.where(rd, torch.cumsum(rd, 0) - 1, -1)
+        counts = torch.stack([wb.sum(), rd.sum()])  # [2] int64
+        first = torch.zeros(1, dtype=torch.int64, device=slots.device)
+        # int64 rows written as pairs of float32 (copied, never computed)
+        host_rows.scatter(b["counts"].data_ptr(), first, counts.view(torch.float32).view(1, 4))
+        host_rows.scatter(b["back_ids"].data_ptr(), rank_b, back.view(torch.float32).view(p, 2))
+        host_rows.scatter(b["read_ids"].data_ptr(), rank_r, read.view(torch.float32).view(p, 2))
+        host_rows.fill_slots(b["staging_out"].data_ptr(), rank_b, None, slots, None, None,
+                             initial, values, accum)  # fmt: skip
+        host_move.launch_on_stream(self._move, torch.cuda.current_stream(slots.device))
+        host_rows.fill_slots(b["staging_in"].data_ptr(), None, rank_r, slots, new, new_values,
+                             initial, values, accum)  # fmt: skip
