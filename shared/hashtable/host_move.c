@@ -58,9 +58,13 @@ static void* hm_run_part(void* arg) {
 #define HM_MAX_THREADS 256
 
 // Both moves of *arg (an hm_params), split over its threads (this one and threads - 1 more).
+#define HM_ROWS_A_THREAD 4096  // fewer rows than this a thread: fewer threads (each costs a start)
+
 void hm_move(void* arg) {
   const hm_params* p = (const hm_params*)arg;
   int64_t n = p->threads < 1 ? 1 : (p->threads > HM_MAX_THREADS ? HM_MAX_THREADS : p->threads);
+  const int64_t enough = (p->counts[0] + p->counts[1] + HM_ROWS_A_THREAD - 1) / HM_ROWS_A_THREAD;
+  if (n > enough) n = enough < 1 ? 1 : enough;
   hm_params q = *p;
   q.threads = n;
   hm_part parts[HM_MAX_THREADS];

@@ -29,11 +29,12 @@ def _case(width: int, capacity: int, nb: int, nr: int, seed: int = 0):
 @pytest.mark.parametrize("width", [32, 256, 3])
 @pytest.mark.parametrize("threads", [1, 4, 17])
 def test_the_move_writes_back_then_reads_as_torch_indexing_does(width: int, threads: int) -> None:
-    host, back, out, read, into = _case(width, capacity=5000, nb=700, nr=900)
+    """21K rows: up to 6 threads' worth (a thread takes at least 4096 rows)."""
+    host, back, out, read, into = _case(width, capacity=30_000, nb=9_000, nr=12_000)
     want_host = host.clone()
     want_host[back] = out
     want_into = want_host[read]
-    counts = torch.tensor([700, 900])
+    counts = torch.tensor([9_000, 12_000])
     host_move.HostMove(host, back, out, read, into, counts, threads=threads).run()
     assert torch.equal(host, want_host) and torch.equal(into, want_into)
 
