@@ -27,7 +27,6 @@ method's rows are checked against the pattern, and the written-back rows in the 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_host_rows import bits, matrix, pattern
+from bench.bench_host_rows import bits, figures, matrix, pattern
 from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.hashtable import host_move
@@ -44,9 +43,9 @@ from shared.hashtable import host_move
 DEVICE_METHODS = ("uva_gather", "uva_gather_sorted", "host_node", "host_node_writeback")
 
 
-def graph_ms(fn: Callable[[], None], repeats: int) -> tuple[float, list[float]]:
+def graph_ms(fn: Callable[[], None], repeats: int) -> list[float]:
     """``fn`` captured in a CUDA graph (after one eager run), then replayed ``repeats`` times:
-    the median ms and every replay's."""
+    every replay's ms."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -61,7 +60,7 @@ def graph_ms(fn: Callable[[], None], repeats: int) -> tuple[float, list[float]]:
         end.record()
         end.synchronize()
         times.append(float(start.elapsed_time(end)))
-    return statistics.median(times), times
+    return times
 
 
 def measure(m: Any, n: int, cuda: bool, threads: int, repeats: int) -> dict[str, Any]:
@@ -69,15 +68,14 @@ def measure(m: Any, n: int, cuda: bool, threads: int, repeats: int) -> dict[str,
     ids = m.perm[:n].contiguous()  # [n] random rows read
     backs = m.perm[n : 2 * n].contiguous()  # [n] other rows written back
     want = pattern(ids, width)
-    pin = cuda
-    read_ids = ids.clone().pin_memory() if pin else ids.clone()
-    back_ids = backs.clone().pin_memory() if pin else backs.clone()
-    staging_in = torch.empty(n, width, pin_memory=pin)  # [n, 2 * dim]
-    staging_out = torch.empty(n, width, pin_memory=pin)
+    read_ids = ids.clone().pin_memory() if cuda else ids.clone()
+    back_ids = backs.clone().pin_memory() if cuda else backs.clone()
+    staging_in = torch.empty(n, width, pin_memory=cuda)  # [n, 2 * dim]
+    staging_out = torch.empty(n, width, pin_memory=cuda)
     staging_out.view(torch.int32).copy_(pattern(backs, width))  # written back unchanged
     counts = torch.tensor([0, n], dtype=torch.int64)
     counts_wb = torch.tensor([n, n], dtype=torch.int64)
-    if pin:
+    if cuda:
         counts, counts_wb = counts.pin_memory(), counts_wb.pin_memory()
     gather_only = host_move.HostMove(m.host, back_ids, staging_out, read_ids, staging_in, counts,
                                      threads=threads)  # fmt: skip
@@ -85,11 +83,8 @@ def measure(m: Any, n: int, cuda: bool, threads: int, repeats: int) -> dict[str,
                                     counts_wb, threads=threads)  # fmt: skip
     out: dict[str, Any] = {}
 
-    def record(name: str, ms: float, times: list[float], ok: bool, moved: int) -> None:
-        out[name] = {"run": True, "ms": round(ms, 4), "ms_all": [round(t, 4) for t in times],
-                     "rows_per_s": round(n / ms * 1e3) if ms > 0 else None,
-                     "gb_per_s": round(moved * width * 4 / ms / 1e6, 3) if ms > 0 else None,
-                     "rows_equal": ok}  # fmt: skip
+    def record(name: str, times: list[float], ok: bool, moved: int) -> None:
+        out[name] = {"run": True, **figures(times, n, moved * width * 4), "rows_equal": ok}
 
     times = []
     for _ in range(repeats):
@@ -97,7 +92,7 @@ def measure(m: Any, n: int, cuda: bool, threads: int, repeats: int) -> dict[str,
         t = time.perf_counter()
         gather_only.run()
         times.append((time.perf_counter() - t) * 1e3)
-    record("host_move", statistics.median(times), times, torch.equal(bits(staging_in), want), n)
+    record("host_move", times, torch.equal(bits(staging_in), want), n)
     if not cuda:
         why = "needs a CUDA device (run with --device cuda)"
         out.update({name: {"run": False, "reason": why} for name in DEVICE_METHODS})
@@ -136,11 +131,11 @@ def measure(m: Any, n: int, cuda: bool, threads: int, repeats: int) -> dict[str,
     }
     for name, (fn, expect, moved) in checks.items():
         got.zero_()
-        ms, times = graph_ms(fn, repeats)
+        times = graph_ms(fn, repeats)
         ok = torch.equal(bits(got), expect)
         if name == "host_node_writeback":  # the rows written back hold their own pattern
             ok = ok and torch.equal(bits(m.host[backs]), pattern(backs, width))
-        record(name, ms, times, ok, moved)
+        record(name, times, ok, moved)
     return out
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from bench.bench_host_rows import Clock, figures
 from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.hashtable.host_store import _register
@@ -91,10 +91,6 @@ def allocate(how: str, rows: int, width: int, cuda: bool) -> tuple[torch.Tensor,
     return t, keep
 
 
-def median_ms(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
-
-
 def measure(host: torch.Tensor, ids: torch.Tensor, cuda: bool, repeats: int) -> dict[str, Any]:
     """The gathers of ``ids`` from ``host``: ms, rows/s, GB/s and the check of each."""
     from shared.hashtable.cuda import host_rows
@@ -106,12 +102,10 @@ def measure(host: torch.Tensor, ids: torch.Tensor, cuda: bool, repeats: int) -> 
     def first(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.int32)[:, 0].cpu()
 
+    clock = Clock(torch.device("cuda" if cuda else "cpu"))
+
     def cpu() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        torch.index_select(host, 0, ids, out=staging)
-        return (time.perf_counter() - t) * 1e3
+        return clock.host_ms(lambda: torch.index_select(host, 0, ids, out=staging))
 
     methods: dict[str, tuple[Callable[[], float], Callable[[], bool]]] = {
         "cpu_gather": (cpu, lambda: torch.equal(first(staging), want)),
@@ -124,16 +118,7 @@ def measure(host: torch.Tensor, ids: torch.Tensor, cuda: bool, repeats: int) -> 
         in_order = ordered.cuda()
 
         def uva(rows: torch.Tensor) -> Callable[[], float]:
-            def run() -> float:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                torch.cuda.synchronize()
-                start.record()
-                host_rows.gather(ptr, rows, out)
-                end.record()
-                end.synchronize()
-                return float(start.elapsed_time(end))
-
-            return run
+            return lambda: clock.device_ms(lambda: host_rows.gather(ptr, rows, out))
 
         methods["uva_gather"] = (uva(shuffled), lambda: torch.equal(first(out), want))
         methods["uva_gather_sorted"] = (
@@ -151,12 +136,7 @@ def measure(host: torch.Tensor, ids: torch.Tensor, cuda: bool, repeats: int) -> 
         for name, (fn, _check) in methods.items():
             times[name].append(fn())
     for name, ts in times.items():
-        ms = statistics.median(ts)
-        got[name].update(
-            ms=round(ms, 4),
-            rows_per_s=round(n / ms * 1e3) if ms > 0 else None,
-            gb_per_s=round(n * width * 4 / ms / 1e6, 3) if ms > 0 else None,
-        )
+        got[name].update(figures(ts, n, n * width * 4))
     return got
 
 

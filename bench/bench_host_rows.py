@@ -144,6 +144,19 @@ class Method:
     after: Callable[[], None] | None = None  # untimed, after every call (undo a write)
 
 
+def figures(times: list[float], rows: int, nbytes: int) -> dict[str, Any]:
+    """A method's figures from its calls' ``times`` (ms): the median ms, every call's, and rows
+    and GB a second at the median for ``rows`` rows and ``nbytes`` bytes moved a call (this
+    bench's and ``bench_host_pages``' and ``bench_host_node``'s)."""
+    ms = statistics.median(times)
+    return {
+        "ms": round(ms, 6),
+        "ms_all": [round(x, 4) for x in times],
+        "rows_per_s": round(rows / ms * 1e3) if ms > 0 else None,
+        "gb_per_s": round(nbytes / ms / 1e6, 3) if ms > 0 else None,
+    }
+
+
 def at_threads(n: int, timed: Callable[[], float]) -> float:
     """``timed()`` with ``n`` torch threads (set outside its timed region; restored after)."""
     before = torch.get_num_threads()
@@ -336,17 +349,11 @@ def measure(
             times[name].append(meth.run())
             if meth.after is not None:
                 meth.after()
-    out: dict[str, Any] = {}
-    for name, meth in methods.items():
-        ms = statistics.median(times[name])
-        out[name] = {
-            "run": True,
-            "ms": round(ms, 6),
-            "ms_all": [round(x, 4) for x in times[name]],
-            "rows_per_s": round(meth.rows / ms * 1e3) if ms > 0 else None,
-            "gb_per_s": round(meth.moved * m.row_bytes / ms / 1e6, 3) if ms > 0 else None,
-            "rows_equal": equal[name],
-        }
+    out: dict[str, Any] = {
+        name: {"run": True, **figures(times[name], meth.rows, meth.moved * m.row_bytes),
+               "rows_equal": equal[name]}
+        for name, meth in methods.items()
+    }  # fmt: skip
     if clock.cuda:
         ceiling = out["e_bulk_h2d"]["ms"]
         for v in out.values():

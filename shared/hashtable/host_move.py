@@ -161,14 +161,10 @@ def launch_on_stream(move: HostMove, stream: torch.cuda.Stream) -> None:
 def _cudart() -> ctypes.CDLL:
     """The CUDA runtime torch loaded (found among the process's mapped libraries)."""
     torch.cuda.init()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if "libcudart.so" in Path(path).name:
-            lib = ctypes.CDLL(path)
-            lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p] * 3
-            lib.cudaLaunchHostFunc.restype = ctypes.c_int
-            return lib
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):  # a static torch's
+    mapped = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if "libcudart.so" in Path(line.split()[-1] if line.split() else "").name]  # fmt: skip
+    # torch's own first; else by name (a torch linked with the runtime statically)
+    for name in (*mapped[:1], "libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             lib = ctypes.CDLL(name)
         except OSError:
