@@ -210,15 +210,23 @@ def apply_delta(
             reason = str(err)
         else:
             log.info(
-                "delta %s written in place into model %s (batches paused %.2f ms)",
+                "delta %s written in place into model %s (batches paused %.2f ms; %s)",
                 delta.delta_id,
                 current.version,
                 pause * 1e3,
+                _stages(model),
             )
             return Applied(model, delta, ApplyPath.IN_PLACE, pause_seconds=pause)
     log.info("delta %s: new tables built (%s)", delta.delta_id, reason)
     model = _rebuild(current, delta, patched, warmup_candidates, t0)
+    log.info("delta %s: new model ready (%s)", delta.delta_id, _stages(model))
     return Applied(model, delta, ApplyPath.REBUILD, reason)
+
+
+def _stages(model: LoadedModel) -> str:
+    """The delta's seconds per stage for the log, so that a server's log says where an
+    update's time went (read and merge, tables, program, warm-up, graphs, in all)."""
+    return ", ".join(f"{k} {v:.3f} s" for k, v in model.startup.as_dict().items())
 
 
 def _write_in_place(

@@ -5,6 +5,7 @@ GPU machine: ``pytest -m gpu tests/serve/test_delta_in_place.py``."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,10 +193,21 @@ def test_a_table_delta_keeps_the_program_and_replaces_the_previous_deltas_rows(
     _assert_same_scores(again.model, LoadedModel.load(root / "tables-full", device="cpu"))
 
 
-def test_tables_without_room_fall_back_to_the_rebuild(dyn_run, root: Path) -> None:
+def test_tables_without_room_fall_back_to_the_rebuild(
+    dyn_run, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     base = _no_headroom(dyn_run.base_bundle)
-    grown = apply_delta(base, root / "tables")  # 3 keys more per table: no free slot
+    with caplog.at_level(logging.INFO, logger="serve.delta"):
+        grown = apply_delta(base, root / "tables")  # 3 keys more per table: no free slot
     assert grown.path is ApplyPath.REBUILD and "room for" in grown.reason
+    # the log says where the update's time went, stage by stage (the model's own figures)
+    ready = [r.getMessage() for r in caplog.records if "new model ready" in r.getMessage()]
+    stages = grown.model.startup.as_dict()
+    assert ready == [
+        "delta tables: new model ready ("
+        + ", ".join(f"{k} {v:.3f} s" for k, v in stages.items())
+        + ")"
+    ]
     assert grown.model.tables is not base.tables
     _assert_same_scores(grown.model, LoadedModel.load(root / "tables-full", device="cpu"))
     same = apply_delta(_no_headroom(dyn_run.base_bundle), root / "same-keys")  # as many keys
