@@ -241,7 +241,7 @@ class ModelManager(Generic[M]):
             model = self._builder.submit(build, current).result()
             self._current = model  # the atomic swap
             self._retire(current)
-        log.info("serving model %s (replaced %s in place)", model.version, current.version)
+        log.info("serving model %s (replaced %s without a restart)", model.version, current.version)
         if self._on_loaded is not None:
             self._on_loaded(model)
         return model
