@@ -55,7 +55,8 @@ it served minus its event time; ``served_age_s``: age of what served at each pro
 from the first of them on; the probes in ``probe.json`` of the work dir),
 ``train_without_publishing`` (phase 2's trainer: rows/s, whether and when it caught up within
 the window), ``serving`` (p50/p99 of the three phases, ``p99_ratio_publishing`` and
-``p99_ratio_training``), ``auc`` (each model's AUC, their differences, each model's steps, rows
+``p99_ratio_training``, and ``with_publishing_by_event``: phase 1's answers split by what the
+server or the trainer was doing when they were sent, ``bench/stream_events.py``), ``auc`` (each model's AUC, their differences, each model's steps, rows
 and seconds, the row log's check; written as each model is measured, with ``pending`` until
 the last) and the goals. The JSON is written after phases 1, 2 and 3 and after each model of
 phase 4, so a run cut short keeps what it measured, the issue's goals first.
@@ -85,6 +86,7 @@ import grpc
 import pyarrow as pa
 
 from bench.stream_auc import auc
+from bench.stream_events import attribution, server_applies, trainer_publishes
 from bench.stream_load import LoadProcess, PacedLoad, Probe, build_requests
 from bench.stream_processes import (
     ROOT,
@@ -255,7 +257,12 @@ def serving_phases(
         result["serving"] = serving_report(load.so_far(), windows)
         save()
         windows["idle"] = phase_3(seconds)
-        result["serving"] = serving_report(load.finish(), windows)
+        done = load.finish()
+        result["serving"] = serving_report(done, windows)
+        result["serving"]["with_publishing_by_event"] = attribution(
+            done, windows["with_publishing"], server_applies(work / "server.log"),
+            trainer_publishes(work), mono_to_unix=time.time() - time.monotonic(),
+        )  # fmt: skip
         p1["probe"].stop.set()
         # (unix time, version, event time, age) of each probe
         (work / "probe.json").write_text(json.dumps(p1["probe"].samples))
