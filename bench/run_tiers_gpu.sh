@@ -31,8 +31,9 @@ if [ "${TIER_TESTS:-1}" != 0 ]; then
   echo "tier tests rc=$?"; tail -4 "$OUT/tier_tests.log"
 fi
 # HOST_NODE=1: first bench/run_host_node_gpu.sh (the host node against the device's reads, about
-# 2 minutes; 3 files more), and after the timed runs the caches again with --host-node (below)
-if [ -n "${HOST_NODE:-}" ]; then
+# 2 minutes; 3 files more; NODE_BENCH=0 leaves it out), and after the timed runs the caches
+# again with --host-node (below)
+if [ -n "${HOST_NODE:-}" ] && [ "${NODE_BENCH:-1}" != 0 ]; then
   bash bench/run_host_node_gpu.sh
 fi
 timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims ${DIMS:-16 128} --rows "${ROWS:-100000000}" \
