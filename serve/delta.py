@@ -236,6 +236,8 @@ def _write_in_place(
     and the seconds batches waited for the writes; :class:`InPlaceUnavailableError` before
     anything is written if they do not fit."""
     dev = current.device
+    stats = current.graph_stats()
+    captured = 0.0 if stats is None else stats.capture_seconds  # the successor may share them
     t1 = time.perf_counter()
     with _side_stream(dev):
         write = current.tables.prepare_update(patched)
@@ -259,7 +261,10 @@ def _write_in_place(
         current.supersede(model)
     t5 = time.perf_counter()
     table_s = t2 - t1 + t5 - t4
-    model.startup = StartupTimes.split(t1 - t0, table_s, t3 - t2, t4 - t3, t5 - t0, model=model)
+    before = captured if model.graphs is current.graphs else 0.0
+    model.startup = StartupTimes.split(
+        t1 - t0, table_s, t3 - t2, t4 - t3, t5 - t0, model=model, captured_before=before
+    )
     model.deltas = (*current.deltas, delta.delta_id)
     return model, t5 - t_lock
 

@@ -84,11 +84,14 @@ class StartupTimes:
         total: float,
         *,
         model: LoadedModel,
+        captured_before: float = 0.0,
     ) -> StartupTimes:
         """The stages, with ``warmup`` (eager warm-up + captures) split into warm-up and the
-        graphs' capture time (:attr:`~serve.graphs.GraphStats.capture_seconds`)."""
+        graphs' capture time (:attr:`~serve.graphs.GraphStats.capture_seconds`, less
+        ``captured_before``: what the graphs had captured before this build, for a successor
+        that shares its predecessor's graphs, :meth:`LoadedModel.successor`)."""
         stats = model.graph_stats()
-        graphs = 0.0 if stats is None else stats.capture_seconds
+        graphs = 0.0 if stats is None else stats.capture_seconds - captured_before
         return cls(read, table_build, program_load, max(warmup - graphs, 0.0), graphs, total)
 
     def as_dict(self) -> dict[str, float]:

@@ -337,6 +337,8 @@ def test_graphs_replay_over_tables_written_in_place(dyn_run, root: Path) -> None
     tables = apply_delta(base, root / "tables")
     assert tables.path is ApplyPath.IN_PLACE and tables.model.graphs is graphs
     assert _tensors(tables.model) == before
+    # nothing captured: the shared graphs' earlier captures are not this apply's stage
+    assert base.startup.graphs > 0 and tables.model.startup.graphs == 0.0
     replays = graphs.stats.replays
     _assert_same_scores(tables.model, LoadedModel.load(root / "tables-full", device="cuda"))
     assert graphs.stats.replays == replays + 2 and graphs.stats.eager == {}
