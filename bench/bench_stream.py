@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -379,10 +380,11 @@ def parser() -> argparse.ArgumentParser:
         "asked, at p50 245 ms",
     )  # fmt: skip
     p.add_argument(
-        "--key-headroom", type=float, default=None,
-        help="the server's --key-headroom (its tables' room for new keys; default: the "
-        "server's). The base is published within the first steps, so the keys of the first "
-        "deltas outgrow a 10 %% room and the server rebuilds its tables once",
+        "--server-args", type=shlex.split, default=[], metavar="'FLAGS'",
+        help="more flags of the server (python -m serve), one shell-quoted string: e.g. "
+        "'--key-headroom 20' (the base is published within the first steps, so the keys of "
+        "the first deltas outgrow the default 10 %% room and the server rebuilds its tables "
+        "once), '--torch-threads 2', '--switch-interval-s 0.0005'",
     )  # fmt: skip
     p.add_argument("--probe-every-s", type=float, default=0.2)
     p.add_argument("--candidates", type=int, default=100, help="candidates per request")

@@ -23,8 +23,9 @@
 # trainer_without_publishing.log: phase 2's), the trainer's metrics (stream_metrics.jsonl) and
 # the probe's samples (stream_probe.json).
 # REPLAY (rows/s, default 1100000: the goal is >= 1M), BENCH_TIMEOUT (s, default 420) override;
-# NO_AUC=1 skips the AUC phase (the serving phases alone: about 6 minutes in all); KEY_HEADROOM
-# passes the server's --key-headroom (default: the server's 0.1).
+# NO_AUC=1 skips the AUC phase (the serving phases alone: about 8 minutes in all on 2026-12-07);
+# SERVER_ARGS passes more flags to the server, e.g. SERVER_ARGS="--key-headroom 20" or
+# SERVER_ARGS="--torch-threads 2".
 . bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
@@ -48,7 +49,7 @@ timeout "${BENCH_TIMEOUT:-420}" python3 -m bench.bench_stream --device cuda \
   --samples /tmp/full/samples/train --eval-rows /tmp/full/samples/eval --split hour \
   --replay-rows-per-s "${REPLAY:-1100000}" --writers 12 --publish-every-s 10 --poll-s 0.5 \
   --candidates 500 --load-candidates-per-s 100000 --load-threads 32 --frontends 4 --work-dir /tmp/stream \
-  ${NO_AUC:+--no-auc} ${KEY_HEADROOM:+--key-headroom "$KEY_HEADROOM"} --out "$OUT/bench_stream_full_gpu.json" > "$OUT/bench_stream_full.log" 2>&1
+  ${NO_AUC:+--no-auc} ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} --out "$OUT/bench_stream_full_gpu.json" > "$OUT/bench_stream_full.log" 2>&1
 echo "bench_stream rc=$? at $(( $(date +%s) - t0 )) s"
 tail -c 4000 "$OUT/bench_stream_full.log"
 for f in /tmp/stream/bench_stream.*/trainer.log /tmp/stream/bench_stream.*/server.log; do

@@ -65,14 +65,18 @@ def stop(process: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
 
 
 def start_server(args: argparse.Namespace, work: Path, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "serve", "--model-dir", str(work / "pub" / "full"),
+    return start_process(server_command(args, work, port), work / "server.log")
+
+
+def server_command(args: argparse.Namespace, work: Path, port: int) -> list[str]:
+    """``python -m serve`` following ``work``'s publish root, with ``args.server_args`` last
+    (so they may override the bench's own flags, as argparse takes the last)."""
+    return [sys.executable, "-m", "serve", "--model-dir", str(work / "pub" / "full"),
            "--watch-deltas", str(work / "pub" / "deltas"), "--poll-interval-s",
            str(args.poll_s), "--device", args.device, "--port", str(port),
            "--max-candidates", str(max(args.candidates, 1000)),
            *(["--frontends", str(args.frontends)] if args.frontends else []),
-           *(["--key-headroom", str(args.key_headroom)] if args.key_headroom is not None
-             else [])]  # fmt: skip
-    return start_process(cmd, work / "server.log")
+           *args.server_args]  # fmt: skip
 
 
 def wait_until(

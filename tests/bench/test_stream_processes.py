@@ -1,6 +1,6 @@
 """bench/stream_processes.py: a trainer's records read back from its metrics (the line being
-written skipped), waiting on a condition while the processes it needs live, and a child's
-start (its log) and stop (SIGTERM)."""
+written skipped), waiting on a condition while the processes it needs live, a child's start
+(its log) and stop (SIGTERM), and the server's command line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.stream_processes import records, start_process, stop, wait_until
+from bench.bench_stream import parser
+from bench.stream_processes import (
+    records,
+    server_command,
+    start_process,
+    stop,
+    wait_until,
+)
+from serve.__main__ import parser as serve_parser
 
 
 def test_records_give_the_kind_asked_and_skip_the_line_being_written(tmp_path: Path) -> None:
@@ -45,3 +53,22 @@ def test_a_child_logs_to_its_file_and_stops_at_sigterm(tmp_path: Path) -> None:
     stop(child, timeout=30.0)
     assert child.returncode == -signal.SIGTERM
     stop(child)  # already stopped: nothing to signal
+
+
+def test_the_servers_command_ends_with_the_flags_passed_through(tmp_path: Path) -> None:
+    """``--server-args``: one shell-quoted string, split into the server's flags, after the
+    bench's own (argparse takes the last of a flag given twice); each is a real serve flag."""
+    args = parser().parse_args(
+        ["--out", "x.json", "--device", "cpu", "--frontends", "2",
+         "--server-args", "--key-headroom 20 --torch-threads 2 --poll-interval-s 1"]
+    )  # fmt: skip
+    cmd = server_command(args, tmp_path, 5000)
+    assert cmd[:3] == [sys.executable, "-m", "serve"]
+    assert cmd[cmd.index("--frontends") + 1] == "2" and cmd[cmd.index("--port") + 1] == "5000"
+    extra = ["--key-headroom", "20", "--torch-threads", "2", "--poll-interval-s", "1"]
+    assert cmd[-len(extra) :] == extra
+    assert server_command(parser().parse_args(["--out", "x.json"]), tmp_path, 1)[-2:] == [
+        "--max-candidates",
+        "1000",
+    ]
+    serve_parser().parse_args(cmd[3:])  # the server's own parser takes every flag
