@@ -171,7 +171,9 @@ def _patched_bundle(current: LoadedModel, delta: Delta) -> Bundle:
     """The base bundle of ``current`` with ``delta``'s rows merged in (its tables, manifest,
     version and dense program)."""
     base = current.base_bundle
-    dense, hashed = apply_delta_tables(base.dense_tables, base.hash_tables, delta)
+    dense, hashed = apply_delta_tables(
+        base.dense_tables, base.hash_tables, delta, index=current.base_key_index
+    )
     version = f"{base.version}+{delta.delta_id}"
     extra: dict[str, Any] = dict(base.manifest.get("extra", {}))
     extra["table_summaries"] = delta.summaries
@@ -334,6 +336,7 @@ def _rebuild(
     t4 = time.perf_counter()
     model.startup = StartupTimes.split(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, model=model)
     model.base_bundle = current.base_bundle
+    model.base_key_index = current.base_key_index
     model.base_program = current.base_program
     model.deltas = (*current.deltas, delta.delta_id)
     return model

@@ -43,6 +43,7 @@ from shared.batch import Batch
 from shared.bundle import Bundle, BundleError, read_bundle
 from shared.bundle.layout import DENSE_PROGRAM
 from shared.bundle.naming import PAIR_PROGRAM_FORMAT, program_signature
+from shared.delta import BaseKeyIndex
 from shared.dense_inputs import (
     INPUT_NAMES,
     Pairs,
@@ -255,6 +256,8 @@ class LoadedModel:
         # delta updates (serve.delta): the bundle as read from disk, its program, deltas applied
         self.base_bundle: Bundle = bundle
         self.base_program: DenseProgram = program
+        # its hashmap tables' keys sorted once, for every delta's merge (shared.delta)
+        self.base_key_index: dict[str, BaseKeyIndex] = {}
         self.deltas: tuple[str, ...] = ()
         # CUDA graphs (serve.graphs): captured by warmup() for these buckets, if any
         self.graph_buckets = tuple(graph_buckets)

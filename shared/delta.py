@@ -51,7 +51,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -350,19 +350,45 @@ def delta_format_version(program: str | os.PathLike[str] | None) -> int:
 # --------------------------------------------------------------------------- apply
 
 
+class BaseKeyIndex:
+    """One hashmap table's base keys sorted once, to find a delta's keys among them by binary
+    search: every delta against the same base merges with it (a server keeps its base bundle
+    and applies a delta every few seconds), so the sort is paid once per base, not twice per
+    delta as ``torch.isin`` would (which sorts both sides: 1M keys of 2.8M on 2 cores, 130-165
+    ms a table against 51-66 ms for a sort and the searches, and about 10 ms with the sort
+    kept)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys  # the base tensor it was built from (checked by apply_delta_tables)
+        self.sorted, self.order = torch.sort(keys)
+
+    def find(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the base positions of ``query``'s keys the base holds, ``query``'s mask of them)."""
+        if not self.sorted.numel():
+            return self.order, torch.zeros_like(query, dtype=torch.bool)
+        at = torch.searchsorted(self.sorted, query).clamp_(max=self.sorted.numel() - 1)
+        held = self.sorted[at] == query
+        return self.order[at[held]], held
+
+
 def apply_delta_tables(
     base_dense: Mapping[str, torch.Tensor],
     base_hash: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     delta: Delta,
+    *,
+    index: MutableMapping[str, BaseKeyIndex] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Base tables + ``delta`` → new (dense, hash) tables; the base tensors are not modified.
 
     Tables the delta does not name are shared with the base. Each table's kind, dimension, row
     counts (``base_rows`` → ``target_rows``) and count of new keys are checked against the
-    base: a delta of another base fails here even without its digest.
+    base: a delta of another base fails here even without its digest. ``index``: the base's
+    :class:`BaseKeyIndex` by table, kept by the caller across deltas of the same base (filled
+    here where missing or built from other keys); None: built for this call.
     """
     dense = dict(base_dense)
     hashed = dict(base_hash)
+    index = {} if index is None else index
     foreign = "it was made for another base bundle"
     for name, t in delta.tables.items():
         where = f"{delta.where}: table {name!r}"
@@ -374,9 +400,14 @@ def apply_delta_tables(
             keys, values = base_hash[name]
             if values.shape[1] != t.dim:
                 raise DeltaError(f"{where}: dimension {t.dim}, the base has {values.shape[1]}")
-            drop = torch.cat([t.upsert_keys, t.evict_keys])
-            keep = ~torch.isin(keys, drop)
-            new = int((~torch.isin(t.upsert_keys, keys)).sum())
+            found = index.get(name)
+            if found is None or found.keys is not keys:
+                found = index[name] = BaseKeyIndex(keys)
+            keep = torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+            updated, held = found.find(t.upsert_keys)
+            keep[updated] = False
+            keep[found.find(t.evict_keys)[0]] = False
+            new = int((~held).sum())
             merged = (
                 torch.cat([keys[keep], t.upsert_keys]),
                 torch.cat([values[keep], t.upsert_values]),
