@@ -58,7 +58,60 @@ static void* hm_run_part(void* arg) {
 #define HM_MAX_THREADS 256
 
 // Both moves of *arg (an hm_params), split over its threads (this one and threads - 1 more).
-#define HM_ROWS_A_THREAD 4096  // fewer rows than this a thread: fewer threads (each costs a start)
+#define HM_ROWS_A_THREAD 4096  // fewer rows than this a thread: fewer threads (each costs a wake)
+
+// The helpers are a pool started once and kept: a thread's start and join each step cost about
+// as much as the copy of a few thousand rows, and in a CUDA graph they sat on the step's path.
+// One move at a time (hm_call): a host function may be called from the driver's threads of
+// several streams. Worker k (1..workers) takes part k of each job whose generation it has not
+// seen; the caller takes part 0 and every part no worker exists for, then waits until the
+// workers' parts are done. A fork's child starts with no workers (pthread_atfork).
+typedef struct {
+  int64_t index;      // the part this worker takes (>= 1)
+  uint64_t seen;      // the last generation it took part in (or skipped)
+} hm_start;
+
+static pthread_mutex_t hm_call = PTHREAD_MUTEX_INITIALIZER;  // one move at a time
+static pthread_mutex_t hm_lock = PTHREAD_MUTEX_INITIALIZER;  // guards what follows
+static pthread_cond_t hm_work = PTHREAD_COND_INITIALIZER;    // a new generation
+static pthread_cond_t hm_done = PTHREAD_COND_INITIALIZER;    // hm_remaining fell to 0
+static int64_t hm_workers = 0;
+static uint64_t hm_generation = 0;
+static int64_t hm_parts_n = 0;          // parts of the current job
+static int64_t hm_remaining = 0;        // workers' parts of it not done yet
+static hm_part* hm_job = NULL;          // the current job's parts (the caller's, on its stack)
+static hm_start hm_starts[HM_MAX_THREADS];
+static pthread_once_t hm_once = PTHREAD_ONCE_INIT;
+
+static void hm_after_fork_in_child(void) {
+  // the child has only the forking thread: no worker, and no lock held by one
+  pthread_mutex_init(&hm_call, NULL);
+  pthread_mutex_init(&hm_lock, NULL);
+  pthread_cond_init(&hm_work, NULL);
+  pthread_cond_init(&hm_done, NULL);
+  hm_workers = 0;
+  hm_remaining = 0;
+  hm_job = NULL;
+}
+
+static void hm_register_fork(void) { pthread_atfork(NULL, NULL, hm_after_fork_in_child); }
+
+static void* hm_worker(void* arg) {
+  hm_start* me = (hm_start*)arg;
+  pthread_mutex_lock(&hm_lock);
+  for (;;) {
+    while (hm_generation == me->seen) pthread_cond_wait(&hm_work, &hm_lock);
+    me->seen = hm_generation;
+    if (me->index < hm_parts_n) {
+      hm_part* part = &hm_job[me->index];
+      pthread_mutex_unlock(&hm_lock);
+      hm_run_part(part);
+      pthread_mutex_lock(&hm_lock);
+      if (--hm_remaining == 0) pthread_cond_signal(&hm_done);
+    }
+  }
+  return NULL;
+}
 
 void hm_move(void* arg) {
   const hm_params* p = (const hm_params*)arg;
@@ -68,18 +121,39 @@ void hm_move(void* arg) {
   hm_params q = *p;
   q.threads = n;
   hm_part parts[HM_MAX_THREADS];
-  pthread_t ids[HM_MAX_THREADS];
-  int started[HM_MAX_THREADS];
   for (int64_t k = 0; k < n; ++k) {
     parts[k].p = &q;
     parts[k].part = k;
-    started[k] = k > 0 && pthread_create(&ids[k], NULL, hm_run_part, &parts[k]) == 0;
   }
+  if (n == 1) {
+    hm_run_part(&parts[0]);
+    return;
+  }
+  pthread_once(&hm_once, hm_register_fork);
+  pthread_mutex_lock(&hm_call);
+  pthread_mutex_lock(&hm_lock);
+  while (hm_workers < n - 1) {  // start the workers this move lacks, once
+    hm_start* start = &hm_starts[hm_workers + 1];
+    start->index = hm_workers + 1;
+    start->seen = hm_generation;  // the job published below is new to it
+    pthread_t id;
+    if (pthread_create(&id, NULL, hm_worker, start) != 0) break;
+    pthread_detach(id);
+    ++hm_workers;
+  }
+  const int64_t pooled = hm_workers + 1 < n ? hm_workers + 1 : n;  // parts the pool takes
+  hm_job = parts;
+  hm_parts_n = pooled;
+  hm_remaining = pooled - 1;
+  ++hm_generation;
+  pthread_cond_broadcast(&hm_work);
+  pthread_mutex_unlock(&hm_lock);
   hm_run_part(&parts[0]);
-  for (int64_t k = 1; k < n; ++k) {
-    if (started[k])
-      pthread_join(ids[k], NULL);
-    else
-      hm_run_part(&parts[k]);  // no thread for it: this one does its part
-  }
+  for (int64_t k = pooled; k < n; ++k) hm_run_part(&parts[k]);  // no worker for these
+  pthread_mutex_lock(&hm_lock);
+  while (hm_remaining > 0) pthread_cond_wait(&hm_done, &hm_lock);
+  hm_job = NULL;
+  hm_parts_n = 0;
+  pthread_mutex_unlock(&hm_lock);
+  pthread_mutex_unlock(&hm_call);
 }

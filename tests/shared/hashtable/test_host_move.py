@@ -4,6 +4,11 @@ refused before native code runs."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -74,3 +79,63 @@ def test_layouts_the_native_code_cannot_take_are_refused() -> None:
         host_move.HostMove(host, back, out[:, :3].contiguous(), read, into, counts, threads=1)
     with pytest.raises(ValueError, match="threads be >= 1"):
         host_move.HostMove(host, back, out, read, into, counts, threads=0)
+
+
+def _expected(host: torch.Tensor, back: torch.Tensor, out: torch.Tensor, read: torch.Tensor):  # type: ignore[no-untyped-def]
+    want_host = host.clone()
+    want_host[back] = out
+    return want_host, want_host[read]
+
+
+@NEEDS_CC
+def test_moves_reuse_the_helpers_and_callers_on_several_threads_take_turns() -> None:
+    """The helper threads are started once and kept (a move of 21K rows on 6 threads, then
+    more, then fewer); moves called from several threads at once each equal torch's indexing
+    (ctypes lets go of the GIL, so they do reach the native code together)."""
+    cases = [_case(16, capacity=30_000, nb=9_000, nr=12_000, seed=s) for s in range(8)]
+    wants = [_expected(h, b, o, r) for h, b, o, r, _ in cases]
+    counts = torch.tensor([9_000, 12_000])
+
+    def move(k: int, threads: int) -> None:
+        host, back, out, read, into = cases[k]
+        host_move.HostMove(host, back, out, read, into, counts, threads=threads).run()
+
+    for threads in (6, 17, 2):  # one job at a time: the pool grows, then takes fewer parts
+        move(0, threads)
+        assert torch.equal(cases[0][0], wants[0][0]) and torch.equal(cases[0][4], wants[0][1])
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(move, range(1, 8), [3, 6, 17, 4, 6, 2, 5]))
+    for (host, *_, into), (want_host, want_into) in zip(cases[1:], wants[1:], strict=True):
+        assert torch.equal(host, want_host) and torch.equal(into, want_into)
+
+
+@NEEDS_CC
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_a_forked_child_moves_with_helpers_of_its_own() -> None:
+    """A fork's child has none of the parent's helper threads: it starts its own instead of
+    waiting on threads that are not there (the child's exit code says whether its move was
+    right; a hang fails the test after 60 s). The child keeps torch to one thread, as data
+    loader workers do: the parent's OpenMP threads are not in it either."""
+    host, back, out, read, into = _case(16, capacity=30_000, nb=9_000, nr=12_000)
+    want_host, want_into = _expected(host, back, out, read)
+    counts = torch.tensor([9_000, 12_000])
+    host_move.HostMove(host.clone(), back, out, read, into.clone(), counts, threads=6).run()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here, only an exit code
+        ok = False
+        try:
+            torch.set_num_threads(1)  # torch's own OpenMP pool is not the child's to use
+            host_move.HostMove(host, back, out, read, into, counts, threads=6).run()
+            ok = torch.equal(host, want_host) and torch.equal(into, want_into)
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's move did not finish in 60 s (waiting on the parent's helpers)")
