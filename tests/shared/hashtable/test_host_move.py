@@ -81,7 +81,9 @@ def test_layouts_the_native_code_cannot_take_are_refused() -> None:
         host_move.HostMove(host, back, out, read, into, counts, threads=0)
 
 
-def _expected(host: torch.Tensor, back: torch.Tensor, out: torch.Tensor, read: torch.Tensor):  # type: ignore[no-untyped-def]
+def _expected(
+    host: torch.Tensor, back: torch.Tensor, out: torch.Tensor, read: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     want_host = host.clone()
     want_host[back] = out
     return want_host, want_host[read]
