@@ -353,22 +353,25 @@ def delta_format_version(program: str | os.PathLike[str] | None) -> int:
 class BaseKeyIndex:
     """One hashmap table's base keys sorted once, to find a delta's keys among them by binary
     search: every delta against the same base merges with it (a server keeps its base bundle
-    and applies a delta every few seconds), so the sort is paid once per base, not twice per
-    delta as ``torch.isin`` would (which sorts both sides: 1M keys of 2.8M on 2 cores, 130-165
-    ms a table against 51-66 ms for a sort and the searches, and about 10 ms with the sort
-    kept)."""
+    and applies a delta every few seconds), so the base's sort is paid once, not in each
+    ``torch.isin`` (two a table, each sorting both sides). The delta's keys are sorted before
+    the search, so that it walks the base's keys in order. On 2 CPU threads, 350K delta keys
+    against 1M base keys: the two ``isin`` 130-165 ms; sorting the base 25-34 ms, searching
+    it 33-55 ms with the delta's keys as they come and 24 ms with them sorted first."""
 
     def __init__(self, keys: torch.Tensor) -> None:
         self.keys = keys  # the base tensor it was built from (checked by apply_delta_tables)
         self.sorted, self.order = torch.sort(keys)
 
-    def find(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the base positions of ``query``'s keys the base holds, ``query``'s mask of them)."""
-        if not self.sorted.numel():
-            return self.order, torch.zeros_like(query, dtype=torch.bool)
+    def find(self, query: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(the base positions of ``query``'s keys the base holds, in no set order; how many
+        of ``query``'s keys it holds)."""
+        if not self.sorted.numel() or not query.numel():
+            return self.order[:0], 0
+        query = torch.sort(query).values
         at = torch.searchsorted(self.sorted, query).clamp_(max=self.sorted.numel() - 1)
         held = self.sorted[at] == query
-        return self.order[at[held]], held
+        return self.order[at[held]], int(held.sum())
 
 
 def apply_delta_tables(
@@ -407,7 +410,7 @@ def apply_delta_tables(
             updated, held = found.find(t.upsert_keys)
             keep[updated] = False
             keep[found.find(t.evict_keys)[0]] = False
-            new = int((~held).sum())
+            new = t.upsert_keys.numel() - held
             merged = (
                 torch.cat([keys[keep], t.upsert_keys]),
                 torch.cat([values[keep], t.upsert_values]),
