@@ -190,29 +190,32 @@ def log_line(dim: int, r: int, name: str, res: dict[str, Any], static: bool) -> 
     )
 
 
-def step_path(dec: DynamicEmbeddingCollection, static: bool, host_node: bool) -> None:
+def step_path(
+    dec: DynamicEmbeddingCollection, static: bool, host_node: bool, threads: int | None = None
+) -> None:
     """The static sparse step (``static``; captured on CUDA), and for a cache the fill through
-    a host node (``host_node``: ``StaticCacheLines.fill_with_host_node``)."""
+    a host node (``host_node``: ``StaticCacheLines.fill_with_host_node``, on ``threads`` host
+    threads; None: the process's cores)."""
     if static:
         dec.use_static_step(capture=dec.device.type == "cuda")
     if host_node:
         for storage in dec._storages:
             fill = getattr(storage.payload, "fill_with_host_node", None)
             if fill is not None:  # a CACHING storage (HBM_ONLY has no fill)
-                fill()
+                fill(threads)
 
 
 def run_variant(
     dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
     grad: torch.Tensor, probe: torch.Tensor, warmup: int, static: bool = False,
-    host_node: bool = False,
+    host_node: bool = False, host_node_threads: int | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
     device = keys.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     dec = build(dim, slots, factor, keys)
-    step_path(dec, static, host_node)
+    step_path(dec, static, host_node, host_node_threads)
     _sync(device)
     build_s = time.perf_counter() - t0
     steps = time_steps(dec, batches, grad, warmup)
@@ -298,6 +301,7 @@ def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
                 args.warmup,
                 args.static,
                 args.host_node,
+                args.host_node_threads,
             )
             per_round[name].append(res["step_ms_median"])
             if base_probe is None:
@@ -338,6 +342,7 @@ def run(args: Any) -> dict[str, Any]:
         "rounds": args.rounds,
         "static": args.static,
         "host_node": args.host_node,
+        "host_node_threads": args.host_node_threads,
         "load": LOAD,
         "dims": {},
     }
@@ -369,7 +374,7 @@ def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[di
     out: dict[str, tuple[dict[str, Any], str]] = {}
     for name, pct in VARIANTS.items():
         dec = build(dim, w.slots, factor_of(pct, w), w.keys)
-        step_path(dec, args.static, args.host_node)
+        step_path(dec, args.static, args.host_node, args.host_node_threads)
         for i in range(args.warmup):
             _step(dec, i, w.batches[i], w.grad)
         _sync(device)
@@ -416,6 +421,11 @@ def _parser() -> Parser:
         "node of the step's graph (shared.hashtable.host_node_fill), not the device's reads",
     )
     p.add_argument(
+        "--host-node-threads", type=int, default=None, metavar="N",
+        help="with --host-node: the host threads that move the rows (default: the process's "
+        "cores; the thread waiting on the device and the driver's need cores too)",
+    )  # fmt: skip
+    p.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -432,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(
             "bench_tiers: --host-node is the static step's fill on CUDA: give it with --static "
             "and --device cuda"
+        )
+    if args.host_node_threads is not None and (not args.host_node or args.host_node_threads < 1):
+        raise ValueError(
+            f"bench_tiers: --host-node-threads {args.host_node_threads}: give a count >= 1, "
+            "with --host-node"
         )
     run(args)
     return 0

@@ -41,11 +41,13 @@ timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims 
   ${STATIC:+--static} ${PROFILE:+--profile "$PROFILE"} --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
 echo "bench_tiers rc=$?"; tail -12 "$OUT/bench_tiers.log"
 # HOST_NODE=1 also times the caches with the fill through a host node (--host-node, dim 16 by
-# default: HOST_NODE_DIMS), against HBM_ONLY again in the same run: 2 files more
+# default: HOST_NODE_DIMS; HOST_NODE_THREADS: its host threads, default the cores), against
+# HBM_ONLY again in the same run: 2 files more
 if [ -n "${HOST_NODE:-}" ]; then
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims ${HOST_NODE_DIMS:-16} \
     --rows "${ROWS:-100000000}" --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" \
     --warmup "${WARMUP:-100}" --steps "${STEPS:-30}" --rounds 1 --static --host-node \
+    ${HOST_NODE_THREADS:+--host-node-threads "$HOST_NODE_THREADS"} \
     --out "$OUT/bench_tiers_host_node_gpu.json" > "$OUT/bench_tiers_host_node.log" 2>&1
   echo "bench_tiers --host-node rc=$?"; grep "round 0" "$OUT/bench_tiers_host_node.log"
 fi

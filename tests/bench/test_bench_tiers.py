@@ -95,3 +95,12 @@ def test_the_host_node_fill_is_refused_off_the_static_step_on_cuda(tmp_path: Pat
     for extra in ([], ["--static"]):
         with pytest.raises(ValueError, match="--host-node is the static step's fill on CUDA"):
             bench_tiers.main(["--out", str(tmp_path / "x.json"), "--host-node", *extra])
+
+
+def test_host_node_threads_are_refused_without_the_host_node_or_below_one(tmp_path: Path) -> None:
+    out = ["--out", str(tmp_path / "x.json")]
+    with pytest.raises(ValueError, match="--host-node-threads 4: give a count >= 1, with --host"):
+        bench_tiers.main([*out, "--host-node-threads", "4"])
+    cuda = ["--static", "--device", "cuda", "--host-node"]
+    with pytest.raises(ValueError, match="--host-node-threads 0: give a count >= 1"):
+        bench_tiers.main([*out, *cuda, "--host-node-threads", "0"])
