@@ -56,10 +56,11 @@ from the first of them on; the probes in ``probe.json`` of the work dir),
 ``train_without_publishing`` (phase 2's trainer: rows/s, whether and when it caught up within
 the window), ``serving`` (p50/p99 of the three phases, ``p99_ratio_publishing`` and
 ``p99_ratio_training``, and ``with_publishing_by_event``: phase 1's answers split by what the
-server or the trainer was doing when they were sent, ``bench/stream_events.py``), ``auc`` (each model's AUC, their differences, each model's steps, rows
-and seconds, the row log's check; written as each model is measured, with ``pending`` until
-the last) and the goals. The JSON is written after phases 1, 2 and 3 and after each model of
-phase 4, so a run cut short keeps what it measured, the issue's goals first.
+server or the trainer was doing when they were sent, ``bench/stream_events.py``), ``auc`` (each
+model's AUC, their differences, each model's steps, rows and seconds, the row log's check;
+written as each model is measured, with ``pending`` until the last) and the goals. The JSON is
+written after phases 1, 2 and 3 and after each model of phase 4, so a run cut short keeps what
+it measured, the issue's goals first.
 
 CPU (a smoke run of all of it, small numbers; ``bench/results/bench_stream_cpu.json``)::
 

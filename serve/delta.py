@@ -24,13 +24,13 @@ the same checkpoint (tests check it over gRPC). Example::
 In place (:func:`apply_delta`, what ApplyDelta runs): the merged tables are written into the
 serving model's own tensors instead (:meth:`serve.lookup.EmbeddingTables.prepare_update`: the
 comparisons and sorts off the serving path, then only the writes, between batches under the
-predict lock, :meth:`serve.model.LoadedModel.between_batches`): dense rows that changed,
-dynamic rows that changed, and when keys come or go the group's sorted keys rewritten in the
-free slots the tables are built with (:attr:`serve.tiers.TierConfig.headroom`, ``--key-headroom``). The target is always
-base + this delta, so the previous delta's rows (and keys it added) are replaced as by a
-rebuild. The new model (:meth:`~serve.model.LoadedModel.successor`) shares the tables, and the
-old one is superseded inside the same lock, so a batch sees either the old tables and program
-or the new ones.
+predict lock, :meth:`serve.model.LoadedModel.between_batches`): dense rows that changed, dynamic
+rows that changed, and when keys come or go the group's sorted keys rewritten in the free slots
+the tables are built with (:attr:`serve.tiers.TierConfig.headroom`, ``--key-headroom``). The
+target is always base + this delta, so the previous delta's rows (and keys it added) are
+replaced as by a rebuild. The new model (:meth:`~serve.model.LoadedModel.successor`) shares the
+tables, and the old one is superseded inside the same lock, so a batch sees either the old
+tables and program or the new ones.
 
 Dense weights, in place too: a delta's ``dense.pt2`` of the serving program's graph (the
 archive digest of :mod:`serve.program_cache`, weights left out; what ``train stream`` publishes

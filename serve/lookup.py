@@ -6,9 +6,10 @@ fused by embedding dim, each group of equal dim holding
 
 - its dynamic (``is_hashmap``) tables in **one** :class:`~shared.hashtable.lookup.StaticLookupTable`
   (the shared core's read-only table: sorted keys, one ``searchsorted`` per lookup; with
-  :data:`HEADROOM` free slots, for deltas written in place:
-  :meth:`EmbeddingTables.prepare_update`), each table its own key space: key' = (table << shift) | key, where ``shift`` = 63 - bit_length(tables),
-  60 for up to 7 tables; a table with a key at or above 2**shift gets a group of its own (shift
+  :attr:`serve.tiers.TierConfig.headroom` free slots, for deltas written in place:
+  :meth:`EmbeddingTables.prepare_update`), each table its own key space:
+  key' = (table << shift) | key, where ``shift`` = 63 - bit_length(tables), 60 for up to 7
+  tables; a table with a key at or above 2**shift gets a group of its own (shift
   63: its keys as they are), and
 - its dense (``num_buckets``) tables stacked into **one** [Σrows + 1, dim] matrix (row offsets
   per table; the last row is zeros).
@@ -39,7 +40,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from serve.tiers import (
     KEY_BYTES,
-    KEY_HEADROOM,
     LINE_BYTES,
     VALUE_BYTES_PER_DIM,
     HostTiers,
@@ -69,7 +69,6 @@ CACHING = StorageMode.CACHING
 WHOLE_KEY = 63  # the shift of a group of one dynamic table: keys as they are, no table bits
 PAD_ID = 0  # the id of padding values (serve.graphs): a valid row of every table
 SEQUENCE = 2  # the sequence KJT's position in (user, item, sequence)
-HEADROOM = KEY_HEADROOM  # the default free slots for new keys (serve.tiers says why)
 MIN_SPARE_ROWS = 1024
 # the tiers of tables built without a TierConfig (the bundle's fg.json factors): one per process,
 # so that such loads share equal host rows too (serve.tiers, "What a load shares")
@@ -374,8 +373,9 @@ class EmbeddingTables:
     ) -> None:
         """``headroom``: free slots of the dynamic tables, a fraction of their keys
         (:func:`spare_rows`; 0: none, a delta is then written in place only if its key count
-        is the same; None: the tiers' :attr:`~serve.tiers.TierConfig.headroom`). ``tiers``: where the dynamic tables live (:mod:`serve.tiers`; None: the
-        bundle's fg.json factors, no budget); the plan is logged one line per table, and a
+        is the same; None: the tiers' :attr:`~serve.tiers.TierConfig.headroom`). ``tiers``:
+        where the dynamic tables live (:mod:`serve.tiers`; None: the bundle's fg.json factors,
+        no budget); the plan is logged one line per table, and a
         plan that does not fit raises :class:`~shared.hashtable.placement.PlacementError`."""
         self.fs = bundle.feature_set
         self.device = device
