@@ -95,19 +95,28 @@ class PacedLoad:
         for t in self.threads:
             t.join(30)
 
+    def seconds(self, start: float, end: float) -> list[list[float]]:
+        """The answered requests' latencies (s) sent in [``start``, ``end``) (monotonic), one
+        list per whole second from ``start`` (empty where none was answered)."""
+        per: list[list[float]] = [[] for _ in range(max(1, int(np.ceil(end - start))))]
+        for t, x, ok in self.log:
+            if ok and start <= t < end:
+                per[min(int(t - start), len(per) - 1)].append(x)
+        return per
+
     def stats(self, start: float, end: float) -> dict[str, Any]:
         """The answers sent in [``start``, ``end``) (monotonic): count, errors, rate, p50 and
         p99, and ``by_second``: [answers, p99 ms] of each whole second from ``start`` (where
         in the window the slow answers were: a publish's moment or the whole phase), with
         ``start_unix``, the window's start on the wall clock the server's log uses."""
-        sent = [(t, x) for t, x, ok in self.log if start <= t < end and ok]
         errors = sum(1 for t, _, ok in self.log if start <= t < end and not ok)
-        a = np.asarray([x for _, x in sent]) * 1e3
+        per_second = self.seconds(start, end)
+        a = np.asarray([x for xs in per_second for x in xs]) * 1e3
         seconds = max(end - start, 1e-9)
-        by_second: list[list[float]] = []
-        for s in range(int(np.ceil(seconds))):
-            xs = [x * 1e3 for t, x in sent if start + s <= t < start + s + 1]
-            by_second.append([len(xs), round(float(np.percentile(xs, 99)), 2) if xs else 0.0])
+        by_second = [
+            [len(xs), round(float(np.percentile(np.asarray(xs) * 1e3, 99)), 2) if xs else 0.0]
+            for xs in per_second
+        ]
         return {
             "requests": len(a), "errors": errors, "seconds": seconds,
             "requests_per_s": len(a) / seconds,

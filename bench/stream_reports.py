@@ -74,13 +74,9 @@ def serving_report(load: PacedLoad, windows: dict[str, tuple[float, float]]) -> 
 
 
 def _seconds(load: PacedLoad, window: tuple[float, float]) -> list[np.ndarray]:
-    """The answered requests' latencies of ``window``, one array per whole second of it."""
-    start, end = window
-    per: list[list[float]] = [[] for _ in range(max(1, int(np.ceil(end - start))))]
-    for t, x, ok in load.log:
-        if ok and start <= t < end:
-            per[int(t - start)].append(x)
-    return [np.asarray(xs) for xs in per if xs]
+    """The answered requests' latencies of ``window``, one array per whole second of it that
+    has any (:meth:`PacedLoad.seconds`)."""
+    return [np.asarray(xs) for xs in load.seconds(*window) if xs]
 
 
 def p99_ratio_interval(
