@@ -31,10 +31,11 @@ it into a checkpoint, which training loads with ``--fine_tune_checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -292,6 +293,8 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         }
         # autograd anchor: not a Parameter/buffer, so no optimizer or state_dict sees it
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
+        self._ahead: Any = None  # torch.cuda.Stream: the prefetches' (prefetch_stream)
+        self._looked_up: Any = None  # torch.cuda.Event after the last training lookups
 
     def extra_repr(self) -> str:
         return ", ".join(repr(s) for s in self._storages)
@@ -411,6 +414,8 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         checked = _checked_keys(pieces, self.device, check_sign=len(tables_of) > 1 and not static)
         out: list[torch.Tensor | None] = [None] * len(pieces)
         found: list[torch.Tensor | None] = [None] * len(pieces)
+        if train and self._ahead is not None:  # a prefetch may start once these are done
+            self._looked_up = None
         for storage, idx in tables_of.items():
             parts = [(self._where[pieces[i][0]][1], checked[i]) for i in idx]
             score = now if storage.strategy is ScoreStrategy.TIMESTAMP else self._step
@@ -426,7 +431,37 @@ class DynamicEmbeddingCollection(torch.nn.Module):
                 stored = plan.stored()  # [N]
                 for i, chunk in zip(idx, torch.split(stored, sizes), strict=True):
                     found[i] = chunk  # [n_i] bool
+        if train and self._ahead is not None:
+            self._looked_up = torch.cuda.Event()
+            self._looked_up.record()
         return out, (found if hits else [])  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def prefetch_stream(self) -> Iterator[None]:
+        """The stream the next batch's :meth:`prefetch` (and the ops that make its keys) should
+        be issued on, inside the ``with``: on CUDA, when every CACHING storage's next lookup is
+        static (:attr:`FusedStorage.static_prefetches`), a side stream that starts once this
+        step's lookups are done (not its backward: the static prefetch never takes the lines
+        of the step in flight), so that its reads of the host tier run beside the rest of the
+        step; the current stream waits for it on exit, so that the next lookup, and anything
+        else, comes after it. Elsewhere (CPU, an eager storage) the current stream: the eager
+        resolve must come after the step's backward, which it would race on another stream."""
+        tiered = [s for s in self._storages if s.payload.tiered]
+        if self.device.type != "cuda" or not tiered or not all(s.static_prefetches for s in tiered):
+            yield
+            return
+        if self._ahead is None:
+            self._ahead = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        if self._looked_up is not None:
+            self._ahead.wait_event(self._looked_up)
+        else:  # no training lookup yet (or since a load): after everything queued
+            self._ahead.wait_stream(current)
+        try:
+            with torch.cuda.stream(self._ahead):
+                yield
+        finally:
+            current.wait_stream(self._ahead)
 
     def prefetch(self, keys: Mapping[str, torch.Tensor]) -> None:
         """Bring the rows of a coming training batch's stored keys (table name → keys, as

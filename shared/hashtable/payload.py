@@ -117,6 +117,16 @@ class RowPayload(Protocol):
         """The static backward updated ``slots`` [P] (-1: none) of ``rows`` [P] in place."""
         ...
 
+    def static_prefetch_began(self, padded: int) -> bool:
+        """Called on the host before each static prefetch (of ``padded`` rows): whether it may
+        run (False: nothing to prefetch, or not now)."""
+        ...
+
+    def static_prefetch(self, rows: torch.Tensor) -> None:
+        """Bring stored ``rows`` [P] (-1: none) to the device tier, with no host read, while
+        the static step before the one that looks them up may still run its backward."""
+        ...
+
     def stats(self) -> dict[str, float]:
         """Cumulative tier counters and bytes per tier (empty where there is nothing to say)."""
         ...
@@ -204,6 +214,12 @@ class DevicePayload:
         return rows
 
     def static_updated(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        return None
+
+    def static_prefetch_began(self, padded: int) -> bool:
+        return False  # every row is on the device already
+
+    def static_prefetch(self, rows: torch.Tensor) -> None:
         return None
 
     def stats(self) -> dict[str, float]:

@@ -113,6 +113,7 @@ class RowCache(StaticCacheLines):
         does not use (:meth:`_take`). One host read: the size of the miss list."""
         self._tick += 1
         tick = self._tick  # [] int64 on the device
+        self._last_padded = rows.numel()  # may bypass: no static prefetch beside its update
         lines = self.line_of_row[rows].to(torch.int64)  # [n]
         miss = lines < 0
         self._stamps[torch.where(miss, self.lines, lines)] = tick  # hits (misses: the sink)

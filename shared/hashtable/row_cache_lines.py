@@ -49,7 +49,7 @@ class CacheCounters:
     bypassed: int = 0  # rows used in the host tier directly (the call needed more lines)
     evictions: int = 0  # lines given to another row
     writebacks: int = 0  # of those, dirty lines written to the host tier (and flushed lines)
-    prefetched: int = 0  # rows :meth:`RowCache.prefetch` brought in (also counted as misses)
+    prefetched: int = 0  # rows a prefetch (eager or static) brought in (also counted as misses)
     created: int = 0  # new keys' rows made in a line by the static step (no host tier read)
 
 
@@ -109,8 +109,11 @@ class CacheLines:
         # (the tensor the last gather was given, the lines of its rows >= 0, the version then)
         self._resolved: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._evicted = torch.zeros(2, dtype=torch.int64, device=dev)  # evictions, write-backs
-        # the static step's hits, misses, new rows made in lines, bypassed rows
-        self._static = torch.zeros(4, dtype=torch.int64, device=dev)
+        # the static step's hits, misses, new rows made in lines, bypassed rows; rows its
+        # prefetch read
+        self._static = torch.zeros(5, dtype=torch.int64, device=dev)
+        self._prefetch_bumps = 0  # the bumps of _version that were static prefetches
+        self._last_padded = 0  # the last resolve's rows (padded): more than lines may bypass
         self._staged = 0  # staging slots after the sink of _values / _accum (static bypass)
         self._store_moves = 0  # growths of the host tier (a captured swap holds its address)
         # the static resolve fills its slots in place, in one kernel, where the device reads
@@ -171,7 +174,7 @@ class CacheLines:
     def counters(self) -> CacheCounters:
         """The counters so far (a host read: evictions and the static step's resolves are
         counted on the device)."""
-        evictions, writebacks, hits, misses, created, bypassed = torch.cat(
+        evictions, writebacks, hits, misses, created, bypassed, prefetched = torch.cat(
             [self._evicted, self._static]
         ).tolist()
         c = self._counts
@@ -183,6 +186,7 @@ class CacheLines:
             evictions=c.evictions + evictions,
             writebacks=c.writebacks + writebacks,
             created=c.created + created,
+            prefetched=c.prefetched + prefetched,
         )
 
     def stats(self) -> dict[str, float]:

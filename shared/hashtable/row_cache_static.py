@@ -71,6 +71,7 @@ class StaticCacheLines(CacheLines):
         (:meth:`static_version`)."""
         self._version += 1
         self._fresh = self.lines
+        self._last_padded = padded
         self.store.used_by_device(self.values.device)
         if padded - self.lines > self._staged:
             self._stage(max(padded - self.lines, 2 * self._staged))
@@ -92,8 +93,61 @@ class StaticCacheLines(CacheLines):
 
     def static_version(self) -> int:
         """Bumped whenever a line may have left its row (a static step's backward compares it
-        with its forward's: an eager resolve between the two may have taken its lines)."""
-        return self._version
+        with its forward's: an eager resolve between the two may have taken its lines), except
+        by :meth:`static_prefetch`, which never takes the lines of the step in flight."""
+        return self._version - self._prefetch_bumps
+
+    def static_prefetch_began(self, padded: int) -> bool:
+        """A static prefetch of ``padded`` rows is about to run (on the host, before its graph
+        or code): whether it may. Not while the last static step may bypass rows (a step of
+        more keys than lines: its backward writes bypassed rows to the host tier, which the
+        prefetch could read beside it), nor for more rows than lines."""
+        if max(padded, self._last_padded) > self.lines:
+            return False
+        self._version += 1  # eager lookups' lines may be taken ...
+        self._prefetch_bumps += 1  # ... but never the static step's (static_version)
+        self._fresh = self.lines
+        self.store.used_by_device(self.values.device)
+        if self._host_node is not None:
+            self._host_node.ready(padded)
+        return True
+
+    def static_prefetch(self, rows: torch.Tensor) -> None:
+        """Bring stored ``rows`` [P] (-1: none) into lines ahead of the static step that will
+        look them up, in fixed shapes with no host read (captured on CUDA), while the step
+        before it may still run its backward (on another stream): the window's victims are
+        taken only among lines older than the current tick, so the lines of the step in flight
+        (stamped with it) are neither evicted nor written back. Each row with a line is
+        stamped (kept from this call's victims), the others take a line each where the window
+        has one (rows left without stay in the host tier; nothing is bypassed), their dirty
+        victims are written back and their rows read, clean, in one fill
+        (:meth:`_fill_slots`, in row order). Counts the rows read as misses and
+        ``prefetched`` (as the eager :meth:`RowCache.prefetch` does); the step's resolve then
+        finds them as hits. Nothing a step computes changes: which rows
+        are in lines is the cache's own business (the tier is transparent)."""
+        big = self.lines
+        p, sink_row = rows.numel(), self.line_of_row.numel()
+        tick = self._tick  # [] the step in flight's: its lines are no victims
+        stored = rows >= 0
+        line = torch.where(stored, self.line_of_row[rows.clamp(min=0)].to(torch.int64), -1)
+        has = line >= 0
+        self._stamps[torch.where(has, line, big)] = tick
+        gets, taken = self._static_victims(stored & ~has, tick)  # [P] each
+        back = self._unmap(taken, gets)
+        read = torch.where(gets, rows, -1)
+        taken, back, order = self._pair_in_row_order(gets, taken, back, read)
+        slots = torch.where(gets, taken, -1)
+        none = torch.zeros_like(gets)
+        zeros = torch.zeros(p, self.dim, dtype=torch.float32, device=rows.device)
+        self._fill_slots(slots, back, read, none, zeros, order)
+        lined = torch.where(gets, slots, big)
+        self._row_of_line[lined] = rows
+        self._line_map[torch.where(gets, rows, sink_row)] = slots.to(torch.int32)
+        self._stamps[lined] = tick
+        self._dirty.index_fill_(0, lined, False)
+        read_rows = gets.sum()
+        self._static[1] += read_rows  # misses, as the eager prefetch counts its reads
+        self._static[4] += read_rows
 
     def static_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, accumulators) [L + 1 + staged, dim]: the lines, the sink, the staging
@@ -170,7 +224,7 @@ class StaticCacheLines(CacheLines):
         self._stamps[lined] = tick
         self._dirty[lined] = new
         counts = torch.stack([found & has, found & gets, new & ~bypass, bypass])  # [4, P]
-        self._static += counts.sum(1)
+        self._static[:4] += counts.sum(1)
         return slots
 
     def _pair_in_row_order(

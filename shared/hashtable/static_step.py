@@ -389,6 +389,20 @@ def apply_gradients(storage: FusedStorage, plan: StaticPlan, grad: torch.Tensor)
     storage.payload.static_updated(plan.slots, plan.rows)
 
 
+def prefetch_rows(
+    storage: FusedStorage, keys: torch.Tensor, tids: torch.Tensor, n_real: torch.Tensor
+) -> None:
+    """The rows of ``keys`` [P] (table ids ``tids`` [P]; the first ``n_real`` real) already
+    stored brought to the storage's device tier (:meth:`RowPayload.static_prefetch`), with no
+    host read: a find, with no insert, no score change and no admission count, so that the
+    step that looks them up later does all that and hits (the eager
+    :meth:`FusedStorage.prefetch`'s contract, in fixed shapes)."""
+    st, t = storage, storage.table
+    runs = unique_runs(keys, tids, n_real, len(st.specs))
+    rows, found = t.backend.find(t, runs.keys, st._tids(runs.table_ids))
+    st.payload.static_prefetch(torch.where(found & runs.valid, rows, -1))
+
+
 class _Done:
     """A CPU stand-in for the CUDA event of :meth:`StaticStep._check_later` (copies are done)."""
 
@@ -416,6 +430,18 @@ class _Entry:
     backward: Any = None
 
 
+@dataclass
+class _Ahead:
+    """One padded size's prefetch: its inputs and graph (a memory pool of its own: it runs on
+    another stream beside the step's graphs)."""
+
+    keys: torch.Tensor  # [P] int64
+    tids: torch.Tensor  # [P] int64
+    n_real: torch.Tensor  # [] int64
+    layout: tuple[tuple[int, int], ...] | None = None
+    graph: Any = None  # torch.cuda.CUDAGraph
+
+
 class StaticStep:
     """The static training lookups of one storage (see the module docstring): one
     :class:`_Entry` per padded size, captured on CUDA (``capture``), eager elsewhere."""
@@ -424,18 +450,21 @@ class StaticStep:
         self.storage = storage
         self.capture = capture and storage.device.type == "cuda"
         self._entries: dict[int, _Entry] = {}
+        self._ahead: dict[int, _Ahead] = {}  # the prefetches' (CACHING storages)
         self._pool: GraphPool | None = None  # made before the first capture
+        self._ahead_pool: GraphPool | None = None  # the prefetches' (they overlap the step's)
         self._arrays: tuple[Any, ...] = ()
         self.counts = DeviceCounts(storage.table)
         counter = storage.counter
         self.counter_counts = None if counter is None else DeviceCounts(counter.table)
         self.errors = torch.zeros(2, dtype=torch.bool, device=storage.device)  # StaticPlan.errors
-        self.stats = {"captures": 0, "replays": 0, "eager": 0}
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "prefetches": 0}
         self._lookups = 0
         pin = storage.device.type == "cuda"
         self._flags_host = torch.zeros(2, dtype=torch.bool, pin_memory=pin)  # _check_later's
         self._flags_done: Any = None  # the event after the last copy to _flags_host
         self.failed: str | None = None  # a capture failed: the eager lookup from then on
+        self.prefetch_failed: str | None = None  # a prefetch's capture failed: none from then on
 
     def why_not(self) -> str | None:
         """Why the next training lookup must be eager (None: it takes this path)."""
@@ -474,16 +503,68 @@ class StaticStep:
         read (not LFU)."""
         n = sum(k.numel() for _, k in parts)
         entry = self._entry(padded_size(n))
-        keys = [k if k.dtype == torch.int64 else k.to(torch.int64) for _, k in parts]
-        torch.cat(keys, out=entry.keys[:n])
-        layout = tuple((t, k.numel()) for t, k in parts)
-        if entry.layout != layout:  # else entry.tids[:n] holds them from the last write
-            self.storage.write_part_ids(parts, entry.tids[:n])
-            entry.layout = layout
-        entry.n_real.fill_(n)
+        self._stage_keys(entry, parts, n)
         if self.storage.strategy is not ScoreStrategy.LFU:  # LFU's scores are use counts:
             entry.score.fill_(score_now)  # train_lookup never reads the step's (one launch)
         return entry, n
+
+    def _stage_keys(
+        self, entry: _Entry | _Ahead, parts: list[tuple[int, torch.Tensor]], n: int
+    ) -> None:
+        """The parts' ``n`` keys, their table ids (only when the layout is new to ``entry``:
+        else ``entry.tids[:n]`` holds them from the last write) and count into ``entry``."""
+        keys = [k if k.dtype == torch.int64 else k.to(torch.int64) for _, k in parts]
+        torch.cat(keys, out=entry.keys[:n])
+        layout = tuple((t, k.numel()) for t, k in parts)
+        if entry.layout != layout:
+            self.storage.write_part_ids(parts, entry.tids[:n])
+            entry.layout = layout
+        entry.n_real.fill_(n)
+
+    def prefetch(self, parts: list[tuple[int, torch.Tensor]]) -> bool:
+        """Bring the stored rows of ``parts``' keys into the CACHING storage's lines ahead of
+        their static lookup (:func:`prefetch_rows`; on CUDA one graph per padded size, in a
+        pool of its own). Call it on the stream it should run on, once the step before has
+        looked its keys up: it never takes that step's lines, so it may run beside that step's
+        backward. Whether it ran (False: the storage's tier says not now, or the next lookup
+        is not static)."""
+        st = self.storage
+        n = sum(k.numel() for _, k in parts)
+        size = padded_size(n)
+        if n == 0 or self.why_not() is not None or self.prefetch_failed is not None:
+            return False
+        if not st.payload.static_prefetch_began(size):
+            return False
+        self._check_arrays()
+        ahead = self._ahead.get(size)
+        if ahead is None:
+            dev = st.device
+            ahead = self._ahead[size] = _Ahead(
+                keys=torch.zeros(size, dtype=torch.int64, device=dev),
+                tids=torch.zeros(size, dtype=torch.int64, device=dev),
+                n_real=torch.zeros((), dtype=torch.int64, device=dev),
+            )
+        self._stage_keys(ahead, parts, n)
+        self.stats["prefetches"] += 1
+        if not self.capture:
+            prefetch_rows(st, ahead.keys, ahead.tids, ahead.n_real)
+            return True
+        if ahead.graph is None:
+            if self._ahead_pool is None:
+                self._ahead_pool = graph_pool(st.device)
+            graph = torch.cuda.CUDAGraph()
+            try:  # a capture queues nothing: on failure nothing was prefetched
+                with self._capturing(graph, self._ahead_pool):
+                    prefetch_rows(st, ahead.keys, ahead.tids, ahead.n_real)
+            except RuntimeError as e:  # the step itself goes on: no prefetch from now on
+                self.prefetch_failed = f"capture failed: {e}"
+                logger.warning("static prefetch of %r: %s; no prefetch from now on",
+                               st.name, self.prefetch_failed, exc_info=True)  # fmt: skip
+                return False
+            ahead.graph = graph
+            self.stats["captures"] += 1
+        ahead.graph.replay()
+        return True
 
     def apply_gradients(self, plan: Plan, grad: torch.Tensor) -> None:
         self.apply_part_gradients(plan, [grad])
@@ -601,19 +682,23 @@ class StaticStep:
         return entry.plan
 
     @contextlib.contextmanager
-    def _capturing(self, graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+    def _capturing(
+        self, graph: torch.cuda.CUDAGraph, pool: GraphPool | None = None
+    ) -> Iterator[None]:
         """Capture into ``graph`` (the shared pool; this thread's unsafe calls refused), with no
         garbage collection until it ends: an object collected there may free CUDA resources
         with calls a capturing thread may not make (on the H200, 2026-12-02: a dead table's
         scratch, its pinned buffers freed during a capture, aborted the GPU tests).
         :func:`shared.cuda_capture.capture` neither synchronizes nor empties the caches."""
         device = self.storage.table.device
-        if self._pool is None:
-            self._pool = graph_pool(device)
+        if pool is None:
+            if self._pool is None:
+                self._pool = graph_pool(device)
+            pool = self._pool
         enabled = gc.isenabled()
         gc.disable()
         try:
-            with capture(graph, pool=self._pool.id, device=device):
+            with capture(graph, pool=pool.id, device=device):
                 yield
         finally:
             if enabled:
@@ -626,17 +711,7 @@ class StaticStep:
                        self.storage.name, why, exc_info=True)  # fmt: skip
 
     def _entry(self, size: int) -> _Entry:
-        if len(self.storage.specs) > 1:
-            # the tables compare table ids from now on (insert_absent sets it; set before a
-            # capture, it does not change the find kernels' arguments after one)
-            for t in self._tables():
-                t._any_tid = True
-        arrays = self._array_key()
-        if arrays != self._arrays:  # the tables were rebuilt: the graphs read the old arrays
-            # (the pool stays usable: self._pool is a GraphPool, which keeps a graph of its own
-            # in it; a pool only these graphs held could not be captured into again)
-            self._entries.clear()
-            self._arrays = arrays
+        self._check_arrays()
         entry = self._entries.get(size)
         if entry is None:
             dev, dim = self.storage.device, self.storage.dim
@@ -648,6 +723,21 @@ class StaticStep:
                 grad=torch.zeros(size, dim, dtype=torch.float32, device=dev),
             )
         return entry
+
+    def _check_arrays(self) -> None:
+        """Drop every graph if the tables were rebuilt: they read the old arrays (the pools
+        stay usable: a GraphPool keeps a graph of its own in it; a pool only these graphs held
+        could not be captured into again)."""
+        if len(self.storage.specs) > 1:
+            # the tables compare table ids from now on (insert_absent sets it; set before a
+            # capture, it does not change the find kernels' arguments after one)
+            for t in self._tables():
+                t._any_tid = True
+        arrays = self._array_key()
+        if arrays != self._arrays:
+            self._entries.clear()
+            self._ahead.clear()
+            self._arrays = arrays
 
     def _tables(self) -> list[HashTable]:
         counter = self.storage.counter

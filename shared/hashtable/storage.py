@@ -146,6 +146,8 @@ class StaticLookup(Protocol):
 
     def check(self) -> None: ...
 
+    def prefetch(self, parts: list[tuple[int, torch.Tensor]]) -> bool: ...
+
 
 @dataclass
 class _PendingErase:
@@ -482,10 +484,16 @@ class FusedStorage:
         not stored yet are left to the step (their payload is new). Negative keys are left to
         the step's lookup, which names them.
 
-        Nothing either where the next training lookup takes the static step: it reads its
-        misses itself, inside its graph, while this find and the eager resolve (one host read)
-        would only repeat its work and hold the host until the device caught up."""
-        if not self.payload.tiered or (self.static is not None and self.static.why_not() is None):
+        Where the next training lookup takes the static step, the static prefetch runs
+        instead (:meth:`StaticStep.prefetch`: the same find and fill in fixed shapes, no host
+        read, and never the lines of the step in flight, so that it may run beside that
+        step's backward on another stream: :meth:`DynamicEmbeddingCollection.prefetch_stream`),
+        where the eager resolve's host read would hold the host until the device caught up."""
+        if not self.payload.tiered:
+            return
+        if self.static_prefetches:
+            assert self.static is not None
+            self.static.prefetch(parts)
             return
         keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
         keys = keys.to(self.device, torch.int64)
@@ -494,6 +502,12 @@ class FusedStorage:
         first = order[starts]
         rows, found = self.table.find(keys[first], self._tids(tids[first]), validate=False)
         self.payload.prefetch(rows[found])
+
+    @property
+    def static_prefetches(self) -> bool:
+        """Whether :meth:`prefetch` takes the static form (the next training lookup is static):
+        it may then run beside the step in flight."""
+        return self.static is not None and self.static.why_not() is None
 
     def tier_stats(self) -> dict[str, float]:
         """The payload tier's counters and bytes (:meth:`RowPayload.stats`)."""

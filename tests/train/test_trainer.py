@@ -411,15 +411,18 @@ TENTH_CAPACITIES = {
 }
 
 
+@pytest.mark.parametrize("factor", ["0.0018", "0.5"])
 def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
-    tiny_samples: Path, tmp_path: Path
+    tiny_samples: Path, tmp_path: Path, factor: str
 ) -> None:
     """cache_load_factor 0.0018 on every dynamic table (under 200 lines, fewer than a step's 7168
     padded keys and than the rows the run stores) with the static sparse step on (eagerly on
     CPU, as cuda_graphs_for turns it on for CUDA): every step of the cached storage takes the
     static path (lines resolved with no host read, evictions, new keys' rows made in their
     lines, rows past the lines bypassed through staging slots), and the run equals HBM_ONLY's
-    with the static step, bit for bit: dense weights, tables, eval AUC and rows."""
+    with the static step, bit for bit: dense weights, tables, eval AUC and rows. At 0.5 (more
+    lines than a step's keys) the loop's prefetch takes the static form (the next batch's
+    stored rows brought into lines; on CUDA beside the step), with the same run."""
     # both runs' big tables at a tenth of the seed config's max capacities (the static step ranks
     # every bucket of a table reserved at its max: a step's CPU time follows the capacity), still
     # far above the rows 6 steps store; the cached one at 0.0018 of them: 180 lines in all, about
@@ -434,7 +437,7 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
         )
         for name, cache in (
             ("hbm", {}),
-            ("cached", {"max_capacity: ": "cache_load_factor: 0.0018\nmax_capacity: "}),
+            ("cached", {"max_capacity: ": f"cache_load_factor: {factor}\nmax_capacity: "}),
         )
     }
     runs = []
@@ -450,12 +453,21 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     assert not a.sparse.tiered and b.sparse.tiered
     for model in (a, b):
         for ran in model.sparse.dynamic.static_stats().values():
-            assert ran == {"captures": 0, "replays": 0, "eager": 6}
+            assert {k: ran[k] for k in ("captures", "replays", "eager")} == {
+                "captures": 0, "replays": 0, "eager": 6}  # fmt: skip
     tiers = b.sparse.dynamic.tier_stats()
-    assert all(0 < s["cache_lines"] < 200 for s in tiers.values())  # ceil of each table's
-    for counter in ("cache_hits", "cache_misses", "cache_created", "cache_evictions",
-                    "cache_bypassed"):  # fmt: skip
-        assert sum(s[counter] for s in tiers.values()) > 0, counter
+    prefetches = [r["prefetches"] for r in b.sparse.dynamic.static_stats().values()]
+    if factor == "0.0018":
+        assert all(0 < s["cache_lines"] < 200 for s in tiers.values())  # ceil of each table's
+        for counter in ("cache_hits", "cache_misses", "cache_created", "cache_evictions",
+                        "cache_bypassed"):  # fmt: skip
+            assert sum(s[counter] for s in tiers.values()) > 0, counter
+        assert sum(prefetches) == 0  # steps past the lines: no prefetch beside them
+    else:
+        # after each step, the next batch's (the tiny data's 618 rows all fit the lines: the
+        # prefetch finds them there; its reads are test_row_cache_static's)
+        assert prefetches == [6]
+        assert sum(s["cache_bypassed"] for s in tiers.values()) == 0
     _assert_same_models(a, b)
     assert hbm.final_eval is not None and cached.final_eval is not None
     assert cached.final_eval.auc == hbm.final_eval.auc

@@ -185,15 +185,18 @@ class SparseArch(nn.Module):
         """Bring the rows of ``batch``'s stored dynamic keys into the device tier of the CACHING
         storages (:meth:`DynamicEmbeddingCollection.prefetch`: no insert, no score change), so
         that the batch's own lookup hits. The trainer calls it for batch i+1 once step i is
-        issued, when :attr:`tiered`."""
-        parts = feature_parts(batch)
-        keys: dict[str, torch.Tensor] = {}
-        for table, idx in parts_by_table(self.fs, parts).items():
-            if self.fs.tables[table].is_dynamic:
-                got = [parts[i][2] for i in idx]
-                keys[table] = torch.cat(got) if len(got) > 1 else got[0]
+        issued, when :attr:`tiered`. On CUDA with static steps it runs on a side stream from
+        the end of step i's lookups on, beside the rest of step i
+        (:meth:`DynamicEmbeddingCollection.prefetch_stream`)."""
         assert isinstance(self.dynamic, DynamicEmbeddingCollection)
-        self.dynamic.prefetch(keys)
+        with self.dynamic.prefetch_stream():
+            parts = feature_parts(batch)
+            keys: dict[str, torch.Tensor] = {}
+            for table, idx in parts_by_table(self.fs, parts).items():
+                if self.fs.tables[table].is_dynamic:
+                    got = [parts[i][2] for i in idx]
+                    keys[table] = torch.cat(got) if len(got) > 1 else got[0]
+            self.dynamic.prefetch(keys)
 
     @property
     def tiered(self) -> bool:

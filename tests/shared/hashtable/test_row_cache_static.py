@@ -106,23 +106,35 @@ def _static_run(
     *,
     exact: bool = True,
     no_backward: tuple[int, ...] = (),
+    prefetch: str = "",
 ) -> None:
     """The same training steps on every collection, each compared with the first: rows, hit
     flags, then keys, values, scores, accumulators, admission counters and stats (bit for bit,
     or with ``exact`` False values within the CUDA tests' tolerance). The steps of
-    ``no_backward`` look up only (inserts, no update)."""
+    ``no_backward`` look up only (inserts, no update). ``prefetch``: each step's collections
+    prefetch the next step's keys ``"before_backward"`` (between the lookup and its backward,
+    on the collection's prefetch stream: on CUDA beside the backward, as the trainer runs it)
+    or ``"after_backward"``."""
     gen = torch.Generator().manual_seed(seed)
     dev = decs[0].device
+    batches = []
     for step in steps:
         keys = {n: k.to(dev) for n, k in _static_batch(gen, step).items()}
         grads = {n: torch.randn(k.numel(), 4, generator=gen).to(dev) for n, k in keys.items()}
+        batches.append((step, keys, grads))
+    for (step, keys, grads), after in itertools.zip_longest(batches, batches[1:]):
         got = []
         for dec in decs:
             dec.set_step(step)
             rows, hits = dec.lookup(keys, hits=True)
+            if prefetch == "before_backward" and after is not None:
+                with dec.prefetch_stream():  # on CUDA a side stream, beside the backward
+                    dec.prefetch(after[1])
             if step not in no_backward:
                 loss = sum((rows[n] * grads[n]).sum() for n in keys)
                 loss.backward()  # type: ignore[union-attr]
+            if prefetch == "after_backward" and after is not None:
+                dec.prefetch(after[1])
             got.append({n: (rows[n].detach().cpu(), hits[n].cpu()) for n in keys})
         for other, dec in zip(got[1:], decs[1:], strict=True):
             for n in keys:
@@ -143,7 +155,8 @@ def test_the_static_step_on_a_cache_equals_it_on_hbm_only(strategy: ScoreStrateg
     assert _lines(cached) == 640
     _static_run([hbm, cached], range(1, 13))
     for dec in (hbm, cached):  # every step took the static path
-        assert dec.static_stats()["g"] == {"captures": 0, "replays": 0, "eager": 12}
+        assert dec.static_stats()["g"] == {"captures": 0, "replays": 0, "eager": 12,
+                                           "prefetches": 0}  # fmt: skip
     s = cached.tier_stats()["g"]
     assert s["cache_hits"] > 0 and s["cache_misses"] > 0 and s["cache_created"] > 0
     assert s["cache_evictions"] > 0 and s["cache_writebacks"] > 0 and s["cache_bypassed"] == 0
@@ -198,15 +211,47 @@ def test_eager_steps_while_the_tables_grow_then_static_ones_share_the_cache() ->
     assert s["cache_created"] > 0 and s["cache_evictions"] > 0 and s["cache_misses"] > 0
 
 
-def test_prefetch_leaves_a_storage_on_the_static_step_alone() -> None:
-    """The static step reads its misses inside its graph: a prefetch would repeat its find and
-    add a host read a step, so it does nothing there."""
-    cached = _static_dec(ScoreStrategy.STEP, 0.15625)  # 320 lines: the steps evict
-    _static_run([cached], range(1, 5))
-    before = cached.tier_stats()["g"]
-    cached.prefetch(_static_batch(torch.Generator().manual_seed(0), 1))  # stored, evicted keys
-    assert cached.tier_stats()["g"] == before
-    assert before["cache_prefetched"] == 0
+@pytest.mark.parametrize("when", ["before_backward", "after_backward"])
+def test_a_static_prefetch_brings_the_next_rows_and_changes_nothing_else(when: str) -> None:
+    """Each step prefetches the next one's stored rows into lines (the static form: a find and
+    a fill in fixed shapes), between its lookup and its backward (where the trainer's side
+    stream runs it) or after the backward: the backward is still accepted (the prefetch never
+    takes the lines of the step in flight), every step equals HBM_ONLY's bit for bit, and the
+    next steps hit more and read fewer rows themselves."""
+    hbm, cached = _static_dec(ScoreStrategy.STEP, None), _static_dec(ScoreStrategy.STEP, 0.3125)
+    plain = _static_dec(ScoreStrategy.STEP, 0.3125)
+    _static_run([hbm, cached], range(1, 13), prefetch=when)
+    _static_run([plain], range(1, 13))
+    ran = cached.static_stats()["g"]
+    assert ran["prefetches"] == 11 and ran["eager"] == 12, ran
+    assert hbm.static_stats()["g"]["prefetches"] == 0  # HBM_ONLY: nothing to bring
+    s, p = cached.tier_stats()["g"], plain.tier_stats()["g"]
+    assert s["cache_prefetched"] > 0 and p["cache_prefetched"] == 0
+    # the steps' own reads: the misses less the prefetched rows (counted as misses too)
+    assert s["cache_misses"] - s["cache_prefetched"] < p["cache_misses"]
+    assert s["cache_hits"] > p["cache_hits"]
+
+
+def test_a_static_prefetch_after_eager_steps_while_the_tables_grow_changes_nothing() -> None:
+    """Tables that grow take eager steps, then static ones; the prefetch takes the static form
+    once the next lookup is static, beside eager and static steps alike: HBM_ONLY's run."""
+    hbm = _static_dec(ScoreStrategy.STEP, None, grown=False)
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125, grown=False)
+    _static_run([hbm, cached], range(1, 13), prefetch="before_backward")
+    ran = cached.static_stats()["g"]
+    assert 0 < ran["prefetches"] < 11, ran
+
+
+def test_no_static_prefetch_beside_a_step_that_may_bypass_rows() -> None:
+    """A step of more keys than lines bypasses rows, and its backward writes them to the host
+    tier, which a prefetch beside it could read: there is no prefetch then (and the steps are
+    HBM_ONLY's all the same)."""
+    hbm, cached = _static_dec(ScoreStrategy.LFU, None), _static_dec(ScoreStrategy.LFU, 0.125)
+    assert _lines(cached) == 256  # the steps pad their 301 to 608 keys to 304 to 640
+    _static_run([hbm, cached], range(1, 7), prefetch="before_backward")
+    assert cached.static_stats()["g"]["prefetches"] == 0
+    s = cached.tier_stats()["g"]
+    assert s["cache_prefetched"] == 0 and s["cache_bypassed"] > 0
 
 
 def test_a_static_step_on_a_cache_refuses_a_backward_after_lines_moved() -> None:
@@ -352,6 +397,30 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     s = cached.tier_stats()["g"]
     assert s["cache_hits"] > 0 and s["cache_misses"] > 0 and s["cache_created"] > 0
     assert s["cache_evictions"] > 0 and s["cache_writebacks"] > 0 and s["cache_bypassed"] == 0
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("fill", ["device", "host_node"])
+def test_on_cuda_a_captured_static_prefetch_beside_the_backward_changes_nothing(fill: str) -> None:
+    """Each step's prefetch of the next step's rows captured and replayed on the collection's
+    side stream, from the end of the step's lookup on, beside its backward (the trainer's
+    order): every step equals HBM_ONLY's captured one within the CUDA tolerances, and the
+    prefetch read rows."""
+    if fill == "host_node" and host_move.unavailable_reason() is not None:
+        pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
+    hbm = _static_dec(ScoreStrategy.STEP, None, "cuda")
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda")
+    if fill == "host_node":
+        cache = cached._storages[0].payload
+        assert isinstance(cache, RowCache)
+        cache.fill_with_host_node(threads=3)
+    _static_run([hbm, cached], range(1, 13), exact=False, prefetch="before_backward")
+    ran = cached.static_stats()["g"]
+    assert ran["replays"] == 12 and ran["eager"] == 0 and ran["prefetches"] == 11, ran
+    assert cached._ahead is not None  # the side stream ran them
+    s = cached.tier_stats()["g"]
+    assert s["cache_prefetched"] > 0 and s["cache_bypassed"] == 0
 
 
 @pytest.mark.gpu
