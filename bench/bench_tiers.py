@@ -32,8 +32,14 @@ keys equal the baseline's after the run (they should: the tier is transparent).
 captured in CUDA graphs on CUDA, eager elsewhere; the tables are at their max capacity from the
 start), as training with CUDA graphs does: for CACHING the fixed-shape resolve with no host
 read. Without it both run the eager lookup (one host read a resolve for CACHING). Each
-variant's ``static_runs`` says which path ran. What it does not measure: a prefetch overlapped
-with compute (not built).
+variant's ``static_runs`` says which path ran.
+
+``--prefetch``: each step then brings the next batch's stored rows into the cache as training
+does (``DynamicEmbeddingCollection.prefetch`` after the backward is issued, inside the timed
+step; with ``--static`` on CUDA the static prefetch on a side stream from the end of the
+lookup on, beside the backward). The step alone has little to hide it behind (the backward;
+training also has the dense part), and it repeats the next lookup's unique and find: the
+figure says what is left.
 
 ``--profile N``: after every timed run (a profiler slows the launches that follow it in its
 process), each variant is built again, warmed by the same ``--warmup`` steps and profiled over
@@ -68,7 +74,7 @@ from shared.hashtable.embedding import DynamicEmbeddingCollection
 
 TABLE = "bench_emb"
 LOAD = 0.8  # keys / slots after the fill
-COUNTERS = ("hits", "misses", "bypassed", "evictions", "writebacks")
+COUNTERS = ("hits", "misses", "bypassed", "evictions", "writebacks", "prefetched")
 VARIANTS = {"hbm_only": None, "cache_10": 0.10, "cache_50": 0.50, "cache_100": 1.00}
 EXAMPLE = """examples:
   python -m bench.bench_tiers --out bench/results/bench_tiers_cpu.json
@@ -132,10 +138,15 @@ class StepTimes:
 
 
 def time_steps(
-    dec: DynamicEmbeddingCollection, batches: list[torch.Tensor], grad: torch.Tensor, warmup: int
+    dec: DynamicEmbeddingCollection,
+    batches: list[torch.Tensor],
+    grad: torch.Tensor,
+    warmup: int,
+    prefetch: bool = False,
 ) -> StepTimes:
-    """The embedding step of each batch (training lookup + backward of ``grad``), the first
-    ``warmup`` untimed; cache counters read outside the timed region (a read syncs)."""
+    """The embedding step of each batch (training lookup + backward of ``grad``; with
+    ``prefetch``, then the next batch's prefetch), the first ``warmup`` untimed; cache
+    counters read outside the timed region (a read syncs)."""
     device = grad.device
     times: list[float] = []
     fwd_hits = fwd_rows = 0.0  # rows of the timed forward lookups: found in a line, and all
@@ -144,7 +155,7 @@ def time_steps(
         s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
         _sync(device)
         t = time.perf_counter()
-        _step(dec, i, batch, grad)
+        _step(dec, i, batch, grad, batches[i + 1] if prefetch and i + 1 < len(batches) else None)
         _sync(device)
         if i < warmup:
             continue
@@ -208,7 +219,7 @@ def step_path(
 def run_variant(
     dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
     grad: torch.Tensor, probe: torch.Tensor, warmup: int, static: bool = False,
-    host_node: bool = False, host_node_threads: int | None = None,
+    host_node: bool = False, host_node_threads: int | None = None, prefetch: bool = False,
 ) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
     device = keys.device
     if device.type == "cuda":
@@ -218,7 +229,7 @@ def run_variant(
     step_path(dec, static, host_node, host_node_threads)
     _sync(device)
     build_s = time.perf_counter() - t0
-    steps = time_steps(dec, batches, grad, warmup)
+    steps = time_steps(dec, batches, grad, warmup, prefetch)
     times = steps.seconds
     after = dec.tier_stats()[TABLE]
     dec.eval()
@@ -302,6 +313,7 @@ def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
                 args.static,
                 args.host_node,
                 args.host_node_threads,
+                args.prefetch,
             )
             per_round[name].append(res["step_ms_median"])
             if base_probe is None:
@@ -343,6 +355,7 @@ def run(args: Any) -> dict[str, Any]:
         "static": args.static,
         "host_node": args.host_node,
         "host_node_threads": args.host_node_threads,
+        "prefetch": args.prefetch,
         "load": LOAD,
         "dims": {},
     }
@@ -392,11 +405,21 @@ def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[di
     return out
 
 
-def _step(dec: DynamicEmbeddingCollection, i: int, batch: torch.Tensor, grad: torch.Tensor) -> None:
-    """The embedding step of batch ``i``: its training lookup and the backward of ``grad``."""
+def _step(
+    dec: DynamicEmbeddingCollection,
+    i: int,
+    batch: torch.Tensor,
+    grad: torch.Tensor,
+    upcoming: torch.Tensor | None = None,
+) -> None:
+    """The embedding step of batch ``i``: its training lookup and the backward of ``grad``,
+    then the prefetch of the ``upcoming`` batch's rows where given (the trainer's order)."""
     dec.set_step(i + 1)
     out = dec({TABLE: batch})[TABLE]  # [lookups, dim]
     out.backward(grad)
+    if upcoming is not None:
+        with dec.prefetch_stream():
+            dec.prefetch({TABLE: upcoming})
 
 
 def _parser() -> Parser:
@@ -425,6 +448,12 @@ def _parser() -> Parser:
         help="with --host-node: the host threads that move the rows (default: the process's "
         "cores; the thread waiting on the device and the driver's need cores too)",
     )  # fmt: skip
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="each step then prefetches the next batch's rows (with --static on CUDA: on a side "
+        "stream, beside the backward)",
+    )
     p.add_argument(
         "--profile",
         type=int,

@@ -63,6 +63,25 @@ def test_bench_tiers_static_runs_every_variant_through_the_static_step(
     assert f"written {rows['written']:.0f} (write-backs" in capsys.readouterr().err  # exact
 
 
+def test_bench_tiers_prefetch_brings_each_next_batchs_rows(tmp_path: Path) -> None:
+    """--prefetch with --static: each step prefetches the next batch's rows (the static form),
+    where the caches have more lines than a step's 1536 padded keys (cache_50's 2000 and
+    cache_100's 4000; cache_10's 400 would bypass: none there), and the rows stay HBM_ONLY's."""
+    out = tmp_path / "tiers.json"
+    argv = ["--out", str(out), "--rows", "4000", "--lookups", "1500", "--dims", "4",
+            "--warmup", "2", "--steps", "2", "--static", "--prefetch"]  # fmt: skip
+    assert bench_tiers.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["prefetch"]
+    got = result["dims"]["4"]
+    assert got["hbm_only"]["static_runs"]["prefetches"] == 0
+    assert got["cache_10"]["static_runs"]["prefetches"] == 0
+    for name in ("cache_50", "cache_100"):
+        assert got[name]["static_runs"]["prefetches"] == 3, name  # after all steps but the last
+        assert got[name]["per_step"]["prefetched"] > 0, name
+        assert got[name]["equal_to_hbm_only"], name
+
+
 def test_bench_tiers_profile_writes_each_variants_figures_and_tables(tmp_path: Path) -> None:
     """--profile N: after the timed runs each variant is profiled over N steps: its figures a
     step in the JSON (CPU: no kernels), every variant's tables in one file beside the JSON, a
