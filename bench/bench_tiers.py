@@ -202,13 +202,18 @@ def log_line(dim: int, r: int, name: str, res: dict[str, Any], static: bool) -> 
 
 
 def step_path(
-    dec: DynamicEmbeddingCollection, static: bool, host_node: bool, threads: int | None = None
+    dec: DynamicEmbeddingCollection,
+    static: bool,
+    host_node: bool,
+    threads: int | None = None,
+    prefetch: bool = False,
 ) -> None:
-    """The static sparse step (``static``; captured on CUDA), and for a cache the fill through
-    a host node (``host_node``: ``StaticCacheLines.fill_with_host_node``, on ``threads`` host
-    threads; None: the process's cores)."""
+    """The static sparse step (``static``; captured on CUDA; with ``prefetch``, its prefetch
+    on), and for a cache the fill through a host node (``host_node``:
+    ``StaticCacheLines.fill_with_host_node``, on ``threads`` host threads; None: the process's
+    cores)."""
     if static:
-        dec.use_static_step(capture=dec.device.type == "cuda")
+        dec.use_static_step(capture=dec.device.type == "cuda", prefetch=prefetch)
     if host_node:
         for storage in dec._storages:
             fill = getattr(storage.payload, "fill_with_host_node", None)
@@ -226,7 +231,7 @@ def run_variant(
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     dec = build(dim, slots, factor, keys)
-    step_path(dec, static, host_node, host_node_threads)
+    step_path(dec, static, host_node, host_node_threads, prefetch)
     _sync(device)
     build_s = time.perf_counter() - t0
     steps = time_steps(dec, batches, grad, warmup, prefetch)
@@ -387,14 +392,15 @@ def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[di
     out: dict[str, tuple[dict[str, Any], str]] = {}
     for name, pct in VARIANTS.items():
         dec = build(dim, w.slots, factor_of(pct, w), w.keys)
-        step_path(dec, args.static, args.host_node, args.host_node_threads)
+        step_path(dec, args.static, args.host_node, args.host_node_threads, args.prefetch)
         for i in range(args.warmup):
             _step(dec, i, w.batches[i], w.grad)
         _sync(device)
 
         def step(i: int, dec: DynamicEmbeddingCollection = dec) -> None:
             at = args.warmup + i % args.steps
-            _step(dec, at, w.batches[at], w.grad)
+            after = w.batches[at + 1] if args.prefetch and at + 1 < len(w.batches) else None
+            _step(dec, at, w.batches[at], w.grad, after)
 
         out[name] = profile_steps(step, args.profile, device)
         print(f"dim {dim} {name}: profiled {out[name][0]}", file=sys.stderr, flush=True)

@@ -139,7 +139,11 @@ def step_figures(config_path: Path, batches, args, device: torch.device) -> dict
     config = load_config(config_path)
     model = MultiTowerDIN.from_config(config, build_feature_set(config), device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
-    graphs = cuda_graphs_for(model) if device.type == "cuda" else None
+    graphs = (
+        cuda_graphs_for(model, static_prefetch=args.static_prefetch)
+        if device.type == "cuda"
+        else None
+    )
     ema = DenseEMA.of_config(model.dense, config.train_config)
     found, _ = profile_model(model, optimizers, batches, warmup=args.warmup, steps=args.steps,
                              graphs=graphs, ema=ema)  # fmt: skip
@@ -184,6 +188,7 @@ def end_to_end(
                 num_workers=args.num_workers, message_rows=args.message_rows,
                 max_steps=args.e2e_max_steps,
                 eval_max_batches=args.eval_max_batches, progress_bar=False,
+                static_prefetch=args.static_prefetch,
             )
         )  # fmt: skip
         setup = time.perf_counter() - t0  # the model, its kernels, the loader's start
@@ -405,6 +410,9 @@ def _parser() -> Parser:
     p.add_argument("--eval-max-batches", type=int, default=None,
                    help="end_to_end: evaluate at most N batches (default: the eval set)")  # fmt: skip
     p.add_argument("--no-end-to-end", action="store_true", help="skip the end_to_end runs")
+    p.add_argument("--static-prefetch", action="store_true",
+                   help="CACHING tables (the cached config) prefetch the next batch's rows beside "
+                   "the step (train --static-prefetch)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--py-spy-s", type=int, default=0,
                    help="record where each thread of each end_to_end run spends its time (py-spy "
@@ -459,6 +467,8 @@ def in_child(part: str, name: str, path: Path, samples: Path, args) -> dict[str,
                             ("--eval-max-batches", args.eval_max_batches)):  # fmt: skip
             if value is not None:
                 cmd += [flag, str(value)]
+        if args.static_prefetch:
+            cmd.append("--static-prefetch")
         child = subprocess.Popen(cmd, cwd=ROOT)
         spy = _spy(child.pid, name, args) if part == "e2e" and args.py_spy_s > 0 else None
         if child.wait() != 0:
@@ -537,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
                               "batch": args.batch or "each config's own",
                               "message_rows": args.message_rows,
+                              "static_prefetch": args.static_prefetch,
                               "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)

@@ -13,6 +13,8 @@
 # TESTS: the GPU test paths ("" skips them). CONFIGS: bench_train's --configs (default
 # dynamic,buckets,cold); CONFIGS=dynamic,cached,cold also runs issue #52's item 2 (the seed config
 # with cache_load_factor 0.1 on every dynamic table against the seed config: cached/dynamic).
+# STATIC_PREFETCH=1: the cached config's tables prefetch the next batch's rows beside the step
+# (bench_train --static-prefetch, train --static-prefetch).
 . bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
@@ -32,7 +34,7 @@ budget=$(( left < ${BENCH_TIMEOUT:-480} ? left : ${BENCH_TIMEOUT:-480} ))
 echo "bench_train: ${budget} s left"
 timeout "$budget" python3 -m bench.bench_train --samples /tmp/full/samples \
   --configs "${CONFIGS:-dynamic,buckets,cold}" --device cuda --num-workers ${NUM_WORKERS:-12} \
-  --steps 10 --warmup 5 --out "$OUT/bench_train_configs.json" \
+  --steps 10 --warmup 5 ${STATIC_PREFETCH:+--static-prefetch} --out "$OUT/bench_train_configs.json" \
   > "$OUT/bench_train_configs.log" 2>&1
 echo "bench_train rc=$? at $(( $(date +%s) - t0 )) s"
 grep -E "^[a-z_]+: batch|^(cold|cached)/dynamic: |^error" "$OUT/bench_train_configs.log" \

@@ -114,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         help="device memory (GiB) the dynamic tables may use; default: the config's "
         "train_config.table_hbm_budget_gib, else none (see python -m train.tools plan)",
     )
+    t.add_argument(
+        "--static-prefetch",
+        action="store_true",
+        help="with CUDA graphs and cached tables (cache_load_factor < 1): prefetch the next "
+        "batch's rows into the cache beside the step (default: the step reads its misses itself)",
+    )
 
     _stream_parser(sub)
     e = sub.add_parser(
@@ -251,6 +257,7 @@ def _train(args: argparse.Namespace) -> None:
                 dist=env,
                 cuda_graphs=args.cuda_graphs,
                 hbm_budget_gib=args.hbm_budget_gib,
+                static_prefetch=args.static_prefetch,
             )
         ).fit()
     finally:

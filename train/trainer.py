@@ -93,6 +93,10 @@ class TrainOptions:
     cuda_graphs: bool | None = None
     # device memory (GiB) the dynamic tables may use; None: train_config.table_hbm_budget_gib
     hbm_budget_gib: float | None = None
+    # CACHING tables on the static step (CUDA graphs): the next batch's rows prefetched beside
+    # the step (shared.hashtable.embedding.DynamicEmbeddingCollection.use_static_step); off: the
+    # step reads its misses itself
+    static_prefetch: bool = False
 
 
 # CUDA graphs for the dense part when TrainOptions.cuda_graphs is None: on (single-process CUDA)
@@ -292,14 +296,15 @@ def train_step(
     return loss.detach()
 
 
-def cuda_graphs_for(model: MultiTowerDIN) -> DenseArchGraphs:
+def cuda_graphs_for(model: MultiTowerDIN, *, static_prefetch: bool = False) -> DenseArchGraphs:
     """The CUDA graphs of a single-process CUDA training step: the dense part's (returned, to
     keep beside the model and pass to :func:`train_step`) and the dynamic tables' static step
     (switched on in the model: :mod:`shared.hashtable.static_step`, taken by a storage once its
     table is at max capacity, eager before). The tables take their max capacity now, so that
     the static step runs from the first step (growing there took 128 eager steps, about 0.8 s
-    of the seed config's full-data epoch on the H200)."""
-    model.sparse.dynamic.use_static_step(capture=True)
+    of the seed config's full-data epoch on the H200). ``static_prefetch``: CACHING tables
+    prefetch the next batch's rows beside the step (``use_static_step(prefetch=True)``)."""
+    model.sparse.dynamic.use_static_step(capture=True, prefetch=static_prefetch)
     model.sparse.dynamic.reserve_max_capacity()
     # a shape is captured at its second step: the partial last batches of an epoch (one per
     # loader stream, each seen once) cost a capture each at the first (H200, 2026-12-04)
@@ -390,7 +395,7 @@ class Trainer:
         if self.dist is not None:
             log.info("cuda_graphs: off under distributed training (DDP-wrapped dense part)")
             return None
-        return cuda_graphs_for(self.model)
+        return cuda_graphs_for(self.model, static_prefetch=self.options.static_prefetch)
 
     def _eval_batches(self) -> Iterator[Batch]:
         loader = Loader(

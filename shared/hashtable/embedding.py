@@ -337,12 +337,18 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         """The TIMESTAMP clock now (µs); checkpoints store ages against it."""
         return self._clock()
 
-    def use_static_step(self, *, capture: bool) -> None:
+    def use_static_step(self, *, capture: bool, prefetch: bool = False) -> None:
         """Training lookups of every storage take the static step whenever its table is at
         max capacity (:mod:`shared.hashtable.static_step`), replayed from CUDA graphs with
-        ``capture`` (CUDA tables); the eager lookup otherwise (the default)."""
+        ``capture`` (CUDA tables); the eager lookup otherwise (the default). ``prefetch``: a
+        CACHING storage's :meth:`prefetch` then takes the static form
+        (:meth:`StaticStep.prefetch`, beside the step in flight on CUDA); without it a storage
+        on the static step prefetches nothing (its step reads its misses itself). Opt-in: on
+        the H200 on 2026-12-07 it made the embedding step alone slower (``bench_tiers
+        --prefetch``: dim 16 at 10 %, 11.45 against 10.13 ms), since it repeats the next
+        lookup's unique and find and has only the backward to run beside."""
         for s in self._storages:
-            s.static = StaticStep(s, capture=capture)
+            s.static = StaticStep(s, capture=capture, prefetch=prefetch)
 
     def reserve_max_capacity(self) -> None:
         """Every storage's table at its max capacity now (``HashTable.reserve_max_capacity``).

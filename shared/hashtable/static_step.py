@@ -446,9 +446,10 @@ class StaticStep:
     """The static training lookups of one storage (see the module docstring): one
     :class:`_Entry` per padded size, captured on CUDA (``capture``), eager elsewhere."""
 
-    def __init__(self, storage: FusedStorage, *, capture: bool) -> None:
+    def __init__(self, storage: FusedStorage, *, capture: bool, prefetch: bool = False) -> None:
         self.storage = storage
         self.capture = capture and storage.device.type == "cuda"
+        self.prefetching = prefetch  # :meth:`prefetch` runs (else the storage prefetches nothing)
         self._entries: dict[int, _Entry] = {}
         self._ahead: dict[int, _Ahead] = {}  # the prefetches' (CACHING storages)
         self._pool: GraphPool | None = None  # made before the first capture
@@ -527,7 +528,9 @@ class StaticStep:
         pool of its own). Call it on the stream it should run on, once the step before has
         looked its keys up: it never takes that step's lines, so it may run beside that step's
         backward. Whether it ran (False: the storage's tier says not now, or the next lookup
-        is not static)."""
+        is not static, or prefetching is off)."""
+        if not self.prefetching:
+            return False
         st = self.storage
         n = sum(k.numel() for _, k in parts)
         size = padded_size(n)

@@ -134,7 +134,8 @@ class StaticLookup(Protocol):
     """The static (graph-replayed) training lookup of a storage
     (``shared.hashtable.static_step.StaticStep``; set by the collection's ``use_static_step``)."""
 
-    stats: dict[str, int]  # captures, replays, eager runs
+    stats: dict[str, int]  # captures, replays, eager runs, prefetches
+    prefetching: bool  # whether prefetch runs (use_static_step(prefetch=True))
 
     def why_not(self) -> str | None: ...
 
@@ -484,16 +485,17 @@ class FusedStorage:
         not stored yet are left to the step (their payload is new). Negative keys are left to
         the step's lookup, which names them.
 
-        Where the next training lookup takes the static step, the static prefetch runs
-        instead (:meth:`StaticStep.prefetch`: the same find and fill in fixed shapes, no host
-        read, and never the lines of the step in flight, so that it may run beside that
-        step's backward on another stream: :meth:`DynamicEmbeddingCollection.prefetch_stream`),
-        where the eager resolve's host read would hold the host until the device caught up."""
+        Where the next training lookup takes the static step, the eager resolve's host read
+        would hold the host until the device caught up: nothing is done (the step reads its
+        misses itself), or with prefetching on (``use_static_step(prefetch=True)``) the static
+        prefetch runs (:meth:`StaticStep.prefetch`: the same find and fill in fixed shapes, no
+        host read, and never the lines of the step in flight, so that it may run beside that
+        step's backward on another stream: :meth:`DynamicEmbeddingCollection.prefetch_stream`)."""
         if not self.payload.tiered:
             return
-        if self.static_prefetches:
-            assert self.static is not None
-            self.static.prefetch(parts)
+        if self.static is not None and self.static.why_not() is None:
+            if self.static.prefetching:
+                self.static.prefetch(parts)
             return
         keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
         keys = keys.to(self.device, torch.int64)
@@ -505,9 +507,9 @@ class FusedStorage:
 
     @property
     def static_prefetches(self) -> bool:
-        """Whether :meth:`prefetch` takes the static form (the next training lookup is static):
-        it may then run beside the step in flight."""
-        return self.static is not None and self.static.why_not() is None
+        """Whether :meth:`prefetch` takes the static form (the next training lookup is static,
+        with prefetching on): it may then run beside the step in flight."""
+        return self.static is not None and self.static.why_not() is None and self.static.prefetching
 
     def tier_stats(self) -> dict[str, float]:
         """The payload tier's counters and bytes (:meth:`RowPayload.stats`)."""

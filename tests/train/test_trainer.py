@@ -421,8 +421,9 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     static path (lines resolved with no host read, evictions, new keys' rows made in their
     lines, rows past the lines bypassed through staging slots), and the run equals HBM_ONLY's
     with the static step, bit for bit: dense weights, tables, eval AUC and rows. At 0.5 (more
-    lines than a step's keys) the loop's prefetch takes the static form (the next batch's
-    stored rows brought into lines; on CUDA beside the step), with the same run."""
+    lines than a step's keys) with the static prefetch on (``--static-prefetch``) the loop's
+    prefetch takes the static form (the next batch's stored rows brought into lines; on CUDA
+    beside the step), with the same run."""
     # both runs' big tables at a tenth of the seed config's max capacities (the static step ranks
     # every bucket of a table reserved at its max: a step's CPU time follows the capacity), still
     # far above the rows 6 steps store; the cached one at 0.0018 of them: 180 lines in all, about
@@ -446,7 +447,8 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
             _options(tiny_samples, tmp_path / name, config, max_steps=6, checkpoint_every=100)
         )
         dynamic = trainer.model.sparse.dynamic
-        dynamic.use_static_step(capture=False)
+        # as cuda_graphs_for(static_prefetch=True) on CUDA where the run prefetches
+        dynamic.use_static_step(capture=False, prefetch=factor == "0.5")
         dynamic.reserve_max_capacity()
         runs.append((trainer.fit(), trainer.model))
     (hbm, a), (cached, b) = runs

@@ -52,10 +52,12 @@ def _static_dec(
     grown: bool = True,
     lfu_decay: LfuDecaySpec | None = None,
     row_arrays: dict[str, RowArrays] | None = None,
+    prefetch: bool = False,
 ) -> DynamicEmbeddingCollection:
     """Two fused tables of 1024 rows each (full buckets), one with admission, with the static
     sparse step (captured on CUDA); ``grown``: at their max capacity from the start, else
-    growing from 64 rows each (eager steps until the max). ``row_arrays``: the collection's."""
+    growing from 64 rows each (eager steps until the max). ``row_arrays``: the collection's.
+    ``prefetch``: the static step's prefetch on (``use_static_step(prefetch=True)``)."""
     init = 1024 if grown else 64
     kw = dict(init_capacity=init, bucket_capacity=16, max_capacity=1024, strategy=strategy,
               lfu_decay=lfu_decay)  # fmt: skip
@@ -66,7 +68,7 @@ def _static_dec(
         initial_accumulator_value=0.1, device=device, clock=lambda: next(clock),
         row_arrays=row_arrays,
     )  # fmt: skip
-    dec.use_static_step(capture=device == "cuda")
+    dec.use_static_step(capture=device == "cuda", prefetch=prefetch)
     if grown:
         dec.reserve_max_capacity()
     dec.train()
@@ -211,6 +213,19 @@ def test_eager_steps_while_the_tables_grow_then_static_ones_share_the_cache() ->
     assert s["cache_created"] > 0 and s["cache_evictions"] > 0 and s["cache_misses"] > 0
 
 
+def test_without_prefetching_a_storage_on_the_static_step_prefetches_nothing() -> None:
+    """The static step reads its misses inside its graph: unless prefetching is on
+    (``use_static_step(prefetch=True)``), a prefetch does nothing there (the eager one would
+    repeat its find and add a host read a step)."""
+    cached = _static_dec(ScoreStrategy.STEP, 0.15625)  # 320 lines: the steps evict
+    _static_run([cached], range(1, 5))
+    before = cached.tier_stats()["g"]
+    cached.prefetch(_static_batch(torch.Generator().manual_seed(0), 1))  # stored, evicted keys
+    assert cached.tier_stats()["g"] == before
+    assert before["cache_prefetched"] == 0
+    assert cached.static_stats()["g"]["prefetches"] == 0
+
+
 @pytest.mark.parametrize("when", ["before_backward", "after_backward"])
 def test_a_static_prefetch_brings_the_next_rows_and_changes_nothing_else(when: str) -> None:
     """Each step prefetches the next one's stored rows into lines (the static form: a find and
@@ -218,7 +233,8 @@ def test_a_static_prefetch_brings_the_next_rows_and_changes_nothing_else(when: s
     stream runs it) or after the backward: the backward is still accepted (the prefetch never
     takes the lines of the step in flight), every step equals HBM_ONLY's bit for bit, and the
     next steps hit more and read fewer rows themselves."""
-    hbm, cached = _static_dec(ScoreStrategy.STEP, None), _static_dec(ScoreStrategy.STEP, 0.3125)
+    hbm = _static_dec(ScoreStrategy.STEP, None, prefetch=True)
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125, prefetch=True)
     plain = _static_dec(ScoreStrategy.STEP, 0.3125)
     _static_run([hbm, cached], range(1, 13), prefetch=when)
     _static_run([plain], range(1, 13))
@@ -235,8 +251,8 @@ def test_a_static_prefetch_brings_the_next_rows_and_changes_nothing_else(when: s
 def test_a_static_prefetch_after_eager_steps_while_the_tables_grow_changes_nothing() -> None:
     """Tables that grow take eager steps, then static ones; the prefetch takes the static form
     once the next lookup is static, beside eager and static steps alike: HBM_ONLY's run."""
-    hbm = _static_dec(ScoreStrategy.STEP, None, grown=False)
-    cached = _static_dec(ScoreStrategy.STEP, 0.3125, grown=False)
+    hbm = _static_dec(ScoreStrategy.STEP, None, grown=False, prefetch=True)
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125, grown=False, prefetch=True)
     _static_run([hbm, cached], range(1, 13), prefetch="before_backward")
     ran = cached.static_stats()["g"]
     assert 0 < ran["prefetches"] < 11, ran
@@ -246,7 +262,8 @@ def test_no_static_prefetch_beside_a_step_that_may_bypass_rows() -> None:
     """A step of more keys than lines bypasses rows, and its backward writes them to the host
     tier, which a prefetch beside it could read: there is no prefetch then (and the steps are
     HBM_ONLY's all the same)."""
-    hbm, cached = _static_dec(ScoreStrategy.LFU, None), _static_dec(ScoreStrategy.LFU, 0.125)
+    hbm = _static_dec(ScoreStrategy.LFU, None, prefetch=True)
+    cached = _static_dec(ScoreStrategy.LFU, 0.125, prefetch=True)
     assert _lines(cached) == 256  # the steps pad their 301 to 608 keys to 304 to 640
     _static_run([hbm, cached], range(1, 7), prefetch="before_backward")
     assert cached.static_stats()["g"]["prefetches"] == 0
@@ -409,8 +426,8 @@ def test_on_cuda_a_captured_static_prefetch_beside_the_backward_changes_nothing(
     prefetch read rows."""
     if fill == "host_node" and host_move.unavailable_reason() is not None:
         pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
-    hbm = _static_dec(ScoreStrategy.STEP, None, "cuda")
-    cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda")
+    hbm = _static_dec(ScoreStrategy.STEP, None, "cuda", prefetch=True)
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda", prefetch=True)
     if fill == "host_node":
         cache = cached._storages[0].payload
         assert isinstance(cache, RowCache)
