@@ -53,7 +53,12 @@ intermediate from its input buffers before reading it; what outlives a replay is
 output, which stays allocated (a block in use is never handed to another capture) and whose copy
 to the host is enqueued right after the replay, on the same stream, before any later replay
 (whose intermediates may use the blocks of an earlier capture's output). Another model version (the next one, loading while this one
-serves) captures into a pool of its own, so the two never share memory. The capture time and
+serves) captures into a pool of its own, so the two never share memory, and on a capture stream
+of its own (:func:`shared.cuda_capture.capture_streams`): torch keys the cuBLAS workspace a
+captured GEMM writes by (thread, stream), so two models' graphs captured on one stream would
+share it, and the next version's check and warm-up replays, on the load stream beside the
+served version's, would overwrite the served version's GEMM partial sums (pytorch#193402; on the
+H200 on 2026-12-07 three answers just before a swap had neither version's scores). The capture time and
 the memory the graphs took (allocated and reserved, around the captures) are in
 :attr:`CudaGraphs.stats`, the log and the model's startup stage ``graphs``. Buckets are captured
 cheapest first, and capturing stops once less than :data:`MIN_FREE_MEMORY_FRACTION` of the GPU is
@@ -88,7 +93,7 @@ from serve.batcher import PendingScores
 from serve.host_batch import HostBatch, HostKjt
 from serve.lookup import PAD_ID
 from shared.batch import Batch
-from shared.cuda_capture import capture, graph_pool
+from shared.cuda_capture import capture, capture_streams, graph_pool
 from shared.dense_inputs import DenseLayout, Pairs, batch_pair_count, padded_pair_index, pair_count
 
 if TYPE_CHECKING:
@@ -365,9 +370,11 @@ class BucketGraph:
         self,
         run: Callable[[Batch, Pairs], torch.Tensor],
         pool: torch.cuda._POOL_HANDLE | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> float:
-        """Warm up, capture (into the memory ``pool``, shared by the model's graphs: see the
-        module docstring), replay once: max |replay - eager| (a float).
+        """Warm up, capture (into the memory ``pool``, shared by the model's graphs, on the
+        capture ``stream`` of the model's graphs: see the module docstring), replay once: max
+        |replay - eager| (a float).
 
         The warm-up runs on the current stream (the model's load stream: not the one requests
         are served on); ``thread_local`` capture lets other threads (the version being served
@@ -377,7 +384,7 @@ class BucketGraph:
             want = run(self.batch, self.device_pairs())
         graph = torch.cuda.CUDAGraph()
         # not torch.cuda.graph(): it synchronizes and empties the caches (shared.cuda_capture)
-        with capture(graph, pool=pool, device=self.buffers.device.device):
+        with capture(graph, pool=pool, device=self.buffers.device.device, stream=stream):
             self.out = run(self.batch, self.device_pairs())
         graph.replay()
         self.graph = graph
@@ -432,6 +439,7 @@ class CudaGraphs:
         # what the graphs read (module docstring): replays only while the model still has them
         self._tables, self._program = model.tables, model.program
         self._pool: Any = None  # one memory pool for every capture (shared.cuda_capture.graph_pool)
+        self._stream: Any = None  # one capture stream, no other live model's (module docstring)
 
     @classmethod
     def capture(cls, model: LoadedModel, buckets: Iterable[Bucket]) -> CudaGraphs:
@@ -449,6 +457,7 @@ class CudaGraphs:
         probe = synthetic_batch(model.fs, 1, 1, (0,))
         graphs = cls(model, [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)])
         graphs._pool = graph_pool(model.device)
+        graphs._stream = capture_streams(model.device).take(graphs)
         pairs = batch_pair_count(probe, model.tables.layout)
         torch.cuda.current_stream(model.device).synchronize()
         t0 = time.perf_counter()
@@ -504,7 +513,7 @@ class CudaGraphs:
             if pairs > bucket.pairs:
                 raise ValueError(f"the capture batch's {pairs} pairs do not fit")
             graph.fill(probe)
-            diff = graph.capture(self._run, self._pool.id)
+            diff = graph.capture(self._run, self._pool.id, self._stream)
             if not diff <= CHECK_ATOL:  # also NaN
                 raise RuntimeError(f"replay differs from eager by {diff} (> {CHECK_ATOL})")
         except Exception as err:  # noqa: BLE001 - any failure: that bucket runs eagerly

@@ -16,17 +16,88 @@ afterwards. Example::
     with capture(graph, pool=pool):
         out = body(static_inputs)
     graph.replay()
+
+**Graphs that may replay at the same time need capture streams of their own**
+(:class:`CaptureStreams`). A GEMM captured into a graph keeps the address of the cuBLAS (and
+cuBLASLt) workspace torch gave it, and torch keys that workspace by (the thread's handle, the
+stream): every graph one thread captured on one stream writes the same workspace, even with
+memory pools of their own (pytorch#193402). Replayed one after another that is harmless (the
+trainer's graphs; one model's graphs on its serving stream); replayed at once on two streams
+they overwrite each other's partial sums. A server replays two models' graphs at once: the
+served version's, while the next one is checked and warmed up on the load stream (on the H200
+on 2026-12-07, three answers of the served version just before a swap had neither version's
+scores, in both runs of the whole GPU suite). So each model's graphs are captured on a stream
+no other live model's graphs were captured on.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import torch
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+S = TypeVar("S")
+
+
+class CaptureStreams(Generic[S]):
+    """Streams handed to owners (sets of graphs) such that no two live owners share one
+    (module doc): :meth:`take` gives back the stream of an owner that is gone, else a new one
+    from ``make``, skipping any whose ``key`` (the raw stream: torch hands streams out of a
+    fixed pool, round robin, so a new one may be an old one again) a live owner's or a
+    ``reserved`` key has. Thread-safe."""
+
+    def __init__(
+        self, make: Callable[[], S], key: Callable[[S], int], reserved: Callable[[], set[int]]
+    ) -> None:
+        self._make, self._key, self._reserved = make, key, reserved
+        self._lock = threading.Lock()
+        self._held: list[tuple[S, weakref.ref[Any]]] = []  # (stream, its owner)
+
+    def take(self, owner: object) -> S:
+        """A stream for ``owner`` (held while it lives)."""
+        with self._lock:
+            for i, (stream, ref) in enumerate(self._held):
+                if ref() is None:
+                    self._held[i] = (stream, weakref.ref(owner))
+                    return stream
+            taken = {self._key(s) for s, _ in self._held} | self._reserved()
+            for _ in range(256):  # torch's pools: 32 streams a priority
+                stream = self._make()
+                if self._key(stream) not in taken:
+                    self._held.append((stream, weakref.ref(owner)))
+                    return stream
+        raise RuntimeError(
+            f"no capture stream free of {len(self._held)} live graph sets' streams: a process "
+            "holds too many sets of CUDA graphs at once (drop some, or run eagerly)"
+        )
+
+    def __len__(self) -> int:
+        """The streams made so far."""
+        return len(self._held)
+
+
+_OWNED: dict[torch.device, CaptureStreams[torch.cuda.Stream]] = {}
+_OWNED_LOCK = threading.Lock()
+
+
+def capture_streams(device: torch.device) -> CaptureStreams[torch.cuda.Stream]:
+    """The :class:`CaptureStreams` of ``device``: streams apart from each other's and from
+    :func:`capture_stream`'s."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _OWNED_LOCK:
+        if device not in _OWNED:
+            _OWNED[device] = CaptureStreams(
+                lambda: torch.cuda.Stream(device),
+                lambda s: int(s.cuda_stream),
+                lambda: {int(capture_stream(device).cuda_stream)},
+            )
+        return _OWNED[device]
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -68,16 +139,22 @@ def graph_pool(device: torch.device) -> GraphPool:
 
 @contextlib.contextmanager
 def capture(
-    graph: torch.cuda.CUDAGraph, *, pool: Any = None, device: torch.device | None = None
+    graph: torch.cuda.CUDAGraph,
+    *,
+    pool: Any = None,
+    device: torch.device | None = None,
+    stream: torch.cuda.Stream | None = None,
 ) -> Iterator[None]:
     """Capture the CUDA work of the ``with`` body into ``graph`` (memory from ``pool``, the
     ``id`` of a :func:`graph_pool` or another graph's ``pool()``, shared by graphs that never run at
-    the same time). The body runs on the capture stream; work queued before the ``with`` on the
-    current stream is ordered before it, and work after it after the capture. A failed body
-    ends the capture and re-raises."""
+    the same time). The body runs on the capture stream (``stream``: one of
+    :func:`capture_streams` for graphs that may replay beside others, see the module doc; else
+    the device's :func:`capture_stream`); work queued before the ``with`` on the current stream
+    is ordered before it, and work after it after the capture. A failed body ends the capture
+    and re-raises."""
     dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     current = torch.cuda.current_stream(dev)
-    stream = capture_stream(dev)
+    stream = stream if stream is not None else capture_stream(dev)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shared.cuda_capture import GraphPool, capture, graph_pool
+from shared.cuda_capture import GraphPool, capture, capture_streams, graph_pool
 from shared.features import ScoreStrategy
 from shared.hashtable.hashing import INT64_MAX, sort_pairs
 from shared.hashtable.static_insert import (
@@ -454,6 +454,7 @@ class StaticStep:
         self._ahead: dict[int, _Ahead] = {}  # the prefetches' (CACHING storages)
         self._pool: GraphPool | None = None  # made before the first capture
         self._ahead_pool: GraphPool | None = None  # the prefetches' (they overlap the step's)
+        self._ahead_stream: Any = None  # their capture stream (shared.cuda_capture.capture_streams)
         self._arrays: tuple[Any, ...] = ()
         self.counts = DeviceCounts(storage.table)
         counter = storage.counter
@@ -555,9 +556,12 @@ class StaticStep:
         if ahead.graph is None:
             if self._ahead_pool is None:
                 self._ahead_pool = graph_pool(st.device)
+                # a capture stream apart from the step's graphs', which it replays beside
+                # (shared.cuda_capture: a library workspace keyed by stream is not shared)
+                self._ahead_stream = capture_streams(st.device).take(self)
             graph = torch.cuda.CUDAGraph()
             try:  # a capture queues nothing: on failure nothing was prefetched
-                with self._capturing(graph, self._ahead_pool):
+                with self._capturing(graph, self._ahead_pool, self._ahead_stream):
                     prefetch_rows(st, ahead.keys, ahead.tids, ahead.n_real)
             except RuntimeError as e:  # the step itself goes on: no prefetch from now on
                 self.prefetch_failed = f"capture failed: {e}"
@@ -686,7 +690,7 @@ class StaticStep:
 
     @contextlib.contextmanager
     def _capturing(
-        self, graph: torch.cuda.CUDAGraph, pool: GraphPool | None = None
+        self, graph: torch.cuda.CUDAGraph, pool: GraphPool | None = None, stream: Any = None
     ) -> Iterator[None]:
         """Capture into ``graph`` (the shared pool; this thread's unsafe calls refused), with no
         garbage collection until it ends: an object collected there may free CUDA resources
@@ -701,7 +705,7 @@ class StaticStep:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            with capture(graph, pool=pool.id, device=device):
+            with capture(graph, pool=pool.id, device=device, stream=stream):
                 yield
         finally:
             if enabled:

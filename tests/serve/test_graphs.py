@@ -264,3 +264,34 @@ def test_a_retired_model_is_freed_without_a_collection(din_bundles: tuple[Path, 
         assert refs[0]() is None and refs[1]() is None
     finally:
         gc.enable()
+
+
+def test_two_models_graphs_replayed_at_once_keep_their_scores(
+    din_bundles: tuple[Path, Path],
+) -> None:
+    """The served version's graphs replay on its stream while the next version's check and
+    warm-up replay on the load stream: each model's graphs are captured on a capture stream of
+    its own (shared.cuda_capture.capture_streams), so their GEMMs do not share the cuBLAS
+    workspace torch keys by (thread, stream) (pytorch#193402), and every replay of the one
+    gives its scores while the other's replay beside it."""
+    a = LoadedModel.load(din_bundles[1], device="cuda", graph_buckets=BUCKETS)
+    b = LoadedModel.load(din_bundles[0], device="cuda", graph_buckets=BUCKETS)
+    assert a.graphs is not None and b.graphs is not None
+    assert int(a.graphs._stream.cuda_stream) != int(b.graphs._stream.cuda_stream)
+    ga, gb = a.graphs.graphs[-1], b.graphs.graphs[-1]  # the largest buckets: the most GEMMs
+    assert ga.out is not None
+    ga.launch()
+    torch.cuda.synchronize()
+    want = ga.out.clone()
+    served, loading = torch.cuda.Stream(), torch.cuda.Stream()
+    got = []
+    with torch.inference_mode():
+        for _ in range(50):
+            with torch.cuda.stream(loading):
+                gb.launch()
+            with torch.cuda.stream(served):
+                ga.launch()
+                got.append(ga.out.clone())
+    torch.cuda.synchronize()
+    for out in got:
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)

@@ -282,7 +282,10 @@ def test_a_swap_under_traffic_on_cuda_loses_no_request(
     # difference to the said version's), beside the number of the first answer of version 2
     # (on the H200 on 2026-12-07 three answers of version 1 just before the first of version 2
     # had neither's scores, in both runs of the whole GPU suite and in neither of two runs of
-    # this test alone: the difference tells a race, whole scores off, from a tolerance, 1e-5s)
+    # this test alone; the likely cause, both versions' graphs captured on one stream and so
+    # writing one cuBLAS workspace while the spare's check replayed beside the served version,
+    # is mended since: shared.cuda_capture.capture_streams. The difference tells a race, whole
+    # scores off, from a tolerance, 1e-5s)
     wrong = []
     for n, (i, v, probs) in enumerate(traffic.results):
         if not np.allclose(probs, expected[v][i], rtol=1e-5, atol=1e-5):
