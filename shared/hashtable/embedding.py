@@ -214,6 +214,9 @@ def _without(
 class DynamicEmbeddingCollection(torch.nn.Module):
     """Dynamic hash-table embeddings of several tables (see the module docstring)."""
 
+    _ahead: Any = None  # torch.cuda.Stream: the prefetches' (prefetch_stream), once made
+    _looked_up: Any = None  # torch.cuda.Event after the last training lookups (prefetch_stream)
+
     def __init__(
         self,
         tables: Sequence[TableSpec],
@@ -293,8 +296,6 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         }
         # autograd anchor: not a Parameter/buffer, so no optimizer or state_dict sees it
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
-        self._ahead: Any = None  # torch.cuda.Stream: the prefetches' (prefetch_stream)
-        self._looked_up: Any = None  # torch.cuda.Event after the last training lookups
 
     def extra_repr(self) -> str:
         return ", ".join(repr(s) for s in self._storages)
