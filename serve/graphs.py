@@ -296,6 +296,9 @@ class BucketGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None  # after the last launch's copy of the slots
+        # holds the model's capture stream (CudaGraphs): while any of its graphs lives (a
+        # pending result keeps its graph), no other model's graphs are captured on it
+        self.lease: object = None
 
     def _device_batch(self) -> Batch:
         slots = self.buffers.on_device
@@ -422,6 +425,13 @@ class BucketGraph:
 # --------------------------------------------------------------------------- the buckets
 
 
+class _Lease:
+    """Holds a model's capture stream (:func:`shared.cuda_capture.capture_streams`) for as long
+    as it lives: its :class:`CudaGraphs` and each of their :class:`BucketGraph` keep it, so a
+    retired model's stream comes back only once its last pending result was read (its replay
+    done), never while one of its replays may still run."""
+
+
 def _bucket_pairs(graph: BucketGraph) -> int:
     """The sort key of :attr:`CudaGraphs.graphs` that :meth:`CudaGraphs._smallest_fit` bisects."""
     return graph.bucket.pairs
@@ -440,6 +450,7 @@ class CudaGraphs:
         self._tables, self._program = model.tables, model.program
         self._pool: Any = None  # one memory pool for every capture (shared.cuda_capture.graph_pool)
         self._stream: Any = None  # one capture stream, no other live model's (module docstring)
+        self._lease = _Lease()  # what holds it: this and each of the graphs
 
     @classmethod
     def capture(cls, model: LoadedModel, buckets: Iterable[Bucket]) -> CudaGraphs:
@@ -457,7 +468,7 @@ class CudaGraphs:
         probe = synthetic_batch(model.fs, 1, 1, (0,))
         graphs = cls(model, [tuple(k.keys()) for k in (probe.user, probe.item, probe.sequence)])
         graphs._pool = graph_pool(model.device)
-        graphs._stream = capture_streams(model.device).take(graphs)
+        graphs._stream = capture_streams(model.device).take(graphs._lease)
         pairs = batch_pair_count(probe, model.tables.layout)
         torch.cuda.current_stream(model.device).synchronize()
         t0 = time.perf_counter()
@@ -513,6 +524,7 @@ class CudaGraphs:
             if pairs > bucket.pairs:
                 raise ValueError(f"the capture batch's {pairs} pairs do not fit")
             graph.fill(probe)
+            graph.lease = self._lease
             diff = graph.capture(self._run, self._pool.id, self._stream)
             if not diff <= CHECK_ATOL:  # also NaN
                 raise RuntimeError(f"replay differs from eager by {diff} (> {CHECK_ATOL})")
