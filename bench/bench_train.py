@@ -6,7 +6,8 @@ and copied to the device, no model) at ``--num-workers`` and at one worker per c
 first config's batch size. Then for each config of ``--configs`` (default: the seed config
 ``dynamic`` and the all-num_buckets baseline ``buckets``; ``cold``: the cold-ids config;
 ``cached``: the seed config with ``cache_load_factor`` 0.1 on every dynamic table, derived at
-run time by :mod:`bench.train_cached`), on the same samples and device, each at its own
+run time by :mod:`bench.train_cached`; ``cached_prefetch``: the same trained with the static
+prefetch, ``--static-prefetch``), on the same samples and device, each at its own
 config's ``data_config.batch_size`` unless ``--batch`` sets one for all (batch size is the
 user's: issue #53):
 
@@ -35,7 +36,8 @@ config, its step against the baseline's, GPU busy: of ``step_warm`` where it ran
 ``step``) and, with ``cold`` beside ``dynamic``, those of issue #53 (``cold_over_dynamic``:
 the cold-ids config's end-to-end samples/s at least 1.3M and 0.8x the seed config's, 0 syncs
 a step); with ``cached`` beside ``dynamic``, those of issue #52's item 2 (``cached_over_dynamic``:
-end-to-end samples/s at least 0.85x the seed config's, eval AUC within 0.001 of it).
+end-to-end samples/s at least 0.85x the seed config's, eval AUC within 0.001 of it; and
+``cached_prefetch_over_dynamic`` likewise).
 ``--padded-steps N`` also times the seed config's step with tzrec's padded DIN (pad to 100) for N
 steps, as a reference.
 
@@ -87,7 +89,11 @@ CONFIGS = {
 # known names of configs derived at run time from one of CONFIGS (written beside --out)
 DERIVED: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
     "cached": ("dynamic", cached_config),  # the seed config, cache_load_factor 0.1 everywhere
+    "cached_prefetch": ("dynamic", cached_config),  # the same, trained with --static-prefetch
 }
+# names of configs trained with the static prefetch whatever --static-prefetch says (issue #52:
+# the cached config with and without it in one run, against the seed config)
+PREFETCHED = {"cached_prefetch"}
 GOALS = {  # issue #18
     "end_to_end_samples_per_s": 1.5e6,  # the seed config, one epoch of full data
     "dynamic_step_over_buckets": 1.15,
@@ -321,7 +327,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                 else ""
             )
         )
-    for name in ("cold", "cached"):
+    for name in ("cold", "cached", "cached_prefetch"):
         if result.get(f"{name}_over_dynamic"):
             lines.append(f"{name}/dynamic: " + json.dumps(result[f"{name}_over_dynamic"]))
     return lines
@@ -333,10 +339,11 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     cold = configs.get("cold")
     if cold and configs.get("dynamic"):
         out["cold_over_dynamic"] = cold_ratios(cold, configs["dynamic"])
-    cached = configs.get("cached")
-    if cached and configs.get("dynamic"):
-        step_ms = _step(cached)["step_ms_median"] / _step(configs["dynamic"])["step_ms_median"]
-        out["cached_over_dynamic"] = cached_ratios(cached, configs["dynamic"], step_ms)
+    for name in ("cached", "cached_prefetch"):
+        cached = configs.get(name)
+        if cached and configs.get("dynamic"):
+            step_ms = _step(cached)["step_ms_median"] / _step(configs["dynamic"])["step_ms_median"]
+            out[f"{name}_over_dynamic"] = cached_ratios(cached, configs["dynamic"], step_ms)
     dyn, base = configs.get("dynamic"), configs.get("buckets")
     if dyn and base:
         out["dynamic_step_over_buckets"] = (
@@ -506,6 +513,7 @@ def run_child_part(args, device: torch.device) -> int:
     ``--child-out``. ``e2e``: the end_to_end run, then ``step_warm`` on the model it trained;
     ``step``: the ``step`` figures of a fresh model (and ``--padded-steps``)."""
     ((name, path),) = _config_paths(args.configs, args.out).items()
+    args.static_prefetch = args.static_prefetch or name in PREFETCHED
     fs = build_feature_set(load_config(path))
     n = batches_needed(args.warmup, args.steps)
     figures: dict[str, Any] = {}

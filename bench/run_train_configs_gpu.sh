@@ -14,7 +14,8 @@
 # dynamic,buckets,cold); CONFIGS=dynamic,cached,cold also runs issue #52's item 2 (the seed config
 # with cache_load_factor 0.1 on every dynamic table against the seed config: cached/dynamic).
 # STATIC_PREFETCH=1: the cached config's tables prefetch the next batch's rows beside the step
-# (bench_train --static-prefetch, train --static-prefetch).
+# (bench_train --static-prefetch, train --static-prefetch). CONFIGS=dynamic,cached,cached_prefetch
+# runs the cached config both ways in one call (cached_prefetch: always with the prefetch).
 . bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
@@ -37,5 +38,5 @@ timeout "$budget" python3 -m bench.bench_train --samples /tmp/full/samples \
   --steps 10 --warmup 5 ${STATIC_PREFETCH:+--static-prefetch} --out "$OUT/bench_train_configs.json" \
   > "$OUT/bench_train_configs.log" 2>&1
 echo "bench_train rc=$? at $(( $(date +%s) - t0 )) s"
-grep -E "^[a-z_]+: batch|^(cold|cached)/dynamic: |^error" "$OUT/bench_train_configs.log" \
+grep -E "^[a-z_]+: batch|^(cold|cached|cached_prefetch)/dynamic: |^error" "$OUT/bench_train_configs.log" \
   || tail -20 "$OUT/bench_train_configs.log"

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.bench_train import CONFIGS, _config_paths, batch_size
+from bench.bench_train import CONFIGS, PREFETCHED, _config_paths, batch_size, ratios
 from tests.background import Background, start, stop
 from tests.conftest import ROOT
 
@@ -27,6 +27,14 @@ def test_the_shipped_and_derived_configs_are_known_by_name(tmp_path: Path) -> No
     assert all(p.is_file() for p in CONFIGS.values())
     assert _config_paths("cached", out) == {"cached": tmp_path / "bench.cached.config"}
     assert "cache_load_factor: 0.1" in (tmp_path / "bench.cached.config").read_text()
+    # the same config, trained with the static prefetch (its child runs with --static-prefetch)
+    assert _config_paths("cached_prefetch", out) == {
+        "cached_prefetch": tmp_path / "bench.cached_prefetch.config"
+    }
+    assert (tmp_path / "bench.cached_prefetch.config").read_text() == (
+        tmp_path / "bench.cached.config"
+    ).read_text()
+    assert "cached_prefetch" in PREFETCHED and "cached" not in PREFETCHED
     with pytest.raises(SystemExit, match="'nope' is not one of dynamic, buckets, cold, cached"):
         _config_paths("dynamic,nope", out)
 
@@ -134,3 +142,21 @@ def test_cached_against_dynamic_end_to_end(benches: dict[str, Background]) -> No
     assert goals["auc_abs_diff"]["met"] == (abs(ratio["auc_diff"]) <= 0.001)
     assert "cached: batch 256," in printed and "cache hit rate" in printed
     assert "cached/dynamic: " in printed
+
+
+def test_the_cached_configs_with_and_without_the_prefetch_are_each_compared_with_dynamic() -> None:
+    """``cached`` and ``cached_prefetch`` beside ``dynamic``: each gets its ratios and goals
+    (issue #52's item 2 with and without the static prefetch, one run)."""
+
+    def entry(samples_per_s: float, auc: float, step_ms: float) -> dict:
+        return {"end_to_end": {"samples_per_s": samples_per_s, "eval": {"auc": auc}},
+                "step": {"step_ms_median": step_ms}}  # fmt: skip
+
+    got = ratios({"dynamic": entry(1000.0, 0.70, 4.0), "cached": entry(800.0, 0.7005, 5.0),
+                  "cached_prefetch": entry(900.0, 0.7020, 4.5)})  # fmt: skip
+    assert got["cached_over_dynamic"]["end_to_end_samples_per_s"] == pytest.approx(0.8)
+    prefetched = got["cached_prefetch_over_dynamic"]
+    assert prefetched["end_to_end_samples_per_s"] == pytest.approx(0.9)
+    assert prefetched["step_ms"] == pytest.approx(4.5 / 4.0)
+    assert prefetched["goals"]["end_to_end_over_dynamic"]["met"] is True
+    assert prefetched["goals"]["auc_abs_diff"]["met"] is False  # 0.002 > 0.001
