@@ -564,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = result["configs"][name] = {
             "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
             "batch": batch_size(path, args),
+            "static_prefetch": args.static_prefetch or name in PREFETCHED,
         }
         for part in parts:
             entry.update(in_child(part, name, path, samples, args))
