@@ -494,8 +494,7 @@ class FusedStorage:
         if not self.payload.tiered:
             return
         if self.static is not None and self.static.why_not() is None:
-            if self.static.prefetching:
-                self.static.prefetch(parts)
+            self.static.prefetch(parts)  # nothing unless prefetching is on
             return
         keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
         keys = keys.to(self.device, torch.int64)
