@@ -16,7 +16,9 @@ with the tier's memory made three ways, in one run:
 - ``register_thp``: an anonymous ``mmap`` aligned to 2 MiB with ``MADV_HUGEPAGE`` (transparent
   huge pages), touched, then ``cudaHostRegister``; the JSON gives the kernel's THP setting and
   ``AnonHugePages`` before and after, so a run where THP did not take says so;
-- ``host_alloc``: torch's pinned allocator (``cudaHostAlloc``).
+- ``host_alloc``: torch's pinned allocator (``cudaHostAlloc``);
+- ``vmm_host`` (CUDA only): the driver's virtual memory API, ``cuMemCreate`` with a HOST location
+  at its recommended granularity (:mod:`bench.vmm_host`), which the device may map in large pages.
 
 For each, n random distinct rows (the same ids for every allocation), gathered by
 :func:`~shared.hashtable.cuda.host_rows.gather` in random order and in sorted order (``_sorted``:
@@ -45,6 +47,7 @@ from shared.hashtable.host_store import _register
 
 HUGE = 2 << 20  # a transparent huge page
 ALLOCATIONS = ("register_4k", "register_thp", "host_alloc")
+CUDA_ALLOCATIONS = ("vmm_host",)  # made by the CUDA driver: no CPU form
 
 
 def meminfo_kib(key: str) -> int:
@@ -82,11 +85,19 @@ def allocate(how: str, rows: int, width: int, cuda: bool) -> tuple[torch.Tensor,
         t = base[skip : skip + nbytes].view(torch.float32).view(rows, width)
     elif how == "host_alloc":
         t = torch.empty(rows, width, dtype=torch.float32, pin_memory=cuda)
+    elif how == "vmm_host":
+        from bench.vmm_host import VmmHost
+
+        keep = VmmHost(nbytes)
+        t = keep.tensor[:nbytes].view(torch.float32).view(rows, width)
     else:
         t = torch.empty(rows, width, dtype=torch.float32)
     t.zero_()  # first touch: the pages (huge ones where THP takes) are allocated here
     t.view(torch.int32)[:, 0] = torch.arange(rows, dtype=torch.int32)  # the row id's bits
-    if cuda and how != "host_alloc":  # as TensorHostStore does: unlocked when t is freed
+    if cuda and how not in (
+        "host_alloc",
+        "vmm_host",
+    ):  # as TensorHostStore does: unlocked when t is freed
         _register(t, mapped=True, drain=True)
     return t, keep
 
@@ -157,13 +168,18 @@ def run(args: Any) -> dict[str, Any]:
         perm = torch.randperm(rows, generator=torch.Generator().manual_seed(args.seed))
         entry: dict[str, Any] = {"rows": rows, "row_bytes": width * 4, "allocations": {}}
         result["dims"][str(dim)] = entry
-        for how in ALLOCATIONS:
+        for how in args.allocations:
             huge_before = meminfo_kib("AnonHugePages")
             t0 = time.perf_counter()
             host, keep = allocate(how, rows, width, cuda)
             a: dict[str, Any] = {
                 "setup_s": round(time.perf_counter() - t0, 2),
                 "anon_huge_pages_kib_added": meminfo_kib("AnonHugePages") - huge_before,
+                **(
+                    {"vmm": {"location": keep.location, "granularity": keep.granularity}}
+                    if how == "vmm_host"
+                    else {}
+                ),  # fmt: skip
                 "n": {},
             }
             entry["allocations"][how] = a
@@ -187,12 +203,20 @@ def _parser() -> Parser:
     p.add_argument("--ns", type=int, nargs="+", default=[262144], help="rows gathered a call")
     p.add_argument("--repeats", type=int, default=9, help="timed calls of each method")
     p.add_argument("--seed", type=int, default=0, help="the row ids' permutation")
+    p.add_argument("--allocations", nargs="+", choices=ALLOCATIONS + CUDA_ALLOCATIONS,
+                   help="how the host memory is made (default: every way the device has)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if args.allocations is None:
+        args.allocations = list(ALLOCATIONS + (CUDA_ALLOCATIONS if cuda else ()))
+    elif not cuda and set(args.allocations) & set(CUDA_ALLOCATIONS):
+        raise ValueError(f"bench_host_pages: --allocations {' '.join(CUDA_ALLOCATIONS)} needs "
+                         "--device cuda (the CUDA driver makes that memory)")  # fmt: skip
     if (
         min(args.ns) < 1
         or args.repeats < 1

@@ -8,6 +8,6 @@
 . bench/device_env.sh
 timeout "${BENCH_TIMEOUT:-270}" python3 -m bench.bench_host_pages --device cuda --dims ${DIMS:-16 128} \
   --rows "${ROWS:-30000000}" --rows-128 "${ROWS_128:-10000000}" --ns ${NS:-65536 262144} \
-  --repeats "${REPEATS:-9}" --out "$OUT/bench_host_pages_gpu.json" > "$OUT/bench_host_pages.log" 2>&1
+  --repeats "${REPEATS:-9}" ${ALLOCATIONS:+--allocations $ALLOCATIONS} --out "$OUT/bench_host_pages_gpu.json" > "$OUT/bench_host_pages.log" 2>&1
 echo "bench_host_pages rc=$?"; tail -12 "$OUT/bench_host_pages.log"
 grep -i huge /proc/meminfo

@@ -47,3 +47,27 @@ def test_more_rows_a_call_than_the_matrix_holds_is_refused(tmp_path: Path) -> No
     argv = ["--out", str(tmp_path / "x.json"), "--rows", "100", "--ns", "200"]
     with pytest.raises(ValueError, match="at most the rows"):
         bench_host_pages.main(argv)
+
+
+def test_the_drivers_host_memory_is_refused_on_the_cpu(tmp_path: Path) -> None:
+    argv = ["--out", str(tmp_path / "x.json"), "--rows", "100", "--ns", "10",
+            "--allocations", "vmm_host"]  # fmt: skip
+    with pytest.raises(ValueError, match="vmm_host needs --device cuda"):
+        bench_host_pages.main(argv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CUDA driver's memory)")
+def test_the_drivers_host_memory_holds_the_rows_for_the_cpu_and_the_device(tmp_path: Path) -> None:
+    """``cuMemCreate`` host memory: the CPU writes the rows and the device's UVA gather reads
+    the same rows at the same address, random and sorted."""
+    out = tmp_path / "vmm.json"
+    argv = ["--out", str(out), "--device", "cuda", "--rows", "50000", "--dims", "16",
+            "--ns", "1000", "--repeats", "2", "--allocations", "vmm_host", "register_4k"]  # fmt: skip
+    assert bench_host_pages.main(argv) == 0
+    entry = json.loads(out.read_text())["dims"]["16"]["allocations"]
+    assert entry["vmm_host"]["vmm"]["granularity"] >= 4096
+    for how in ("vmm_host", "register_4k"):
+        got = entry[how]["n"]["1000"]
+        assert set(got) == {"cpu_gather", "uva_gather", "uva_gather_sorted"}, how
+        assert all(v["rows_equal"] for v in got.values()), (how, got)

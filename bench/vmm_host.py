@@ -1,0 +1,136 @@
+"""Host memory made by the CUDA driver's virtual memory API (``cuMemCreate`` with a HOST
+location), for :mod:`bench.bench_host_pages`: does the device read random host rows faster when
+the driver maps them in large pages?
+
+Today's host tier is ``cudaHostRegister``-ed anonymous memory: 4 KiB pages, which the device maps
+one by one. At 100M rows (12.8 GB at dim 16) its random UVA reads ran at 35M rows/s on an H100,
+a cost per row that sorting did not remove (``docs/performance.md``). An allocation made through
+``cuMemCreate`` is physically made in chunks of its granularity (2 MiB where the driver says so),
+which the device can map in large pages. The CPU reaches it at the same address once
+``cuMemSetAccess`` grants the host access (a ``CU_MEM_LOCATION_TYPE_HOST`` descriptor).
+
+ctypes over ``libcuda.so.1`` (the driver torch already loaded); structures as ``cuda.h`` of
+CUDA 12.2+ defines them. Bench-only until a card shows it pays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+LOCATION_DEVICE, LOCATION_HOST, LOCATION_HOST_NUMA = 1, 2, 3  # CUmemLocationType
+ALLOCATION_PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
+GRANULARITY_RECOMMENDED = 1  # CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+PROT_READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _Prop(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class _Access(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+def _driver() -> Any:
+    cuda = ctypes.CDLL("libcuda.so.1")
+    u64, size = ctypes.c_uint64, ctypes.c_size_t
+    cuda.cuMemGetAllocationGranularity.argtypes = [ctypes.POINTER(size), ctypes.POINTER(_Prop),
+                                                   ctypes.c_int]  # fmt: skip
+    cuda.cuMemCreate.argtypes = [ctypes.POINTER(u64), size, ctypes.POINTER(_Prop), u64]
+    cuda.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), size, size, u64, u64]
+    cuda.cuMemMap.argtypes = [u64, size, size, u64, u64]
+    cuda.cuMemSetAccess.argtypes = [u64, size, ctypes.POINTER(_Access), size]
+    cuda.cuMemUnmap.argtypes = [u64, size]
+    cuda.cuMemRelease.argtypes = [u64]
+    cuda.cuMemAddressFree.argtypes = [u64, size]
+    return cuda
+
+
+class VmmHost:
+    """``nbytes`` of pinned host memory made by ``cuMemCreate`` (HOST, else HOST_NUMA node 0),
+    mapped for ``device`` and the CPU at one address; :attr:`tensor` views it as bytes.
+    :meth:`close` (or collection) unmaps and frees it."""
+
+    _handle: int | None = None
+
+    def __init__(self, nbytes: int, device: int = 0) -> None:
+        torch.cuda.init()
+        torch.empty(1, device=f"cuda:{device}")  # the primary context current on this thread
+        self._cuda = cuda = _driver()
+        self.location = ""
+        self.ptr = 0
+        errors = []
+        for kind, name in ((LOCATION_HOST, "host"), (LOCATION_HOST_NUMA, "host_numa")):
+            prop = _Prop(type=ALLOCATION_PINNED, location=_Location(kind, 0))
+            gran = ctypes.c_size_t(0)
+            err = cuda.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop),
+                                                     GRANULARITY_RECOMMENDED)  # fmt: skip
+            if err:
+                errors.append(f"{name}: granularity error {err}")
+                continue
+            self.granularity = gran.value
+            self.nbytes = -(-nbytes // gran.value) * gran.value
+            handle = ctypes.c_uint64(0)
+            err = cuda.cuMemCreate(ctypes.byref(handle), self.nbytes, ctypes.byref(prop), 0)
+            if err:
+                errors.append(f"{name}: cuMemCreate error {err}")
+                continue
+            self._handle = handle.value
+            self.location = name
+            break
+        if not self.location:
+            raise RuntimeError(f"cuMemCreate of host memory failed: {'; '.join(errors)}")
+        ptr = ctypes.c_uint64(0)
+        self._check(cuda.cuMemAddressReserve(ctypes.byref(ptr), self.nbytes, self.granularity, 0, 0),
+                    "cuMemAddressReserve")  # fmt: skip
+        self.ptr = ptr.value
+        self._check(cuda.cuMemMap(self.ptr, self.nbytes, 0, self._handle, 0), "cuMemMap")
+        access = (_Access * 2)(
+            _Access(_Location(LOCATION_DEVICE, device), PROT_READWRITE),
+            _Access(_Location(LOCATION_HOST, 0), PROT_READWRITE),
+        )
+        self._check(cuda.cuMemSetAccess(self.ptr, self.nbytes, access, 2), "cuMemSetAccess")
+        buf = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+        self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
+
+    def _check(self, err: int, what: str) -> None:
+        if err:
+            self.close()
+            raise RuntimeError(f"{what} failed with CUresult {err} ({self.location} memory)")
+
+    def close(self) -> None:
+        if self._handle is None:
+            return
+        torch.cuda.synchronize()
+        cuda = self._cuda
+        if self.ptr:
+            cuda.cuMemUnmap(self.ptr, self.nbytes)
+            cuda.cuMemAddressFree(self.ptr, self.nbytes)
+        cuda.cuMemRelease(self._handle)
+        self._handle = None
+        self.ptr = 0
+
+    def __del__(self) -> None:
+        self.close()
