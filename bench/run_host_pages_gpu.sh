@@ -2,7 +2,8 @@
 # One device call (about 2 minutes) for issue #52's fill: bench/bench_host_pages.py on the card.
 # The UVA gather of 64K and 256K random rows (random and sorted order) and the CPU's gather, over
 # a host tier made three ways: torch.zeros + cudaHostRegister (today's), a 2-MiB-aligned mmap with
-# MADV_HUGEPAGE + cudaHostRegister, and cudaHostAlloc; 30M rows at dim 16, 10M at dim 128.
+# MADV_HUGEPAGE + cudaHostRegister, cudaHostAlloc, and the driver's cuMemCreate host memory
+# (vmm_host); 30M rows at dim 16, 10M at dim 128. ALLOCATIONS picks some of them.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`. Writes under $OUT:
 # bench_host_pages_gpu.json (after each allocation and n), bench_host_pages.log.
 . bench/device_env.sh
