@@ -155,7 +155,7 @@ def time_steps(
         s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
         _sync(device)
         t = time.perf_counter()
-        _step(dec, i, batch, grad, batches[i + 1] if prefetch and i + 1 < len(batches) else None)
+        _step(dec, i, batch, grad, _upcoming(batches, i, prefetch))
         _sync(device)
         if i < warmup:
             continue
@@ -399,8 +399,7 @@ def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[di
 
         def step(i: int, dec: DynamicEmbeddingCollection = dec) -> None:
             at = args.warmup + i % args.steps
-            after = w.batches[at + 1] if args.prefetch and at + 1 < len(w.batches) else None
-            _step(dec, at, w.batches[at], w.grad, after)
+            _step(dec, at, w.batches[at], w.grad, _upcoming(w.batches, at, args.prefetch))
 
         out[name] = profile_steps(step, args.profile, device)
         print(f"dim {dim} {name}: profiled {out[name][0]}", file=sys.stderr, flush=True)
@@ -409,6 +408,12 @@ def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[di
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def _upcoming(batches: list[torch.Tensor], i: int, prefetch: bool) -> torch.Tensor | None:
+    """The batch after ``i``, whose rows step ``i`` prefetches (with ``prefetch``; none after
+    the last)."""
+    return batches[i + 1] if prefetch and i + 1 < len(batches) else None
 
 
 def _step(
