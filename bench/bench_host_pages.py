@@ -18,7 +18,7 @@ with the tier's memory made three ways, in one run:
   ``AnonHugePages`` before and after, so a run where THP did not take says so;
 - ``host_alloc``: torch's pinned allocator (``cudaHostAlloc``);
 - ``vmm_host`` (CUDA only): the driver's virtual memory API, ``cuMemCreate`` with a HOST location
-  at its recommended granularity (:mod:`bench.vmm_host`), which the device may map in large pages.
+  at its recommended granularity (:mod:`shared.hashtable.host_memory`), which the device may map in large pages.
 
 For each, n random distinct rows (the same ids for every allocation), gathered by
 :func:`~shared.hashtable.cuda.host_rows.gather` in random order and in sorted order (``_sorted``:
@@ -86,10 +86,10 @@ def allocate(how: str, rows: int, width: int, cuda: bool) -> tuple[torch.Tensor,
     elif how == "host_alloc":
         t = torch.empty(rows, width, dtype=torch.float32, pin_memory=cuda)
     elif how == "vmm_host":
-        from bench.vmm_host import VmmHost
+        from shared.hashtable.host_memory import VmmHost
 
         keep = VmmHost(nbytes)
-        t = keep.tensor[:nbytes].view(torch.float32).view(rows, width)
+        t = keep.as_tensor()[:nbytes].view(torch.float32).view(rows, width)
     else:
         t = torch.empty(rows, width, dtype=torch.float32)
     t.zero_()  # first touch: the pages (huge ones where THP takes) are allocated here

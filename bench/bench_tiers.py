@@ -70,6 +70,7 @@ from bench.step_profile import profile_steps
 from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.features import CONSTANT_ZERO, DynamicTableSpec, ScoreStrategy, TableSpec
+from shared.hashtable import host_memory
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 
 TABLE = "bench_emb"
@@ -361,6 +362,7 @@ def run(args: Any) -> dict[str, Any]:
         "host_node": args.host_node,
         "host_node_threads": args.host_node_threads,
         "prefetch": args.prefetch,
+        "host_memory": args.host_memory,
         "load": LOAD,
         "dims": {},
     }
@@ -466,6 +468,11 @@ def _parser() -> Parser:
         "stream, beside the backward)",
     )
     p.add_argument(
+        "--host-memory", choices=host_memory.KINDS, default="register",
+        help="how the caches' host tiers are made on CUDA (shared.hashtable.host_memory): "
+        "page-locked by cudaHostRegister, or the CUDA driver's cuMemCreate host memory",
+    )  # fmt: skip
+    p.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -483,12 +490,22 @@ def main(argv: list[str] | None = None) -> int:
             "bench_tiers: --host-node is the static step's fill on CUDA: give it with --static "
             "and --device cuda"
         )
+    if args.host_memory != "register" and not args.device.startswith("cuda"):
+        raise ValueError(
+            f"bench_tiers: --host-memory {args.host_memory} is made by the CUDA driver: give it "
+            "with --device cuda"
+        )
     if args.host_node_threads is not None and (not args.host_node or args.host_node_threads < 1):
         raise ValueError(
             f"bench_tiers: --host-node-threads {args.host_node_threads}: give a count >= 1, "
             "with --host-node"
         )
-    run(args)
+    was = host_memory.default()
+    host_memory.use(args.host_memory)
+    try:
+        run(args)
+    finally:
+        host_memory.use(was)
     return 0
 
 

@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
+from shared.hashtable import host_memory
+
 MOVE_BYTES = 256 << 20  # the device buffer of a growth's row moves (TensorHostStore.permute)
 
 
@@ -97,13 +99,31 @@ class TensorHostStore:
     8.0
     """
 
-    def __init__(self, dim: int, *, capacity: int, pin: bool, mapped: bool = False) -> None:
+    memory = "register"  # how mapped rows are made (shared.hashtable.host_memory)
+    device: torch.device | None = None  # the device that maps ``driver`` memory
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        capacity: int,
+        pin: bool,
+        mapped: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
         if mapped and not pin:
             raise ValueError("TensorHostStore: mapped rows must be pinned (pass pin=True)")
         self.dim = dim
         self.pin = pin
         self.width = 2 * dim  # float32s a row: values, then accumulators
         self.mapped = mapped
+        if mapped and host_memory.default() == "driver":
+            if device is None or device.type != "cuda":
+                raise ValueError(
+                    f"TensorHostStore: driver host memory is made for a CUDA device, got "
+                    f"device={device}"
+                )
+            self.memory, self.device = "driver", device
         self._pending: torch.device | None = None  # a device whose kernels may use the rows
         self._set_rows(self._empty(capacity))
 
@@ -152,14 +172,19 @@ class TensorHostStore:
                 "TensorHostStore.device_pointer: the store is not mapped (make it with mapped=True)"
             )
         if self._pointer is None:
-            self._pointer = _device_pointer(self._rows) if self._rows.numel() else 0
+            if self.memory == "driver":  # mapped at one address for the device and the CPU
+                self._pointer = self._rows.data_ptr()
+            else:
+                self._pointer = _device_pointer(self._rows) if self._rows.numel() else 0
         return self._pointer
 
     def _empty(self, capacity: int) -> torch.Tensor:
         """[capacity, 2 * dim] zeros; with ``pin`` page-locked in place (``cudaHostRegister``),
         not from torch's pinned allocator, which keeps a freed block cached (a store replaced on
         growth, or a storage dropped, would hold its host memory) and may round a block up to a
-        power of two."""
+        power of two. ``driver`` memory is the CUDA driver's (:mod:`~shared.hashtable.host_memory`)."""
+        if self.memory == "driver" and self.device is not None and capacity:
+            return host_memory.driver_zeros(capacity, self.width, self.device)
         rows = torch.zeros(capacity, self.width, dtype=torch.float32)
         if self.pin and rows.numel():
             _register(rows, mapped=self.mapped, drain=self.mapped)
@@ -168,7 +193,7 @@ class TensorHostStore:
     def __repr__(self) -> str:
         return (
             f"TensorHostStore(dim={self.dim}, capacity={self.capacity}, pinned={self.pin}, "
-            f"mapped={self.mapped})"
+            f"mapped={self.mapped}, memory={self.memory})"
         )
 
     @property
@@ -261,7 +286,11 @@ class TensorHostStore:
         from shared.hashtable.cuda import host_rows
 
         dev = old_rows.device
-        src, dst = self.device_pointer(), _device_pointer(moved) if moved.numel() else 0
+        src = self.device_pointer()
+        if self.memory == "driver" or not moved.numel():
+            dst = moved.data_ptr() if moved.numel() else 0
+        else:
+            dst = _device_pointer(moved)
         old_rows = old_rows.to(torch.int64).contiguous()
         new_rows = new_rows.to(dev, torch.int64).contiguous()
         n, chunk = old_rows.numel(), max(1, MOVE_BYTES // (4 * self.width))

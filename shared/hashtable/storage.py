@@ -330,7 +330,9 @@ class FusedStorage:
             from shared.hashtable.cuda import host_rows
 
             cuda_kernels.compile_modules(self.device, [host_rows.SOURCE])
-        store = TensorHostStore(self.dim, capacity=self.table.capacity, pin=cuda, mapped=mapped)
+        store = TensorHostStore(
+            self.dim, capacity=self.table.capacity, pin=cuda, mapped=mapped, device=self.device
+        )
         return RowCache(
             self.table,
             self.backend,

@@ -10,12 +10,13 @@ tolerances. The eager cache's tests: ``test_row_cache.py`` (whose helpers these 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from shared.features import LfuDecaySpec, ScoreStrategy
-from shared.hashtable import host_move
+from shared.hashtable import host_memory, host_move
 from shared.hashtable.adagrad import AdagradConfig
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.host_node_fill import HostNodeFill
@@ -387,23 +388,39 @@ def test_the_host_node_fill_needs_a_cuda_storage_with_a_mapped_tier() -> None:
         HostNodeFill(TensorHostStore(4, capacity=8, pin=False), 4, threads=2)
 
 
+@pytest.fixture
+def driver_memory() -> Iterator[None]:
+    """Host tiers made in the CUDA driver's memory (shared.hashtable.host_memory) meanwhile."""
+    was = host_memory.default()
+    host_memory.use("driver")
+    try:
+        yield
+    finally:
+        host_memory.use(was)
+
+
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS  # the host tier mapped: the static step's swap runs in the graph
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
-@pytest.mark.parametrize("fill", ["device", "host_node"])
+@pytest.mark.parametrize("fill", ["device", "host_node", "device_driver_memory"])
 def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
-    strategy: ScoreStrategy, fill: str
+    strategy: ScoreStrategy, fill: str, request: pytest.FixtureRequest
 ) -> None:
     """The static step on a 640-line cache captured in CUDA graphs and replayed (the resolve,
     the host tier's swap through UVA, the gather from lines; the backward on lines), step by
     step against HBM_ONLY's captured static step. ``host_node``: the fill's rows moved by the
-    host's cores, as a host node of the graph (shared.hashtable.host_node_fill)."""
+    host's cores, as a host node of the graph (shared.hashtable.host_node_fill);
+    ``device_driver_memory``: the device's fill over a host tier in the CUDA driver's memory."""
     if fill == "host_node" and host_move.unavailable_reason() is not None:
         pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
+    if fill == "device_driver_memory":
+        request.getfixturevalue("driver_memory")
     hbm, cached = _static_dec(strategy, None, "cuda"), _static_dec(strategy, 0.3125, "cuda")
     cache = cached._storages[0].payload
     assert isinstance(cache, RowCache) and isinstance(cache.store, TensorHostStore)
     assert cache.store.mapped and cache.why_not_static() is None
+    want = "driver" if fill == "device_driver_memory" else "register"
+    assert cache.store.memory == want
     if fill == "host_node":
         cache.fill_with_host_node(threads=3)
     _static_run([hbm, cached], range(1, 13), exact=False)
@@ -470,9 +487,19 @@ def test_on_cuda_a_captured_static_step_bypasses_rows_past_the_lines() -> None:
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
-def test_on_cuda_eager_steps_while_the_tables_grow_then_captured_ones_share_the_cache() -> None:
+@pytest.mark.parametrize("memory", ["register", "driver"])
+def test_on_cuda_eager_steps_while_the_tables_grow_then_captured_ones_share_the_cache(
+    memory: str, request: pytest.FixtureRequest
+) -> None:
+    """Growth moves the host tier's rows into new memory of the same kind (``driver``: the
+    CUDA driver's, shared.hashtable.host_memory), then captured steps run on it."""
+    if memory == "driver":
+        request.getfixturevalue("driver_memory")
     hbm = _static_dec(ScoreStrategy.STEP, None, "cuda", grown=False)
     cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda", grown=False)
     _static_run([hbm, cached], range(1, 13), exact=False)
     for dec in (hbm, cached):
         assert 0 < dec.static_stats()["g"]["replays"] < 12
+    cache = cached._storages[0].payload
+    assert isinstance(cache, RowCache) and isinstance(cache.store, TensorHostStore)
+    assert cache.store.memory == memory

@@ -1,16 +1,18 @@
-"""Host memory made by the CUDA driver's virtual memory API (``cuMemCreate`` with a HOST
-location), for :mod:`bench.bench_host_pages`: does the device read random host rows faster when
-the driver maps them in large pages?
+"""How a CACHING storage's host tier memory is made, when the device reads and writes it itself
+(page-locked and mapped into its address space): the one place of that choice.
 
-Today's host tier is ``cudaHostRegister``-ed anonymous memory: 4 KiB pages, which the device maps
-one by one. At 100M rows (12.8 GB at dim 16) its random UVA reads ran at 35M rows/s on an H100,
-a cost per row that sorting did not remove (``docs/performance.md``). An allocation made through
-``cuMemCreate`` is physically made in chunks of its granularity (2 MiB where the driver says so),
-which the device can map in large pages. The CPU reaches it at the same address once
-``cuMemSetAccess`` grants the host access (a ``CU_MEM_LOCATION_TYPE_HOST`` descriptor).
+- ``register`` (the default): plain memory page-locked in place by ``cudaHostRegister``
+  (:class:`~shared.hashtable.host_store.TensorHostStore`). 4 KiB pages, which the device maps
+  one by one: at 100M rows (12.8 GB at dim 16) its random UVA reads ran at 35M rows/s on an
+  H100, a cost per row that reading in address order did not remove (``docs/performance.md``).
+- ``driver``: made by the CUDA driver's virtual memory API (``cuMemCreate`` with a HOST location,
+  at the driver's recommended granularity), mapped for the device and, by ``cuMemSetAccess``, for
+  the CPU at one address. The driver makes it in chunks of that granularity (2 MiB), which the
+  device can map in large pages. Opt-in (:func:`use`) until a card shows it pays
+  (``bench.bench_host_pages --allocations vmm_host``, ``bench.bench_tiers --host-memory driver``).
 
 ctypes over ``libcuda.so.1`` (the driver torch already loaded); structures as ``cuda.h`` of
-CUDA 12.2+ defines them. Bench-only until a card shows it pays.
+CUDA 12.2+ defines them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,24 @@ import ctypes
 from typing import Any
 
 import torch
+
+KINDS = ("register", "driver")
+_default = "register"
+
+
+def use(kind: str) -> None:
+    """Make the host tiers of CACHING storages built from now on in this process ``kind``
+    memory (a store keeps what it was made with, also when it grows)."""
+    global _default
+    if kind not in KINDS:
+        raise ValueError(f"host memory: {kind!r} is not one of {', '.join(KINDS)}")
+    _default = kind
+
+
+def default() -> str:
+    """The kind :func:`use` set (``register`` unless changed)."""
+    return _default
+
 
 LOCATION_DEVICE, LOCATION_HOST, LOCATION_HOST_NUMA = 1, 2, 3  # CUmemLocationType
 ALLOCATION_PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
@@ -68,12 +88,24 @@ def _driver() -> Any:
     return cuda
 
 
+def driver_zeros(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """[rows, width] float32 zeros on the host in ``driver`` memory for ``device``: a CPU
+    tensor whose device address is its own (:attr:`torch.Tensor.data_ptr`). The memory is freed
+    when the tensor's storage is, after the device's queued work."""
+    nbytes = rows * width * 4
+    mem = VmmHost(nbytes, torch.cuda.current_device() if device.index is None else device.index)
+    t = mem.as_tensor()[:nbytes].view(torch.float32).view(rows, width)
+    t.zero_()  # the driver does not promise zeros
+    return t
+
+
 class VmmHost:
     """``nbytes`` of pinned host memory made by ``cuMemCreate`` (HOST, else HOST_NUMA node 0),
-    mapped for ``device`` and the CPU at one address; :attr:`tensor` views it as bytes.
-    :meth:`close` (or collection) unmaps and frees it."""
+    mapped for ``device`` and the CPU at one address; :meth:`as_tensor` views it. Collection
+    unmaps and frees it, after the device's queued work."""
 
     _handle: int | None = None
+    device = 0
 
     def __init__(self, nbytes: int, device: int = 0) -> None:
         torch.cuda.init()
@@ -112,8 +144,15 @@ class VmmHost:
             _Access(_Location(LOCATION_HOST, 0), PROT_READWRITE),
         )
         self._check(cuda.cuMemSetAccess(self.ptr, self.nbytes, access, 2), "cuMemSetAccess")
+        self.device = device
+
+    def as_tensor(self) -> torch.Tensor:
+        """The memory as a CPU uint8 tensor [nbytes] that keeps it alive: the buffer it views
+        holds this object (not the other way round, which would be a cycle through torch that
+        the collector cannot see)."""
         buf = (ctypes.c_char * self.nbytes).from_address(self.ptr)
-        self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
+        buf.owner = self  # type: ignore[attr-defined]
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
     def _check(self, err: int, what: str) -> None:
         if err:
@@ -123,7 +162,7 @@ class VmmHost:
     def close(self) -> None:
         if self._handle is None:
             return
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)  # no kernel may still read or write it
         cuda = self._cuda
         if self.ptr:
             cuda.cuMemUnmap(self.ptr, self.nbytes)
