@@ -73,6 +73,7 @@ from shared.cli import Parser, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
 from shared.features import build_feature_set
+from shared.hashtable import host_memory
 from train.data.loader import MESSAGE_ROWS, Loader
 from train.data.synthetic import SIZES
 from train.dense_ema import DenseEMA
@@ -194,7 +195,7 @@ def end_to_end(
                 num_workers=args.num_workers, message_rows=args.message_rows,
                 max_steps=args.e2e_max_steps,
                 eval_max_batches=args.eval_max_batches, progress_bar=False,
-                static_prefetch=args.static_prefetch,
+                static_prefetch=args.static_prefetch, host_memory=args.host_memory,
             )
         )  # fmt: skip
         setup = time.perf_counter() - t0  # the model, its kernels, the loader's start
@@ -420,6 +421,8 @@ def _parser() -> Parser:
     p.add_argument("--static-prefetch", action="store_true",
                    help="CACHING tables (the cached config) prefetch the next batch's rows beside "
                    "the step (train --static-prefetch)")  # fmt: skip
+    p.add_argument("--host-memory", choices=host_memory.KINDS, default="register",
+                   help="on CUDA, how CACHING tables' host tiers are made (train --host-memory)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     p.add_argument("--py-spy-s", type=int, default=0,
                    help="record where each thread of each end_to_end run spends its time (py-spy "
@@ -476,6 +479,7 @@ def in_child(part: str, name: str, path: Path, samples: Path, args) -> dict[str,
                 cmd += [flag, str(value)]
         if args.static_prefetch:
             cmd.append("--static-prefetch")
+        cmd += ["--host-memory", args.host_memory]
         child = subprocess.Popen(cmd, cwd=ROOT)
         spy = _spy(child.pid, name, args) if part == "e2e" and args.py_spy_s > 0 else None
         if child.wait() != 0:
@@ -514,6 +518,7 @@ def run_child_part(args, device: torch.device) -> int:
     ``step``: the ``step`` figures of a fresh model (and ``--padded-steps``)."""
     ((name, path),) = _config_paths(args.configs, args.out).items()
     args.static_prefetch = args.static_prefetch or name in PREFETCHED
+    host_memory.use(args.host_memory)  # the step part's model too (the trainer sets its own)
     fs = build_feature_set(load_config(path))
     n = batches_needed(args.warmup, args.steps)
     figures: dict[str, Any] = {}
@@ -556,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                               "batch": args.batch or "each config's own",
                               "message_rows": args.message_rows,
                               "static_prefetch": args.static_prefetch,
+                              "host_memory": args.host_memory,
                               "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)

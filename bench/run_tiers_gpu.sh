@@ -13,6 +13,8 @@
 # STATIC=1: every variant takes the static sparse step, captured in CUDA graphs (--static).
 # PREFETCH=1: each step then prefetches the next batch's rows (--prefetch: with STATIC, the
 # static prefetch on a side stream beside the backward), in both bench runs.
+# HOST_MEMORY=driver: the caches' host tiers in the CUDA driver's memory (--host-memory), in the
+# first bench run (the host-node run keeps registered memory).
 # PROFILE=N: after the timed runs, each variant rebuilt, warmed and profiled over N steps
 # (--profile: kernels and device ms a step in the JSON, the top kernels of every variant in ONE
 # file, bench_tiers_gpu.profiles.txt, a section each; a build and WARMUP steps more per variant):
@@ -40,7 +42,7 @@ if [ -n "${HOST_NODE:-}" ] && [ "${NODE_BENCH:-1}" != 0 ]; then
 fi
 timeout ${BENCH_TIMEOUT:-420} python3 -m bench.bench_tiers --device cuda --dims ${DIMS:-16 128} --rows "${ROWS:-100000000}" \
   --rows-128 "${ROWS_128:-40000000}" --lookups "${LOOKUPS:-1000000}" --warmup "${WARMUP:-100}" --steps "${STEPS:-30}" --rounds 1 \
-  ${STATIC:+--static} ${PREFETCH:+--prefetch} ${PROFILE:+--profile "$PROFILE"} --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
+  ${STATIC:+--static} ${PREFETCH:+--prefetch} ${PROFILE:+--profile "$PROFILE"} --host-memory "${HOST_MEMORY:-register}" --out "$OUT/bench_tiers_gpu.json" > "$OUT/bench_tiers.log" 2>&1
 echo "bench_tiers rc=$?"; tail -12 "$OUT/bench_tiers.log"
 # HOST_NODE=1 also times the caches with the fill through a host node (--host-node, dim 16 by
 # default: HOST_NODE_DIMS; HOST_NODE_THREADS: its host threads, default the cores), against

@@ -16,6 +16,7 @@
 # STATIC_PREFETCH=1: the cached config's tables prefetch the next batch's rows beside the step
 # (bench_train --static-prefetch, train --static-prefetch). CONFIGS=dynamic,cached,cached_prefetch
 # runs the cached config both ways in one call (cached_prefetch: always with the prefetch).
+# HOST_MEMORY=driver: the cached tables' host tiers in the CUDA driver's memory (--host-memory).
 . bench/device_env.sh
 t0=$(date +%s)
 (python3 -m train.data all --size full --out /tmp/full \
@@ -35,7 +36,7 @@ budget=$(( left < ${BENCH_TIMEOUT:-480} ? left : ${BENCH_TIMEOUT:-480} ))
 echo "bench_train: ${budget} s left"
 timeout "$budget" python3 -m bench.bench_train --samples /tmp/full/samples \
   --configs "${CONFIGS:-dynamic,buckets,cold}" --device cuda --num-workers ${NUM_WORKERS:-12} \
-  --steps 10 --warmup 5 ${STATIC_PREFETCH:+--static-prefetch} --out "$OUT/bench_train_configs.json" \
+  --steps 10 --warmup 5 ${STATIC_PREFETCH:+--static-prefetch} --host-memory "${HOST_MEMORY:-register}" --out "$OUT/bench_train_configs.json" \
   > "$OUT/bench_train_configs.log" 2>&1
 echo "bench_train rc=$? at $(( $(date +%s) - t0 )) s"
 grep -E "^[a-z_]+: batch|^(cold|cached|cached_prefetch)/dynamic: |^error" "$OUT/bench_train_configs.log" \

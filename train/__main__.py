@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from shared.cli import Parser, check_device, run_cli
+from shared.hashtable import host_memory
 
 CONFIG = "configs/multi_tower_din_taobao_dynamicemb.config"
 EXAMPLES = {
@@ -119,6 +120,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with CUDA graphs and cached tables (cache_load_factor < 1): prefetch the next "
         "batch's rows into the cache beside the step (default: the step reads its misses itself)",
+    )
+    t.add_argument(
+        "--host-memory",
+        choices=host_memory.KINDS,
+        default="register",
+        help="on CUDA, how cached tables' host tiers are made: page-locked by cudaHostRegister "
+        "(default) or the CUDA driver's cuMemCreate host memory (driver)",
     )
 
     _stream_parser(sub)
@@ -258,6 +266,7 @@ def _train(args: argparse.Namespace) -> None:
                 cuda_graphs=args.cuda_graphs,
                 hbm_budget_gib=args.hbm_budget_gib,
                 static_prefetch=args.static_prefetch,
+                host_memory=args.host_memory,
             )
         ).fit()
     finally:

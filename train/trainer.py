@@ -33,6 +33,7 @@ from protos import pipeline_pb2
 from shared.batch import Batch
 from shared.config import load_config
 from shared.features import build_feature_set
+from shared.hashtable import host_memory
 from shared.progress import ProgressLine
 from train.checkpoint import (
     BackgroundCheckpoints,
@@ -97,6 +98,9 @@ class TrainOptions:
     # the step (shared.hashtable.embedding.DynamicEmbeddingCollection.use_static_step); off: the
     # step reads its misses itself
     static_prefetch: bool = False
+    # how CACHING tables' host tiers are made on CUDA (shared.hashtable.host_memory.KINDS):
+    # "register" (cudaHostRegister) or "driver" (the CUDA driver's cuMemCreate host memory)
+    host_memory: str = "register"
 
 
 # CUDA graphs for the dense part when TrainOptions.cuda_graphs is None: on (single-process CUDA)
@@ -323,6 +327,14 @@ class Trainer:
         self.dist = options.dist
         self.rank, self.world_size = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
         self.device = self.dist.device if self.dist else torch.device(options.device)
+        if options.host_memory not in host_memory.KINDS or (
+            options.host_memory != "register" and self.device.type != "cuda"
+        ):
+            raise ValueError(
+                f"TrainOptions.host_memory={options.host_memory!r}: give one of "
+                f"{', '.join(host_memory.KINDS)}; 'driver' is made by the CUDA driver, so train "
+                f"on a CUDA device (not {self.device})"
+            )
         self.batch_size = options.batch_size or cfg.data_config.batch_size
         workers = (
             cfg.data_config.num_workers if options.num_workers is None else options.num_workers
@@ -351,6 +363,7 @@ class Trainer:
         self._started: tuple[int, Iterator[Batch]] | None = (
             None if options.resume else (0, self.loader.epoch(0))
         )
+        host_memory.use(options.host_memory)  # the tables built next make their host tiers so
         self.model = MultiTowerDIN.from_config(
             cfg,
             self.fs,

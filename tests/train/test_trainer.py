@@ -474,3 +474,14 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     assert hbm.final_eval is not None and cached.final_eval is not None
     assert cached.final_eval.auc == hbm.final_eval.auc
     assert cached.final_eval.rows == hbm.final_eval.rows
+
+
+@pytest.mark.parametrize("memory", ["driver", "huge"])
+def test_host_memory_other_than_registered_is_refused_off_cuda(
+    tiny_samples: Path, tmp_path: Path, memory: str
+) -> None:
+    """The CUDA driver's host memory (shared.hashtable.host_memory) needs a CUDA device, and an
+    unknown kind is named; both before any loader worker starts."""
+    options = _options(tiny_samples, tmp_path / "run", max_steps=1, host_memory=memory)
+    with pytest.raises(ValueError, match=f"TrainOptions.host_memory='{memory}': give one of"):
+        Trainer(options)
