@@ -139,11 +139,16 @@ class VmmHost:
                     "cuMemAddressReserve")  # fmt: skip
         self.ptr = ptr.value
         self._check(cuda.cuMemMap(self.ptr, self.nbytes, 0, self._handle, 0), "cuMemMap")
-        access = (_Access * 2)(
-            _Access(_Location(LOCATION_DEVICE, device), PROT_READWRITE),
-            _Access(_Location(LOCATION_HOST, 0), PROT_READWRITE),
-        )
-        self._check(cuda.cuMemSetAccess(self.ptr, self.nbytes, access, 2), "cuMemSetAccess")
+        err = 0
+        for host in (LOCATION_HOST, LOCATION_HOST_NUMA):  # the CPU's access, as either location
+            access = (_Access * 2)(
+                _Access(_Location(LOCATION_DEVICE, device), PROT_READWRITE),
+                _Access(_Location(host, 0), PROT_READWRITE),
+            )
+            err = cuda.cuMemSetAccess(self.ptr, self.nbytes, access, 2)
+            if not err:
+                break
+        self._check(err, "cuMemSetAccess (for the device and the CPU)")
         self.device = device
 
     def as_tensor(self) -> torch.Tensor:
