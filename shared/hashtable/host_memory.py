@@ -18,6 +18,7 @@ CUDA 12.2+ defines them.
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any
 
 import torch
@@ -166,6 +167,8 @@ class VmmHost:
 
     def close(self) -> None:
         if self._handle is None:
+            return
+        if sys.is_finalizing():  # the process is ending: the driver frees what it made
             return
         torch.cuda.synchronize(self.device)  # no kernel may still read or write it
         cuda = self._cuda
