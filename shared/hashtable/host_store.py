@@ -286,11 +286,9 @@ class TensorHostStore:
         from shared.hashtable.cuda import host_rows
 
         dev = old_rows.device
-        src = self.device_pointer()
-        if self.memory == "driver" or not moved.numel():
-            dst = moved.data_ptr() if moved.numel() else 0
-        else:
-            dst = _device_pointer(moved)
+        src, dst = self.device_pointer(), 0
+        if moved.numel():  # the driver's memory is at one address for the device and the CPU
+            dst = moved.data_ptr() if self.memory == "driver" else _device_pointer(moved)
         old_rows = old_rows.to(torch.int64).contiguous()
         new_rows = new_rows.to(dev, torch.int64).contiguous()
         n, chunk = old_rows.numel(), max(1, MOVE_BYTES // (4 * self.width))
