@@ -9,7 +9,7 @@
 ``index_select`` at 200-275M rows/s. The row rate, nearly flat across row sizes, points at
 per-row costs: the device's address translation of host pages (4 KiB each: a 3.8 GB tier is a
 million pages) as much as PCIe latency. This bench measures the same gather over the same rows
-with the tier's memory made three ways, in one run:
+with the tier's memory made in several ways, in one run:
 
 - ``register_4k``: ``torch.zeros`` then ``cudaHostRegister`` (today's
   :class:`~shared.hashtable.host_store.TensorHostStore`);
@@ -18,7 +18,8 @@ with the tier's memory made three ways, in one run:
   ``AnonHugePages`` before and after, so a run where THP did not take says so;
 - ``host_alloc``: torch's pinned allocator (``cudaHostAlloc``);
 - ``vmm_host`` (CUDA only): the driver's virtual memory API, ``cuMemCreate`` with a HOST location
-  at its recommended granularity (:mod:`shared.hashtable.host_memory`), which the device may map in large pages.
+  at its recommended granularity (:mod:`shared.hashtable.host_memory`), which the device may map
+  in large pages.
 
 For each, n random distinct rows (the same ids for every allocation), gathered by
 :func:`~shared.hashtable.cuda.host_rows.gather` in random order and in sorted order (``_sorted``:
@@ -48,6 +49,7 @@ from shared.hashtable.host_store import _register
 HUGE = 2 << 20  # a transparent huge page
 ALLOCATIONS = ("register_4k", "register_thp", "host_alloc")
 CUDA_ALLOCATIONS = ("vmm_host",)  # made by the CUDA driver: no CPU form
+PINNED_WHEN_MADE = ("host_alloc", "vmm_host")  # the others are page-locked after (registered)
 
 
 def meminfo_kib(key: str) -> int:
@@ -94,10 +96,7 @@ def allocate(how: str, rows: int, width: int, cuda: bool) -> tuple[torch.Tensor,
         t = torch.empty(rows, width, dtype=torch.float32)
     t.zero_()  # first touch: the pages (huge ones where THP takes) are allocated here
     t.view(torch.int32)[:, 0] = torch.arange(rows, dtype=torch.int32)  # the row id's bits
-    if cuda and how not in (
-        "host_alloc",
-        "vmm_host",
-    ):  # as TensorHostStore does: unlocked when t is freed
+    if cuda and how not in PINNED_WHEN_MADE:  # as TensorHostStore does: unlocked when t is freed
         _register(t, mapped=True, drain=True)
     return t, keep
 
