@@ -50,6 +50,7 @@ import torch
 from bench.bench_tiers import LOAD, TABLE, _sync, spec, time_steps, zipf_ranks
 from shared.cli import Parser, check_device, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
+from shared.hashtable import host_memory
 from shared.hashtable.cuda import insert
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.layout import RowArrays
@@ -138,6 +139,7 @@ def run(args: Any) -> dict[str, Any]:
         "lookups": args.lookups,
         "steps": args.steps,
         "warmup": args.warmup,
+        "host_memory": args.host_memory,
         "hbm_budget_gib": args.hbm_budget_gib,
         "plan": {
             "line": placed.line(),
@@ -219,6 +221,11 @@ def _parser() -> Parser:
         "--chunk", type=int, default=1 << 22, help="keys an insert of the populate takes"
     )
     p.add_argument("--seed", type=int, default=0, help="batches and gradient")
+    p.add_argument(
+        "--host-memory", choices=host_memory.KINDS, default="register",
+        help="how the host tier and the index's host row arrays are made on CUDA "
+        "(shared.hashtable.host_memory): registered in place, or the CUDA driver's memory",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     return p
 
@@ -227,7 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
     args.command = " ".join(["python -m bench.bench_tiers_scale", *given])
-    run(args)
+    if args.host_memory != "register" and not args.device.startswith("cuda"):
+        raise ValueError(
+            f"bench_tiers_scale: --host-memory {args.host_memory} is made by the CUDA driver: "
+            "give it with --device cuda"
+        )
+    was = host_memory.default()
+    host_memory.use(args.host_memory)
+    try:
+        run(args)
+    finally:
+        host_memory.use(was)
     return 0
 
 

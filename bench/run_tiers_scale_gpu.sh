@@ -13,7 +13,8 @@
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: scale_tests.log,
 # bench_tiers_scale_gpu.json (after the populate, then complete), bench_tiers_scale.log.
-# KEYS / BUDGET_GIB / LOOKUPS / WARMUP / STEPS / CHUNK override the sizes; SCALE_TESTS=0 skips the
+# KEYS / BUDGET_GIB / LOOKUPS / WARMUP / STEPS / CHUNK override the sizes; HOST_MEMORY=driver
+# makes the host tier and the row arrays in the CUDA driver's memory (--host-memory); SCALE_TESTS=0 skips the
 # tests (when another call of the session ran them).
 set -x
 . bench/device_env.sh
@@ -26,6 +27,6 @@ fi
 timeout ${BENCH_TIMEOUT:-380} python3 -m bench.bench_tiers_scale --device cuda \
   --scale-keys "${KEYS:-500000000}" --hbm-budget-gib "${BUDGET_GIB:-16}" --lookups "${LOOKUPS:-1000000}" \
   --warmup "${WARMUP:-20}" --steps "${STEPS:-30}" --chunk "${CHUNK:-4194304}" \
-  --out "$OUT/bench_tiers_scale_gpu.json" > "$OUT/bench_tiers_scale.log" 2>&1
+  --host-memory "${HOST_MEMORY:-register}" --out "$OUT/bench_tiers_scale_gpu.json" > "$OUT/bench_tiers_scale.log" 2>&1
 echo "bench_tiers_scale rc=$?"; tail -12 "$OUT/bench_tiers_scale.log"
 free -g | head -2

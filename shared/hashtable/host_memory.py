@@ -18,6 +18,7 @@ CUDA 12.2+ defines them.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from typing import Any
 
@@ -89,15 +90,23 @@ def _driver() -> Any:
     return cuda
 
 
-def driver_zeros(rows: int, width: int, device: torch.device) -> torch.Tensor:
-    """[rows, width] float32 zeros on the host in ``driver`` memory for ``device``: a CPU
-    tensor whose device address is its own (:attr:`torch.Tensor.data_ptr`). The memory is freed
-    when the tensor's storage is, after the device's queued work."""
-    nbytes = rows * width * 4
+def driver_full(
+    shape: tuple[int, ...], fill: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``shape`` of ``fill`` on the host in ``driver`` memory for ``device``: a CPU tensor
+    whose device address is its own (:attr:`torch.Tensor.data_ptr`). The memory is freed when
+    the tensor's storage is, after the device's queued work."""
+    n = math.prod(shape)
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
     mem = VmmHost(nbytes, torch.cuda.current_device() if device.index is None else device.index)
-    t = mem.as_tensor()[:nbytes].view(torch.float32).view(rows, width)
-    t.zero_()  # the driver does not promise zeros
+    t = mem.as_tensor()[:nbytes].view(dtype).view(shape)
+    t.fill_(fill)  # the driver does not promise zeros
     return t
+
+
+def driver_zeros(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """[rows, width] float32 zeros in ``driver`` memory (:func:`driver_full`)."""
+    return driver_full((rows, width), 0.0, torch.float32, device)
 
 
 class VmmHost:

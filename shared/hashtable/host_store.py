@@ -367,6 +367,18 @@ def mapped_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor
     return view
 
 
+def mapped_device_full(n: int, fill: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n] ``fill`` in host memory, as a CUDA tensor on ``device`` that aliases it (as
+    :func:`mapped_device_view`): the CUDA driver's memory where :mod:`~shared.hashtable.host_memory`
+    says ``driver``, else plain memory registered in place."""
+    if host_memory.default() != "driver" or n == 0:
+        return mapped_device_view(torch.full((n,), fill, dtype=dtype), device)
+    if device.type != "cuda":
+        raise ValueError(f"mapped_device_full: {device} is not a CUDA device")
+    host = host_memory.driver_full((n,), fill, dtype, device)
+    return torch.as_tensor(_MappedHost(host, host.data_ptr()), device=device)
+
+
 class _MappedHost:
     """``host``'s memory at its device address, as ``__cuda_array_interface__`` (version 3)."""
 

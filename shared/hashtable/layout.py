@@ -56,7 +56,7 @@ import torch
 
 from shared.features import ScoreStrategy
 from shared.hashtable.hashing import bucket_sentinels, check_keys
-from shared.hashtable.host_store import mapped_device_view
+from shared.hashtable.host_store import mapped_device_full
 
 EMPTY_KEY = -1
 
@@ -285,10 +285,11 @@ class TableLayout:
 
     def row_array(self, n: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
         """[n] ``fill`` where :attr:`row_arrays` says: for ``HOST`` on CUDA host memory mapped
-        into the device (a CUDA tensor), else the table's device memory. The row arrays, and
+        into the device (a CUDA tensor; the CUDA driver's where ``shared.hashtable.host_memory``
+        says ``driver``), else the table's device memory. The row arrays, and
         the CUDA insert kernels' per-slot ``stage`` scratch (``cuda/insert.py``), are made here."""
         if self.row_arrays is RowArrays.HOST and self.device.type == "cuda":
-            return mapped_device_view(torch.full((n,), fill, dtype=dtype), self.device)
+            return mapped_device_full(n, fill, dtype, self.device)
         return torch.full((n,), fill, dtype=dtype, device=self.device)
 
     def _prepare(

@@ -48,3 +48,9 @@ def test_the_scale_bench_plans_host_row_arrays_populates_and_trains(tmp_path: Pa
 def test_a_budget_that_keeps_the_row_arrays_on_the_device_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="lower --hbm-budget-gib"):
         bench_tiers_scale.main([*SMALL, "--hbm-budget-gib", "1", "--out", str(tmp_path / "x")])
+
+
+def test_the_drivers_host_memory_is_refused_on_the_cpu(tmp_path: Path) -> None:
+    argv = ["--out", str(tmp_path / "x.json"), "--host-memory", "driver"]
+    with pytest.raises(ValueError, match="--host-memory driver is made by the CUDA driver"):
+        bench_tiers_scale.main(argv)

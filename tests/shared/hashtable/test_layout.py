@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shared.features import LfuDecaySpec, ScoreStrategy
+from shared.hashtable import host_memory
 from shared.hashtable.cuda import insert
 from shared.hashtable.embedding import DynamicEmbeddingCollection
 from shared.hashtable.layout import RowArrays
@@ -145,13 +146,24 @@ def test_on_cuda_the_plan_counts_the_insert_kernels_scratch(row_arrays: RowArray
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
-def test_on_cuda_host_row_arrays_change_no_result() -> None:
-    device, host = _dec({}, "cuda"), _dec(HOST, "cuda")
-    t = host._storages[0].table
-    assert t.row_arrays is RowArrays.HOST
-    assert_close_on_cuda(_run(device), _run(host, prefetch=True), device, host)
+@pytest.mark.parametrize("memory", ["register", "driver"])
+def test_on_cuda_host_row_arrays_change_no_result(memory: str) -> None:
+    """``driver``: the row arrays (and the host tier) in the CUDA driver's memory
+    (shared.hashtable.host_memory), the table grown into new such memory."""
+    was = host_memory.default()
+    host_memory.use(memory)
+    try:
+        device, host = _dec({}, "cuda"), _dec(HOST, "cuda")
+        t = host._storages[0].table
+        assert t.row_arrays is RowArrays.HOST
+        assert_close_on_cuda(_run(device), _run(host, prefetch=True), device, host)
+    finally:
+        host_memory.use(was)
     assert t.generation > 0 and host.stats()["a_emb"]["evictions"] > 0  # grown, evicted
-    assert [_memory_type(a) for a in (t._row_key, t._row_tid, t._row_score)] == [1, 1, 1]
+    rows = (t._row_key, t._row_tid, t._row_score)
+    assert all(a.is_cuda for a in rows)
+    if memory == "register":
+        assert [_memory_type(a) for a in rows] == [1, 1, 1]  # cudaMemoryTypeHost
 
 
 @pytest.mark.parametrize(
