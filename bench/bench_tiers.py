@@ -490,22 +490,14 @@ def main(argv: list[str] | None = None) -> int:
             "bench_tiers: --host-node is the static step's fill on CUDA: give it with --static "
             "and --device cuda"
         )
-    if args.host_memory != "register" and not args.device.startswith("cuda"):
-        raise ValueError(
-            f"bench_tiers: --host-memory {args.host_memory} is made by the CUDA driver: give it "
-            "with --device cuda"
-        )
+    host_memory.refuse_off_cuda(args.host_memory, args.device, "bench_tiers")
     if args.host_node_threads is not None and (not args.host_node or args.host_node_threads < 1):
         raise ValueError(
             f"bench_tiers: --host-node-threads {args.host_node_threads}: give a count >= 1, "
             "with --host-node"
         )
-    was = host_memory.default()
-    host_memory.use(args.host_memory)
-    try:
+    with host_memory.using(args.host_memory):
         run(args)
-    finally:
-        host_memory.use(was)
     return 0
 
 

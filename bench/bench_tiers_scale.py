@@ -234,17 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
     args.command = " ".join(["python -m bench.bench_tiers_scale", *given])
-    if args.host_memory != "register" and not args.device.startswith("cuda"):
-        raise ValueError(
-            f"bench_tiers_scale: --host-memory {args.host_memory} is made by the CUDA driver: "
-            "give it with --device cuda"
-        )
-    was = host_memory.default()
-    host_memory.use(args.host_memory)
-    try:
+    host_memory.refuse_off_cuda(args.host_memory, args.device, "bench_tiers_scale")
+    with host_memory.using(args.host_memory):
         run(args)
-    finally:
-        host_memory.use(was)
     return 0
 
 

@@ -17,9 +17,11 @@ CUDA 12.2+ defines them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +42,26 @@ def use(kind: str) -> None:
 def default() -> str:
     """The kind :func:`use` set (``register`` unless changed)."""
     return _default
+
+
+@contextlib.contextmanager
+def using(kind: str) -> Iterator[None]:
+    """:func:`use` ``kind`` inside the block, and the kind before it after."""
+    was = _default
+    use(kind)
+    try:
+        yield
+    finally:
+        use(was)
+
+
+def refuse_off_cuda(kind: str, device: str, who: str) -> None:
+    """Raise, naming ``who``'s ``--host-memory``, where ``kind`` needs the CUDA driver and
+    ``device`` is not a CUDA device."""
+    if kind != "register" and not device.startswith("cuda"):
+        raise ValueError(
+            f"{who}: --host-memory {kind} is made by the CUDA driver: give it with --device cuda"
+        )
 
 
 LOCATION_DEVICE, LOCATION_HOST, LOCATION_HOST_NUMA = 1, 2, 3  # CUmemLocationType

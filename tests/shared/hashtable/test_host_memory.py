@@ -22,14 +22,12 @@ def test_the_default_is_registered_memory_and_an_unknown_kind_is_refused() -> No
 
 
 def test_a_store_in_driver_memory_needs_a_cuda_device() -> None:
-    host_memory.use("driver")
-    try:
+    with host_memory.using("driver"):
         with pytest.raises(ValueError, match="made for a CUDA device, got device=cpu"):
             TensorHostStore(4, capacity=8, pin=True, mapped=True, device=torch.device("cpu"))
         plain = TensorHostStore(4, capacity=8, pin=False)  # not mapped: the choice is moot
         assert plain.memory == "register"
-    finally:
-        host_memory.use("register")
+    assert host_memory.default() == "register"
 
 
 @pytest.mark.gpu
@@ -53,11 +51,8 @@ def test_driver_memory_is_zeros_the_cpu_and_the_device_read_and_write_alike() ->
     del t, out
     gc.collect()  # freed with its storage (after the device's work)
 
-    host_memory.use("driver")
-    try:
+    with host_memory.using("driver"):
         store = TensorHostStore(4, capacity=16, pin=True, mapped=True, device=device)
-    finally:
-        host_memory.use("register")
     assert store.memory == "driver" and store.device_pointer() == store.rows.data_ptr()
     rows = torch.arange(16, device=device)
     store.write(rows, torch.arange(128, dtype=torch.float32, device=device).view(16, 8))

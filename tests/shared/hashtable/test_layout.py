@@ -150,15 +150,11 @@ def test_on_cuda_the_plan_counts_the_insert_kernels_scratch(row_arrays: RowArray
 def test_on_cuda_host_row_arrays_change_no_result(memory: str) -> None:
     """``driver``: the row arrays (and the host tier) in the CUDA driver's memory
     (shared.hashtable.host_memory), the table grown into new such memory."""
-    was = host_memory.default()
-    host_memory.use(memory)
-    try:
+    with host_memory.using(memory):
         device, host = _dec({}, "cuda"), _dec(HOST, "cuda")
         t = host._storages[0].table
         assert t.row_arrays is RowArrays.HOST
         assert_close_on_cuda(_run(device), _run(host, prefetch=True), device, host)
-    finally:
-        host_memory.use(was)
     assert t.generation > 0 and host.stats()["a_emb"]["evictions"] > 0  # grown, evicted
     rows = (t._row_key, t._row_tid, t._row_score)
     assert all(a.is_cuda for a in rows)

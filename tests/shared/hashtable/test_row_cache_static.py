@@ -391,12 +391,8 @@ def test_the_host_node_fill_needs_a_cuda_storage_with_a_mapped_tier() -> None:
 @pytest.fixture
 def driver_memory() -> Iterator[None]:
     """Host tiers made in the CUDA driver's memory (shared.hashtable.host_memory) meanwhile."""
-    was = host_memory.default()
-    host_memory.use("driver")
-    try:
+    with host_memory.using("driver"):
         yield
-    finally:
-        host_memory.use(was)
 
 
 @pytest.mark.gpu
