@@ -358,11 +358,17 @@ def mapped_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor
     with torch.cuda.device(device):
         _register(host, mapped=True, drain=True)
         pointer = _device_pointer(host)
+    return _view_at(host, pointer, device)
+
+
+def _view_at(host: torch.Tensor, pointer: int, device: torch.device) -> torch.Tensor:
+    """The CUDA tensor on ``device`` at ``pointer``, the device address of mapped ``host``,
+    keeping ``host`` alive; refused where torch would copy instead of viewing."""
     view = torch.as_tensor(_MappedHost(host, pointer), device=device)
     if view.data_ptr() != pointer:
         raise RuntimeError(
             f"mapped_device_view: torch copied the mapped memory to {view.device} instead of "
-            f"viewing it (the memory is registered with another device than {device})"
+            f"viewing it (the memory is mapped for another device than {device})"
         )
     return view
 
@@ -376,7 +382,7 @@ def mapped_device_full(n: int, fill: int, dtype: torch.dtype, device: torch.devi
     if device.type != "cuda":
         raise ValueError(f"mapped_device_full: {device} is not a CUDA device")
     host = host_memory.driver_full((n,), fill, dtype, device)
-    return torch.as_tensor(_MappedHost(host, host.data_ptr()), device=device)
+    return _view_at(host, host.data_ptr(), device)
 
 
 class _MappedHost:
