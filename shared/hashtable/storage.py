@@ -495,8 +495,9 @@ class FusedStorage:
         step's backward on another stream: :meth:`DynamicEmbeddingCollection.prefetch_stream`)."""
         if not self.payload.tiered:
             return
-        if self.static is not None and self.static.why_not() is None:
-            self.static.prefetch(parts)  # nothing unless prefetching is on
+        static = self._next_static()
+        if static is not None:
+            static.prefetch(parts)  # nothing unless prefetching is on
             return
         keys = parts[0][1] if len(parts) == 1 else torch.cat([k for _, k in parts])
         keys = keys.to(self.device, torch.int64)
@@ -506,11 +507,16 @@ class FusedStorage:
         rows, found = self.table.find(keys[first], self._tids(tids[first]), validate=False)
         self.payload.prefetch(rows[found])
 
+    def _next_static(self) -> StaticLookup | None:
+        """The static step, where the next training lookup takes it."""
+        return self.static if self.static is not None and self.static.why_not() is None else None
+
     @property
     def static_prefetches(self) -> bool:
         """Whether :meth:`prefetch` takes the static form (the next training lookup is static,
         with prefetching on): it may then run beside the step in flight."""
-        return self.static is not None and self.static.why_not() is None and self.static.prefetching
+        static = self._next_static()
+        return static is not None and static.prefetching
 
     def tier_stats(self) -> dict[str, float]:
         """The payload tier's counters and bytes (:meth:`RowPayload.stats`)."""
