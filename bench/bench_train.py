@@ -95,6 +95,14 @@ DERIVED: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
 # names of configs trained with the static prefetch whatever --static-prefetch says (issue #52:
 # the cached config with and without it in one run, against the seed config)
 PREFETCHED = {"cached_prefetch"}
+
+
+def prefetches(name: str, args: Any) -> bool:
+    """Whether config ``name`` trains with the static prefetch (``--static-prefetch``, or a
+    name of :data:`PREFETCHED`)."""
+    return bool(args.static_prefetch) or name in PREFETCHED
+
+
 GOALS = {  # issue #18
     "end_to_end_samples_per_s": 1.5e6,  # the seed config, one epoch of full data
     "dynamic_step_over_buckets": 1.15,
@@ -517,7 +525,7 @@ def run_child_part(args, device: torch.device) -> int:
     ``--child-out``. ``e2e``: the end_to_end run, then ``step_warm`` on the model it trained;
     ``step``: the ``step`` figures of a fresh model (and ``--padded-steps``)."""
     ((name, path),) = _config_paths(args.configs, args.out).items()
-    args.static_prefetch = args.static_prefetch or name in PREFETCHED
+    args.static_prefetch = prefetches(name, args)
     host_memory.use(args.host_memory)  # the step part's model too (the trainer sets its own)
     fs = build_feature_set(load_config(path))
     n = batches_needed(args.warmup, args.steps)
@@ -540,6 +548,7 @@ def run_child_part(args, device: torch.device) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    host_memory.refuse_off_cuda(args.host_memory, args.device, "bench_train")
     device = torch.device(args.device)
     if args.child is not None:
         if args.samples is None or args.child_out is None:
@@ -570,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = result["configs"][name] = {
             "config": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
             "batch": batch_size(path, args),
-            "static_prefetch": args.static_prefetch or name in PREFETCHED,
+            "static_prefetch": prefetches(name, args),
         }
         for part in parts:
             entry.update(in_child(part, name, path, samples, args))

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench import bench_train
 from bench.bench_train import CONFIGS, PREFETCHED, _config_paths, batch_size, ratios
 from tests.background import Background, start, stop
 from tests.conftest import ROOT
@@ -160,3 +161,9 @@ def test_the_cached_configs_with_and_without_the_prefetch_are_each_compared_with
     assert prefetched["step_ms"] == pytest.approx(4.5 / 4.0)
     assert prefetched["goals"]["end_to_end_over_dynamic"]["met"] is True
     assert prefetched["goals"]["auc_abs_diff"]["met"] is False  # 0.002 > 0.001
+
+
+def test_the_drivers_host_memory_is_refused_on_the_cpu(tmp_path: Path) -> None:
+    argv = ["--out", str(tmp_path / "x.json"), "--host-memory", "driver"]
+    with pytest.raises(ValueError, match="bench_train: --host-memory driver is made by the CUDA"):
+        bench_train.main(argv)
