@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import sys
 from collections.abc import Iterator
@@ -31,8 +32,8 @@ _default = "register"
 
 
 def use(kind: str) -> None:
-    """Make the host tiers of CACHING storages built from now on in this process ``kind``
-    memory (a store keeps what it was made with, also when it grows)."""
+    """Make the host tiers of CACHING storages, and a table's host row arrays, built from now on
+    in this process ``kind`` memory (a store keeps what it was made with, also when it grows)."""
     global _default
     if kind not in KINDS:
         raise ValueError(f"host memory: {kind!r} is not one of {', '.join(KINDS)}")
@@ -97,7 +98,9 @@ class _Access(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
+@functools.cache
 def _driver() -> Any:
+    """libcuda with the argument types of the calls made here (loaded and typed once)."""
     cuda = ctypes.CDLL("libcuda.so.1")
     u64, size = ctypes.c_uint64, ctypes.c_size_t
     cuda.cuMemGetAllocationGranularity.argtypes = [ctypes.POINTER(size), ctypes.POINTER(_Prop),
@@ -119,7 +122,7 @@ def driver_full(
     whose device address is its own (:attr:`torch.Tensor.data_ptr`). The memory is freed when
     the tensor's storage is, after the device's queued work."""
     n = math.prod(shape)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = n * dtype.itemsize
     mem = VmmHost(nbytes, torch.cuda.current_device() if device.index is None else device.index)
     t = mem.as_tensor()[:nbytes].view(dtype).view(shape)
     t.fill_(fill)  # the driver does not promise zeros
