@@ -125,26 +125,15 @@ class StaticCacheLines(CacheLines):
         ``prefetched`` (as the eager :meth:`RowCache.prefetch` does); the step's resolve then
         finds them as hits. Nothing a step computes changes: which rows
         are in lines is the cache's own business (the tier is transparent)."""
-        big = self.lines
-        p, sink_row = rows.numel(), self.line_of_row.numel()
         tick = self._tick  # [] the step in flight's: its lines are no victims
-        stored = rows >= 0
-        line = torch.where(stored, self.line_of_row[rows.clamp(min=0)].to(torch.int64), -1)
-        has = line >= 0
-        self._stamps[torch.where(has, line, big)] = tick
-        gets, taken = self._static_victims(stored & ~has, tick)  # [P] each
-        back = self._unmap(taken, gets)
-        read = torch.where(gets, rows, -1)
-        taken, back, order = self._pair_in_row_order(gets, taken, back, read)
+        stored, line, has = self._stamp_lined(rows, tick)
+        need = stored & ~has
+        gets, taken, back, order = self._victims_in_row_order(need, need, rows, tick)
         slots = torch.where(gets, taken, -1)
         none = torch.zeros_like(gets)
-        zeros = torch.zeros(p, self.dim, dtype=torch.float32, device=rows.device)
-        self._fill_slots(slots, back, read, none, zeros, order)
-        lined = torch.where(gets, slots, big)
-        self._row_of_line[lined] = rows
-        self._line_map[torch.where(gets, rows, sink_row)] = slots.to(torch.int32)
-        self._stamps[lined] = tick
-        self._dirty.index_fill_(0, lined, False)
+        zeros = torch.zeros(rows.numel(), self.dim, dtype=torch.float32, device=rows.device)
+        self._fill_slots(slots, back, torch.where(gets, rows, -1), none, zeros, order)
+        self._map_lines(torch.where(gets, slots, self.lines), gets, rows, slots, tick, none)
         read_rows = gets.sum()
         self._static[1] += read_rows  # misses, as the eager prefetch counts its reads
         self._static[4] += read_rows
@@ -191,21 +180,17 @@ class StaticCacheLines(CacheLines):
         - Maps, stamps and dirty bits are scattered with the sink slots for unused positions;
           hits, misses, new rows, bypassed rows, evictions and write-backs are counted on the
           device."""
-        big = self.lines
-        p, sink_row = rows.numel(), self.line_of_row.numel()
+        big, p = self.lines, rows.numel()
         assert p - big <= self._staged, "static_began(padded) makes the staging slots first"
         self._tick += 1
         tick = self._tick  # [] int64
-        stored = rows >= 0
+        stored, line, has = self._stamp_lined(rows, tick)
         new = stored & ~found
-        line = torch.where(stored, self.line_of_row[rows.clamp(min=0)].to(torch.int64), -1)
-        has = line >= 0  # [P]
-        self._stamps[torch.where(has, line, big)] = tick
         need = stored & ~has  # [P] rows that take a line now
-        gets, taken = self._static_victims(need, tick)  # [P] each
-        back = self._unmap(taken, gets)  # [P] the row each dirty victim goes back to, or -1
+        # [P] each: the rows that got a line, their victim lines, the rows those go back to
+        # (-1: clean), the fill's order
+        gets, taken, back, order = self._victims_in_row_order(need, need & found, rows, tick)
         read = torch.where(need & found, rows, -1)
-        taken, back, order = self._pair_in_row_order(gets, taken, back, read)
         slots = torch.where(has, line, torch.where(gets, taken, -1))  # [P]
         bypass = need & ~gets
         if p > big:  # a step that may bypass rows (its size decides: no host read)
@@ -219,13 +204,53 @@ class StaticCacheLines(CacheLines):
             # would write it there
             self._write_slots(torch.where(bypass & new, rows, -1), slots)
         lined = torch.where(gets | (new & has), slots, big)  # [P] lines (re)mapped
-        self._row_of_line[lined] = rows
-        self._line_map[torch.where(gets, rows, sink_row)] = slots.to(torch.int32)
-        self._stamps[lined] = tick
-        self._dirty[lined] = new
+        self._map_lines(lined, gets, rows, slots, tick, new)
         counts = torch.stack([found & has, found & gets, new & ~bypass, bypass])  # [4, P]
         self._static[:4] += counts.sum(1)
         return slots
+
+    def _stamp_lined(
+        self, rows: torch.Tensor, tick: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([P] bool: a stored row, [P] its line or -1, [P] bool: it has one) for ``rows``
+        [P] (-1: none); the lines found are stamped with ``tick`` (kept from this call's
+        victims)."""
+        stored = rows >= 0
+        line = torch.where(stored, self.line_of_row[rows.clamp(min=0)].to(torch.int64), -1)
+        has = line >= 0
+        self._stamps[torch.where(has, line, self.lines)] = tick
+        return stored, line, has
+
+    def _victims_in_row_order(
+        self, need: torch.Tensor, reads: torch.Tensor, rows: torch.Tensor, tick: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows ``need`` [P] marks take a line each where call ``tick``'s window has one
+        (:meth:`_static_victims`), their victims unmapped (:meth:`_unmap`) and re-paired
+        with them in row order (:meth:`_pair_in_row_order`; ``reads`` [P]: the rows that
+        will be read from the host tier). Returns (gets, taken, back, order), [P] each."""
+        gets, taken = self._static_victims(need, tick)
+        back = self._unmap(taken, gets)  # [P] the row each dirty victim goes back to, or -1
+        taken, back, order = self._pair_in_row_order(
+            gets, taken, back, torch.where(reads, rows, -1)
+        )
+        return gets, taken, back, order
+
+    def _map_lines(
+        self,
+        lined: torch.Tensor,
+        gets: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        tick: torch.Tensor,
+        dirty: torch.Tensor,
+    ) -> None:
+        """Lines ``lined`` [P] (the sink: none) now hold ``rows`` [P], stamped ``tick`` and
+        dirty where ``dirty`` [P]; the rows that got a line (``gets`` [P]) map to their
+        ``slots`` [P]. Fixed shapes: unused positions go to the sink slots."""
+        self._row_of_line[lined] = rows
+        self._line_map[torch.where(gets, rows, self.line_of_row.numel())] = slots.to(torch.int32)
+        self._stamps[lined] = tick
+        self._dirty[lined] = dirty
 
     def _pair_in_row_order(
         self, gets: torch.Tensor, taken: torch.Tensor, back: torch.Tensor, read: torch.Tensor
