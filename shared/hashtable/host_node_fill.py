@@ -80,14 +80,15 @@ class HostNodeFill:
         slots: torch.Tensor,
         back: torch.Tensor,
         read: torch.Tensor,
-        new: torch.Tensor,
-        new_values: torch.Tensor,
+        new: torch.Tensor | None,
+        new_values: torch.Tensor | None,
         initial: float,
         values: torch.Tensor,
         accum: torch.Tensor,
     ) -> None:
         """:meth:`StaticCacheLines._fill_slots`' arguments ([P] each, ``new_values`` [P, dim];
-        ``values``, ``accum`` the lines' arrays): the same lines, through the host node."""
+        ``values``, ``accum`` the lines' arrays; ``new`` and ``new_values`` None: no new
+        rows, as a prefetch's): the same lines, through the host node."""
         from shared.hashtable.cuda import host_rows
 
         p = slots.numel()
@@ -99,7 +100,7 @@ class HostNodeFill:
         b = self._pinned
         has = slots >= 0
         wb = has & (back >= 0)  # [P] lines written back
-        rd = has & ~new & (read >= 0)  # [P] rows read
+        rd = has & (read >= 0) if new is None else has & ~new & (read >= 0)  # [P] rows read
         rank_b = torch.where(wb, torch.cumsum(wb, 0) - 1, -1)  # [P] their staging rows
         rank_r = torch.where(rd, torch.cumsum(rd, 0) - 1, -1)
         counts = torch.stack([wb.sum(), rd.sum()])  # [2] int64

@@ -130,10 +130,9 @@ class StaticCacheLines(CacheLines):
         need = stored & ~has
         gets, taken, back, order = self._victims_in_row_order(need, need, rows, tick)
         slots = torch.where(gets, taken, -1)
-        none = torch.zeros_like(gets)
-        zeros = torch.zeros(rows.numel(), self.dim, dtype=torch.float32, device=rows.device)
-        self._fill_slots(slots, back, torch.where(gets, rows, -1), none, zeros, order)
-        self._map_lines(torch.where(gets, slots, self.lines), gets, rows, slots, tick, none)
+        self._fill_slots(slots, back, torch.where(gets, rows, -1), None, None, order)
+        clean = torch.zeros_like(gets)
+        self._map_lines(torch.where(gets, slots, self.lines), gets, rows, slots, tick, clean)
         read_rows = gets.sum()
         self._static[1] += read_rows  # misses, as the eager prefetch counts its reads
         self._static[4] += read_rows
@@ -288,13 +287,14 @@ class StaticCacheLines(CacheLines):
         slots: torch.Tensor,
         back: torch.Tensor,
         read: torch.Tensor,
-        new: torch.Tensor,
-        new_values: torch.Tensor,
+        new: torch.Tensor | None,
+        new_values: torch.Tensor | None,
         order: torch.Tensor | None = None,
     ) -> None:
         """Slots ``slots`` [P] (-1: none) take their payload: each one's old payload goes back
         to host row ``back`` [P] (-1: none) first, then it takes ``new_values`` [P, dim] and
-        the initial accumulators (``new`` [P]) or host row ``read`` [P] (-1: none). ``order``
+        the initial accumulators (``new`` [P]; ``new`` and ``new_values`` None: no new rows)
+        or host row ``read`` [P] (-1: none). ``order``
         [P] (None: in turn): the order the device's fill takes the positions in
         (:meth:`_pair_in_row_order`).
 
@@ -313,7 +313,7 @@ class StaticCacheLines(CacheLines):
             from shared.hashtable.cuda import host_rows
 
             assert isinstance(self.store, TensorHostStore)
-            init = new_values.to(torch.float32).contiguous()
+            init = None if new_values is None else new_values.to(torch.float32).contiguous()
             if self._host_node is not None:
                 self._host_node.fill(slots, back, read, new, init,
                                      self.initial_accumulator_value, self._values, self._accum)  # fmt: skip
@@ -328,7 +328,8 @@ class StaticCacheLines(CacheLines):
         at = torch.nonzero(slots >= 0).squeeze(1)  # [k] positions with a slot (host read)
         slot = slots[at]  # [k]
         payload = self.store.swap(back[at], self._packed(slot), read[at])  # [k, 2 * dim]
-        payload = torch.where(new[at].unsqueeze(1), self._initial(new_values[at]), payload)
+        if new is not None and new_values is not None:
+            payload = torch.where(new[at].unsqueeze(1), self._initial(new_values[at]), payload)
         self._unpack(slot, payload)
 
     def _write_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
