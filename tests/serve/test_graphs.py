@@ -273,12 +273,15 @@ def test_two_models_graphs_replayed_at_once_keep_their_scores(
     warm-up replay on the load stream: each model's graphs are captured on a capture stream of
     its own (shared.cuda_capture.capture_streams), so their GEMMs do not share the cuBLAS
     workspace torch keys by (thread, stream) (pytorch#193402), and every replay of the one
-    gives its scores while the other's replay beside it."""
+    gives its scores while the other's replay beside it. Two loads of the format 3 bundle (a
+    format 2 bundle's program reads its pair count back: it has no graphs), replaying buckets
+    of other sizes, so that their GEMMs' partial sums differ."""
     a = LoadedModel.load(din_bundles[1], device="cuda", graph_buckets=BUCKETS)
-    b = LoadedModel.load(din_bundles[0], device="cuda", graph_buckets=BUCKETS)
+    b = LoadedModel.load(din_bundles[1], device="cuda", graph_buckets=BUCKETS)
     assert a.graphs is not None and b.graphs is not None
     assert int(a.graphs._stream.cuda_stream) != int(b.graphs._stream.cuda_stream)
-    ga, gb = a.graphs.graphs[-1], b.graphs.graphs[-1]  # the largest buckets: the most GEMMs
+    # the largest bucket (the most GEMMs) beside the next one
+    ga, gb = a.graphs.graphs[-1], b.graphs.graphs[-2]
     assert ga.out is not None
     ga.launch()
     torch.cuda.synchronize()
