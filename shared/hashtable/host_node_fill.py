@@ -50,12 +50,22 @@ class HostNodeFill:
         self._pinned: dict[str, torch.Tensor] = {}
         self._move: host_move.HostMove | None = None
 
-    def ready(self, positions: int) -> None:
+    def ready(self, positions: int, device: torch.device) -> None:
         """Pinned arrays for ``positions`` positions and a mover over the tier's rows where
         they are now (outside any capture: the arrays move, and a step on them captures its
-        graphs again)."""
+        graphs again). Where either is replaced, ``device`` (where the graphs run) is waited
+        for first: a graph queued there may still run its host node on the old mover's
+        parameters and copy through the old arrays, and both are freed with the last reference
+        (on the H100, 2026-12-07, a prefetch's first call made them again for its own size
+        while the step's graph was queued: the host node read the freed parameters, a
+        segmentation fault)."""
         width = 2 * self.dim
-        if positions > self.positions:
+        rows = self.store.rows
+        grows = positions > self.positions
+        if not grows and self._move is not None and self._move.params.host == rows.data_ptr():
+            return
+        torch.cuda.synchronize(device)  # before the old arrays and mover go (docstring)
+        if grows:
             self._pinned = {
                 "staging_in": torch.empty(positions, width, pin_memory=True),
                 "staging_out": torch.empty(positions, width, pin_memory=True),
@@ -64,12 +74,9 @@ class HostNodeFill:
                 "counts": torch.zeros(2, dtype=torch.int64, pin_memory=True),
             }
             self.positions = positions
-            self._move = None
-        rows = self.store.rows
-        if self._move is None or self._move.params.host != rows.data_ptr():
-            b = self._pinned
-            self._move = host_move.HostMove(rows, b["back_ids"], b["staging_out"], b["read_ids"],
-                                            b["staging_in"], b["counts"], threads=self.threads)  # fmt: skip
+        b = self._pinned
+        self._move = host_move.HostMove(rows, b["back_ids"], b["staging_out"], b["read_ids"],
+                                        b["staging_in"], b["counts"], threads=self.threads)  # fmt: skip
 
     def key(self) -> tuple[int, ...]:
         """The addresses a captured fill reads and writes (the step compares them)."""

@@ -76,7 +76,7 @@ class StaticCacheLines(CacheLines):
         if padded - self.lines > self._staged:
             self._stage(max(padded - self.lines, 2 * self._staged))
         if self._host_node is not None:
-            self._host_node.ready(padded)
+            self._host_node.ready(padded, self.values.device)
         return self._version
 
     def _stage(self, n: int) -> None:
@@ -109,7 +109,7 @@ class StaticCacheLines(CacheLines):
         self._fresh = self.lines
         self.store.used_by_device(self.values.device)
         if self._host_node is not None:
-            self._host_node.ready(padded)
+            self._host_node.ready(padded, self.values.device)
         return True
 
     def static_prefetch(self, rows: torch.Tensor) -> None:
