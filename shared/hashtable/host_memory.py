@@ -10,7 +10,7 @@
   the CPU at one address, in chunks of that granularity (2 MiB). Opt-in (:func:`use`): on an
   H100 (2026-12-07, 100M rows at dim 16) the device's random reads of it ran as fast as of
   registered memory (39.5M against 39.7M rows/s) and the embedding step at a 10 % cache as slow
-  (2.51× against 2.49× HBM-only), while the CPU's gather ran 1.2× faster (134.8M against
+  (2.76× HBM-only with either, the cache full), while the CPU's gather ran 1.2× faster (134.8M against
   110.5M rows/s), which the host-node fill's cores may use (``bench.bench_host_pages
   --allocations vmm_host``, ``bench.bench_tiers --host-memory driver``).
 
