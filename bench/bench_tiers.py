@@ -41,6 +41,11 @@ lookup on, beside the backward). The step alone has little to hide it behind (th
 training also has the dense part), and it repeats the next lookup's unique and find: the
 figure says what is left.
 
+``--write-back-beside ROWS`` (with ``--static``): the caches' fill stages up to ``ROWS`` dirty
+victims a step, written to the host tier after the forward on a stream of their own, beside
+the rest of the step (:mod:`shared.hashtable.write_back_beside`); the step's time runs to a
+sync of the whole device, so it includes them.
+
 ``--profile N``: after every timed run (a profiler slows the launches that follow it in its
 process), each variant is built again, warmed by the same ``--warmup`` steps and profiled over
 ``N`` steps (:mod:`bench.step_profile`): its ``profile`` in the JSON (kernels and device ms a
@@ -202,40 +207,49 @@ def log_line(dim: int, r: int, name: str, res: dict[str, Any], static: bool) -> 
     )
 
 
-def step_path(
-    dec: DynamicEmbeddingCollection,
-    static: bool,
-    host_node: bool,
-    threads: int | None = None,
-    prefetch: bool = False,
-) -> None:
-    """The static sparse step (``static``; captured on CUDA; with ``prefetch``, its prefetch
-    on), and for a cache the fill through a host node (``host_node``:
-    ``StaticCacheLines.fill_with_host_node``, on ``threads`` host threads; None: the process's
-    cores)."""
-    if static:
-        dec.use_static_step(capture=dec.device.type == "cuda", prefetch=prefetch)
-    if host_node:
+@dataclass(frozen=True)
+class StepPath:
+    """How every variant's step runs: the static sparse step (``static``; captured on CUDA;
+    with ``prefetch``, its prefetch of the next batch on), and for a cache the fill through a
+    host node (``host_node``: ``StaticCacheLines.fill_with_host_node`` on ``threads`` host
+    threads; None: the process's cores) or its write-backs staged and written beside the step
+    (``write_back_rows``: ``StaticCacheLines.write_back_beside``, that many staging rows)."""
+
+    static: bool = False
+    host_node: bool = False
+    threads: int | None = None
+    prefetch: bool = False
+    write_back_rows: int | None = None
+
+    @classmethod
+    def of(cls, args: Any) -> StepPath:
+        return cls(args.static, args.host_node, args.host_node_threads, args.prefetch,
+                   args.write_back_beside)  # fmt: skip
+
+    def apply(self, dec: DynamicEmbeddingCollection) -> None:
+        if self.static:
+            dec.use_static_step(capture=dec.device.type == "cuda", prefetch=self.prefetch)
         for storage in dec._storages:
-            fill = getattr(storage.payload, "fill_with_host_node", None)
-            if fill is not None:  # a CACHING storage (HBM_ONLY has no fill)
-                fill(threads)
+            cache = storage.payload  # a CACHING storage's (HBM_ONLY has no fill)
+            if self.host_node and hasattr(cache, "fill_with_host_node"):
+                cache.fill_with_host_node(self.threads)
+            if self.write_back_rows is not None and hasattr(cache, "write_back_beside"):
+                cache.write_back_beside(self.write_back_rows)
 
 
 def run_variant(
     dim: int, slots: int, factor: float | None, keys: torch.Tensor, batches: list[torch.Tensor],
-    grad: torch.Tensor, probe: torch.Tensor, warmup: int, static: bool = False,
-    host_node: bool = False, host_node_threads: int | None = None, prefetch: bool = False,
+    grad: torch.Tensor, probe: torch.Tensor, warmup: int, path: StepPath,
 ) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
     device = keys.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     dec = build(dim, slots, factor, keys)
-    step_path(dec, static, host_node, host_node_threads, prefetch)
+    path.apply(dec)
     _sync(device)
     build_s = time.perf_counter() - t0
-    steps = time_steps(dec, batches, grad, warmup, prefetch)
+    steps = time_steps(dec, batches, grad, warmup, path.prefetch)
     times = steps.seconds
     after = dec.tier_stats()[TABLE]
     dec.eval()
@@ -250,7 +264,7 @@ def run_variant(
             "host_payload": int(after.get("host_payload_bytes", 0)),
         },
     }
-    if static:
+    if path.static:
         result["static_runs"] = dec.static_stats()[TABLE]
     if factor is not None:
         result["cache_load_factor"] = factor
@@ -316,10 +330,7 @@ def run_dim(args: Any, dim: int, device: torch.device) -> dict[str, Any]:
                 grad,
                 probe,
                 args.warmup,
-                args.static,
-                args.host_node,
-                args.host_node_threads,
-                args.prefetch,
+                StepPath.of(args),
             )
             per_round[name].append(res["step_ms_median"])
             if base_probe is None:
@@ -362,6 +373,7 @@ def run(args: Any) -> dict[str, Any]:
         "host_node": args.host_node,
         "host_node_threads": args.host_node_threads,
         "prefetch": args.prefetch,
+        "write_back_beside": args.write_back_beside,
         "host_memory": args.host_memory,
         "load": LOAD,
         "dims": {},
@@ -394,7 +406,7 @@ def profile_dim(args: Any, dim: int, device: torch.device) -> dict[str, tuple[di
     out: dict[str, tuple[dict[str, Any], str]] = {}
     for name, pct in VARIANTS.items():
         dec = build(dim, w.slots, factor_of(pct, w), w.keys)
-        step_path(dec, args.static, args.host_node, args.host_node_threads, args.prefetch)
+        StepPath.of(args).apply(dec)
         for i in range(args.warmup):
             _step(dec, i, w.batches[i], w.grad)
         _sync(device)
@@ -468,6 +480,12 @@ def _parser() -> Parser:
         "stream, beside the backward)",
     )
     p.add_argument(
+        "--write-back-beside", type=int, default=None, metavar="ROWS",
+        help="with --static: the caches' fill stages up to ROWS dirty victims a step and they "
+        "are written to the host tier after the forward, on a stream of their own "
+        "(shared.hashtable.write_back_beside), not by the fill",
+    )  # fmt: skip
+    p.add_argument(
         "--host-memory", choices=host_memory.KINDS, default="register",
         help="how the caches' host tiers are made on CUDA (shared.hashtable.host_memory): "
         "page-locked by cudaHostRegister, or the CUDA driver's cuMemCreate host memory",
@@ -491,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
             "and --device cuda"
         )
     host_memory.refuse_off_cuda(args.host_memory, args.device, "bench_tiers")
+    if args.write_back_beside is not None and (not args.static or args.host_node):
+        raise ValueError(
+            f"bench_tiers: --write-back-beside {args.write_back_beside} stages the static "
+            "step's write-backs: give it with --static, and not with --host-node (whose cores "
+            "write them back)"
+        )
     if args.host_node_threads is not None and (not args.host_node or args.host_node_threads < 1):
         raise ValueError(
             f"bench_tiers: --host-node-threads {args.host_node_threads}: give a count >= 1, "

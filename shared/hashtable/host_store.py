@@ -101,6 +101,8 @@ class TensorHostStore:
 
     memory = "register"  # how mapped rows are made (shared.hashtable.host_memory)
     device: torch.device | None = None  # the device that maps ``driver`` memory
+    # the end of the latest writes to the rows on a stream of their own (written_beside)
+    _beside: Any = None
 
     def __init__(
         self,
@@ -208,6 +210,7 @@ class TensorHostStore:
         if self._on_device(rows):
             from shared.hashtable.cuda import host_rows
 
+            self.join_writes(rows.device)
             out = torch.empty(rows.numel(), self.width, dtype=torch.float32, device=rows.device)
             host_rows.gather(self.device_pointer(), rows.to(torch.int64).contiguous(), out)
             self._pending = rows.device
@@ -231,6 +234,7 @@ class TensorHostStore:
         if self._on_device(rows):
             from shared.hashtable.cuda import host_rows
 
+            self.join_writes(rows.device)
             payload = payload.to(rows.device, torch.float32).contiguous()  # [n, 2 * dim]
             host_rows.scatter(self.device_pointer(), rows.to(torch.int64).contiguous(), payload)
             self._pending = rows.device
@@ -255,6 +259,7 @@ class TensorHostStore:
             return self.read(read_rows)
         from shared.hashtable.cuda import host_rows
 
+        self.join_writes(read_rows.device)
         out = payload.to(read_rows.device, torch.float32).contiguous()  # [n, 2 * dim]
         into = torch.empty_like(out)  # [n, 2 * dim]
         host_rows.swap(
@@ -286,6 +291,7 @@ class TensorHostStore:
         from shared.hashtable.cuda import host_rows
 
         dev = old_rows.device
+        self.join_writes(dev)
         src, dst = self.device_pointer(), 0
         if moved.numel():  # the driver's memory is at one address for the device and the CPU
             dst = moved.data_ptr() if self.memory == "driver" else _device_pointer(moved)
@@ -316,6 +322,21 @@ class TensorHostStore:
             self.device_pointer()  # looked up now, outside the capture that will launch on it
             self._pending = device
 
+    def written_beside(self, done: Any, device: torch.device) -> None:
+        """Kernels on a stream of their own write the rows until CUDA event ``done`` (a static
+        cache's staged write-backs, :mod:`shared.hashtable.write_back_beside`): this store's
+        device calls wait for it on their stream (:meth:`join_writes`), its CPU-side accesses
+        for the whole device."""
+        self._beside = done
+        self._pending = device
+
+    def join_writes(self, device: torch.device) -> None:
+        """The current stream of ``device`` waits for the rows' writes on another stream
+        (:meth:`written_beside`), on the host and outside any capture: before a graph or a
+        kernel that reads or writes the rows is queued there."""
+        if self._beside is not None:
+            torch.cuda.current_stream(device).wait_event(self._beside)
+
     def _on_device(self, rows: torch.Tensor) -> bool:
         """Whether the device moves these rows (ids on CUDA, a mapped store)."""
         return self.mapped and rows.is_cuda
@@ -327,6 +348,7 @@ class TensorHostStore:
         if self._pending is not None:
             torch.cuda.synchronize(self._pending)
             self._pending = None
+            self._beside = None  # done with the rest
 
 
 def mapped_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -113,6 +113,11 @@ class RowPayload(Protocol):
         (and the initial accumulators)."""
         ...
 
+    def static_looked_up(self) -> None:
+        """Called on the host after each static forward (its graph replayed, or its code run):
+        work of the forward's that may go on beside what follows."""
+        ...
+
     def static_updated(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """The static backward updated ``slots`` [P] (-1: none) of ``rows`` [P] in place."""
         ...
@@ -212,6 +217,9 @@ class DevicePayload:
         self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
     ) -> torch.Tensor:
         return rows
+
+    def static_looked_up(self) -> None:
+        return None
 
     def static_updated(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         return None

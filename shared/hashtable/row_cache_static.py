@@ -22,7 +22,9 @@ in fixed shapes too: ``P - L`` staging slots after the lines' sink (made on the 
 :meth:`StaticCacheLines.static_began`) take their payload in the forward's fill, and the
 backward writes them back to the host tier in one write of P slots (-1 skipped), which only
 steps of more keys than lines issue. Lines the eager path thinks never used are forgotten once a
-static step ran (``_fresh``): the window finds them by their stamp (-1 sorts first).
+static step ran (``_fresh``): the window finds them by their stamp (-1 sorts first). Opt-in, the
+fill's write-backs may be staged in the forward and written after it, beside the rest of the step
+(:meth:`StaticCacheLines.write_back_beside`, :mod:`shared.hashtable.write_back_beside`).
 """
 
 from __future__ import annotations
@@ -34,12 +36,18 @@ import torch
 from shared.hashtable.host_node_fill import HostNodeFill
 from shared.hashtable.host_store import TensorHostStore
 from shared.hashtable.row_cache_lines import CacheLines
+from shared.hashtable.write_back_beside import WriteBackBeside
+
+# write_back_beside's default staging rows a step: 256K (32 MiB at dim 16, 256 MiB at dim 128);
+# a 10 % cache of 100M rows at dim 16 writes back about 108K a step (bench_tiers, H100)
+WRITE_BACK_ROWS = 1 << 18
 
 
 class StaticCacheLines(CacheLines):
     """The cache's lines with the static step's fixed-shape resolve (see the module doc)."""
 
     _host_node: HostNodeFill | None = None  # the fill through a host node (opt-in)
+    _beside: WriteBackBeside | None = None  # the write-backs staged, then written beside (opt-in)
 
     def fill_with_host_node(self, threads: int | None = None) -> None:
         """From now on the static step's fill moves the rows with the host's cores, as a host
@@ -51,9 +59,28 @@ class StaticCacheLines(CacheLines):
                 "fill_with_host_node: the host-node fill needs a CUDA storage whose host tier "
                 "is mapped (the static step's in-place fill)"
             )
+        if self._beside is not None:
+            raise ValueError(
+                "fill_with_host_node: the write-backs are staged beside the step "
+                "(write_back_beside); the host node writes them back itself: choose one"
+            )
         assert isinstance(self.store, TensorHostStore)
         cores = threads if threads is not None else len(os.sched_getaffinity(0))
         self._host_node = HostNodeFill(self.store, self.dim, cores)
+
+    def write_back_beside(self, rows: int = WRITE_BACK_ROWS) -> None:
+        """From now on the static step's fill stages the payload of its dirty victims (up to
+        ``rows`` a step; the others as before) and they are written to the host tier after the
+        forward, on a stream of their own, beside the rest of the step
+        (:mod:`shared.hashtable.write_back_beside`), instead of by the fill on the step's path.
+        On CUDA it needs the mapped host tier of the in-place fill, and not the host-node fill
+        (whose cores write the victims back); the step captures its graphs again."""
+        if self._host_node is not None:
+            raise ValueError(
+                "write_back_beside: the fill goes through a host node (fill_with_host_node), "
+                "whose cores write the victims back: choose one"
+            )
+        self._beside = WriteBackBeside(self.store, self.dim, rows, self.values.device)
 
     def why_not_static(self) -> str | None:
         """Why the static step cannot take this cache (None: it can): the host tier must be
@@ -69,6 +96,8 @@ class StaticCacheLines(CacheLines):
         which need staging slots (allocated here, outside any capture: the arrays move, so the
         step captures its graphs again). Returns the version its backward checks
         (:meth:`static_version`)."""
+        if self._beside is not None:
+            self._beside.join()  # the last step's write-backs land before this one's fill
         self._version += 1
         self._fresh = self.lines
         self._last_padded = padded
@@ -104,6 +133,8 @@ class StaticCacheLines(CacheLines):
         prefetch could read beside it), nor for more rows than lines."""
         if max(padded, self._last_padded) > self.lines:
             return False
+        if self._beside is not None:
+            self._beside.join()  # the step's write-backs land before the prefetch's fill
         self._version += 1  # eager lookups' lines may be taken ...
         self._prefetch_bumps += 1  # ... but never the static step's (static_version)
         self._fresh = self.lines
@@ -147,7 +178,14 @@ class StaticCacheLines(CacheLines):
         arrays = (self._values, self._accum, self._line_map, self._row_of_line, self._stamps,
                   self._dirty, self._tick, self._hand, self._evicted, self._static)  # fmt: skip
         node = () if self._host_node is None else self._host_node.key()
-        return (*(a.data_ptr() for a in arrays), self._store_moves, *node)
+        beside = () if self._beside is None else self._beside.key()
+        return (*(a.data_ptr() for a in arrays), self._store_moves, *node, *beside)
+
+    def static_looked_up(self) -> None:
+        """After a static forward (on the host, outside its graph): its staged write-backs go
+        to the host tier beside what follows (:meth:`write_back_beside`; else nothing)."""
+        if self._beside is not None:
+            self._beside.flush()
 
     def static_resolve(
         self, rows: torch.Tensor, found: torch.Tensor, new_values: torch.Tensor
@@ -189,6 +227,8 @@ class StaticCacheLines(CacheLines):
         # [P] each: the rows that got a line, their victim lines, the rows those go back to
         # (-1: clean), the fill's order
         gets, taken, back, order = self._victims_in_row_order(need, need & found, rows, tick)
+        if self._beside is not None:  # the victims' payload staged: written back after the forward
+            back = self._beside.stage(taken, back, self._values, self._accum)
         read = torch.where(need & found, rows, -1)
         slots = torch.where(has, line, torch.where(gets, taken, -1))  # [P]
         bypass = need & ~gets

@@ -664,6 +664,7 @@ class StaticStep:
             self.stats["eager"] += 1
             plan = train_lookup(st, entry.keys, entry.tids, entry.n_real, entry.score, counts)
             self.errors |= plan.errors
+            st.payload.static_looked_up()
             return plan
         if entry.forward is None:
             for t in self._tables():  # what the insert keeps, made outside the capture
@@ -681,6 +682,7 @@ class StaticStep:
             entry.forward = graph
             self.stats["captures"] += 1
         entry.forward.replay()
+        st.payload.static_looked_up()
         self.stats["replays"] += 1
         for c in counts:
             if c is not None:

@@ -63,6 +63,34 @@ def test_bench_tiers_static_runs_every_variant_through_the_static_step(
     assert f"written {rows['written']:.0f} (write-backs" in capsys.readouterr().err  # exact
 
 
+def test_bench_tiers_write_back_beside_stages_the_write_backs_and_changes_no_row(
+    tmp_path: Path,
+) -> None:
+    """--write-back-beside N: the static step's caches stage their write-backs (N rows a
+    step) and write them after the forward; every cache's rows still equal HBM_ONLY's and the
+    write-backs are counted as without it."""
+    out = tmp_path / "tiers.json"
+    argv = ["--out", str(out), "--rows", "4000", "--lookups", "1500", "--dims", "4",
+            "--warmup", "4", "--steps", "2", "--static", "--write-back-beside", "64"]  # fmt: skip
+    assert bench_tiers.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["write_back_beside"] == 64
+    got = result["dims"]["4"]
+    for name in ("cache_10", "cache_50", "cache_100"):
+        assert got[name]["equal_to_hbm_only"], name
+    assert got["cache_10"]["per_step"]["writebacks"] > 0
+
+
+def test_write_back_beside_is_refused_off_the_static_step_or_with_the_host_node(
+    tmp_path: Path,
+) -> None:
+    out = ["--out", str(tmp_path / "x.json"), "--write-back-beside", "64"]
+    with pytest.raises(ValueError, match="give it with --static"):
+        bench_tiers.main(out)
+    with pytest.raises(ValueError, match="not with --host-node"):
+        bench_tiers.main([*out, "--static", "--host-node", "--device", "cuda"])
+
+
 def test_bench_tiers_prefetch_brings_each_next_batchs_rows(tmp_path: Path) -> None:
     """--prefetch with --static: each step prefetches the next batch's rows (the static form),
     where the caches have more lines than a step's 1536 padded keys (cache_50's 2000 and

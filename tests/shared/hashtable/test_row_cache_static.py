@@ -110,10 +110,13 @@ def _static_run(
     exact: bool = True,
     no_backward: tuple[int, ...] = (),
     prefetch: str = "",
+    states_every: int = 1,
 ) -> None:
     """The same training steps on every collection, each compared with the first: rows, hit
     flags, then keys, values, scores, accumulators, admission counters and stats (bit for bit,
-    or with ``exact`` False values within the CUDA tests' tolerance). The steps of
+    or with ``exact`` False values within the CUDA tests' tolerance), the tables' states after
+    every ``states_every``-th step and the last (reading them flushes every dirty line to the
+    host tier: between two reads the fills write dirty victims back themselves). The steps of
     ``no_backward`` look up only (inserts, no update). ``prefetch``: each step's collections
     prefetch the next step's keys ``"before_backward"`` (between the lookup and its backward,
     on the collection's prefetch stream: on CUDA beside the backward, as the trainer runs it)
@@ -125,7 +128,7 @@ def _static_run(
         keys = {n: k.to(dev) for n, k in _static_batch(gen, step).items()}
         grads = {n: torch.randn(k.numel(), 4, generator=gen).to(dev) for n, k in keys.items()}
         batches.append((step, keys, grads))
-    for (step, keys, grads), after in itertools.zip_longest(batches, batches[1:]):
+    for i, ((step, keys, grads), after) in enumerate(itertools.zip_longest(batches, batches[1:])):
         got = []
         for dec in decs:
             dec.set_step(step)
@@ -146,7 +149,8 @@ def _static_run(
                 else:
                     torch.testing.assert_close(got[0][n][0], other[n][0], rtol=1e-6, atol=1e-7)
                 assert torch.equal(got[0][n][1], other[n][1]), (step, n)
-            (_assert_equal if exact else _assert_close)(decs[0], dec)
+            if (i + 1) % states_every == 0 or after is None:
+                (_assert_equal if exact else _assert_close)(decs[0], dec)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
@@ -156,7 +160,8 @@ def test_the_static_step_on_a_cache_equals_it_on_hbm_only(strategy: ScoreStrateg
     back, new keys' rows made in their lines, index evictions and admission."""
     hbm, cached = _static_dec(strategy, None), _static_dec(strategy, 0.3125)
     assert _lines(cached) == 640
-    _static_run([hbm, cached], range(1, 13))
+    # the tables' states read every 4th step: the fills between write dirty victims back
+    _static_run([hbm, cached], range(1, 13), states_every=4)
     for dec in (hbm, cached):  # every step took the static path
         assert dec.static_stats()["g"] == {"captures": 0, "replays": 0, "eager": 12,
                                            "prefetches": 0}  # fmt: skip
@@ -388,6 +393,66 @@ def test_the_host_node_fill_needs_a_cuda_storage_with_a_mapped_tier() -> None:
         HostNodeFill(TensorHostStore(4, capacity=8, pin=False), 4, threads=2)
 
 
+def _beside(dec: DynamicEmbeddingCollection, rows: int) -> RowCache:
+    """The collection's cache, its write-backs staged and written beside the step
+    (``write_back_beside(rows)``)."""
+    cache = dec._storages[0].payload
+    assert isinstance(cache, RowCache)
+    cache.write_back_beside(rows)
+    return cache
+
+
+@pytest.mark.parametrize("rows", [4096, 8], ids=["all_staged", "most_left_to_the_fill"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
+def test_static_steps_writing_back_beside_equal_them_on_hbm_only(
+    strategy: ScoreStrategy, rows: int
+) -> None:
+    """The write-backs staged in the forward and written to the host tier after it
+    (shared.hashtable.write_back_beside), every one of them or only the first 8 a step (the
+    rest by the fill, as without staging): step by step bit for bit against HBM_ONLY's static
+    step and the cache without staging, the same evictions and write-backs counted."""
+    hbm, plain = _static_dec(strategy, None), _static_dec(strategy, 0.3125)
+    staged = _static_dec(strategy, 0.3125)
+    cache = _beside(staged, rows)
+    most = []
+    stage = cache._beside.stage  # type: ignore[union-attr]
+
+    def counted(slots: torch.Tensor, back: torch.Tensor, *arrays: torch.Tensor) -> torch.Tensor:
+        most.append(int((back >= 0).sum()))  # the step's write-backs
+        return stage(slots, back, *arrays)
+
+    cache._beside.stage = counted  # type: ignore[method-assign,union-attr]
+    _static_run([hbm, plain, staged], range(1, 13), states_every=6)
+    assert staged.static_stats()["g"]["eager"] == 12
+    assert max(most) > 8  # some step staged 8 and left the rest to the fill
+    s, want = staged.tier_stats()["g"], plain.tier_stats()["g"]
+    assert s == want
+
+
+def test_static_steps_writing_back_beside_after_eager_steps_and_with_bypassed_rows() -> None:
+    """Staged write-backs where the tables grow first (eager steps on the same cache), and
+    where a step has more rows than lines (bypassed rows, written back by the backward beside
+    the staged victims): HBM_ONLY's results."""
+    hbm = _static_dec(ScoreStrategy.STEP, None, grown=False)
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125, grown=False)
+    _beside(cached, 64)
+    _static_run([hbm, cached], range(1, 13), states_every=6)
+    assert 0 < cached.static_stats()["g"]["eager"] < 12
+    hbm, small = _static_dec(ScoreStrategy.LFU, None), _static_dec(ScoreStrategy.LFU, 0.15625)
+    _beside(small, 64)
+    _static_run([hbm, small], range(1, 13), no_backward=(3, 7), states_every=6)
+    s = small.tier_stats()["g"]
+    assert s["cache_bypassed"] > 0 and s["cache_writebacks"] > 0
+
+
+def test_write_back_beside_refuses_no_staging_rows() -> None:
+    """A staging of no rows is refused, naming the argument."""
+    cache = _static_dec(ScoreStrategy.STEP, 0.3125)._storages[0].payload
+    assert isinstance(cache, RowCache)
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        cache.write_back_beside(0)
+
+
 @pytest.fixture
 def driver_memory() -> Iterator[None]:
     """Host tiers made in the CUDA driver's memory (shared.hashtable.host_memory) meanwhile."""
@@ -398,7 +463,7 @@ def driver_memory() -> Iterator[None]:
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS  # the host tier mapped: the static step's swap runs in the graph
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
-@pytest.mark.parametrize("fill", ["device", "host_node", "device_driver_memory"])
+@pytest.mark.parametrize("fill", ["device", "host_node", "device_driver_memory", "device_beside"])
 def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     strategy: ScoreStrategy, fill: str, request: pytest.FixtureRequest
 ) -> None:
@@ -406,7 +471,9 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     the host tier's swap through UVA, the gather from lines; the backward on lines), step by
     step against HBM_ONLY's captured static step. ``host_node``: the fill's rows moved by the
     host's cores, as a host node of the graph (shared.hashtable.host_node_fill);
-    ``device_driver_memory``: the device's fill over a host tier in the CUDA driver's memory."""
+    ``device_driver_memory``: the device's fill over a host tier in the CUDA driver's memory;
+    ``device_beside``: the device's fill, its write-backs staged and written after the forward
+    on a stream of their own (at most 64 a step: the rest by the fill)."""
     if fill == "host_node" and host_move.unavailable_reason() is not None:
         pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
     if fill == "device_driver_memory":
@@ -419,7 +486,11 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     assert cache.store.memory == want
     if fill == "host_node":
         cache.fill_with_host_node(threads=3)
-    _static_run([hbm, cached], range(1, 13), exact=False)
+    if fill == "device_beside":
+        cache.write_back_beside(64)
+        with pytest.raises(ValueError, match="choose one"):
+            cache.fill_with_host_node(threads=3)
+    _static_run([hbm, cached], range(1, 13), exact=False, states_every=4)
     for dec in (hbm, cached):
         ran = dec.static_stats()["g"]
         assert ran["replays"] == 12 and 0 < ran["captures"] < 12, ran
@@ -431,7 +502,7 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
-@pytest.mark.parametrize("fill", ["device", "host_node"])
+@pytest.mark.parametrize("fill", ["device", "host_node", "device_beside"])
 def test_on_cuda_a_captured_static_prefetch_beside_the_backward_changes_nothing(fill: str) -> None:
     """Each step's prefetch of the next step's rows captured and replayed on the collection's
     side stream, from the end of the step's lookup on, beside its backward (the trainer's
@@ -441,10 +512,12 @@ def test_on_cuda_a_captured_static_prefetch_beside_the_backward_changes_nothing(
         pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
     hbm = _static_dec(ScoreStrategy.STEP, None, "cuda", prefetch=True)
     cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda", prefetch=True)
+    cache = cached._storages[0].payload
+    assert isinstance(cache, RowCache)
     if fill == "host_node":
-        cache = cached._storages[0].payload
-        assert isinstance(cache, RowCache)
         cache.fill_with_host_node(threads=3)
+    if fill == "device_beside":  # the prefetch waits for the step's staged write-backs
+        cache.write_back_beside(64)
     _static_run([hbm, cached], range(1, 13), exact=False, prefetch="before_backward")
     ran = cached.static_stats()["g"]
     assert ran["replays"] == 12 and ran["eager"] == 0 and ran["prefetches"] == 11, ran
@@ -483,17 +556,22 @@ def test_on_cuda_a_captured_static_step_bypasses_rows_past_the_lines() -> None:
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
-@pytest.mark.parametrize("memory", ["register", "driver"])
+@pytest.mark.parametrize("memory", ["register", "driver", "register_beside"])
 def test_on_cuda_eager_steps_while_the_tables_grow_then_captured_ones_share_the_cache(
     memory: str, request: pytest.FixtureRequest
 ) -> None:
     """Growth moves the host tier's rows into new memory of the same kind (``driver``: the
-    CUDA driver's, shared.hashtable.host_memory), then captured steps run on it."""
+    CUDA driver's, shared.hashtable.host_memory), then captured steps run on it;
+    ``register_beside``: their write-backs staged and written beside the step, which the eager
+    steps' and the growth's device calls wait for."""
     if memory == "driver":
         request.getfixturevalue("driver_memory")
     hbm = _static_dec(ScoreStrategy.STEP, None, "cuda", grown=False)
     cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda", grown=False)
-    _static_run([hbm, cached], range(1, 13), exact=False)
+    if memory == "register_beside":
+        _beside(cached, 64)
+        memory = "register"
+    _static_run([hbm, cached], range(1, 13), exact=False, states_every=4)
     for dec in (hbm, cached):
         assert 0 < dec.static_stats()["g"]["replays"] < 12
     cache = cached._storages[0].payload

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call (about 5 minutes) for issue #52's item 1 at dim 16: do the static step's
+# write-backs, staged in the forward and written to the host tier beside the rest of the step
+# (shared/hashtable/write_back_beside.py, bench_tiers --write-back-beside), take their cost off
+# the step? On an H100 (2026-12-07) the 10 % cache's step took 2.12x HBM-only while the cache
+# filled (no victims) and 2.76x once it evicted.
+# 1. the GPU tests of the static cache (write-backs staged and not) and of the graphs fixed
+#    after the 2026-12-07 suite (the host-node prefetch, two models' graphs side by side);
+# 2. bench_tiers at dim 16, 100M rows, static step, 10/50/100 % caches against HBM_ONLY, without
+#    and with --write-back-beside (262,144 staging rows: 32 MiB), each run with its own HBM_ONLY
+#    baseline, 100 warm-up steps (the 10 % cache is full after about 92).
+# Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
+# (`python scripts/gpu_wheels.py` here first). Writes under $OUT: gpu_tests.log,
+# bench_tiers_{fill,beside}.json and .log. ROWS, WARMUP, STEPS and TIERS_TIMEOUT (s a
+# bench_tiers run, default 150) override the sizes; TESTS=0 skips the tests.
+. bench/device_env.sh
+if [ "${TESTS:-1}" != 0 ]; then
+  TESTS="tests/shared/hashtable/test_row_cache_static.py tests/shared/hashtable/test_host_store.py tests/serve/test_graphs.py" \
+    TEST_TIMEOUT=120 bash bench/run_gpu_tests.sh
+fi
+for variant in fill beside; do
+  extra=()
+  [ "$variant" = beside ] && extra=(--write-back-beside 262144)
+  timeout "${TIERS_TIMEOUT:-150}" python3 -m bench.bench_tiers --device cuda --dims 16 \
+    --rows "${ROWS:-100000000}" --lookups 1000000 --warmup "${WARMUP:-100}" --steps "${STEPS:-20}" \
+    --rounds 1 --static "${extra[@]}" --out "$OUT/bench_tiers_$variant.json" \
+    > "$OUT/bench_tiers_$variant.log" 2>&1
+  echo "bench_tiers ($variant) rc=$?"; grep "round 0" "$OUT/bench_tiers_$variant.log"
+done
