@@ -509,11 +509,10 @@ def main(argv: list[str] | None = None) -> int:
             "and --device cuda"
         )
     host_memory.refuse_off_cuda(args.host_memory, args.device, "bench_tiers")
-    if args.write_back_beside is not None and (not args.static or args.host_node):
+    if args.write_back_beside is not None and not args.static:
         raise ValueError(
             f"bench_tiers: --write-back-beside {args.write_back_beside} stages the static "
-            "step's write-backs: give it with --static, and not with --host-node (whose cores "
-            "write them back)"
+            "step's write-backs: give it with --static"
         )
     if args.host_node_threads is not None and (not args.host_node or args.host_node_threads < 1):
         raise ValueError(

@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# One device call (about 5 minutes) for issue #52's item 1 at dim 16: do the static step's
+# One device call (about 6 minutes) for issue #52's item 1 at dim 16: do the static step's
 # write-backs, staged in the forward and written to the host tier beside the rest of the step
 # (shared/hashtable/write_back_beside.py, bench_tiers --write-back-beside), take their cost off
 # the step? On an H100 (2026-12-07) the 10 % cache's step took 2.12x HBM-only while the cache
 # filled (no victims) and 2.76x once it evicted.
 # 1. the GPU tests of the static cache (write-backs staged and not) and of the graphs fixed
 #    after the 2026-12-07 suite (the host-node prefetch, two models' graphs side by side);
-# 2. bench_tiers at dim 16, 100M rows, static step, 10/50/100 % caches against HBM_ONLY, without
-#    and with --write-back-beside (262,144 staging rows: 32 MiB), each run with its own HBM_ONLY
+# 2. bench_tiers at dim 16, 100M rows, static step, 10/50/100 % caches against HBM_ONLY: the fill
+#    as today (fill), with --write-back-beside (262,144 staging rows: 32 MiB; beside), and with
+#    the host-node fill reading the rows too (node_beside), each run with its own HBM_ONLY
 #    baseline, 100 warm-up steps (the 10 % cache is full after about 92).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: gpu_tests.log,
-# bench_tiers_{fill,beside}.json and .log. ROWS, WARMUP, STEPS and TIERS_TIMEOUT (s a
-# bench_tiers run, default 150) override the sizes; TESTS=0 skips the tests.
+# bench_tiers_{fill,beside,node_beside}.json and .log (7 files). VARIANTS picks some; ROWS,
+# WARMUP, STEPS and TIERS_TIMEOUT (s a bench_tiers run, default 150) override the sizes; TESTS=0
+# skips the tests.
 . bench/device_env.sh
 if [ "${TESTS:-1}" != 0 ]; then
   TESTS="tests/shared/hashtable/test_row_cache_static.py tests/shared/hashtable/test_host_store.py tests/serve/test_graphs.py" \
     TEST_TIMEOUT=120 bash bench/run_gpu_tests.sh
 fi
-for variant in fill beside; do
-  extra=()
-  [ "$variant" = beside ] && extra=(--write-back-beside 262144)
+for variant in ${VARIANTS:-fill beside node_beside}; do
+  case "$variant" in
+    fill) extra=() ;;
+    beside) extra=(--write-back-beside 262144) ;;
+    node_beside) extra=(--host-node --write-back-beside 262144) ;;
+    *) echo "unknown variant $variant (fill, beside, node_beside)"; exit 2 ;;
+  esac
   timeout "${TIERS_TIMEOUT:-150}" python3 -m bench.bench_tiers --device cuda --dims 16 \
     --rows "${ROWS:-100000000}" --lookups 1000000 --warmup "${WARMUP:-100}" --steps "${STEPS:-20}" \
     --rounds 1 --static "${extra[@]}" --out "$OUT/bench_tiers_$variant.json" \

@@ -59,11 +59,6 @@ class StaticCacheLines(CacheLines):
                 "fill_with_host_node: the host-node fill needs a CUDA storage whose host tier "
                 "is mapped (the static step's in-place fill)"
             )
-        if self._beside is not None:
-            raise ValueError(
-                "fill_with_host_node: the write-backs are staged beside the step "
-                "(write_back_beside); the host node writes them back itself: choose one"
-            )
         assert isinstance(self.store, TensorHostStore)
         cores = threads if threads is not None else len(os.sched_getaffinity(0))
         self._host_node = HostNodeFill(self.store, self.dim, cores)
@@ -72,14 +67,10 @@ class StaticCacheLines(CacheLines):
         """From now on the static step's fill stages the payload of its dirty victims (up to
         ``rows`` a step; the others as before) and they are written to the host tier after the
         forward, on a stream of their own, beside the rest of the step
-        (:mod:`shared.hashtable.write_back_beside`), instead of by the fill on the step's path.
-        On CUDA it needs the mapped host tier of the in-place fill, and not the host-node fill
-        (whose cores write the victims back); the step captures its graphs again."""
-        if self._host_node is not None:
-            raise ValueError(
-                "write_back_beside: the fill goes through a host node (fill_with_host_node), "
-                "whose cores write the victims back: choose one"
-            )
+        (:mod:`shared.hashtable.write_back_beside`), instead of by the fill on the step's path
+        (with the host-node fill, :meth:`fill_with_host_node`, its cores then only read). On
+        CUDA it needs the mapped host tier of the in-place fill; the step captures its graphs
+        again."""
         self._beside = WriteBackBeside(self.store, self.dim, rows, self.values.device)
 
     def why_not_static(self) -> str | None:

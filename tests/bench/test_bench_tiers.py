@@ -81,14 +81,10 @@ def test_bench_tiers_write_back_beside_stages_the_write_backs_and_changes_no_row
     assert got["cache_10"]["per_step"]["writebacks"] > 0
 
 
-def test_write_back_beside_is_refused_off_the_static_step_or_with_the_host_node(
-    tmp_path: Path,
-) -> None:
+def test_write_back_beside_is_refused_off_the_static_step(tmp_path: Path) -> None:
     out = ["--out", str(tmp_path / "x.json"), "--write-back-beside", "64"]
     with pytest.raises(ValueError, match="give it with --static"):
         bench_tiers.main(out)
-    with pytest.raises(ValueError, match="not with --host-node"):
-        bench_tiers.main([*out, "--static", "--host-node", "--device", "cuda"])
 
 
 def test_bench_tiers_prefetch_brings_each_next_batchs_rows(tmp_path: Path) -> None:

@@ -463,7 +463,9 @@ def driver_memory() -> Iterator[None]:
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS  # the host tier mapped: the static step's swap runs in the graph
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
-@pytest.mark.parametrize("fill", ["device", "host_node", "device_driver_memory", "device_beside"])
+@pytest.mark.parametrize(
+    "fill", ["device", "host_node", "device_driver_memory", "device_beside", "host_node_beside"]
+)
 def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     strategy: ScoreStrategy, fill: str, request: pytest.FixtureRequest
 ) -> None:
@@ -473,8 +475,9 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     host's cores, as a host node of the graph (shared.hashtable.host_node_fill);
     ``device_driver_memory``: the device's fill over a host tier in the CUDA driver's memory;
     ``device_beside``: the device's fill, its write-backs staged and written after the forward
-    on a stream of their own (at most 64 a step: the rest by the fill)."""
-    if fill == "host_node" and host_move.unavailable_reason() is not None:
+    on a stream of their own (at most 64 a step: the rest by the fill); ``host_node_beside``:
+    both, the host node's cores then reading rows and writing back only the rest."""
+    if fill.startswith("host_node") and host_move.unavailable_reason() is not None:
         pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
     if fill == "device_driver_memory":
         request.getfixturevalue("driver_memory")
@@ -484,12 +487,10 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     assert cache.store.mapped and cache.why_not_static() is None
     want = "driver" if fill == "device_driver_memory" else "register"
     assert cache.store.memory == want
-    if fill == "host_node":
+    if fill.startswith("host_node"):
         cache.fill_with_host_node(threads=3)
-    if fill == "device_beside":
+    if fill.endswith("beside"):
         cache.write_back_beside(64)
-        with pytest.raises(ValueError, match="choose one"):
-            cache.fill_with_host_node(threads=3)
     _static_run([hbm, cached], range(1, 13), exact=False, states_every=4)
     for dec in (hbm, cached):
         ran = dec.static_stats()["g"]
