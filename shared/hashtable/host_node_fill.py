@@ -60,11 +60,12 @@ class HostNodeFill:
         while the step's graph was queued: the host node read the freed parameters, a
         segmentation fault)."""
         width = 2 * self.dim
-        rows = self.store.rows
         grows = positions > self.positions
-        if not grows and self._move is not None and self._move.params.host == rows.data_ptr():
+        # the rows' address without waiting for the device (store.rows would: a sync a step)
+        if not grows and self._move is not None and self._move.params.host == self.store.address:
             return
         torch.cuda.synchronize(device)  # before the old arrays and mover go (docstring)
+        rows = self.store.rows
         if grows:
             self._pinned = {
                 "staging_in": torch.empty(positions, width, pin_memory=True),

@@ -164,6 +164,12 @@ class TensorHostStore:
         self._wait()
         return self._rows
 
+    @property
+    def address(self) -> int:
+        """The rows' host address, without waiting for the device (:attr:`rows` waits): it
+        changes only when the rows move (growth)."""
+        return int(self._rows.data_ptr())
+
     def device_pointer(self) -> int:
         """The address a CUDA kernel reads the rows at (a store made with ``mapped``; another
         one after growth, which replaces the rows): the device pointer
