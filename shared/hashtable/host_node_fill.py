@@ -81,7 +81,7 @@ class HostNodeFill:
 
     def key(self) -> tuple[int, ...]:
         """The addresses a captured fill reads and writes (the step compares them)."""
-        return (*(t.data_ptr() for t in self._pinned.values()), self.store.rows.data_ptr())
+        return (*(t.data_ptr() for t in self._pinned.values()), self.store.address)
 
     def fill(
         self,
