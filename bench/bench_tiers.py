@@ -56,6 +56,9 @@ a file a variant (8 at two dims) with the JSON and logs passed that (2026-12-07:
 
 Each variant's log line (stderr) carries its step ms and, for a cache, the hit rate and host
 rows read and written a step, so the log alone holds the figures if the JSON does not come back.
+A cache whose timed steps did not all evict (its lines filled up during them: too few warm-up
+steps for the steady state, where each step writes victims back) says so in its line and in
+the JSON (``evicting_steps``, ``step_ms_median_evicting``).
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class StepTimes:
     seconds: list[float]  # each timed step's wall time, up to a device sync
     hit_rate: float  # rows of the forward lookups found in a cache line / rows they touched
     per_step: dict[str, float]  # COUNTERS a step (both calls of a step)
+    evicting: list[bool]  # each timed step: whether a cache line was evicted in it
 
 
 def time_steps(
@@ -157,6 +161,7 @@ def time_steps(
     times: list[float] = []
     fwd_hits = fwd_rows = 0.0  # rows of the timed forward lookups: found in a line, and all
     totals: dict[str, float] = {}  # per-step cache counters of the timed steps (both calls)
+    evicting: list[bool] = []
     for i, batch in enumerate(batches):
         s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
         _sync(device)
@@ -174,8 +179,22 @@ def time_steps(
             fwd_rows += sum(s2[k] - s0[k] for k in ("cache_hits", "cache_misses", "cache_bypassed"))
         for k in COUNTERS:
             totals[k] = totals.get(k, 0.0) + s2.get(f"cache_{k}", 0.0) - s0.get(f"cache_{k}", 0.0)
+        evicting.append(s2.get("cache_evictions", 0.0) > s0.get("cache_evictions", 0.0))
     per_step = {k: round(v / max(1, len(times)), 1) for k, v in totals.items()}
-    return StepTimes(times, fwd_hits / fwd_rows if fwd_rows else 0.0, per_step)
+    return StepTimes(times, fwd_hits / fwd_rows if fwd_rows else 0.0, per_step, evicting)
+
+
+def filling(seconds: list[float], evicting: list[bool]) -> dict[str, Any]:
+    """``evicting_steps``: how many timed steps evicted a line; where only some did (the cache
+    filled up during the timed steps: not yet the steady state, whose steps write victims
+    back), also ``step_ms_median_evicting``, the median of those that did (on an H100,
+    2026-12-07, 60 warm-up steps at item 1's 10 % cache timed 8.0 ms steps before and 10.5 ms
+    after the lines were full)."""
+    out: dict[str, Any] = {"evicting_steps": sum(evicting)}
+    if 0 < sum(evicting) < len(evicting):
+        kept = [t for t, e in zip(seconds, evicting, strict=True) if e]
+        out["step_ms_median_evicting"] = statistics.median(kept) * 1e3
+    return out
 
 
 def host_rows(per_step: dict[str, float]) -> dict[str, float]:
@@ -199,12 +218,19 @@ def log_line(dim: int, r: int, name: str, res: dict[str, Any], static: bool) -> 
         return line
     c, rows = res["per_step"], res["host_rows"]
     at_most = "" if static else "<= "
-    return (
+    line = (
         f"{line}, hit rate {res['hit_rate']:.3f}, host rows a step: read {rows['read']:.0f} "
         f"(misses {c['misses']:.0f} + bypassed {c['bypassed']:.0f}), written {at_most}"
         f"{rows['written']:.0f} (write-backs {c['writebacks']:.0f} + bypassed "
         f"{c['bypassed']:.0f}), evictions {c['evictions']:.0f}"
     )
+    if "step_ms_median_evicting" in res:
+        line += (
+            f"; only {res['evicting_steps']} of {len(res['step_ms'])} timed steps evicted (the "
+            f"cache filled during them; those {res['step_ms_median_evicting']:.2f} ms): raise "
+            "--warmup for the steady state"
+        )
+    return line
 
 
 @dataclass(frozen=True)
@@ -272,6 +298,7 @@ def run_variant(
         result["hit_rate"] = steps.hit_rate
         result["per_step"] = steps.per_step
         result["host_rows"] = host_rows(steps.per_step)
+        result.update(filling(times, steps.evicting))
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     del dec

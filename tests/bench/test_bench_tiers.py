@@ -147,3 +147,13 @@ def test_host_node_threads_are_refused_without_the_host_node_or_below_one(tmp_pa
     cuda = ["--static", "--device", "cuda", "--host-node"]
     with pytest.raises(ValueError, match="--host-node-threads 0: give a count >= 1"):
         bench_tiers.main([*out, *cuda, "--host-node-threads", "0"])
+
+
+def test_a_cache_that_filled_during_the_timed_steps_is_told_apart() -> None:
+    """Timed steps of which only some evicted (the cache filled during them) get the median of
+    those that did beside the count; steps that all evicted (the steady state) only the count."""
+    got = bench_tiers.filling([0.008, 0.0105, 0.0104, 0.008], [False, True, True, False])
+    assert got["evicting_steps"] == 2
+    assert got["step_ms_median_evicting"] == pytest.approx(10.45)
+    assert bench_tiers.filling([0.01, 0.01], [True, True]) == {"evicting_steps": 2}
+    assert bench_tiers.filling([0.01], [False]) == {"evicting_steps": 0}
