@@ -20,8 +20,11 @@ shapes and one stream, all inside the step's graph:
 The lines end as :meth:`StaticCacheLines._fill_slots`' device fill leaves them, bit for bit (rows
 are copied, never computed). The pinned arrays are sized for the step's padded positions
 (:meth:`HostNodeFill.ready`, called before any capture); where they or the tier move, the step
-captures its graphs again (their addresses are in :meth:`HostNodeFill.key`). Not yet run on a
-card (2026-12-07): ``bench/bench_host_node.py`` measures the host node first.
+captures its graphs again (their addresses are in :meth:`HostNodeFill.key`). On an H100
+(2026-12-07, ``bench_tiers --host-node``) it took item 1's step at a 10 % cache from 2.80x to
+2.46x HBM-only, its steps varying from 8.1 to 11.6 ms (``docs/performance.md``); its thread pool
+and the end of two device syncs a step (:meth:`ready` and :meth:`key` read ``store.rows``) came
+after and are not yet measured.
 """
 
 from __future__ import annotations
