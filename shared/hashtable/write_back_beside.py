@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.cuda_capture import capture_streams
 from shared.hashtable.host_store import HostStore, TensorHostStore
 
 
@@ -52,7 +53,9 @@ class WriteBackBeside:
         # positions not staged write to (its row stays -1)
         self.rows = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)
         self.payload = torch.zeros(rows + 1, 2 * dim, dtype=torch.float32, device=device)
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # a stream no capture takes while this lives (shared.cuda_capture: torch hands streams
+        # out of a pool, and a graph captured on this one would take the flush's launch into it)
+        self._stream = capture_streams(device).take(self) if device.type == "cuda" else None
 
     def key(self) -> tuple[int, ...]:
         """The addresses a captured forward writes (the step compares them)."""
