@@ -22,9 +22,10 @@ are copied, never computed). The pinned arrays are sized for the step's padded p
 (:meth:`HostNodeFill.ready`, called before any capture); where they or the tier move, the step
 captures its graphs again (their addresses are in :meth:`HostNodeFill.key`). On an H100
 (2026-12-07, ``bench_tiers --host-node``) it took item 1's step at a 10 % cache from 2.80x to
-2.46x HBM-only, its steps varying from 8.1 to 11.6 ms (``docs/performance.md``); its thread pool
-and the end of two device syncs a step (:meth:`ready` and :meth:`key` read ``store.rows``) came
-after and are not yet measured.
+2.46x HBM-only, its steps varying from 8.1 to 11.6 ms (``docs/performance.md``). Two changes
+came after it and are not yet measured: the native mover's thread pool, and no device sync in
+:meth:`ready` and :meth:`key` (they read ``store.rows``, which waits for the device, at every
+step until 2026-12-08; they compare ``store.address`` now).
 """
 
 from __future__ import annotations
