@@ -66,7 +66,7 @@ class HostNodeFill:
         width = 2 * self.dim
         grows = positions > self.positions
         # the rows' address without waiting for the device (store.rows would: a sync a step)
-        if not grows and self._move is not None and self._move.params.host == self.store.address:
+        if self.fits(positions):
             return
         torch.cuda.synchronize(device)  # before the old arrays and mover go (docstring)
         rows = self.store.rows
@@ -82,6 +82,15 @@ class HostNodeFill:
         b = self._pinned
         self._move = host_move.HostMove(rows, b["back_ids"], b["staging_out"], b["read_ids"],
                                         b["staging_in"], b["counts"], threads=self.threads)  # fmt: skip
+
+    def fits(self, positions: int) -> bool:
+        """Whether a fill of ``positions`` positions may run on the pinned arrays and mover as
+        they are (no :meth:`ready` needed: nothing moves)."""
+        return (
+            positions <= self.positions
+            and self._move is not None
+            and self._move.params.host == self.store.address
+        )
 
     def key(self) -> tuple[int, ...]:
         """The addresses a captured fill reads and writes (the step compares them)."""

@@ -48,6 +48,7 @@ class StaticCacheLines(CacheLines):
 
     _host_node: HostNodeFill | None = None  # the fill through a host node (opt-in)
     _beside: WriteBackBeside | None = None  # the write-backs staged, then written beside (opt-in)
+    _node_wanted = 0  # the largest prefetch the host-node fill turned away (static_began sizes)
 
     def fill_with_host_node(self, threads: int | None = None) -> None:
         """From now on the static step's fill moves the rows with the host's cores, as a host
@@ -95,8 +96,8 @@ class StaticCacheLines(CacheLines):
         self.store.used_by_device(self.values.device)
         if padded - self.lines > self._staged:
             self._stage(max(padded - self.lines, 2 * self._staged))
-        if self._host_node is not None:
-            self._host_node.ready(padded, self.values.device)
+        if self._host_node is not None:  # sized for the prefetches turned away too
+            self._host_node.ready(max(padded, self._node_wanted), self.values.device)
         return self._version
 
     def _stage(self, n: int) -> None:
@@ -124,14 +125,18 @@ class StaticCacheLines(CacheLines):
         prefetch could read beside it), nor for more rows than lines."""
         if max(padded, self._last_padded) > self.lines:
             return False
+        if self._host_node is not None and not self._host_node.fits(padded):
+            # its arrays would move now, and with them the step's graphs, whose backward is
+            # still to come (it would find its graphs gone): this prefetch is left out (the
+            # step reads its rows itself), the next step makes them ready for its size
+            self._node_wanted = max(self._node_wanted, padded)
+            return False
         if self._beside is not None:
             self._beside.join()  # the step's write-backs land before the prefetch's fill
         self._version += 1  # eager lookups' lines may be taken ...
         self._prefetch_bumps += 1  # ... but never the static step's (static_version)
         self._fresh = self.lines
         self.store.used_by_device(self.values.device)
-        if self._host_node is not None:
-            self._host_node.ready(padded, self.values.device)
         return True
 
     def static_prefetch(self, rows: torch.Tensor) -> None:
