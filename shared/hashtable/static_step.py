@@ -460,7 +460,9 @@ class StaticStep:
         counter = storage.counter
         self.counter_counts = None if counter is None else DeviceCounts(counter.table)
         self.errors = torch.zeros(2, dtype=torch.bool, device=storage.device)  # StaticPlan.errors
-        self.stats = {"captures": 0, "replays": 0, "eager": 0, "prefetches": 0}
+        # prefetches_left_out: those the payload said not now to (static_prefetch_began)
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "prefetches": 0,
+                      "prefetches_left_out": 0}  # fmt: skip
         self._lookups = 0
         pin = storage.device.type == "cuda"
         self._flags_host = torch.zeros(2, dtype=torch.bool, pin_memory=pin)  # _check_later's
@@ -538,6 +540,7 @@ class StaticStep:
         if n == 0 or self.why_not() is not None or self.prefetch_failed is not None:
             return False
         if not st.payload.static_prefetch_began(size):
+            self.stats["prefetches_left_out"] += 1
             return False
         self._check_arrays()
         ahead = self._ahead.get(size)

@@ -164,7 +164,7 @@ def test_the_static_step_on_a_cache_equals_it_on_hbm_only(strategy: ScoreStrateg
     _static_run([hbm, cached], range(1, 13), states_every=4)
     for dec in (hbm, cached):  # every step took the static path
         assert dec.static_stats()["g"] == {"captures": 0, "replays": 0, "eager": 12,
-                                           "prefetches": 0}  # fmt: skip
+                                           "prefetches": 0, "prefetches_left_out": 0}  # fmt: skip
     s = cached.tier_stats()["g"]
     assert s["cache_hits"] > 0 and s["cache_misses"] > 0 and s["cache_created"] > 0
     assert s["cache_evictions"] > 0 and s["cache_writebacks"] > 0 and s["cache_bypassed"] == 0
@@ -521,7 +521,11 @@ def test_on_cuda_a_captured_static_prefetch_beside_the_backward_changes_nothing(
         cache.write_back_beside(64)
     _static_run([hbm, cached], range(1, 13), exact=False, prefetch="before_backward")
     ran = cached.static_stats()["g"]
-    assert ran["replays"] == 12 and ran["eager"] == 0 and ran["prefetches"] == 11, ran
+    assert ran["replays"] == 12 and ran["eager"] == 0, ran
+    # the host node's arrays are sized by the steps: a prefetch larger than every step so far
+    # is left out (its rows read by its step), and the next step makes them ready for it
+    left_out = 0 if fill != "host_node" else ran["prefetches_left_out"]
+    assert ran["prefetches"] == 11 - left_out and ran["prefetches_left_out"] == left_out, ran
     assert cached._ahead is not None  # the side stream ran them
     s = cached.tier_stats()["g"]
     assert s["cache_prefetched"] > 0 and s["cache_bypassed"] == 0
