@@ -239,18 +239,20 @@ class StepPath:
     with ``prefetch``, its prefetch of the next batch on), and for a cache the fill through a
     host node (``host_node``: ``StaticCacheLines.fill_with_host_node`` on ``threads`` host
     threads; None: the process's cores) or its write-backs staged and written beside the step
-    (``write_back_rows``: ``StaticCacheLines.write_back_beside``, that many staging rows)."""
+    (``write_back_rows``: ``StaticCacheLines.write_back_beside``, that many staging rows;
+    ``write_back_cores``: written by that many host threads, else by the device)."""
 
     static: bool = False
     host_node: bool = False
     threads: int | None = None
     prefetch: bool = False
     write_back_rows: int | None = None
+    write_back_cores: int | None = None
 
     @classmethod
     def of(cls, args: Any) -> StepPath:
         return cls(args.static, args.host_node, args.host_node_threads, args.prefetch,
-                   args.write_back_beside)  # fmt: skip
+                   args.write_back_beside, args.write_back_cores)  # fmt: skip
 
     def apply(self, dec: DynamicEmbeddingCollection) -> None:
         if self.static:
@@ -260,7 +262,7 @@ class StepPath:
             if self.host_node and hasattr(cache, "fill_with_host_node"):
                 cache.fill_with_host_node(self.threads)
             if self.write_back_rows is not None and hasattr(cache, "write_back_beside"):
-                cache.write_back_beside(self.write_back_rows)
+                cache.write_back_beside(self.write_back_rows, self.write_back_cores)
 
 
 def run_variant(
@@ -401,6 +403,7 @@ def run(args: Any) -> dict[str, Any]:
         "host_node_threads": args.host_node_threads,
         "prefetch": args.prefetch,
         "write_back_beside": args.write_back_beside,
+        "write_back_cores": args.write_back_cores,
         "host_memory": args.host_memory,
         "load": LOAD,
         "dims": {},
@@ -513,6 +516,11 @@ def _parser() -> Parser:
         "(shared.hashtable.write_back_beside), not by the fill",
     )  # fmt: skip
     p.add_argument(
+        "--write-back-cores", type=int, default=None, metavar="N",
+        help="with --write-back-beside: N host threads write the staged rows into the host "
+        "tier (a host function on the flush's stream), not the device's scatter",
+    )  # fmt: skip
+    p.add_argument(
         "--host-memory", choices=host_memory.KINDS, default="register",
         help="how the caches' host tiers are made on CUDA (shared.hashtable.host_memory): "
         "page-locked by cudaHostRegister, or the CUDA driver's cuMemCreate host memory",
@@ -540,6 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(
             f"bench_tiers: --write-back-beside {args.write_back_beside} stages the static "
             "step's write-backs: give it with --static"
+        )
+    if args.write_back_cores is not None and (
+        args.write_back_beside is None or args.write_back_cores < 1
+    ):
+        raise ValueError(
+            f"bench_tiers: --write-back-cores {args.write_back_cores} is the host threads that "
+            "write --write-back-beside's staged rows: give it with --write-back-beside, >= 1"
         )
     if args.host_node_threads is not None and (not args.host_node or args.host_node_threads < 1):
         raise ValueError(

@@ -7,11 +7,13 @@
 # for it. Failures and errors are summarized at the end (-rfE), with the 20 slowest tests.
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes $OUT/gpu_tests.log.
-# TEST_TIMEOUT (s, default 400) caps the call; TESTS (default "tests") picks the paths.
+# TEST_TIMEOUT (s, default 400) caps the call; TESTS (default "tests") picks the paths, TESTS_K
+# (pytest -k) the tests by name.
 . bench/device_env.sh
 # shellcheck disable=SC2086  # TESTS is a list of paths
 timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -m gpu -v -rfE \
-  --durations=20 -o faulthandler_timeout="${FAULT_S:-120}" ${TESTS:-tests} > "$OUT/gpu_tests.log" 2>&1
+  --durations=20 -o faulthandler_timeout="${FAULT_S:-120}" ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests} \
+  > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"
 grep -E "^(FAILED|ERROR)|Timeout|passed|failed" "$OUT/gpu_tests.log" | tail -30
 tail -1 "$OUT/gpu_tests.log"

@@ -7,25 +7,32 @@
 # 1. the GPU tests of the static cache (write-backs staged and not) and of the graphs fixed
 #    after the 2026-12-07 suite (the host-node prefetch, two models' graphs side by side);
 # 2. bench_tiers at dim 16, 100M rows, static step, 10/50/100 % caches against HBM_ONLY: the fill
-#    as today (fill), with --write-back-beside (262,144 staging rows: 32 MiB; beside), and with
-#    the host-node fill reading the rows too (node_beside), each run with its own HBM_ONLY
+#    as today (fill), with --write-back-beside (262,144 staging rows: 32 MiB) written by the
+#    device (beside) or by CORES host threads (cores_beside), and with the host-node fill
+#    reading the rows too (node_beside, node_cores_beside), each run with its own HBM_ONLY
 #    baseline, 100 warm-up steps (the 10 % cache is full after about 92).
 # Run from the repo root on the GPU machine with $OUT set and `carry: [".whl"]`
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: gpu_tests.log,
-# bench_tiers_{fill,beside,node_beside}.json and .log (7 files). VARIANTS picks some; ROWS,
+# bench_tiers_$VARIANT.json and .log (7 files for three variants). VARIANTS picks some; ROWS,
 # WARMUP, STEPS and TIERS_TIMEOUT (s a bench_tiers run, default 150) override the sizes; TESTS=0
-# skips the tests.
+# skips the tests, TESTS_K picks some by name (pytest -k).
+# 2026-12-08 (H100): beside (the device's scatter on a stream of its own) was slower than the
+# fill's own write-backs (11.88 against 10.67 ms), so the default variants now are fill,
+# cores_beside (the staged rows written by CORES host threads, default 8: --write-back-cores)
+# and node_cores_beside (with the host-node fill's reads).
 . bench/device_env.sh
 if [ "${TESTS:-1}" != 0 ]; then
   TESTS="tests/shared/hashtable/test_row_cache_static.py tests/shared/hashtable/test_host_store.py tests/serve/test_graphs.py" \
     TEST_TIMEOUT=120 bash bench/run_gpu_tests.sh
 fi
-for variant in ${VARIANTS:-fill beside node_beside}; do
+for variant in ${VARIANTS:-fill cores_beside node_cores_beside}; do
   case "$variant" in
     fill) extra=() ;;
     beside) extra=(--write-back-beside 262144) ;;
     node_beside) extra=(--host-node --write-back-beside 262144) ;;
-    *) echo "unknown variant $variant (fill, beside, node_beside)"; exit 2 ;;
+    cores_beside) extra=(--write-back-beside 262144 --write-back-cores "${CORES:-8}") ;;
+    node_cores_beside) extra=(--host-node --write-back-beside 262144 --write-back-cores "${CORES:-8}") ;;
+    *) echo "unknown variant $variant (fill, beside, node_beside, cores_beside, node_cores_beside)"; exit 2 ;;
   esac
   timeout "${TIERS_TIMEOUT:-150}" python3 -m bench.bench_tiers --device cuda --dims 16 \
     --rows "${ROWS:-100000000}" --lookups 1000000 --warmup "${WARMUP:-100}" --steps "${STEPS:-20}" \

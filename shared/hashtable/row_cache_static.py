@@ -64,15 +64,16 @@ class StaticCacheLines(CacheLines):
         cores = threads if threads is not None else len(os.sched_getaffinity(0))
         self._host_node = HostNodeFill(self.store, self.dim, cores)
 
-    def write_back_beside(self, rows: int = WRITE_BACK_ROWS) -> None:
+    def write_back_beside(self, rows: int = WRITE_BACK_ROWS, cores: int | None = None) -> None:
         """From now on the static step's fill stages the payload of its dirty victims (up to
         ``rows`` a step; the others as before) and they are written to the host tier after the
         forward, on a stream of their own, beside the rest of the step
         (:mod:`shared.hashtable.write_back_beside`), instead of by the fill on the step's path
-        (with the host-node fill, :meth:`fill_with_host_node`, its cores then only read). On
+        (with the host-node fill, :meth:`fill_with_host_node`, its cores then only read): by
+        the device, or given ``cores``, by that many host threads (a C compiler needed). On
         CUDA it needs the mapped host tier of the in-place fill; the step captures its graphs
         again."""
-        self._beside = WriteBackBeside(self.store, self.dim, rows, self.values.device)
+        self._beside = WriteBackBeside(self.store, self.dim, rows, self.values.device, cores)
 
     def why_not_static(self) -> str | None:
         """Why the static step cannot take this cache (None: it can): the host tier must be

@@ -22,6 +22,17 @@ prefetch (their ``began``, before their graphs), the store's eager device paths 
 stream) and its CPU paths (the whole device). The staging rows are written again only by the
 next step's forward, after that wait.
 
+Who writes the staged rows is chosen here, once (``cores``): the device, one scatter kernel of
+UVA writes to random host rows (the default), or the host's cores (``cores`` threads): on CUDA
+the staged rows are copied to pinned rows in address order (the device's fast case) and a host
+function on the same stream scatters them into the tier with the native mover
+(:mod:`shared.hashtable.host_move`); on the CPU the same native code runs at once. Why the
+cores: on an H100 (2026-12-08, ``bench/results/bench_tiers_write_back_*_s39_h100.json``) the
+device's scatter beside the step made item 1's step slower, not faster (11.88 ms against the
+fill's own write-backs' 10.67 ms): the device pays per random host row whichever stream writes
+it, while the cores scatter rows at 100M+ a second and leave the device's host accesses to the
+misses' reads.
+
 Nothing the step computes changes: the rows written back, the evictions and their counts are
 the same, in the same step; only when the host rows land moves. Bit for bit on CPU against the
 fill's own write-backs (``tests/shared/hashtable/test_row_cache_static.py``).
@@ -32,17 +43,58 @@ from __future__ import annotations
 import torch
 
 from shared.cuda_capture import capture_streams
+from shared.hashtable import host_move
 from shared.hashtable.host_store import HostStore, TensorHostStore
+
+
+class _ByCores:
+    """The staged rows written into ``store`` by ``threads`` host threads (module doc): pinned
+    copies of the staged rows and their tier rows (pinned on CUDA), and the native mover over
+    them and the tier where it is now."""
+
+    def __init__(self, store: TensorHostStore, width: int, rows: int, threads: int,
+                 pin: bool) -> None:  # fmt: skip
+        why = host_move.unavailable_reason()
+        if why is not None:
+            raise RuntimeError(f"write_back_beside: the host's cores cannot write back: {why}")
+        self.store, self.threads = store, threads
+        self.out = torch.zeros(rows, width, pin_memory=pin)
+        self.back = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        self.counts = torch.zeros(2, dtype=torch.int64, pin_memory=pin)  # [written, read: 0]
+        self._no_reads = (torch.zeros(1, dtype=torch.int64, pin_memory=pin),
+                          torch.zeros(1, width, pin_memory=pin))  # fmt: skip
+        self._move: host_move.HostMove | None = None
+
+    def moved(self) -> bool:
+        """Whether the tier's rows moved since the mover was made (growth)."""
+        return self._move is not None and self._move.params.host != self.store.address
+
+    def mover(self) -> host_move.HostMove:
+        """The mover over the tier's rows where they are now (made again where they moved:
+        the caller has waited for the last move's host function)."""
+        if self._move is None or self.moved():
+            self._move = host_move.HostMove(self.store.rows, self.back, self.out,
+                                            *self._no_reads, self.counts, threads=self.threads)  # fmt: skip
+        return self._move
 
 
 class WriteBackBeside:
     """Staging for up to ``rows`` write-backs a step of a static cache over ``store`` (rows of
     ``2 * dim`` floats), on ``device``; the staged rows are written to ``store`` by
-    :meth:`flush`, on a stream of its own on CUDA."""
+    :meth:`flush`, on a stream of its own on CUDA, by the device or, given ``cores``, by that
+    many host threads (module doc)."""
 
-    def __init__(self, store: HostStore, dim: int, rows: int, device: torch.device) -> None:
+    def __init__(
+        self, store: HostStore, dim: int, rows: int, device: torch.device,
+        cores: int | None = None,
+    ) -> None:  # fmt: skip
         if rows < 1:
             raise ValueError(f"write_back_beside: rows must be >= 1 (staging rows), got {rows}")
+        if cores is not None and (cores < 1 or not isinstance(store, TensorHostStore)):
+            raise ValueError(
+                f"write_back_beside: cores must be >= 1 host threads over a host tier of rows "
+                f"in memory (TensorHostStore), got {cores} over {type(store).__name__}"
+            )
         if device.type == "cuda" and not (isinstance(store, TensorHostStore) and store.mapped):
             raise ValueError(
                 "write_back_beside: a CUDA storage's host tier must be mapped (the static "
@@ -56,6 +108,12 @@ class WriteBackBeside:
         # a stream no capture takes while this lives (shared.cuda_capture: torch hands streams
         # out of a pool, and a graph captured on this one would take the flush's launch into it)
         self._stream = capture_streams(device).take(self) if device.type == "cuda" else None
+        self._cores = None
+        if cores is not None:
+            assert isinstance(store, TensorHostStore)
+            self._cores = _ByCores(store, 2 * dim, rows, cores, pin=device.type == "cuda")
+        # the staging rows' positions (the staged rows are their first k: ranks)
+        self._positions = torch.arange(rows, dtype=torch.int64, device=device)
 
     def key(self) -> tuple[int, ...]:
         """The addresses a captured forward writes (the step compares them)."""
@@ -96,20 +154,57 @@ class WriteBackBeside:
         now, beside what follows it), or at once (CPU)."""
         rows, payload = self.rows[: self.capacity], self.payload[: self.capacity]
         if self._stream is None:
-            at = torch.nonzero(rows >= 0).squeeze(1)
-            if at.numel():
-                self.store.write(rows[at], payload[at])
+            self._flush_now(rows, payload)
             return
         from shared.hashtable.cuda import host_rows
 
         assert isinstance(self.store, TensorHostStore)
-        pointer = self.store.device_pointer()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            host_rows.scatter(pointer, rows, payload)  # rows of -1 skipped
+            if self._cores is None:
+                host_rows.scatter(self.store.device_pointer(), rows, payload)  # -1 skipped
+            else:
+                self._by_cores_on_stream(rows, payload)
             done = torch.cuda.Event()
             done.record(self._stream)
         self.store.written_beside(done, self.device)
+
+    def _flush_now(self, rows: torch.Tensor, payload: torch.Tensor) -> None:
+        """The CPU's flush: the staged rows (the first k) written now, by the store or by the
+        cores' native mover."""
+        k = int((rows >= 0).sum())
+        if k == 0:
+            return
+        if self._cores is None:
+            self.store.write(rows[:k], payload[:k])
+            return
+        c = self._cores
+        c.back[:k], c.out[:k] = rows[:k], payload[:k]
+        c.counts[0], c.counts[1] = k, 0
+        c.mover().run()
+
+    def _by_cores_on_stream(self, rows: torch.Tensor, payload: torch.Tensor) -> None:
+        """On the flush stream: the staged rows, their tier rows and their count copied to
+        pinned memory by kernels (writes in address order, only the staged rows), then the
+        cores' scatter into the tier as a host function after them (the stream's later work,
+        and the event that everything touching the tier waits for, wait for it)."""
+        from shared.hashtable.cuda import host_rows
+
+        c = self._cores
+        assert c is not None and self._stream is not None
+        if c.moved():
+            self._stream.synchronize()  # the last move's host function is done with its mover
+        move = c.mover()
+        staged = rows >= 0
+        at = torch.where(staged, self._positions, -1)  # [R] the staged rows' own positions
+        n = self.capacity
+        counts = torch.stack([staged.sum(), torch.zeros_like(at[0])])  # [2] int64
+        # int64 numbers written as pairs of float32 (copied, never computed)
+        host_rows.scatter(c.counts.data_ptr(), self._positions[:1],
+                          counts.view(torch.float32).view(1, 4))  # fmt: skip
+        host_rows.scatter(c.back.data_ptr(), at, rows.view(torch.float32).view(n, 2))
+        host_rows.scatter(c.out.data_ptr(), at, payload)
+        host_move.launch_on_stream(move, self._stream)
 
     def join(self) -> None:
         """The current stream waits for the last :meth:`flush` (on the host, outside any

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_tiers
+from shared.hashtable import host_move
 
 
 def test_bench_tiers_writes_every_variant_with_rows_equal_to_hbm_only(
@@ -63,18 +64,23 @@ def test_bench_tiers_static_runs_every_variant_through_the_static_step(
     assert f"written {rows['written']:.0f} (write-backs" in capsys.readouterr().err  # exact
 
 
+@pytest.mark.parametrize("cores", [None, 2], ids=["by_the_store", "by_2_cores"])
 def test_bench_tiers_write_back_beside_stages_the_write_backs_and_changes_no_row(
-    tmp_path: Path,
+    tmp_path: Path, cores: int | None
 ) -> None:
     """--write-back-beside N: the static step's caches stage their write-backs (N rows a
-    step) and write them after the forward; every cache's rows still equal HBM_ONLY's and the
-    write-backs are counted as without it."""
+    step) and write them after the forward (with --write-back-cores 2: by the native mover on
+    2 threads); every cache's rows still equal HBM_ONLY's and the write-backs are counted as
+    without it."""
+    if cores is not None and host_move.unavailable_reason() is not None:
+        pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
     out = tmp_path / "tiers.json"
     argv = ["--out", str(out), "--rows", "4000", "--lookups", "1500", "--dims", "4",
             "--warmup", "4", "--steps", "2", "--static", "--write-back-beside", "64"]  # fmt: skip
+    argv += [] if cores is None else ["--write-back-cores", str(cores)]
     assert bench_tiers.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["write_back_beside"] == 64
+    assert result["write_back_beside"] == 64 and result["write_back_cores"] == cores
     got = result["dims"]["4"]
     for name in ("cache_10", "cache_50", "cache_100"):
         assert got[name]["equal_to_hbm_only"], name
@@ -84,6 +90,12 @@ def test_bench_tiers_write_back_beside_stages_the_write_backs_and_changes_no_row
 def test_write_back_beside_is_refused_off_the_static_step(tmp_path: Path) -> None:
     out = ["--out", str(tmp_path / "x.json"), "--write-back-beside", "64"]
     with pytest.raises(ValueError, match="give it with --static"):
+        bench_tiers.main(out)
+
+
+def test_write_back_cores_are_refused_without_the_staging(tmp_path: Path) -> None:
+    out = ["--out", str(tmp_path / "x.json"), "--static", "--write-back-cores", "2"]
+    with pytest.raises(ValueError, match="give it with --write-back-beside"):
         bench_tiers.main(out)
 
 

@@ -393,27 +393,31 @@ def test_the_host_node_fill_needs_a_cuda_storage_with_a_mapped_tier() -> None:
         HostNodeFill(TensorHostStore(4, capacity=8, pin=False), 4, threads=2)
 
 
-def _beside(dec: DynamicEmbeddingCollection, rows: int) -> RowCache:
+def _beside(dec: DynamicEmbeddingCollection, rows: int, cores: int | None = None) -> RowCache:
     """The collection's cache, its write-backs staged and written beside the step
-    (``write_back_beside(rows)``)."""
+    (``write_back_beside(rows, cores)``)."""
+    if cores is not None and host_move.unavailable_reason() is not None:
+        pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
     cache = dec._storages[0].payload
     assert isinstance(cache, RowCache)
-    cache.write_back_beside(rows)
+    cache.write_back_beside(rows, cores)
     return cache
 
 
+@pytest.mark.parametrize("cores", [None, 3], ids=["by_the_store", "by_3_cores"])
 @pytest.mark.parametrize("rows", [4096, 8], ids=["all_staged", "most_left_to_the_fill"])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
 def test_static_steps_writing_back_beside_equal_them_on_hbm_only(
-    strategy: ScoreStrategy, rows: int
+    strategy: ScoreStrategy, rows: int, cores: int | None
 ) -> None:
     """The write-backs staged in the forward and written to the host tier after it
     (shared.hashtable.write_back_beside), every one of them or only the first 8 a step (the
-    rest by the fill, as without staging): step by step bit for bit against HBM_ONLY's static
-    step and the cache without staging, the same evictions and write-backs counted."""
+    rest by the fill, as without staging), by the store or by the native mover on 3 threads:
+    step by step bit for bit against HBM_ONLY's static step and the cache without staging, the
+    same evictions and write-backs counted."""
     hbm, plain = _static_dec(strategy, None), _static_dec(strategy, 0.3125)
     staged = _static_dec(strategy, 0.3125)
-    cache = _beside(staged, rows)
+    cache = _beside(staged, rows, cores)
     most = []
     stage = cache._beside.stage  # type: ignore[union-attr]
 
@@ -451,6 +455,8 @@ def test_write_back_beside_refuses_no_staging_rows() -> None:
     assert isinstance(cache, RowCache)
     with pytest.raises(ValueError, match="rows must be >= 1"):
         cache.write_back_beside(0)
+    with pytest.raises(ValueError, match="cores must be >= 1 host threads"):
+        cache.write_back_beside(64, cores=0)
 
 
 @pytest.fixture
@@ -464,8 +470,10 @@ def driver_memory() -> Iterator[None]:
 @NEEDS_CUDA_KERNELS  # the host tier mapped: the static step's swap runs in the graph
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=[s.value for s in STRATEGIES])
 @pytest.mark.parametrize(
-    "fill", ["device", "host_node", "device_driver_memory", "device_beside", "host_node_beside"]
-)
+    "fill",
+    ["device", "host_node", "device_driver_memory", "device_beside", "host_node_beside",
+     "device_cores_beside", "host_node_cores_beside"],
+)  # fmt: skip
 def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     strategy: ScoreStrategy, fill: str, request: pytest.FixtureRequest
 ) -> None:
@@ -476,7 +484,9 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     ``device_driver_memory``: the device's fill over a host tier in the CUDA driver's memory;
     ``device_beside``: the device's fill, its write-backs staged and written after the forward
     on a stream of their own (at most 64 a step: the rest by the fill); ``host_node_beside``:
-    both, the host node's cores then reading rows and writing back only the rest."""
+    both, the host node's cores then reading rows and writing back only the rest;
+    ``*_cores_beside``: the staged rows written by 3 host threads (a host function on the
+    flush's stream), not the device."""
     if fill.startswith("host_node") and host_move.unavailable_reason() is not None:
         pytest.skip(f"the native mover cannot be built here: {host_move.unavailable_reason()}")
     if fill == "device_driver_memory":
@@ -490,7 +500,7 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
     if fill.startswith("host_node"):
         cache.fill_with_host_node(threads=3)
     if fill.endswith("beside"):
-        cache.write_back_beside(64)
+        _beside(cached, 64, 3 if fill.endswith("cores_beside") else None)
     _static_run([hbm, cached], range(1, 13), exact=False, states_every=4)
     for dec in (hbm, cached):
         ran = dec.static_stats()["g"]
@@ -503,7 +513,7 @@ def test_on_cuda_the_captured_static_step_on_a_cache_equals_hbm_only(
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
-@pytest.mark.parametrize("fill", ["device", "host_node", "device_beside"])
+@pytest.mark.parametrize("fill", ["device", "host_node", "device_beside", "cores_beside"])
 def test_on_cuda_a_captured_static_prefetch_beside_the_backward_changes_nothing(fill: str) -> None:
     """Each step's prefetch of the next step's rows captured and replayed on the collection's
     side stream, from the end of the step's lookup on, beside its backward (the trainer's
@@ -517,8 +527,8 @@ def test_on_cuda_a_captured_static_prefetch_beside_the_backward_changes_nothing(
     assert isinstance(cache, RowCache)
     if fill == "host_node":
         cache.fill_with_host_node(threads=3)
-    if fill == "device_beside":  # the prefetch waits for the step's staged write-backs
-        cache.write_back_beside(64)
+    if fill.endswith("beside"):  # the prefetch waits for the step's staged write-backs
+        _beside(cached, 64, 3 if fill == "cores_beside" else None)
     _static_run([hbm, cached], range(1, 13), exact=False, prefetch="before_backward")
     ran = cached.static_stats()["g"]
     assert ran["replays"] == 12 and ran["eager"] == 0, ran
@@ -561,20 +571,21 @@ def test_on_cuda_a_captured_static_step_bypasses_rows_past_the_lines() -> None:
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
-@pytest.mark.parametrize("memory", ["register", "driver", "register_beside"])
+@pytest.mark.parametrize("memory", ["register", "driver", "register_beside", "register_cores"])
 def test_on_cuda_eager_steps_while_the_tables_grow_then_captured_ones_share_the_cache(
     memory: str, request: pytest.FixtureRequest
 ) -> None:
     """Growth moves the host tier's rows into new memory of the same kind (``driver``: the
     CUDA driver's, shared.hashtable.host_memory), then captured steps run on it;
     ``register_beside``: their write-backs staged and written beside the step, which the eager
-    steps' and the growth's device calls wait for."""
+    steps' and the growth's device calls wait for; ``register_cores``: written by 3 host
+    threads (their mover made again over the grown rows)."""
     if memory == "driver":
         request.getfixturevalue("driver_memory")
     hbm = _static_dec(ScoreStrategy.STEP, None, "cuda", grown=False)
     cached = _static_dec(ScoreStrategy.STEP, 0.3125, "cuda", grown=False)
-    if memory == "register_beside":
-        _beside(cached, 64)
+    if memory in ("register_beside", "register_cores"):
+        _beside(cached, 64, 3 if memory == "register_cores" else None)
         memory = "register"
     _static_run([hbm, cached], range(1, 13), exact=False, states_every=4)
     for dec in (hbm, cached):
