@@ -38,6 +38,11 @@ the cold-ids config's end-to-end samples/s at least 1.3M and 0.8x the seed confi
 a step); with ``cached`` beside ``dynamic``, those of issue #52's item 2 (``cached_over_dynamic``:
 end-to-end samples/s at least 0.85x the seed config's, eval AUC within 0.001 of it; and
 ``cached_prefetch_over_dynamic`` likewise).
+``--e2e-rounds N`` runs ``end_to_end`` N times a config, all configs in turn each round (A B
+A B: a host that slows down or speeds up during the run, as on the H100 on 2026-12-08, falls on
+both): ``end_to_end_rounds`` keeps each round's samples/s and AUC (the later rounds' own
+``step_warm`` is not kept), the summary's samples/s is their median, and each ratio the median
+of the rounds' ratios (``*_rounds`` beside it).
 ``--padded-steps N`` also times the seed config's step with tzrec's padded DIN (pad to 100) for N
 steps, as a reference.
 
@@ -68,7 +73,13 @@ from bench.bench_loader import measure as measure_loader
 from bench.goals import check
 from bench.profile_train import batches_needed, device_batches, profile_model
 from bench.py_spy import by_thread, find_py_spy, record_stacks
-from bench.train_cached import CacheCountingTrainer, cache_figures, cached_config, cached_ratios
+from bench.train_cached import (
+    CacheCountingTrainer,
+    cache_figures,
+    cached_config,
+    cached_ratios,
+    e2e_ratio,
+)
 from shared.cli import Parser, plain, run_cli, write_result
 from shared.cli import exit_code as _exit_code
 from shared.config import load_config
@@ -285,7 +296,8 @@ def summary(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         profile = step.get("profile", {})
         out[name] = {
             "batch": entry.get("batch"),
-            "end_to_end_samples_per_s": e2e.get("samples_per_s"),
+            "end_to_end_samples_per_s": _e2e_rate(entry),
+            "end_to_end_rounds": len(entry.get("end_to_end_rounds") or ([e2e] if e2e else [])),
             "samples_per_s_median_window": e2e.get("samples_per_s_median_window"),
             "step_ms": step.get("step_ms_median"),
             "step_samples_per_s": entry["batch"] / step["step_ms_median"] * 1e3
@@ -298,6 +310,22 @@ def summary(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             **_cache_summary(e2e.get("row_cache") or {}, e2e.get("steps")),
         }
     return out
+
+
+def _e2e_rate(entry: dict[str, Any]) -> float | None:
+    """A config's end-to-end samples/s: the median of its rounds (``--e2e-rounds``), else its
+    one run's (None: no end-to-end run)."""
+    rounds = entry.get("end_to_end_rounds")
+    if rounds:
+        return float(statistics.median(r["samples_per_s"] for r in rounds))
+    return entry.get("end_to_end", {}).get("samples_per_s")
+
+
+def _round(e2e: dict[str, Any]) -> dict[str, Any]:
+    """One end-to-end round's figures (``end_to_end_rounds``)."""
+    return {"samples_per_s": e2e["samples_per_s"],
+            "samples_per_s_median_window": e2e.get("samples_per_s_median_window"),
+            "auc": (e2e.get("eval") or {}).get("auc")}  # fmt: skip
 
 
 def _cache_summary(caches: dict[str, dict[str, Any]], steps: int | None) -> dict[str, Any]:
@@ -359,13 +387,11 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             _step(dyn)["step_ms_median"] / _step(base)["step_ms_median"]
         )
         if "end_to_end" in dyn and "end_to_end" in base:
-            out["buckets_e2e_over_dynamic"] = (
-                base["end_to_end"]["samples_per_s"] / dyn["end_to_end"]["samples_per_s"]
-            )
+            out["buckets_e2e_over_dynamic"] = e2e_ratio(base, dyn)[0]
     if dyn:
         busy = _step(dyn).get("profile", {}).get("device_busy_fraction")
         got = {
-            "end_to_end_samples_per_s": dyn.get("end_to_end", {}).get("samples_per_s"),
+            "end_to_end_samples_per_s": _e2e_rate(dyn),
             "dynamic_step_over_buckets": out.get("dynamic_step_over_buckets"),
             "device_busy_fraction": busy,
         }
@@ -380,17 +406,18 @@ def cold_ratios(cold: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
     samples/s, step ms and samples/s of the step (each at its own batch), and the goals of
     :data:`COLD_GOALS`."""
     out: dict[str, Any] = {}
-    e2e = (cold.get("end_to_end", {}).get("samples_per_s"),
-           dyn.get("end_to_end", {}).get("samples_per_s"))  # fmt: skip
-    if None not in e2e:
-        out["end_to_end_samples_per_s"] = e2e[0] / e2e[1]
+    rate, rounds = e2e_ratio(cold, dyn)
+    if rate is not None:
+        out["end_to_end_samples_per_s"] = rate
+    if rounds is not None:
+        out["end_to_end_samples_per_s_rounds"] = rounds
     cs, ds = _step(cold), _step(dyn)
     out["step_ms"] = cs["step_ms_median"] / ds["step_ms_median"]
     out["step_samples_per_s"] = (cold["batch"] / cs["step_ms_median"]) / (
         dyn["batch"] / ds["step_ms_median"]
     )
     got = {
-        "end_to_end_samples_per_s": e2e[0],
+        "end_to_end_samples_per_s": _e2e_rate(cold),
         "end_to_end_over_dynamic": out.get("end_to_end_samples_per_s"),
         "syncs_per_step": cs.get("syncs_per_step"),
     }
@@ -426,6 +453,9 @@ def _parser() -> Parser:
     p.add_argument("--eval-max-batches", type=int, default=None,
                    help="end_to_end: evaluate at most N batches (default: the eval set)")  # fmt: skip
     p.add_argument("--no-end-to-end", action="store_true", help="skip the end_to_end runs")
+    p.add_argument("--e2e-rounds", type=int, default=1, metavar="N",
+                   help="end_to_end N times a config, the configs in turn (A B A B: host noise "
+                   "falls on both); samples/s and ratios are the rounds' medians")  # fmt: skip
     p.add_argument("--static-prefetch", action="store_true",
                    help="CACHING tables (the cached config) prefetch the next batch's rows beside "
                    "the step (train --static-prefetch)")  # fmt: skip
@@ -549,6 +579,9 @@ def run_child_part(args, device: torch.device) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     host_memory.refuse_off_cuda(args.host_memory, args.device, "bench_train")
+    if args.e2e_rounds < 1 or (args.e2e_rounds > 1 and args.no_end_to_end):
+        raise SystemExit(f"error: --e2e-rounds {args.e2e_rounds}: rounds of the end_to_end "
+                         "runs must be >= 1, and without --no-end-to-end")  # fmt: skip
     device = torch.device(args.device)
     if args.child is not None:
         if args.samples is None or args.child_out is None:
@@ -587,6 +620,15 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)  # fmt: skip
         # the configs so far, in case the run is stopped (a device call's time limit)
         write_result(args.out, {**result, "complete": False, "summary": summary(result["configs"])})
+    for _ in range(1, args.e2e_rounds):
+        for name, path in paths.items():  # the configs in turn again (module doc)
+            entry = result["configs"][name]
+            again = in_child("e2e", name, path, samples, args)["end_to_end"]
+            entry.setdefault("end_to_end_rounds", [_round(entry["end_to_end"])])
+            entry["end_to_end_rounds"].append(_round(again))
+            print(json.dumps({name: {"end_to_end_rounds": entry["end_to_end_rounds"]}}), flush=True)
+            write_result(args.out, {**result, "complete": False,
+                                    "summary": summary(result["configs"])})  # fmt: skip
     result["complete"] = True
     result["summary"] = summary(result["configs"])
     result.update(ratios(result["configs"]))

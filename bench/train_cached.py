@@ -11,6 +11,7 @@ cache's figures of a trained model (:func:`cache_figures`); and the ratios and g
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -119,22 +120,38 @@ def cache_figures(trainer: CacheCountingTrainer, steps: int) -> dict[str, dict[s
     return out
 
 
+def e2e_ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float | None, list[float] | None]:
+    """Config entry ``a``'s end-to-end samples/s over ``b``'s (None where one is missing) and,
+    where both ran the same rounds (``end_to_end_rounds``, ``bench_train --e2e-rounds``), each
+    round's ratio: the ratio is then their median, each round's pair run back to back on the
+    same host (None: one round, the runs' own ratio)."""
+    ra, rb = a.get("end_to_end_rounds"), b.get("end_to_end_rounds")
+    if ra and rb and len(ra) == len(rb):
+        pairs = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(ra, rb, strict=True)]
+        return statistics.median(pairs), pairs
+    x, y = (
+        a.get("end_to_end", {}).get("samples_per_s"),
+        b.get("end_to_end", {}).get("samples_per_s"),
+    )
+    return (None if x is None or y is None else x / y), None
+
+
 def cached_ratios(
     cached: dict[str, Any], dyn: dict[str, Any], step_ms: float | None
 ) -> dict[str, Any]:
     """The cached config against the seed config of the same run: end-to-end samples/s
-    (cached/dynamic), the eval AUC difference (cached - dynamic), ``step_ms`` (cached/dynamic,
+    (cached/dynamic; over several rounds the median of each round's, :func:`e2e_ratio`), the
+    eval AUC difference (of the first round) (cached - dynamic), ``step_ms`` (cached/dynamic,
     as the caller measured it) and the goals of :data:`CACHED_GOALS` (``met``: None where a
     figure is missing, e.g. without the end-to-end runs)."""
     c, d = cached.get("end_to_end", {}), dyn.get("end_to_end", {})
-    rate: float | None = None
-    if c.get("samples_per_s") is not None and d.get("samples_per_s") is not None:
-        rate = c["samples_per_s"] / d["samples_per_s"]
+    rate, rounds = e2e_ratio(cached, dyn)
     aucs = ((c.get("eval") or {}).get("auc"), (d.get("eval") or {}).get("auc"))
     diff = aucs[0] - aucs[1] if aucs[0] is not None and aucs[1] is not None else None
     got = {"end_to_end_over_dynamic": rate, "auc_abs_diff": None if diff is None else abs(diff)}
     return {
         "end_to_end_samples_per_s": rate,
+        **({} if rounds is None else {"end_to_end_samples_per_s_rounds": rounds}),
         "auc_diff": diff,
         "step_ms": step_ms,
         "goals": {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,7 +78,7 @@ def benches(
         "end_to_end": _start(e2e, "--configs", "dynamic,cached", "--samples", str(tiny_samples),
                              "--device", "cpu", "--batch", "256", "--steps", "1", "--warmup", "1",
                              "--num-workers", "0", "--e2e-max-steps", "3",
-                             "--eval-max-batches", "2"),
+                             "--eval-max-batches", "2", "--e2e-rounds", "2"),
     }  # fmt: skip
     yield started
     stop(started.values())
@@ -133,8 +134,18 @@ def test_cached_against_dynamic_end_to_end(benches: dict[str, Background]) -> No
     aucs = {n: e2e[n]["eval"]["auc"] for n in e2e}
     assert summary["cached"]["auc"] == aucs["cached"]
     ratio = result["cached_over_dynamic"]
-    assert ratio["end_to_end_samples_per_s"] == pytest.approx(
-        e2e["cached"]["samples_per_s"] / e2e["dynamic"]["samples_per_s"]
+    # two rounds (--e2e-rounds 2), the configs in turn: the first is the end_to_end run
+    rounds = {n: result["configs"][n]["end_to_end_rounds"] for n in ("dynamic", "cached")}
+    assert [len(r) for r in rounds.values()] == [2, 2]
+    assert rounds["cached"][0]["samples_per_s"] == e2e["cached"]["samples_per_s"]
+    assert rounds["cached"][1]["auc"] == pytest.approx(aucs["cached"], abs=1e-6)  # same run
+    pairs = [c["samples_per_s"] / d["samples_per_s"]
+             for c, d in zip(rounds["cached"], rounds["dynamic"], strict=True)]  # fmt: skip
+    assert ratio["end_to_end_samples_per_s_rounds"] == pytest.approx(pairs)
+    assert ratio["end_to_end_samples_per_s"] == pytest.approx(statistics.median(pairs))
+    assert summary["cached"]["end_to_end_rounds"] == 2
+    assert summary["cached"]["end_to_end_samples_per_s"] == pytest.approx(
+        statistics.median(r["samples_per_s"] for r in rounds["cached"])
     )
     assert ratio["auc_diff"] == pytest.approx(aucs["cached"] - aucs["dynamic"])
     goals = ratio["goals"]
@@ -161,6 +172,11 @@ def test_the_cached_configs_with_and_without_the_prefetch_are_each_compared_with
     assert prefetched["step_ms"] == pytest.approx(4.5 / 4.0)
     assert prefetched["goals"]["end_to_end_over_dynamic"]["met"] is True
     assert prefetched["goals"]["auc_abs_diff"]["met"] is False  # 0.002 > 0.001
+
+
+def test_rounds_without_the_end_to_end_runs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--e2e-rounds 2: rounds of the end_to_end runs"):
+        bench_train.main(["--no-end-to-end", "--e2e-rounds", "2", "--out", str(tmp_path / "x")])
 
 
 def test_the_drivers_host_memory_is_refused_on_the_cpu(tmp_path: Path) -> None:
