@@ -68,7 +68,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,9 @@ class StepTimes:
     hit_rate: float  # rows of the forward lookups found in a cache line / rows they touched
     per_step: dict[str, float]  # COUNTERS a step (both calls of a step)
     evicting: list[bool]  # each timed step: whether a cache line was evicted in it
+    # each timed step's wall time of the host's cores in each native mover (the host-node fill
+    # and the write-backs by cores: a host function's time shows in no device profile), ms
+    host_moves: dict[str, list[float]] = field(default_factory=dict)
 
 
 def time_steps(
@@ -162,9 +165,11 @@ def time_steps(
     fwd_hits = fwd_rows = 0.0  # rows of the timed forward lookups: found in a line, and all
     totals: dict[str, float] = {}  # per-step cache counters of the timed steps (both calls)
     evicting: list[bool] = []
+    moves: dict[str, list[float]] = {}
     for i, batch in enumerate(batches):
         s0 = dec.tier_stats()[TABLE]  # before the timed region (a read of device counters)
         _sync(device)
+        m0 = host_move_seconds(dec)
         t = time.perf_counter()
         _step(dec, i, batch, grad, _upcoming(batches, i, prefetch))
         _sync(device)
@@ -180,8 +185,23 @@ def time_steps(
         for k in COUNTERS:
             totals[k] = totals.get(k, 0.0) + s2.get(f"cache_{k}", 0.0) - s0.get(f"cache_{k}", 0.0)
         evicting.append(s2.get("cache_evictions", 0.0) > s0.get("cache_evictions", 0.0))
+        for name, spent in host_move_seconds(dec).items():  # synced: no host function queued
+            moves.setdefault(name, []).append((spent - m0.get(name, 0.0)) * 1e3)
     per_step = {k: round(v / max(1, len(times)), 1) for k, v in totals.items()}
-    return StepTimes(times, fwd_hits / fwd_rows if fwd_rows else 0.0, per_step, evicting)
+    hit_rate = fwd_hits / fwd_rows if fwd_rows else 0.0
+    return StepTimes(times, hit_rate, per_step, evicting, moves)
+
+
+def host_move_seconds(dec: DynamicEmbeddingCollection) -> dict[str, float]:
+    """The seconds the host's cores spent in each kind of native move so far (the caches'
+    :meth:`~shared.hashtable.row_cache_static.StaticCacheLines.host_move_spent`, summed over
+    the storages; none without a host-node fill or write-backs by cores)."""
+    out: dict[str, float] = {}
+    for storage in dec._storages:
+        spent = getattr(storage.payload, "host_move_spent", None)
+        for name, (seconds, _) in (spent() if spent is not None else {}).items():
+            out[name] = out.get(name, 0.0) + seconds
+    return out
 
 
 def filling(seconds: list[float], evicting: list[bool]) -> dict[str, Any]:
@@ -224,6 +244,9 @@ def log_line(dim: int, r: int, name: str, res: dict[str, Any], static: bool) -> 
         f"{rows['written']:.0f} (write-backs {c['writebacks']:.0f} + bypassed "
         f"{c['bypassed']:.0f}), evictions {c['evictions']:.0f}"
     )
+    if "host_move_ms_median" in res:
+        cores = ", ".join(f"{k} {v:.2f} ms" for k, v in res["host_move_ms_median"].items())
+        line += f"; the host's cores a step: {cores}"
     if "step_ms_median_evicting" in res:
         line += (
             f"; only {res['evicting_steps']} of {len(res['step_ms'])} timed steps evicted (the "
@@ -301,6 +324,10 @@ def run_variant(
         result["per_step"] = steps.per_step
         result["host_rows"] = host_rows(steps.per_step)
         result.update(filling(times, steps.evicting))
+        if steps.host_moves:  # the cores' time a step (median), beside the step's
+            result["host_move_ms_median"] = {
+                name: round(statistics.median(ms), 3) for name, ms in steps.host_moves.items()
+            }
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     del dec

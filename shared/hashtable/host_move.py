@@ -45,6 +45,7 @@ class Params(ctypes.Structure):
         ("into", ctypes.c_void_p),
         ("counts", ctypes.c_void_p),
         ("threads", ctypes.c_int64),
+        ("spent", ctypes.c_void_p),
     ]
 
 
@@ -124,10 +125,19 @@ class HostMove:
             raise ValueError(f"HostMove: counts must hold 2 numbers and threads be >= 1, got "
                              f"{counts.numel()} and {threads}")  # fmt: skip
         self._keep = (host, back, out, read, into, counts)
+        # [ns, moves] added to by every move (the native code writes it: not a torch tensor)
+        self._spent = (ctypes.c_int64 * 2)(0, 0)
         self.params = Params(host.data_ptr(), width, back.data_ptr(), out.data_ptr(),
-                             read.data_ptr(), into.data_ptr(), counts.data_ptr(), threads)  # fmt: skip
+                             read.data_ptr(), into.data_ptr(), counts.data_ptr(), threads,
+                             ctypes.addressof(self._spent))  # fmt: skip
         self.capacity = int(host.shape[0])
         self.lengths = (back.numel(), read.numel())
+
+    def spent(self) -> tuple[float, int]:
+        """(seconds, moves): the wall time of this mover's moves so far and their count, as
+        the native code measured each (on CUDA read them once the device is synchronized: a
+        queued host function may still add to them)."""
+        return self._spent[0] / 1e9, int(self._spent[1])
 
     def run(self) -> None:
         """The move, now, on this thread (and its helpers). The counts must be within the

@@ -92,6 +92,11 @@ class HostNodeFill:
             and self._move.params.host == self.store.address
         )
 
+    def spent(self) -> tuple[float, int]:
+        """(seconds, moves) of the current mover (:meth:`host_move.HostMove.spent`; a new
+        mover, made by :meth:`ready`, starts at zero)."""
+        return (0.0, 0) if self._move is None else self._move.spent()
+
     def key(self) -> tuple[int, ...]:
         """The addresses a captured fill reads and writes (the step compares them)."""
         return (*(t.data_ptr() for t in self._pinned.values()), self.store.address)

@@ -75,6 +75,17 @@ class StaticCacheLines(CacheLines):
         again."""
         self._beside = WriteBackBeside(self.store, self.dim, rows, self.values.device, cores)
 
+    def host_move_spent(self) -> dict[str, tuple[float, int]]:
+        """(seconds, moves) of the host's cores in each native mover this cache has: ``fill``
+        (:meth:`fill_with_host_node`) and ``write_back`` (:meth:`write_back_beside` by cores);
+        read with the device synchronized (a queued host function still adds)."""
+        out = {}
+        if self._host_node is not None:
+            out["fill"] = self._host_node.spent()
+        if self._beside is not None and self._beside.by_cores:
+            out["write_back"] = self._beside.spent()
+        return out
+
     def why_not_static(self) -> str | None:
         """Why the static step cannot take this cache (None: it can): the host tier must be
         reachable with no host read (:meth:`HostStore.why_not_static`)."""

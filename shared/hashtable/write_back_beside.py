@@ -115,6 +115,17 @@ class WriteBackBeside:
         # the staging rows' positions (the staged rows are their first k: ranks)
         self._positions = torch.arange(rows, dtype=torch.int64, device=device)
 
+    @property
+    def by_cores(self) -> bool:
+        """Whether the host's cores write the staged rows (else the device or the store)."""
+        return self._cores is not None
+
+    def spent(self) -> tuple[float, int]:
+        """(seconds, moves) of the cores' writes so far (their current mover's; (0, 0) for
+        the device's)."""
+        c = self._cores
+        return (0.0, 0) if c is None or c._move is None else c._move.spent()
+
     def key(self) -> tuple[int, ...]:
         """The addresses a captured forward writes (the step compares them)."""
         return (self.rows.data_ptr(), self.payload.data_ptr())

@@ -85,6 +85,10 @@ def test_bench_tiers_write_back_beside_stages_the_write_backs_and_changes_no_row
     for name in ("cache_10", "cache_50", "cache_100"):
         assert got[name]["equal_to_hbm_only"], name
     assert got["cache_10"]["per_step"]["writebacks"] > 0
+    if cores is None:  # no native mover: no cores' time to report
+        assert "host_move_ms_median" not in got["cache_10"]
+    else:  # the cores' time in the timed steps' write-backs
+        assert got["cache_10"]["host_move_ms_median"]["write_back"] > 0
 
 
 def test_write_back_beside_is_refused_off_the_static_step(tmp_path: Path) -> None:

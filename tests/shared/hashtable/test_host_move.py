@@ -61,6 +61,22 @@ def test_only_the_counted_rows_move() -> None:
 
 
 @NEEDS_CC
+def test_a_mover_counts_its_moves_and_their_time() -> None:
+    """``spent()``: the native code's wall time of each move, summed, and their count (a
+    host function's time, which no device profile shows)."""
+    host, back, out, read, into = _case(32, capacity=30_000, nb=9_000, nr=12_000)
+    move = host_move.HostMove(host, back, out, read, into, torch.tensor([9_000, 12_000]),
+                              threads=2)  # fmt: skip
+    assert move.spent() == (0.0, 0)
+    t0 = time.perf_counter()
+    move.run()
+    move.run()
+    wall = time.perf_counter() - t0
+    seconds, moves = move.spent()
+    assert moves == 2 and 0.0 < seconds <= wall
+
+
+@NEEDS_CC
 def test_row_ids_and_counts_outside_the_arrays_are_refused() -> None:
     host, back, out, read, into = _case(4, capacity=100, nb=10, nr=10)
     with pytest.raises(ValueError, match="11 write-backs for arrays of 10"):

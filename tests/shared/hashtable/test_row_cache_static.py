@@ -431,6 +431,8 @@ def test_static_steps_writing_back_beside_equal_them_on_hbm_only(
     assert max(most) > 8  # some step staged 8 and left the rest to the fill
     s, want = staged.tier_stats()["g"], plain.tier_stats()["g"]
     assert s == want
+    spent = cache.host_move_spent()  # the cores' moves counted (none by the store)
+    assert spent == {} if cores is None else spent["write_back"][1] > 0
 
 
 def test_static_steps_writing_back_beside_after_eager_steps_and_with_bypassed_rows() -> None:
