@@ -15,7 +15,10 @@
 # (`python scripts/gpu_wheels.py` here first). Writes under $OUT: gpu_tests.log,
 # bench_tiers_$VARIANT.json and .log (7 files for three variants). VARIANTS picks some; ROWS,
 # WARMUP, STEPS and TIERS_TIMEOUT (s a bench_tiers run, default 150) override the sizes; TESTS=0
-# skips the tests, TESTS_K picks some by name (pytest -k).
+# skips the tests, TESTS_K picks some by name (pytest -k). PROFILE=N profiles N steps of each
+# variant after its timed run (bench_tiers --profile: one more file a variant,
+# bench_tiers_$VARIANT.profiles.txt; with two VARIANTS the call stays within 8 files). The
+# log line of a cache gives the host's cores' ms a step too (host node fill, write-backs by cores).
 # 2026-12-08 (H100): beside (the device's scatter on a stream of its own) was slower than the
 # fill's own write-backs (11.88 against 10.67 ms), so the default variants now are fill,
 # cores_beside (the staged rows written by CORES host threads, default 8: --write-back-cores)
@@ -36,7 +39,8 @@ for variant in ${VARIANTS:-fill cores_beside node_cores_beside}; do
   esac
   timeout "${TIERS_TIMEOUT:-150}" python3 -m bench.bench_tiers --device cuda --dims 16 \
     --rows "${ROWS:-100000000}" --lookups 1000000 --warmup "${WARMUP:-100}" --steps "${STEPS:-20}" \
-    --rounds 1 --static "${extra[@]}" --out "$OUT/bench_tiers_$variant.json" \
+    --rounds 1 --static "${extra[@]}" ${PROFILE:+--profile "$PROFILE"} \
+    --out "$OUT/bench_tiers_$variant.json" \
     > "$OUT/bench_tiers_$variant.log" 2>&1
   echo "bench_tiers ($variant) rc=$?"; grep "round 0" "$OUT/bench_tiers_$variant.log"
 done
