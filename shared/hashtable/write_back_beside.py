@@ -69,6 +69,10 @@ class _ByCores:
         """Whether the tier's rows moved since the mover was made (growth)."""
         return self._move is not None and self._move.params.host != self.store.address
 
+    def spent(self) -> tuple[float, int]:
+        """(seconds, moves) of the current mover's writes ((0, 0) before the first)."""
+        return (0.0, 0) if self._move is None else self._move.spent()
+
     def mover(self) -> host_move.HostMove:
         """The mover over the tier's rows where they are now (made again where they moved:
         the caller has waited for the last move's host function)."""
@@ -123,8 +127,7 @@ class WriteBackBeside:
     def spent(self) -> tuple[float, int]:
         """(seconds, moves) of the cores' writes so far (their current mover's; (0, 0) for
         the device's)."""
-        c = self._cores
-        return (0.0, 0) if c is None or c._move is None else c._move.spent()
+        return (0.0, 0) if self._cores is None else self._cores.spent()
 
     def key(self) -> tuple[int, ...]:
         """The addresses a captured forward writes (the step compares them)."""
