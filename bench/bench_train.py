@@ -166,7 +166,9 @@ def step_figures(config_path: Path, batches, args, device: torch.device) -> dict
     model = MultiTowerDIN.from_config(config, build_feature_set(config), device=device, seed=0)
     optimizers = build_optimizers(model, config.train_config)
     graphs = (
-        cuda_graphs_for(model, static_prefetch=args.static_prefetch)
+        cuda_graphs_for(
+            model, static_prefetch=args.static_prefetch, cache_row_threads=args.cache_row_threads
+        )  # fmt: skip
         if device.type == "cuda"
         else None
     )
@@ -215,6 +217,7 @@ def end_to_end(
                 max_steps=args.e2e_max_steps,
                 eval_max_batches=args.eval_max_batches, progress_bar=False,
                 static_prefetch=args.static_prefetch, host_memory=args.host_memory,
+                cache_row_threads=args.cache_row_threads,
             )
         )  # fmt: skip
         setup = time.perf_counter() - t0  # the model, its kernels, the loader's start
@@ -459,6 +462,9 @@ def _parser() -> Parser:
     p.add_argument("--static-prefetch", action="store_true",
                    help="CACHING tables (the cached config) prefetch the next batch's rows beside "
                    "the step (train --static-prefetch)")  # fmt: skip
+    p.add_argument("--cache-row-threads", type=int, default=None, metavar="N",
+                   help="on CUDA, N host threads move cached tables' rows between the tiers "
+                   "(train --cache-row-threads; configs without caches: no effect)")  # fmt: skip
     p.add_argument("--host-memory", choices=host_memory.KINDS, default="register",
                    help="on CUDA, how CACHING tables' host tiers are made (train --host-memory)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -512,7 +518,8 @@ def in_child(part: str, name: str, path: Path, samples: Path, args) -> dict[str,
                "--padded-steps", str(args.padded_steps), "--out", str(args.out),
                "--child", part, "--child-out", str(figures)]  # fmt: skip
         for flag, value in (("--batch", args.batch), ("--e2e-max-steps", args.e2e_max_steps),
-                            ("--eval-max-batches", args.eval_max_batches)):  # fmt: skip
+                            ("--eval-max-batches", args.eval_max_batches),
+                            ("--cache-row-threads", args.cache_row_threads)):  # fmt: skip
             if value is not None:
                 cmd += [flag, str(value)]
         if args.static_prefetch:
@@ -579,6 +586,9 @@ def run_child_part(args, device: torch.device) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     host_memory.refuse_off_cuda(args.host_memory, args.device, "bench_train")
+    if args.cache_row_threads is not None and not args.device.startswith("cuda"):
+        raise SystemExit(f"error: --cache-row-threads {args.cache_row_threads}: the host's "
+                         "threads move cached rows in the CUDA static step: give --device cuda")  # fmt: skip
     if args.e2e_rounds < 1 or (args.e2e_rounds > 1 and args.no_end_to_end):
         raise SystemExit(f"error: --e2e-rounds {args.e2e_rounds}: rounds of the end_to_end "
                          "runs must be >= 1, and without --no-end-to-end")  # fmt: skip
@@ -604,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                               "message_rows": args.message_rows,
                               "static_prefetch": args.static_prefetch,
                               "host_memory": args.host_memory,
+                              "cache_row_threads": args.cache_row_threads,
                               "samples": str(samples), "configs": {}}  # fmt: skip
     result["loader"] = loader_figures(samples, next(iter(paths.values())), args, device)
     print(json.dumps({"loader": result["loader"]}), flush=True)

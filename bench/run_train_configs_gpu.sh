@@ -17,6 +17,9 @@
 # (bench_train --static-prefetch, train --static-prefetch). CONFIGS=dynamic,cached,cached_prefetch
 # runs the cached config both ways in one call (cached_prefetch: always with the prefetch).
 # HOST_MEMORY=driver: the cached tables' host tiers in the CUDA driver's memory (--host-memory).
+# CACHE_ROW_THREADS=N: N host threads move the cached tables' rows between the tiers (the
+# host-node fill and the write-backs by cores: --cache-row-threads; 12 loader workers share the
+# 16 cores, so N=4 is a start).
 # E2E_ROUNDS=N: each config's end-to-end run N times, the configs in turn (--e2e-rounds; on the
 # H100 on 2026-12-08 one end-to-end run took about 45 s and a config's first pass about 110 s:
 # CONFIGS=dynamic,cached E2E_ROUNDS=3 fits the call).
@@ -39,7 +42,8 @@ budget=$(( left < ${BENCH_TIMEOUT:-480} ? left : ${BENCH_TIMEOUT:-480} ))
 echo "bench_train: ${budget} s left"
 timeout "$budget" python3 -m bench.bench_train --samples /tmp/full/samples \
   --configs "${CONFIGS:-dynamic,buckets,cold}" --device cuda --num-workers ${NUM_WORKERS:-12} \
-  --steps 10 --warmup 5 --e2e-rounds "${E2E_ROUNDS:-1}" ${STATIC_PREFETCH:+--static-prefetch} --host-memory "${HOST_MEMORY:-register}" --out "$OUT/bench_train_configs.json" \
+  --steps 10 --warmup 5 --e2e-rounds "${E2E_ROUNDS:-1}" ${STATIC_PREFETCH:+--static-prefetch} \
+  ${CACHE_ROW_THREADS:+--cache-row-threads "$CACHE_ROW_THREADS"} --host-memory "${HOST_MEMORY:-register}" --out "$OUT/bench_train_configs.json" \
   > "$OUT/bench_train_configs.log" 2>&1
 echo "bench_train rc=$? at $(( $(date +%s) - t0 )) s"
 grep -E "^[a-z_]+: batch|^(cold|cached|cached_prefetch)/dynamic: |^error" "$OUT/bench_train_configs.log" \

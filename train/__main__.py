@@ -128,6 +128,14 @@ def _parser() -> argparse.ArgumentParser:
         help="on CUDA, how cached tables' host tiers are made: page-locked by cudaHostRegister "
         "(default) or the CUDA driver's cuMemCreate host memory (driver)",
     )
+    t.add_argument(
+        "--cache-row-threads",
+        type=int,
+        metavar="N",
+        help="with CUDA graphs and cached tables: N host threads move their rows between HBM "
+        "and the host tier (a host node reads the misses, the write-backs go beside the step); "
+        "default: the device's own reads and writes. Needs a C compiler",
+    )
 
     _stream_parser(sub)
     e = sub.add_parser(
@@ -267,6 +275,7 @@ def _train(args: argparse.Namespace) -> None:
                 hbm_budget_gib=args.hbm_budget_gib,
                 static_prefetch=args.static_prefetch,
                 host_memory=args.host_memory,
+                cache_row_threads=args.cache_row_threads,
             )
         ).fit()
     finally:

@@ -101,6 +101,10 @@ class TrainOptions:
     # how CACHING tables' host tiers are made on CUDA (shared.hashtable.host_memory.KINDS):
     # "register" (cudaHostRegister) or "driver" (the CUDA driver's cuMemCreate host memory)
     host_memory: str = "register"
+    # CACHING tables on the static step (CUDA graphs): this many host threads move their rows
+    # between the tiers (the host-node fill and the write-backs by cores beside the step,
+    # StaticCacheLines.move_rows_with_cores); None: the device's reads and writes
+    cache_row_threads: int | None = None
 
 
 # CUDA graphs for the dense part when TrainOptions.cuda_graphs is None: on (single-process CUDA)
@@ -300,16 +304,24 @@ def train_step(
     return loss.detach()
 
 
-def cuda_graphs_for(model: MultiTowerDIN, *, static_prefetch: bool = False) -> DenseArchGraphs:
+def cuda_graphs_for(
+    model: MultiTowerDIN, *, static_prefetch: bool = False, cache_row_threads: int | None = None
+) -> DenseArchGraphs:
     """The CUDA graphs of a single-process CUDA training step: the dense part's (returned, to
     keep beside the model and pass to :func:`train_step`) and the dynamic tables' static step
     (switched on in the model: :mod:`shared.hashtable.static_step`, taken by a storage once its
     table is at max capacity, eager before). The tables take their max capacity now, so that
     the static step runs from the first step (growing there took 128 eager steps, about 0.8 s
     of the seed config's full-data epoch on the H200). ``static_prefetch``: CACHING tables
-    prefetch the next batch's rows beside the step (``use_static_step(prefetch=True)``)."""
+    prefetch the next batch's rows beside the step (``use_static_step(prefetch=True)``);
+    ``cache_row_threads``: that many host threads move their rows between the tiers
+    (``move_cache_rows_with_cores``)."""
     model.sparse.dynamic.use_static_step(capture=True, prefetch=static_prefetch)
     model.sparse.dynamic.reserve_max_capacity()
+    if cache_row_threads is not None:  # after the reservation: the tiers hold their rows now
+        names = model.sparse.dynamic.move_cache_rows_with_cores(cache_row_threads)
+        log.info("cached storages %s: rows moved between the tiers by %d host threads",
+                 names, cache_row_threads)  # fmt: skip
     # a shape is captured at its second step: the partial last batches of an epoch (one per
     # loader stream, each seen once) cost a capture each at the first (H200, 2026-12-04)
     return DenseArchGraphs(model.dense, capture_after=2)
@@ -334,6 +346,18 @@ class Trainer:
                 f"TrainOptions.host_memory={options.host_memory!r}: give one of "
                 f"{', '.join(host_memory.KINDS)}; 'driver' is made by the CUDA driver, so train "
                 f"on a CUDA device (not {self.device})"
+            )
+        if options.cache_row_threads is not None and (
+            options.cache_row_threads < 1
+            or self.device.type != "cuda"
+            or options.cuda_graphs is False
+            or self.dist is not None
+        ):
+            raise ValueError(
+                f"TrainOptions.cache_row_threads={options.cache_row_threads}: host threads "
+                "(>= 1) that move cached tables' rows in the static step, which runs only in "
+                f"single-process CUDA training with CUDA graphs (device {self.device}, "
+                f"cuda_graphs {options.cuda_graphs}, distributed {self.dist is not None})"
             )
         self.batch_size = options.batch_size or cfg.data_config.batch_size
         workers = (
@@ -408,7 +432,8 @@ class Trainer:
         if self.dist is not None:
             log.info("cuda_graphs: off under distributed training (DDP-wrapped dense part)")
             return None
-        return cuda_graphs_for(self.model, static_prefetch=self.options.static_prefetch)
+        return cuda_graphs_for(self.model, static_prefetch=self.options.static_prefetch,
+                               cache_row_threads=self.options.cache_row_threads)  # fmt: skip
 
     def _eval_batches(self) -> Iterator[Batch]:
         loader = Loader(

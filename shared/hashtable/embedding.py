@@ -351,6 +351,19 @@ class DynamicEmbeddingCollection(torch.nn.Module):
         for s in self._storages:
             s.static = StaticStep(s, capture=capture, prefetch=prefetch)
 
+    def move_cache_rows_with_cores(self, threads: int) -> list[str]:
+        """Every CACHING storage's rows moved between its tiers by ``threads`` host threads in
+        the static step (``StaticCacheLines.move_rows_with_cores``; CUDA storages with mapped
+        host tiers and a C compiler, else ValueError or RuntimeError saying why). Returns the
+        storages it applies to (none without a cache)."""
+        names = []
+        for s in self._storages:
+            move = getattr(s.payload, "move_rows_with_cores", None)
+            if move is not None:
+                move(threads)
+                names.append(s.name)
+        return names
+
     def reserve_max_capacity(self) -> None:
         """Every storage's table at its max capacity now (``HashTable.reserve_max_capacity``).
         The static step runs only there: growing during training takes eager steps until then

@@ -75,6 +75,15 @@ class StaticCacheLines(CacheLines):
         again."""
         self._beside = WriteBackBeside(self.store, self.dim, rows, self.values.device, cores)
 
+    def move_rows_with_cores(self, threads: int) -> None:
+        """From now on ``threads`` host threads move this cache's rows between the tiers in the
+        static step: the fill's reads through a host node (:meth:`fill_with_host_node`) and
+        the write-backs staged and written beside the step (:meth:`write_back_beside`, by
+        cores): no random host row crosses by the device's reads or writes. What
+        ``train --cache-row-threads`` asks for."""
+        self.fill_with_host_node(threads)
+        self.write_back_beside(WRITE_BACK_ROWS, cores=threads)
+
     def host_move_spent(self) -> dict[str, tuple[float, int]]:
         """(seconds, moves) of the host's cores in each native mover this cache has: ``fill``
         (:meth:`fill_with_host_node`) and ``write_back`` (:meth:`write_back_beside` by cores);

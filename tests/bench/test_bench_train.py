@@ -174,6 +174,12 @@ def test_the_cached_configs_with_and_without_the_prefetch_are_each_compared_with
     assert prefetched["goals"]["auc_abs_diff"]["met"] is False  # 0.002 > 0.001
 
 
+def test_cache_row_threads_are_refused_off_cuda(tmp_path: Path) -> None:
+    argv = ["--device", "cpu", "--cache-row-threads", "4", "--out", str(tmp_path / "x")]
+    with pytest.raises(SystemExit, match="--cache-row-threads 4: .* give --device cuda"):
+        bench_train.main(argv)
+
+
 def test_rounds_without_the_end_to_end_runs_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--e2e-rounds 2: rounds of the end_to_end runs"):
         bench_train.main(["--no-end-to-end", "--e2e-rounds", "2", "--out", str(tmp_path / "x")])

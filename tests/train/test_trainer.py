@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.hashtable import cuda as cuda_kernels
+from shared.hashtable import host_move
 from tests.conftest import BASELINE_CONFIG, SEED_CONFIG, write_config
 from train.checkpoint import Progress, latest_checkpoint, list_checkpoints
 from train.model.multi_tower_din import MultiTowerDIN
@@ -474,6 +476,57 @@ def test_a_cached_run_through_the_static_sparse_step_equals_the_hbm_only_one(
     assert hbm.final_eval is not None and cached.final_eval is not None
     assert cached.final_eval.auc == hbm.final_eval.auc
     assert cached.final_eval.rows == hbm.final_eval.rows
+
+
+@pytest.mark.parametrize("threads", [3, 0])
+def test_cache_row_threads_are_refused_off_the_cuda_static_step(
+    tiny_samples: Path, tmp_path: Path, threads: int
+) -> None:
+    """Host threads that move cached rows belong to the CUDA static step: refused on the CPU
+    (and below 1), naming the option, before any loader worker starts."""
+    options = _options(tiny_samples, tmp_path / "run", max_steps=1, cache_row_threads=threads)
+    with pytest.raises(ValueError, match=f"TrainOptions.cache_row_threads={threads}: host"):
+        Trainer(options)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    cuda_kernels.unavailable_reason() is not None or host_move.unavailable_reason() is not None,
+    reason=f"needs the CUDA kernels ({cuda_kernels.unavailable_reason()}) and the native mover "
+    f"({host_move.unavailable_reason()})",
+)
+def test_on_cuda_cached_rows_moved_by_the_hosts_threads_train_as_by_the_device(
+    tiny_samples: Path, tmp_path: Path
+) -> None:
+    """``cache_row_threads`` (train --cache-row-threads): the cached tables' misses read by a
+    host node and their write-backs written by the host's threads beside the step, in the
+    captured static step of a CUDA run: the same run as the device's own reads and writes
+    (rows are copied, never computed: dense weights and tables within the CUDA tolerances)."""
+    config = write_config(
+        SEED_CONFIG, tmp_path / "cached.config", train=tiny_samples / "train",
+        eval_=tiny_samples / "eval",
+        replace={**TENTH_CAPACITIES, "max_capacity: ": "cache_load_factor: 0.5\nmax_capacity: "},
+    )  # fmt: skip
+    models = []
+    for threads in (None, 3):
+        trainer = Trainer(_options(tiny_samples, tmp_path / f"t{threads}", config, max_steps=6,
+                                   checkpoint_every=100, device="cuda",
+                                   cache_row_threads=threads))  # fmt: skip
+        trainer.fit()
+        models.append(trainer.model)
+        stats = trainer.model.sparse.dynamic.static_stats()
+        assert all(r["replays"] > 0 for r in stats.values()), stats
+    moved = [s.payload.host_move_spent() for s in models[1].sparse.dynamic._storages]
+    assert moved and all(m["fill"][1] > 0 for m in moved), moved  # the host node ran
+    assert models[0].sparse.tiered and models[1].sparse.tiered
+    for (name, p), (_, q) in zip(models[0].dense.state_dict().items(),
+                                 models[1].dense.state_dict().items(), strict=True):  # fmt: skip
+        torch.testing.assert_close(p, q, msg=name)
+    sa, sb = (m.sparse.dynamic.table_states() for m in models)
+    for t, state in sa.items():  # by key: two CUDA runs may place keys in other slots
+        ia, ib = torch.argsort(state.keys), torch.argsort(sb[t].keys)
+        assert torch.equal(state.keys[ia], sb[t].keys[ib]), t
+        torch.testing.assert_close(state.values[ia], sb[t].values[ib], msg=t)
 
 
 @pytest.mark.parametrize("memory", ["driver", "huge"])

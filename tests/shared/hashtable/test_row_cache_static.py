@@ -393,6 +393,15 @@ def test_the_host_node_fill_needs_a_cuda_storage_with_a_mapped_tier() -> None:
         HostNodeFill(TensorHostStore(4, capacity=8, pin=False), 4, threads=2)
 
 
+def test_the_cores_moving_a_collections_cached_rows_need_a_cuda_storage() -> None:
+    """``move_cache_rows_with_cores`` (train --cache-row-threads): nothing to do without a cache,
+    and the host-node fill's refusal on the CPU, naming what is missing."""
+    assert _static_dec(ScoreStrategy.STEP, None).move_cache_rows_with_cores(2) == []
+    cached = _static_dec(ScoreStrategy.STEP, 0.3125)
+    with pytest.raises(ValueError, match="needs a CUDA storage whose host tier is mapped"):
+        cached.move_cache_rows_with_cores(2)
+
+
 def _beside(dec: DynamicEmbeddingCollection, rows: int, cores: int | None = None) -> RowCache:
     """The collection's cache, its write-backs staged and written beside the step
     (``write_back_beside(rows, cores)``)."""
