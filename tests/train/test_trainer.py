@@ -518,7 +518,7 @@ def test_on_cuda_cached_rows_moved_by_the_hosts_threads_train_as_by_the_device(
         assert all(r["replays"] > 0 for r in stats.values()), stats
     moved = [getattr(s.payload, "host_move_spent", dict)()
              for s in models[1].sparse.dynamic._storages]  # fmt: skip
-    assert moved and all(m["fill"][1] > 0 for m in moved), moved  # the host node ran
+    assert any(moved) and all(m["fill"][1] > 0 for m in moved if m), moved  # the host node ran
     assert models[0].sparse.tiered and models[1].sparse.tiered
     for (name, p), (_, q) in zip(models[0].dense.state_dict().items(),
                                  models[1].dense.state_dict().items(), strict=True):  # fmt: skip
