@@ -504,10 +504,12 @@ def _config_paths(spec: str, out_path: Path) -> dict[str, Path]:
     return out
 
 
-def in_child(part: str, name: str, path: Path, samples: Path, args) -> dict[str, Any]:
+def in_child(
+    part: str, name: str, path: Path, samples: Path, args, *, spy: bool = True
+) -> dict[str, Any]:
     """The figures of ``part`` (:data:`CHILD_PARTS`) of one config, measured by a child process
     of this module (``--child PART``) in which no torch.profiler has run before (see the module
-    docstring). With ``--py-spy-s``, py-spy records where the wall-clock time of each thread of
+    docstring). With ``--py-spy-s`` (and ``spy``), py-spy records where the wall-clock time of each thread of
     the ``e2e`` child goes, waiting included (``py_spy``; raw stacks beside ``--out``)."""
     with tempfile.TemporaryDirectory(prefix="bench_train_child_") as tmp:
         figures = Path(tmp) / "figures.json"
@@ -526,12 +528,12 @@ def in_child(part: str, name: str, path: Path, samples: Path, args) -> dict[str,
             cmd.append("--static-prefetch")
         cmd += ["--host-memory", args.host_memory]
         child = subprocess.Popen(cmd, cwd=ROOT)
-        spy = _spy(child.pid, name, args) if part == "e2e" and args.py_spy_s > 0 else None
+        spied = _spy(child.pid, name, args) if spy and part == "e2e" and args.py_spy_s > 0 else None
         if child.wait() != 0:
             raise SystemExit(f"error: the {part} run of {name!r} failed (rc {child.returncode})")
         out = json.loads(figures.read_text())
-    if spy is not None:
-        out["py_spy"] = spy()
+    if spied is not None:
+        out["py_spy"] = spied()
     return out
 
 
@@ -634,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(1, args.e2e_rounds):
         for name, path in paths.items():  # the configs in turn again (module doc)
             entry = result["configs"][name]
-            again = in_child("e2e", name, path, samples, args)["end_to_end"]
+            # py-spy (--py-spy-s) records the first round only (its raw stacks' file is one)
+            again = in_child("e2e", name, path, samples, args, spy=False)["end_to_end"]
             entry.setdefault("end_to_end_rounds", [_round(entry["end_to_end"])])
             entry["end_to_end_rounds"].append(_round(again))
             print(json.dumps({name: {"end_to_end_rounds": entry["end_to_end_rounds"]}}), flush=True)

@@ -91,7 +91,8 @@ def _library() -> ctypes.CDLL:
 
 class HostMove:
     """One move's arguments, held where native code reads them (its :class:`Params` and the
-    tensors they point at stay alive with it): the write-backs ``host[back[i]] = out[i]`` and
+    tensors they point at stay alive with it; ``after``: the mover it replaces, whose
+    :meth:`spent` it goes on from): the write-backs ``host[back[i]] = out[i]`` and
     the reads ``into[i] = host[read[i]]`` for ``i`` below ``counts[0]`` and ``counts[1]``
     (``counts`` [2] int64, read when the move runs). ``host`` [capacity, width] float32 and
     every other tensor contiguous on the host (pinned where a device writes them)."""
@@ -106,6 +107,7 @@ class HostMove:
         counts: torch.Tensor,
         *,
         threads: int,
+        after: HostMove | None = None,
     ) -> None:
         width = host.shape[1] if host.dim() == 2 else -1
         for name, t, dtype in (("host", host, torch.float32), ("back", back, torch.int64),
@@ -125,8 +127,10 @@ class HostMove:
             raise ValueError(f"HostMove: counts must hold 2 numbers and threads be >= 1, got "
                              f"{counts.numel()} and {threads}")  # fmt: skip
         self._keep = (host, back, out, read, into, counts)
-        # [ns, moves] added to by every move (the native code writes it: not a torch tensor)
-        self._spent = (ctypes.c_int64 * 2)(0, 0)
+        # [ns, moves] added to by every move (the native code writes it: not a torch tensor),
+        # from where ``after``'s ended (the mover this one replaces: its owner's total goes on)
+        start = (0, 0) if after is None else (int(after._spent[0]), int(after._spent[1]))
+        self._spent: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 2)(*start)
         self.params = Params(host.data_ptr(), width, back.data_ptr(), out.data_ptr(),
                              read.data_ptr(), into.data_ptr(), counts.data_ptr(), threads,
                              ctypes.addressof(self._spent))  # fmt: skip

@@ -81,7 +81,8 @@ class HostNodeFill:
             self.positions = positions
         b = self._pinned
         self._move = host_move.HostMove(rows, b["back_ids"], b["staging_out"], b["read_ids"],
-                                        b["staging_in"], b["counts"], threads=self.threads)  # fmt: skip
+                                        b["staging_in"], b["counts"], threads=self.threads,
+                                        after=self._move)  # fmt: skip
 
     def fits(self, positions: int) -> bool:
         """Whether a fill of ``positions`` positions may run on the pinned arrays and mover as
@@ -93,8 +94,8 @@ class HostNodeFill:
         )
 
     def spent(self) -> tuple[float, int]:
-        """(seconds, moves) of the current mover (:meth:`host_move.HostMove.spent`; a new
-        mover, made by :meth:`ready`, starts at zero)."""
+        """(seconds, moves) of this fill's moves so far (:meth:`host_move.HostMove.spent`; a
+        mover made again by :meth:`ready` goes on from the last one's)."""
         return (0.0, 0) if self._move is None else self._move.spent()
 
     def key(self) -> tuple[int, ...]:

@@ -73,6 +73,8 @@ class StaticCacheLines(CacheLines):
         the device, or given ``cores``, by that many host threads (a C compiler needed). On
         CUDA it needs the mapped host tier of the in-place fill; the step captures its graphs
         again."""
+        if self._beside is not None:  # the last flush lands before its staging goes
+            self._beside.join()
         self._beside = WriteBackBeside(self.store, self.dim, rows, self.values.device, cores)
 
     def move_rows_with_cores(self, threads: int) -> None:
@@ -82,7 +84,8 @@ class StaticCacheLines(CacheLines):
         cores): no random host row crosses by the device's reads or writes. What
         ``train --cache-row-threads`` asks for."""
         self.fill_with_host_node(threads)
-        self.write_back_beside(WRITE_BACK_ROWS, cores=threads)
+        # no step writes back more victims than there are lines
+        self.write_back_beside(min(WRITE_BACK_ROWS, self.lines), cores=threads)
 
     def host_move_spent(self) -> dict[str, tuple[float, int]]:
         """(seconds, moves) of the host's cores in each native mover this cache has: ``fill``

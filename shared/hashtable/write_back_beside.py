@@ -40,6 +40,8 @@ fill's own write-backs (``tests/shared/hashtable/test_row_cache_static.py``).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from shared.cuda_capture import capture_streams
@@ -70,7 +72,8 @@ class _ByCores:
         return self._move is not None and self._move.params.host != self.store.address
 
     def spent(self) -> tuple[float, int]:
-        """(seconds, moves) of the current mover's writes ((0, 0) before the first)."""
+        """(seconds, moves) of the cores' writes so far ((0, 0) before the first; a mover
+        made again over moved rows goes on from the last one's)."""
         return (0.0, 0) if self._move is None else self._move.spent()
 
     def mover(self) -> host_move.HostMove:
@@ -78,7 +81,8 @@ class _ByCores:
         the caller has waited for the last move's host function)."""
         if self._move is None or self.moved():
             self._move = host_move.HostMove(self.store.rows, self.back, self.out,
-                                            *self._no_reads, self.counts, threads=self.threads)  # fmt: skip
+                                            *self._no_reads, self.counts, threads=self.threads,
+                                            after=self._move)  # fmt: skip
         return self._move
 
 
@@ -116,6 +120,10 @@ class WriteBackBeside:
         if cores is not None:
             assert isinstance(store, TensorHostStore)
             self._cores = _ByCores(store, 2 * dim, rows, cores, pin=device.type == "cuda")
+            if self._stream is not None:
+                # a queued flush's host function reads the mover's parameters and the pinned
+                # arrays: the stream is done with them before they go (replaced or dropped)
+                weakref.finalize(self, self._stream.synchronize)
         # the staging rows' positions (the staged rows are their first k: ranks)
         self._positions = torch.arange(rows, dtype=torch.int64, device=device)
 

@@ -74,6 +74,12 @@ def test_a_mover_counts_its_moves_and_their_time() -> None:
     wall = time.perf_counter() - t0
     seconds, moves = move.spent()
     assert moves == 2 and 0.0 < seconds <= wall
+    # a mover made again (the tier moved, the arrays grew) goes on from the one it replaces
+    again = host_move.HostMove(host, back, out, read, into, torch.tensor([9_000, 12_000]),
+                               threads=2, after=move)  # fmt: skip
+    assert again.spent() == (seconds, 2)
+    again.run()
+    assert again.spent()[1] == 3 and again.spent()[0] > seconds
 
 
 @NEEDS_CC
