@@ -4,8 +4,8 @@
 # (shared/hashtable/write_back_beside.py, bench_tiers --write-back-beside), take their cost off
 # the step? On an H100 (2026-12-07) the 10 % cache's step took 2.12x HBM-only while the cache
 # filled (no victims) and 2.76x once it evicted.
-# 1. the GPU tests of the static cache (write-backs staged and not) and of the graphs fixed
-#    after the 2026-12-07 suite (the host-node prefetch, two models' graphs side by side);
+# 1. the GPU tests of the static cache (write-backs staged and not, by the device and by the
+#    host's cores), of the trainer (train --cache-row-threads) and of the graphs;
 # 2. bench_tiers at dim 16, 100M rows, static step, 10/50/100 % caches against HBM_ONLY: the fill
 #    as today (fill), with --write-back-beside (262,144 staging rows: 32 MiB) written by the
 #    device (beside) or by CORES host threads (cores_beside), and with the host-node fill
@@ -25,7 +25,7 @@
 # and node_cores_beside (with the host-node fill's reads).
 . bench/device_env.sh
 if [ "${TESTS:-1}" != 0 ]; then
-  TESTS="tests/shared/hashtable/test_row_cache_static.py tests/shared/hashtable/test_host_store.py tests/serve/test_graphs.py" \
+  TESTS="tests/shared/hashtable/test_row_cache_static.py tests/shared/hashtable/test_host_store.py tests/shared/hashtable/test_host_move.py tests/train/test_trainer.py tests/serve/test_graphs.py" \
     TEST_TIMEOUT=120 bash bench/run_gpu_tests.sh
 fi
 for variant in ${VARIANTS:-fill cores_beside node_cores_beside}; do
