@@ -107,6 +107,29 @@ class TrainOptions:
     cache_row_threads: int | None = None
 
 
+def _refuse_tier_options(options: TrainOptions, device: torch.device) -> None:
+    """ValueError naming the option where the cached tables' host memory or row threads ask
+    for what this run cannot do (before any loader worker starts)."""
+    if options.host_memory not in host_memory.KINDS or (
+        options.host_memory != "register" and device.type != "cuda"
+    ):
+        raise ValueError(
+            f"TrainOptions.host_memory={options.host_memory!r}: give one of "
+            f"{', '.join(host_memory.KINDS)}; 'driver' is made by the CUDA driver, so train "
+            f"on a CUDA device (not {device})"
+        )
+    threads, dist = options.cache_row_threads, options.dist is not None
+    if threads is not None and (
+        threads < 1 or device.type != "cuda" or options.cuda_graphs is False or dist
+    ):
+        raise ValueError(
+            f"TrainOptions.cache_row_threads={threads}: host threads (>= 1) that move cached "
+            "tables' rows in the static step, which runs only in single-process CUDA training "
+            f"with CUDA graphs (device {device}, cuda_graphs {options.cuda_graphs}, "
+            f"distributed {dist})"
+        )
+
+
 # CUDA graphs for the dense part when TrainOptions.cuda_graphs is None: on (single-process CUDA)
 CUDA_GRAPHS_DEFAULT = True
 
@@ -339,26 +362,7 @@ class Trainer:
         self.dist = options.dist
         self.rank, self.world_size = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
         self.device = self.dist.device if self.dist else torch.device(options.device)
-        if options.host_memory not in host_memory.KINDS or (
-            options.host_memory != "register" and self.device.type != "cuda"
-        ):
-            raise ValueError(
-                f"TrainOptions.host_memory={options.host_memory!r}: give one of "
-                f"{', '.join(host_memory.KINDS)}; 'driver' is made by the CUDA driver, so train "
-                f"on a CUDA device (not {self.device})"
-            )
-        if options.cache_row_threads is not None and (
-            options.cache_row_threads < 1
-            or self.device.type != "cuda"
-            or options.cuda_graphs is False
-            or self.dist is not None
-        ):
-            raise ValueError(
-                f"TrainOptions.cache_row_threads={options.cache_row_threads}: host threads "
-                "(>= 1) that move cached tables' rows in the static step, which runs only in "
-                f"single-process CUDA training with CUDA graphs (device {self.device}, "
-                f"cuda_graphs {options.cuda_graphs}, distributed {self.dist is not None})"
-            )
+        _refuse_tier_options(options, self.device)
         self.batch_size = options.batch_size or cfg.data_config.batch_size
         workers = (
             cfg.data_config.num_workers if options.num_workers is None else options.num_workers
