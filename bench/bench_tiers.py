@@ -326,7 +326,7 @@ def run_variant(
         result.update(filling(times, steps.evicting))
         if steps.host_moves:  # the cores' time a step (median), beside the step's
             result["host_move_ms_median"] = {
-                name: round(statistics.median(ms), 3) for name, ms in steps.host_moves.items()
+                name: statistics.median(ms) for name, ms in steps.host_moves.items()
             }
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
