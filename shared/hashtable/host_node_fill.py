@@ -132,10 +132,9 @@ class HostNodeFill:
         rank_r = torch.where(rd, torch.cumsum(rd, 0) - 1, -1)
         counts = torch.stack([wb.sum(), rd.sum()])  # [2] int64
         first = torch.zeros(1, dtype=torch.int64, device=slots.device)
-        # int64 rows written as pairs of float32 (copied, never computed)
-        host_rows.scatter(b["counts"].data_ptr(), first, counts.view(torch.float32).view(1, 4))
-        host_rows.scatter(b["back_ids"].data_ptr(), rank_b, back.view(torch.float32).view(p, 2))
-        host_rows.scatter(b["read_ids"].data_ptr(), rank_r, read.view(torch.float32).view(p, 2))
+        host_rows.scatter_int64(b["counts"].data_ptr(), first, counts)
+        host_rows.scatter_int64(b["back_ids"].data_ptr(), rank_b, back)
+        host_rows.scatter_int64(b["read_ids"].data_ptr(), rank_r, read)
         host_rows.fill_slots(b["staging_out"].data_ptr(), rank_b, None, slots, None, None,
                              initial, values, accum)  # fmt: skip
         host_move.launch_on_stream(self._move, torch.cuda.current_stream(slots.device))

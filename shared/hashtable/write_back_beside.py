@@ -219,12 +219,9 @@ class WriteBackBeside:
         move = c.mover()
         staged = rows >= 0
         at = torch.where(staged, self._positions, -1)  # [R] the staged rows' own positions
-        n = self.capacity
         counts = torch.stack([staged.sum(), torch.zeros_like(at[0])])  # [2] int64
-        # int64 numbers written as pairs of float32 (copied, never computed)
-        host_rows.scatter(c.counts.data_ptr(), self._positions[:1],
-                          counts.view(torch.float32).view(1, 4))  # fmt: skip
-        host_rows.scatter(c.back.data_ptr(), at, rows.view(torch.float32).view(n, 2))
+        host_rows.scatter_int64(c.counts.data_ptr(), self._positions[:1], counts)
+        host_rows.scatter_int64(c.back.data_ptr(), at, rows)
         host_rows.scatter(c.out.data_ptr(), at, payload)
         host_move.launch_on_stream(move, self._stream)
 

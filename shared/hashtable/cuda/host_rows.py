@@ -49,6 +49,13 @@ def gather(host_pointer: int, rows: torch.Tensor, out: torch.Tensor) -> None:
     _launch("hr_gather", rows, width, args)
 
 
+def scatter_int64(host_pointer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """:func:`scatter` of int64 ``values`` [n] or [n, k] (rows of k numbers) to host rows of
+    int64: each copied as a pair of float32, its bits kept (nothing is computed on them)."""
+    numbers = values.reshape(rows.numel(), -1).contiguous()
+    scatter(host_pointer, rows, numbers.view(torch.float32))
+
+
 def scatter(
     host_pointer: int,
     rows: torch.Tensor,

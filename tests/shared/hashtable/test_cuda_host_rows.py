@@ -89,6 +89,23 @@ def test_scatter_equals_index_copy(width: int, masked: bool) -> None:
 
 @pytest.mark.gpu
 @NEEDS_CUDA_KERNELS
+@pytest.mark.parametrize("k", [1, 2])
+def test_scatter_int64_keeps_every_bit(k: int) -> None:
+    """int64 numbers (ids, counts: -1 and values past float32's range among them) scattered into
+    pinned int64 rows through float32 pairs: the same numbers, bit for bit."""
+    host = torch.zeros(8, k, dtype=torch.int64, pin_memory=True)
+    values = torch.tensor([[-1, 2**40 + 3], [7, -(2**62)], [123456789012, 0]])[:, :k]
+    rows = torch.tensor([5, -1, 0])  # -1: skipped
+    dev = torch.device("cuda")
+    host_rows.scatter_int64(host.data_ptr(), rows.to(dev), values.to(dev).squeeze(1))
+    torch.cuda.synchronize()
+    want = torch.zeros(8, k, dtype=torch.int64)
+    want[5], want[0] = values[0], values[2]
+    assert torch.equal(host, want)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_KERNELS
 @pytest.mark.parametrize("width", WIDTHS)
 def test_swap_equals_index_copy_then_index_select(width: int) -> None:
     """Write-backs (some skipped) and reads of other rows in one kernel, through a mapped store
